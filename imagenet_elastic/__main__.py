@@ -1,0 +1,4 @@
+from imagenet_elastic.cli import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""Command line to frozen Config, launcher variables to DistEnv, and one-line errors for the user."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+from typing import NoReturn, Optional
+
+from imagenet_elastic.config import RESUME_AUTO, Config
+from imagenet_elastic.errors import UserError, one_line
+
+PROG = "imagenet-elastic"
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line, no usage dump: `imagenet-elastic: error: argument --batch-size: ...`."""
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _bounded(kind: type, low: float, inclusive: bool = True):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+        return value
+    return parse
+
+
+positive_int = _bounded(int, 1)
+non_negative_int = _bounded(int, 0)
+non_negative_float = _bounded(float, 0.0)
+positive_float = _bounded(float, 0.0, inclusive=False)
+
+
+def build_parser() -> Parser:
+    d = Config(data="")
+    p = Parser(prog=PROG, description="Train an ImageNet classifier with DDP; survives restarts.",
+               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("data", metavar="DATA", help="ImageFolder root with train/ and val/ (or the train folder itself)")
+    p.add_argument("--val-path", default=None, help="validation folder (default DATA/val)")
+    g = p.add_argument_group("model and optimisation")
+    g.add_argument("--model", default=d.model, help="any timm model name (random init)")
+    g.add_argument("--image-size", type=positive_int, default=d.image_size, help="train and val crop size")
+    g.add_argument("--val-resize", type=positive_int, default=None, help="val short side before the centre crop "
+                   "(default image-size/0.875)")
+    g.add_argument("--epochs", type=positive_int, default=d.epochs)
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per process")
+    g.add_argument("--lr", type=positive_float, default=d.lr, help="for a global batch of 256, scaled linearly")
+    g.add_argument("--momentum", type=non_negative_float, default=d.momentum)
+    g.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay, help="not on norms and biases")
+    g.add_argument("--warmup-epochs", type=non_negative_float, default=d.warmup_epochs)
+    g.add_argument("--label-smoothing", type=non_negative_float, default=d.label_smoothing)
+    g.add_argument("--seed", type=non_negative_int, default=d.seed)
+    g.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default=d.amp,
+                   help="auto: bf16 on CPUs and on GPUs that support it, else fp16")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                   help="NHWC memory format (default: on for CUDA)")
+    g = p.add_argument_group("run")
+    g.add_argument("--workers", type=non_negative_int, default=None, help="loader processes per rank "
+                   "(default: cores per process - 1, at most 8)")
+    g.add_argument("--threads", type=positive_int, default=None,
+                   help="torch threads per rank (default: cores per process)")
+    g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)
+    g.add_argument("--max-steps-per-epoch", type=positive_int, default=None, help="cap for smoke runs")
+    g.add_argument("--log-interval", type=positive_int, default=d.log_interval, help="steps between log lines")
+    g.add_argument("--evaluate", action="store_true", help="validate the --resume checkpoint and exit")
+    g = p.add_argument_group("checkpoints")
+    g.add_argument("--checkpoints-path", default=d.checkpoints_path)
+    g.add_argument("--keep-checkpoints", type=non_negative_int, default=d.keep_checkpoints,
+                   help="newest epoch_NNNN.pt files to keep")
+    g.add_argument("--resume", nargs="?", const=RESUME_AUTO, default=None, metavar="PATH",
+                   help="continue from PATH; without PATH from CHECKPOINTS/last.pt when it exists")
+    g = p.add_argument_group("distributed")
+    g.add_argument("--dist-init-method", choices=["env"], default=d.dist_init_method,
+                   help="env: torchrun / torch.distributed.launch variables, or none for one process")
+    g.add_argument("--dist-timeout", type=positive_float, default=d.dist_timeout, help="seconds to wait for peers")
+    g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=non_negative_int, default=None,
+                   help=argparse.SUPPRESS)  # passed by python -m torch.distributed.launch
+    return p
+
+
+def config_from_args(args: argparse.Namespace) -> Config:
+    fields = {k: v for k, v in vars(args).items() if k != "local_rank"}
+    return Config(**fields)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    args = build_parser().parse_args(argv)
+    config = config_from_args(args)
+    rank = os.environ.get("RANK", "0")
+    try:
+        from imagenet_elastic.distributed import resolve_dist_env
+        env = resolve_dist_env(config.dist_init_method, os.environ, args.local_rank)
+        rank = str(env.rank)
+        _run_worker(config, env)
+    except UserError as error:
+        # Every rank meets the same input errors; rank 0 speaks for them. Others name themselves.
+        prefix = "" if rank == "0" else f"[rank {rank}] "
+        if rank == "0" or "image file" in str(error):
+            print(f"{PROG}: error: {prefix}{one_line(error)}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+def _run_worker(config: Config, env) -> None:
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from imagenet_elastic.trainer import run
+
+    record(run)(config, env)

@@ -1,0 +1,59 @@
+"""The run's settings: built once from the command line, frozen, and saved in every checkpoint."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Optional
+
+RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
+
+# Settings whose change between a checkpoint and a resumed run breaks exact continuation.
+RESUME_SENSITIVE = (
+    "batch_size", "lr", "momentum", "weight_decay", "warmup_epochs", "epochs", "label_smoothing",
+    "seed", "image_size", "amp", "max_steps_per_epoch",
+)
+
+
+@dataclass(frozen=True)
+class Config:
+    data: str
+    val_path: Optional[str] = None
+    model: str = "resnet50"
+    image_size: int = 224
+    val_resize: Optional[int] = None  # None: image_size / 0.875, the usual 256 for 224
+    epochs: int = 90
+    batch_size: int = 64  # per process
+    lr: float = 0.1  # for a global batch of 256, scaled linearly
+    momentum: float = 0.9
+    weight_decay: float = 1e-4
+    warmup_epochs: float = 5.0
+    label_smoothing: float = 0.1
+    workers: Optional[int] = None  # None: the cores per process, at most 8
+    seed: int = 0
+    amp: str = "auto"  # auto | bf16 | fp16 | none
+    channels_last: Optional[bool] = None  # None: on for CUDA, off on CPU
+    device: str = "auto"  # auto | cpu | cuda
+    threads: Optional[int] = None  # intra-op threads per process; None: cores / local processes
+    checkpoints_path: str = "./checkpoints"
+    keep_checkpoints: int = 3
+    resume: Optional[str] = None  # None, RESUME_AUTO or a path
+    evaluate: bool = False
+    dist_init_method: str = "env"
+    dist_timeout: float = 300.0
+    max_steps_per_epoch: Optional[int] = None
+    log_interval: int = 50
+
+    @property
+    def eval_resize(self) -> int:
+        return self.val_resize or round(self.image_size / 0.875)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only, so checkpoints load with weights_only=True."""
+        return dataclasses.asdict(self)
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        """Human-readable list of resume-sensitive settings that differ from a checkpoint's."""
+        mine = self.to_dict()
+        return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}"
+                for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]

@@ -1,0 +1,82 @@
+"""The one place that prints: rank 0 only, a rich table and progress bar on a terminal, plain lines in logs."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from rich.console import Console as RichConsole
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+
+class Console:
+    def __init__(self, enabled: bool, log_interval: int = 50) -> None:
+        self.enabled = enabled
+        self.log_interval = max(1, log_interval)
+        self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+
+    def info(self, message: str) -> None:
+        if self.enabled:
+            self.rich.print(message, markup=False)
+
+    def warn(self, message: str) -> None:
+        if self.enabled:
+            self.rich.print(f"warning: {message}", markup=False, style="yellow")
+
+    def table(self, title: str, rows: list[tuple[str, str]]) -> None:
+        if not self.enabled:
+            return
+        table = Table(title=title, show_header=False, title_justify="left")
+        table.add_column(style="bold")
+        table.add_column()
+        for key, value in rows:
+            table.add_row(key, value)
+        self.rich.print(table)
+
+    def result(self, obj: dict[str, Any]) -> None:
+        """A machine-readable line on stdout (e.g. --evaluate's last line)."""
+        if self.enabled:
+            sys.stdout.write(json.dumps(obj) + "\n")
+            sys.stdout.flush()
+
+    @contextmanager
+    def progress(self, description: str, total: int) -> Iterator[EpochProgress]:
+        bar = None
+        if self.enabled and self.rich.is_terminal:
+            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=self.rich,
+                           transient=False)
+        tracker = EpochProgress(self, description, total, bar)
+        if bar is None:
+            yield tracker
+            return
+        with bar:
+            tracker.task = bar.add_task(description, total=total, stats="")
+            yield tracker
+
+
+class EpochProgress:
+    """Per-step updates: a live bar on a terminal, one line every `log_interval` steps otherwise."""
+
+    def __init__(self, console: Console, description: str, total: int, bar: Progress | None) -> None:
+        self.console, self.description, self.total, self.bar = console, description, total, bar
+        self.task = None
+        self.start = time.perf_counter()
+
+    def wants_stats(self, step: int) -> bool:
+        """Whether `update` at this step will show numbers (reading them costs a device sync)."""
+        return self.console.enabled and (step % self.console.log_interval == 0 or step == self.total)
+
+    def update(self, step: int, stats: str = "") -> None:
+        if not self.console.enabled:
+            return
+        if self.bar is not None:
+            fields = {"stats": stats} if stats else {}
+            self.bar.update(self.task, completed=step, **fields)
+        elif stats:
+            self.console.info(f"{self.description} step {step}/{self.total} {stats}")

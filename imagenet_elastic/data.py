@@ -1,0 +1,207 @@
+"""Images on disk to uint8 batches: folder index, per-sample deterministic crops, loaders.
+
+Workers decode, crop, resize and flip on uint8 and hand over HWC uint8 tensors; conversion to float
+and normalisation happen on the device (engine.prepare_batch). Every random choice a training sample
+gets comes from (seed, epoch, sample index) alone, so a restarted run, any worker count and any world
+size see exactly the same pixels.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+import torch
+from PIL import Image
+from torch.utils.data import DataLoader, Dataset
+
+from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
+
+
+# ----------------------------------------------------------------------------- the file index
+
+@dataclass(frozen=True)
+class ImageIndex:
+    """All images of one split, held in two numpy arrays so workers do not copy it on access."""
+
+    root: str
+    classes: tuple[str, ...]
+    paths: np.ndarray  # fixed-width bytes, relative to root
+    targets: np.ndarray  # int64 class index per image
+
+    def __len__(self) -> int:
+        return len(self.targets)
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.paths[i].decode())
+
+
+def scan_image_folder(root: str, role: str) -> ImageIndex:
+    """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
+    if not os.path.isdir(root):
+        raise UserError(f"{role} folder {root} does not exist")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg)")
+    paths: list[str] = []
+    targets: list[int] = []
+    for target, name in enumerate(classes):
+        found = sorted(
+            os.path.relpath(os.path.join(folder, f), root)
+            for folder, _, files in os.walk(os.path.join(root, name), followlinks=True)
+            for f in files if f.lower().endswith(IMAGE_EXTENSIONS)
+        )
+        if not found:
+            raise UserError(f"class folder {os.path.join(root, name)} has no images")
+        paths.extend(found)
+        targets.extend([target] * len(found))
+    return ImageIndex(root, tuple(classes), np.array([p.encode() for p in paths]), np.array(targets))
+
+
+def resolve_split_dirs(data: str, val_path: Optional[str]) -> tuple[str, str]:
+    """DATA/train and DATA/val; DATA itself is the train folder when it has no train/."""
+    if not os.path.isdir(data):
+        raise UserError(f"data folder {data} does not exist")
+    train = os.path.join(data, "train")
+    if not os.path.isdir(train):
+        train = data
+    val = val_path or os.path.join(data, "val")
+    if not os.path.isdir(val):
+        raise UserError(f"validation folder {val} does not exist" +
+                        ("" if val_path else "; pass --val-path"))
+    return train, val
+
+
+def check_same_classes(train: ImageIndex, val: ImageIndex) -> None:
+    if train.classes == val.classes:
+        return
+    only_train = sorted(set(train.classes) - set(val.classes))[:5]
+    only_val = sorted(set(val.classes) - set(train.classes))[:5]
+    raise UserError(
+        f"train ({train.root}) and val ({val.root}) class folders differ: "
+        f"{len(train.classes)} vs {len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}"
+    )
+
+
+# ----------------------------------------------------------------------------- crop geometry
+
+def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
+    """The random stream of one training sample in one epoch (string seeds hash with SHA-512)."""
+    return random.Random(f"{seed}:{epoch}:{index}")
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random,
+                            scale: tuple[float, float] = (0.08, 1.0),
+                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
+    """Inception-style crop: a random area fraction and aspect ratio, 10 tries, then a centre crop."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+    aspect = min(max(width / height, ratio[0]), ratio[1])
+    w, h = (width, round(width / aspect)) if width / height <= aspect else (round(height * aspect), height)
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
+    """The source region that "resize the short side to `resize`, centre-crop `size`" keeps."""
+    side = min(width, height) * size / resize
+    return (width - side) / 2, (height - side) / 2, side, side
+
+
+def decode_region(path: str, plan, size: int) -> np.ndarray:
+    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size, RGB uint8 HWC.
+
+    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the crop at least
+    `size` pixels on each side, which saves most of the decode time on large photographs.
+    """
+    try:
+        with Image.open(path) as img:
+            width, height = img.size
+            (left, top, w, h), flip = plan(width, height)
+            shrink = max(size / w, size / h)
+            if img.format == "JPEG" and shrink < 1:
+                img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
+            fx, fy = img.size[0] / width, img.size[1] / height
+            box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
+            out = img.convert("RGB").resize((size, size), Image.BILINEAR, box=box)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
+    if flip:
+        out = out.transpose(Image.FLIP_LEFT_RIGHT)
+    return np.asarray(out, dtype=np.uint8)
+
+
+# ----------------------------------------------------------------------------- datasets and loaders
+
+class TrainDataset(Dataset):
+    """Indexed by SampleKey (epoch, index): random-resized crop and flip derived from that key."""
+
+    def __init__(self, index: ImageIndex, size: int, seed: int) -> None:
+        self.index, self.size, self.seed = index, size, seed
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
+        epoch, i = key
+        rng = sample_rng(self.seed, epoch, i)
+
+        def plan(width: int, height: int) -> tuple[Box, bool]:
+            box = random_resized_crop_box(width, height, rng)
+            return box, rng.random() < 0.5
+
+        pixels = decode_region(self.index.path(i), plan, self.size)
+        return torch.from_numpy(pixels.copy()), int(self.index.targets[i])
+
+
+class EvalDataset(Dataset):
+    """Resize-then-centre-crop, done as one resize of the kept region."""
+
+    def __init__(self, index: ImageIndex, size: int, resize: int) -> None:
+        self.index, self.size, self.resize = index, size, resize
+
+    def __len__(self) -> int:
+        return len(self.index)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        def plan(width: int, height: int) -> tuple[Box, bool]:
+            return center_crop_box(width, height, self.size, self.resize), False
+
+        pixels = decode_region(self.index.path(i), plan, self.size)
+        return torch.from_numpy(pixels.copy()), int(self.index.targets[i])
+
+
+def _worker_init(_: int) -> None:
+    torch.set_num_threads(1)  # workers decode with PIL; torch threads would only fight the main process
+
+
+def _loader_options(workers: int, pin_memory: bool) -> dict:
+    options = {"num_workers": workers, "pin_memory": pin_memory, "worker_init_fn": _worker_init}
+    if workers > 0:
+        options.update(persistent_workers=True, prefetch_factor=4)
+    return options
+
+
+def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(0),
+                      **_loader_options(workers, pin_memory))
+
+
+def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
+                pin_memory: bool) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, sampler=eval_shard(len(dataset), rank, world_size),
+                      generator=torch.Generator().manual_seed(0), **_loader_options(workers, pin_memory))

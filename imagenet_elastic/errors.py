@@ -1,0 +1,23 @@
+"""Errors a user can fix: printed as one line, never as a traceback."""
+
+
+class UserError(Exception):
+    """Bad input (flag, file, variable). The message names the culprit."""
+
+
+class CorruptImageError(UserError):
+    """An image file that cannot be decoded; raised inside DataLoader workers."""
+
+
+def one_line(error: BaseException) -> str:
+    """The user-facing line of an error, also when a DataLoader worker re-raised it.
+
+    A worker's exception reaches the main process re-built from a message that embeds the worker's
+    traceback; its last line is "ClassName: original message".
+    """
+    text = str(error).strip()
+    if "Traceback" in text:
+        last = text.splitlines()[-1]
+        prefix = f"{type(error).__name__}: "
+        text = last[len(prefix):] if last.startswith(prefix) else last
+    return " ".join(text.split())

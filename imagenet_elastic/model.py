@@ -1,0 +1,37 @@
+"""Model and optimizer construction."""
+
+from __future__ import annotations
+
+import difflib
+
+import timm
+import torch
+from torch import nn
+
+from imagenet_elastic.errors import UserError
+
+
+def create_model(name: str, num_classes: int) -> nn.Module:
+    """A timm model with random weights (runs never download anything)."""
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
+        raise UserError(f"--model {name!r} is not a timm model{hint}")
+    return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+
+def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on weights of convolutions and linear layers, none on norms and biases."""
+    decay, no_decay = [], []
+    for param in model.parameters():
+        if param.requires_grad:
+            (no_decay if param.ndim <= 1 else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float) -> torch.optim.Optimizer:
+    return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum)
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())

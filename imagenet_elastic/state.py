@@ -1,0 +1,92 @@
+"""Everything a run needs to continue exactly: captured to and applied from plain dicts."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from imagenet_elastic.errors import UserError
+
+FORMAT_VERSION = 1
+
+
+def capture_rng() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_plain, np_state[2:])],
+    }
+
+
+def apply_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@dataclass
+class TrainState:
+    """The mutable part of training. `capture` and `apply` are exact inverses."""
+
+    model: nn.Module  # unwrapped (not the DDP wrapper)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    epoch: int = 0  # completed epochs
+    step: int = 0  # optimizer steps taken, the LR schedule's position
+    best_top1: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per completed epoch
+
+    def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "best_top1": self.best_top1,
+            "history": self.history,
+            "rng": capture_rng(),
+            "config": config,
+            "saved_at": time.time(),
+            **meta,
+        }
+
+    def apply(self, snapshot: dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])
+        if snapshot["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(snapshot["scaler"])
+        self.epoch = snapshot["epoch"]
+        self.step = snapshot["step"]
+        self.best_top1 = snapshot["best_top1"]
+        self.history = list(snapshot["history"])
+        apply_rng(snapshot["rng"])
+
+
+def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...]) -> None:
+    """Refuse a checkpoint of another model or class list before touching any state."""
+    saved_model = snapshot.get("model_name")
+    saved_classes = tuple(snapshot.get("classes", ()))
+    if saved_model != model_name:
+        raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
+    if len(saved_classes) != len(classes):
+        raise UserError(f"checkpoint {path} has {len(saved_classes)} classes, the data has {len(classes)}")
+    if saved_classes != classes:
+        raise UserError(f"checkpoint {path} was trained on other class names than the data's folders")
