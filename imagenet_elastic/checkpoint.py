@@ -110,8 +110,9 @@ class CheckpointManager:
         self.prune()
 
     def epoch_files(self) -> list[str]:
-        names = [n for n in os.listdir(self.folder) if EPOCH_PATTERN.match(n)]
-        return [os.path.join(self.folder, n) for n in sorted(names)]
+        """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""
+        found = ((m, n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
+        return [os.path.join(self.folder, n) for m, n in sorted(found, key=lambda mn: int(mn[0].group(1)))]
 
     def prune(self) -> None:
         for path in self.epoch_files()[:-self.keep] if self.keep > 0 else self.epoch_files():

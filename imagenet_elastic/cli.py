@@ -20,6 +20,15 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where it says something the help text does not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
 def _bounded(kind: type, low: float, inclusive: bool = True):
     def parse(text: str):
         try:
@@ -41,7 +50,7 @@ positive_float = _bounded(float, 0.0, inclusive=False)
 def build_parser() -> Parser:
     d = Config(data="")
     p = Parser(prog=PROG, description="Train an ImageNet classifier with DDP; survives restarts.",
-               formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+               formatter_class=HelpFormatter)
     p.add_argument("data", metavar="DATA", help="ImageFolder root with train/ and val/ (or the train folder itself)")
     p.add_argument("--val-path", default=None, help="validation folder (default DATA/val)")
     g = p.add_argument_group("model and optimisation")

@@ -23,6 +23,7 @@ class Console:
     def info(self, message: str) -> None:
         if self.enabled:
             self.rich.print(message, markup=False)
+            self.rich.file.flush()  # log files under Slurm or torchrun see progress as it happens
 
     def warn(self, message: str) -> None:
         if self.enabled:

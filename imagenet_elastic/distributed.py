@@ -80,7 +80,8 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
         local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"],
         master_port=_int_var(environ, "MASTER_PORT", launcher),
-        restart_count=int(environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0),
+        restart_count=(_int_var(environ, "TORCHELASTIC_RESTART_COUNT", launcher)
+                       if environ.get("TORCHELASTIC_RESTART_COUNT") else 0),
         launched=True,
     )
 

@@ -13,11 +13,13 @@ def one_line(error: BaseException) -> str:
     """The user-facing line of an error, also when a DataLoader worker re-raised it.
 
     A worker's exception reaches the main process re-built from a message that embeds the worker's
-    traceback; its last line is "ClassName: original message".
+    traceback; its last line is "ClassName: original message", where the traceback module writes
+    ClassName module-qualified ("imagenet_elastic.errors.CorruptImageError") for non-builtin classes.
     """
     text = str(error).strip()
     if "Traceback" in text:
         last = text.splitlines()[-1]
-        prefix = f"{type(error).__name__}: "
-        text = last[len(prefix):] if last.startswith(prefix) else last
+        name = type(error).__name__
+        head, sep, rest = last.partition(": ")
+        text = rest if sep and (head == name or head.endswith(f".{name}")) else last
     return " ".join(text.split())

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import difflib
 
-import timm
 import torch
 from torch import nn
 
@@ -13,6 +12,7 @@ from imagenet_elastic.errors import UserError
 
 def create_model(name: str, num_classes: int) -> nn.Module:
     """A timm model with random weights (runs never download anything)."""
+    import timm  # ~2 s to import: deferred so that input errors are reported at once
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
@@ -135,6 +136,10 @@ class Trainer:
                 metrics.write(c.checkpoints_path, state.history)
         elif c.resume == "auto" or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpoints.last_path}: starting fresh")
+        if self.env.is_main:
+            for path in self.checkpoints.stale_temp_files():
+                self.console.warn(f"removing {path}, left by a write that was interrupted")
+                os.unlink(path)
         if state.epoch >= c.epochs:
             self.console.info(f"nothing to do: the checkpoint already completed {state.epoch} of {c.epochs} epochs")
             return

@@ -1,0 +1,138 @@
+"""Shared fixtures: a small learnable ImageFolder on disk and helpers that start the real program."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+
+# A model and data small enough that an epoch takes a fraction of a second on 2 CPU cores.
+SMALL_RUN = ["--model", "test_resnet", "--image-size", "32", "--batch-size", "8", "--workers", "1",
+             "--log-interval", "1", "--warmup-epochs", "1", "--lr", "2.0"]
+TRAIN_IMAGES = 4 * 24
+VAL_IMAGES = 4 * 9 - 1  # 35: divisible by neither 2 nor 3
+
+
+def make_image_folder(root: Path, classes: int = 4, train_per_class: int = 24, val_per_class: int = 9) -> Path:
+    subprocess.run([sys.executable, str(REPO / "scripts" / "make_fake_imagenet.py"), str(root),
+                    "--classes", str(classes), "--train-per-class", str(train_per_class),
+                    "--val-per-class", str(val_per_class), "--size", "48x40"], check=True, capture_output=True)
+    return root
+
+
+@pytest.fixture(scope="session")
+def image_folder(tmp_path_factory) -> Path:
+    root = make_image_folder(tmp_path_factory.mktemp("data") / "imagenet")
+    sorted((root / "val").rglob("*.jpg"))[-1].unlink()
+    return root
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "OMPI_"))}
+    env.update(PYTHONUNBUFFERED="1", **extra)
+    return env
+
+
+def python_cmd(*args: str) -> list[str]:
+    return [sys.executable, "-m", "imagenet_elastic", *args]
+
+
+def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+            f"--max-restarts={restarts}", "-m", "imagenet_elastic", *args]
+
+
+def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+
+
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+                found.append(int(entry.name))
+    return found
+
+
+def process_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240) -> tuple[int, str]:
+    """Start `cmd`, SIGKILL the process `victim(proc)` returns once a line containing `when` appears.
+
+    Returns (exit code, full output). Fails the test when the trigger line never shows.
+    """
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True)
+    lines: list[str] = []
+    killed = threading.Event()
+
+    def reader() -> None:
+        for line in proc.stdout:
+            lines.append(line)
+            if when in line and not killed.is_set():
+                os.kill(victim(proc), signal.SIGKILL)
+                lines.append(f"<<< test: SIGKILL sent after {when!r} >>>\n")
+                killed.set()
+
+    thread = threading.Thread(target=reader, daemon=True)
+    thread.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        thread.join(timeout=10)
+    output = "".join(lines)
+    assert killed.is_set(), f"trigger {when!r} never appeared:\n{output}"
+    return code, output
+
+
+def torchrun_worker(rank: int):
+    """A victim picker for run_and_kill: the torchrun worker process with RANK=rank."""
+    def pick(proc: subprocess.Popen) -> int:
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            for pid in children_of(proc.pid):
+                try:
+                    if process_env(pid).get("RANK") == str(rank):
+                        return pid
+                except OSError:
+                    continue
+            time.sleep(0.05)
+        raise AssertionError(f"no torchrun worker with RANK={rank}")
+    return pick
+
+
+def load_checkpoint(path: Path) -> dict:
+    return torch.load(path, map_location="cpu", weights_only=True)
+
+
+def assert_same_tensors(a: dict, b: dict) -> None:
+    """Bitwise equality of two (nested) state dicts."""
+    assert a.keys() == b.keys()
+    for key in a:
+        if isinstance(a[key], torch.Tensor):
+            assert torch.equal(a[key], b[key]), f"{key} differs"
+        elif isinstance(a[key], dict):
+            assert_same_tensors(a[key], b[key])
+        else:
+            assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"

@@ -1,0 +1,138 @@
+"""Bad input: one line on stderr naming the culprit, exit code 2, no traceback, nothing on disk changed."""
+
+from __future__ import annotations
+
+import hashlib
+import shutil
+from pathlib import Path
+
+import pytest
+from conftest import SMALL_RUN, make_image_folder, python_cmd, run
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def trained(image_folder, tmp_path_factory) -> Path:
+    """A folder holding a finished one-epoch run of test_resnet on the 4-class data."""
+    ckpt = tmp_path_factory.mktemp("trained")
+    result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "2",
+                            "--checkpoints-path", str(ckpt)))
+    assert result.returncode == 0, result.stderr
+    return ckpt
+
+
+def expect_user_error(args: list[str], culprit: str, watched: Path) -> str:
+    before = tree_digest(watched)
+    result = run(python_cmd(*args))
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert lines[0].startswith("imagenet-elastic: error: ")
+    assert culprit in lines[0], lines[0]
+    assert tree_digest(watched) == before, "a failed run changed files on disk"
+    return lines[0]
+
+
+def copy_trained(trained: Path, tmp_path: Path) -> Path:
+    target = tmp_path / "ckpt"
+    shutil.copytree(trained, target)
+    return target
+
+
+def test_missing_data_folder_is_named(tmp_path, trained):
+    ckpt = copy_trained(trained, tmp_path)
+    expect_user_error([str(tmp_path / "nope"), "--checkpoints-path", str(ckpt), "--resume"],
+                      f"data folder {tmp_path / 'nope'} does not exist", ckpt)
+
+
+def test_folder_without_class_folders_is_named(tmp_path):
+    (tmp_path / "data" / "train").mkdir(parents=True)
+    (tmp_path / "data" / "val").mkdir()
+    expect_user_error([str(tmp_path / "data"), "--checkpoints-path", str(tmp_path / "ck")],
+                      f"train folder {tmp_path / 'data' / 'train'} has no class folders", tmp_path)
+
+
+def test_train_and_val_class_lists_differ(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=2, val_per_class=1)
+    shutil.rmtree(data / "val" / "class_001")
+    line = expect_user_error([str(data), "--checkpoints-path", str(tmp_path / "ck")], "class folders differ", data)
+    assert "class_001" in line
+
+
+def test_missing_validation_folder_suggests_val_path(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    shutil.rmtree(data / "val")
+    expect_user_error([str(data), "--checkpoints-path", str(tmp_path / "ck")], "--val-path", data)
+
+
+def test_corrupt_image_is_named_and_checkpoints_are_untouched(tmp_path, trained):
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=1)
+    bad = sorted((data / "train").rglob("*.jpg"))[5]
+    bad.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 10)
+    ckpt = copy_trained(trained, tmp_path)
+    expect_user_error([str(data), *SMALL_RUN, "--epochs", "3", "--checkpoints-path", str(ckpt), "--resume"],
+                      f"cannot decode image file {bad}", ckpt)
+
+
+def test_unknown_model_is_named(tmp_path, image_folder):
+    line = expect_user_error([str(image_folder), "--model", "resnet5O", "--checkpoints-path", str(tmp_path / "c")],
+                             "--model 'resnet5O' is not a timm model", tmp_path)
+    assert "resnet50" in line  # a close match is suggested
+
+
+def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, trained):
+    ckpt = copy_trained(trained, tmp_path)
+    args = [str(image_folder), *SMALL_RUN, "--model", "resnet18", "--checkpoints-path", str(ckpt), "--resume"]
+    expect_user_error(args, "is of model 'test_resnet', but --model is 'resnet18'", ckpt)
+
+
+def test_checkpoint_with_another_class_count_is_refused(tmp_path, trained):
+    data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
+    ckpt = copy_trained(trained, tmp_path)
+    expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(ckpt), "--resume"],
+                      "has 4 classes, the data has 3", ckpt)
+
+
+def test_truncated_last_checkpoint_is_reported_not_overwritten(tmp_path, image_folder, trained):
+    ckpt = copy_trained(trained, tmp_path)
+    last = ckpt / "last.pt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(ckpt), "--resume"],
+                      f"checkpoint {last} is damaged", ckpt)
+
+
+def test_missing_resume_path_is_named(tmp_path, image_folder):
+    expect_user_error([str(image_folder), "--checkpoints-path", str(tmp_path / "c"),
+                       "--resume", str(tmp_path / "gone.pt")], f"--resume {tmp_path / 'gone.pt'}", tmp_path)
+
+
+def test_fresh_start_refuses_to_overwrite_an_earlier_run(tmp_path, image_folder, trained):
+    ckpt = copy_trained(trained, tmp_path)
+    expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(ckpt)], "pass --resume", ckpt)
+
+
+@pytest.mark.parametrize("value", ["0", "-3", "eight"])
+def test_bad_batch_size_is_named(tmp_path, image_folder, value):
+    expect_user_error([str(image_folder), "--batch-size", value], "--batch-size", tmp_path)
+
+
+def test_batch_larger_than_training_set_is_explained(tmp_path, image_folder):
+    expect_user_error([str(image_folder), *SMALL_RUN, "--batch-size", "1000", "--checkpoints-path",
+                       str(tmp_path / "c")], "fewer than one global batch", tmp_path)
+
+
+def test_unwritable_checkpoints_path_is_named(tmp_path, image_folder):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder")
+    expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(blocker / "ckpt")],
+                      f"checkpoints path {blocker / 'ckpt'} is not writable", tmp_path)
+
+
+def test_evaluate_without_checkpoint_is_explained(tmp_path, image_folder):
+    expect_user_error([str(image_folder), *SMALL_RUN, "--evaluate", "--checkpoints-path", str(tmp_path / "c")],
+                      "--evaluate needs a checkpoint", tmp_path)

@@ -1,0 +1,158 @@
+"""One-line errors, the frozen Config, and the command line that builds it."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import sys
+
+import pytest
+import torch
+
+from imagenet_elastic.cli import build_parser, config_from_args
+from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, Config
+from imagenet_elastic.errors import CorruptImageError, UserError, one_line
+
+WORKER_MESSAGE = (
+    "Caught CorruptImageError in DataLoader worker process 0.\n"
+    "Original Traceback (most recent call last):\n"
+    '  File "/site-packages/torch/utils/data/_utils/worker.py", line 349, in _worker_loop\n'
+    "    data = fetcher.fetch(index)\n"
+    "  ...\n"
+    "imagenet_elastic.errors.CorruptImageError: cannot decode image file /x/y.jpg: broken"
+)
+
+
+# ----------------------------------------------------------------------------- one_line
+
+def test_one_line_strips_a_module_qualified_class_prefix_from_a_worker_reraise():
+    assert one_line(CorruptImageError(WORKER_MESSAGE)) == "cannot decode image file /x/y.jpg: broken"
+
+
+def test_one_line_strips_a_bare_class_prefix_from_a_worker_reraise():
+    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "CorruptImageError")
+    assert one_line(CorruptImageError(message)) == "cannot decode image file /x/y.jpg: broken"
+
+
+def test_one_line_keeps_a_last_line_of_another_class_whole():
+    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "other.NotMyError")
+    assert one_line(CorruptImageError(message)) == "other.NotMyError: cannot decode image file /x/y.jpg: broken"
+
+
+def test_one_line_does_not_strip_a_class_whose_name_only_ends_the_same():
+    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "pkg.NotCorruptImageError")
+    assert one_line(CorruptImageError(message)).startswith("pkg.NotCorruptImageError: ")
+
+
+def test_one_line_of_a_torch_dataloader_reraise():
+    # The same wrapping torch's DataLoader applies to a worker's exception, done in-process.
+    from torch._utils import ExceptionWrapper
+
+    try:
+        raise CorruptImageError("cannot decode image file /data/a.jpg: truncated")
+    except CorruptImageError:
+        wrapper = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 3")
+    with pytest.raises(CorruptImageError) as caught:
+        wrapper.reraise()
+    assert one_line(caught.value) == "cannot decode image file /data/a.jpg: truncated"
+
+
+def test_one_line_joins_a_multi_line_message_without_traceback():
+    assert one_line(UserError("  first line\n   second   line \n")) == "first line second line"
+    assert one_line(UserError("plain")) == "plain"
+
+
+# ----------------------------------------------------------------------------- Config
+
+def test_config_differences_lists_only_changed_resume_sensitive_settings():
+    saved = Config(data="/a", lr=0.1, batch_size=64, workers=4, log_interval=10).to_dict()
+    now = Config(data="/b", lr=0.2, batch_size=32, workers=8, log_interval=99)
+    differences = now.differences(saved)
+    assert differences == ["batch_size: checkpoint 64, now 32", "lr: checkpoint 0.1, now 0.2"]
+
+
+def test_config_differences_is_empty_for_the_same_settings_and_ignores_missing_keys():
+    config = Config(data="/a")
+    assert config.differences(config.to_dict()) == []
+    assert config.differences({}) == []
+    assert config.differences({"seed": 1, "unknown": 5}) == ["seed: checkpoint 1, now 0"]
+
+
+def test_resume_sensitive_names_are_config_fields():
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert set(RESUME_SENSITIVE) <= names
+
+
+def test_config_to_dict_round_trips_through_torch_save_weights_only():
+    config = Config(data="/data", val_path="/v", model="resnet18", max_steps_per_epoch=5, channels_last=True,
+                    warmup_epochs=0.5, resume=RESUME_AUTO)
+    buffer = io.BytesIO()
+    torch.save({"config": config.to_dict()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["config"]
+    assert loaded == config.to_dict()
+    assert Config(**loaded) == config
+
+
+def test_config_eval_resize_defaults_to_size_over_0875():
+    assert Config(data="x").eval_resize == 256
+    assert Config(data="x", image_size=160).eval_resize == round(160 / 0.875)
+    assert Config(data="x", val_resize=300).eval_resize == 300
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse(*argv: str) -> Config:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_parser_defaults_equal_config_defaults():
+    assert parse("/data") == Config(data="/data")
+
+
+def test_config_from_args_is_frozen_and_carries_the_flags():
+    config = parse("/data", "--batch-size", "32", "--lr", "0.5", "--model", "resnet18", "--no-channels-last",
+                   "--max-steps-per-epoch", "7", "--local-rank", "2", "--amp", "bf16")
+    assert (config.batch_size, config.lr, config.model, config.channels_last) == (32, 0.5, "resnet18", False)
+    assert config.max_steps_per_epoch == 7
+    assert config.amp == "bf16"
+    assert not hasattr(config, "local_rank")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0  # type: ignore[misc]
+
+
+def test_local_rank_is_parsed_in_both_spellings():
+    parser = build_parser()
+    assert parser.parse_args(["/d", "--local-rank", "3"]).local_rank == 3
+    assert parser.parse_args(["/d", "--local_rank=1"]).local_rank == 1
+    assert parser.parse_args(["/d"]).local_rank is None
+
+
+def test_resume_without_a_value_means_auto():
+    assert parse("/data", "--resume").resume == RESUME_AUTO == "auto"
+    assert parse("/data", "--resume", "/ck/epoch_0003.pt").resume == "/ck/epoch_0003.pt"
+    assert parse("/data").resume is None
+
+
+def test_batch_size_zero_exits_2_with_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["/data", "--batch-size", "0"])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "--batch-size" in lines[0]
+    assert lines[0].startswith("imagenet-elastic: error: ")
+    assert "usage:" not in captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--lr", "abc"), ("--momentum", "-1"),
+                                             ("--epochs", "1.5"), ("--workers", "-2")])
+def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["/data", flag, value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert flag in err

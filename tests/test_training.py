@@ -1,0 +1,138 @@
+"""Real training runs: torchrun with two processes, SIGKILL and restart, exact validation, resume."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from conftest import (
+    SMALL_RUN,
+    TRAIN_IMAGES,
+    VAL_IMAGES,
+    assert_same_tensors,
+    load_checkpoint,
+    python_cmd,
+    run,
+    run_and_kill,
+    torchrun_cmd,
+    torchrun_worker,
+)
+
+from imagenet_elastic.metrics import read as read_metrics
+
+EPOCHS = 3
+EXACT_FIELDS = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "val_samples", "lr", "world_size")
+
+
+@pytest.fixture(scope="session")
+def torchrun_reference(image_folder, tmp_path_factory):
+    """An uninterrupted 2-process torchrun run of 3 epochs: the run every other result is compared with."""
+    ckpt = tmp_path_factory.mktemp("reference")
+    result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS),
+                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return ckpt, result.stdout
+
+
+def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
+    ckpt, stdout = torchrun_reference
+    rows = read_metrics(ckpt / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2, 3]
+    for row in rows:
+        assert row["world_size"] == 2 and row["val_samples"] == VAL_IMAGES
+        assert row["images_per_sec"] > 0 and row["epoch_seconds"] > 0
+        assert 0 <= row["val_top1"] <= row["val_top5"] <= 100
+    assert rows[-1]["val_top1"] > 50, "the learnable data set was not learned"
+    assert rows[-1]["train_loss"] < rows[0]["train_loss"]
+    # last, best and only the newest two epoch files
+    names = sorted(p.name for p in ckpt.iterdir())
+    assert names == ["best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt", "metrics.jsonl"]
+    last = load_checkpoint(ckpt / "last.pt")  # weights_only=True
+    assert last["epoch"] == 3 and last["world_size"] == 2 and last["global_batch"] == 16
+    assert last["best_top1"] == max(r["val_top1"] for r in rows)
+    assert load_checkpoint(ckpt / "best.pt")["history"][-1]["val_top1"] == last["best_top1"]
+    # rank 0 alone speaks: one startup table and one summary line per epoch
+    assert stdout.count("global batch") == 1 and "16 = 8 per process x 2" in stdout
+    assert "0.125 = 2 x 16/256" in stdout  # the scaled LR is said at start
+    for epoch in range(1, EPOCHS + 1):
+        assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
+
+
+@pytest.mark.parametrize("victim_rank", [0, 1])
+def test_sigkill_during_epoch_3_and_torchrun_restart_gives_bitwise_identical_weights(
+        image_folder, tmp_path, torchrun_reference, victim_rank):
+    reference, _ = torchrun_reference
+    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--keep-checkpoints", "2",
+                       "--checkpoints-path", str(tmp_path), restarts=1)
+    code, output = run_and_kill(cmd, when=f"epoch 3/{EPOCHS} step 2/", victim=torchrun_worker(victim_rank))
+    assert code == 0, output
+    assert "resuming from" in output and "2 epochs done" in output
+    killed, clean = load_checkpoint(tmp_path / "last.pt"), load_checkpoint(reference / "last.pt")
+    assert_same_tensors(killed["model"], clean["model"])
+    assert_same_tensors(killed["optimizer"]["state"], clean["optimizer"]["state"])
+    assert killed["step"] == clean["step"]
+    rows, clean_rows = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
+    assert [[r[k] for k in EXACT_FIELDS] for r in rows] == [[r[k] for k in EXACT_FIELDS] for r in clean_rows]
+
+
+def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "6"]
+    clean = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
+    assert clean.returncode == 0, clean.stderr
+    killed_dir = str(tmp_path / "killed")
+    code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
+                                when="epoch 2/2 step 3/", victim=lambda proc: proc.pid)
+    assert code == -9, output
+    resumed = run(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert_same_tensors(load_checkpoint(tmp_path / "killed" / "last.pt")["model"],
+                        load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
+
+
+def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference):
+    """35 images, batch 11: shards of 12/12/11 give the 3 ranks unequal batch counts (no hang, no padding)."""
+    ckpt, _ = torchrun_reference
+    args = [str(image_folder), *SMALL_RUN, "--batch-size", "11", "--amp", "none", "--evaluate",
+            "--resume", str(ckpt / "last.pt")]
+    results = {}
+    for world_size in (1, 2, 3):
+        result = run(python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args))
+        assert result.returncode == 0, result.stdout + result.stderr
+        results[world_size] = json.loads(result.stdout.strip().splitlines()[-1])
+        assert results[world_size]["val_samples"] == VAL_IMAGES
+    trained = read_metrics(ckpt / "metrics.jsonl")[-1]
+    assert trained["val_samples"] == VAL_IMAGES
+    for world_size in (2, 3):  # fp32; only the summation order differs
+        assert results[world_size]["val_top1"] == results[1]["val_top1"]
+        assert results[world_size]["val_top5"] == results[1]["val_top5"]
+        assert results[world_size]["val_loss"] == pytest.approx(results[1]["val_loss"], rel=1e-5, abs=1e-7)
+
+
+def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
+            "--resume"]
+    first = run(python_cmd(*args, "--epochs", "1"))
+    assert first.returncode == 0, first.stderr
+    assert "starting fresh" in first.stdout
+    # a row for an epoch that no checkpoint holds (as if killed between the two writes)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 2, "val_top1": -1.0}) + "\n")
+    second = run(python_cmd(*args, "--epochs", "2"))
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
+    assert "epochs: checkpoint 1, now 2" in second.stdout  # a changed schedule is pointed out
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["val_top1"] >= 0
+    best = max(r["val_top1"] for r in rows)
+    assert load_checkpoint(tmp_path / "last.pt")["best_top1"] == best
+    done = run(python_cmd(*args, "--epochs", "2"))
+    assert done.returncode == 0 and "nothing to do" in done.stdout
+
+
+def test_training_set_size_and_global_batch_are_reported(image_folder, tmp_path):
+    result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
+                            "--checkpoints-path", str(tmp_path)))
+    assert result.returncode == 0, result.stderr
+    assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
+    assert "8 = 8 per process x 1" in result.stdout

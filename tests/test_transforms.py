@@ -1,0 +1,315 @@
+"""Crop geometry, per-sample randomness, datasets on real JPEGs, and the folder index."""
+
+from __future__ import annotations
+
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from imagenet_elastic.data import (
+    EvalDataset,
+    TrainDataset,
+    center_crop_box,
+    check_same_classes,
+    random_resized_crop_box,
+    resolve_split_dirs,
+    sample_rng,
+    scan_image_folder,
+)
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+SIZES = [(1, 1), (1, 2), (2, 1), (2, 3), (3, 2), (3, 3), (5, 7), (17, 3), (31, 32), (1000, 1), (1, 1000),
+         (4000, 3), (3, 4000), (640, 480), (333, 500)]
+
+
+def write_jpeg(path, width: int, height: int, seed: int) -> None:
+    """A noisy JPEG: any two different crops of it differ in their pixels."""
+    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    Image.fromarray(pixels).save(path, format="JPEG", quality=90)
+
+
+def make_split(root, classes: dict[str, int], size=(48, 40)) -> None:
+    seed = 0
+    for name, count in classes.items():
+        for i in range(count):
+            write_jpeg(os.path.join(root, name, f"img{i}.jpg"), *size, seed=seed)
+            seed += 1
+
+
+# ----------------------------------------------------------------------------- crop geometry
+
+def assert_box_inside(box, width: int, height: int) -> None:
+    left, top, w, h = box
+    assert w > 0 and h > 0, box
+    assert left >= 0 and top >= 0, box
+    assert left + w <= width and top + h <= height, (box, width, height)
+
+
+@pytest.mark.parametrize(("width", "height"), SIZES)
+def test_random_resized_crop_box_stays_inside_the_image(width, height):
+    for seed in range(200):
+        assert_box_inside(random_resized_crop_box(width, height, random.Random(seed)), width, height)
+
+
+def test_random_resized_crop_box_falls_back_to_a_centre_crop_inside_the_image():
+    # An area fraction no try can satisfy forces the fallback after ten tries.
+    for width, height in SIZES:
+        box = random_resized_crop_box(width, height, random.Random(0), scale=(5.0, 6.0))
+        assert_box_inside(box, width, height)
+        left, top, w, h = box
+        assert left == (width - w) // 2 and top == (height - h) // 2
+
+
+def test_random_resized_crop_box_with_the_same_seed_gives_the_same_box():
+    for seed in range(20):
+        first = random_resized_crop_box(640, 480, random.Random(seed))
+        assert random_resized_crop_box(640, 480, random.Random(seed)) == first
+    boxes = {random_resized_crop_box(640, 480, random.Random(seed)) for seed in range(20)}
+    assert len(boxes) > 1
+
+
+def test_random_resized_crop_box_respects_scale_and_ratio_bounds_on_large_images():
+    for seed in range(200):
+        _, _, w, h = random_resized_crop_box(1000, 1000, random.Random(seed))
+        assert 0.08 * 1e6 * 0.97 <= w * h <= 1e6
+        assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
+
+
+def test_center_crop_box_keeps_the_centred_square_of_the_resized_short_side():
+    left, top, w, h = center_crop_box(500, 375, 224, 256)
+    assert w == h == pytest.approx(375 * 224 / 256)
+    assert left == pytest.approx((500 - w) / 2)
+    assert top == pytest.approx((375 - h) / 2)
+    assert center_crop_box(256, 256, 224, 256) == pytest.approx((16, 16, 224, 224))
+    assert center_crop_box(100, 100, 224, 224) == pytest.approx((0, 0, 100, 100))
+    left, top, w, h = center_crop_box(300, 600, 224, 256)
+    assert left == pytest.approx((300 - w) / 2) and top == pytest.approx((600 - h) / 2)
+    assert w == pytest.approx(300 * 224 / 256)
+
+
+def test_sample_rng_is_deterministic():
+    assert sample_rng(1, 2, 3).random() == sample_rng(1, 2, 3).random()
+    assert [sample_rng(0, 0, 0).random() for _ in range(3)] == [sample_rng(0, 0, 0).random()] * 3
+
+
+def test_sample_rng_differs_in_seed_epoch_and_index():
+    base = sample_rng(1, 2, 3).random()
+    assert sample_rng(9, 2, 3).random() != base
+    assert sample_rng(1, 9, 3).random() != base
+    assert sample_rng(1, 2, 9).random() != base
+    # "1:23:4" vs "12:3:4": the separator keeps neighbouring arguments apart.
+    assert sample_rng(1, 23, 4).random() != sample_rng(12, 3, 4).random()
+
+
+# ----------------------------------------------------------------------------- datasets
+
+@pytest.fixture
+def image_root(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"cat": 2, "dog": 1})
+    write_jpeg(os.path.join(root, "dog", "wide.jpg"), 120, 9, seed=99)
+    return str(root)
+
+
+@pytest.mark.parametrize("size", [16, 32, 64])
+def test_train_dataset_returns_uint8_hwc_of_the_requested_size(image_root, size):
+    dataset = TrainDataset(scan_image_folder(image_root, "train"), size=size, seed=0)
+    assert len(dataset) == 4
+    for i in range(len(dataset)):
+        pixels, target = dataset[(0, i)]
+        assert pixels.dtype == torch.uint8
+        assert pixels.shape == (size, size, 3)
+        assert target == int(dataset.index.targets[i])
+
+
+def test_train_dataset_same_key_gives_identical_pixels_across_instances(image_root):
+    first = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
+    second = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
+    for i in range(len(first)):
+        a, target_a = first[(3, i)]
+        b, target_b = second[(3, i)]
+        assert torch.equal(a, b)
+        assert target_a == target_b
+
+
+def test_train_dataset_different_epoch_gives_different_pixels(image_root):
+    dataset = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
+    for i in range(len(dataset)):
+        if dataset.index.path(i).endswith("wide.jpg"):
+            continue  # 120x9: every try misses, so only the flip varies (see the next test)
+        assert not torch.equal(dataset[(0, i)][0], dataset[(1, i)][0]), dataset.index.path(i)
+
+
+def test_train_dataset_very_wide_image_still_varies_across_epochs_by_its_flip(image_root):
+    dataset = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
+    wide = [dataset.index.path(i) for i in range(len(dataset))].index(os.path.join(image_root, "dog", "wide.jpg"))
+    crops = [dataset[(epoch, wide)][0] for epoch in range(8)]
+    assert any(not torch.equal(crops[0], crop) for crop in crops[1:])
+
+
+def test_train_dataset_different_seed_gives_different_pixels(image_root):
+    index = scan_image_folder(image_root, "train")
+    a = TrainDataset(index, size=24, seed=0)[(0, 0)][0]
+    b = TrainDataset(index, size=24, seed=1)[(0, 0)][0]
+    assert not torch.equal(a, b)
+
+
+def test_eval_dataset_returns_deterministic_uint8_hwc_of_the_requested_size(image_root):
+    index = scan_image_folder(image_root, "val")
+    first, second = EvalDataset(index, size=32, resize=36), EvalDataset(index, size=32, resize=36)
+    assert len(first) == 4
+    for i in range(len(first)):
+        pixels, target = first[i]
+        assert pixels.dtype == torch.uint8 and pixels.shape == (32, 32, 3)
+        assert target == int(index.targets[i])
+        assert torch.equal(pixels, second[i][0])
+
+
+def test_eval_dataset_matches_resize_then_centre_crop(tmp_path):
+    # A smooth gradient, so resampling differences stay small while a wrong region would not.
+    x = np.linspace(0, 255, 80, dtype=np.float32)
+    y = np.linspace(0, 255, 60, dtype=np.float32)
+    grad = np.stack([np.tile(x, (60, 1)), np.tile(y[:, None], (1, 80)), np.full((60, 80), 128.0)], axis=-1)
+    path = tmp_path / "val" / "a" / "g.png"
+    path.parent.mkdir(parents=True)
+    Image.fromarray(grad.astype(np.uint8)).save(path)
+    pixels, _ = EvalDataset(scan_image_folder(str(tmp_path / "val"), "val"), size=28, resize=32)[0]
+    resized = Image.open(path).convert("RGB").resize((round(80 * 32 / 60), 32), Image.BILINEAR)
+    left = (resized.width - 28) // 2
+    expected = np.asarray(resized.crop((left, 2, left + 28, 30)), dtype=np.int16)
+    assert np.abs(pixels.numpy().astype(np.int16) - expected).max() <= 12
+
+
+def test_corrupt_image_raises_corrupt_image_error_naming_the_file(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"a": 1})
+    bad = root / "a" / "broken.jpg"
+    bad.write_bytes(b"\x00not an image" + np.random.default_rng(0).bytes(2000))
+    index = scan_image_folder(str(root), "train")
+    position = [index.path(i) for i in range(len(index))].index(str(bad))
+    with pytest.raises(CorruptImageError, match="cannot decode image file") as caught:
+        TrainDataset(index, size=16, seed=0)[(0, position)]
+    assert str(bad) in str(caught.value)
+    assert isinstance(caught.value, UserError)
+    with pytest.raises(CorruptImageError) as caught:
+        EvalDataset(index, size=16, resize=18)[position]
+    assert str(bad) in str(caught.value)
+
+
+def test_truncated_jpeg_raises_corrupt_image_error_naming_the_file(tmp_path):
+    root = tmp_path / "train"
+    path = root / "a" / "cut.jpg"
+    write_jpeg(str(path), 64, 64, seed=3)
+    data = path.read_bytes()
+    path.write_bytes(data[:len(data) // 2])
+    with pytest.raises(CorruptImageError) as caught:
+        EvalDataset(scan_image_folder(str(root), "train"), size=16, resize=18)[0]
+    assert str(path) in str(caught.value)
+
+
+# ----------------------------------------------------------------------------- the folder index
+
+def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"b_class": 2, "a_class": 3})
+    (root / "a_class" / "notes.txt").write_text("not an image")
+    (root / ".hidden").mkdir()
+    write_jpeg(str(root / "b_class" / "nested" / "deep.JPEG"), 8, 8, seed=1)
+    index = scan_image_folder(str(root), "train")
+    assert index.classes == ("a_class", "b_class")
+    assert len(index) == 6
+    assert index.targets.tolist() == [0, 0, 0, 1, 1, 1]
+    paths = [index.path(i) for i in range(len(index))]
+    assert all(os.path.isfile(p) for p in paths)
+    assert str(root / "b_class" / "nested" / "deep.JPEG") in paths
+    assert not any(p.endswith(".txt") for p in paths)
+
+
+def test_scan_image_folder_missing_folder_names_role_and_path(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(UserError, match="does not exist") as caught:
+        scan_image_folder(missing, "val")
+    assert f"val folder {missing}" in str(caught.value)
+
+
+def test_scan_image_folder_without_class_folders(tmp_path):
+    root = tmp_path / "flat"
+    root.mkdir()
+    write_jpeg(str(root / "img.jpg"), 8, 8, seed=0)
+    with pytest.raises(UserError, match="has no class folders") as caught:
+        scan_image_folder(str(root), "train")
+    assert f"train folder {root}" in str(caught.value)
+    assert "CLASS/IMAGE.jpg" in str(caught.value)
+
+
+def test_scan_image_folder_with_an_empty_class_folder_names_it(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"full": 1})
+    (root / "empty").mkdir()
+    (root / "empty" / "readme.txt").write_text("x")
+    with pytest.raises(UserError, match="has no images") as caught:
+        scan_image_folder(str(root), "train")
+    assert str(root / "empty") in str(caught.value)
+
+
+def test_resolve_split_dirs_finds_train_and_val(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    assert resolve_split_dirs(str(tmp_path), None) == (str(tmp_path / "train"), str(tmp_path / "val"))
+
+
+def test_resolve_split_dirs_uses_data_without_train_as_the_train_folder(tmp_path):
+    data = tmp_path / "data"
+    (data / "n01").mkdir(parents=True)
+    (tmp_path / "held_out").mkdir()
+    train, val = resolve_split_dirs(str(data), str(tmp_path / "held_out"))
+    assert train == str(data)
+    assert val == str(tmp_path / "held_out")
+
+
+def test_resolve_split_dirs_missing_data_folder(tmp_path):
+    with pytest.raises(UserError, match="data folder .* does not exist") as caught:
+        resolve_split_dirs(str(tmp_path / "missing"), None)
+    assert str(tmp_path / "missing") in str(caught.value)
+
+
+def test_resolve_split_dirs_missing_default_val_suggests_val_path(tmp_path):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserError, match="validation folder") as caught:
+        resolve_split_dirs(str(tmp_path), None)
+    assert str(tmp_path / "val") in str(caught.value)
+    assert "--val-path" in str(caught.value)
+
+
+def test_resolve_split_dirs_missing_explicit_val_path_names_it(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    with pytest.raises(UserError, match="validation folder") as caught:
+        resolve_split_dirs(str(tmp_path), str(tmp_path / "other"))
+    assert str(tmp_path / "other") in str(caught.value)
+    assert "--val-path" not in str(caught.value)
+
+
+def test_check_same_classes_accepts_equal_class_lists(tmp_path):
+    make_split(tmp_path / "train", {"a": 1, "b": 1})
+    make_split(tmp_path / "val", {"a": 1, "b": 1})
+    check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
+                       scan_image_folder(str(tmp_path / "val"), "val"))
+
+
+def test_check_same_classes_reports_the_differing_classes(tmp_path):
+    make_split(tmp_path / "train", {"a": 1, "b": 1, "c": 1})
+    make_split(tmp_path / "val", {"a": 1, "z": 1})
+    with pytest.raises(UserError, match="class folders differ") as caught:
+        check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
+                           scan_image_folder(str(tmp_path / "val"), "val"))
+    message = str(caught.value)
+    assert "3 vs 2 classes" in message
+    assert "only in train: ['b', 'c']" in message
+    assert "only in val: ['z']" in message
+    assert str(tmp_path / "train") in message and str(tmp_path / "val") in message
