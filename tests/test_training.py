@@ -136,3 +136,21 @@ def test_training_set_size_and_global_batch_are_reported(image_folder, tmp_path)
     assert result.returncode == 0, result.stderr
     assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
     assert "8 = 8 per process x 1" in result.stdout
+
+
+def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--amp", "fp16", "--channels-last", "--max-steps-per-epoch", "3",
+            "--checkpoints-path", str(tmp_path), "--resume"]
+    first = run(python_cmd(*args, "--epochs", "1"))
+    assert first.returncode == 0, first.stderr
+    assert "fp16 + GradScaler" in first.stdout
+    scaler = load_checkpoint(tmp_path / "last.pt")["scaler"]
+    assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 3  # three unskipped steps
+    second = run(python_cmd(*args, "--epochs", "2"))
+    assert second.returncode == 0, second.stderr
+    assert load_checkpoint(tmp_path / "last.pt")["scaler"]["_growth_tracker"] == 6  # restored, not reset
+
+
+def test_console_script_is_installed():
+    result = run(["imagenet-elastic", "--help"])
+    assert result.returncode == 0 and "--checkpoints-path" in result.stdout
