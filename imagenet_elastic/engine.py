@@ -30,6 +30,10 @@ class StepContext:
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
 
+    def __post_init__(self) -> None:
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                               enabled=self.amp_dtype is not None)
@@ -57,9 +61,7 @@ def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) 
     channels_last strides, so that layout costs nothing.
     """
     images = images.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2).float()
-    mean = torch.tensor(IMAGENET_MEAN, device=ctx.device).view(1, 3, 1, 1)
-    std = torch.tensor(IMAGENET_STD, device=ctx.device).view(1, 3, 1, 1)
-    images = images.sub_(mean).div_(std)
+    images = images.sub_(ctx.mean).div_(ctx.std)
     if not ctx.channels_last:
         images = images.contiguous()
     return images, labels.to(ctx.device, non_blocking=True)
