@@ -86,9 +86,18 @@ def build_parser() -> Parser:
     g.add_argument("--resume", nargs="?", const=RESUME_AUTO, default=None, metavar="PATH",
                    help="continue from PATH; without PATH from CHECKPOINTS/last.pt when it exists")
     g = p.add_argument_group("distributed")
-    g.add_argument("--dist-init-method", choices=["env"], default=d.dist_init_method,
-                   help="env: torchrun / torch.distributed.launch variables, or none for one process")
-    g.add_argument("--dist-timeout", type=positive_float, default=d.dist_timeout, help="seconds to wait for peers")
+    g.add_argument("--dist-init-method", choices=["env", "slurm", "spawn", "mpi"], default=d.dist_init_method,
+                   help="how ranks are found: env (torchrun/torch.distributed.launch variables, or none for one "
+                   "process), slurm (SLURM_* of srun), spawn (start --nproc-per-node local processes), "
+                   "mpi (OMPI_COMM_WORLD_* / PMI_*)")
+    g.add_argument("--nproc-per-node", type=positive_int, default=None,
+                   help="processes to start: spawn (default: visible GPUs, else 1) and Slurm with one task per "
+                   "node (default: its visible GPUs)")
+    g.add_argument("--master-port", type=_bounded(int, 1), default=None,
+                   help="rendezvous port for slurm/mpi/spawn (default: MASTER_PORT, or derived from SLURM_JOB_ID)")
+    g.add_argument("--dist-url", default=None, help="tcp://HOST:PORT of rank 0, for mpi across nodes")
+    g.add_argument("--dist-timeout", type=positive_float, default=d.dist_timeout,
+                   help="seconds to wait for peers before failing with a clear message")
     g.add_argument("--local-rank", "--local_rank", dest="local_rank", type=non_negative_int, default=None,
                    help=argparse.SUPPRESS)  # passed by python -m torch.distributed.launch
     return p
@@ -102,25 +111,21 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    rank = os.environ.get("RANK", "0")
+    from imagenet_elastic.distributed import visible_gpu_count
+    from imagenet_elastic.launch import USER_ERROR_EXIT, run_worker, spawn_workers
+    from imagenet_elastic.launchers import resolve_launch
+
     try:
-        from imagenet_elastic.distributed import resolve_dist_env
-        env = resolve_dist_env(config.dist_init_method, os.environ, args.local_rank)
-        rank = str(env.rank)
-        _run_worker(config, env)
+        plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,
+                              nproc_per_node=config.nproc_per_node, master_port=config.master_port,
+                              dist_url=config.dist_url, visible_gpus=visible_gpu_count(os.environ))
     except UserError as error:
-        # Every rank meets the same input errors; rank 0 speaks for them. Others name themselves.
-        prefix = "" if rank == "0" else f"[rank {rank}] "
-        if rank == "0" or "image file" in str(error):
-            print(f"{PROG}: error: {prefix}{one_line(error)}", file=sys.stderr)
-        sys.exit(2)
+        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)
+    try:
+        if plan.procs_per_task > 1 or config.dist_init_method == "spawn":
+            spawn_workers(config, plan.env, plan.procs_per_task)
+        else:
+            run_worker(config, plan.env)
     except KeyboardInterrupt:
         sys.exit(130)
-
-
-def _run_worker(config: Config, env) -> None:
-    from torch.distributed.elastic.multiprocessing.errors import record
-
-    from imagenet_elastic.trainer import run
-
-    record(run)(config, env)

@@ -39,8 +39,11 @@ class Config:
     keep_checkpoints: int = 3
     resume: Optional[str] = None  # None, RESUME_AUTO or a path
     evaluate: bool = False
-    dist_init_method: str = "env"
+    dist_init_method: str = "env"  # env | slurm | spawn | mpi
     dist_timeout: float = 300.0
+    nproc_per_node: Optional[int] = None  # spawn, and Slurm's one-task-per-node layout
+    master_port: Optional[int] = None
+    dist_url: Optional[str] = None  # tcp://HOST:PORT of rank 0 (mpi)
     max_steps_per_epoch: Optional[int] = None
     log_interval: int = 50
 

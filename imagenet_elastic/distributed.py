@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 import os
 from collections.abc import Mapping
@@ -14,12 +15,10 @@ import torch.distributed as dist
 
 from imagenet_elastic.errors import UserError
 
-TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
-
 
 @dataclass(frozen=True)
 class DistEnv:
-    """This process's place in the job, as a launcher described it."""
+    """This process's place in the job, as a launcher described it (see launchers.py)."""
 
     rank: int = 0
     world_size: int = 1
@@ -29,67 +28,19 @@ class DistEnv:
     master_port: int = 29500
     restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT; >0 means "resume"
     launched: bool = False  # False: a plain single process, no process group at all
+    launcher: str = "none"  # who started us, for messages: torchrun, srun, mpirun, spawn
+    store_is_external: bool = False  # the rendezvous store runs elsewhere (torchrun's agent, the spawn parent)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-
-def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
-    value = environ.get(name)
-    if value is None:
-        raise UserError(f"environment variable {name} is not set (it is set by {launcher})")
-    try:
-        return int(value)
-    except ValueError:
-        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
-
-
-def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
-    """Read torchrun / torch.distributed.launch variables; none at all means one plain process.
-
-    `local_rank_arg` is the legacy `--local_rank` / `--local-rank` argument that
-    `python -m torch.distributed.launch` passes; LOCAL_RANK in the environment wins when both exist.
-    """
-    present = [name for name in TORCHRUN_VARS if name in environ]
-    if not present and local_rank_arg is None:
-        return DistEnv()
-    launcher = "torchrun or torch.distributed.launch"
-    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in environ]
-    if missing:
-        raise UserError(
-            f"--dist-init-method env found {', '.join(present) or '--local-rank'} but not "
-            f"{', '.join(missing)}; these variables are set by {launcher}"
-        )
-    rank = _int_var(environ, "RANK", launcher)
-    world_size = _int_var(environ, "WORLD_SIZE", launcher)
-    if "LOCAL_RANK" in environ:
-        local_rank = _int_var(environ, "LOCAL_RANK", launcher)
-    elif local_rank_arg is not None:
-        local_rank = local_rank_arg
-    else:
-        raise UserError(f"environment variable LOCAL_RANK is not set (it is set by {launcher})")
-    local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", launcher)
-                        if "LOCAL_WORLD_SIZE" in environ else world_size)
-    if not (0 <= rank < world_size):
-        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-    return DistEnv(
-        rank=rank,
-        world_size=world_size,
-        local_rank=local_rank,
-        local_world_size=local_world_size,
-        master_addr=environ["MASTER_ADDR"],
-        master_port=_int_var(environ, "MASTER_PORT", launcher),
-        restart_count=(_int_var(environ, "TORCHELASTIC_RESTART_COUNT", launcher)
-                       if environ.get("TORCHELASTIC_RESTART_COUNT") else 0),
-        launched=True,
-    )
-
-
-def resolve_dist_env(method: str, environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
-    if method == "env":
-        return env_from_torchrun(environ, local_rank_arg)
-    raise UserError(f"--dist-init-method {method!r} is not supported; choose env")
+    def child(self, index: int, procs: int) -> DistEnv:
+        """The `index`-th of `procs` processes this task starts (spawn, Slurm one-task-per-node)."""
+        return dataclasses.replace(
+            self, rank=self.rank * procs + index, world_size=self.world_size * procs,
+            local_rank=self.local_rank * procs + index, local_world_size=self.local_world_size * procs,
+            launched=True)
 
 
 def available_cores() -> int:
@@ -114,17 +65,33 @@ def configure_threads(requested: Optional[int], local_world_size: int) -> int:
     return threads
 
 
-def select_device(requested: str, local_rank: int) -> torch.device:
+def visible_gpu_count(environ: Mapping[str, str]) -> int:
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when set (Slurm sets it per task,
+    also before a driver is loaded), else what CUDA reports."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+    return torch.cuda.device_count()
+
+
+def select_device(requested: str, env: DistEnv) -> torch.device:
+    """`cuda:i` among the visible devices, i = LOCAL_RANK modulo their number.
+
+    The modulo serves Slurm, where each task often sees only its own GPUs (`--gpus-per-task`):
+    local rank 3 of a node then owns that task's device 0. More processes than devices on a node is
+    refused rather than silently doubled up.
+    """
     if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError("--device cuda was given but no CUDA device is visible")
     count = torch.cuda.device_count()
-    if local_rank >= count:
-        raise UserError(f"LOCAL_RANK={local_rank} but only {count} CUDA device(s) are visible "
+    if env.local_world_size > count and env.launcher != "srun":
+        raise UserError(f"{env.local_world_size} processes per node but only {count} CUDA device(s) visible "
                         "(check CUDA_VISIBLE_DEVICES and the processes per node)")
-    torch.cuda.set_device(local_rank)
-    return torch.device("cuda", local_rank)
+    index = env.local_rank % count
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
 
 
 def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> None:
@@ -137,10 +104,9 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     if not env.launched:
         return
     timeout = timedelta(seconds=timeout_s)
-    agent_hosts_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.rank == 0 and not agent_hosts_store, timeout=timeout)
+                              is_master=env.rank == 0 and not env.store_is_external, timeout=timeout)
     except (RuntimeError, OSError) as error:
         raise UserError(
             f"rank {env.rank} could not reach the rendezvous store at "

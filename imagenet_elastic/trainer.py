@@ -45,7 +45,7 @@ class Trainer:
     def __init__(self, config: Config, env: DistEnv, console: Console) -> None:
         self.config, self.env, self.console = config, env, console
         self.threads = distributed.configure_threads(config.threads, env.local_world_size)
-        self.device = distributed.select_device(config.device, env.local_rank)
+        self.device = distributed.select_device(config.device, env)
 
         # Every check that can fail on user input runs before the process group exists.
         train_dir, val_dir = data.resolve_split_dirs(config.data, config.val_path)

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from imagenet_elastic import distributed
-from imagenet_elastic.distributed import DistEnv, default_threads, env_from_torchrun, resolve_dist_env
+from imagenet_elastic.distributed import DistEnv, default_threads
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.launchers import env_from_torchrun, resolve_launch
 
 TORCHRUN_ENV = {
     "RANK": "3",
@@ -33,7 +34,8 @@ def test_unrelated_variables_do_not_count_as_a_launcher():
 def test_full_torchrun_environment_is_read():
     env = env_from_torchrun(TORCHRUN_ENV)
     assert env == DistEnv(rank=3, world_size=8, local_rank=1, local_world_size=2,
-                          master_addr="node0.cluster", master_port=29512, restart_count=0, launched=True)
+                          master_addr="node0.cluster", master_port=29512, restart_count=0, launched=True,
+                          launcher="torchrun")
     assert not env.is_main
 
 
@@ -101,10 +103,10 @@ def test_torchelastic_restart_count_is_parsed():
     assert env_from_torchrun(TORCHRUN_ENV).restart_count == 0
 
 
-def test_resolve_dist_env_refuses_other_methods():
-    assert resolve_dist_env("env", {}) == DistEnv()
+def test_resolve_launch_refuses_unknown_methods():
+    assert resolve_launch("env", {}).env == DistEnv()
     with pytest.raises(UserError, match="--dist-init-method 'tcp' is not supported"):
-        resolve_dist_env("tcp", {})
+        resolve_launch("tcp", {})
 
 
 def test_default_threads_divides_cores_by_local_processes(monkeypatch):

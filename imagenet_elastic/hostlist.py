@@ -1,0 +1,104 @@
+"""Expand Slurm hostlist expressions (SLURM_JOB_NODELIST) such as ``gpu-a[01-03,07],gpu-b9``.
+
+We parse them ourselves because ``scontrol show hostnames`` is only a fallback: it is often missing inside containers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+
+from imagenet_elastic.errors import UserError
+
+MAX_HOSTS = 100_000
+
+_BOUND = re.compile(r"[0-9]+")
+
+
+def _fail(text: str, problem: str) -> UserError:
+    return UserError(f"bad Slurm hostlist {text!r}: {problem}")
+
+
+def _split_top_level(text: str) -> list[str]:
+    """Split on commas outside brackets, checking that brackets are balanced and not nested."""
+    items: list[str] = []
+    depth = 0
+    start = 0
+    for i, char in enumerate(text):
+        if char == "[":
+            if depth:
+                raise _fail(text, f"nested '[' at position {i}")
+            depth = 1
+        elif char == "]":
+            if not depth:
+                raise _fail(text, f"']' without a matching '[' at position {i}")
+            depth = 0
+        elif char == "," and not depth:
+            items.append(text[start:i])
+            start = i + 1
+    if depth:
+        raise _fail(text, "'[' is never closed")
+    items.append(text[start:])
+    return items
+
+
+def _expand_range(text: str, body: str) -> list[str]:
+    """Expand the inside of one bracket group, e.g. ``01-03,07``, into zero-padded numbers."""
+    if not body.strip():
+        raise _fail(text, "empty brackets '[]'")
+    numbers: list[str] = []
+    for part in body.split(","):
+        part = part.strip()
+        if not part:
+            raise _fail(text, f"empty entry in '[{body}]'")
+        low, dash, high = part.partition("-")
+        low, high = low.strip(), (high.strip() if dash else low.strip())
+        if not _BOUND.fullmatch(low) or not _BOUND.fullmatch(high):
+            raise _fail(text, f"range '{part}' in '[{body}]' needs non-negative integer bounds")
+        start, end = int(low), int(high)
+        if end < start:
+            raise _fail(text, f"range '{part}' ends below its start")
+        if len(numbers) + end - start + 1 > MAX_HOSTS:
+            raise _fail(text, f"expands to more than {MAX_HOSTS} hosts")
+        width = len(low)
+        numbers.extend(str(n).zfill(width) for n in range(start, end + 1))
+    return numbers
+
+
+def _expand_item(text: str, item: str) -> list[list[str]]:
+    """Pieces of one top-level item: fixed text and bracket expansions, whose product gives its hosts."""
+    pieces: list[list[str]] = []
+    for i, chunk in enumerate(re.split(r"\[([^\]]*)\]", item)):
+        if i % 2:
+            pieces.append(_expand_range(text, chunk))
+        elif chunk:
+            pieces.append([chunk])
+    return pieces
+
+
+def expand_hostlist(text: str) -> list[str]:
+    """Hosts named by a Slurm hostlist expression, in Slurm's order, duplicates kept."""
+    if not text or not text.strip():
+        raise _fail(text, "it is empty")
+    items = [item.strip() for item in _split_top_level(text)]
+    expanded: list[list[list[str]]] = []
+    total = 0
+    for item in items:
+        if not item:
+            raise _fail(text, "empty item (two commas in a row, or a leading or trailing comma)")
+        if any(char.isspace() for char in item):
+            raise _fail(text, f"whitespace inside host name {item!r}")
+        pieces = _expand_item(text, item)
+        count = 1
+        for piece in pieces:
+            count *= len(piece)
+        total += count
+        if total > MAX_HOSTS:
+            raise _fail(text, f"expands to more than {MAX_HOSTS} hosts")
+        expanded.append(pieces)
+    return ["".join(parts) for pieces in expanded for parts in itertools.product(*pieces)]
+
+
+def first_host(text: str) -> str:
+    """First host of a Slurm hostlist expression (the usual rendezvous / master node)."""
+    return expand_hostlist(text)[0]

@@ -1,0 +1,71 @@
+"""Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
+
+For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
+port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
+the others; the parent reports the failing rank's traceback (user errors were already printed by
+the child as one line) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from imagenet_elastic.config import Config
+from imagenet_elastic.distributed import DistEnv
+from imagenet_elastic.errors import UserError, one_line
+
+PROG = "imagenet-elastic"
+USER_ERROR_EXIT = 2
+
+
+def report_user_error(error: UserError, env: DistEnv) -> None:
+    """Every rank meets the same input errors, so rank 0 speaks for all; a rank's own data error
+    (a corrupt image in its shard) is named by that rank."""
+    if env.rank == 0:
+        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
+    elif "image file" in str(error):
+        print(f"{PROG}: error: [rank {env.rank}] {one_line(error)}", file=sys.stderr, flush=True)
+
+
+def run_worker(config: Config, env: DistEnv) -> None:
+    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    from imagenet_elastic.trainer import run
+
+    try:
+        record(run)(config, env)
+    except UserError as error:
+        report_user_error(error, env)
+        sys.exit(USER_ERROR_EXIT)
+
+
+def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:
+    run_worker(config, task_env.child(index, procs))
+
+
+def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
+    store = None
+    if task_env.store_is_external:  # single-node spawn: this parent hosts the store
+        store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
+                              timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
+        task_env = dataclasses.replace(task_env, master_port=store.port)
+    try:
+        mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=True, start_method="spawn")
+    except mp.ProcessExitedException as failed:
+        if failed.exit_code != USER_ERROR_EXIT:  # a user error was already printed by the child
+            print(f"{PROG}: error: local process {failed.error_index} (rank "
+                  f"{task_env.rank * procs + failed.error_index}) exited with code {failed.exit_code}; "
+                  "the others were stopped", file=sys.stderr)
+        sys.exit(failed.exit_code if failed.exit_code and failed.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as failed:
+        rank = task_env.rank * procs + failed.error_index
+        print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        del store

@@ -1,0 +1,131 @@
+"""Every launcher started for real: spawn, torchrun (single node, two agents, legacy launch), mpirun."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from conftest import (
+    REPO,
+    SMALL_RUN,
+    assert_same_tensors,
+    child_env,
+    load_checkpoint,
+    make_image_folder,
+    python_cmd,
+    run,
+)
+
+from imagenet_elastic.data import scan_image_folder
+from imagenet_elastic.sampler import TrainBatchSampler
+
+SHORT = [*SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3"]
+
+
+@pytest.fixture(scope="module")
+def reference_world2(image_folder, tmp_path_factory):
+    """The weights every 2-rank launcher must reproduce bitwise (torchrun, one node)."""
+    ckpt = tmp_path_factory.mktemp("ref2")
+    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                  "-m", "imagenet_elastic", str(image_folder), *SHORT, "--checkpoints-path", str(ckpt)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    return load_checkpoint(ckpt / "last.pt")
+
+
+def assert_matches_reference(ckpt_dir, reference) -> None:
+    state = load_checkpoint(ckpt_dir / "last.pt")
+    assert state["world_size"] == reference["world_size"]
+    assert_same_tensors(state["model"], reference["model"])
+
+
+def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
+    result = run(python_cmd(str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path),
+                            "--dist-init-method", "spawn", "--nproc-per-node", "2"))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("global batch") == 1
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_spawn_rank_1_failure_stops_every_process(tmp_path):
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=8, val_per_class=1)
+    index = scan_image_folder(str(data / "train"), "train")
+    sampler = TrainBatchSampler(len(index), global_batch=16, rank=1, world_size=2, seed=0)
+    _, victim = next(iter(sampler))[0]  # the first image rank 1 loads
+    bad = index.path(victim)
+    with open(bad, "wb") as f:
+        f.write(b"not a jpeg at all")
+    proc = subprocess.Popen(python_cmd(str(data), *SMALL_RUN, "--workers", "0", "--checkpoints-path",
+                                       str(tmp_path / "ck"), "--dist-init-method", "spawn", "--nproc-per-node", "2"),
+                            cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        _, stderr = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert proc.returncode != 0
+    assert f"[rank 1] cannot decode image file {bad}" in stderr
+    assert "Traceback" not in stderr
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline:  # the whole process group is gone, none left in a collective
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("processes of the failed spawn run are still alive")
+
+
+def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_path, reference_world2):
+    """`python -m torch.distributed.launch` passes --local-rank=N; the trainer accepts it."""
+    result = run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port=29731",
+                  "-m", "imagenet_elastic", str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, tmp_path, reference_world2):
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    agents = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
+         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
+         # both "nodes" share this host's 2 cores: one thread each, as the reference's ranks had
+         "-m", "imagenet_elastic", str(image_folder), *SHORT, "--threads", "1", "--checkpoints-path", str(tmp_path)],
+        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True) for n in range(2)]
+    try:
+        outputs = [a.communicate(timeout=240)[0] for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, signal.SIGKILL)
+    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    assert sum(o.count("global batch") for o in outputs) == 1  # one rank 0 across both agents
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI is installed by scripts/slurm_local_cluster.sh")
+def test_mpirun_two_ranks_matches_torchrun(image_folder, tmp_path, reference_world2):
+    result = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "PYTHONUNBUFFERED",
+                  *python_cmd(str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path),
+                              "--dist-init-method", "mpi", "--master-port", "29733")], timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert result.stdout.count("global batch") == 1
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_folder, tmp_path):
+    env = child_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
+    result = subprocess.run(python_cmd(str(image_folder), "--checkpoints-path", str(tmp_path)), cwd=REPO,
+                            env=env, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert "pass --dist-init-method mpi" in result.stderr and "Traceback" not in result.stderr
