@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import RendezvousError, UserError
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,12 @@ def visible_gpu_count(environ: Mapping[str, str]) -> int:
     also before a driver is loaded), else what CUDA reports."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
-        return len([d for d in visible.split(",") if d.strip() and d.strip() != "-1"])
+        count = 0
+        for entry in visible.split(","):
+            if not entry.strip() or entry.strip().startswith("-"):  # CUDA hides everything after an invalid id
+                break
+            count += 1
+        return count
     return torch.cuda.device_count()
 
 
@@ -104,18 +109,23 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     if not env.launched:
         return
     timeout = timedelta(seconds=timeout_s)
+    role = "waiting for the other ranks" if env.rank == 0 and not env.store_is_external else "connecting"
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=env.rank == 0 and not env.store_is_external, timeout=timeout)
     except (RuntimeError, OSError) as error:
-        raise UserError(
-            f"rank {env.rank} could not reach the rendezvous store at "
-            f"MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} within {timeout_s:g} s "
-            f"(--dist-timeout): {str(error).splitlines()[0]}"
+        raise RendezvousError(
+            f"gave up {role} at MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} "
+            f"after {timeout_s:g} s (--dist-timeout): {_first_line(error)}"
         ) from None
     store = dist.PrefixStore(f"imagenet_elastic/round{env.restart_count}", store)
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+
+
+def _first_line(error: BaseException) -> str:
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0] if lines else type(error).__name__
 
 
 def destroy_process_group() -> None:

@@ -2,11 +2,25 @@
 
 
 class UserError(Exception):
-    """Bad input (flag, file, variable). The message names the culprit."""
+    """Bad input (flag, file, variable). The message names the culprit.
+
+    Most input errors are met identically by every rank, so rank 0 alone reports them;
+    `every_rank` errors belong to one rank (its data shard, its connection) and each reports its own.
+    """
+
+    every_rank = False
 
 
 class CorruptImageError(UserError):
     """An image file that cannot be decoded; raised inside DataLoader workers."""
+
+    every_rank = True
+
+
+class RendezvousError(UserError):
+    """Peers or the rendezvous store did not show up within --dist-timeout."""
+
+    every_rank = True
 
 
 def one_line(error: BaseException) -> str:

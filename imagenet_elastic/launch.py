@@ -24,11 +24,9 @@ USER_ERROR_EXIT = 2
 
 
 def report_user_error(error: UserError, env: DistEnv) -> None:
-    """Every rank meets the same input errors, so rank 0 speaks for all; a rank's own data error
-    (a corrupt image in its shard) is named by that rank."""
     if env.rank == 0:
         print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
-    elif "image file" in str(error):
+    elif error.every_rank:
         print(f"{PROG}: error: [rank {env.rank}] {one_line(error)}", file=sys.stderr, flush=True)
 
 

@@ -167,9 +167,13 @@ def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[in
 
 def parse_dist_url(url: str) -> tuple[str, int]:
     parsed = urlparse(url)
-    if parsed.scheme != "tcp" or not parsed.hostname or not parsed.port:
+    try:
+        port = parsed.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or not port:
         raise UserError(f"--dist-url {url!r} must look like tcp://HOST:PORT")
-    return parsed.hostname, parsed.port
+    return parsed.hostname, port
 
 
 def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,

@@ -112,6 +112,8 @@ class Trainer:
             ("train images", f"{len(self.train_index)} in {self.train_index.root}"),
             ("val images", f"{len(self.val_index)} in {self.val_index.root}"),
             ("world size", f"{env.world_size} ({env.local_world_size} per node), device {self.device}"),
+            ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
+             else "none (single process)"),
             ("global batch", f"{self.global_batch} = {c.batch_size} per process x {env.world_size}"),
             ("learning rate", f"{self.peak_lr:.6g} = {c.lr:g} x {self.global_batch}/256, "
                               f"warmup {self.warmup_steps} steps, cosine over {self.total_steps}"),

@@ -136,3 +136,22 @@ def assert_same_tensors(a: dict, b: dict) -> None:
             assert_same_tensors(a[key], b[key])
         else:
             assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
+
+
+# One short epoch: what every launcher test trains, and what they all must reproduce bitwise.
+SHORT_RUN = [*SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3"]
+
+
+@pytest.fixture(scope="session")
+def reference_world2(image_folder, tmp_path_factory) -> dict:
+    """The state every 2-rank launcher must reproduce bitwise: torchrun, one node, one thread per rank."""
+    ckpt = tmp_path_factory.mktemp("ref2")
+    result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return load_checkpoint(ckpt / "last.pt")
+
+
+def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:
+    state = load_checkpoint(ckpt_dir / "last.pt")
+    assert state["world_size"] == reference["world_size"]
+    assert_same_tensors(state["model"], reference["model"])

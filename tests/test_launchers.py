@@ -12,10 +12,10 @@ import time
 import pytest
 from conftest import (
     REPO,
+    SHORT_RUN,
     SMALL_RUN,
-    assert_same_tensors,
+    assert_matches_reference,
     child_env,
-    load_checkpoint,
     make_image_folder,
     python_cmd,
     run,
@@ -24,27 +24,9 @@ from conftest import (
 from imagenet_elastic.data import scan_image_folder
 from imagenet_elastic.sampler import TrainBatchSampler
 
-SHORT = [*SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3"]
-
-
-@pytest.fixture(scope="module")
-def reference_world2(image_folder, tmp_path_factory):
-    """The weights every 2-rank launcher must reproduce bitwise (torchrun, one node)."""
-    ckpt = tmp_path_factory.mktemp("ref2")
-    result = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                  "-m", "imagenet_elastic", str(image_folder), *SHORT, "--checkpoints-path", str(ckpt)])
-    assert result.returncode == 0, result.stdout + result.stderr
-    return load_checkpoint(ckpt / "last.pt")
-
-
-def assert_matches_reference(ckpt_dir, reference) -> None:
-    state = load_checkpoint(ckpt_dir / "last.pt")
-    assert state["world_size"] == reference["world_size"]
-    assert_same_tensors(state["model"], reference["model"])
-
 
 def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
-    result = run(python_cmd(str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path),
+    result = run(python_cmd(str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path),
                             "--dist-init-method", "spawn", "--nproc-per-node", "2"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("global batch") == 1
@@ -85,7 +67,7 @@ def test_spawn_rank_1_failure_stops_every_process(tmp_path):
 def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_path, reference_world2):
     """`python -m torch.distributed.launch` passes --local-rank=N; the trainer accepts it."""
     result = run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port=29731",
-                  "-m", "imagenet_elastic", str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path)])
+                  "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
     assert_matches_reference(tmp_path, reference_world2)
 
@@ -99,7 +81,8 @@ def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, 
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
          # both "nodes" share this host's 2 cores: one thread each, as the reference's ranks had
-         "-m", "imagenet_elastic", str(image_folder), *SHORT, "--threads", "1", "--checkpoints-path", str(tmp_path)],
+         "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--threads", "1",
+         "--checkpoints-path", str(tmp_path)],
         cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True) for n in range(2)]
     try:
@@ -116,7 +99,7 @@ def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI is installed by scripts/slurm_local_cluster.sh")
 def test_mpirun_two_ranks_matches_torchrun(image_folder, tmp_path, reference_world2):
     result = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "PYTHONUNBUFFERED",
-                  *python_cmd(str(image_folder), *SHORT, "--checkpoints-path", str(tmp_path),
+                  *python_cmd(str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path),
                               "--dist-init-method", "mpi", "--master-port", "29733")], timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("global batch") == 1
@@ -129,3 +112,21 @@ def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_fol
                             env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
     assert "pass --dist-init-method mpi" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_missing_peer_fails_after_dist_timeout_with_one_clear_line(image_folder, tmp_path):
+    """Rank 1 of 2 with nobody at MASTER_ADDR:MASTER_PORT: a named error after --dist-timeout, not a hang."""
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    env = child_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    started = time.monotonic()
+    result = subprocess.run(python_cmd(str(image_folder), *SHORT_RUN, "--dist-timeout", "3", "--checkpoints-path",
+                                       str(tmp_path)), cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    ours = [line for line in result.stderr.splitlines() if line.startswith("imagenet-elastic: error:")]
+    assert len(ours) == 1, result.stderr
+    assert f"[rank 1] gave up connecting at MASTER_ADDR=127.0.0.1 MASTER_PORT={port}" in ours[0]
+    assert "--dist-timeout" in ours[0] and "Traceback" not in result.stderr
+    assert time.monotonic() - started < 60

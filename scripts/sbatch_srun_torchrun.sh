@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# srun starts one torchrun agent per node; the agents meet through c10d rendezvous on the first node.
+# torchrun's variables win over Slurm's, and a failed worker is restarted by its agent (--max-restarts).
+#   sbatch scripts/sbatch_srun_torchrun.sh /data/imagenet [more trainer options]
+#SBATCH --job-name=imagenet-elastic
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=1
+#SBATCH --gres=gpu:8
+#SBATCH --cpus-per-task=64
+#SBATCH --requeue
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+DATA=${1:?usage: sbatch $0 DATA [trainer options]}
+shift
+CHECKPOINTS=${CHECKPOINTS:-checkpoints/$SLURM_JOB_NAME}
+HEAD=$(python -c 'import os; from imagenet_elastic.hostlist import first_host; print(first_host(os.environ["SLURM_JOB_NODELIST"]))')
+RDZV_PORT=${RDZV_PORT:-29400}
+NPROC=${NPROC_PER_NODE:-gpu}   # torchrun's "gpu": one process per visible GPU
+# last_call_timeout/keep_alive_*: a group re-forms in seconds after a node is lost, not torchrun's ~46 s.
+srun --kill-on-bad-exit=0 python -m torch.distributed.run \
+    --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC" --max-restarts=3 \
+    --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
+    --rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3 \
+    -m imagenet_elastic "$DATA" --dist-init-method slurm --checkpoints-path "$CHECKPOINTS" --resume "$@"

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# One Slurm task per GPU: every task is one rank (--dist-init-method slurm).
+#   sbatch scripts/sbatch_task_per_gpu.sh /data/imagenet [more trainer options]
+# MASTER_ADDR is the first host of the job's nodelist, MASTER_PORT = 15000 + SLURM_JOB_ID % 15000.
+# --resume makes the same script serve the first run and every requeue.
+#SBATCH --job-name=imagenet-elastic
+#SBATCH --nodes=2
+#SBATCH --ntasks-per-node=4
+#SBATCH --gpus-per-task=1
+#SBATCH --cpus-per-task=8
+#SBATCH --requeue
+#SBATCH --signal=USR1@120
+#SBATCH --output=%x-%j.out
+set -euo pipefail
+DATA=${1:?usage: sbatch $0 DATA [trainer options]}
+shift
+CHECKPOINTS=${CHECKPOINTS:-checkpoints/$SLURM_JOB_NAME}
+srun --kill-on-bad-exit=1 python -m imagenet_elastic "$DATA" --dist-init-method slurm \
+    --checkpoints-path "$CHECKPOINTS" --resume "$@"

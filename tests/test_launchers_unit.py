@@ -1,0 +1,451 @@
+"""Launcher rules as pure functions of the environment: Slurm, MPI, spawn, choosing, devices (no processes)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from imagenet_elastic.distributed import DistEnv, select_device, visible_gpu_count
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launchers import (
+    LaunchPlan,
+    env_from_mpi,
+    env_from_slurm,
+    resolve_launch,
+    slurm_master_port,
+    slurm_procs_per_task,
+    tasks_on_node,
+)
+
+# ----------------------------------------------------------------------------- helpers
+
+# srun --nodes=4 --ntasks-per-node=2: the second task on the third node (global rank 5 of 8).
+SLURM_ENV = {
+    "SLURM_PROCID": "5",
+    "SLURM_NTASKS": "8",
+    "SLURM_LOCALID": "1",
+    "SLURM_NODEID": "2",
+    "SLURM_JOB_ID": "123456",
+    "SLURM_JOB_NODELIST": "gpu-a[01-03,07],gpu-b9",
+    "SLURM_TASKS_PER_NODE": "2(x4)",
+}
+
+OMPI_ENV = {
+    "OMPI_COMM_WORLD_RANK": "1",
+    "OMPI_COMM_WORLD_SIZE": "2",
+    "OMPI_COMM_WORLD_LOCAL_RANK": "1",
+    "OMPI_COMM_WORLD_LOCAL_SIZE": "2",
+}
+
+PMI_ENV = {"PMI_RANK": "2", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+
+TORCHRUN_ENV = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2",
+                "MASTER_ADDR": "node0", "MASTER_PORT": "29400"}
+
+
+def never_called(nodelist: str) -> str:
+    raise AssertionError(f"scontrol fallback was called for {nodelist!r} although our parser handles it")
+
+
+class RecordingFallback:
+    """A stand-in for `scontrol show hostnames` that records what it was asked."""
+
+    def __init__(self, answer: str = "from-scontrol") -> None:
+        self.answer = answer
+        self.calls: list[str] = []
+
+    def __call__(self, nodelist: str) -> str:
+        self.calls.append(nodelist)
+        return self.answer
+
+
+def slurm(**changes: str | None) -> dict[str, str]:
+    """SLURM_ENV with some variables replaced; None removes one."""
+    env = dict(SLURM_ENV)
+    for name, value in changes.items():
+        if value is None:
+            env.pop(name, None)
+        else:
+            env[name] = value
+    return env
+
+
+# ----------------------------------------------------------------------------- tasks_on_node
+
+@pytest.mark.parametrize(("spec", "node_id", "expected"), [
+    ("4", 0, 4),
+    ("2(x3),1", 0, 2),
+    ("2(x3),1", 2, 2),
+    ("2(x3),1", 3, 1),
+    ("1,3", 1, 3),
+    ("3(x2),1(x2),2", 0, 3),
+    ("3(x2),1(x2),2", 1, 3),
+    ("3(x2),1(x2),2", 2, 1),
+    ("3(x2),1(x2),2", 3, 1),
+    ("3(x2),1(x2),2", 4, 2),
+    ("16(x100)", 99, 16),
+])
+def test_tasks_on_node_expands_slurm_compressed_counts(spec, node_id, expected):
+    assert tasks_on_node(spec, node_id) == expected
+
+
+@pytest.mark.parametrize("spec", ["", "x", "2x3", "2(3)", "2(x)", "2(x3", "(x3)", "-1", "2;1", "2,,1", "two"])
+def test_tasks_on_node_rejects_text_not_in_slurm_format(spec):
+    with pytest.raises(UserError, match="SLURM_TASKS_PER_NODE.*not in Slurm's format"):
+        tasks_on_node(spec, 0)
+
+
+@pytest.mark.parametrize(("spec", "node_id"), [("2(x3),1", 4), ("2(x3),1", -1), ("4", 1), ("1(x2)", 2)])
+def test_tasks_on_node_rejects_node_ids_outside_the_list(spec, node_id):
+    with pytest.raises(UserError, match=f"SLURM_NODEID={node_id} is outside"):
+        tasks_on_node(spec, node_id)
+
+
+# ----------------------------------------------------------------------------- slurm_master_port
+
+@pytest.mark.parametrize("job_id", [0, 1, 14999, 15000, 29999, 30000, 123456, 2**31 - 1, 10**12 + 7])
+def test_slurm_master_port_follows_the_documented_formula_and_range(job_id):
+    port = slurm_master_port(job_id)
+    assert port == 15000 + job_id % 15000
+    assert 15000 <= port < 30000
+    assert port < 32768  # below Linux's ephemeral port range
+
+
+@pytest.mark.parametrize("job_id", [0, 14998, 14999, 15000, 99999, 123456])
+def test_slurm_master_port_differs_for_consecutive_jobs(job_id):
+    assert slurm_master_port(job_id) != slurm_master_port(job_id + 1)
+
+
+# ----------------------------------------------------------------------------- env_from_slurm
+
+def test_env_from_slurm_reads_one_task_per_gpu_layout():
+    env = env_from_slurm(SLURM_ENV, fallback=never_called)
+    assert env == DistEnv(rank=5, world_size=8, local_rank=1, local_world_size=2, master_addr="gpu-a01",
+                          master_port=15000 + 123456 % 15000, restart_count=0, launched=True, launcher="srun")
+
+
+def test_env_from_slurm_prefers_step_nodelist_over_job_nodelist():
+    env = env_from_slurm(slurm(SLURM_STEP_NODELIST="step-n[5-6]"), fallback=never_called)
+    assert env.master_addr == "step-n5"
+
+
+def test_env_from_slurm_uses_job_nodelist_when_step_nodelist_is_empty():
+    env = env_from_slurm(slurm(SLURM_STEP_NODELIST=""), fallback=never_called)
+    assert env.master_addr == "gpu-a01"
+
+
+def test_env_from_slurm_master_addr_and_port_from_environment_override_derived_values():
+    env = env_from_slurm(slurm(MASTER_ADDR="10.0.0.9", MASTER_PORT="23456"), fallback=never_called)
+    assert (env.master_addr, env.master_port) == ("10.0.0.9", 23456)
+
+
+def test_env_from_slurm_explicit_master_port_argument_beats_environment():
+    env = env_from_slurm(slurm(MASTER_PORT="23456"), master_port=17777, fallback=never_called)
+    assert env.master_port == 17777
+
+
+def test_env_from_slurm_non_integer_master_port_variable_is_a_user_error():
+    with pytest.raises(UserError, match="MASTER_PORT='abc'"):
+        env_from_slurm(slurm(MASTER_PORT="abc"), fallback=never_called)
+
+
+@pytest.mark.parametrize(("changes", "expected"), [
+    ({"SLURM_TASKS_PER_NODE": "2(x4)"}, 2),
+    ({"SLURM_TASKS_PER_NODE": "4,4,3,1", "SLURM_NODEID": "2"}, 3),
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_TASKS_PER_NODE": "4(x4)"}, 1),  # the step's own layout wins
+    ({"SLURM_STEP_TASKS_PER_NODE": "", "SLURM_TASKS_PER_NODE": "3(x4)"}, 3),
+    ({"SLURM_TASKS_PER_NODE": None}, 8),  # no layout at all: every task is on one node
+])
+def test_env_from_slurm_local_world_size_comes_from_tasks_per_node(changes, expected):
+    assert env_from_slurm(slurm(**changes), fallback=never_called).local_world_size == expected
+
+
+def test_env_from_slurm_restart_count_from_slurm_restart_count():
+    assert env_from_slurm(slurm(SLURM_RESTART_COUNT="2"), fallback=never_called).restart_count == 2
+
+
+@pytest.mark.parametrize("missing", ["SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID",
+                                     "SLURM_JOB_ID"])
+def test_env_from_slurm_missing_variable_names_all_looked_for_and_srun(missing):
+    with pytest.raises(UserError) as info:
+        env_from_slurm(slurm(**{missing: None}), fallback=never_called)
+    message = str(info.value)
+    for name in ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID"):
+        assert name in message
+    assert f"but {missing} is not set" in message
+    assert "srun" in message
+
+
+def test_env_from_slurm_with_no_variables_at_all_names_them_and_srun():
+    with pytest.raises(UserError, match=r"looked for SLURM_PROCID, .*SLURM_JOB_ID but .* are not set.*srun"):
+        env_from_slurm({}, fallback=never_called)
+
+
+def test_env_from_slurm_without_any_nodelist_names_both_variables_and_srun():
+    with pytest.raises(UserError, match="SLURM_STEP_NODELIST and SLURM_JOB_NODELIST.*srun"):
+        env_from_slurm(slurm(SLURM_JOB_NODELIST=None), fallback=never_called)
+
+
+def test_env_from_slurm_does_not_call_scontrol_fallback_for_parsable_nodelist():
+    fallback = RecordingFallback()
+    env = env_from_slurm(SLURM_ENV, fallback=fallback)
+    assert fallback.calls == []
+    assert env.master_addr == "gpu-a01"
+
+
+def test_env_from_slurm_calls_scontrol_fallback_only_when_our_parser_fails():
+    fallback = RecordingFallback("node-from-scontrol")
+    env = env_from_slurm(slurm(SLURM_JOB_NODELIST="gpu[01-"), fallback=fallback)
+    assert fallback.calls == ["gpu[01-"]
+    assert env.master_addr == "node-from-scontrol"
+
+
+def test_env_from_slurm_skips_nodelist_and_fallback_when_master_addr_is_set():
+    fallback = RecordingFallback()
+    env = env_from_slurm(slurm(SLURM_JOB_NODELIST="gpu[01-", MASTER_ADDR="head"), fallback=fallback)
+    assert fallback.calls == []
+    assert env.master_addr == "head"
+
+
+# ----------------------------------------------------------------------------- slurm_procs_per_task
+
+@pytest.mark.parametrize(("environ", "nproc_per_node", "visible_gpus", "expected"), [
+    ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"}, 3, 2, 3),  # --nproc-per-node wins
+    ({"SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "0"}, 2, 8, 2),  # ... even with several tasks
+    ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "1"}, None, 2, 2),  # one task, 2 GPUs -> 2 ranks
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x2)", "SLURM_TASKS_PER_NODE": "4(x2)", "SLURM_NODEID": "0"}, None, 4, 4),
+    ({"SLURM_TASKS_PER_NODE": "2(x2)", "SLURM_NODEID": "0"}, None, 2, 1),  # several tasks per node -> 1
+    ({"SLURM_TASKS_PER_NODE": "1,2", "SLURM_NODEID": "1"}, None, 4, 1),
+    ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"}, None, 0, 1),  # no GPUs -> 1
+    ({"SLURM_TASKS_PER_NODE": "1(x2)", "SLURM_NODEID": "0"}, None, 1, 1),
+    ({}, None, 4, 1),  # no layout known -> 1
+])
+def test_slurm_procs_per_task(environ, nproc_per_node, visible_gpus, expected):
+    assert slurm_procs_per_task(environ, nproc_per_node, visible_gpus) == expected
+
+
+# ----------------------------------------------------------------------------- DistEnv.child
+
+def test_child_of_second_task_gets_consecutive_ranks_and_doubled_world():
+    task = DistEnv(rank=1, world_size=2, local_rank=0, local_world_size=1, master_addr="n0", master_port=15001,
+                   launched=True, launcher="srun")
+    children = [task.child(i, 2) for i in range(2)]
+    assert [c.rank for c in children] == [2, 3]
+    assert [c.world_size for c in children] == [4, 4]
+    assert [c.local_rank for c in children] == [0, 1]
+    assert [c.local_world_size for c in children] == [2, 2]
+    assert all(c.launched and c.master_addr == "n0" and c.master_port == 15001 for c in children)
+
+
+@pytest.mark.parametrize(("tasks", "tasks_per_node", "procs"), [(2, 1, 2), (4, 2, 3), (1, 1, 4), (6, 3, 1)])
+def test_children_of_all_tasks_cover_every_rank_exactly_once(tasks, tasks_per_node, procs):
+    world = tasks * procs
+    envs = [DistEnv(rank=r, world_size=tasks, local_rank=r % tasks_per_node,
+                    local_world_size=tasks_per_node).child(i, procs)
+            for r in range(tasks) for i in range(procs)]
+    ranks = [e.rank for e in envs]
+    assert sorted(ranks) == list(range(world))
+    assert len(set(ranks)) == len(ranks)
+    assert {e.world_size for e in envs} == {world}
+    for node in range(tasks // tasks_per_node):
+        on_node = [e for e in envs if e.rank // (tasks_per_node * procs) == node]
+        assert sorted(e.local_rank for e in on_node) == list(range(tasks_per_node * procs))
+        assert {e.local_world_size for e in on_node} == {tasks_per_node * procs}
+
+
+# ----------------------------------------------------------------------------- env_from_mpi
+
+def test_env_from_mpi_reads_openmpi_variables():
+    env = env_from_mpi(OMPI_ENV)
+    assert env == DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, master_addr="127.0.0.1",
+                          master_port=29500, launched=True, launcher="mpirun")
+
+
+def test_env_from_mpi_reads_pmi_variables_with_mpi_localrankid():
+    env = env_from_mpi({**PMI_ENV, "MASTER_ADDR": "head"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (2, 4, 0, 2)
+    assert env.launcher == "mpirun" and env.launched
+
+
+def test_env_from_mpi_pmi_local_rank_falls_back_to_pmi_local_variables():
+    env = env_from_mpi({"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_LOCAL_RANK": "1", "PMI_LOCAL_SIZE": "2"})
+    assert (env.rank, env.world_size, env.local_rank, env.local_world_size) == (1, 2, 1, 2)
+
+
+def test_env_from_mpi_single_node_pmi_without_local_variables_uses_world():
+    env = env_from_mpi({"PMI_RANK": "1", "PMI_SIZE": "3"})
+    assert (env.local_rank, env.local_world_size, env.master_addr) == (0, 3, "127.0.0.1")
+
+
+@pytest.mark.parametrize(("url", "addr", "port"), [
+    ("tcp://host:1234", "host", 1234),
+    ("tcp://10.1.2.3:29501", "10.1.2.3", 29501),
+    ("tcp://node-7.cluster:65535", "node-7.cluster", 65535),
+])
+def test_env_from_mpi_dist_url_sets_master(url, addr, port):
+    env = env_from_mpi({**OMPI_ENV, "MASTER_ADDR": "ignored", "MASTER_PORT": "1"}, dist_url=url)
+    assert (env.master_addr, env.master_port) == (addr, port)
+
+
+@pytest.mark.parametrize("url", ["host:1234", "http://host:1234", "tcp://host", "tcp://:1234", "tcp://host:0",
+                                 "tcp://host:abc", "tcp://host:99999", "tcp://host:-1"])
+def test_env_from_mpi_bad_dist_url_is_a_user_error(url):
+    with pytest.raises(UserError, match="--dist-url .* must look like tcp://HOST:PORT"):
+        env_from_mpi(OMPI_ENV, dist_url=url)
+
+
+def test_env_from_mpi_empty_dist_url_counts_as_not_given():
+    env = env_from_mpi({**OMPI_ENV, "MASTER_ADDR": "head", "MASTER_PORT": "23000"}, dist_url="")
+    assert (env.master_addr, env.master_port) == ("head", 23000)
+
+
+def test_env_from_mpi_master_addr_and_port_from_environment():
+    env = env_from_mpi({**OMPI_ENV, "MASTER_ADDR": "head", "MASTER_PORT": "23000"})
+    assert (env.master_addr, env.master_port) == ("head", 23000)
+
+
+def test_env_from_mpi_master_port_argument_beats_environment():
+    assert env_from_mpi({**OMPI_ENV, "MASTER_PORT": "23000"}, master_port=24000).master_port == 24000
+
+
+@pytest.mark.parametrize("master", [{}, {"MASTER_ADDR": "127.0.0.1"}, {"MASTER_ADDR": "localhost"}])
+def test_env_from_mpi_multi_node_job_with_local_master_is_refused(master):
+    environ = {**OMPI_ENV, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2", **master}
+    with pytest.raises(UserError, match="set MASTER_ADDR or --dist-url"):
+        env_from_mpi(environ)
+
+
+def test_env_from_mpi_multi_node_job_with_real_master_is_accepted():
+    environ = {**OMPI_ENV, "OMPI_COMM_WORLD_SIZE": "4", "OMPI_COMM_WORLD_LOCAL_SIZE": "2"}
+    assert env_from_mpi(environ, dist_url="tcp://head:1234").world_size == 4
+    assert env_from_mpi({**environ, "MASTER_ADDR": "head"}).master_addr == "head"
+
+
+def test_env_from_mpi_with_nothing_set_names_openmpi_and_pmi_variables():
+    with pytest.raises(UserError) as info:
+        env_from_mpi({"HOME": "/root"})
+    assert "OMPI_COMM_WORLD_RANK" in str(info.value)
+    assert "PMI_RANK" in str(info.value)
+
+
+def test_env_from_mpi_missing_openmpi_local_size_names_it():
+    environ = {k: v for k, v in OMPI_ENV.items() if k != "OMPI_COMM_WORLD_LOCAL_SIZE"}
+    with pytest.raises(UserError, match="OMPI_COMM_WORLD_LOCAL_SIZE"):
+        env_from_mpi(environ)
+
+
+# ----------------------------------------------------------------------------- resolve_launch
+
+def test_resolve_env_without_variables_is_one_plain_process():
+    plan = resolve_launch("env", {})
+    assert plan == LaunchPlan(DistEnv(), 1)
+    assert plan.env.launched is False
+
+
+def test_resolve_env_under_srun_without_torchrun_is_refused_and_suggests_slurm():
+    with pytest.raises(UserError, match="SLURM_STEP_NUM_TASKS=4.*pass --dist-init-method slurm"):
+        resolve_launch("env", {**SLURM_ENV, "SLURM_STEP_NUM_TASKS": "4"})
+
+
+def test_resolve_env_in_sbatch_script_shell_is_one_plain_process():
+    plan = resolve_launch("env", {"SLURM_NTASKS": "4", "SLURM_PROCID": "0", "SLURM_JOB_ID": "7"})
+    assert plan == LaunchPlan(DistEnv(), 1)
+
+
+def test_resolve_env_under_srun_with_one_task_is_one_plain_process():
+    assert resolve_launch("env", {"SLURM_STEP_NUM_TASKS": "1"}).env.launched is False
+
+
+@pytest.mark.parametrize(("var", "launcher"), [("OMPI_COMM_WORLD_SIZE", "mpirun"), ("PMI_SIZE", "mpiexec")])
+def test_resolve_env_under_mpi_without_torchrun_is_refused_and_suggests_mpi(var, launcher):
+    with pytest.raises(UserError, match=f"{launcher}.*{var}=2.*pass --dist-init-method mpi"):
+        resolve_launch("env", {var: "2"})
+
+
+def test_resolve_env_with_torchrun_variables_under_srun_uses_torchrun():
+    plan = resolve_launch("env", {**TORCHRUN_ENV, "SLURM_STEP_NUM_TASKS": "4"})
+    assert plan.env.launcher == "torchrun" and plan.env.rank == 1
+
+
+def test_resolve_slurm_reads_slurm_variables():
+    plan = resolve_launch("slurm", {**SLURM_ENV, "SLURM_JOB_NODELIST": "solo"}, visible_gpus=1)
+    assert plan.procs_per_task == 1
+    assert (plan.env.launcher, plan.env.rank, plan.env.master_addr) == ("srun", 5, "solo")
+
+
+def test_resolve_slurm_master_port_argument_is_passed_through():
+    plan = resolve_launch("slurm", {**SLURM_ENV, "SLURM_JOB_NODELIST": "solo"}, master_port=18000)
+    assert plan.env.master_port == 18000
+
+
+def test_resolve_slurm_one_task_per_node_starts_one_rank_per_gpu():
+    environ = slurm(SLURM_JOB_NODELIST="solo", SLURM_TASKS_PER_NODE="1(x8)", SLURM_PROCID="2", SLURM_LOCALID="0")
+    plan = resolve_launch("slurm", environ, visible_gpus=4)
+    assert plan.procs_per_task == 4
+    assert (plan.env.rank, plan.env.world_size, plan.env.local_world_size) == (2, 8, 1)
+
+
+def test_resolve_slurm_with_torchrun_variables_lets_torchrun_win():
+    plan = resolve_launch("slurm", {**SLURM_ENV, **TORCHRUN_ENV}, nproc_per_node=4, visible_gpus=8)
+    assert plan.env.launcher == "torchrun"
+    assert (plan.env.rank, plan.env.world_size, plan.env.master_addr, plan.env.master_port) == (1, 2, "node0", 29400)
+    assert plan.procs_per_task == 1
+
+
+@pytest.mark.parametrize(("nproc_per_node", "visible_gpus", "expected_procs"), [
+    (None, 0, 1), (None, 1, 1), (None, 4, 4), (3, 0, 3), (2, 8, 2),
+])
+def test_resolve_spawn_procs_and_store(nproc_per_node, visible_gpus, expected_procs):
+    plan = resolve_launch("spawn", {}, nproc_per_node=nproc_per_node, visible_gpus=visible_gpus)
+    assert plan.procs_per_task == expected_procs
+    assert plan.env.master_port == 0
+    assert plan.env.store_is_external is True
+    assert plan.env.launcher == "spawn"
+
+
+def test_resolve_spawn_keeps_an_explicit_master_port():
+    assert resolve_launch("spawn", {}, master_port=25000).env.master_port == 25000
+
+
+def test_resolve_mpi_reads_mpi_variables_and_dist_url():
+    plan = resolve_launch("mpi", OMPI_ENV, dist_url="tcp://head:4321")
+    assert plan.procs_per_task == 1
+    assert (plan.env.launcher, plan.env.rank, plan.env.master_addr, plan.env.master_port) == (
+        "mpirun", 1, "head", 4321)
+
+
+def test_resolve_mpi_without_mpi_variables_is_refused():
+    with pytest.raises(UserError, match="OMPI_COMM_WORLD_RANK.*PMI_RANK"):
+        resolve_launch("mpi", {})
+
+
+# ----------------------------------------------------------------------------- visible_gpu_count, select_device
+
+@pytest.mark.parametrize(("visible", "expected"), [
+    ("0,1", 2), ("3", 1), ("0, 1, 2", 3), ("GPU-1a2b,GPU-3c4d", 2), ("", 0), ("-1", 0), (" ", 0),
+])
+def test_visible_gpu_count_reads_cuda_visible_devices(monkeypatch, visible, expected):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 99)
+    assert visible_gpu_count({"CUDA_VISIBLE_DEVICES": visible}) == expected
+
+
+@pytest.mark.parametrize("count", [0, 3])
+def test_visible_gpu_count_without_variable_asks_cuda(monkeypatch, count):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert visible_gpu_count({}) == count
+
+
+def test_select_device_cpu_is_cpu_even_with_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert select_device("cpu", DistEnv()) == torch.device("cpu")
+
+
+def test_select_device_auto_without_cuda_is_cpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert select_device("auto", DistEnv()) == torch.device("cpu")
+
+
+def test_select_device_cuda_without_cuda_is_a_user_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--device cuda.*no CUDA device"):
+        select_device("cuda", DistEnv())

@@ -1,0 +1,93 @@
+"""The slurm method against a real Slurm: controller + two slurmd nodes n1, n2 on this host, fake GPUs.
+
+scripts/slurm_local_cluster.sh installs Debian's Slurm and starts the cluster. The tests skip only
+where the daemons cannot run at all (not root); anywhere else a failure to start fails them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+
+import pytest
+from conftest import REPO, SHORT_RUN, assert_matches_reference, child_env, load_checkpoint, python_cmd
+
+CLUSTER_SCRIPT = REPO / "scripts" / "slurm_local_cluster.sh"
+
+
+@pytest.fixture(scope="session")
+def slurm_env() -> dict[str, str]:
+    if os.geteuid() != 0:
+        pytest.skip("slurmctld/slurmd/munged must be started as root (scripts/slurm_local_cluster.sh)")
+    started = subprocess.run(["bash", str(CLUSTER_SCRIPT), "start"], capture_output=True, text=True, timeout=600)
+    assert started.returncode == 0, f"the local Slurm cluster did not start:\n{started.stderr[-3000:]}"
+    conf = started.stdout.strip().splitlines()[-1].removeprefix("export SLURM_CONF=")
+    return child_env(SLURM_CONF=conf)
+
+
+def srun(env: dict[str, str], layout: list[str], args: list[str], timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(["srun", "--kill-on-bad-exit=1", *layout, *python_cmd(*args, "--dist-init-method", "slurm")],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def test_srun_two_nodes_one_task_each_finds_master_in_hostlist(slurm_env, image_folder, tmp_path, reference_world2):
+    # both "nodes" share this host's 2 cores: pin one thread per rank, like the reference
+    result = srun(slurm_env, ["-N2", "--ntasks-per-node=1"],
+                  [str(image_folder), *SHORT_RUN, "--threads", "1", "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "srun, rendezvous n1:" in result.stdout  # MASTER_ADDR = first host of n[1-2]
+    assert result.stdout.count("global batch") == 1
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_srun_one_node_two_tasks(slurm_env, image_folder, tmp_path, reference_world2):
+    result = srun(slurm_env, ["-N1", "--ntasks-per-node=2"],
+                  [str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "2 (2 per node)" in result.stdout
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_srun_one_task_per_node_spawns_one_process_per_gpu(slurm_env, image_folder, tmp_path):
+    result = srun(slurm_env, ["-N2", "--ntasks-per-node=1", "--gres=gpu:2"],
+                  [str(image_folder), *SHORT_RUN, "--batch-size", "4", "--nproc-per-node", "2",
+                   "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "4 (2 per node)" in result.stdout and "16 = 4 per process x 4" in result.stdout
+    assert result.stdout.count("global batch") == 1
+    assert load_checkpoint(tmp_path / "last.pt")["world_size"] == 4
+
+
+def test_sbatch_example_script_runs_to_completion(slurm_env, image_folder, tmp_path, reference_world2):
+    log = tmp_path / "job.out"
+    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt")}
+    # the example asks for 2 nodes x 4 GPUs x 8 CPUs; the test cluster has 2 fake GPUs and 2 CPUs a node
+    result = subprocess.run(
+        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-task=1", "--cpus-per-task=1",
+         f"--output={log}", str(REPO / "scripts" / "sbatch_task_per_gpu.sh"), str(image_folder), *SHORT_RUN,
+         "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = log.read_text() if log.exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + output
+    assert "epoch 1/1: train loss" in output
+    assert_matches_reference(tmp_path / "ckpt", reference_world2)
+
+
+def test_env_method_under_srun_without_torchrun_is_refused(slurm_env, image_folder, tmp_path):
+    result = subprocess.run(["srun", "-N1", "--ntasks-per-node=2", *python_cmd(str(image_folder))],
+                            cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    assert "pass --dist-init-method slurm" in result.stderr and "Traceback" not in result.stderr
+
+
+
+def test_sbatch_srun_torchrun_example_uses_torchrun_variables(slurm_env, image_folder, tmp_path, reference_world2):
+    log = tmp_path / "job.out"
+    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), "NPROC_PER_NODE": "1", "RDZV_PORT": "29457"}
+    result = subprocess.run(
+        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1",
+         f"--output={log}", str(REPO / "scripts" / "sbatch_srun_torchrun.sh"), str(image_folder), *SHORT_RUN,
+         "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    output = log.read_text() if log.exists() else ""
+    assert result.returncode == 0, result.stdout + result.stderr + output
+    assert "torchrun, rendezvous" in output  # torchrun's variables won over SLURM_*
+    assert_matches_reference(tmp_path / "ckpt", reference_world2)
