@@ -58,16 +58,20 @@ def test_srun_one_task_per_node_spawns_one_process_per_gpu(slurm_env, image_fold
     assert load_checkpoint(tmp_path / "last.pt")["world_size"] == 4
 
 
-def test_sbatch_example_script_runs_to_completion(slurm_env, image_folder, tmp_path, reference_world2):
-    log = tmp_path / "job.out"
-    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt")}
-    # the example asks for 2 nodes x 4 GPUs x 8 CPUs; the test cluster has 2 fake GPUs and 2 CPUs a node
-    result = subprocess.run(
-        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--gpus-per-task=1", "--cpus-per-task=1",
-         f"--output={log}", str(REPO / "scripts" / "sbatch_task_per_gpu.sh"), str(image_folder), *SHORT_RUN,
-         "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+def sbatch(env: dict[str, str], script: str, options: list[str], args: list[str], log) -> str:
+    """Submit an example script, wait for it, and return the job's output (the test fails on a non-zero exit)."""
+    result = subprocess.run(["sbatch", "--wait", *options, f"--output={log}", str(REPO / "scripts" / script), *args],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     output = log.read_text() if log.exists() else ""
     assert result.returncode == 0, result.stdout + result.stderr + output
+    return output
+
+
+def test_sbatch_example_script_runs_to_completion(slurm_env, image_folder, tmp_path, reference_world2):
+    # the example asks for 2 nodes x 4 GPUs x 8 CPUs; the test cluster has 2 fake GPUs and 2 CPUs a node
+    output = sbatch({**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt")}, "sbatch_task_per_gpu.sh",
+                    ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-task=1", "--cpus-per-task=1"],
+                    [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
     assert "epoch 1/1: train loss" in output
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
 
@@ -81,13 +85,9 @@ def test_env_method_under_srun_without_torchrun_is_refused(slurm_env, image_fold
 
 
 def test_sbatch_srun_torchrun_example_uses_torchrun_variables(slurm_env, image_folder, tmp_path, reference_world2):
-    log = tmp_path / "job.out"
     env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), "NPROC_PER_NODE": "1", "RDZV_PORT": "29457"}
-    result = subprocess.run(
-        ["sbatch", "--wait", "--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1",
-         f"--output={log}", str(REPO / "scripts" / "sbatch_srun_torchrun.sh"), str(image_folder), *SHORT_RUN,
-         "--threads", "1"], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
-    output = log.read_text() if log.exists() else ""
-    assert result.returncode == 0, result.stdout + result.stderr + output
+    output = sbatch(env, "sbatch_srun_torchrun.sh",
+                    ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"],
+                    [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
     assert "torchrun, rendezvous" in output  # torchrun's variables won over SLURM_*
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
