@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -23,6 +24,12 @@ from conftest import (
 
 from imagenet_elastic.data import scan_image_folder
 from imagenet_elastic.sampler import TrainBatchSampler
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
@@ -73,10 +80,7 @@ def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_p
 
 
 def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, tmp_path, reference_world2):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
@@ -97,12 +101,31 @@ def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, 
 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI is installed by scripts/slurm_local_cluster.sh")
-def test_mpirun_two_ranks_matches_torchrun(image_folder, tmp_path, reference_world2):
-    result = run(["mpirun", "--allow-run-as-root", "--oversubscribe", "-n", "2", "-x", "PYTHONUNBUFFERED",
-                  *python_cmd(str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path),
-                              "--dist-init-method", "mpi", "--master-port", "29733")], timeout=240)
+def test_mpirun_example_script_two_ranks_matches_torchrun(image_folder, tmp_path, reference_world2):
+    env = child_env(CHECKPOINTS=str(tmp_path), MASTER_PORT=str(free_port()))
+    result = subprocess.run(["bash", str(REPO / "scripts" / "mpirun_example.sh"), "2", str(image_folder), *SHORT_RUN],
+                            cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("global batch") == 1
+    assert result.stdout.count("global batch") == 1 and "mpirun, rendezvous 127.0.0.1:" in result.stdout
+    assert_matches_reference(tmp_path, reference_world2)
+
+
+def test_multinode_torchrun_script_with_node_level_variables(image_folder, tmp_path, reference_world2):
+    """Two "containers" on this host, each given the cluster's node-level RANK/WORLD_SIZE/MASTER_*."""
+    port = free_port()
+    nodes = [subprocess.Popen(
+        ["bash", str(REPO / "scripts" / "torchrun_multinode.sh"), str(image_folder), *SHORT_RUN, "--threads", "1"],
+        cwd=REPO, env=child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(node), WORLD_SIZE="2",
+                                NPROC_PER_NODE="1", CHECKPOINTS=str(tmp_path)),
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in range(2)]
+    try:
+        outputs = [n.communicate(timeout=240)[0] for n in nodes]
+    finally:
+        for n in nodes:
+            if n.poll() is None:
+                os.killpg(n.pid, signal.SIGKILL)
+    assert [n.returncode for n in nodes] == [0, 0], "\n".join(outputs)
+    assert "2 (1 per node)" in outputs[0]
     assert_matches_reference(tmp_path, reference_world2)
 
 
@@ -116,10 +139,7 @@ def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_fol
 
 def test_missing_peer_fails_after_dist_timeout_with_one_clear_line(image_folder, tmp_path):
     """Rank 1 of 2 with nobody at MASTER_ADDR:MASTER_PORT: a named error after --dist-timeout, not a hang."""
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens here once the socket is closed
+    port = free_port()  # nothing listens here once the socket is closed
     env = child_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     started = time.monotonic()
     result = subprocess.run(python_cmd(str(image_folder), *SHORT_RUN, "--dist-timeout", "3", "--checkpoints-path",
