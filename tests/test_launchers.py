@@ -32,6 +32,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -> tuple[list[int], list[str]]:
+    """Start every (command, env) at once, as the nodes of one job; return exit codes and outputs."""
+    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                              start_new_session=True) for cmd, env in commands]
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    return [p.returncode for p in procs], outputs
+
+
 def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
     result = run(python_cmd(str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path),
                             "--dist-init-method", "spawn", "--nproc-per-node", "2"))
@@ -81,21 +94,13 @@ def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_p
 
 def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, tmp_path, reference_world2):
     port = free_port()
-    agents = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
-         "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
-         # both "nodes" share this host's 2 cores: one thread each, as the reference's ranks had
-         "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--threads", "1",
-         "--checkpoints-path", str(tmp_path)],
-        cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True) for n in range(2)]
-    try:
-        outputs = [a.communicate(timeout=240)[0] for a in agents]
-    finally:
-        for a in agents:
-            if a.poll() is None:
-                os.killpg(a.pid, signal.SIGKILL)
-    assert [a.returncode for a in agents] == [0, 0], "\n".join(outputs)
+    codes, outputs = run_together([
+        ([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
+          "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
+          # both "nodes" share this host's 2 cores: one thread each, as the reference's ranks had
+          "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--threads", "1",
+          "--checkpoints-path", str(tmp_path)], child_env()) for n in range(2)])
+    assert codes == [0, 0], "\n".join(outputs)
     assert sum(o.count("global batch") for o in outputs) == 1  # one rank 0 across both agents
     assert_matches_reference(tmp_path, reference_world2)
 
@@ -113,18 +118,11 @@ def test_mpirun_example_script_two_ranks_matches_torchrun(image_folder, tmp_path
 def test_multinode_torchrun_script_with_node_level_variables(image_folder, tmp_path, reference_world2):
     """Two "containers" on this host, each given the cluster's node-level RANK/WORLD_SIZE/MASTER_*."""
     port = free_port()
-    nodes = [subprocess.Popen(
-        ["bash", str(REPO / "scripts" / "torchrun_multinode.sh"), str(image_folder), *SHORT_RUN, "--threads", "1"],
-        cwd=REPO, env=child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(node), WORLD_SIZE="2",
-                                NPROC_PER_NODE="1", CHECKPOINTS=str(tmp_path)),
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True) for node in range(2)]
-    try:
-        outputs = [n.communicate(timeout=240)[0] for n in nodes]
-    finally:
-        for n in nodes:
-            if n.poll() is None:
-                os.killpg(n.pid, signal.SIGKILL)
-    assert [n.returncode for n in nodes] == [0, 0], "\n".join(outputs)
+    script = ["bash", str(REPO / "scripts" / "torchrun_multinode.sh"), str(image_folder), *SHORT_RUN, "--threads", "1"]
+    codes, outputs = run_together([
+        (script, child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(node), WORLD_SIZE="2",
+                           NPROC_PER_NODE="1", CHECKPOINTS=str(tmp_path))) for node in range(2)])
+    assert codes == [0, 0], "\n".join(outputs)
     assert "2 (1 per node)" in outputs[0]
     assert_matches_reference(tmp_path, reference_world2)
 
