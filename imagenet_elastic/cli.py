@@ -9,9 +9,7 @@ from collections.abc import Sequence
 from typing import NoReturn, Optional
 
 from imagenet_elastic.config import RESUME_AUTO, Config
-from imagenet_elastic.errors import UserError, one_line
-
-PROG = "imagenet-elastic"
+from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError
 
 
 class Parser(argparse.ArgumentParser):
@@ -111,16 +109,16 @@ def config_from_args(args: argparse.Namespace) -> Config:
 def main(argv: Optional[Sequence[str]] = None) -> None:
     args = build_parser().parse_args(argv)
     config = config_from_args(args)
-    from imagenet_elastic.distributed import visible_gpu_count
-    from imagenet_elastic.launch import USER_ERROR_EXIT, run_worker, spawn_workers
+    from imagenet_elastic.distributed import DistEnv, visible_gpu_count
+    from imagenet_elastic.launch import report_user_error, run_worker, spawn_workers
     from imagenet_elastic.launchers import resolve_launch
 
     try:
         plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,
                               nproc_per_node=config.nproc_per_node, master_port=config.master_port,
                               dist_url=config.dist_url, visible_gpus=visible_gpu_count(os.environ))
-    except UserError as error:
-        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr)
+    except UserError as error:  # no rank is known yet: every process reports
+        report_user_error(error, DistEnv())
         sys.exit(USER_ERROR_EXIT)
     try:
         if plan.procs_per_task > 1 or config.dist_init_method == "spawn":

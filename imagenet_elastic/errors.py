@@ -1,5 +1,8 @@
 """Errors a user can fix: printed as one line, never as a traceback."""
 
+PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
+USER_ERROR_EXIT = 2
+
 
 class UserError(Exception):
     """Bad input (flag, file, variable). The message names the culprit.

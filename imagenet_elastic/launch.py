@@ -17,13 +17,11 @@ import torch.multiprocessing as mp
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.errors import UserError, one_line
-
-PROG = "imagenet-elastic"
-USER_ERROR_EXIT = 2
+from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError, one_line
 
 
 def report_user_error(error: UserError, env: DistEnv) -> None:
+    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`)."""
     if env.rank == 0:
         print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
     elif error.every_rank:
@@ -48,8 +46,7 @@ def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:
 
 
 def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
-    store = None
-    if task_env.store_is_external:  # single-node spawn: this parent hosts the store
+    if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)
@@ -65,5 +62,3 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
         rank = task_env.rank * procs + failed.error_index
         print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
         sys.exit(1)
-    finally:
-        del store

@@ -47,6 +47,15 @@ def _require(environ: Mapping[str, str], names: tuple[str, ...], method: str, la
                         f"{'is' if len(missing) == 1 else 'are'} not set; these are set by {launcher}")
 
 
+def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
+    """--master-port, else MASTER_PORT, else the launcher's default."""
+    if explicit:
+        return explicit
+    if environ.get("MASTER_PORT"):
+        return _int_var(environ, "MASTER_PORT", "the cluster or the user")
+    return default
+
+
 def has_torchrun_vars(environ: Mapping[str, str]) -> bool:
     return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
 
@@ -139,16 +148,13 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
     node_id = _int_var(environ, "SLURM_NODEID", "srun")
     spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     ntasks = _int_var(environ, "SLURM_NTASKS", "srun")
-    if master_port is None:
-        port_var = environ.get("MASTER_PORT")
-        master_port = (_int_var(environ, "MASTER_PORT", "you") if port_var
-                       else slurm_master_port(_int_var(environ, "SLURM_JOB_ID", "srun")))
     return DistEnv(
         rank=_int_var(environ, "SLURM_PROCID", "srun"), world_size=ntasks,
         local_rank=_int_var(environ, "SLURM_LOCALID", "srun"),
         local_world_size=tasks_on_node(spec, node_id) if spec else ntasks,
         master_addr=environ.get("MASTER_ADDR") or master_from_nodelist(nodelist, fallback),
-        master_port=master_port, launched=True, launcher="srun",
+        master_port=_master_port(environ, master_port, slurm_master_port(_int_var(environ, "SLURM_JOB_ID", "srun"))),
+        launched=True, launcher="srun",
         restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
     )
 
@@ -194,9 +200,10 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
     else:
         raise UserError("--dist-init-method mpi looked for OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI) and "
                         "PMI_RANK/PMI_SIZE (MPICH, Intel MPI) but none is set; these are set by mpirun/mpiexec")
-    addr, port = parse_dist_url(dist_url) if dist_url else (environ.get("MASTER_ADDR") or "127.0.0.1", None)
-    if port is None:
-        port = master_port or (_int_var(environ, "MASTER_PORT", "you") if environ.get("MASTER_PORT") else 29500)
+    if dist_url:
+        addr, port = parse_dist_url(dist_url)
+    else:
+        addr, port = environ.get("MASTER_ADDR") or "127.0.0.1", _master_port(environ, master_port, 29500)
     if world > local_world and addr in ("127.0.0.1", "localhost"):
         raise UserError(f"mpi job spans several nodes ({world} ranks, {local_world} here): set MASTER_ADDR "
                         "or --dist-url tcp://RANK0_HOST:PORT")
