@@ -7,18 +7,22 @@ tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=Tru
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import io
 import os
 import re
+import socket
 import tempfile
-from typing import Any, Optional
+import time
+from typing import Any, Callable, Optional
 
 import torch
 
 from imagenet_elastic.errors import UserError
 
 LAST = "last.pt"
+LOCK = ".lock"
 BEST = "best.pt"
 EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
 TEMP_PREFIX = ".tmp-"
@@ -82,6 +86,46 @@ def check_writable(folder: str) -> None:
         raise UserError(f"checkpoints path {folder} is not writable: {error.strerror or error}") from None
 
 
+class CheckpointLock:
+    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs.
+
+    A second run started against the same folder (or a leftover rank 0 of an elastic round that has
+    not died yet) is waited for, then refused, instead of interleaving its checkpoints with ours or
+    deleting our temp files as stale. The kernel drops the lock when its holder dies, however it dies.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, LOCK)
+        self.fd: Optional[int] = None
+
+    def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
+                                    f"({holder}); wait for it to end or choose another --checkpoints-path") from None
+                if not told:
+                    on_wait(holder)
+                    told = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
 class CheckpointManager:
     """Owns one checkpoints folder: `last.pt`, `best.pt` and the newest K `epoch_NNNN.pt`.
 
@@ -100,9 +144,10 @@ class CheckpointManager:
     def epoch_path(self, epoch: int) -> str:
         return os.path.join(self.folder, f"epoch_{epoch:04d}.pt")
 
-    def save(self, state: dict[str, Any], epoch: int, is_best: bool) -> None:
+    def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
+        """`epoch`: the epoch just completed, which also gets its own file; None for a mid-epoch save."""
         data = serialize(state)
-        if self.keep > 0:
+        if self.keep > 0 and epoch is not None:
             atomic_write_bytes(data, self.epoch_path(epoch))
         atomic_write_bytes(data, self.last_path)
         if is_best:

@@ -9,7 +9,8 @@ from collections.abc import Sequence
 from typing import NoReturn, Optional
 
 from imagenet_elastic.config import RESUME_AUTO, Config
-from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError
+from imagenet_elastic.errors import PREEMPTED_EXIT, PROG, USER_ERROR_EXIT, UserError
+from imagenet_elastic.preemption import parse_signals
 
 
 class Parser(argparse.ArgumentParser):
@@ -39,6 +40,34 @@ def _bounded(kind: type, low: float, inclusive: bool = True):
     return parse
 
 
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def parse_checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
+    """`500` (steps), `10m` / `90s` / `2h` (time), or both: `500,10m` -> (500, 600.0)."""
+    steps: Optional[int] = None
+    seconds: Optional[float] = None
+    try:
+        for item in (part.strip().lower() for part in text.split(",")):
+            if item and item[-1] in _UNITS:
+                seconds = float(item[:-1]) * _UNITS[item[-1]]
+            else:
+                steps = int(item)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected steps (500), a time (10m, 90s, 2h) or both (500,10m), got {text!r}") from None
+    if (steps is not None and steps <= 0) or (seconds is not None and seconds <= 0):
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return steps, seconds
+
+
+def _signals(text: str) -> tuple[str, ...]:
+    try:
+        return parse_signals(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).split(": ", 1)[-1]) from None
+
+
 positive_int = _bounded(int, 1)
 non_negative_int = _bounded(int, 0)
 non_negative_float = _bounded(float, 0.0)
@@ -57,7 +86,11 @@ def build_parser() -> Parser:
     g.add_argument("--val-resize", type=positive_int, default=None, help="val short side before the centre crop "
                    "(default image-size/0.875)")
     g.add_argument("--epochs", type=positive_int, default=d.epochs)
-    g.add_argument("--batch-size", type=positive_int, default=d.batch_size, help="per process")
+    g.add_argument("--batch-size", type=positive_int, default=d.batch_size,
+                   help="per process and forward pass; a larger per-process share is accumulated")
+    g.add_argument("--global-batch-size", type=positive_int, default=None,
+                   help="samples per optimizer step over all processes, kept when the world size changes "
+                   "(default: the checkpoint's, else batch-size x processes)")
     g.add_argument("--lr", type=positive_float, default=d.lr, help="for a global batch of 256, scaled linearly")
     g.add_argument("--momentum", type=non_negative_float, default=d.momentum)
     g.add_argument("--weight-decay", type=non_negative_float, default=d.weight_decay, help="not on norms and biases")
@@ -83,6 +116,14 @@ def build_parser() -> Parser:
                    help="newest epoch_NNNN.pt files to keep")
     g.add_argument("--resume", nargs="?", const=RESUME_AUTO, default=None, metavar="PATH",
                    help="continue from PATH; without PATH from CHECKPOINTS/last.pt when it exists")
+    g.add_argument("--checkpoint-interval", type=parse_checkpoint_interval, default=None, metavar="EVERY",
+                   help="also checkpoint mid-epoch: every N steps (500), every T time (10m, 90s, 2h), or both "
+                   "(500,10m)")
+    g.add_argument("--preempt-signals", type=_signals, default=d.preempt_signals, metavar="SIGNALS",
+                   help=f"signals that mean checkpoint at the next step and exit {PREEMPTED_EXIT}, or none "
+                   f"(default: {','.join(d.preempt_signals)})")
+    g.add_argument("--requeue-on-preempt", action="store_true",
+                   help="after a preemption checkpoint, rank 0 runs `scontrol requeue` for this Slurm job")
     g = p.add_argument_group("distributed")
     g.add_argument("--dist-init-method", choices=["env", "slurm", "spawn", "mpi"], default=d.dist_init_method,
                    help="how ranks are found: env (torchrun/torch.distributed.launch variables, or none for one "
@@ -102,8 +143,9 @@ def build_parser() -> Parser:
 
 
 def config_from_args(args: argparse.Namespace) -> Config:
-    fields = {k: v for k, v in vars(args).items() if k != "local_rank"}
-    return Config(**fields)
+    fields = {k: v for k, v in vars(args).items() if k not in ("local_rank", "checkpoint_interval")}
+    steps, seconds = args.checkpoint_interval or (None, None)
+    return Config(**fields, checkpoint_every_steps=steps, checkpoint_every_seconds=seconds)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

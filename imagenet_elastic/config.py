@@ -6,6 +6,8 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from imagenet_elastic.preemption import DEFAULT_SIGNALS
+
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.
@@ -23,7 +25,8 @@ class Config:
     image_size: int = 224
     val_resize: Optional[int] = None  # None: image_size / 0.875, the usual 256 for 224
     epochs: int = 90
-    batch_size: int = 64  # per process
+    batch_size: int = 64  # per process and forward pass (a micro-batch when accumulating)
+    global_batch_size: Optional[int] = None  # None: the checkpoint's, else batch_size x world size
     lr: float = 0.1  # for a global batch of 256, scaled linearly
     momentum: float = 0.9
     weight_decay: float = 1e-4
@@ -37,6 +40,10 @@ class Config:
     threads: Optional[int] = None  # intra-op threads per process; None: cores / local processes
     checkpoints_path: str = "./checkpoints"
     keep_checkpoints: int = 3
+    checkpoint_every_steps: Optional[int] = None  # besides every epoch's end
+    checkpoint_every_seconds: Optional[float] = None
+    preempt_signals: tuple[str, ...] = DEFAULT_SIGNALS
+    requeue_on_preempt: bool = False
     resume: Optional[str] = None  # None, RESUME_AUTO or a path
     evaluate: bool = False
     dist_init_method: str = "env"  # env | slurm | spawn | mpi

@@ -46,7 +46,8 @@ class Console:
             sys.stdout.flush()
 
     @contextmanager
-    def progress(self, description: str, total: int) -> Iterator[EpochProgress]:
+    def progress(self, description: str, total: int, done: int = 0) -> Iterator[EpochProgress]:
+        """`done`: steps of the epoch finished before a resume."""
         bar = None
         if self.enabled and self.rich.is_terminal:
             bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -57,7 +58,7 @@ class Console:
             yield tracker
             return
         with bar:
-            tracker.task = bar.add_task(description, total=total, stats="")
+            tracker.task = bar.add_task(description, total=total, completed=done, stats="")
             yield tracker
 
 

@@ -8,9 +8,12 @@ size see exactly the same pixels.
 
 from __future__ import annotations
 
+import functools
 import math
+import multiprocessing
 import os
 import random
+import signal
 from dataclasses import dataclass
 from typing import Optional
 
@@ -156,7 +159,8 @@ class TrainDataset(Dataset):
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int, int]:
+        """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
         epoch, i = key
         rng = sample_rng(self.seed, epoch, i)
 
@@ -165,7 +169,7 @@ class TrainDataset(Dataset):
             return box, rng.random() < 0.5
 
         pixels = decode_region(self.index.path(i), plan, self.size)
-        return torch.from_numpy(pixels.copy()), int(self.index.targets[i])
+        return torch.from_numpy(pixels.copy()), int(self.index.targets[i]), i
 
 
 class EvalDataset(Dataset):
@@ -185,20 +189,36 @@ class EvalDataset(Dataset):
         return torch.from_numpy(pixels.copy()), int(self.index.targets[i])
 
 
-def _worker_init(_: int) -> None:
-    torch.set_num_threads(1)  # workers decode with PIL; torch threads would only fight the main process
+def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
+    """Workers decode with PIL (torch threads would only fight the main process) and leave the
+    preemption signals to the main process: Slurm and torchrun signal every process of a task, and
+    a worker killed by SIGTERM would take the run down before its checkpoint."""
+    torch.set_num_threads(1)
+    for signum in ignored_signals:
+        signal.signal(signum, signal.SIG_IGN)
 
 
-def _loader_options(workers: int, pin_memory: bool) -> dict:
-    options = {"num_workers": workers, "pin_memory": pin_memory, "worker_init_fn": _worker_init}
+def stop_loader_workers() -> None:
+    """SIGKILL loader workers still alive as the rank ends (after an error their iterator may still be
+    referenced). They ignore SIGTERM (see `_worker_init`), so multiprocessing's own exit handler,
+    which terminates them and then joins, would wait forever."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
+
+
+def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...] = ()) -> dict:
+    options = {"num_workers": workers, "pin_memory": pin_memory,
+               "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
     if workers > 0:
         options.update(persistent_workers=True, prefetch_factor=4)
     return options
 
 
-def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool) -> DataLoader:
+def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
+                 ignored_signals: tuple[int, ...] = ()) -> DataLoader:
     return DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory))
+                      **_loader_options(workers, pin_memory, ignored_signals))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,

@@ -5,7 +5,8 @@ from __future__ import annotations
 import dataclasses
 import gc
 import os
-from collections.abc import Mapping
+import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Optional
@@ -100,12 +101,8 @@ def select_device(requested: str, env: DistEnv) -> torch.device:
 
 
 def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> None:
-    """Join the job's process group through a store prefix unique to this torchrun round.
-
-    Under torchrun the workers share the agent's TCPStore. Keys from a previous round (its gloo peer
-    addresses) are still there after a restart; reading them made restarts fail with "connection
-    refused". A prefix named after TORCHELASTIC_RESTART_COUNT gives every round a clean namespace.
-    """
+    """Join the job's process group in a store namespace that this round alone uses (see `join_round`)."""
+    global _control
     if not env.launched:
         return
     timeout = timedelta(seconds=timeout_s)
@@ -113,14 +110,60 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     try:
         store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
                               is_master=env.rank == 0 and not env.store_is_external, timeout=timeout)
-    except (RuntimeError, OSError) as error:
+        namespace = join_round(store, env.rank, env.world_size, timeout_s)
+    except (RuntimeError, OSError, TimeoutError) as error:
         raise RendezvousError(
             f"gave up {role} at MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} "
             f"after {timeout_s:g} s (--dist-timeout): {_first_line(error)}"
         ) from None
-    store = dist.PrefixStore(f"imagenet_elastic/round{env.restart_count}", store)
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=store, rank=env.rank, world_size=env.world_size, timeout=timeout)
+    dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=env.rank,
+                            world_size=env.world_size, timeout=timeout)
+    # Control messages (stop? checkpoint now?) travel on CPU tensors, so that agreeing on them never
+    # waits for the GPU's queue of work.
+    _control = dist.new_group(backend="gloo") if backend != "gloo" else None
+
+
+_ROUNDS = "imagenet_elastic/rounds"
+_control: Optional[dist.ProcessGroup] = None
+
+
+def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.02) -> str:
+    """Agree with the other ranks on a store namespace no earlier round has used.
+
+    torchrun's agents keep one store for the whole job, so keys of a previous round (its gloo peer
+    addresses) are still there after a restart or a membership change, and TORCHELASTIC_RESTART_COUNT
+    cannot name a round: torchrun does not raise it on a membership change, and an agent that joins
+    later counts from 0. So rank 0 takes a fresh ticket from a store counter and announces it; each
+    other rank registers its own fresh ticket under the announced name and waits for rank 0 to list
+    it back. A rank that read a stale announcement sees a list without its ticket (or none) and
+    retries under the new one: every key of an earlier round was written before this round began.
+    """
+    deadline = time.monotonic() + timeout_s
+    ticket = str(store.add(f"{_ROUNDS}/tickets", 1))
+    if rank == 0:
+        members = [f"{_ROUNDS}/{ticket}/member{r}" for r in range(1, world_size)]
+        store.set(f"{_ROUNDS}/leader", ticket)
+        if members:
+            store.wait(members, timedelta(seconds=timeout_s))
+        store.set(f"{_ROUNDS}/{ticket}/go", ",".join(store.get(k).decode() for k in members))
+        return f"imagenet_elastic/round{ticket}"
+    store.wait([f"{_ROUNDS}/leader"], timedelta(seconds=timeout_s))
+    while time.monotonic() < deadline:
+        leader = store.get(f"{_ROUNDS}/leader").decode()
+        store.set(f"{_ROUNDS}/{leader}/member{rank}", ticket)
+        while time.monotonic() < deadline:
+            if store.check([f"{_ROUNDS}/{leader}/go"]):
+                listed = store.get(f"{_ROUNDS}/{leader}/go").decode().split(",")
+                if len(listed) == world_size - 1 and listed[rank - 1] == ticket:
+                    return f"imagenet_elastic/round{leader}"
+                while store.get(f"{_ROUNDS}/leader").decode() == leader and time.monotonic() < deadline:
+                    time.sleep(poll_s)  # a finished round of the past: wait for this round's leader
+                break
+            if store.get(f"{_ROUNDS}/leader").decode() != leader:
+                break
+            time.sleep(poll_s)
+    raise TimeoutError(f"rank 0 of this round did not answer within {timeout_s:g} s")
 
 
 def _first_line(error: BaseException) -> str:
@@ -134,6 +177,8 @@ def destroy_process_group() -> None:
     gloo can abort at interpreter exit ("terminate called without an active exception") while
     DDP objects are still alive; collecting them first made that go away.
     """
+    global _control
+    _control = None
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
@@ -143,9 +188,25 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+def agree(flags: Sequence[bool]) -> list[bool]:
+    """Each flag, true on any rank, becomes true on every rank: the stop and checkpoint decisions
+    are taken together at a step boundary, so no rank waits in a collective the others skipped."""
+    if not is_initialized():
+        return list(flags)
+    votes = all_reduce_max(torch.tensor([int(f) for f in flags], dtype=torch.int32))
+    return [bool(v) for v in votes.tolist()]
+
+
 def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
     if is_initialized():
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
+    return tensor
+
+
+def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
+    """On CPU tensors, through the control group."""
+    if is_initialized():
+        dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_control)
     return tensor
 
 

@@ -1,18 +1,18 @@
-"""One training epoch and one exact validation pass."""
+"""One training step (with gradient accumulation) and one exact validation pass."""
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterable
+import contextlib
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from imagenet_elastic import distributed
-from imagenet_elastic.console import EpochProgress
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -40,13 +40,6 @@ class StepContext:
 
 
 @dataclass(frozen=True)
-class TrainResult:
-    loss: float  # mean over all ranks and steps
-    steps: int
-    seconds: float
-
-
-@dataclass(frozen=True)
 class EvalResult:
     loss: float
     top1: float  # percent
@@ -67,34 +60,47 @@ def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) 
     return images, labels.to(ctx.device, non_blocking=True)
 
 
-def train_one_epoch(ctx: StepContext, loader: Iterable, lr_for_step: Callable[[int], float], first_step: int,
-                    progress: EpochProgress, global_batch: int) -> TrainResult:
-    """Runs the loader dry; the caller's step counter advances by the returned `steps`."""
-    ctx.model.train()
-    loss_sum = torch.zeros((), device=ctx.device)
-    start = time.perf_counter()
-    steps = 0
-    for steps, (images, labels) in enumerate(loader, 1):
-        lr = lr_for_step(first_step + steps - 1)
-        for group in ctx.optimizer.param_groups:
-            group["lr"] = lr
+def seed_micro_batch(seed: int, step: int, position: int) -> None:
+    """Model-side randomness (dropout, drop-path) of a micro-batch from (seed, step, its position in
+    the global batch): a resumed step, or the same step at another world size, draws the same."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
+
+
+def step_groups(loader: Iterable, accum: int) -> Iterator[list]:
+    """The loader's micro-batches, `accum` at a time: one list per optimizer step."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []
+
+
+def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share: int, lr: float, seed: int,
+               step: int) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device).
+
+    Each micro-batch's loss is weighted by its share of the rank's samples, so the accumulated
+    gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
+    global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
+    """
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    ctx.optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=ctx.device)
+    for j, ((images, labels, _), part) in enumerate(zip(micro_batches, slices)):
         images, labels = prepare_batch(images, labels, ctx)
-        with ctx.autocast():
-            loss = ctx.criterion(ctx.model(images), labels)
-        ctx.optimizer.zero_grad(set_to_none=True)
-        ctx.scaler.scale(loss).backward()
-        ctx.scaler.step(ctx.optimizer)
-        ctx.scaler.update()
-        loss_sum += loss.detach().float()
-        if progress.wants_stats(steps):  # the only host sync of the loop
-            rate = steps * global_batch / (time.perf_counter() - start)
-            progress.update(steps, f"loss {loss.item():.4f} lr {lr:.5f} {rate:.1f} img/s")
-        else:
-            progress.update(steps)
-    seconds = time.perf_counter() - start
-    totals = distributed.all_reduce_sum(torch.stack([loss_sum, torch.tensor(float(steps), device=ctx.device)]))
-    return TrainResult(loss=(totals[0] / totals[1].clamp(min=1)).item() if steps else float("nan"),
-                       steps=steps, seconds=seconds)
+        seed_micro_batch(seed, step, part.start)
+        last = j == len(micro_batches) - 1
+        with contextlib.nullcontext() if last or not hasattr(ctx.model, "no_sync") else ctx.model.no_sync():
+            with ctx.autocast():
+                loss = ctx.criterion(ctx.model(images), labels)
+            weighted = loss * (len(labels) / share)  # x1.0 when there is one micro-batch: exact
+            ctx.scaler.scale(weighted).backward()
+        total += weighted.detach().float()
+    ctx.scaler.step(ctx.optimizer)
+    ctx.scaler.update()
+    return total
 
 
 @torch.no_grad()

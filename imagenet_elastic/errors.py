@@ -2,6 +2,7 @@
 
 PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped by a preemption signal after a checkpoint; run again to continue
 
 
 class UserError(Exception):
@@ -24,6 +25,10 @@ class RendezvousError(UserError):
     """Peers or the rendezvous store did not show up within --dist-timeout."""
 
     every_rank = True
+
+
+class Preempted(Exception):
+    """Every rank stops at the same step boundary after a preemption signal; the checkpoint is safe."""
 
 
 def one_line(error: BaseException) -> str:

@@ -17,7 +17,7 @@ import torch.multiprocessing as mp
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError, one_line
+from imagenet_elastic.errors import PREEMPTED_EXIT, PROG, USER_ERROR_EXIT, Preempted, UserError, one_line
 
 
 def report_user_error(error: UserError, env: DistEnv) -> None:
@@ -39,6 +39,8 @@ def run_worker(config: Config, env: DistEnv) -> None:
     except UserError as error:
         report_user_error(error, env)
         sys.exit(USER_ERROR_EXIT)
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT)
 
 
 def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:

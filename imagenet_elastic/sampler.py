@@ -1,13 +1,18 @@
-"""Which samples each rank sees: pure functions of (seed, epoch, rank, world size).
+"""Which samples each rank sees: pure functions of (seed, epoch, samples already consumed, world size).
 
 An epoch is a sequence of *global* batches cut from one permutation that depends only on
-(seed, epoch). Rank r of w takes the r-th slice of each global batch, so the global batches, and
-with them the optimisation, do not depend on how many ranks share the work.
+(seed, epoch). Rank r of w takes the r-th share of each global batch and feeds it to the model in
+one or more micro-batches (gradient accumulation). The global batches, and with them the
+optimisation, therefore do not depend on how many ranks share the work, and a run that resumes
+after `k` global samples of an epoch continues with sample `k` of the same permutation, whatever
+its new world size.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,43 +33,94 @@ def steps_per_epoch(num_samples: int, global_batch: int, max_steps: int | None =
     if steps == 0:
         raise UserError(
             f"the training set has {num_samples} images, fewer than one global batch of {global_batch}; "
-            "lower --batch-size"
+            "lower --global-batch-size (or --batch-size)"
         )
     return min(steps, max_steps) if max_steps else steps
 
 
-def rank_slice(global_batch: int, rank: int, world_size: int) -> slice:
-    if global_batch % world_size:
-        raise UserError(f"global batch {global_batch} does not split evenly over {world_size} processes")
-    per_rank = global_batch // world_size
-    return slice(rank * per_rank, (rank + 1) * per_rank)
+@dataclass(frozen=True)
+class BatchPlan:
+    """How one global batch is split: an equal share per rank, each share in `accum` micro-batches
+    of at most `micro_batch` samples (sizes differ by at most one)."""
+
+    global_batch: int
+    world_size: int
+    micro_batch: int  # --batch-size: the most samples one forward pass may take
+
+    def __post_init__(self) -> None:
+        if self.global_batch % self.world_size:
+            raise UserError(
+                f"global batch {self.global_batch} does not split evenly over {self.world_size} processes; "
+                "pass a --global-batch-size that is a multiple of every world size the job may run at")
+
+    @property
+    def share(self) -> int:
+        return self.global_batch // self.world_size
+
+    @property
+    def accum(self) -> int:
+        return math.ceil(self.share / self.micro_batch)
+
+    def micro_slices(self, rank: int) -> list[slice]:
+        """Positions in the global batch of rank `rank`'s micro-batches, in order."""
+        base, extra = divmod(self.share, self.accum)
+        start, slices = rank * self.share, []
+        for j in range(self.accum):
+            size = base + (j < extra)
+            slices.append(slice(start, start + size))
+            start += size
+        return slices
+
+    def describe(self) -> str:
+        """E.g. `16 = 1 process x 16, in 2 micro-batches of 8`."""
+        text = f"{self.global_batch} = {self.world_size} process{'es' * (self.world_size > 1)} x {self.share}"
+        if self.accum > 1:
+            sizes = sorted({s.stop - s.start for s in self.micro_slices(0)}, reverse=True)
+            text += f", in {self.accum} micro-batches of {'/'.join(map(str, sizes))}"
+        return text
 
 
 class TrainBatchSampler:
-    """Yields this rank's list of sample keys for each step of an epoch, from `start_step` on."""
+    """Yields this rank's micro-batches (lists of sample keys) for the rest of an epoch.
 
-    def __init__(self, num_samples: int, global_batch: int, rank: int, world_size: int, seed: int,
-                 max_steps: int | None = None) -> None:
+    `set_epoch(epoch, start_sample)` resumes after `start_sample` global samples: the steps that
+    follow are cut from the permutation at that offset, so no sample of the epoch is seen twice or
+    skipped even if the checkpoint was written at another world size.
+    """
+
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, max_steps: int | None = None) -> None:
         self.num_samples = num_samples
-        self.global_batch = global_batch
+        self.plan = plan
         self.seed = seed
-        self.steps = steps_per_epoch(num_samples, global_batch, max_steps)
-        self.share = rank_slice(global_batch, rank, world_size)
+        self.steps = steps_per_epoch(num_samples, plan.global_batch, max_steps)
+        self.slices = plan.micro_slices(rank)
         self.epoch = 0
-        self.start_step = 0
+        self.start_sample = 0
 
-    def set_epoch(self, epoch: int, start_step: int = 0) -> None:
+    @property
+    def samples_per_epoch(self) -> int:
+        return self.steps * self.plan.global_batch
+
+    def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
+        if not 0 <= start_sample <= self.samples_per_epoch:
+            raise ValueError(f"start_sample {start_sample} outside the epoch's {self.samples_per_epoch} samples")
         self.epoch = epoch
-        self.start_step = start_step
+        self.start_sample = start_sample
+
+    @property
+    def steps_left(self) -> int:
+        return (self.samples_per_epoch - self.start_sample) // self.plan.global_batch
 
     def __len__(self) -> int:
-        return self.steps - self.start_step
+        return self.steps_left * self.plan.accum
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        for step in range(self.start_step, self.steps):
-            batch = order[step * self.global_batch:(step + 1) * self.global_batch]
-            yield [(self.epoch, int(i)) for i in batch[self.share]]
+        g = self.plan.global_batch
+        for k in range(self.steps_left):
+            batch = order[self.start_sample + k * g:self.start_sample + (k + 1) * g]
+            for part in self.slices:
+                yield [(self.epoch, int(i)) for i in batch[part]]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
@@ -13,7 +14,7 @@ from torch import nn
 
 from imagenet_elastic.errors import UserError
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
 
 
 def capture_rng() -> dict[str, Any]:
@@ -41,6 +42,22 @@ def _plain(value: Any) -> Any:
 
 
 @dataclass
+class EpochTally:
+    """How far into the current epoch training got, in terms that do not depend on the world size."""
+
+    samples: int = 0  # global samples consumed: where the sampler continues
+    steps: int = 0
+    loss_sum: float = 0.0  # sum over steps of the step's mean loss over all ranks
+    seconds: float = 0.0  # training time, for the epoch's images/s
+
+    def add(self, samples: int, steps: int, loss_sum: float, seconds: float) -> None:
+        self.samples += samples
+        self.steps += steps
+        self.loss_sum += loss_sum
+        self.seconds += seconds
+
+
+@dataclass
 class TrainState:
     """The mutable part of training. `capture` and `apply` are exact inverses."""
 
@@ -51,6 +68,7 @@ class TrainState:
     step: int = 0  # optimizer steps taken, the LR schedule's position
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per completed epoch
+    tally: EpochTally = field(default_factory=EpochTally)  # the epoch in progress
 
     def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         return {
@@ -62,6 +80,7 @@ class TrainState:
             "step": self.step,
             "best_top1": self.best_top1,
             "history": self.history,
+            "epoch_progress": dataclasses.asdict(self.tally),
             "rng": capture_rng(),
             "config": config,
             "saved_at": time.time(),
@@ -77,6 +96,7 @@ class TrainState:
         self.step = snapshot["step"]
         self.best_top1 = snapshot["best_top1"]
         self.history = list(snapshot["history"])
+        self.tally = EpochTally(**snapshot.get("epoch_progress", {}))
         apply_rng(snapshot["rng"])
 
 

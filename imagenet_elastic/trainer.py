@@ -6,22 +6,24 @@ import os
 import time
 from typing import Any, Optional
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic import checkpoint, data, distributed, metrics
-from imagenet_elastic.checkpoint import CheckpointManager
+from imagenet_elastic import checkpoint, data, distributed, metrics, preemption
+from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.engine import EvalResult, StepContext, evaluate, train_one_epoch
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.engine import EvalResult, StepContext, evaluate, step_groups, train_step
+from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, UserError
 from imagenet_elastic.model import count_parameters, create_model, create_optimizer
-from imagenet_elastic.sampler import TrainBatchSampler
+from imagenet_elastic.preemption import PreemptionFlag
+from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
+from imagenet_elastic.samplelog import SampleLog
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.schedule import lr_at, scaled_lr
-from imagenet_elastic.state import TrainState, check_compatible
+from imagenet_elastic.state import EpochTally, TrainState, check_compatible
 
 
 def resolve_amp(amp: str, device: torch.device) -> Optional[torch.dtype]:
@@ -35,15 +37,18 @@ def default_workers(local_world_size: int) -> int:
     return min(8, max(1, distributed.available_cores() // max(1, local_world_size) - 1))
 
 
-def seed_epoch(seed: int, epoch: int, rank: int) -> None:
-    """Model-side randomness (dropout, drop-path) restarts from (seed, epoch, rank) every epoch,
-    so an epoch-boundary resume needs no RNG state from other ranks."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, epoch, rank]).generate_state(1)[0]))
+def resolve_global_batch(requested: Optional[int], saved: Optional[int], batch_size: int, world_size: int) -> int:
+    """--global-batch-size, else the checkpoint's (so an elastic restart at another world size keeps
+    the optimisation unchanged), else --batch-size per process."""
+    return requested or saved or batch_size * world_size
+
+
+LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
 
 
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, console: Console) -> None:
-        self.config, self.env, self.console = config, env, console
+    def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag) -> None:
+        self.config, self.env, self.console, self.preempt = config, env, console, preempt
         self.threads = distributed.configure_threads(config.threads, env.local_world_size)
         self.device = distributed.select_device(config.device, env)
 
@@ -52,15 +57,29 @@ class Trainer:
         self.train_index = data.scan_image_folder(train_dir, "train")
         self.val_index = data.scan_image_folder(val_dir, "val")
         data.check_same_classes(self.train_index, self.val_index)
+        if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
+            raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
         self.checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints)
+        self.lock = CheckpointLock(config.checkpoints_path)
         if not config.evaluate:
             checkpoint.check_writable(config.checkpoints_path)
+            if env.is_main:
+                self.lock.acquire(min(LOCK_WAIT_S, config.dist_timeout), lambda holder: console.warn(
+                    f"{config.checkpoints_path} is locked by {holder}; waiting up to {LOCK_WAIT_S:g} s"))
         self.resume_from = self.checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
         if config.evaluate and self.resume_from is None:
             raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+        load_start = time.perf_counter()
         snapshot = checkpoint.load(self.resume_from) if self.resume_from else None
+        self.load_seconds = time.perf_counter() - load_start
         if snapshot is not None:
             check_compatible(snapshot, self.resume_from, config.model, self.train_index.classes)
+
+        saved_batch = snapshot.get("global_batch") if snapshot else None
+        self.plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size,
+                                                   env.world_size), env.world_size, config.batch_size)
+        self.sampler = TrainBatchSampler(len(self.train_index), self.plan, env.rank, config.seed,
+                                         config.max_steps_per_epoch)
 
         torch.manual_seed(config.seed)
         model = create_model(config.model, len(self.train_index.classes)).to(self.device)
@@ -68,32 +87,33 @@ class Trainer:
         self.channels_last = config.channels_last if config.channels_last is not None else self.device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
-        self.global_batch = config.batch_size * env.world_size
-        self.peak_lr = scaled_lr(config.lr, self.global_batch)
+        self.peak_lr = scaled_lr(config.lr, self.plan.global_batch)
         optimizer = create_optimizer(model, self.peak_lr, config.momentum, config.weight_decay)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState(model, optimizer, scaler)
+        self.resumed_at: Optional[float] = None
         if snapshot is not None:
             self.state.apply(snapshot)
-            for change in config.differences(snapshot["config"]):
-                console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
-        self.resumed_at = snapshot["saved_at"] if snapshot else None
+            self.resumed_at = snapshot["saved_at"]
+            self.warn_about_changes(snapshot)
         del snapshot
 
         workers = config.workers if config.workers is not None else default_workers(env.local_world_size)
         pin = self.device.type == "cuda"
-        self.sampler = TrainBatchSampler(len(self.train_index), self.global_batch, env.rank, env.world_size,
-                                         config.seed, config.max_steps_per_epoch)
         self.train_loader = data.train_loader(
-            data.TrainDataset(self.train_index, config.image_size, config.seed), self.sampler, workers, pin)
+            data.TrainDataset(self.train_index, config.image_size, config.seed), self.sampler, workers, pin,
+            preemption.signal_numbers(config.preempt_signals))
         self.val_loader = data.eval_loader(
             data.EvalDataset(self.val_index, config.image_size, config.eval_resize),
             config.batch_size, env.rank, env.world_size, workers, pin)
         self.workers = workers
         self.total_steps = self.sampler.steps * config.epochs
         self.warmup_steps = round(config.warmup_epochs * self.sampler.steps)
+        self.sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+        self.last_save = time.monotonic()
 
         distributed.init_process_group(env, self.device, config.dist_timeout)
+        self.check_same_checkpoint()
         wrapped: nn.Module = model
         if env.launched:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -101,11 +121,31 @@ class Trainer:
         self.ctx = StepContext(wrapped, optimizer, scaler, nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                                self.device, self.amp_dtype, self.channels_last)
 
+    def warn_about_changes(self, snapshot: dict[str, Any]) -> None:
+        changes = self.config.differences(snapshot["config"])
+        if snapshot.get("global_batch") not in (None, self.plan.global_batch):
+            changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {self.plan.global_batch}")
+        for change in changes:
+            self.console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
+
+    def check_same_checkpoint(self) -> None:
+        """All ranks must continue from the same checkpoint (each loaded it on its own)."""
+        if not self.env.launched or self.config.evaluate:
+            return
+        s = self.state
+        mark = torch.tensor([s.step, s.tally.samples, self.resumed_at or 0.0], dtype=torch.float64)
+        spread = distributed.all_reduce_max(torch.cat([mark, -mark]))
+        if not torch.equal(spread[:3], -spread[3:]):
+            raise RuntimeError(f"ranks loaded different checkpoints from {self.config.checkpoints_path} "
+                               "(was it written to while this round started?)")
+
     # ------------------------------------------------------------------ reporting
 
     def describe(self) -> None:
         c, env = self.config, self.env
         amp = {torch.bfloat16: "bf16", torch.float16: "fp16 + GradScaler", None: "off (fp32)"}[self.amp_dtype]
+        interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
+        interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
         self.console.table("imagenet_elastic", [
             ("model", f"{c.model} ({count_parameters(self.state.model) / 1e6:.2f} M parameters)"),
             ("classes", str(len(self.train_index.classes))),
@@ -114,14 +154,16 @@ class Trainer:
             ("world size", f"{env.world_size} ({env.local_world_size} per node), device {self.device}"),
             ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
              else "none (single process)"),
-            ("global batch", f"{self.global_batch} = {c.batch_size} per process x {env.world_size}"),
-            ("learning rate", f"{self.peak_lr:.6g} = {c.lr:g} x {self.global_batch}/256, "
+            ("global batch", self.plan.describe()),
+            ("learning rate", f"{self.peak_lr:.6g} = {c.lr:g} x {self.plan.global_batch}/256, "
                               f"warmup {self.warmup_steps} steps, cosine over {self.total_steps}"),
             ("steps per epoch", str(self.sampler.steps)),
             ("amp", amp),
             ("channels_last", str(self.channels_last)),
             ("threads / loader workers", f"{self.threads} / {self.workers} per process"),
-            ("checkpoints", c.checkpoints_path),
+            ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)})"),
+            ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit "
+                           f"{PREEMPTED_EXIT}" + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
         ])
 
     # ------------------------------------------------------------------ the two things a run does
@@ -132,14 +174,15 @@ class Trainer:
     def fit(self) -> None:
         c, state = self.config, self.state
         if self.resume_from:
-            self.console.info(f"resuming from {self.resume_from}: {state.epoch} epochs done, "
+            where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
+            self.console.info(f"resuming from {self.resume_from}: {state.epoch} epochs done{where}, "
                               f"best val top-1 {state.best_top1:.2f}%")
             if self.env.is_main:
                 metrics.write(c.checkpoints_path, state.history)
         elif c.resume == "auto" or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpoints.last_path}: starting fresh")
         if self.env.is_main:
-            for path in self.checkpoints.stale_temp_files():
+            for path in self.checkpoints.stale_temp_files():  # safe: we hold the folder's lock
                 self.console.warn(f"removing {path}, left by a write that was interrupted")
                 os.unlink(path)
         if state.epoch >= c.epochs:
@@ -148,56 +191,139 @@ class Trainer:
         for epoch in range(state.epoch, c.epochs):
             row = self.run_epoch(epoch)
             state.epoch = epoch + 1
+            state.tally = EpochTally()
             is_best = row["val_top1"] > state.best_top1
             state.best_top1 = max(state.best_top1, row["val_top1"])
             state.history.append(row)
-            if self.env.is_main:
-                self.checkpoints.save(state.capture(c.to_dict(), self.checkpoint_meta()), state.epoch, is_best)
-                metrics.write(c.checkpoints_path, state.history)
+            self.save(epoch_end=True, is_best=is_best)
             self.console.info(
                 f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f} | val loss {row['val_loss']:.4f} "
                 f"top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% ({row['val_samples']} images) | "
                 f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
+            if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
+                self.stop()
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
-        c = self.config
+        """Train the rest of the epoch (all of it, or what a mid-epoch checkpoint left), then validate."""
+        c, state, plan, tally = self.config, self.state, self.plan, self.state.tally
         start = time.perf_counter()
-        seed_epoch(c.seed, epoch, self.env.rank)
-        self.sampler.set_epoch(epoch)
-        lr_for_step = lambda step: lr_at(step, self.peak_lr, self.warmup_steps, self.total_steps)  # noqa: E731
-        with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", len(self.sampler)) as progress:
-            train = train_one_epoch(self.ctx, self.train_loader, lr_for_step, self.state.step, progress,
-                                    self.global_batch)
-        self.state.step += train.steps
+        self.sampler.set_epoch(epoch, tally.samples)
+        slices = plan.micro_slices(self.env.rank)
+        pending = PendingSteps(self.device)
+        self.ctx.model.train()
+        with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
+            for micro_batches in step_groups(self.train_loader, plan.accum):
+                lr = lr_at(state.step, self.peak_lr, self.warmup_steps, self.total_steps)
+                loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
+                self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
+                state.step += 1
+                pending.add(loss)
+                if self.resumed_at is not None:
+                    self.report_resume_time()
+                step_in_epoch = tally.steps + pending.steps
+                if progress.wants_stats(step_in_epoch):  # the only host sync of the loop
+                    rate = pending.steps * plan.global_batch / (time.perf_counter() - pending.start)
+                    progress.update(step_in_epoch, f"loss {loss.item():.4f} lr {lr:.5f} {rate:.1f} img/s")
+                else:
+                    progress.update(step_in_epoch)
+                stop, timely = distributed.agree([self.preempt.received is not None, self.checkpoint_due_by_time()])
+                if stop or timely or self.checkpoint_due_by_steps():
+                    pending.fold_into(tally, plan.global_batch, self.env.world_size)
+                    self.save(epoch_end=False)
+                if stop:
+                    self.stop()
+        pending.fold_into(tally, plan.global_batch, self.env.world_size)
         val = self.validate()
         return {
             "epoch": epoch + 1,
-            "train_loss": train.loss,
+            "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
             "val_loss": val.loss,
             "val_top1": val.top1,
             "val_top5": val.top5,
             "val_samples": val.samples,
-            "lr": lr_for_step(self.state.step - 1),
-            "images_per_sec": train.steps * self.global_batch / train.seconds if train.seconds else 0.0,
+            "lr": lr_at(state.step - 1, self.peak_lr, self.warmup_steps, self.total_steps),
+            "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
             "world_size": self.env.world_size,
-            "global_batch": self.global_batch,
+            "global_batch": plan.global_batch,
             "epoch_seconds": time.perf_counter() - start,
         }
 
+    # ------------------------------------------------------------------ checkpoints and stopping
+
+    def checkpoint_due_by_steps(self) -> bool:
+        every = self.config.checkpoint_every_steps
+        return bool(every) and self.state.step % every == 0
+
+    def checkpoint_due_by_time(self) -> bool:
+        every = self.config.checkpoint_every_seconds
+        return bool(every) and time.monotonic() - self.last_save >= every
+
+    def save(self, epoch_end: bool, is_best: bool = False) -> None:
+        """Rank 0 writes; the others wait until the file is safe, so a stop never outruns its checkpoint."""
+        if self.env.is_main:
+            snapshot = self.state.capture(self.config.to_dict(), self.checkpoint_meta())
+            self.checkpoints.save(snapshot, self.state.epoch if epoch_end else None, is_best)
+            if epoch_end:
+                metrics.write(self.config.checkpoints_path, self.state.history)
+        distributed.barrier()
+        self.last_save = time.monotonic()
+
+    def stop(self) -> None:
+        """Called on every rank after the agreed stop's checkpoint is on disk."""
+        c = self.config
+        self.console.info(f"preemption signal ({self.preempt.received or 'on another rank'}): checkpoint at step "
+                          f"{self.state.step} is in {self.checkpoints.last_path}; exiting with code {PREEMPTED_EXIT}")
+        if c.requeue_on_preempt and self.env.is_main:
+            job = preemption.slurm_job_to_requeue(os.environ)
+            problem = preemption.requeue_slurm_job(job)
+            self.console.info(f"requeued Slurm job {job}" if not problem else f"could not requeue {job}: {problem}")
+        raise Preempted()
+
+    def report_resume_time(self) -> None:
+        """Said once, after the first step of a resumed run: what a restart cost in wall time."""
+        self.console.info(f"first step {time.time() - self.resumed_at:.1f} s after the checkpoint was written "
+                          f"(restart + load {self.load_seconds:.2f} s + first step)")
+        self.resumed_at = None
+
     def checkpoint_meta(self) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.train_index.classes),
-                "world_size": self.env.world_size, "global_batch": self.global_batch}
+                "world_size": self.env.world_size, "global_batch": self.plan.global_batch}
 
     def close(self) -> None:
         """Drop DDP and loaders before the process group goes (see distributed.destroy_process_group)."""
         self.ctx = self.train_loader = self.val_loader = None  # type: ignore[assignment]
+        self.sample_log.close()
+        self.lock.release()
+
+
+class PendingSteps:
+    """Steps trained since the tally was last brought up to date; their loss stays on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss = torch.zeros((), device=device)
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> None:
+        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps."""
+        loss_sum = distributed.all_reduce_sum(self.loss.double().clone()).item() / world_size
+        tally.add(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
+        self.loss.zero_()
+        self.steps = 0
+        self.start = time.perf_counter()
 
 
 def run(config: Config, env: DistEnv) -> None:
     console = Console(env.is_main, config.log_interval)
+    preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
     trainer = None
     try:
-        trainer = Trainer(config, env, console)
+        trainer = Trainer(config, env, console, preempt)
         trainer.describe()
         if config.evaluate:
             result = trainer.validate()
@@ -209,5 +335,6 @@ def run(config: Config, env: DistEnv) -> None:
         if trainer is not None:
             trainer.close()
         del trainer
+        data.stop_loader_workers()
         distributed.destroy_process_group()
-
+        preempt.restore()

@@ -23,7 +23,7 @@ from conftest import (
 )
 
 from imagenet_elastic.data import scan_image_folder
-from imagenet_elastic.sampler import TrainBatchSampler
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
 
 def free_port() -> int:
@@ -56,7 +56,7 @@ def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_
 def test_spawn_rank_1_failure_stops_every_process(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=4, train_per_class=8, val_per_class=1)
     index = scan_image_folder(str(data / "train"), "train")
-    sampler = TrainBatchSampler(len(index), global_batch=16, rank=1, world_size=2, seed=0)
+    sampler = TrainBatchSampler(len(index), BatchPlan(global_batch=16, world_size=2, micro_batch=8), rank=1, seed=0)
     _, victim = next(iter(sampler))[0]  # the first image rank 1 loads
     bad = index.path(victim)
     with open(bad, "wb") as f:

@@ -6,21 +6,25 @@ import numpy as np
 import pytest
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.sampler import TrainBatchSampler, epoch_permutation, eval_shard, steps_per_epoch
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, epoch_permutation, eval_shard, steps_per_epoch
 
 NUM_SAMPLES = 103  # not a multiple of the global batch: the ragged tail is dropped
 GLOBAL_BATCH = 8
 SEED = 7
 
 
-def global_batches(world_size: int, epoch: int, start_step: int = 0, max_steps=None,
-                   num_samples: int = NUM_SAMPLES, seed: int = SEED) -> list[list[tuple[int, int]]]:
-    """Concatenate every rank's slice of each step into the global batch that step trains on."""
+def global_batches(world_size: int, epoch: int, start_sample: int = 0, max_steps=None,
+                   num_samples: int = NUM_SAMPLES, seed: int = SEED, micro_batch: int = GLOBAL_BATCH,
+                   global_batch: int = GLOBAL_BATCH) -> list[list[tuple[int, int]]]:
+    """Concatenate every rank's micro-batches of each step into the global batch that step trains on."""
+    plan = BatchPlan(global_batch, world_size, micro_batch)
     per_rank = []
     for rank in range(world_size):
-        sampler = TrainBatchSampler(num_samples, GLOBAL_BATCH, rank, world_size, seed, max_steps=max_steps)
-        sampler.set_epoch(epoch, start_step=start_step)
-        per_rank.append(list(sampler))
+        sampler = TrainBatchSampler(num_samples, plan, rank, seed, max_steps=max_steps)
+        sampler.set_epoch(epoch, start_sample=start_sample)
+        micro = list(sampler)
+        assert len(micro) == len(sampler)
+        per_rank.append([sum(micro[k:k + plan.accum], []) for k in range(0, len(micro), plan.accum)])
     steps = {len(batches) for batches in per_rank}
     assert len(steps) == 1, f"ranks disagree on the number of steps: {steps}"
     return [[key for rank_batches in per_rank for key in rank_batches[step]] for step in range(steps.pop())]
@@ -70,22 +74,56 @@ def test_different_epochs_give_different_batches():
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 @pytest.mark.parametrize("start_step", [0, 1, 5, 12])
-def test_set_epoch_start_step_yields_exactly_the_tail_of_the_epoch(world_size, start_step):
+def test_set_epoch_start_sample_yields_exactly_the_tail_of_the_epoch(world_size, start_step):
     full = global_batches(world_size, epoch=4)
-    tail = global_batches(world_size, epoch=4, start_step=start_step)
+    tail = global_batches(world_size, epoch=4, start_sample=start_step * GLOBAL_BATCH)
     assert tail == full[start_step:]
 
 
-def test_len_counts_the_remaining_steps():
-    sampler = TrainBatchSampler(NUM_SAMPLES, GLOBAL_BATCH, 0, 2, SEED)
-    assert len(sampler) == NUM_SAMPLES // GLOBAL_BATCH
-    sampler.set_epoch(1, start_step=3)
-    assert len(sampler) == NUM_SAMPLES // GLOBAL_BATCH - 3
+@pytest.mark.parametrize("micro_batch", [1, 3, 4, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 4])
+def test_micro_batches_do_not_change_the_global_batches(world_size, micro_batch):
+    assert global_batches(world_size, epoch=1, micro_batch=micro_batch) == global_batches(1, epoch=1)
+
+
+def test_resume_at_another_world_size_continues_the_same_permutation():
+    """Half an epoch at world size 2, the rest at 1 then 4: every sample once, in the one-rank order."""
+    first = global_batches(2, epoch=3)[:5]
+    second = global_batches(1, epoch=3, start_sample=5 * GLOBAL_BATCH)[:4]
+    third = global_batches(4, epoch=3, start_sample=9 * GLOBAL_BATCH)
+    assert first + second + third == global_batches(1, epoch=3)
+
+
+def test_resume_offset_that_is_not_a_whole_step_continues_from_that_sample():
+    """A checkpoint from a run with another global batch: the next sample is the one after the offset."""
+    order = epoch_permutation(NUM_SAMPLES, SEED, 2).tolist()
+    tail = global_batches(1, epoch=2, start_sample=13)
+    assert [i for batch in tail for _, i in batch] == order[13:13 + len(tail) * GLOBAL_BATCH]
+    assert len(tail) == (NUM_SAMPLES // GLOBAL_BATCH * GLOBAL_BATCH - 13) // GLOBAL_BATCH
+
+
+@pytest.mark.parametrize("share,micro,sizes", [(8, 8, [8]), (16, 8, [8, 8]), (12, 8, [6, 6]), (13, 4, [4, 3, 3, 3]),
+                                              (5, 8, [5])])
+def test_batch_plan_splits_a_share_into_near_equal_micro_batches(share, micro, sizes):
+    plan = BatchPlan(global_batch=share * 3, world_size=3, micro_batch=micro)
+    for rank in range(3):
+        slices = plan.micro_slices(rank)
+        assert [s.stop - s.start for s in slices] == sizes
+        assert slices[0].start == rank * share and slices[-1].stop == (rank + 1) * share
+    assert plan.accum == len(sizes)
+
+
+def test_len_counts_the_remaining_micro_batches():
+    sampler = TrainBatchSampler(NUM_SAMPLES, BatchPlan(GLOBAL_BATCH, 2, 2), 0, SEED)
+    steps = NUM_SAMPLES // GLOBAL_BATCH
+    assert (len(sampler), sampler.steps_left) == (steps * 2, steps)
+    sampler.set_epoch(1, start_sample=3 * GLOBAL_BATCH)
+    assert (len(sampler), sampler.steps_left) == ((steps - 3) * 2, steps - 3)
     assert len(list(sampler)) == len(sampler)
 
 
 def test_keys_are_epoch_index_tuples_of_python_ints():
-    sampler = TrainBatchSampler(NUM_SAMPLES, GLOBAL_BATCH, 1, 2, SEED)
+    sampler = TrainBatchSampler(NUM_SAMPLES, BatchPlan(GLOBAL_BATCH, 2, GLOBAL_BATCH), 1, SEED)
     sampler.set_epoch(6)
     batches = list(sampler)
     assert all(len(batch) == GLOBAL_BATCH // 2 for batch in batches)
@@ -106,13 +144,13 @@ def test_max_steps_caps_the_epoch():
 
 def test_global_batch_that_does_not_split_over_ranks_raises_user_error():
     with pytest.raises(UserError, match="does not split evenly over 3 processes"):
-        TrainBatchSampler(NUM_SAMPLES, GLOBAL_BATCH, 0, 3, SEED)
+        BatchPlan(GLOBAL_BATCH, 3, GLOBAL_BATCH)
 
 
 def test_dataset_smaller_than_one_global_batch_raises_user_error():
     with pytest.raises(UserError, match="fewer than one global batch") as caught:
-        TrainBatchSampler(GLOBAL_BATCH - 1, GLOBAL_BATCH, 0, 1, SEED)
-    assert "--batch-size" in str(caught.value)
+        TrainBatchSampler(GLOBAL_BATCH - 1, BatchPlan(GLOBAL_BATCH, 1, GLOBAL_BATCH), 0, SEED)
+    assert "--global-batch-size" in str(caught.value)
 
 
 @pytest.mark.parametrize("num_samples", [1, 7, 10, 11, 101])
@@ -124,3 +162,9 @@ def test_eval_shard_covers_every_index_exactly_once(num_samples, world_size):
     assert len(combined) == len(set(combined))
     sizes = [len(shard) for shard in shards]
     assert max(sizes) - min(sizes) <= 1
+
+
+def test_batch_plan_describes_its_split():
+    assert BatchPlan(16, 2, 8).describe() == "16 = 2 processes x 8"
+    assert BatchPlan(16, 1, 8).describe() == "16 = 1 process x 16, in 2 micro-batches of 8"
+    assert BatchPlan(26, 2, 8).describe() == "26 = 2 processes x 13, in 2 micro-batches of 7/6"

@@ -53,7 +53,7 @@ def test_srun_one_task_per_node_spawns_one_process_per_gpu(slurm_env, image_fold
                   [str(image_folder), *SHORT_RUN, "--batch-size", "4", "--nproc-per-node", "2",
                    "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "4 (2 per node)" in result.stdout and "16 = 4 per process x 4" in result.stdout
+    assert "4 (2 per node)" in result.stdout and "16 = 4 processes x 4" in result.stdout
     assert result.stdout.count("global batch") == 1
     assert load_checkpoint(tmp_path / "last.pt")["world_size"] == 4
 

@@ -52,7 +52,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert last["best_top1"] == max(r["val_top1"] for r in rows)
     assert load_checkpoint(ckpt / "best.pt")["history"][-1]["val_top1"] == last["best_top1"]
     # rank 0 alone speaks: one startup table and one summary line per epoch
-    assert stdout.count("global batch") == 1 and "16 = 8 per process x 2" in stdout
+    assert stdout.count("global batch") == 1 and "16 = 2 processes x 8" in stdout
     assert "0.125 = 2 x 16/256" in stdout  # the scaled LR is said at start
     for epoch in range(1, EPOCHS + 1):
         assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
@@ -135,7 +135,7 @@ def test_training_set_size_and_global_batch_are_reported(image_folder, tmp_path)
                             "--checkpoints-path", str(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
-    assert "8 = 8 per process x 1" in result.stdout
+    assert "8 = 1 process x 8" in result.stdout
 
 
 def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_folder, tmp_path):

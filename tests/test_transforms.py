@@ -121,18 +121,18 @@ def test_train_dataset_returns_uint8_hwc_of_the_requested_size(image_root, size)
     dataset = TrainDataset(scan_image_folder(image_root, "train"), size=size, seed=0)
     assert len(dataset) == 4
     for i in range(len(dataset)):
-        pixels, target = dataset[(0, i)]
+        pixels, target, index = dataset[(0, i)]
         assert pixels.dtype == torch.uint8
         assert pixels.shape == (size, size, 3)
-        assert target == int(dataset.index.targets[i])
+        assert target == int(dataset.index.targets[i]) and index == i
 
 
 def test_train_dataset_same_key_gives_identical_pixels_across_instances(image_root):
     first = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
     second = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
     for i in range(len(first)):
-        a, target_a = first[(3, i)]
-        b, target_b = second[(3, i)]
+        a, target_a, _ = first[(3, i)]
+        b, target_b, _ = second[(3, i)]
         assert torch.equal(a, b)
         assert target_a == target_b
 

@@ -1,0 +1,69 @@
+"""Preemption: signals only raise a flag; the training loop checkpoints and stops at a step boundary.
+
+A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a
+collective. Setting a flag is all a handler may safely do; `Trainer` turns the flag into an agreed,
+collective stop (see `distributed.agree`).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+from collections.abc import Mapping
+from types import FrameType
+from typing import Optional
+
+from imagenet_elastic.errors import UserError
+
+DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
+
+
+def parse_signals(text: str) -> tuple[str, ...]:
+    """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names are a user error."""
+    if text.strip().lower() == "none":
+        return ()
+    names = []
+    for item in text.split(","):
+        name = item.strip().upper()
+        name = name if name.startswith("SIG") else f"SIG{name}"
+        if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
+            raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught")
+        names.append(name)
+    return tuple(dict.fromkeys(names))
+
+
+def signal_numbers(names: tuple[str, ...]) -> tuple[int, ...]:
+    return tuple(int(signal.Signals[name]) for name in names)
+
+
+class PreemptionFlag:
+    """Installs the handlers; `received` names the first signal that came, None until then."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.received: Optional[str] = None
+        self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
+
+    def _handle(self, signum: int, _frame: Optional[FrameType]) -> None:
+        if self.received is None:
+            self.received = signal.Signals(signum).name
+
+    def restore(self) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler)
+
+
+def slurm_job_to_requeue(environ: Mapping[str, str]) -> Optional[str]:
+    """The job id `scontrol requeue` needs: `ARRAYJOB_TASK` for an array task, else SLURM_JOB_ID."""
+    array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
+    if array_job and task:
+        return f"{array_job}_{task}"
+    return environ.get("SLURM_JOB_ID") or None
+
+
+def requeue_slurm_job(job: str) -> str:
+    """Ask Slurm to put the job back in the queue; returns what went wrong, or "" on success."""
+    try:
+        done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        return str(error)
+    return "" if done.returncode == 0 else (done.stderr.strip() or f"scontrol exited with {done.returncode}")
