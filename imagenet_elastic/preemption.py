@@ -37,15 +37,22 @@ def signal_numbers(names: tuple[str, ...]) -> tuple[int, ...]:
 
 
 class PreemptionFlag:
-    """Installs the handlers; `received` names the first signal that came, None until then."""
+    """Installs the handlers; `received` names the first signal that came, None until then.
+
+    The training loop keeps `steps_done` current, so the message at the stop can say how many
+    steps the run went on after the signal (at most one: the step in flight).
+    """
 
     def __init__(self, names: tuple[str, ...]) -> None:
         self.received: Optional[str] = None
+        self.steps_done = 0
+        self.received_after: Optional[int] = None  # steps_done when the signal came
         self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
 
     def _handle(self, signum: int, _frame: Optional[FrameType]) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
+            self.received_after = self.steps_done
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -10,6 +10,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -21,16 +22,17 @@ ENV_VAR = "IMAGENET_ELASTIC_SAMPLE_LOG"
 class SampleLog:
     def __init__(self, folder: Optional[str], rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+        self.writer = uuid.uuid4().hex[:12]  # one per process and round: tells attempts of a step apart
         self.file: Optional[IO[str]] = None
         if folder:
             os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"rank{rank}-pid{os.getpid()}.jsonl")
+            path = os.path.join(folder, f"rank{rank}-{self.writer}.jsonl")
             self.file = open(path, "a")  # noqa: SIM115 (open for the whole run, closed by close())
 
     def record(self, epoch: int, step: int, samples: Iterable[int]) -> None:
         if self.file is not None:
             row = {"epoch": epoch, "step": step, "rank": self.rank, "world_size": self.world_size,
-                   "pid": os.getpid(), "samples": [int(i) for i in samples]}
+                   "writer": self.writer, "samples": [int(i) for i in samples]}
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
 
@@ -64,12 +66,12 @@ def coverage(folder: str, samples_per_epoch: int, global_batch: int) -> Coverage
     which must agree); an epoch must cover `samples_per_epoch` distinct samples, each in one step."""
     rows = read(folder)
     by_step: dict[tuple[int, int], set[int]] = defaultdict(set)
-    processes: dict[tuple[int, int], set[int]] = defaultdict(set)
+    writers: dict[tuple[int, int], set[str]] = defaultdict(set)
     world: dict[tuple[int, int], int] = {}
     for row in rows:
         key = row["epoch"], row["step"]
         by_step[key].update(row["samples"])
-        processes[key].add(row["pid"])
+        writers[key].add(row["writer"])
         world[key] = max(world.get(key, 0), row["world_size"])
     epochs: dict[int, Counter] = defaultdict(Counter)
     for (epoch, _), samples in by_step.items():
@@ -78,7 +80,7 @@ def coverage(folder: str, samples_per_epoch: int, global_batch: int) -> Coverage
         epochs[epoch].update(samples)
     lost = sum(samples_per_epoch - len(counts) for counts in epochs.values())
     repeated = sum(n - 1 for counts in epochs.values() for n in counts.values() if n > 1)
-    redone = sum(len(pids) > world[key] for key, pids in processes.items())
+    redone = sum(len(names) > world[key] for key, names in writers.items())
     worlds = tuple(dict.fromkeys(r["world_size"] for r in sorted(rows, key=lambda r: (r["epoch"], r["step"]))))
     return Coverage(epochs=len(epochs), steps=len(by_step), samples_trained=sum(len(c) for c in epochs.values()),
                     samples_lost=lost, samples_repeated=repeated, steps_redone=redone, world_sizes=worlds)

@@ -75,7 +75,7 @@ class Trainer:
         if snapshot is not None:
             check_compatible(snapshot, self.resume_from, config.model, self.train_index.classes)
 
-        saved_batch = snapshot.get("global_batch") if snapshot else None
+        saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
         self.plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size,
                                                    env.world_size), env.world_size, config.batch_size)
         self.sampler = TrainBatchSampler(len(self.train_index), self.plan, env.rank, config.seed,
@@ -94,6 +94,7 @@ class Trainer:
         self.resumed_at: Optional[float] = None
         if snapshot is not None:
             self.state.apply(snapshot)
+            preempt.steps_done = self.state.step
             self.resumed_at = snapshot["saved_at"]
             self.warn_about_changes(snapshot)
         del snapshot
@@ -217,6 +218,7 @@ class Trainer:
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
                 state.step += 1
+                self.preempt.steps_done = state.step
                 pending.add(loss)
                 if self.resumed_at is not None:
                     self.report_resume_time()
@@ -270,9 +272,11 @@ class Trainer:
 
     def stop(self) -> None:
         """Called on every rank after the agreed stop's checkpoint is on disk."""
-        c = self.config
-        self.console.info(f"preemption signal ({self.preempt.received or 'on another rank'}): checkpoint at step "
-                          f"{self.state.step} is in {self.checkpoints.last_path}; exiting with code {PREEMPTED_EXIT}")
+        c, flag = self.config, self.preempt
+        came = (f"{flag.received} came after step {flag.received_after}" if flag.received
+                else "a preemption signal came to another rank")
+        self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
+                          f"{self.checkpoints.last_path}; exiting with code {PREEMPTED_EXIT}")
         if c.requeue_on_preempt and self.env.is_main:
             job = preemption.slurm_job_to_requeue(os.environ)
             problem = preemption.requeue_slurm_job(job)

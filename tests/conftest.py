@@ -75,12 +75,13 @@ def process_env(pid: int) -> dict[str, str]:
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
-def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240) -> tuple[int, str]:
-    """Start `cmd`, SIGKILL the process `victim(proc)` returns once a line containing `when` appears.
+def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240, sig: int = signal.SIGKILL,
+                 env: dict[str, str] | None = None) -> tuple[int, str]:
+    """Start `cmd`, send `sig` to the process(es) `victim(proc)` returns once a line containing `when` appears.
 
     Returns (exit code, full output). Fails the test when the trigger line never shows.
     """
-    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or child_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True, start_new_session=True)
     lines: list[str] = []
     killed = threading.Event()
@@ -89,8 +90,10 @@ def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240) -> tup
         for line in proc.stdout:
             lines.append(line)
             if when in line and not killed.is_set():
-                os.kill(victim(proc), signal.SIGKILL)
-                lines.append(f"<<< test: SIGKILL sent after {when!r} >>>\n")
+                victims = victim(proc)
+                for pid in victims if isinstance(victims, list) else [victims]:
+                    os.kill(pid, sig)
+                lines.append(f"<<< test: {signal.Signals(sig).name} sent after {when!r} >>>\n")
                 killed.set()
 
     thread = threading.Thread(target=reader, daemon=True)
@@ -104,6 +107,11 @@ def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240) -> tup
     output = "".join(lines)
     assert killed.is_set(), f"trigger {when!r} never appeared:\n{output}"
     return code, output
+
+
+def torchrun_workers(proc: subprocess.Popen) -> list[int]:
+    """A victim picker for run_and_kill: every worker of a torchrun agent."""
+    return [torchrun_worker(rank)(proc) for rank in range(2)]
 
 
 def torchrun_worker(rank: int):
@@ -136,6 +144,19 @@ def assert_same_tensors(a: dict, b: dict) -> None:
             assert_same_tensors(a[key], b[key])
         else:
             assert a[key] == b[key], f"{key}: {a[key]!r} != {b[key]!r}"
+
+
+EPOCHS = 3
+
+
+@pytest.fixture(scope="session")
+def torchrun_reference(image_folder, tmp_path_factory):
+    """An uninterrupted 2-process torchrun run of 3 epochs: the run every fault-tolerance result is compared with."""
+    ckpt = tmp_path_factory.mktemp("reference")
+    result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS),
+                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return ckpt, result.stdout
 
 
 # One short epoch: what every launcher test trains, and what they all must reproduce bitwise.

@@ -5,7 +5,10 @@ from __future__ import annotations
 import io
 import os
 import random
+import signal
 import stat
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -13,7 +16,7 @@ import timm  # the package imports timm lazily; importing it here keeps its ~2 s
 import torch
 
 from imagenet_elastic import checkpoint
-from imagenet_elastic.checkpoint import CheckpointManager, atomic_write_bytes, load, serialize
+from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager, atomic_write_bytes, load, serialize
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.model import create_model, create_optimizer
 from imagenet_elastic.state import TrainState, check_compatible
@@ -350,3 +353,51 @@ def test_check_compatible_refuses_other_class_names():
     with pytest.raises(UserError, match="other class names") as caught:
         check_compatible(snapshot_of(classes=("ant", "bee", "dog")), "/ck/last.pt", "test_resnet", CLASSES)
     assert "/ck/last.pt" in str(caught.value)
+
+
+LOCK_HOLDER = r"""
+import sys, time
+from imagenet_elastic.checkpoint import CheckpointLock
+lock = CheckpointLock(sys.argv[1])
+lock.acquire(0, print)
+print("held", flush=True)
+time.sleep(float(sys.argv[2]))
+"""
+
+
+def hold_lock(folder, seconds: float) -> subprocess.Popen:
+    proc = subprocess.Popen([sys.executable, "-c", LOCK_HOLDER, str(folder), str(seconds)], stdout=subprocess.PIPE,
+                            text=True)
+    assert proc.stdout.readline().strip() == "held"
+    return proc
+
+
+def test_second_writer_is_refused_with_the_holder_named(tmp_path):
+    holder = hold_lock(tmp_path, 30)
+    try:
+        waits = []
+        expected = rf"checkpoints path {tmp_path} is in use by another run \(pid {holder.pid}"
+        with pytest.raises(UserError, match=expected):
+            CheckpointLock(str(tmp_path)).acquire(0.5, waits.append)
+        assert waits and f"pid {holder.pid}" in waits[0]
+    finally:
+        holder.kill()
+        holder.wait()
+
+
+def test_lock_of_a_killed_holder_is_free_again(tmp_path):
+    holder = hold_lock(tmp_path, 30)
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    lock = CheckpointLock(str(tmp_path))
+    lock.acquire(5, lambda _: None)
+    assert f"pid {os.getpid()}" in (tmp_path / ".lock").read_text()
+    lock.release()
+
+
+def test_waiting_writer_gets_the_lock_when_the_holder_ends(tmp_path):
+    holder = hold_lock(tmp_path, 1.0)
+    lock = CheckpointLock(str(tmp_path))
+    lock.acquire(20, lambda _: None)
+    assert holder.wait(timeout=5) == 0
+    lock.release()

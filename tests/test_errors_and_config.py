@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import io
 import sys
@@ -9,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from imagenet_elastic.cli import build_parser, config_from_args
+from imagenet_elastic.cli import build_parser, config_from_args, parse_checkpoint_interval
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, Config
 from imagenet_elastic.errors import CorruptImageError, UserError, one_line
 
@@ -156,3 +157,24 @@ def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert flag in err
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("500", (500, None)), ("10m", (None, 600.0)), ("90s", (None, 90.0)), ("2h", (None, 7200.0)),
+    ("500,10m", (500, 600.0)), ("0.5m", (None, 30.0)),
+])
+def test_checkpoint_interval_takes_steps_time_or_both(text, expected):
+    assert parse_checkpoint_interval(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "10x", "m", "", "5,", "0s"])
+def test_bad_checkpoint_interval_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        parse_checkpoint_interval(text)
+
+
+def test_checkpoint_interval_reaches_the_config():
+    config = config_from_args(build_parser().parse_args(["/data", "--checkpoint-interval", "20,30s"]))
+    assert (config.checkpoint_every_steps, config.checkpoint_every_seconds) == (20, 30.0)
+    plain = config_from_args(build_parser().parse_args(["/data"]))
+    assert (plain.checkpoint_every_steps, plain.checkpoint_every_seconds) == (None, None)

@@ -6,6 +6,7 @@ import json
 
 import pytest
 from conftest import (
+    EPOCHS,
     SMALL_RUN,
     TRAIN_IMAGES,
     VAL_IMAGES,
@@ -20,18 +21,7 @@ from conftest import (
 
 from imagenet_elastic.metrics import read as read_metrics
 
-EPOCHS = 3
 EXACT_FIELDS = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "val_samples", "lr", "world_size")
-
-
-@pytest.fixture(scope="session")
-def torchrun_reference(image_folder, tmp_path_factory):
-    """An uninterrupted 2-process torchrun run of 3 epochs: the run every other result is compared with."""
-    ckpt = tmp_path_factory.mktemp("reference")
-    result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS),
-                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)))
-    assert result.returncode == 0, result.stdout + result.stderr
-    return ckpt, result.stdout
 
 
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
@@ -46,7 +36,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     # last, best and only the newest two epoch files
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == ["best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt", "metrics.jsonl"]
+    assert names == [".lock", "best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt", "metrics.jsonl"]
     last = load_checkpoint(ckpt / "last.pt")  # weights_only=True
     assert last["epoch"] == 3 and last["world_size"] == 2 and last["global_batch"] == 16
     assert last["best_top1"] == max(r["val_top1"] for r in rows)

@@ -1,0 +1,157 @@
+"""Never lose work: real torchrun, real signals, real files; every result compared with an uninterrupted run."""
+
+from __future__ import annotations
+
+import random
+import re
+import shutil
+import signal
+import subprocess
+
+import pytest
+from conftest import (
+    EPOCHS,
+    REPO,
+    SMALL_RUN,
+    TRAIN_IMAGES,
+    assert_same_tensors,
+    child_env,
+    load_checkpoint,
+    python_cmd,
+    run,
+    run_and_kill,
+    torchrun_cmd,
+    torchrun_worker,
+    torchrun_workers,
+)
+
+from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.samplelog import ENV_VAR, coverage
+
+GLOBAL_BATCH = 16  # SMALL_RUN's 8 per process x 2
+SAMPLES_PER_EPOCH = TRAIN_IMAGES // GLOBAL_BATCH * GLOBAL_BATCH
+
+
+def assert_same_as_reference(ckpt, reference) -> None:
+    killed, clean = load_checkpoint(ckpt / "last.pt"), load_checkpoint(reference / "last.pt")
+    assert_same_tensors(killed["model"], clean["model"])
+    assert_same_tensors(killed["optimizer"]["state"], clean["optimizer"]["state"])
+    assert (killed["epoch"], killed["step"]) == (clean["epoch"], clean["step"])
+
+
+def assert_every_sample_once(log_dir, epochs: int = EPOCHS, global_batch: int = GLOBAL_BATCH):
+    report = coverage(str(log_dir), TRAIN_IMAGES // global_batch * global_batch, global_batch)
+    assert report.epochs == epochs
+    assert (report.samples_lost, report.samples_repeated) == (0, 0), report
+    return report
+
+
+@pytest.mark.parametrize("seed", [11, 12, 13])
+def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, torchrun_reference, seed):
+    """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples."""
+    rng = random.Random(seed)
+    epoch, step, rank = rng.randint(1, EPOCHS), rng.randint(1, 5), rng.randint(0, 1)
+    reference, _ = torchrun_reference
+    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--checkpoint-interval", "1",
+                       "--checkpoints-path", str(tmp_path / "ckpt"), restarts=1)
+    code, output = run_and_kill(cmd, when=f"epoch {epoch}/{EPOCHS} step {step}/", victim=torchrun_worker(rank),
+                                env=child_env(**{ENV_VAR: str(tmp_path / "samples")}))
+    assert code == 0, output
+    assert re.search(r"resuming from .*last\.pt: \d epochs done, \d+ samples into epoch", output), output
+    assert "after the checkpoint was written (restart + load" in output
+    assert_same_as_reference(tmp_path / "ckpt", reference)
+    assert assert_every_sample_once(tmp_path / "samples").steps_redone <= 2
+
+
+def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume_is_exact(
+        image_folder, tmp_path, torchrun_reference):
+    reference, _ = torchrun_reference
+    env = child_env(**{ENV_VAR: str(tmp_path / "samples")})
+    args = [str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--checkpoints-path", str(tmp_path / "ckpt")]
+    code, output = run_and_kill(torchrun_cmd(2, *args), when=f"epoch 2/{EPOCHS} step 3/", victim=torchrun_workers,
+                                sig=signal.SIGTERM, env=env)
+    assert code != 0, output
+    assert output.count(f"exitcode  : {PREEMPTED_EXIT}") == 2, output  # torchrun's summary, one per worker
+    came, stopped = map(int, re.search(r"SIGTERM came after step (\d+); stopped after step (\d+)", output).groups())
+    assert stopped - came <= 1, "the stop must come at the next step boundary"
+    snapshot = load_checkpoint(tmp_path / "ckpt" / "last.pt")
+    assert snapshot["step"] == stopped and snapshot["epoch"] == 1
+    assert snapshot["epoch_progress"]["samples"] == (stopped - 6) * GLOBAL_BATCH  # 6 steps per epoch
+    resumed = subprocess.run(torchrun_cmd(2, *args, "--resume"), cwd=REPO, env=env, capture_output=True, text=True,
+                             timeout=240)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert_same_as_reference(tmp_path / "ckpt", reference)
+    assert assert_every_sample_once(tmp_path / "samples").steps_redone == 0  # nothing trained twice
+
+
+def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoints-path"]
+    clean = run(python_cmd(*args, str(tmp_path / "clean")))
+    assert clean.returncode == 0, clean.stderr
+    code, output = run_and_kill(python_cmd(*args, str(tmp_path / "ckpt")), when="epoch 1/2 step 4/",
+                                victim=lambda proc: proc.pid, sig=signal.SIGUSR1)
+    assert code == PREEMPTED_EXIT, output
+    assert "Traceback" not in output and f"exiting with code {PREEMPTED_EXIT}" in output
+    resumed = run(python_cmd(*args, str(tmp_path / "ckpt"), "--resume"))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "samples into epoch 1" in resumed.stdout
+    assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"],
+                        load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
+
+
+@pytest.fixture(scope="module")
+def mid_epoch_checkpoint_world2(image_folder, tmp_path_factory):
+    """A world-size-2 run with a global batch of 24, stopped by SIGTERM in the middle of epoch 1."""
+    folder = tmp_path_factory.mktemp("world2")
+    env = child_env(**{ENV_VAR: str(folder / "samples")})
+    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", "2", "--global-batch-size", "24",
+                       "--checkpoints-path", str(folder / "ckpt"))
+    code, output = run_and_kill(cmd, when="epoch 1/2 step 2/", victim=torchrun_workers, sig=signal.SIGTERM, env=env)
+    assert f"exitcode  : {PREEMPTED_EXIT}" in output, output
+    snapshot = load_checkpoint(folder / "ckpt" / "last.pt")
+    assert snapshot["epoch"] == 0 and 0 < snapshot["epoch_progress"]["samples"] < 96
+    return folder
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_checkpoint_of_world_size_2_resumes_at_another_world_size_with_the_same_global_batch(
+        image_folder, tmp_path, mid_epoch_checkpoint_world2, world_size):
+    shutil.copytree(mid_epoch_checkpoint_world2, tmp_path, dirs_exist_ok=True)
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoints-path", str(tmp_path / "ckpt"), "--resume"]
+    cmd = python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args)
+    result = subprocess.run(cmd, cwd=REPO, env=child_env(**{ENV_VAR: str(tmp_path / "samples")}),
+                            capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    split = {1: "24 = 1 process x 24, in 3 micro-batches of 8", 3: "24 = 3 processes x 8"}[world_size]
+    assert split in result.stdout
+    final = load_checkpoint(tmp_path / "ckpt" / "last.pt")
+    assert final["global_batch"] == 24 and final["world_size"] == world_size and final["step"] == 2 * 4
+    report = assert_every_sample_once(tmp_path / "samples", epochs=2, global_batch=24)
+    assert report.world_sizes == (2, world_size)
+
+
+def test_global_batch_that_does_not_split_over_the_new_world_size_is_refused_at_start(
+        image_folder, tmp_path, mid_epoch_checkpoint_world2):
+    """The checkpoint's global batch is 24; 5 processes cannot share it evenly."""
+    shutil.copytree(mid_epoch_checkpoint_world2 / "ckpt", tmp_path / "ckpt")
+    result = run(torchrun_cmd(5, str(image_folder), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ckpt"),
+                              "--resume", "--epochs", "2"))
+    assert result.returncode != 0
+    assert "imagenet-elastic: error: global batch 24 does not split evenly over 5 processes" in result.stderr
+    assert "--global-batch-size" in result.stderr
+    assert "imagenet_elastic/" not in result.stderr  # torchrun prints its own traceback, ours stays out
+
+
+def test_two_runs_started_at_once_on_one_checkpoints_path_do_not_interleave(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "6", "--checkpoints-path", str(tmp_path), "--resume",
+            "--dist-timeout", "3"]  # the loser waits 3 s for the lock; the winner holds it for longer
+    procs = [subprocess.Popen(python_cmd(*args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    results = [(p.wait(timeout=240), p.stdout.read(), p.stderr.read()) for p in procs]
+    codes = sorted(code for code, _, _ in results)
+    assert codes == [0, 2], results
+    refused = next(err for code, _, err in results if code == 2)
+    assert f"checkpoints path {tmp_path} is in use by another run (pid" in refused
+    assert len(refused.strip().splitlines()) == 1
+    final = load_checkpoint(tmp_path / "last.pt")
+    assert final["epoch"] == 6 and [row["epoch"] for row in final["history"]] == [1, 2, 3, 4, 5, 6]

@@ -1,0 +1,51 @@
+"""Preemption pieces that need no cluster: signal names, the flag a handler raises, the Slurm job to requeue."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.preemption import PreemptionFlag, parse_signals, slurm_job_to_requeue
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("SIGTERM,SIGUSR1", ("SIGTERM", "SIGUSR1")),
+    ("term, usr1", ("SIGTERM", "SIGUSR1")),
+    ("USR2", ("SIGUSR2",)),
+    ("SIGTERM,TERM", ("SIGTERM",)),
+    ("none", ()),
+])
+def test_signal_names_are_normalised(text, expected):
+    assert parse_signals(text) == expected
+
+
+@pytest.mark.parametrize("text", ["SIGKILL", "STOP", "SIGFOO", ""])
+def test_signals_that_cannot_be_caught_are_refused(text):
+    with pytest.raises(UserError, match="--preempt-signals"):
+        parse_signals(text)
+
+
+def test_flag_records_the_first_signal_and_the_previous_handler_comes_back():
+    before = signal.getsignal(signal.SIGUSR2)
+    flag = PreemptionFlag(("SIGUSR2", "SIGUSR1"))
+    try:
+        assert flag.received is None
+        os.kill(os.getpid(), signal.SIGUSR2)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert flag.received == "SIGUSR2"  # the process is still alive: the handler only set the flag
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGUSR2) == before
+
+
+@pytest.mark.parametrize("environ,job", [
+    ({"SLURM_JOB_ID": "123"}, "123"),
+    ({"SLURM_JOB_ID": "130", "SLURM_ARRAY_JOB_ID": "123", "SLURM_ARRAY_TASK_ID": "7"}, "123_7"),
+    ({}, None),
+    ({"SLURM_JOB_ID": ""}, None),
+])
+def test_requeue_names_the_array_task_not_the_internal_job_id(environ, job):
+    assert slurm_job_to_requeue(environ) == job

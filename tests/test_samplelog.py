@@ -1,0 +1,59 @@
+"""The sample log's verdict: it must catch a lost, a repeated and a redone step, not only pass clean runs."""
+
+from __future__ import annotations
+
+import pytest
+
+from imagenet_elastic.samplelog import SampleLog, coverage
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+
+SAMPLES, GLOBAL = 24, 4
+
+
+def log_epoch(folder, epoch, steps, world_size=2, start_sample=0, first_step=0):
+    """What the trainer records: each rank its share of each step, from `start_sample` on."""
+    plan = BatchPlan(GLOBAL, world_size, GLOBAL)
+    for rank in range(world_size):
+        sampler = TrainBatchSampler(SAMPLES, plan, rank, seed=0)
+        sampler.set_epoch(epoch, start_sample)
+        log = SampleLog(str(folder), rank, world_size)
+        for k, keys in zip(range(steps), sampler):
+            log.record(epoch, first_step + k, [i for _, i in keys])
+        log.close()
+
+
+def test_clean_run_covers_every_sample_once(tmp_path):
+    for epoch in range(2):
+        log_epoch(tmp_path, epoch, 6, first_step=6 * epoch)
+    report = coverage(str(tmp_path), SAMPLES, GLOBAL)
+    assert (report.epochs, report.steps, report.samples_trained) == (2, 12, 48)
+    assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 0)
+
+
+def test_rollback_then_world_size_change_is_redone_not_repeated(tmp_path):
+    log_epoch(tmp_path, 0, 4)  # steps 0-3 at world size 2, then a crash; the checkpoint was after step 2
+    log_epoch(tmp_path, 0, 3, world_size=1, start_sample=3 * GLOBAL, first_step=3)  # 3-5 again at world 1
+    report = coverage(str(tmp_path), SAMPLES, GLOBAL)
+    assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 1)
+    assert report.world_sizes == (2, 1)
+
+
+def test_skipped_step_is_reported_as_lost(tmp_path):
+    log_epoch(tmp_path, 0, 2)
+    log_epoch(tmp_path, 0, 3, start_sample=3 * GLOBAL, first_step=2)  # resumed one step too far
+    assert coverage(str(tmp_path), SAMPLES, GLOBAL).samples_lost == GLOBAL
+
+
+def test_step_trained_twice_under_two_numbers_is_reported_as_repeated(tmp_path):
+    log_epoch(tmp_path, 0, 3)
+    log_epoch(tmp_path, 0, 4, start_sample=2 * GLOBAL, first_step=3)  # resumed one step too early
+    assert coverage(str(tmp_path), SAMPLES, GLOBAL).samples_repeated == GLOBAL
+
+
+def test_attempts_of_one_step_that_disagree_are_an_error(tmp_path):
+    log_epoch(tmp_path, 0, 1)
+    log_epoch(tmp_path, 1, 1)  # epoch 1's first batch logged as epoch 0's step 0
+    for path in tmp_path.iterdir():
+        path.write_text(path.read_text().replace('"epoch": 1', '"epoch": 0'))
+    with pytest.raises(AssertionError, match="distinct samples"):
+        coverage(str(tmp_path), SAMPLES, GLOBAL)
