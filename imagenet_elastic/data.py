@@ -222,6 +222,7 @@ def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
-                pin_memory: bool) -> DataLoader:
+                pin_memory: bool, ignored_signals: tuple[int, ...] = ()) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=eval_shard(len(dataset), rank, world_size),
-                      generator=torch.Generator().manual_seed(0), **_loader_options(workers, pin_memory))
+                      generator=torch.Generator().manual_seed(0),
+                      **_loader_options(workers, pin_memory, ignored_signals))

@@ -33,6 +33,7 @@ class StepContext:
     def __post_init__(self) -> None:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
@@ -76,6 +77,24 @@ def step_groups(loader: Iterable, accum: int) -> Iterator[list]:
             group = []
 
 
+@contextlib.contextmanager
+def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
+    """Batch norm normalises with the micro-batch's statistics but leaves its running averages alone.
+
+    Under DDP the running averages that survive are rank 0's (broadcast at every forward), i.e.
+    those of the global batch's first slice. Updating them from the first micro-batch only keeps
+    them the same at every world size, so an elastic run evaluates like an uninterrupted one.
+    """
+    saved = [m.momentum for m in batch_norms]
+    for m in batch_norms:
+        m.momentum = 0.0  # running = running * (1 - 0) + batch * 0: unchanged, exactly
+    try:
+        yield
+    finally:
+        for m, momentum in zip(batch_norms, saved):
+            m.momentum = momentum
+
+
 def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share: int, lr: float, seed: int,
                step: int) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device).
@@ -92,7 +111,11 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
         images, labels = prepare_batch(images, labels, ctx)
         seed_micro_batch(seed, step, part.start)
         last = j == len(micro_batches) - 1
-        with contextlib.nullcontext() if last or not hasattr(ctx.model, "no_sync") else ctx.model.no_sync():
+        with contextlib.ExitStack() as stack:
+            if not last and hasattr(ctx.model, "no_sync"):
+                stack.enter_context(ctx.model.no_sync())
+            if part.start % share:  # not the first micro-batch of the rank's share
+                stack.enter_context(running_stats_frozen(ctx.batch_norms))
             with ctx.autocast():
                 loss = ctx.criterion(ctx.model(images), labels)
             weighted = loss * (len(labels) / share)  # x1.0 when there is one micro-batch: exact

@@ -29,13 +29,21 @@ def report_user_error(error: UserError, env: DistEnv) -> None:
 
 
 def run_worker(config: Config, env: DistEnv) -> None:
-    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary."""
+    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary.
+
+    User errors and preemption end inside the wrapper as plain exit codes, so torchrun's summary
+    holds no traceback for them (`record` only records exceptions, not SystemExit).
+    """
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    record(_run_to_exit_code)(config, env)
+
+
+def _run_to_exit_code(config: Config, env: DistEnv) -> None:
     from imagenet_elastic.trainer import run
 
     try:
-        record(run)(config, env)
+        run(config, env)
     except UserError as error:
         report_user_error(error, env)
         sys.exit(USER_ERROR_EXIT)

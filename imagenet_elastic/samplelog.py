@@ -8,8 +8,10 @@ merges them and checks that every epoch saw each of its samples exactly once.
 from __future__ import annotations
 
 import glob
+import itertools
 import json
 import os
+import time
 import uuid
 from collections import Counter, defaultdict
 from collections.abc import Iterable
@@ -32,7 +34,7 @@ class SampleLog:
     def record(self, epoch: int, step: int, samples: Iterable[int]) -> None:
         if self.file is not None:
             row = {"epoch": epoch, "step": step, "rank": self.rank, "world_size": self.world_size,
-                   "writer": self.writer, "samples": [int(i) for i in samples]}
+                   "writer": self.writer, "time": time.time(), "samples": [int(i) for i in samples]}
             self.file.write(json.dumps(row) + "\n")
             self.file.flush()
 
@@ -50,7 +52,7 @@ class Coverage:
     samples_lost: int  # expected but never trained
     samples_repeated: int  # trained by two different steps of one epoch
     steps_redone: int  # steps trained again after a rollback (work lost, not samples)
-    world_sizes: tuple[int, ...]  # in the order they appeared
+    world_sizes: tuple[int, ...]  # as the run went, one entry per change
 
 
 def read(folder: str) -> list[dict]:
@@ -81,6 +83,7 @@ def coverage(folder: str, samples_per_epoch: int, global_batch: int) -> Coverage
     lost = sum(samples_per_epoch - len(counts) for counts in epochs.values())
     repeated = sum(n - 1 for counts in epochs.values() for n in counts.values() if n > 1)
     redone = sum(len(names) > world[key] for key, names in writers.items())
-    worlds = tuple(dict.fromkeys(r["world_size"] for r in sorted(rows, key=lambda r: (r["epoch"], r["step"]))))
+    ordered = sorted(rows, key=lambda r: r["time"])
+    worlds = tuple(size for size, _ in itertools.groupby(r["world_size"] for r in ordered))
     return Coverage(epochs=len(epochs), steps=len(by_step), samples_trained=sum(len(c) for c in epochs.values()),
                     samples_lost=lost, samples_repeated=repeated, steps_redone=redone, world_sizes=worlds)

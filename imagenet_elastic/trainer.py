@@ -101,12 +101,12 @@ class Trainer:
 
         workers = config.workers if config.workers is not None else default_workers(env.local_world_size)
         pin = self.device.type == "cuda"
+        ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see data._worker_init
         self.train_loader = data.train_loader(
-            data.TrainDataset(self.train_index, config.image_size, config.seed), self.sampler, workers, pin,
-            preemption.signal_numbers(config.preempt_signals))
+            data.TrainDataset(self.train_index, config.image_size, config.seed), self.sampler, workers, pin, ignored)
         self.val_loader = data.eval_loader(
             data.EvalDataset(self.val_index, config.image_size, config.eval_resize),
-            config.batch_size, env.rank, env.world_size, workers, pin)
+            config.batch_size, env.rank, env.world_size, workers, pin, ignored)
         self.workers = workers
         self.total_steps = self.sampler.steps * config.epochs
         self.warmup_steps = round(config.warmup_epochs * self.sampler.steps)

@@ -17,6 +17,7 @@ from conftest import (
     assert_same_tensors,
     child_env,
     load_checkpoint,
+    make_image_folder,
     python_cmd,
     run,
     run_and_kill,
@@ -25,6 +26,7 @@ from conftest import (
     torchrun_workers,
 )
 
+from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.samplelog import ENV_VAR, coverage
 
@@ -155,3 +157,30 @@ def test_two_runs_started_at_once_on_one_checkpoints_path_do_not_interleave(imag
     assert len(refused.strip().splitlines()) == 1
     final = load_checkpoint(tmp_path / "last.pt")
     assert final["epoch"] == 6 and [row["epoch"] for row in final["history"]] == [1, 2, 3, 4, 5, 6]
+
+
+@pytest.fixture(scope="module")
+def elastic_job(tmp_path_factory) -> fi.Job:
+    """384 images: 24 steps per epoch, long enough for a node to join while one worker trains alone."""
+    workdir = tmp_path_factory.mktemp("elastic")
+    data = make_image_folder(workdir / "data", classes=8, train_per_class=48, val_per_class=4)
+    return fi.Job(str(data), tuple(SMALL_RUN) + ("--epochs", str(EPOCHS)), 384, GLOBAL_BATCH, workdir)
+
+
+def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once(elastic_job):
+    """Two c10d agents (one worker each); one is SIGKILLed with its worker in epoch 1, the survivor goes
+    on alone at the same global batch (2 micro-batches of 8), then a new agent joins and the job is 2 again.
+
+    Tolerance: a step's gradient is (g0 + g1) / 2 from DDP at world size 2 and g0 / 2 + g1 / 2 from
+    accumulation at world size 1; halving is exact in binary floating point, so the two agree to the
+    last bit here. Other world sizes sum in another order and differ in the last bits of each step,
+    which training then amplifies, hence the bound of 1e-5 rather than equality.
+    """
+    clean_wall = fi.run_clean(elastic_job)
+    outcome, outputs = fi.elastic(elastic_job, kill_at=(1, 8), epochs=EPOCHS, clean_wall=clean_wall, timeout=180)
+    assert outcome.world_sizes == (2, 1, 2), outputs
+    assert (outcome.samples_lost, outcome.samples_repeated) == (0, 0)
+    assert "16 = 1 process x 16, in 2 micro-batches of 8" in outputs  # the same global batch when alone
+    assert outputs.count("16 = 2 processes x 8") == 2  # at the start and after the join
+    assert all(0 < seconds < 60 for seconds in outcome.recovery_s), outcome.recovery_s
+    assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean")) <= 1e-5

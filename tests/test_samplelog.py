@@ -36,6 +36,8 @@ def test_rollback_then_world_size_change_is_redone_not_repeated(tmp_path):
     report = coverage(str(tmp_path), SAMPLES, GLOBAL)
     assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 1)
     assert report.world_sizes == (2, 1)
+    log_epoch(tmp_path, 1, 6, first_step=6)
+    assert coverage(str(tmp_path), SAMPLES, GLOBAL).world_sizes == (2, 1, 2)  # changes, not distinct sizes
 
 
 def test_skipped_step_is_reported_as_lost(tmp_path):
