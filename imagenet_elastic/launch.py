@@ -8,7 +8,10 @@ the child as one line) and exits non-zero.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
+import signal
 import sys
 from datetime import timedelta
 
@@ -18,6 +21,7 @@ import torch.multiprocessing as mp
 from imagenet_elastic.config import Config
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.errors import PREEMPTED_EXIT, PROG, USER_ERROR_EXIT, Preempted, UserError, one_line
+from imagenet_elastic.preemption import signal_numbers
 
 
 def report_user_error(error: UserError, env: DistEnv) -> None:
@@ -60,10 +64,14 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)
+    context = mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=False,
+                                 start_method="spawn")
+    forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
     try:
-        mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=True, start_method="spawn")
+        while not context.join():
+            pass
     except mp.ProcessExitedException as failed:
-        if failed.exit_code != USER_ERROR_EXIT:  # a user error was already printed by the child
+        if failed.exit_code not in (USER_ERROR_EXIT, PREEMPTED_EXIT):  # those were reported by the child
             print(f"{PROG}: error: local process {failed.error_index} (rank "
                   f"{task_env.rank * procs + failed.error_index}) exited with code {failed.exit_code}; "
                   "the others were stopped", file=sys.stderr)
@@ -72,3 +80,16 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
         rank = task_env.rank * procs + failed.error_index
         print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
         sys.exit(1)
+    finally:
+        for signum, handler in forwarded.items():
+            signal.signal(signum, handler)
+
+
+def forward_signals(signums: tuple[int, ...], pids: list[int]) -> dict[int, object]:
+    """The parent passes preemption signals on to its ranks instead of dying of them (SIGUSR1's
+    default action), which would leave the ranks without their launcher. Returns the old handlers."""
+    def forward(signum: int, _frame: object) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    return {signum: signal.signal(signum, forward) for signum in signums}

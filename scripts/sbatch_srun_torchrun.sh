@@ -8,7 +8,11 @@
 #SBATCH --gres=gpu:8
 #SBATCH --cpus-per-task=64
 #SBATCH --requeue
+# SIGTERM, not SIGUSR1: torchrun forwards SIGTERM to its workers (and waits 30 s for them), while
+# SIGUSR1 would simply kill the agent.
+#SBATCH --signal=TERM@120
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 DATA=${1:?usage: sbatch $0 DATA [trainer options]}
 shift
@@ -17,8 +21,10 @@ HEAD=$(python -c 'import os; from imagenet_elastic.hostlist import first_host; p
 RDZV_PORT=${RDZV_PORT:-29400}
 NPROC=${NPROC_PER_NODE:-gpu}   # torchrun's "gpu": one process per visible GPU
 # last_call_timeout/keep_alive_*: a group re-forms in seconds after a node is lost, not torchrun's ~46 s.
+# Without a shared agent store, an agent that joins a running job does not hang (torch 2.6-2.13).
+export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 srun --kill-on-bad-exit=0 python -m torch.distributed.run \
     --nnodes="$SLURM_NNODES" --nproc-per-node="$NPROC" --max-restarts=3 \
     --rdzv-backend=c10d --rdzv-endpoint="$HEAD:$RDZV_PORT" --rdzv-id="$SLURM_JOB_ID" \
     --rdzv-conf=last_call_timeout=3,keep_alive_interval=1,keep_alive_max_attempt=3 \
-    -m imagenet_elastic "$DATA" --dist-init-method slurm --checkpoints-path "$CHECKPOINTS" --resume "$@"
+    -m imagenet_elastic "$DATA" --dist-init-method slurm --checkpoints-path "$CHECKPOINTS" --resume --requeue-on-preempt "$@"

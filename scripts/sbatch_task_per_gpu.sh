@@ -2,7 +2,9 @@
 # One Slurm task per GPU: every task is one rank (--dist-init-method slurm).
 #   sbatch scripts/sbatch_task_per_gpu.sh /data/imagenet [more trainer options]
 # MASTER_ADDR is the first host of the job's nodelist, MASTER_PORT = 15000 + SLURM_JOB_ID % 15000.
-# --resume makes the same script serve the first run and every requeue.
+# --resume makes the same script serve the first run and every requeue. 120 s before the time limit
+# Slurm sends SIGUSR1: every rank stops at the next step, rank 0 writes a checkpoint and requeues the
+# job (--requeue-on-preempt), and the requeued run continues from that very step. Logs are appended.
 #SBATCH --job-name=imagenet-elastic
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=4
@@ -11,9 +13,10 @@
 #SBATCH --requeue
 #SBATCH --signal=USR1@120
 #SBATCH --output=%x-%j.out
+#SBATCH --open-mode=append
 set -euo pipefail
 DATA=${1:?usage: sbatch $0 DATA [trainer options]}
 shift
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/$SLURM_JOB_NAME}
 srun --kill-on-bad-exit=1 python -m imagenet_elastic "$DATA" --dist-init-method slurm \
-    --checkpoints-path "$CHECKPOINTS" --resume "$@"
+    --checkpoints-path "$CHECKPOINTS" --resume --requeue-on-preempt "$@"

@@ -280,6 +280,9 @@ SlurmctldPort=6817
 SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
+# A requeued job may start again only once its credential has expired (default 120 s); 10 s keeps the
+# requeue test short.
+AuthInfo=cred_expire=10
 CredType=cred/munge
 GresTypes=gpu
 

@@ -184,3 +184,18 @@ def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once
     assert outputs.count("16 = 2 processes x 8") == 2  # at the start and after the join
     assert all(0 < seconds < 60 for seconds in outcome.recovery_s), outcome.recovery_s
     assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean")) <= 1e-5
+
+
+def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp_path, torchrun_reference):
+    """Slurm's one-task-per-node layout: the signal reaches the task (the spawning parent), not only the ranks."""
+    reference, _ = torchrun_reference
+    args = [str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--checkpoints-path", str(tmp_path),
+            "--dist-init-method", "spawn", "--nproc-per-node", "2"]
+    code, output = run_and_kill(python_cmd(*args), when=f"epoch 2/{EPOCHS} step 2/", victim=lambda proc: proc.pid,
+                                sig=signal.SIGUSR1)
+    assert code == PREEMPTED_EXIT, output
+    assert "error" not in output.lower(), output
+    resumed = run(python_cmd(*args, "--resume"))
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert "samples into epoch 2" in resumed.stdout
+    assert_same_as_reference(tmp_path, reference)

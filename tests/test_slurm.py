@@ -7,10 +7,23 @@ where the daemons cannot run at all (not root); anywhere else a failure to start
 from __future__ import annotations
 
 import os
+import re
 import subprocess
+import time
 
 import pytest
-from conftest import REPO, SHORT_RUN, assert_matches_reference, child_env, load_checkpoint, python_cmd
+from conftest import (
+    REPO,
+    SHORT_RUN,
+    SMALL_RUN,
+    assert_matches_reference,
+    assert_same_tensors,
+    child_env,
+    load_checkpoint,
+    python_cmd,
+)
+
+from imagenet_elastic.samplelog import ENV_VAR, coverage
 
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_local_cluster.sh"
 
@@ -91,3 +104,49 @@ def test_sbatch_srun_torchrun_example_uses_torchrun_variables(slurm_env, image_f
                     [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
     assert "torchrun, rendezvous" in output  # torchrun's variables won over SLURM_*
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
+
+
+def wait_until(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if value := predicate():
+            return value
+        time.sleep(0.3)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def job_field(job: str, field: str, env: dict[str, str]) -> str:
+    shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
+    match = re.search(rf"\b{field}=(\S+)", shown)
+    return match.group(1) if match else ""
+
+
+def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_continues_exactly(
+        slurm_env, image_folder, tmp_path):
+    """What `#SBATCH --signal=USR1@120` does near the time limit, sent now with `scancel --signal=USR1`."""
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "3", "--threads", "1"]
+    clean = subprocess.run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")), cwd=REPO,
+                           env=child_env(), capture_output=True, text=True, timeout=240)
+    assert clean.returncode == 0, clean.stderr
+    log = tmp_path / "job.out"
+    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), ENV_VAR: str(tmp_path / "samples")}
+    script = str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
+                                "--cpus-per-task=1", f"--output={log}", script, *args],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: log.exists() and "epoch 2/3 step 3/" in log.read_text(), 120, "epoch 2 step 3")
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
+        wait_until(lambda: job_field(job, "JobState", slurm_env) == "COMPLETED", 180, "the requeued job to finish")
+    finally:
+        subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+    output = log.read_text()  # --open-mode=append (in the script): both runs' output
+    assert job_field(job, "Restarts", slurm_env) == "1"
+    assert f"requeued Slurm job {job}" in output and "SIGUSR1 came after step" in output
+    assert "samples into epoch 2" in output and "epoch 3/3: train loss" in output
+    assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"],
+                        load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
+    report = coverage(str(tmp_path / "samples"), 96, 8)
+    assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 0)
