@@ -305,7 +305,7 @@ class PendingSteps:
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self.loss = torch.zeros((), device=device)
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
         self.steps = 0
         self.start = time.perf_counter()
 
@@ -315,7 +315,7 @@ class PendingSteps:
 
     def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> None:
         """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps."""
-        loss_sum = distributed.all_reduce_sum(self.loss.double().clone()).item() / world_size
+        loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
         tally.add(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
         self.loss.zero_()
         self.steps = 0

@@ -10,6 +10,8 @@ import time
 
 from conftest import child_env, load_checkpoint
 
+from imagenet_elastic.checkpoint import CheckpointManager
+
 WRITER = r"""
 import sys, torch
 from imagenet_elastic.checkpoint import CheckpointManager
@@ -41,3 +43,7 @@ def test_sigkill_during_checkpoint_write_leaves_previous_last_pt_loadable(tmp_pa
         assert state["epoch"] >= completed
         assert bool((state["model"]["w"] == float(state["epoch"])).all()), "last.pt mixes two versions"
         assert any(n.startswith(".tmp-") for n in os.listdir(folder)), "the kill did not land mid-write"
+        # and the next start uses it: --resume picks last.pt, the interrupted write is known to be stale
+        manager = CheckpointManager(str(folder), keep=1)
+        assert manager.resume_path("auto", restarted=False) == str(folder / "last.pt")
+        assert manager.stale_temp_files() and all(".tmp-" in p for p in manager.stale_temp_files())

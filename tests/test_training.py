@@ -1,4 +1,4 @@
-"""Real training runs: torchrun with two processes, SIGKILL and restart, exact validation, resume."""
+"""Real training runs: torchrun with two processes, a killed plain process, exact validation, resume."""
 
 from __future__ import annotations
 
@@ -16,12 +16,9 @@ from conftest import (
     run,
     run_and_kill,
     torchrun_cmd,
-    torchrun_worker,
 )
 
 from imagenet_elastic.metrics import read as read_metrics
-
-EXACT_FIELDS = ("epoch", "train_loss", "val_loss", "val_top1", "val_top5", "val_samples", "lr", "world_size")
 
 
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
@@ -46,23 +43,6 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert "0.125 = 2 x 16/256" in stdout  # the scaled LR is said at start
     for epoch in range(1, EPOCHS + 1):
         assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
-
-
-@pytest.mark.parametrize("victim_rank", [0, 1])
-def test_sigkill_during_epoch_3_and_torchrun_restart_gives_bitwise_identical_weights(
-        image_folder, tmp_path, torchrun_reference, victim_rank):
-    reference, _ = torchrun_reference
-    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--keep-checkpoints", "2",
-                       "--checkpoints-path", str(tmp_path), restarts=1)
-    code, output = run_and_kill(cmd, when=f"epoch 3/{EPOCHS} step 2/", victim=torchrun_worker(victim_rank))
-    assert code == 0, output
-    assert "resuming from" in output and "2 epochs done" in output
-    killed, clean = load_checkpoint(tmp_path / "last.pt"), load_checkpoint(reference / "last.pt")
-    assert_same_tensors(killed["model"], clean["model"])
-    assert_same_tensors(killed["optimizer"]["state"], clean["optimizer"]["state"])
-    assert killed["step"] == clean["step"]
-    rows, clean_rows = read_metrics(tmp_path / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
-    assert [[r[k] for k in EXACT_FIELDS] for r in rows] == [[r[k] for k in EXACT_FIELDS] for r in clean_rows]
 
 
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
