@@ -64,8 +64,9 @@ class Trainer:
         if not config.evaluate:
             checkpoint.check_writable(config.checkpoints_path)
             if env.is_main:
-                self.lock.acquire(min(LOCK_WAIT_S, config.dist_timeout), lambda holder: console.warn(
-                    f"{config.checkpoints_path} is locked by {holder}; waiting up to {LOCK_WAIT_S:g} s"))
+                wait = min(LOCK_WAIT_S, config.dist_timeout)
+                self.lock.acquire(wait, lambda holder: console.warn(
+                    f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
         self.resume_from = self.checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
         if config.evaluate and self.resume_from is None:
             raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
