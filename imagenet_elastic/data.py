@@ -1,4 +1,4 @@
-"""Images on disk to uint8 batches: folder index, per-sample deterministic crops, loaders.
+"""Images on disk to uint8 batches: per-sample deterministic crops, datasets, loaders.
 
 Workers decode, crop, resize and flip on uint8 and hand over HWC uint8 tensors; conversion to float
 and normalisation happen on the device (engine.prepare_batch). Every random choice a training sample
@@ -11,87 +11,19 @@ from __future__ import annotations
 import functools
 import math
 import multiprocessing
-import os
 import random
 import signal
-from dataclasses import dataclass
-from typing import Optional
 
 import numpy as np
 import torch
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
 
-IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
-
-
-# ----------------------------------------------------------------------------- the file index
-
-@dataclass(frozen=True)
-class ImageIndex:
-    """All images of one split, held in two numpy arrays so workers do not copy it on access."""
-
-    root: str
-    classes: tuple[str, ...]
-    paths: np.ndarray  # fixed-width bytes, relative to root
-    targets: np.ndarray  # int64 class index per image
-
-    def __len__(self) -> int:
-        return len(self.targets)
-
-    def path(self, i: int) -> str:
-        return os.path.join(self.root, self.paths[i].decode())
-
-
-def scan_image_folder(root: str, role: str) -> ImageIndex:
-    """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
-    if not os.path.isdir(root):
-        raise UserError(f"{role} folder {root} does not exist")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
-    if not classes:
-        raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg)")
-    paths: list[str] = []
-    targets: list[int] = []
-    for target, name in enumerate(classes):
-        found = sorted(
-            os.path.relpath(os.path.join(folder, f), root)
-            for folder, _, files in os.walk(os.path.join(root, name), followlinks=True)
-            for f in files if f.lower().endswith(IMAGE_EXTENSIONS)
-        )
-        if not found:
-            raise UserError(f"class folder {os.path.join(root, name)} has no images")
-        paths.extend(found)
-        targets.extend([target] * len(found))
-    return ImageIndex(root, tuple(classes), np.array([p.encode() for p in paths]), np.array(targets))
-
-
-def resolve_split_dirs(data: str, val_path: Optional[str]) -> tuple[str, str]:
-    """DATA/train and DATA/val; DATA itself is the train folder when it has no train/."""
-    if not os.path.isdir(data):
-        raise UserError(f"data folder {data} does not exist")
-    train = os.path.join(data, "train")
-    if not os.path.isdir(train):
-        train = data
-    val = val_path or os.path.join(data, "val")
-    if not os.path.isdir(val):
-        raise UserError(f"validation folder {val} does not exist" +
-                        ("" if val_path else "; pass --val-path"))
-    return train, val
-
-
-def check_same_classes(train: ImageIndex, val: ImageIndex) -> None:
-    if train.classes == val.classes:
-        return
-    only_train = sorted(set(train.classes) - set(val.classes))[:5]
-    only_val = sorted(set(val.classes) - set(train.classes))[:5]
-    raise UserError(
-        f"train ({train.root}) and val ({val.root}) class folders differ: "
-        f"{len(train.classes)} vs {len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}"
-    )
 
 
 # ----------------------------------------------------------------------------- crop geometry

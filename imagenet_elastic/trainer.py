@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic import checkpoint, data, distributed, metrics, preemption
+from imagenet_elastic import checkpoint, data, distributed, file_index, metrics, preemption
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
@@ -43,6 +43,10 @@ def resolve_global_batch(requested: Optional[int], saved: Optional[int], batch_s
     return requested or saved or batch_size * world_size
 
 
+def describe_index(index: file_index.ImageIndex) -> str:
+    return f"{len(index)} in {index.root}" + (" (file list from the cache)" if index.cached else "")
+
+
 LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
 
 
@@ -53,10 +57,10 @@ class Trainer:
         self.device = distributed.select_device(config.device, env)
 
         # Every check that can fail on user input runs before the process group exists.
-        train_dir, val_dir = data.resolve_split_dirs(config.data, config.val_path)
-        self.train_index = data.scan_image_folder(train_dir, "train")
-        self.val_index = data.scan_image_folder(val_dir, "val")
-        data.check_same_classes(self.train_index, self.val_index)
+        train_dir, val_dir = file_index.resolve_split_dirs(config.data, config.val_path)
+        self.train_index = file_index.load_index(train_dir, "train", config.checkpoints_path)
+        self.val_index = file_index.load_index(val_dir, "val", config.checkpoints_path)
+        file_index.check_same_classes(self.train_index, self.val_index)
         if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
             raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
         self.checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints)
@@ -116,6 +120,10 @@ class Trainer:
 
         distributed.init_process_group(env, self.device, config.dist_timeout)
         self.check_same_checkpoint()
+        if env.is_main and not config.evaluate:  # the inputs passed every check: remember the file lists
+            for role, index in (("train", self.train_index), ("val", self.val_index)):
+                if not index.cached:
+                    file_index.write_cache(index, file_index.cache_path(config.checkpoints_path, role))
         wrapped: nn.Module = model
         if env.launched:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
@@ -151,8 +159,8 @@ class Trainer:
         self.console.table("imagenet_elastic", [
             ("model", f"{c.model} ({count_parameters(self.state.model) / 1e6:.2f} M parameters)"),
             ("classes", str(len(self.train_index.classes))),
-            ("train images", f"{len(self.train_index)} in {self.train_index.root}"),
-            ("val images", f"{len(self.val_index)} in {self.val_index.root}"),
+            ("train images", describe_index(self.train_index)),
+            ("val images", describe_index(self.val_index)),
             ("world size", f"{env.world_size} ({env.local_world_size} per node), device {self.device}"),
             ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
              else "none (single process)"),

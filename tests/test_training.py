@@ -33,7 +33,8 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
     # last, best and only the newest two epoch files
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".lock", "best.pt", "epoch_0002.pt", "epoch_0003.pt", "last.pt", "metrics.jsonl"]
+    assert names == [".lock", "best.pt", "epoch_0002.pt", "epoch_0003.pt", "index-train.npz", "index-val.npz",
+                     "last.pt", "metrics.jsonl"]
     last = load_checkpoint(ckpt / "last.pt")  # weights_only=True
     assert last["epoch"] == 3 and last["world_size"] == 2 and last["global_batch"] == 16
     assert last["best_top1"] == max(r["val_top1"] for r in rows)
@@ -91,6 +92,7 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
     second = run(python_cmd(*args, "--epochs", "2"))
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
+    assert second.stdout.count("(file list from the cache)") == 2  # train and val: not scanned again
     assert "epochs: checkpoint 1, now 2" in second.stdout  # a changed schedule is pointed out
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["val_top1"] >= 0

@@ -1,4 +1,4 @@
-"""Crop geometry, per-sample randomness, datasets on real JPEGs, and the folder index."""
+"""Crop geometry, per-sample randomness and datasets on real JPEGs."""
 
 from __future__ import annotations
 
@@ -10,17 +10,9 @@ import pytest
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import (
-    EvalDataset,
-    TrainDataset,
-    center_crop_box,
-    check_same_classes,
-    random_resized_crop_box,
-    resolve_split_dirs,
-    sample_rng,
-    scan_image_folder,
-)
+from imagenet_elastic.data import EvalDataset, TrainDataset, center_crop_box, random_resized_crop_box, sample_rng
 from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.file_index import scan_image_folder
 
 SIZES = [(1, 1), (1, 2), (2, 1), (2, 3), (3, 2), (3, 3), (5, 7), (17, 3), (31, 32), (1000, 1), (1, 1000),
          (4000, 3), (3, 4000), (640, 480), (333, 500)]
@@ -210,106 +202,3 @@ def test_truncated_jpeg_raises_corrupt_image_error_naming_the_file(tmp_path):
     with pytest.raises(CorruptImageError) as caught:
         EvalDataset(scan_image_folder(str(root), "train"), size=16, resize=18)[0]
     assert str(path) in str(caught.value)
-
-
-# ----------------------------------------------------------------------------- the folder index
-
-def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):
-    root = tmp_path / "train"
-    make_split(root, {"b_class": 2, "a_class": 3})
-    (root / "a_class" / "notes.txt").write_text("not an image")
-    (root / ".hidden").mkdir()
-    write_jpeg(str(root / "b_class" / "nested" / "deep.JPEG"), 8, 8, seed=1)
-    index = scan_image_folder(str(root), "train")
-    assert index.classes == ("a_class", "b_class")
-    assert len(index) == 6
-    assert index.targets.tolist() == [0, 0, 0, 1, 1, 1]
-    paths = [index.path(i) for i in range(len(index))]
-    assert all(os.path.isfile(p) for p in paths)
-    assert str(root / "b_class" / "nested" / "deep.JPEG") in paths
-    assert not any(p.endswith(".txt") for p in paths)
-
-
-def test_scan_image_folder_missing_folder_names_role_and_path(tmp_path):
-    missing = str(tmp_path / "nope")
-    with pytest.raises(UserError, match="does not exist") as caught:
-        scan_image_folder(missing, "val")
-    assert f"val folder {missing}" in str(caught.value)
-
-
-def test_scan_image_folder_without_class_folders(tmp_path):
-    root = tmp_path / "flat"
-    root.mkdir()
-    write_jpeg(str(root / "img.jpg"), 8, 8, seed=0)
-    with pytest.raises(UserError, match="has no class folders") as caught:
-        scan_image_folder(str(root), "train")
-    assert f"train folder {root}" in str(caught.value)
-    assert "CLASS/IMAGE.jpg" in str(caught.value)
-
-
-def test_scan_image_folder_with_an_empty_class_folder_names_it(tmp_path):
-    root = tmp_path / "train"
-    make_split(root, {"full": 1})
-    (root / "empty").mkdir()
-    (root / "empty" / "readme.txt").write_text("x")
-    with pytest.raises(UserError, match="has no images") as caught:
-        scan_image_folder(str(root), "train")
-    assert str(root / "empty") in str(caught.value)
-
-
-def test_resolve_split_dirs_finds_train_and_val(tmp_path):
-    (tmp_path / "train").mkdir()
-    (tmp_path / "val").mkdir()
-    assert resolve_split_dirs(str(tmp_path), None) == (str(tmp_path / "train"), str(tmp_path / "val"))
-
-
-def test_resolve_split_dirs_uses_data_without_train_as_the_train_folder(tmp_path):
-    data = tmp_path / "data"
-    (data / "n01").mkdir(parents=True)
-    (tmp_path / "held_out").mkdir()
-    train, val = resolve_split_dirs(str(data), str(tmp_path / "held_out"))
-    assert train == str(data)
-    assert val == str(tmp_path / "held_out")
-
-
-def test_resolve_split_dirs_missing_data_folder(tmp_path):
-    with pytest.raises(UserError, match="data folder .* does not exist") as caught:
-        resolve_split_dirs(str(tmp_path / "missing"), None)
-    assert str(tmp_path / "missing") in str(caught.value)
-
-
-def test_resolve_split_dirs_missing_default_val_suggests_val_path(tmp_path):
-    (tmp_path / "train").mkdir()
-    with pytest.raises(UserError, match="validation folder") as caught:
-        resolve_split_dirs(str(tmp_path), None)
-    assert str(tmp_path / "val") in str(caught.value)
-    assert "--val-path" in str(caught.value)
-
-
-def test_resolve_split_dirs_missing_explicit_val_path_names_it(tmp_path):
-    (tmp_path / "train").mkdir()
-    (tmp_path / "val").mkdir()
-    with pytest.raises(UserError, match="validation folder") as caught:
-        resolve_split_dirs(str(tmp_path), str(tmp_path / "other"))
-    assert str(tmp_path / "other") in str(caught.value)
-    assert "--val-path" not in str(caught.value)
-
-
-def test_check_same_classes_accepts_equal_class_lists(tmp_path):
-    make_split(tmp_path / "train", {"a": 1, "b": 1})
-    make_split(tmp_path / "val", {"a": 1, "b": 1})
-    check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
-                       scan_image_folder(str(tmp_path / "val"), "val"))
-
-
-def test_check_same_classes_reports_the_differing_classes(tmp_path):
-    make_split(tmp_path / "train", {"a": 1, "b": 1, "c": 1})
-    make_split(tmp_path / "val", {"a": 1, "z": 1})
-    with pytest.raises(UserError, match="class folders differ") as caught:
-        check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
-                           scan_image_folder(str(tmp_path / "val"), "val"))
-    message = str(caught.value)
-    assert "3 vs 2 classes" in message
-    assert "only in train: ['b', 'c']" in message
-    assert "only in val: ['z']" in message
-    assert str(tmp_path / "train") in message and str(tmp_path / "val") in message
