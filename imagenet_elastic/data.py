@@ -16,6 +16,7 @@ import signal
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
@@ -57,11 +58,13 @@ def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def decode_region(path: str, plan, size: int) -> np.ndarray:
-    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size, RGB uint8 HWC.
+def decode_region(path: str, plan, size: int) -> torch.Tensor:
+    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size: RGB uint8 HWC.
 
     JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the crop at least
-    `size` pixels on each side, which saves most of the decode time on large photographs.
+    `size` pixels on each side, which saves most of the decode time on large photographs. The crop
+    is a view of the decoded pixels, resized by torch's uint8 antialiased bilinear kernel (about
+    twice as fast as Pillow's on these sizes); a flip is a reversed view.
     """
     try:
         with Image.open(path) as img:
@@ -71,13 +74,20 @@ def decode_region(path: str, plan, size: int) -> np.ndarray:
             if img.format == "JPEG" and shrink < 1:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
             fx, fy = img.size[0] / width, img.size[1] / height
-            box = (left * fx, top * fy, (left + w) * fx, (top + h) * fy)
-            out = img.convert("RGB").resize((size, size), Image.BILINEAR, box=box)
+            pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    if flip:
-        out = out.transpose(Image.FLIP_LEFT_RIGHT)
-    return np.asarray(out, dtype=np.uint8)
+    rows, cols = pixel_span(top * fy, h * fy, pixels.shape[0]), pixel_span(left * fx, w * fx, pixels.shape[1])
+    region = pixels[rows, cols].permute(2, 0, 1).unsqueeze(0)  # 1CHW view with channels_last strides
+    out = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
+    out = out.permute(1, 2, 0)
+    return (out.flip(1) if flip else out).contiguous()
+
+
+def pixel_span(start: float, length: float, limit: int) -> slice:
+    """Whole pixels covering [start, start + length), at least one, inside [0, limit)."""
+    first = min(max(0, round(start)), limit - 1)
+    return slice(first, max(first + 1, min(limit, round(start + length))))
 
 
 # ----------------------------------------------------------------------------- datasets and loaders
@@ -100,8 +110,7 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng)
             return box, rng.random() < 0.5
 
-        pixels = decode_region(self.index.path(i), plan, self.size)
-        return torch.from_numpy(pixels.copy()), int(self.index.targets[i]), i
+        return decode_region(self.index.path(i), plan, self.size), int(self.index.targets[i]), i
 
 
 class EvalDataset(Dataset):
@@ -117,8 +126,7 @@ class EvalDataset(Dataset):
         def plan(width: int, height: int) -> tuple[Box, bool]:
             return center_crop_box(width, height, self.size, self.resize), False
 
-        pixels = decode_region(self.index.path(i), plan, self.size)
-        return torch.from_numpy(pixels.copy()), int(self.index.targets[i])
+        return decode_region(self.index.path(i), plan, self.size), int(self.index.targets[i])
 
 
 def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
