@@ -1,0 +1,280 @@
+"""`imagenet-elastic benchmark DATA`: what feeds the model, what the model can take, and both together.
+
+Prints one JSON object per line and mode. A tool, not a test: numbers depend on the machine.
+
+- loader: our training input pipeline and the textbook one (ImageFolder + PIL + RandomResizedCrop +
+  flip + ToTensor + Normalize in DataLoader workers, as in pytorch/examples), same folder, workers
+  and batch, measured in alternating rounds in one run;
+- synthetic: training steps on batches already on the device (the model's limit);
+- end_to_end: training steps fed by our loader from the folder;
+- index: peak RSS of DataLoader workers that read every entry of a synthetic 1.28 M-image file index,
+  ours (numpy arrays) against a Python list of (path, class) tuples.
+Every line also says the peak host RSS (this process and, separately, its largest child) and the
+peak GPU memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from imagenet_elastic import data
+from imagenet_elastic.cli import Parser, non_negative_int, positive_int
+from imagenet_elastic.engine import StepContext, train_step
+from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError, one_line
+from imagenet_elastic.file_index import ImageIndex, scan_image_folder
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+
+MODES = ("loader", "synthetic", "end_to_end", "index")
+IMAGENET_TRAIN_IMAGES = 1_281_167
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="imagenet-elastic benchmark", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("data", metavar="DATA", help="ImageFolder root with train/ (or the train folder itself)")
+    p.add_argument("--mode", choices=[*MODES, "all"], default="all")
+    p.add_argument("--model", default="resnet50")
+    p.add_argument("--batch-size", type=positive_int, default=64)
+    p.add_argument("--workers", type=non_negative_int, default=None, help="default: as for training")
+    p.add_argument("--image-size", type=positive_int, default=224)
+    p.add_argument("--batches", type=positive_int, default=30, help="measured batches per round or mode")
+    p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of the loader comparison")
+    p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--index-entries", type=positive_int, default=IMAGENET_TRAIN_IMAGES,
+                   help="size of the synthetic file index (index mode)")
+    return p
+
+
+def emit(mode: str, **fields: Any) -> None:
+    print(json.dumps({"mode": mode, **fields, **memory_peaks()}), flush=True)
+
+
+def memory_peaks() -> dict[str, Optional[float]]:
+    """ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN is the largest child that has been waited for."""
+    return {
+        "peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+        "peak_child_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+        "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None,
+    }
+
+
+# ----------------------------------------------------------------------------- loader
+
+def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
+    """Batches across epochs: epoch e's iterator is `make_iter(e)`."""
+    for epoch in itertools.count():
+        yield from make_iter(epoch)
+
+
+def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
+    """Skips `warmup` batches (worker start-up), then times `count`; the consumer does no work, so the
+    workers' prefetch queue is empty in steady state and does not flatter the rate."""
+    for _ in range(warmup):
+        next(batches)
+    start, images = time.perf_counter(), 0
+    for _ in range(count):
+        images += len(next(batches)[0])
+    return images / (time.perf_counter() - start)
+
+
+def ours_loader(index: ImageIndex, size: int, batch: int, workers: int) -> Callable[[int], Iterator]:
+    sampler = TrainBatchSampler(len(index), BatchPlan(batch, 1, batch), 0, seed=0)
+    loader = data.train_loader(data.TrainDataset(index, size, seed=0), sampler, workers, torch.cuda.is_available())
+
+    def epoch(e: int) -> Iterator:
+        sampler.set_epoch(e)
+        return iter(loader)
+    return epoch
+
+
+def textbook_loader(root: str, size: int, batch: int, workers: int) -> Callable[[int], Iterator]:
+    import torchvision.datasets as datasets
+    import torchvision.transforms as T
+
+    transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
+                           T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+    loader = DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, num_workers=workers,
+                        pin_memory=torch.cuda.is_available(), drop_last=True)
+    return lambda _: iter(loader)
+
+
+def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> None:
+    index = scan_image_folder(train_dir, "train")
+    warmup = max(2, 2 * workers)
+    contenders = {"ours": ours_loader(index, args.image_size, args.batch_size, workers),
+                  "textbook": textbook_loader(train_dir, args.image_size, args.batch_size, workers)}
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, make in contenders.items():
+            rates[name].append(images_per_sec(endless(make), args.batches, warmup))
+    ours, textbook = statistics.median(rates["ours"]), statistics.median(rates["textbook"])
+    emit("loader", ours_images_per_sec=round(ours, 1), textbook_images_per_sec=round(textbook, 1),
+         ratio=round(ours / textbook, 2), rounds={k: [round(r, 1) for r in v] for k, v in rates.items()},
+         images=len(index), batch_size=args.batch_size, workers=workers, image_size=args.image_size)
+
+
+# ----------------------------------------------------------------------------- model
+
+def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
+    from imagenet_elastic.model import create_model, create_optimizer
+    from imagenet_elastic.trainer import resolve_amp
+
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    amp = resolve_amp(args.amp, device)
+    channels_last = args.channels_last if args.channels_last is not None else device.type == "cuda"
+    model: nn.Module = create_model(args.model, num_classes).to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4)
+    compiled = torch.compile(model) if args.compile else model
+    ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
+                      nn.CrossEntropyLoss(), device, amp, channels_last)
+    settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
+                "device": str(device), "amp": str(amp).replace("torch.", "") if amp else "none",
+                "channels_last": channels_last, "compile": args.compile}
+    return ctx, settings
+
+
+def timed_steps(ctx: StepContext, batches: Iterator, count: int, warmup: int) -> float:
+    """Training images/s over `count` steps after `warmup` (compilation, cudnn autotuning)."""
+    images, start = 0, time.perf_counter()
+    for i in range(warmup + count):
+        if i == warmup:
+            sync(ctx.device)
+            start, images = time.perf_counter(), 0
+        batch = next(batches)
+        train_step(ctx, [batch], [slice(0, len(batch[1]))], len(batch[1]), 0.1, seed=0, step=i)
+        images += len(batch[1])
+    sync(ctx.device)
+    return images / (time.perf_counter() - start)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_synthetic(args: argparse.Namespace) -> None:
+    ctx, settings = step_context(args, 1000)
+    images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
+                           device=ctx.device)
+    labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.device)
+    batch = (images, labels, None)
+    rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
+    emit("synthetic", images_per_sec=round(rate, 1), **settings)
+
+
+def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> None:
+    index = scan_image_folder(train_dir, "train")
+    ctx, settings = step_context(args, len(index.classes))
+    loader = ours_loader(index, args.image_size, args.batch_size, workers)
+    rate = timed_steps(ctx, endless(loader), args.batches, warmup=max(3, 2 * workers))
+    emit("end_to_end", images_per_sec=round(rate, 1), workers=workers, images=len(index), **settings)
+
+
+# ----------------------------------------------------------------------------- index memory
+
+def synthetic_index(size: int = IMAGENET_TRAIN_IMAGES, classes: int = 1000) -> ImageIndex:
+    """ImageNet-shaped relative paths (`n00000123/n00000123_4567.JPEG`), no files behind them."""
+    targets = np.arange(size, dtype=np.int64) * classes // size
+    paths = np.array([f"n{t:08d}/n{t:08d}_{i}.JPEG".encode() for i, t in enumerate(targets.tolist())])
+    empty = np.array([], dtype="S1")
+    return ImageIndex("/data/train", tuple(f"n{c:08d}" for c in range(classes)), paths, targets, empty,
+                      np.array([], dtype=np.int64))
+
+
+class PathLengths(Dataset):
+    """Reads entry i of an index as a training dataset would; each sample reports the worker's memory."""
+
+    def __init__(self, lookup: Callable[[int], tuple[str, int]], size: int) -> None:
+        self.lookup, self.size = lookup, size
+        self.calls, self.memory = 0, (0, 0)  # each worker has its own copy
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __getitem__(self, i: int) -> tuple[int, int, int]:
+        path, target = self.lookup(i)
+        self.calls += 1
+        if self.calls % 2048 == 1:  # reading /proc costs far more than a lookup
+            self.memory = worker_memory_mb()
+        return len(path) + target, *self.memory
+
+
+def worker_memory_mb() -> tuple[int, int]:
+    """(peak resident memory VmHWM, private dirty memory) of this process, in MiB. The peak counts
+    pages shared with the parent (torch's libraries); private dirty ones are what the worker copied."""
+    with open("/proc/self/status") as f:
+        peak = int(next(line for line in f if line.startswith("VmHWM:")).split()[1])
+    with open("/proc/self/smaps_rollup") as f:
+        private = sum(int(line.split()[1]) for line in f if line.startswith("Private_Dirty:"))
+    return peak // 1024, private // 1024
+
+
+def worker_memory(lookup: Callable[[int], tuple[str, int]], size: int, workers: int) -> tuple[int, int]:
+    """Largest (peak RSS, private dirty) over the workers, after they read every entry once."""
+    loader = DataLoader(PathLengths(lookup, size), batch_size=4096, shuffle=True, num_workers=workers,
+                        generator=torch.Generator().manual_seed(0), multiprocessing_context="fork")
+    peak = private = 0
+    for _, peaks, privates in loader:
+        peak, private = max(peak, int(peaks.max())), max(private, int(privates.max()))
+    return peak, private
+
+
+def run_index(entries: int, workers: int) -> None:
+    index = synthetic_index(entries)
+    workers = max(1, workers)
+    ours = worker_memory(lambda i: (index.path(i), int(index.targets[i])), len(index), workers)
+    tuples = [(index.path(i), int(index.targets[i])) for i in range(len(index))]  # the textbook's samples list
+    textbook = worker_memory(tuples.__getitem__, len(tuples), workers)
+    emit("index", entries=len(index), index_mb=round((index.paths.nbytes + index.targets.nbytes) / 2**20, 1),
+         workers=workers, ours_worker_peak_rss_mb=ours[0], ours_worker_private_mb=ours[1],
+         list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
+
+
+def train_folder(root: str) -> str:
+    if not os.path.isdir(root):
+        raise UserError(f"data folder {root} does not exist")
+    train = os.path.join(root, "train")
+    return train if os.path.isdir(train) else root
+
+
+def main(argv: Sequence[str]) -> None:
+    from imagenet_elastic.trainer import default_workers
+
+    args = build_parser().parse_args(argv)
+    workers = args.workers if args.workers is not None else default_workers(1)
+    try:
+        train_dir = train_folder(args.data)
+        for mode in MODES if args.mode == "all" else (args.mode,):
+            if mode == "loader":
+                run_loader(args, train_dir, workers)
+            elif mode == "synthetic":
+                run_synthetic(args)
+            elif mode == "end_to_end":
+                run_end_to_end(args, train_dir, workers)
+            else:
+                run_index(args.index_entries, workers)
+    except UserError as error:
+        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr)
+        sys.exit(USER_ERROR_EXIT)

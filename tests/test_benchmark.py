@@ -1,0 +1,45 @@
+"""`imagenet-elastic benchmark`: one JSON object per mode with the fields the docs promise (not timings)."""
+
+from __future__ import annotations
+
+import json
+
+from conftest import python_cmd, run
+
+
+def benchmark(image_folder, *args: str) -> list[dict]:
+    result = run(python_cmd("benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8",
+                            "--workers", "1", "--batches", "2", *args))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
+    (line,) = benchmark(image_folder, "--mode", "loader", "--rounds", "2")
+    assert line["mode"] == "loader" and line["workers"] == 1 and line["batch_size"] == 8
+    assert line["ours_images_per_sec"] > 0 and line["textbook_images_per_sec"] > 0
+    assert line["ratio"] == round(line["ours_images_per_sec"] / line["textbook_images_per_sec"], 2)
+    assert len(line["rounds"]["ours"]) == len(line["rounds"]["textbook"]) == 2
+    assert line["peak_host_rss_mb"] > 0 and line["peak_gpu_mb"] is None
+
+
+def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
+    lines = benchmark(image_folder, "--mode", "synthetic", "--model", "test_resnet")
+    lines += benchmark(image_folder, "--mode", "end_to_end", "--model", "test_resnet")
+    assert [line["mode"] for line in lines] == ["synthetic", "end_to_end"]
+    for line in lines:
+        assert line["images_per_sec"] > 0 and line["model"] == "test_resnet" and line["device"] == "cpu"
+        assert line["amp"] == "bfloat16" and line["compile"] is False
+
+
+def test_index_mode_measures_worker_memory_of_both_index_forms(image_folder):
+    (line,) = benchmark(image_folder, "--mode", "index", "--index-entries", "50000")
+    assert line["entries"] == 50000
+    assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
+    assert line["list_of_tuples_worker_peak_rss_mb"] > 0
+
+
+def test_missing_data_folder_is_one_line(tmp_path):
+    result = run(python_cmd("benchmark", str(tmp_path / "nope")))
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
