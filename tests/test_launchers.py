@@ -22,7 +22,7 @@ from conftest import (
     run,
 )
 
-from imagenet_elastic.data import scan_image_folder
+from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
 
