@@ -124,7 +124,7 @@ def job_field(job: str, field: str, env: dict[str, str]) -> str:
 def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_continues_exactly(
         slurm_env, image_folder, tmp_path):
     """What `#SBATCH --signal=USR1@120` does near the time limit, sent now with `scancel --signal=USR1`."""
-    args = [str(image_folder), *SMALL_RUN, "--epochs", "3", "--threads", "1"]
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "6", "--threads", "1"]  # long enough for scancel to land
     clean = subprocess.run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")), cwd=REPO,
                            env=child_env(), capture_output=True, text=True, timeout=240)
     assert clean.returncode == 0, clean.stderr
@@ -137,7 +137,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]
     try:
-        wait_until(lambda: log.exists() and "epoch 2/3 step 3/" in log.read_text(), 120, "epoch 2 step 3")
+        wait_until(lambda: log.exists() and "epoch 2/6 step 3/" in log.read_text(), 120, "epoch 2 step 3")
         subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
         wait_until(lambda: job_field(job, "JobState", slurm_env) == "COMPLETED", 180, "the requeued job to finish")
     finally:
@@ -145,7 +145,8 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     output = log.read_text()  # --open-mode=append (in the script): both runs' output
     assert job_field(job, "Restarts", slurm_env) == "1"
     assert f"requeued Slurm job {job}" in output and "SIGUSR1 came after step" in output
-    assert "samples into epoch 2" in output and "epoch 3/3: train loss" in output
+    assert re.search(r"resuming from .*: \d epochs done, \d+ samples into epoch \d", output), output
+    assert "epoch 6/6: train loss" in output
     assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"],
                         load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
     report = coverage(str(tmp_path / "samples"), 96, 8)
