@@ -58,6 +58,11 @@ class PreemptionFlag:
         for signum, handler in self._previous.items():
             signal.signal(signum, handler)
 
+    def ignore_from_now(self) -> None:
+        """SIG_IGN, unlike a Python handler, stays in force while the interpreter shuts down."""
+        for signum in self._previous:
+            signal.signal(signum, signal.SIG_IGN)
+
 
 def slurm_job_to_requeue(environ: Mapping[str, str]) -> Optional[str]:
     """The job id `scontrol requeue` needs: `ARRAYJOB_TASK` for an array task, else SLURM_JOB_ID."""

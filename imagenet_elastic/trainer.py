@@ -350,4 +350,7 @@ def run(config: Config, env: DistEnv) -> None:
         del trainer
         data.stop_loader_workers()
         distributed.destroy_process_group()
-        preempt.restore()
+        if preempt.received is None:
+            preempt.restore()
+        else:  # stopping with exit code 75: a second signal (torchrun's) must not turn it into -15
+            preempt.ignore_from_now()

@@ -81,7 +81,9 @@ def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume
     code, output = run_and_kill(torchrun_cmd(2, *args), when=f"epoch 2/{EPOCHS} step 3/", victim=torchrun_workers,
                                 sig=signal.SIGTERM, env=env)
     assert code != 0, output
-    assert output.count(f"exitcode  : {PREEMPTED_EXIT}") == 2, output  # torchrun's summary, one per worker
+    # torchrun's summary lists the workers that exited on their own (the later one may be stopped by torchrun)
+    codes = re.findall(r"exitcode\s*: (-?\d+)", output)
+    assert codes and set(codes) == {str(PREEMPTED_EXIT)}, output
     came, stopped = map(int, re.search(r"SIGTERM came after step (\d+); stopped after step (\d+)", output).groups())
     assert stopped - came <= 1, "the stop must come at the next step boundary"
     snapshot = load_checkpoint(tmp_path / "ckpt" / "last.pt")

@@ -22,6 +22,7 @@ from conftest import (
     run,
 )
 
+from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
@@ -33,16 +34,17 @@ def free_port() -> int:
 
 
 def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -> tuple[list[int], list[str]]:
-    """Start every (command, env) at once, as the nodes of one job; return exit codes and outputs."""
-    procs = [subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for cmd, env in commands]
+    """Start every (command, env) at once, as the nodes of one job; return exit codes and outputs.
+    A node that hangs is killed with its workers, and the test fails showing what every node printed."""
+    nodes = [fi.Agent(cmd, env) for cmd, env in commands]
+    deadline = time.monotonic() + timeout
     try:
-        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-    return [p.returncode for p in procs], outputs
+        codes = [node.wait(max(1.0, deadline - time.monotonic())) for node in nodes]
+    except subprocess.TimeoutExpired:
+        for node in nodes:
+            node.kill_node()
+        raise AssertionError("a node hung; what each printed:\n" + "\n----\n".join(n.output for n in nodes)) from None
+    return codes, [node.output for node in nodes]
 
 
 def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
@@ -98,8 +100,8 @@ def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, 
         ([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
           # both "nodes" share this host's 2 cores: one thread each, as the reference's ranks had
-          "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--threads", "1",
-          "--checkpoints-path", str(tmp_path)], child_env()) for n in range(2)])
+          "-m", "imagenet_elastic", str(image_folder), *SHORT_RUN, "--threads", "1", "--dist-timeout", "60",
+          "--checkpoints-path", str(tmp_path)], child_env(LOGLEVEL="INFO")) for n in range(2)])
     assert codes == [0, 0], "\n".join(outputs)
     assert sum(o.count("global batch") for o in outputs) == 1  # one rank 0 across both agents
     assert_matches_reference(tmp_path, reference_world2)
