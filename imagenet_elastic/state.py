@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from imagenet_elastic import distributed
 from imagenet_elastic.errors import UserError
 
 FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
@@ -55,6 +56,28 @@ class EpochTally:
         self.steps += steps
         self.loss_sum += loss_sum
         self.seconds += seconds
+
+
+class PendingSteps:
+    """Steps trained since the tally was last brought up to date; their loss stays on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> None:
+        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps."""
+        loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
+        tally.add(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
+        self.loss.zero_()
+        self.steps = 0
+        self.start = time.perf_counter()
 
 
 @dataclass

@@ -23,7 +23,7 @@ from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.samplelog import SampleLog
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.schedule import lr_at, scaled_lr
-from imagenet_elastic.state import EpochTally, TrainState, check_compatible
+from imagenet_elastic.state import EpochTally, PendingSteps, TrainState, check_compatible
 
 
 def resolve_amp(amp: str, device: torch.device) -> Optional[torch.dtype]:
@@ -307,28 +307,6 @@ class Trainer:
         self.ctx = self.train_loader = self.val_loader = None  # type: ignore[assignment]
         self.sample_log.close()
         self.lock.release()
-
-
-class PendingSteps:
-    """Steps trained since the tally was last brought up to date; their loss stays on the device."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
-        self.steps = 0
-        self.start = time.perf_counter()
-
-    def add(self, loss: torch.Tensor) -> None:
-        self.loss += loss
-        self.steps += 1
-
-    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> None:
-        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps."""
-        loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
-        tally.add(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
-        self.loss.zero_()
-        self.steps = 0
-        self.start = time.perf_counter()
 
 
 def run(config: Config, env: DistEnv) -> None:
