@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import os
 import resource
 import statistics
 import sys
@@ -31,11 +30,13 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_elastic import data
+from imagenet_elastic import data, file_index
 from imagenet_elastic.cli import Parser, non_negative_int, positive_int
+from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import StepContext, train_step
-from imagenet_elastic.errors import PROG, USER_ERROR_EXIT, UserError, one_line
+from imagenet_elastic.errors import USER_ERROR_EXIT, UserError
 from imagenet_elastic.file_index import ImageIndex, scan_image_folder
+from imagenet_elastic.launch import report_user_error
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
 MODES = ("loader", "synthetic", "end_to_end", "index")
@@ -252,20 +253,13 @@ def run_index(entries: int, workers: int) -> None:
          list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
 
 
-def train_folder(root: str) -> str:
-    if not os.path.isdir(root):
-        raise UserError(f"data folder {root} does not exist")
-    train = os.path.join(root, "train")
-    return train if os.path.isdir(train) else root
-
-
 def main(argv: Sequence[str]) -> None:
     from imagenet_elastic.trainer import default_workers
 
     args = build_parser().parse_args(argv)
     workers = args.workers if args.workers is not None else default_workers(1)
     try:
-        train_dir = train_folder(args.data)
+        train_dir = file_index.train_dir(args.data)
         for mode in MODES if args.mode == "all" else (args.mode,):
             if mode == "loader":
                 run_loader(args, train_dir, workers)
@@ -276,5 +270,5 @@ def main(argv: Sequence[str]) -> None:
             else:
                 run_index(args.index_entries, workers)
     except UserError as error:
-        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr)
+        report_user_error(error, DistEnv())
         sys.exit(USER_ERROR_EXIT)

@@ -43,6 +43,37 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def children_of(pid: int) -> list[int]:
+    """Direct children of `pid`, read from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    found.append(int(entry.name))
+            except (OSError, IndexError, ValueError):  # the process ended while we looked
+                continue
+    return found
+
+
+def process_env(pid: int) -> dict[str, str]:
+    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
+
+
+def workers_by_rank(agent_pid: int) -> dict[int, int]:
+    """RANK -> pid of a torchrun agent's worker processes."""
+    found = {}
+    for pid in children_of(agent_pid):
+        try:
+            rank = process_env(pid).get("RANK")
+        except OSError:
+            continue
+        if rank is not None:
+            found[int(rank)] = pid
+    return found
+
+
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus any launcher variables, so a test run inside Slurm or torchrun stays local."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_HANDOFF_VARS)}
@@ -103,18 +134,8 @@ class Agent:
         return found
 
     def workers(self) -> list[int]:
-        """The agent's worker processes (children with RANK set), found through /proc."""
-        found = []
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-                if parent == self.proc.pid and b"\0RANK=" in b"\0" + (entry / "environ").read_bytes():
-                    found.append(int(entry.name))
-            except (OSError, IndexError, ValueError):
-                continue
-        return found
+        """The agent's worker processes (children with RANK set)."""
+        return list(workers_by_rank(self.proc.pid).values())
 
     def signal_workers(self, sig: int) -> list[int]:
         pids = self.workers()
@@ -242,11 +263,10 @@ def worker_kills(job: Job, targets: list[tuple[int, int, int]], epochs: int, cle
 
 
 def _worker_with_rank(agent: Agent, rank: int) -> int:
-    for pid in agent.workers():
-        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-        if f"RANK={rank}".encode() in environ:
-            return pid
-    raise RuntimeError(f"no worker with RANK={rank}")
+    workers = workers_by_rank(agent.proc.pid)
+    if rank not in workers:
+        raise RuntimeError(f"no worker with RANK={rank}")
+    return workers[rank]
 
 
 def preemption(job: Job, epoch: int, step: int, epochs: int, clean_wall: float, timeout: float = 600) -> Outcome:

@@ -114,13 +114,17 @@ def read_cache(path: str, root: str) -> Optional[ImageIndex]:
         return None
 
 
-def resolve_split_dirs(data: str, val_path: Optional[str]) -> tuple[str, str]:
-    """DATA/train and DATA/val; DATA itself is the train folder when it has no train/."""
+def train_dir(data: str) -> str:
+    """DATA/train, or DATA itself when it has no train/."""
     if not os.path.isdir(data):
         raise UserError(f"data folder {data} does not exist")
     train = os.path.join(data, "train")
-    if not os.path.isdir(train):
-        train = data
+    return train if os.path.isdir(train) else data
+
+
+def resolve_split_dirs(data: str, val_path: Optional[str]) -> tuple[str, str]:
+    """DATA/train and DATA/val; DATA itself is the train folder when it has no train/."""
+    train = train_dir(data)
     val = val_path or os.path.join(data, "val")
     if not os.path.isdir(val):
         raise UserError(f"validation folder {val} does not exist" +

@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from imagenet_elastic import fault_injection as fi
+
 REPO = Path(__file__).resolve().parents[1]
 
 # A model and data small enough that an epoch takes a fraction of a second on 2 CPU cores.
@@ -36,11 +38,7 @@ def image_folder(tmp_path_factory) -> Path:
     return root
 
 
-def child_env(**extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items()
-           if not k.startswith(("RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_", "TORCHELASTIC", "SLURM_", "OMPI_"))}
-    env.update(PYTHONUNBUFFERED="1", **extra)
-    return env
+child_env = fi.clean_env  # this environment without launcher variables, so tests stay local
 
 
 def python_cmd(*args: str) -> list[str]:
@@ -54,25 +52,6 @@ def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
 
 def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
-
-
-def children_of(pid: int) -> list[int]:
-    """Direct children of `pid`, read from /proc."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                found.append(int(entry.name))
-    return found
-
-
-def process_env(pid: int) -> dict[str, str]:
-    raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-    return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)
 
 
 def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240, sig: int = signal.SIGKILL,
@@ -119,12 +98,8 @@ def torchrun_worker(rank: int):
     def pick(proc: subprocess.Popen) -> int:
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            for pid in children_of(proc.pid):
-                try:
-                    if process_env(pid).get("RANK") == str(rank):
-                        return pid
-                except OSError:
-                    continue
+            if rank in (workers := fi.workers_by_rank(proc.pid)):
+                return workers[rank]
             time.sleep(0.05)
         raise AssertionError(f"no torchrun worker with RANK={rank}")
     return pick

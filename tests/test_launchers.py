@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ from conftest import (
 from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -> tuple[list[int], list[str]]:
@@ -95,7 +88,7 @@ def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_p
 
 
 def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, tmp_path, reference_world2):
-    port = free_port()
+    port = fi.free_port()
     codes, outputs = run_together([
         ([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1", f"--node-rank={n}",
           "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}", "--rdzv-id=two-agents",
@@ -109,7 +102,7 @@ def test_two_torchrun_agents_form_one_job_through_c10d_rendezvous(image_folder, 
 
 @pytest.mark.skipif(shutil.which("mpirun") is None, reason="OpenMPI is installed by scripts/slurm_local_cluster.sh")
 def test_mpirun_example_script_two_ranks_matches_torchrun(image_folder, tmp_path, reference_world2):
-    env = child_env(CHECKPOINTS=str(tmp_path), MASTER_PORT=str(free_port()))
+    env = child_env(CHECKPOINTS=str(tmp_path), MASTER_PORT=str(fi.free_port()))
     result = subprocess.run(["bash", str(REPO / "scripts" / "mpirun_example.sh"), "2", str(image_folder), *SHORT_RUN],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -119,7 +112,7 @@ def test_mpirun_example_script_two_ranks_matches_torchrun(image_folder, tmp_path
 
 def test_multinode_torchrun_script_with_node_level_variables(image_folder, tmp_path, reference_world2):
     """Two "containers" on this host, each given the cluster's node-level RANK/WORLD_SIZE/MASTER_*."""
-    port = free_port()
+    port = fi.free_port()
     script = ["bash", str(REPO / "scripts" / "torchrun_multinode.sh"), str(image_folder), *SHORT_RUN, "--threads", "1"]
     codes, outputs = run_together([
         (script, child_env(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(node), WORLD_SIZE="2",
@@ -139,7 +132,7 @@ def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_fol
 
 def test_missing_peer_fails_after_dist_timeout_with_one_clear_line(image_folder, tmp_path):
     """Rank 1 of 2 with nobody at MASTER_ADDR:MASTER_PORT: a named error after --dist-timeout, not a hang."""
-    port = free_port()  # nothing listens here once the socket is closed
+    port = fi.free_port()  # nothing listens here once the socket is closed
     env = child_env(RANK="1", WORLD_SIZE="2", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     started = time.monotonic()
     result = subprocess.run(python_cmd(str(image_folder), *SHORT_RUN, "--dist-timeout", "3", "--checkpoints-path",
