@@ -77,6 +77,10 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
                   "the others were stopped", file=sys.stderr)
         sys.exit(failed.exit_code if failed.exit_code and failed.exit_code > 0 else 1)
     except mp.ProcessRaisedException as failed:
+        if any(p.exitcode == USER_ERROR_EXIT for p in context.processes):
+            # a rank stopped on a user error (reported in one line); this rank's error (a closed
+            # connection in a collective) followed from it and only hides it
+            sys.exit(USER_ERROR_EXIT)
         rank = task_env.rank * procs + failed.error_index
         print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
         sys.exit(1)
