@@ -32,6 +32,10 @@ class Console:
     def table(self, title: str, rows: list[tuple[str, str]]) -> None:
         if not self.enabled:
             return
+        if not self.rich.is_terminal:  # logs: one unwrapped line per row, so `grep` finds every value whole
+            width = max(len(key) for key, _ in rows)
+            self.info("\n".join([title, *(f"  {key:<{width}}  {value}" for key, value in rows)]))
+            return
         table = Table(title=title, show_header=False, title_justify="left")
         table.add_column(style="bold")
         table.add_column()

@@ -9,16 +9,19 @@ size see exactly the same pixels.
 from __future__ import annotations
 
 import functools
+import io
 import math
 import multiprocessing
 import random
 import signal
+from collections.abc import Callable
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
+from torchvision.io import ImageReadMode, decode_jpeg
 
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import ImageIndex
@@ -58,30 +61,44 @@ def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def decode_region(path: str, plan, size: int) -> torch.Tensor:
+def decode_region(path: str, plan: Callable[[int, int], tuple[Box, bool]], size: int) -> torch.Tensor:
     """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size: RGB uint8 HWC.
 
-    JPEGs are decoded at the smallest DCT scale (1/2, 1/4, 1/8) that still leaves the crop at least
-    `size` pixels on each side, which saves most of the decode time on large photographs. The crop
-    is a view of the decoded pixels, resized by torch's uint8 antialiased bilinear kernel (about
-    twice as fast as Pillow's on these sizes); a flip is a reversed view.
+    The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
+    at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
+    (Pillow's draft mode); any other JPEG by torchvision's libjpeg-turbo decoder, which writes straight
+    into a tensor (~20% faster than Pillow here, the same pixels). The crop is a view of the decoded
+    pixels, resized by torch's uint8 antialiased bilinear kernel (about twice as fast as Pillow's);
+    a flip is a reversed view.
     """
     try:
-        with Image.open(path) as img:
+        with open(path, "rb") as f:
+            raw = f.read()
+        with Image.open(io.BytesIO(raw)) as img:
             width, height = img.size
             (left, top, w, h), flip = plan(width, height)
             shrink = max(size / w, size / h)
-            if img.format == "JPEG" and shrink < 1:
+            if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
+            if img.format == "JPEG" and img.size == (width, height):
+                pixels = decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8),
+                                     mode=ImageReadMode.RGB).permute(1, 2, 0)
+            else:
+                pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
             fx, fy = img.size[0] / width, img.size[1] / height
-            pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+    except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    rows, cols = pixel_span(top * fy, h * fy, pixels.shape[0]), pixel_span(left * fx, w * fx, pixels.shape[1])
+    return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
+
+
+def crop_resize(pixels: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+    """HWC uint8 (any device) -> the box's pixels resized to size x size, flipped if asked: HWC uint8."""
+    left, top, w, h = box
+    rows, cols = pixel_span(top, h, pixels.shape[0]), pixel_span(left, w, pixels.shape[1])
     region = pixels[rows, cols].permute(2, 0, 1).unsqueeze(0)  # 1CHW view with channels_last strides
     out = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
     out = out.permute(1, 2, 0)
-    return (out.flip(1) if flip else out).contiguous()
+    return out.flip(1) if flip else out
 
 
 def pixel_span(start: float, length: float, limit: int) -> slice:

@@ -10,7 +10,15 @@ import pytest
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import EvalDataset, TrainDataset, center_crop_box, random_resized_crop_box, sample_rng
+from imagenet_elastic.data import (
+    EvalDataset,
+    TrainDataset,
+    center_crop_box,
+    crop_resize,
+    decode_region,
+    random_resized_crop_box,
+    sample_rng,
+)
 from imagenet_elastic.errors import CorruptImageError, UserError
 from imagenet_elastic.file_index import scan_image_folder
 
@@ -202,3 +210,14 @@ def test_truncated_jpeg_raises_corrupt_image_error_naming_the_file(tmp_path):
     with pytest.raises(CorruptImageError) as caught:
         EvalDataset(scan_image_folder(str(root), "train"), size=16, resize=18)[0]
     assert str(path) in str(caught.value)
+
+
+def test_full_scale_jpeg_decode_gives_pillows_pixels_cropped_and_resized(tmp_path):
+    """Crops too large for DCT scaling go through torchvision's decoder: the same pixels as Pillow's."""
+    path = tmp_path / "a.jpg"
+    write_jpeg(str(path), 120, 90, seed=4)
+    box = (10.0, 5.0, 100.0, 80.0)  # to 48 px: a 1/2 DCT scale would leave 40 rows, so full scale
+    pixels = decode_region(str(path), lambda w, h: (box, True), 48)
+    reference = torch.from_numpy(np.array(Image.open(path).convert("RGB")))
+    assert torch.equal(pixels, crop_resize(reference, box, True, 48))
+    assert pixels.shape == (48, 48, 3) and pixels.dtype == torch.uint8
