@@ -30,10 +30,10 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_elastic import data, file_index
+from imagenet_elastic import data, file_index, gpu_decode
 from imagenet_elastic.cli import Parser, non_negative_int, positive_int
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.engine import StepContext, train_step
+from imagenet_elastic.engine import StepContext, device_batches, train_step
 from imagenet_elastic.errors import USER_ERROR_EXIT, UserError
 from imagenet_elastic.file_index import ImageIndex, scan_image_folder
 from imagenet_elastic.launch import report_user_error
@@ -57,6 +57,8 @@ def build_parser() -> Parser:
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")
+    p.add_argument("--decode", choices=["cpu", "gpu"], default="cpu",
+                   help="end_to_end: decode in loader workers (cpu) or batched on the device (gpu)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--index-entries", type=positive_int, default=IMAGENET_TRAIN_IMAGES,
                    help="size of the synthetic file index (index mode)")
@@ -95,9 +97,12 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
     return images / (time.perf_counter() - start)
 
 
-def ours_loader(index: ImageIndex, size: int, batch: int, workers: int) -> Callable[[int], Iterator]:
+def ours_loader(index: ImageIndex, size: int, batch: int, workers: int,
+                encoded: bool = False) -> Callable[[int], Iterator]:
     sampler = TrainBatchSampler(len(index), BatchPlan(batch, 1, batch), 0, seed=0)
-    loader = data.train_loader(data.TrainDataset(index, size, seed=0), sampler, workers, torch.cuda.is_available())
+    load, collate = (gpu_decode.encode_region, gpu_decode.collate) if encoded else (data.decode_region, None)
+    loader = data.train_loader(data.TrainDataset(index, size, 0, load), sampler, workers, torch.cuda.is_available(),
+                               collate=collate)
 
     def epoch(e: int) -> Iterator:
         sampler.set_epoch(e)
@@ -146,7 +151,7 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     model: nn.Module = create_model(args.model, num_classes).to(device)
     if channels_last:
         model = model.to(memory_format=torch.channels_last)
-    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     compiled = torch.compile(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
                       nn.CrossEntropyLoss(), device, amp, channels_last)
@@ -188,9 +193,13 @@ def run_synthetic(args: argparse.Namespace) -> None:
 def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> None:
     index = scan_image_folder(train_dir, "train")
     ctx, settings = step_context(args, len(index.classes))
-    loader = ours_loader(index, args.image_size, args.batch_size, workers)
-    rate = timed_steps(ctx, endless(loader), args.batches, warmup=max(3, 2 * workers))
-    emit("end_to_end", images_per_sec=round(rate, 1), workers=workers, images=len(index), **settings)
+    encoded = args.decode == "gpu"
+    loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded)
+    decoder = gpu_decode.BatchDecoder(args.image_size, ctx.device, lambda line: print(line, file=sys.stderr))
+    batches = device_batches(endless(loader), ctx.device, decoder if encoded else None)
+    rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
+    emit("end_to_end", images_per_sec=round(rate, 1), workers=workers, images=len(index), decode=args.decode,
+         **settings)
 
 
 # ----------------------------------------------------------------------------- index memory

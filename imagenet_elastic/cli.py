@@ -101,9 +101,13 @@ def build_parser() -> Parser:
                    help="auto: bf16 on CPUs and on GPUs that support it, else fp16")
     g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                    help="NHWC memory format (default: on for CUDA)")
+    g.add_argument("--compile", action="store_true",
+                   help="torch.compile the model (before DDP); checkpoints stay interchangeable with eager runs")
     g = p.add_argument_group("run")
     g.add_argument("--workers", type=non_negative_int, default=None, help="loader processes per rank "
                    "(default: cores per process - 1, at most 8)")
+    g.add_argument("--decode", choices=["cpu", "gpu"], default=d.decode,
+                   help="cpu: loader workers decode; gpu: workers read files, the device decodes batches (nvJPEG)")
     g.add_argument("--threads", type=positive_int, default=None,
                    help="torch threads per rank (default: cores per process)")
     g.add_argument("--device", choices=["auto", "cpu", "cuda"], default=d.device)

@@ -36,6 +36,8 @@ class Config:
     seed: int = 0
     amp: str = "auto"  # auto | bf16 | fp16 | none
     channels_last: Optional[bool] = None  # None: on for CUDA, off on CPU
+    compile: bool = False  # torch.compile the model before DDP wraps it
+    decode: str = "cpu"  # cpu: in loader workers | gpu: batched on the device (gpu_decode.py)
     device: str = "auto"  # auto | cpu | cuda
     threads: Optional[int] = None  # intra-op threads per process; None: cores / local processes
     checkpoints_path: str = "./checkpoints"

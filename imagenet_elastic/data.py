@@ -15,6 +15,7 @@ import multiprocessing
 import random
 import signal
 from collections.abc import Callable
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -28,6 +29,8 @@ from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
 
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
+Plan = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box and whether to flip
+Load = Callable[[str, Plan, int], Any]  # (path, plan, size) -> what a worker hands over for one image
 
 
 # ----------------------------------------------------------------------------- crop geometry
@@ -61,8 +64,21 @@ def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def decode_region(path: str, plan: Callable[[int, int], tuple[Box, bool]], size: int) -> torch.Tensor:
-    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size: RGB uint8 HWC.
+def decode_region(path: str, plan: Plan, size: int) -> torch.Tensor:
+    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size: RGB uint8 HWC."""
+    return decode_bytes(read_file(path), path, plan, size)
+
+
+def read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise CorruptImageError(f"cannot read image file {path}: {error.strerror or error}") from None
+
+
+def decode_bytes(raw: bytes, path: str, plan: Plan, size: int) -> torch.Tensor:
+    """`decode_region` on bytes already read.
 
     The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
     at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
@@ -72,8 +88,6 @@ def decode_region(path: str, plan: Callable[[int, int], tuple[Box, bool]], size:
     a flip is a reversed view.
     """
     try:
-        with open(path, "rb") as f:
-            raw = f.read()
         with Image.open(io.BytesIO(raw)) as img:
             width, height = img.size
             (left, top, w, h), flip = plan(width, height)
@@ -81,8 +95,7 @@ def decode_region(path: str, plan: Callable[[int, int], tuple[Box, bool]], size:
             if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
             if img.format == "JPEG" and img.size == (width, height):
-                pixels = decode_jpeg(torch.frombuffer(bytearray(raw), dtype=torch.uint8),
-                                     mode=ImageReadMode.RGB).permute(1, 2, 0)
+                pixels = decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
             else:
                 pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
             fx, fy = img.size[0] / width, img.size[1] / height
@@ -91,14 +104,31 @@ def decode_region(path: str, plan: Callable[[int, int], tuple[Box, bool]], size:
     return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
 
 
+def byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
 def crop_resize(pixels: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
     """HWC uint8 (any device) -> the box's pixels resized to size x size, flipped if asked: HWC uint8."""
     left, top, w, h = box
     rows, cols = pixel_span(top, h, pixels.shape[0]), pixel_span(left, w, pixels.shape[1])
     region = pixels[rows, cols].permute(2, 0, 1).unsqueeze(0)  # 1CHW view with channels_last strides
-    out = F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)[0]
-    out = out.permute(1, 2, 0)
+    out = resize_uint8(region, size, uint8_kernel=pixels.device.type == "cpu")[0].permute(1, 2, 0)
     return out.flip(1) if flip else out
+
+
+def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
+    """Antialiased bilinear resize of NCHW uint8. Only the CPU has a uint8 kernel; elsewhere the
+    resize runs in float32 and rounds back.
+
+    On the CPU the region is first copied to dense channels_last: the kernel then runs twice as fast
+    and its output, permuted to HWC, is contiguous, which makes the batch's collation a plain copy.
+    """
+    if uint8_kernel:
+        region = region.contiguous(memory_format=torch.channels_last)
+        return F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    out = F.interpolate(region.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return out.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def pixel_span(start: float, length: float, limit: int) -> slice:
@@ -110,15 +140,19 @@ def pixel_span(start: float, length: float, limit: int) -> slice:
 # ----------------------------------------------------------------------------- datasets and loaders
 
 class TrainDataset(Dataset):
-    """Indexed by SampleKey (epoch, index): random-resized crop and flip derived from that key."""
+    """Indexed by SampleKey (epoch, index): random-resized crop and flip derived from that key.
 
-    def __init__(self, index: ImageIndex, size: int, seed: int) -> None:
-        self.index, self.size, self.seed = index, size, seed
+    `load` turns (path, plan, size) into the sample's image: `decode_region` here, or
+    `gpu_decode.encode_region`, which leaves the decoding to the device.
+    """
+
+    def __init__(self, index: ImageIndex, size: int, seed: int, load: Load = decode_region) -> None:
+        self.index, self.size, self.seed, self.load = index, size, seed, load
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, key: SampleKey) -> tuple[torch.Tensor, int, int]:
+    def __getitem__(self, key: SampleKey) -> tuple[Any, int, int]:
         """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
         epoch, i = key
         rng = sample_rng(self.seed, epoch, i)
@@ -127,23 +161,23 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng)
             return box, rng.random() < 0.5
 
-        return decode_region(self.index.path(i), plan, self.size), int(self.index.targets[i]), i
+        return self.load(self.index.path(i), plan, self.size), int(self.index.targets[i]), i
 
 
 class EvalDataset(Dataset):
     """Resize-then-centre-crop, done as one resize of the kept region."""
 
-    def __init__(self, index: ImageIndex, size: int, resize: int) -> None:
-        self.index, self.size, self.resize = index, size, resize
+    def __init__(self, index: ImageIndex, size: int, resize: int, load: Load = decode_region) -> None:
+        self.index, self.size, self.resize, self.load = index, size, resize, load
 
     def __len__(self) -> int:
         return len(self.index)
 
-    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+    def __getitem__(self, i: int) -> tuple[Any, int]:
         def plan(width: int, height: int) -> tuple[Box, bool]:
             return center_crop_box(width, height, self.size, self.resize), False
 
-        return decode_region(self.index.path(i), plan, self.size), int(self.index.targets[i])
+        return self.load(self.index.path(i), plan, self.size), int(self.index.targets[i])
 
 
 def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
@@ -164,8 +198,9 @@ def stop_loader_workers() -> None:
         child.join()
 
 
-def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...] = ()) -> dict:
-    options = {"num_workers": workers, "pin_memory": pin_memory,
+def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
+                    collate: Optional[Callable]) -> dict:
+    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate,
                "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
     if workers > 0:
         options.update(persistent_workers=True, prefetch_factor=4)
@@ -173,13 +208,14 @@ def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, 
 
 
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
-                 ignored_signals: tuple[int, ...] = ()) -> DataLoader:
+                 ignored_signals: tuple[int, ...] = (), collate: Optional[Callable] = None) -> DataLoader:
     return DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals))
+                      **_loader_options(workers, pin_memory, ignored_signals, collate))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
-                pin_memory: bool, ignored_signals: tuple[int, ...] = ()) -> DataLoader:
+                pin_memory: bool, ignored_signals: tuple[int, ...] = (),
+                collate: Optional[Callable] = None) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=eval_shard(len(dataset), rank, world_size),
                       generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals))
+                      **_loader_options(workers, pin_memory, ignored_signals, collate))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -54,11 +54,41 @@ def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) 
     Moving uint8 moves a quarter of the bytes of float32; the permute of NHWC data already has
     channels_last strides, so that layout costs nothing.
     """
-    images = images.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2).float()
+    images = images.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2).float()  # no-op after device_batches
     images = images.sub_(ctx.mean).div_(ctx.std)
     if not ctx.channels_last:
         images = images.contiguous()
     return images, labels.to(ctx.device, non_blocking=True)
+
+
+def device_batches(batches: Iterable, device: torch.device, decode: Optional[Callable[[list], list]] = None
+                   ) -> Iterator[list]:
+    """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
+
+    On CUDA the copy (or decode) of the next batch runs on a side stream while the current one
+    trains; the main stream waits for it only when it gets there. Other entries (sample indices)
+    stay on the host, so reading them never waits for the device.
+    """
+    def prepare(batch: list) -> list:
+        images, labels, *rest = decode(batch) if decode else batch
+        return [images.to(device, non_blocking=True), labels.to(device, non_blocking=True), *rest]
+
+    if device.type != "cuda":
+        yield from map(prepare, batches)
+        return
+    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    ahead = None
+    for batch in batches:
+        with torch.cuda.stream(side):
+            staged = prepare(batch)
+        if ahead is not None:
+            yield ahead
+        main.wait_stream(side)
+        for tensor in staged[:2]:
+            tensor.record_stream(main)  # allocated on `side`: not reused before `main` is done with it
+        ahead = staged
+    if ahead is not None:
+        yield ahead
 
 
 def seed_micro_batch(seed: int, step: int, position: int) -> None:
@@ -132,7 +162,7 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable) -> EvalResult
     DDP's forward would then wait on a collective), then the sums are added up across ranks."""
     model.eval()
     totals = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5, samples
-    for images, labels in loader:
+    for images, labels, *_ in loader:
         images, labels = prepare_batch(images, labels, ctx)
         with ctx.autocast():
             logits = model(images)

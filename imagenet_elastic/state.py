@@ -80,6 +80,9 @@ class PendingSteps:
         self.start = time.perf_counter()
 
 
+KERNEL_CHOICES = ("fused", "foreach")  # optimizer options that belong to the device, not to the run
+
+
 @dataclass
 class TrainState:
     """The mutable part of training. `capture` and `apply` are exact inverses."""
@@ -112,7 +115,10 @@ class TrainState:
 
     def apply(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
+        kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(snapshot["optimizer"])
+        for group, own in zip(self.optimizer.param_groups, kernels):
+            group.update(own)  # a GPU checkpoint's fused kernel is not for a CPU resume, nor the reverse
         if snapshot["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(snapshot["scaler"])
         self.epoch = snapshot["epoch"]

@@ -4,18 +4,20 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Iterator
 from typing import Any, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
 
-from imagenet_elastic import checkpoint, data, distributed, file_index, metrics, preemption
+from imagenet_elastic import checkpoint, data, distributed, file_index, gpu_decode, metrics, preemption
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.engine import EvalResult, StepContext, evaluate, step_groups, train_step
+from imagenet_elastic.engine import EvalResult, StepContext, device_batches, evaluate, step_groups, train_step
 from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, UserError
 from imagenet_elastic.model import count_parameters, create_model, create_optimizer
 from imagenet_elastic.preemption import PreemptionFlag
@@ -92,8 +94,10 @@ class Trainer:
         self.channels_last = config.channels_last if config.channels_last is not None else self.device.type == "cuda"
         if self.channels_last:
             model = model.to(memory_format=torch.channels_last)
+        if self.device.type == "cuda":
+            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
         self.peak_lr = scaled_lr(config.lr, self.plan.global_batch)
-        optimizer = create_optimizer(model, self.peak_lr, config.momentum, config.weight_decay)
+        optimizer = create_optimizer(model, self.peak_lr, config.momentum, config.weight_decay, self.device)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
         self.state = TrainState(model, optimizer, scaler)
         self.resumed_at: Optional[float] = None
@@ -107,11 +111,19 @@ class Trainer:
         workers = config.workers if config.workers is not None else default_workers(env.local_world_size)
         pin = self.device.type == "cuda"
         ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see data._worker_init
+        load, collate, self.decoder = data.decode_region, None, None
+        if config.decode == "gpu":
+            if self.device.type != "cuda":
+                console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
+                             "(slower than --decode cpu; meant for testing)")
+            load, collate = gpu_decode.encode_region, gpu_decode.collate
+            self.decoder = gpu_decode.BatchDecoder(config.image_size, self.device, console.warn)
         self.train_loader = data.train_loader(
-            data.TrainDataset(self.train_index, config.image_size, config.seed), self.sampler, workers, pin, ignored)
+            data.TrainDataset(self.train_index, config.image_size, config.seed, load), self.sampler, workers, pin,
+            ignored, collate)
         self.val_loader = data.eval_loader(
-            data.EvalDataset(self.val_index, config.image_size, config.eval_resize),
-            config.batch_size, env.rank, env.world_size, workers, pin, ignored)
+            data.EvalDataset(self.val_index, config.image_size, config.eval_resize, load),
+            config.batch_size, env.rank, env.world_size, workers, pin, ignored, collate)
         self.workers = workers
         self.total_steps = self.sampler.steps * config.epochs
         self.warmup_steps = round(config.warmup_epochs * self.sampler.steps)
@@ -124,10 +136,12 @@ class Trainer:
             for role, index in (("train", self.train_index), ("val", self.val_index)):
                 if not index.cached:
                     file_index.write_cache(index, file_index.cache_path(config.checkpoints_path, role))
-        wrapped: nn.Module = model
+        # Compiled before DDP wraps it; the checkpoint keeps saving `model`, whose parameters the compiled
+        # module shares, so its keys carry no `_orig_mod.` prefix and eager and compiled runs resume each other.
+        wrapped: nn.Module = torch.compile(model) if config.compile else model
         if env.launched:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            wrapped = DistributedDataParallel(model, device_ids=device_ids)
+            wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
         self.ctx = StepContext(wrapped, optimizer, scaler, nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                                self.device, self.amp_dtype, self.channels_last)
 
@@ -169,7 +183,8 @@ class Trainer:
                               f"warmup {self.warmup_steps} steps, cosine over {self.total_steps}"),
             ("steps per epoch", str(self.sampler.steps)),
             ("amp", amp),
-            ("channels_last", str(self.channels_last)),
+            ("channels_last / compile", f"{self.channels_last} / {c.compile}"),
+            ("decode", "in loader workers" if self.decoder is None else f"batched on {self.device} (--decode gpu)"),
             ("threads / loader workers", f"{self.threads} / {self.workers} per process"),
             ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)})"),
             ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit "
@@ -179,7 +194,12 @@ class Trainer:
     # ------------------------------------------------------------------ the two things a run does
 
     def validate(self) -> EvalResult:
-        return evaluate(self.ctx, self.state.model, self.val_loader)
+        # Eager even under --compile: validation's mode and its last, smaller batch would each cost a
+        # recompilation, for a pass over 4% as many images as an epoch's training.
+        return evaluate(self.ctx, self.state.model, self.on_device(self.val_loader))
+
+    def on_device(self, loader: DataLoader) -> Iterator[list]:
+        return device_batches(loader, self.device, self.decoder)
 
     def fit(self) -> None:
         c, state = self.config, self.state
@@ -222,7 +242,7 @@ class Trainer:
         pending = PendingSteps(self.device)
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
-            for micro_batches in step_groups(self.train_loader, plan.accum):
+            for micro_batches in step_groups(self.on_device(self.train_loader), plan.accum):
                 lr = lr_at(state.step, self.peak_lr, self.warmup_steps, self.total_steps)
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))

@@ -26,10 +26,12 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
 def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     lines = benchmark(image_folder, "--mode", "synthetic", "--model", "test_resnet")
     lines += benchmark(image_folder, "--mode", "end_to_end", "--model", "test_resnet")
-    assert [line["mode"] for line in lines] == ["synthetic", "end_to_end"]
+    lines += benchmark(image_folder, "--mode", "end_to_end", "--model", "test_resnet", "--decode", "gpu")
+    assert [line["mode"] for line in lines] == ["synthetic", "end_to_end", "end_to_end"]
     for line in lines:
         assert line["images_per_sec"] > 0 and line["model"] == "test_resnet" and line["device"] == "cpu"
         assert line["amp"] == "bfloat16" and line["compile"] is False
+    assert [line["decode"] for line in lines[1:]] == ["cpu", "gpu"]
 
 
 def test_index_mode_measures_worker_memory_of_both_index_forms(image_folder):

@@ -233,7 +233,7 @@ def test_the_small_test_model_is_a_timm_model():
 def make_state(seed: int) -> TrainState:
     torch.manual_seed(seed)
     model = create_model("test_resnet", num_classes=len(CLASSES))
-    optimizer = create_optimizer(model, lr=0.1, momentum=0.9, weight_decay=1e-4)
+    optimizer = create_optimizer(model, lr=0.1, momentum=0.9, weight_decay=1e-4, device=torch.device("cpu"))
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     return TrainState(model=model, optimizer=optimizer, scaler=scaler)
 
@@ -293,6 +293,19 @@ def test_train_state_capture_and_apply_restore_everything_through_weights_only_l
     assert (restored.epoch, restored.step, restored.best_top1) == (3, 42, 61.5)
     assert restored.history == original.history
     assert restored.history is not loaded["history"]
+
+
+def test_a_gpu_checkpoints_fused_optimizer_kernel_does_not_follow_it_to_a_cpu_resume():
+    gpu_run = make_state(seed=0)
+    take_optimizer_steps(gpu_run)
+    snapshot = round_trip(gpu_run.capture({}, {}))
+    for group in snapshot["optimizer"]["param_groups"]:
+        group["fused"] = True  # what create_optimizer sets on CUDA
+    cpu_run = make_state(seed=1)
+    cpu_run.apply(snapshot)
+    assert [g["fused"] for g in cpu_run.optimizer.param_groups] == [None, None]
+    assert [g["lr"] for g in cpu_run.optimizer.param_groups] == [g["lr"] for g in gpu_run.optimizer.param_groups]
+    take_optimizer_steps(cpu_run, steps=1)  # and the restored momentum buffers still step
 
 
 def test_train_state_apply_restores_the_random_number_generators():

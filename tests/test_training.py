@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 from conftest import (
     EPOCHS,
@@ -19,6 +20,7 @@ from conftest import (
 )
 
 from imagenet_elastic.metrics import read as read_metrics
+from imagenet_elastic.model import create_model
 
 
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
@@ -121,6 +123,25 @@ def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_
     second = run(python_cmd(*args, "--epochs", "2"))
     assert second.returncode == 0, second.stderr
     assert load_checkpoint(tmp_path / "last.pt")["scaler"]["_growth_tracker"] == 6  # restored, not reset
+
+
+def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):
+    """torch.compile (inductor, for real: ~40 s on 2 cores) wraps the model, but checkpoints hold the
+    original module's state, so a run without --compile continues from them, and the reverse."""
+    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
+            "--resume"]
+    compiled = run(python_cmd(*args, "--epochs", "1", "--compile"), timeout=400)
+    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    assert "False / True" in compiled.stdout  # channels_last / compile in the start-up table
+    snapshot = load_checkpoint(tmp_path / "last.pt")
+    assert list(snapshot["model"]) == list(create_model("test_resnet", 4).state_dict())
+    assert np.isfinite(snapshot["history"][0]["train_loss"])
+    eager = run(python_cmd(*args, "--epochs", "2"))
+    assert eager.returncode == 0, eager.stderr
+    assert "resuming from" in eager.stdout
+    warnings = [line for line in eager.stdout.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].endswith("epochs: checkpoint 1, now 2")  # not the compile flag
+    assert [row["epoch"] for row in load_checkpoint(tmp_path / "last.pt")["history"]] == [1, 2]
 
 
 def test_console_script_is_installed():

@@ -1,0 +1,162 @@
+"""`--decode gpu` on the CPU device: the same crops as the worker path, and every fallback said once.
+
+torchvision's batched `decode_jpeg` takes `device="cpu"` as well as CUDA, so everything but nvJPEG
+itself runs here; a decoder that refuses chosen images stands in for nvJPEG's limits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint, python_cmd, run
+from PIL import Image
+from test_transforms import write_jpeg
+
+from imagenet_elastic import data, gpu_decode
+from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.file_index import scan_image_folder
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture
+def mixed_folder(tmp_path):
+    """Nine JPEGs of sizes from 40 to 200 pixels wide, so some crops take DCT scaling on the worker path."""
+    root = tmp_path / "train"
+    for i in range(9):
+        write_jpeg(str(root / f"c{i % 3}" / f"{i}.jpg"), 40 + 20 * i, 200 - 15 * i, seed=i)
+    return root
+
+
+def decoder_and_warnings(size: int) -> tuple[gpu_decode.BatchDecoder, list[str]]:
+    warnings: list[str] = []
+    return gpu_decode.BatchDecoder(size, CPU, warnings.append), warnings
+
+
+def batch_of(dataset: data.TrainDataset, keys: list) -> list:
+    return gpu_decode.collate([dataset[key] for key in keys])
+
+
+def test_workers_draw_the_same_crop_and_flip_as_the_cpu_path(mixed_folder):
+    index = scan_image_folder(str(mixed_folder), "train")
+    seen = []
+
+    def spy(path, plan, size):
+        with Image.open(path) as img:
+            seen.append(plan(*img.size))
+
+    for epoch in range(3):
+        for i in range(len(index)):
+            data.TrainDataset(index, 32, seed=5, load=spy)[(epoch, i)]
+            encoded = data.TrainDataset(index, 32, seed=5, load=gpu_decode.encode_region)[(epoch, i)][0]
+            assert (encoded.box, encoded.flip) == seen[-1]
+            assert encoded.cpu_reason is None and encoded.data.dim() == 1  # bytes, left to the device
+
+
+def test_batch_decoder_gives_the_worker_paths_pixels_where_no_dct_scaling_applies(mixed_folder):
+    index = scan_image_folder(str(mixed_folder), "train")
+    size = 120  # DCT scaling needs a crop of 240 pixels: none of these images has one
+    keys = [(1, i) for i in range(len(index))]
+    decoder, warnings = decoder_and_warnings(size)
+    images, targets, indices = decoder(batch_of(data.TrainDataset(index, size, 2, gpu_decode.encode_region), keys))
+    expected = torch.stack([data.TrainDataset(index, size, 2)[key][0] for key in keys])
+    assert images.dtype == torch.uint8 and images.shape == (len(index), size, size, 3)
+    assert torch.equal(images, expected)
+    assert targets.tolist() == [int(t) for t in index.targets] and indices.tolist() == list(range(len(index)))
+    assert warnings == []
+
+
+def test_small_crops_differ_from_the_dct_scaled_worker_path_only_by_resampling(mixed_folder):
+    index = scan_image_folder(str(mixed_folder), "train")
+    keys = [(0, i) for i in range(len(index))]
+    decoder, _ = decoder_and_warnings(16)
+    images = decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_region), keys))[0]
+    expected = torch.stack([data.TrainDataset(index, 16, 0)[key][0] for key in keys])
+    difference = (images.float() - expected.float()).abs().mean(dim=(1, 2, 3))
+    assert difference.max() < 12, difference  # the same region; another region of noise differs by ~60
+
+
+def test_png_and_cmyk_jpeg_are_decoded_by_the_worker_and_reported_once_per_kind(tmp_path):
+    root = tmp_path / "train"
+    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    (root / "a").mkdir(parents=True)
+    for name in ("p1.png", "p2.png"):
+        Image.fromarray(pixels).save(root / "a" / name)
+    Image.fromarray(pixels).convert("CMYK").save(root / "a" / "k.jpg")
+    write_jpeg(str(root / "a" / "rgb.jpg"), 40, 30, seed=1)
+    index = scan_image_folder(str(root), "train")
+    dataset = data.TrainDataset(index, 24, 0, gpu_decode.encode_region)
+    encoded = [dataset[(0, i)][0] for i in range(len(index))]
+    reasons = {im.path.rsplit("/", 1)[1]: im.cpu_reason for im in encoded}
+    assert reasons == {"k.jpg": "a CMYK JPEG", "p1.png": "a PNG file", "p2.png": "a PNG file", "rgb.jpg": None}
+    decoder, warnings = decoder_and_warnings(24)
+    images = decoder(batch_of(dataset, [(0, i) for i in range(len(index))]))[0]
+    assert torch.equal(images, torch.stack([data.TrainDataset(index, 24, 0)[(0, i)][0] for i in range(len(index))]))
+    decoder(batch_of(dataset, [(1, i) for i in range(len(index))]))
+    assert len(warnings) == 2, warnings
+    assert "k.jpg is a CMYK JPEG; decoded on the CPU instead" in warnings[0]
+    assert "p1.png is a PNG file; decoded on the CPU instead" in warnings[1]
+
+
+class RefusingDecoder(gpu_decode.BatchDecoder):
+    """Rejects the images whose bytes are in `refused`, like nvJPEG with a JPEG feature it lacks."""
+
+    def __init__(self, refused: list[torch.Tensor], *args) -> None:
+        super().__init__(*args)
+        self.refused, self.calls = refused, 0
+
+    def device_decode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.calls += 1
+        if any(torch.equal(im, bad) for im in images for bad in self.refused if len(im) == len(bad)):
+            raise RuntimeError("nvjpeg: unsupported")
+        return super().device_decode(images)
+
+
+def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mixed_folder):
+    index = scan_image_folder(str(mixed_folder), "train")
+    dataset = data.TrainDataset(index, 20, 3, gpu_decode.encode_region)
+    keys = [(0, i) for i in range(len(index))]
+    batch = batch_of(dataset, keys)
+    warnings: list[str] = []
+    decoder = RefusingDecoder([batch[0][4].data], 20, CPU, warnings.append)
+    images = decoder(batch)[0]
+    assert torch.equal(images[4], data.TrainDataset(index, 20, 3)[(0, 4)][0])  # the CPU path's pixels
+    assert decoder.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
+    assert warnings == [f"--decode gpu: {index.path(4)} is a JPEG the device decoder rejected; decoded on the "
+                        "CPU instead (said once for each kind of image)"]
+
+
+def test_a_truncated_jpeg_is_a_corrupt_image_error_naming_the_file(tmp_path):
+    root = tmp_path / "train"
+    write_jpeg(str(root / "a" / "ok.jpg"), 40, 30, seed=1)
+    cut = root / "a" / "cut.jpg"
+    write_jpeg(str(cut), 64, 64, seed=3)
+    cut.write_bytes(cut.read_bytes()[:700])  # the header survives: the worker hands it over
+    index = scan_image_folder(str(root), "train")
+    dataset = data.TrainDataset(index, 16, 0, gpu_decode.encode_region)
+    decoder, _ = decoder_and_warnings(16)
+    with pytest.raises(CorruptImageError, match="cannot decode image file") as caught:
+        decoder(batch_of(dataset, [(0, 0), (0, 1)]))
+    assert str(cut) in str(caught.value)
+
+
+def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
+    region = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (1, 3, 90, 70), dtype=np.uint8))
+    exact = data.resize_uint8(region, 32, uint8_kernel=True)
+    via_float = data.resize_uint8(region, 32, uint8_kernel=False)
+    assert via_float.dtype == torch.uint8 and via_float.shape == exact.shape
+    assert (via_float.int() - exact.int()).abs().max() <= 1
+
+
+def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder, tmp_path):
+    """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels."""
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4"]
+    cpu = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "cpu")))
+    gpu = run(python_cmd(*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")))
+    assert cpu.returncode == 0, cpu.stderr
+    assert gpu.returncode == 0, gpu.stderr
+    assert "--decode gpu without a CUDA device" in gpu.stdout and "batched on cpu (--decode gpu)" in gpu.stdout
+    cpu_last, gpu_last = load_checkpoint(tmp_path / "cpu" / "last.pt"), load_checkpoint(tmp_path / "gpu" / "last.pt")
+    assert_same_tensors(cpu_last["model"], gpu_last["model"])
+    assert cpu_last["history"][0]["val_top1"] == gpu_last["history"][0]["val_top1"]
