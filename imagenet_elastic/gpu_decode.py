@@ -111,6 +111,12 @@ class BatchDecoder:
         return results
 
     def device_decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        if self.device.type == "cuda":
+            # torchvision allocates the outputs on the current stream but decodes on a stream of its own
+            # (pytorch/vision#9606): memory this stream freed but still reads (the previous batch's
+            # crops) could be overwritten. Waiting for this stream first closes that window; it holds only
+            # the previous batch's decoding (device_batches runs this on its side stream), so it is short.
+            torch.cuda.current_stream(self.device).synchronize()
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
 
     def report(self, path: str, reason: str) -> None:
