@@ -108,23 +108,7 @@ class Trainer:
             self.warn_about_changes(snapshot)
         del snapshot
 
-        workers = config.workers if config.workers is not None else default_workers(env.local_world_size)
-        pin = self.device.type == "cuda"
-        ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see data._worker_init
-        load, collate, self.decoder = data.decode_region, None, None
-        if config.decode == "gpu":
-            if self.device.type != "cuda":
-                console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
-                             "(slower than --decode cpu; meant for testing)")
-            load, collate = gpu_decode.encode_region, gpu_decode.collate
-            self.decoder = gpu_decode.BatchDecoder(config.image_size, self.device, console.warn)
-        self.train_loader = data.train_loader(
-            data.TrainDataset(self.train_index, config.image_size, config.seed, load), self.sampler, workers, pin,
-            ignored, collate)
-        self.val_loader = data.eval_loader(
-            data.EvalDataset(self.val_index, config.image_size, config.eval_resize, load),
-            config.batch_size, env.rank, env.world_size, workers, pin, ignored, collate)
-        self.workers = workers
+        self.build_loaders()
         self.total_steps = self.sampler.steps * config.epochs
         self.warmup_steps = round(config.warmup_epochs * self.sampler.steps)
         self.sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
@@ -144,6 +128,27 @@ class Trainer:
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
         self.ctx = StepContext(wrapped, optimizer, scaler, nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                                self.device, self.amp_dtype, self.channels_last)
+
+    def build_loaders(self) -> None:
+        """Train and val loaders; under --decode gpu their workers hand over bytes and `self.decoder`
+        finishes each batch on the device."""
+        c, env = self.config, self.env
+        self.workers = c.workers if c.workers is not None else default_workers(env.local_world_size)
+        pin = self.device.type == "cuda"
+        ignored = preemption.signal_numbers(c.preempt_signals)  # by loader workers: see data._worker_init
+        load, collate, self.decoder = data.decode_region, None, None
+        if c.decode == "gpu":
+            if self.device.type != "cuda":
+                self.console.warn("--decode gpu without a CUDA device: the main process decodes each batch on "
+                                  "the CPU (slower than --decode cpu; meant for testing)")
+            load, collate = gpu_decode.encode_region, gpu_decode.collate
+            self.decoder = gpu_decode.BatchDecoder(c.image_size, self.device, self.console.warn)
+        self.train_loader = data.train_loader(
+            data.TrainDataset(self.train_index, c.image_size, c.seed, load), self.sampler, self.workers, pin,
+            ignored, collate)
+        self.val_loader = data.eval_loader(
+            data.EvalDataset(self.val_index, c.image_size, c.eval_resize, load),
+            c.batch_size, env.rank, env.world_size, self.workers, pin, ignored, collate)
 
     def warn_about_changes(self, snapshot: dict[str, Any]) -> None:
         changes = self.config.differences(snapshot["config"])
