@@ -100,7 +100,7 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
 def ours_loader(index: ImageIndex, size: int, batch: int, workers: int,
                 encoded: bool = False) -> Callable[[int], Iterator]:
     sampler = TrainBatchSampler(len(index), BatchPlan(batch, 1, batch), 0, seed=0)
-    load, collate = (gpu_decode.encode_region, gpu_decode.collate) if encoded else (data.decode_region, None)
+    load, collate = gpu_decode.worker_functions("gpu" if encoded else "cpu")
     loader = data.train_loader(data.TrainDataset(index, size, 0, load), sampler, workers, torch.cuda.is_available(),
                                collate=collate)
 
@@ -139,18 +139,13 @@ def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> None:
 # ----------------------------------------------------------------------------- model
 
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
-    from imagenet_elastic.model import create_model, create_optimizer
-    from imagenet_elastic.trainer import resolve_amp
+    from imagenet_elastic.model import create_model, create_optimizer, place_model, resolve_amp, resolve_channels_last
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    if device.type == "cuda":
-        torch.backends.cudnn.benchmark = True
     amp = resolve_amp(args.amp, device)
-    channels_last = args.channels_last if args.channels_last is not None else device.type == "cuda"
-    model: nn.Module = create_model(args.model, num_classes).to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
+    channels_last = resolve_channels_last(args.channels_last, device)
+    model = place_model(create_model(args.model, num_classes), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     compiled = torch.compile(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
@@ -263,10 +258,8 @@ def run_index(entries: int, workers: int) -> None:
 
 
 def main(argv: Sequence[str]) -> None:
-    from imagenet_elastic.trainer import default_workers
-
     args = build_parser().parse_args(argv)
-    workers = args.workers if args.workers is not None else default_workers(1)
+    workers = args.workers if args.workers is not None else data.default_workers(1)
     try:
         train_dir = file_index.train_dir(args.data)
         for mode in MODES if args.mode == "all" else (args.mode,):

@@ -1,9 +1,9 @@
 """Images on disk to uint8 batches: per-sample deterministic crops, datasets, loaders.
 
-Workers decode, crop, resize and flip on uint8 and hand over HWC uint8 tensors; conversion to float
-and normalisation happen on the device (engine.prepare_batch). Every random choice a training sample
-gets comes from (seed, epoch, sample index) alone, so a restarted run, any worker count and any world
-size see exactly the same pixels.
+Workers decode, crop, resize and flip on uint8 and hand over HWC uint8 tensors; the copy to the
+device, conversion to float and normalisation happen there (engine.device_batches, engine.prepare_batch).
+Every random choice a training sample gets comes from (seed, epoch, sample index) alone, so a
+restarted run, any worker count and any world size see exactly the same pixels.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 from torchvision.io import ImageReadMode, decode_jpeg
 
+from imagenet_elastic import distributed
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
@@ -84,8 +85,7 @@ def decode_bytes(raw: bytes, path: str, plan: Plan, size: int) -> torch.Tensor:
     at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
     (Pillow's draft mode); any other JPEG by torchvision's libjpeg-turbo decoder, which writes straight
     into a tensor (~20% faster than Pillow here, the same pixels). The crop is a view of the decoded
-    pixels, resized by torch's uint8 antialiased bilinear kernel (about twice as fast as Pillow's);
-    a flip is a reversed view.
+    pixels, resized by torch's uint8 antialiased bilinear kernel (about twice as fast as Pillow's).
     """
     try:
         with Image.open(io.BytesIO(raw)) as img:
@@ -180,8 +180,13 @@ class EvalDataset(Dataset):
         return self.load(self.index.path(i), plan, self.size), int(self.index.targets[i])
 
 
+def default_workers(local_world_size: int) -> int:
+    """The cores left to each local process after its own main thread, at most 8."""
+    return min(8, max(1, distributed.available_cores() // max(1, local_world_size) - 1))
+
+
 def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
-    """Workers decode with PIL (torch threads would only fight the main process) and leave the
+    """Workers decode one image per thread (torch threads would only fight the main process) and leave the
     preemption signals to the main process: Slurm and torchrun signal every process of a task, and
     a worker killed by SIGTERM would take the run down before its checkpoint."""
     torch.set_num_threads(1)

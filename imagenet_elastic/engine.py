@@ -49,25 +49,24 @@ class EvalResult:
 
 
 def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 NHWC from the loader to normalised float NCHW on the device.
+    """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
 
-    Moving uint8 moves a quarter of the bytes of float32; the permute of NHWC data already has
-    channels_last strides, so that layout costs nothing.
+    The permute of NHWC data already has channels_last strides, so that layout costs nothing.
     """
-    images = images.to(ctx.device, non_blocking=True).permute(0, 3, 1, 2).float()  # no-op after device_batches
-    images = images.sub_(ctx.mean).div_(ctx.std)
+    images = images.permute(0, 3, 1, 2).float().sub_(ctx.mean).div_(ctx.std)
     if not ctx.channels_last:
         images = images.contiguous()
-    return images, labels.to(ctx.device, non_blocking=True)
+    return images, labels
 
 
 def device_batches(batches: Iterable, device: torch.device, decode: Optional[Callable[[list], list]] = None
                    ) -> Iterator[list]:
     """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
 
-    On CUDA the copy (or decode) of the next batch runs on a side stream while the current one
-    trains; the main stream waits for it only when it gets there. Other entries (sample indices)
-    stay on the host, so reading them never waits for the device.
+    Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy (or decode) of the
+    next batch runs on a side stream while the current one trains; the main stream waits for it only
+    when it gets there. Other entries (sample indices) stay on the host, so reading them never waits
+    for the device.
     """
     def prepare(batch: list) -> list:
         images, labels, *rest = decode(batch) if decode else batch

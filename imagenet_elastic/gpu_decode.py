@@ -25,7 +25,7 @@ from PIL import Image
 from torch.utils.data import default_collate
 from torchvision.io import ImageReadMode, decode_jpeg
 
-from imagenet_elastic.data import Box, Plan, byte_tensor, crop_resize, decode_bytes, read_file
+from imagenet_elastic.data import Box, Load, Plan, byte_tensor, crop_resize, decode_bytes, decode_region, read_file
 from imagenet_elastic.errors import CorruptImageError
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
@@ -57,6 +57,11 @@ def encode_region(path: str, plan: Plan, size: int) -> EncodedImage:
         return EncodedImage(path, byte_tensor(raw), box, flip)
     reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
     return EncodedImage(path, decode_bytes(raw, path, lambda w, h: (box, flip), size), box, flip, reason)
+
+
+def worker_functions(decode: str) -> tuple[Load, Optional[Callable[[list], list]]]:
+    """The dataset's `load` and the loader's `collate_fn` for --decode cpu or gpu."""
+    return (encode_region, collate) if decode == "gpu" else (decode_region, None)
 
 
 def collate(samples: list[tuple]) -> list:

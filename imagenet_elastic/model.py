@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+from typing import Optional
 
 import torch
 from torch import nn
@@ -18,6 +19,29 @@ def create_model(name: str, num_classes: int) -> nn.Module:
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
         raise UserError(f"--model {name!r} is not a timm model{hint}")
     return timm.create_model(name, pretrained=False, num_classes=num_classes)
+
+
+def resolve_amp(amp: str, device: torch.device) -> Optional[torch.dtype]:
+    """bf16 where the hardware has it (every CPU, Ampere and newer GPUs), else fp16."""
+    if amp == "auto":
+        amp = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
+
+
+def resolve_channels_last(requested: Optional[bool], device: torch.device) -> bool:
+    """--channels-last as given, else on for CUDA (NHWC convolutions), off on CPU."""
+    return requested if requested is not None else device.type == "cuda"
+
+
+def place_model(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
+    """The model as training runs it. On CUDA cuDNN also picks its fastest kernels once: input
+    shapes are fixed."""
+    model = model.to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+    return model
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:

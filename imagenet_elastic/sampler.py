@@ -38,6 +38,12 @@ def steps_per_epoch(num_samples: int, global_batch: int, max_steps: int | None =
     return min(steps, max_steps) if max_steps else steps
 
 
+def resolve_global_batch(requested: int | None, saved: int | None, batch_size: int, world_size: int) -> int:
+    """--global-batch-size, else the checkpoint's (so an elastic restart at another world size keeps
+    the optimisation unchanged), else --batch-size per process."""
+    return requested or saved or batch_size * world_size
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """How one global batch is split: an equal share per rank, each share in `accum` micro-batches

@@ -62,7 +62,6 @@ class PendingSteps:
     """Steps trained since the tally was last brought up to date; their loss stays on the device."""
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
         self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
         self.steps = 0
         self.start = time.perf_counter()

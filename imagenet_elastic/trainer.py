@@ -19,30 +19,20 @@ from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import EvalResult, StepContext, device_batches, evaluate, step_groups, train_step
 from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, UserError
-from imagenet_elastic.model import count_parameters, create_model, create_optimizer
+from imagenet_elastic.model import (
+    count_parameters,
+    create_model,
+    create_optimizer,
+    place_model,
+    resolve_amp,
+    resolve_channels_last,
+)
 from imagenet_elastic.preemption import PreemptionFlag
 from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.samplelog import SampleLog
-from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.schedule import lr_at, scaled_lr
 from imagenet_elastic.state import EpochTally, PendingSteps, TrainState, check_compatible
-
-
-def resolve_amp(amp: str, device: torch.device) -> Optional[torch.dtype]:
-    """bf16 where the hardware has it (every CPU, Ampere and newer GPUs), else fp16."""
-    if amp == "auto":
-        amp = "bf16" if device.type == "cpu" or torch.cuda.is_bf16_supported() else "fp16"
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "none": None}[amp]
-
-
-def default_workers(local_world_size: int) -> int:
-    return min(8, max(1, distributed.available_cores() // max(1, local_world_size) - 1))
-
-
-def resolve_global_batch(requested: Optional[int], saved: Optional[int], batch_size: int, world_size: int) -> int:
-    """--global-batch-size, else the checkpoint's (so an elastic restart at another world size keeps
-    the optimisation unchanged), else --batch-size per process."""
-    return requested or saved or batch_size * world_size
 
 
 def describe_index(index: file_index.ImageIndex) -> str:
@@ -89,13 +79,10 @@ class Trainer:
                                          config.max_steps_per_epoch)
 
         torch.manual_seed(config.seed)
-        model = create_model(config.model, len(self.train_index.classes)).to(self.device)
         self.amp_dtype = resolve_amp(config.amp, self.device)
-        self.channels_last = config.channels_last if config.channels_last is not None else self.device.type == "cuda"
-        if self.channels_last:
-            model = model.to(memory_format=torch.channels_last)
-        if self.device.type == "cuda":
-            torch.backends.cudnn.benchmark = True  # fixed input shapes: pick the fastest kernels once
+        self.channels_last = resolve_channels_last(config.channels_last, self.device)
+        model = place_model(create_model(config.model, len(self.train_index.classes)), self.device,
+                            self.channels_last)
         self.peak_lr = scaled_lr(config.lr, self.plan.global_batch)
         optimizer = create_optimizer(model, self.peak_lr, config.momentum, config.weight_decay, self.device)
         scaler = torch.amp.GradScaler(self.device.type, enabled=self.amp_dtype == torch.float16)
@@ -133,15 +120,15 @@ class Trainer:
         """Train and val loaders; under --decode gpu their workers hand over bytes and `self.decoder`
         finishes each batch on the device."""
         c, env = self.config, self.env
-        self.workers = c.workers if c.workers is not None else default_workers(env.local_world_size)
+        self.workers = c.workers if c.workers is not None else data.default_workers(env.local_world_size)
         pin = self.device.type == "cuda"
         ignored = preemption.signal_numbers(c.preempt_signals)  # by loader workers: see data._worker_init
-        load, collate, self.decoder = data.decode_region, None, None
+        load, collate = gpu_decode.worker_functions(c.decode)
+        self.decoder = None
         if c.decode == "gpu":
             if self.device.type != "cuda":
                 self.console.warn("--decode gpu without a CUDA device: the main process decodes each batch on "
                                   "the CPU (slower than --decode cpu; meant for testing)")
-            load, collate = gpu_decode.encode_region, gpu_decode.collate
             self.decoder = gpu_decode.BatchDecoder(c.image_size, self.device, self.console.warn)
         self.train_loader = data.train_loader(
             data.TrainDataset(self.train_index, c.image_size, c.seed, load), self.sampler, self.workers, pin,
