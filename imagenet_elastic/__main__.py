@@ -1,4 +1,4 @@
-from imagenet_elastic.cli import main
+from imagenet_elastic.cli import program
 
 if __name__ == "__main__":
-    main()
+    program()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import os
 import sys
 from collections.abc import Sequence
@@ -178,3 +180,29 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run_worker(config, plan.env)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+def program() -> NoReturn:
+    """`python -m imagenet_elastic` and the `imagenet-elastic` command: `main`, then an exit that skips
+    the interpreter's teardown.
+
+    Once torch is imported, that teardown (freeing every module, then the C++ libraries' static
+    objects) takes 1-2 s on a small machine, paid by every rank at every restart, and it is where
+    gloo's occasional abort at exit came from. By then the run has closed its files, loaders and
+    process group itself; the exit handlers still run. A crash keeps Python's ordinary exit and
+    traceback. `main` itself returns, so a Python caller keeps its interpreter.
+    """
+    try:
+        main()
+        code = 0
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            code = stop.code or 0
+        else:  # sys.exit("message")
+            sys.stderr.write(f"{stop.code}\n")
+            code = 1
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a closed pipe (`| head`): nothing more to say
+            stream.flush()
+    os._exit(code)

@@ -15,8 +15,8 @@ from rich.table import Table
 
 
 class Console:
-    def __init__(self, enabled: bool, log_interval: int = 50) -> None:
-        self.enabled = enabled
+    def __init__(self, enabled: bool, log_interval: int = 50, rank: int = 0) -> None:
+        self.enabled, self.rank = enabled, rank
         self.log_interval = max(1, log_interval)
         self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
 
@@ -25,8 +25,11 @@ class Console:
             self.rich.print(message, markup=False)
             self.rich.file.flush()  # log files under Slurm or torchrun see progress as it happens
 
-    def warn(self, message: str) -> None:
-        if self.enabled:
+    def warn(self, message: str, every_rank: bool = False) -> None:
+        """`every_rank`: for what only this rank can know (a file its own loader met), said with its rank."""
+        if every_rank:
+            self.rich.print(f"warning: rank {self.rank}: {message}", markup=False, style="yellow")
+        elif self.enabled:
             self.rich.print(f"warning: {message}", markup=False, style="yellow")
 
     def table(self, title: str, rows: list[tuple[str, str]]) -> None:

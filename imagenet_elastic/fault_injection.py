@@ -77,7 +77,7 @@ def workers_by_rank(agent_pid: int) -> dict[int, int]:
 def clean_env(**extra: str) -> dict[str, str]:
     """This environment minus any launcher variables, so a test run inside Slurm or torchrun stays local."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_HANDOFF_VARS)}
-    env.update(PYTHONUNBUFFERED="1", **extra)
+    env.update({"PYTHONUNBUFFERED": "1", **extra})
     return env
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -129,7 +130,8 @@ class Trainer:
             if self.device.type != "cuda":
                 self.console.warn("--decode gpu without a CUDA device: the main process decodes each batch on "
                                   "the CPU (slower than --decode cpu; meant for testing)")
-            self.decoder = gpu_decode.BatchDecoder(c.image_size, self.device, self.console.warn)
+            self.decoder = gpu_decode.BatchDecoder(c.image_size, self.device,
+                                                   functools.partial(self.console.warn, every_rank=True))
         self.train_loader = data.train_loader(
             data.TrainDataset(self.train_index, c.image_size, c.seed, load), self.sampler, self.workers, pin,
             ignored, collate)
@@ -322,7 +324,7 @@ class Trainer:
 
 
 def run(config: Config, env: DistEnv) -> None:
-    console = Console(env.is_main, config.log_interval)
+    console = Console(env.is_main, config.log_interval, env.rank)
     preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
     trainer = None
     try:

@@ -1,4 +1,5 @@
-"""What rank 0 prints into log files must survive `grep`: no values wrapped across lines."""
+"""Rank 0 speaks for the run, in lines that survive `grep`; a rank speaks for itself only about what
+only it can see."""
 
 from imagenet_elastic.console import Console
 
@@ -17,3 +18,12 @@ def test_only_an_enabled_console_prints(capsys):
     Console(enabled=False).table("imagenet_elastic", [("model", "resnet18")])
     Console(enabled=False).info("hello")
     assert capsys.readouterr().out == ""
+
+
+def test_every_rank_warning_comes_from_any_rank_and_names_it(capsys):
+    quiet = Console(enabled=False, rank=3)
+    quiet.warn("said by rank 0 only")
+    quiet.warn("x.png is a PNG file", every_rank=True)
+    Console(enabled=True, rank=0).warn("y.png is a PNG file", every_rank=True)
+    assert capsys.readouterr().out.splitlines() == ["warning: rank 3: x.png is a PNG file",
+                                                    "warning: rank 0: y.png is a PNG file"]

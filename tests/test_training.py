@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from conftest import (
     TRAIN_IMAGES,
     VAL_IMAGES,
     assert_same_tensors,
+    child_env,
     load_checkpoint,
     python_cmd,
     run,
@@ -19,6 +21,7 @@ from conftest import (
     torchrun_cmd,
 )
 
+from imagenet_elastic.cli import build_parser
 from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.model import create_model
 
@@ -144,6 +147,12 @@ def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_f
     assert [row["epoch"] for row in load_checkpoint(tmp_path / "last.pt")["history"]] == [1, 2]
 
 
-def test_console_script_is_installed():
-    result = run(["imagenet-elastic", "--help"])
+def test_console_script_is_installed_and_its_quick_exit_keeps_output_and_exit_codes():
+    """cli.program ends with os._exit: buffered output must be flushed and exit codes kept."""
+    result = subprocess.run(["imagenet-elastic", "--help"], env=child_env(PYTHONUNBUFFERED=""), capture_output=True,
+                            text=True, timeout=60)  # block-buffered, as in a log file
     assert result.returncode == 0 and "--checkpoints-path" in result.stdout
+    last_option = [line.split()[0] for line in build_parser().format_help().splitlines() if line.startswith("  -")][-1]
+    assert last_option in result.stdout  # the pipe's buffer was flushed to its end
+    refused = run(python_cmd("/nonexistent", "--batch-size", "0"))
+    assert refused.returncode == 2 and refused.stderr.count("\n") == 1 and "--batch-size" in refused.stderr
