@@ -9,7 +9,15 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint, python_cmd, run
+from conftest import (
+    SMALL_RUN,
+    assert_same_tensors,
+    load_checkpoint,
+    make_image_folder,
+    python_cmd,
+    run,
+    torchrun_cmd,
+)
 from PIL import Image
 from test_transforms import write_jpeg
 
@@ -160,3 +168,16 @@ def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder,
     cpu_last, gpu_last = load_checkpoint(tmp_path / "cpu" / "last.pt"), load_checkpoint(tmp_path / "gpu" / "last.pt")
     assert_same_tensors(cpu_last["model"], gpu_last["model"])
     assert cpu_last["history"][0]["val_top1"] == gpu_last["history"][0]["val_top1"]
+
+
+def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_path):
+    root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=2)
+    for jpeg in (root / "train").rglob("*.jpg"):  # every rank's share is all PNG
+        with Image.open(jpeg) as img:
+            img.save(jpeg.with_suffix(".png"))
+        jpeg.unlink()
+    result = run(torchrun_cmd(2, str(root), *SMALL_RUN, "--batch-size", "4", "--epochs", "1", "--decode", "gpu",
+                              "--checkpoints-path", str(tmp_path / "ckpt")))
+    assert result.returncode == 0, result.stderr
+    reports = [line for line in result.stdout.splitlines() if "is a PNG file; decoded on the CPU" in line]
+    assert sorted(line.split(":")[1] for line in reports) == [" rank 0", " rank 1"], result.stdout
