@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import multiprocessing
 import resource
 import statistics
 import sys
@@ -240,6 +241,7 @@ def worker_memory(lookup: Callable[[int], tuple[str, int]], size: int, workers: 
     """Largest (peak RSS, private dirty) over the workers, after they read every entry once."""
     loader = DataLoader(PathLengths(lookup, size), batch_size=4096, shuffle=True, num_workers=workers,
                         generator=torch.Generator().manual_seed(0), multiprocessing_context="fork")
+    data.share_heap_with_workers()  # as the trainer does
     peak = private = 0
     for _, peaks, privates in loader:
         peak, private = max(peak, int(peaks.max())), max(private, int(privates.max()))
@@ -257,6 +259,17 @@ def run_index(entries: int, workers: int) -> None:
          list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
 
 
+def run_index_apart(entries: int, workers: int) -> None:
+    """`run_index` in a fresh (spawned) process: a forked worker's memory starts as its parent's, so
+    the figures must not depend on the modes that ran before, and the list of tuples built here
+    must not raise their peaks either."""
+    child = multiprocessing.get_context("spawn").Process(target=run_index, args=(entries, workers))
+    child.start()
+    child.join()
+    if child.exitcode != 0:
+        raise RuntimeError(f"the index benchmark's process failed with exit code {child.exitcode}")
+
+
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
     workers = args.workers if args.workers is not None else data.default_workers(1)
@@ -270,7 +283,7 @@ def main(argv: Sequence[str]) -> None:
             elif mode == "end_to_end":
                 run_end_to_end(args, train_dir, workers)
             else:
-                run_index(args.index_entries, workers)
+                run_index_apart(args.index_entries, workers)
     except UserError as error:
         report_user_error(error, DistEnv())
         sys.exit(USER_ERROR_EXIT)

@@ -9,6 +9,7 @@ restarted run, any worker count and any world size see exactly the same pixels.
 from __future__ import annotations
 
 import functools
+import gc
 import io
 import math
 import multiprocessing
@@ -192,6 +193,19 @@ def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
     torch.set_num_threads(1)
     for signum in ignored_signals:
         signal.signal(signum, signal.SIG_IGN)
+
+
+def share_heap_with_workers() -> None:
+    """Call once the process holds what it will hold when its loader workers fork.
+
+    A forked worker shares its parent's memory until it writes to a page, and each garbage
+    collection in the worker writes to every object it examines: the modules of torch, timm and
+    torchvision, the model's Python objects. Frozen objects are left out of every later collection,
+    the parent's and the workers', so their pages stay shared (a worker's private memory in
+    `benchmark --mode index`: 89 MB without this, 13 MB with it).
+    """
+    gc.collect()  # what is garbage now would never be collected once frozen
+    gc.freeze()
 
 
 def stop_loader_workers() -> None:

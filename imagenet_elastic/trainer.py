@@ -116,6 +116,7 @@ class Trainer:
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
         self.ctx = StepContext(wrapped, optimizer, scaler, nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                                self.device, self.amp_dtype, self.channels_last)
+        data.share_heap_with_workers()  # the loaders' workers fork at their first batch
 
     def build_loaders(self) -> None:
         """Train and val loaders; under --decode gpu their workers hand over bytes and `self.decoder`

@@ -34,11 +34,12 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     assert [line["decode"] for line in lines[1:]] == ["cpu", "gpu"]
 
 
-def test_index_mode_measures_worker_memory_of_both_index_forms(image_folder):
-    (line,) = benchmark(image_folder, "--mode", "index", "--index-entries", "50000")
-    assert line["entries"] == 50000
+def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_tuples(image_folder):
+    (line,) = benchmark(image_folder, "--mode", "index", "--index-entries", "200000")
+    assert line["entries"] == 200000
     assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
-    assert line["list_of_tuples_worker_peak_rss_mb"] > 0
+    # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
+    assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
 
 
 def test_missing_data_folder_is_one_line(tmp_path):
