@@ -217,6 +217,13 @@ def stop_loader_workers() -> None:
         child.join()
 
 
+# Workers are forked wherever the platform allows, whatever the launcher: a rank started by
+# `--dist-init-method spawn` (or Slurm's one task per node) inherits the start method "spawn",
+# whose workers would each re-import torch (seconds) and receive a pickled copy of the file index
+# instead of sharing the parent's pages.
+_WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
 def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
                     collate: Optional[Callable]) -> dict:
     options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate,
@@ -224,13 +231,6 @@ def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, 
     if workers > 0:
         options.update(persistent_workers=True, prefetch_factor=4, multiprocessing_context=_WORKER_START)
     return options
-
-
-# Workers are forked wherever the platform allows, whatever the launcher: a rank started by
-# `--dist-init-method spawn` (or Slurm's one task per node) inherits the start method "spawn",
-# whose workers would each re-import torch (seconds) and receive a pickled copy of the file index
-# instead of sharing the parent's pages.
-_WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
