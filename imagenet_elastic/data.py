@@ -15,7 +15,7 @@ import math
 import multiprocessing
 import random
 import signal
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional
 
 import numpy as np
@@ -233,15 +233,51 @@ def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, 
     return options
 
 
+class Gate:
+    """A sampler that hands out nothing while it is closed (see `start_workers`)."""
+
+    def __init__(self, sampler: Iterable) -> None:
+        self.sampler, self.open = sampler, True
+
+    def __iter__(self) -> Iterator:
+        return iter(self.sampler) if self.open else iter(())
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+def start_workers(loader: DataLoader) -> None:
+    """Fork the loader's persistent workers now, handing them no work.
+
+    Call it while the process has no other thread. Once the process group exists, gloo's threads
+    release the tensors of finished collectives through Python, taking the interpreter's lock on
+    its list of threads without the GIL; a fork at that moment copies the lock held, and CPython
+    up to 3.11.7 (gh-112275) then deadlocks the new worker inside os.fork. Seen here: a rank whose
+    validation never began, its worker stuck in PyOS_AfterFork_Child.
+    """
+    if loader.num_workers == 0:
+        return
+    gate = loader.batch_sampler if isinstance(loader.batch_sampler, Gate) else loader.sampler
+    assert isinstance(gate, Gate), "start_workers needs a loader made by this module"
+    gate.open = False
+    try:
+        for _ in loader:  # starts the workers; the closed gate gives them nothing to do
+            pass
+    finally:
+        gate.open = True
+
+
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
                  ignored_signals: tuple[int, ...] = (), collate: Optional[Callable] = None) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=sampler, generator=torch.Generator().manual_seed(0),
+    return DataLoader(dataset, batch_sampler=Gate(sampler) if workers else sampler,
+                      generator=torch.Generator().manual_seed(0),
                       **_loader_options(workers, pin_memory, ignored_signals, collate))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
                 pin_memory: bool, ignored_signals: tuple[int, ...] = (),
                 collate: Optional[Callable] = None) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, sampler=eval_shard(len(dataset), rank, world_size),
+    shard = eval_shard(len(dataset), rank, world_size)
+    return DataLoader(dataset, batch_size=batch_size, sampler=Gate(shard) if workers else shard,
                       generator=torch.Generator().manual_seed(0),
                       **_loader_options(workers, pin_memory, ignored_signals, collate))

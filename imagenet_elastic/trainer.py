@@ -102,6 +102,9 @@ class Trainer:
         self.sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
         self.last_save = time.monotonic()
 
+        data.share_heap_with_workers()
+        for loader in ([] if config.evaluate else [self.train_loader]) + [self.val_loader]:
+            data.start_workers(loader)  # now, while this process has one thread: see start_workers
         distributed.init_process_group(env, self.device, config.dist_timeout)
         self.check_same_checkpoint()
         if env.is_main and not config.evaluate:  # the inputs passed every check: remember the file lists
@@ -116,7 +119,6 @@ class Trainer:
             wrapped = DistributedDataParallel(wrapped, device_ids=device_ids)
         self.ctx = StepContext(wrapped, optimizer, scaler, nn.CrossEntropyLoss(label_smoothing=config.label_smoothing),
                                self.device, self.amp_dtype, self.channels_last)
-        data.share_heap_with_workers()  # the loaders' workers fork at their first batch
 
     def build_loaders(self) -> None:
         """Train and val loaders; under --decode gpu their workers hand over bytes and `self.decoder`

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import time
 
 import numpy as np
 import pytest
 from test_transforms import make_split, write_jpeg
-from torch.utils.data import Dataset
 
-from imagenet_elastic import data
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.file_index import (
     cache_path,
@@ -190,29 +187,3 @@ def test_removed_folder_makes_the_cache_stale(cached_split):
     (root / "b" / "nested").rmdir()
     assert read_cache(cache_path(cache, "train"), str(root)) is None
 
-
-SEEN_BY_THIS_PROCESS: list[int] = []
-
-
-class WhatThisProcessSaw(Dataset):
-    """A forked worker holds the parent's memory (and so its file index, shared page by page); a
-    spawned one imports this module afresh and sees an empty list."""
-
-    def __len__(self) -> int:
-        return 1
-
-    def __getitem__(self, i: int) -> int:
-        return len(SEEN_BY_THIS_PROCESS)
-
-
-def test_loader_workers_are_forked_even_where_the_default_start_method_is_spawn():
-    """Ranks started by `--dist-init-method spawn` inherit the start method "spawn"."""
-    previous = multiprocessing.get_start_method()
-    SEEN_BY_THIS_PROCESS.append(1)
-    multiprocessing.set_start_method("spawn", force=True)
-    try:
-        loader = data.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False)
-        assert [int(batch) for batch in loader] == [1]
-    finally:
-        multiprocessing.set_start_method(previous, force=True)
-        SEEN_BY_THIS_PROCESS.clear()

@@ -1,0 +1,64 @@
+"""How loader workers start: forked under every launcher, and before the process has other threads."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+
+from torch.utils.data import Dataset
+
+from imagenet_elastic import data
+
+SEEN_BY_THIS_PROCESS: list[int] = []
+
+
+class WhatThisProcessSaw(Dataset):
+    """A forked worker holds the parent's memory (and so its file index, shared page by page); a
+    spawned one imports this module afresh and sees an empty list."""
+
+    def __len__(self) -> int:
+        return 1
+
+    def __getitem__(self, i: int) -> int:
+        return len(SEEN_BY_THIS_PROCESS)
+
+
+def test_loader_workers_are_forked_even_where_the_default_start_method_is_spawn():
+    """Ranks started by `--dist-init-method spawn` inherit the start method "spawn"."""
+    previous = multiprocessing.get_start_method()
+    SEEN_BY_THIS_PROCESS.append(1)
+    multiprocessing.set_start_method("spawn", force=True)
+    try:
+        loader = data.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False)
+        assert [int(batch) for batch in loader] == [1]
+    finally:
+        multiprocessing.set_start_method(previous, force=True)
+        SEEN_BY_THIS_PROCESS.clear()
+
+
+class IndexAndPid(Dataset):
+    """Each read leaves a line in `log`, so the test sees what the workers were asked for."""
+
+    def __init__(self, log: str) -> None:
+        self.log = log
+
+    def __len__(self) -> int:
+        return 6
+
+    def __getitem__(self, i: int) -> tuple[int, int]:
+        with open(self.log, "a") as f:
+            f.write(f"{i}\n")
+        return i, os.getpid()
+
+
+def test_start_workers_forks_idle_workers_that_the_first_pass_then_uses(tmp_path):
+    log = tmp_path / "reads"
+    loader = data.eval_loader(IndexAndPid(str(log)), 2, rank=0, world_size=1, workers=1, pin_memory=False)
+    before = {p.pid for p in multiprocessing.active_children()}
+    data.start_workers(loader)
+    started = {p.pid for p in multiprocessing.active_children()} - before
+    assert len(started) == 1 and not log.exists()  # a worker, and no sample read yet
+    for _ in range(2):  # the first pass and a later one: every sample once, in order, from that worker
+        batches = list(loader)
+        assert [i for indices, _ in batches for i in indices.tolist()] == list(range(6))
+        assert {pid for _, pids in batches for pid in pids.tolist()} == started
