@@ -345,7 +345,7 @@ def run(config: Config, env: DistEnv) -> None:
         del trainer
         data.stop_loader_workers()
         distributed.destroy_process_group()
-        if preempt.received is None:
-            preempt.restore()
-        else:  # stopping with exit code 75: a second signal (torchrun's) must not turn it into -15
-            preempt.ignore_from_now()
+        # The rank is ending, with its own exit code (0, 2, 75 or a crash's): a signal now (torchrun's
+        # second one, or a spawn parent stopping the ranks after another one failed) would only turn
+        # that code into -15 and hide why it ended.
+        preempt.ignore_from_now()

@@ -113,12 +113,13 @@ def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_
 
 @pytest.fixture(scope="module")
 def mid_epoch_checkpoint_world2(image_folder, tmp_path_factory):
-    """A world-size-2 run with a global batch of 24, stopped by SIGTERM in the middle of epoch 1."""
+    """A world-size-2 run with a global batch of 24, stopped by SIGTERM after step 1 of epoch 1's 4 steps
+    (with batches decoded ahead, a later trigger can lose the race to the epoch's end)."""
     folder = tmp_path_factory.mktemp("world2")
     env = child_env(**{ENV_VAR: str(folder / "samples")})
     cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", "2", "--global-batch-size", "24",
                        "--checkpoints-path", str(folder / "ckpt"))
-    code, output = run_and_kill(cmd, when="epoch 1/2 step 2/", victim=torchrun_workers, sig=signal.SIGTERM, env=env)
+    code, output = run_and_kill(cmd, when="epoch 1/2 step 1/", victim=torchrun_workers, sig=signal.SIGTERM, env=env)
     assert f"exitcode  : {PREEMPTED_EXIT}" in output, output
     snapshot = load_checkpoint(folder / "ckpt" / "last.pt")
     assert snapshot["epoch"] == 0 and 0 < snapshot["epoch_progress"]["samples"] < 96
