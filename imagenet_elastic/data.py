@@ -251,9 +251,9 @@ def start_workers(loader: DataLoader) -> None:
 
     Call it while the process has no other thread. Once the process group exists, gloo's threads
     release the tensors of finished collectives through Python, taking the interpreter's lock on
-    its list of threads without the GIL; a fork at that moment copies the lock held, and CPython
-    up to 3.11.7 (gh-112275) then deadlocks the new worker inside os.fork. Seen here: a rank whose
-    validation never began, its worker stuck in PyOS_AfterFork_Child.
+    its list of threads without the GIL; a fork at that moment copies the lock held, and a CPython
+    without the fix for gh-112275 (3.11.7 here) then deadlocks the new worker inside os.fork. Seen
+    here: a rank whose validation never began, its worker stuck in PyOS_AfterFork_Child.
     """
     if loader.num_workers == 0:
         return
