@@ -191,8 +191,9 @@ def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> No
     ctx, settings = step_context(args, len(index.classes))
     encoded = args.decode == "gpu"
     loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded)
-    decoder = gpu_decode.BatchDecoder(args.image_size, ctx.device, lambda line: print(line, file=sys.stderr))
-    batches = device_batches(endless(loader), ctx.device, decoder if encoded else None)
+    decoder = (gpu_decode.BatchDecoder(args.image_size, ctx.device, lambda line: print(line, file=sys.stderr))
+               if encoded else None)
+    batches = device_batches(endless(loader), ctx.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
     emit("end_to_end", images_per_sec=round(rate, 1), workers=workers, images=len(index), decode=args.decode,
          **settings)

@@ -269,15 +269,13 @@ def start_workers(loader: DataLoader) -> None:
 
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
                  ignored_signals: tuple[int, ...] = (), collate: Optional[Callable] = None) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=Gate(sampler) if workers else sampler,
-                      generator=torch.Generator().manual_seed(0),
+    return DataLoader(dataset, batch_sampler=Gate(sampler), generator=torch.Generator().manual_seed(0),
                       **_loader_options(workers, pin_memory, ignored_signals, collate))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
                 pin_memory: bool, ignored_signals: tuple[int, ...] = (),
                 collate: Optional[Callable] = None) -> DataLoader:
-    shard = eval_shard(len(dataset), rank, world_size)
-    return DataLoader(dataset, batch_size=batch_size, sampler=Gate(shard) if workers else shard,
+    return DataLoader(dataset, batch_size=batch_size, sampler=Gate(eval_shard(len(dataset), rank, world_size)),
                       generator=torch.Generator().manual_seed(0),
                       **_loader_options(workers, pin_memory, ignored_signals, collate))

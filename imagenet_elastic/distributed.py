@@ -179,7 +179,7 @@ def destroy_process_group() -> None:
     """
     global _control
     _control = None
-    gc.unfreeze()  # what data.share_heap_with_workers froze, DDP's objects among it, is collectable again
+    gc.unfreeze()  # what data.share_heap_with_workers froze (the model among it) is collectable again
     gc.collect()
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
