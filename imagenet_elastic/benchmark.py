@@ -8,7 +8,10 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
 - synthetic: training steps on batches already on the device (the model's limit);
 - end_to_end: training steps fed by our loader from the folder;
 - index: peak RSS of DataLoader workers that read every entry of a synthetic 1.28 M-image file index,
-  ours (numpy arrays) against a Python list of (path, class) tuples.
+  ours (numpy arrays) against a Python list of (path, class) tuples;
+- checkpoint: what a save of the model's training state costs in a temporary folder under
+  --checkpoints-path: the old synchronous save (serialize, then three atomic writes), one write with
+  hard links, and a background save (what the training loop waits for, and how long the write takes).
 Every line also says the peak host RSS (this process and, separately, its largest child) and the
 peak GPU memory.
 """
@@ -16,12 +19,16 @@ peak GPU memory.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import multiprocessing
+import os
 import resource
+import shutil
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
@@ -31,16 +38,19 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
-from imagenet_elastic import data, file_index, gpu_decode
+from imagenet_elastic import checkpoint, data, file_index, gpu_decode
+from imagenet_elastic.checkpoint import CheckpointManager
+from imagenet_elastic.checkpoint_writer import CheckpointWriter
 from imagenet_elastic.cli import Parser, non_negative_int, positive_int
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import StepContext, device_batches, train_step
-from imagenet_elastic.errors import USER_ERROR_EXIT, UserError
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.file_index import ImageIndex, scan_image_folder
 from imagenet_elastic.launch import report_user_error
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.state import TrainState
 
-MODES = ("loader", "synthetic", "end_to_end", "index")
+MODES = ("loader", "synthetic", "end_to_end", "index", "checkpoint")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
@@ -56,13 +66,15 @@ def build_parser() -> Parser:
     p.add_argument("--batches", type=positive_int, default=30, help="measured batches per round or mode")
     p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of the loader comparison")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
-    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None)
+    p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")
     p.add_argument("--decode", choices=["cpu", "gpu"], default="cpu",
                    help="end_to_end: decode in loader workers (cpu) or batched on the device (gpu)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     p.add_argument("--index-entries", type=positive_int, default=IMAGENET_TRAIN_IMAGES,
                    help="size of the synthetic file index (index mode)")
+    p.add_argument("--checkpoints-path", default=".",
+                   help="checkpoint mode writes in a temporary folder here: the disk your checkpoints use")
     return p
 
 
@@ -104,6 +116,7 @@ def ours_loader(index: ImageIndex, size: int, batch: int, workers: int,
     load, collate = gpu_decode.worker_functions("gpu" if encoded else "cpu")
     loader = data.train_loader(data.TrainDataset(index, size, 0, load), sampler, workers, torch.cuda.is_available(),
                                collate=collate)
+    data.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
         sampler.set_epoch(e)
@@ -140,19 +153,27 @@ def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> None:
 # ----------------------------------------------------------------------------- model
 
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
-    from imagenet_elastic.model import create_model, create_optimizer, place_model, resolve_amp, resolve_channels_last
+    from imagenet_elastic.model import (
+        create_model,
+        create_optimizer,
+        place_model,
+        resolve_precision,
+    )
 
     device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
                           else "cpu")
-    amp = resolve_amp(args.amp, device)
-    channels_last = resolve_channels_last(args.channels_last, device)
+    precision = resolve_precision(args.amp, device)
+    if precision.warning:
+        print(f"warning: {precision.warning}", file=sys.stderr)
+    amp = precision.dtype
+    channels_last = args.channels_last
     model = place_model(create_model(args.model, num_classes), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     compiled = torch.compile(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
                       nn.CrossEntropyLoss(), device, amp, channels_last)
     settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
-                "device": str(device), "amp": str(amp).replace("torch.", "") if amp else "none",
+                "device": str(device), "amp": precision.name, "amp_reason": precision.reason,
                 "channels_last": channels_last, "compile": args.compile}
     return ctx, settings
 
@@ -271,20 +292,90 @@ def run_index_apart(entries: int, workers: int) -> None:
         raise RuntimeError(f"the index benchmark's process failed with exit code {child.exitcode}")
 
 
+# ----------------------------------------------------------------------------- checkpoint cost
+
+def three_write_save(state: dict[str, Any], folder: str, epoch: int) -> None:
+    """The save this project made before hard links: serialize to bytes, then write them three times."""
+    data = checkpoint.serialize(state)
+    for name in (f"epoch_{epoch:04d}.pt", checkpoint.LAST, checkpoint.BEST):
+        checkpoint.atomic_write_bytes(data, os.path.join(folder, name))
+
+
+def filesystem_of(path: str) -> str:
+    """The type of the mount that holds `path` (ext4, xfs, nfs, tmpfs...), from /proc/mounts."""
+    best, kind = "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                _, point, fs_type, *_ = line.split()
+                if os.path.abspath(path).startswith(point.rstrip("/") + "/") and len(point) > len(best):
+                    best, kind = point, fs_type
+    except OSError:
+        pass
+    return kind
+
+
+def run_checkpoint(args: argparse.Namespace) -> None:
+    ctx, settings = step_context(args, 1000)
+    size = min(args.image_size, 64)  # one small step, so that the optimizer's momentum exists as in training
+    images = torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8, device=ctx.device)
+    labels = torch.randint(0, 1000, (2,), device=ctx.device)
+    train_step(ctx, [(images, labels, None)], [slice(0, 2)], 2, 0.1, seed=0, step=0)
+    model = getattr(ctx.model, "_orig_mod", ctx.model)
+    state = TrainState(model, ctx.optimizer, ctx.scaler).capture({}, {})
+    folder = tempfile.mkdtemp(prefix="checkpoint-benchmark-", dir=args.checkpoints_path)
+    times: dict[str, list[float]] = {"sync": [], "one_write": [], "stall": [], "write": []}
+    try:
+        # One folder per way of saving: each replaces (and so frees) only its own previous files, as in a run.
+        old, new, background = (os.path.join(folder, name) for name in ("old", "new", "background"))
+        warn = functools.partial(print, "warning:", file=sys.stderr)
+        manager = CheckpointManager(new, keep=1, warn=warn)
+        writer = CheckpointWriter(CheckpointManager(background, keep=1, warn=warn), background=True,
+                                  device=ctx.device)
+        for path in (old, new, background):
+            os.mkdir(path)
+        for epoch in range(1, args.rounds + 1):
+            start = time.perf_counter()
+            three_write_save(state, old, epoch)
+            times["sync"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            manager.save(state, epoch, is_best=True)
+            times["one_write"].append(time.perf_counter() - start)
+            writer.submit(state, epoch, is_best=True)
+            times["stall"].append(writer.stall_seconds)
+            if writer.wait() is not None:
+                raise writer.take_error()
+            times["write"].append(writer.write_seconds)
+        writer.close()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    median = {key: statistics.median(values) for key, values in times.items()}
+    emit("checkpoint", state_mb=round(checkpoint.state_bytes(state) / 1e6, 1),
+         sync_save_seconds=round(median["sync"], 3), one_write_save_seconds=round(median["one_write"], 3),
+         stall_seconds=round(median["stall"], 4), write_seconds=round(median["write"], 3),
+         stall_vs_sync=round(median["stall"] / median["sync"], 3),
+         rounds={key: [round(v, 4) for v in values] for key, values in times.items()},
+         filesystem=filesystem_of(folder), model=settings["model"], device=settings["device"])
+
+
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
     workers = args.workers if args.workers is not None else data.default_workers(1)
     try:
         train_dir = file_index.train_dir(args.data)
         for mode in MODES if args.mode == "all" else (args.mode,):
+            if torch.cuda.is_available():  # each mode's line reports its own peak
+                torch.cuda.reset_peak_memory_stats()
             if mode == "loader":
                 run_loader(args, train_dir, workers)
             elif mode == "synthetic":
                 run_synthetic(args)
             elif mode == "end_to_end":
                 run_end_to_end(args, train_dir, workers)
-            else:
+            elif mode == "index":
                 run_index_apart(args.index_entries, workers)
+            else:
+                run_checkpoint(args)
     except UserError as error:
         report_user_error(error, DistEnv())
-        sys.exit(USER_ERROR_EXIT)
+        sys.exit(error.exit_code)

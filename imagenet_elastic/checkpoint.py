@@ -1,50 +1,84 @@
 """Checkpoint files: atomic writes, safe loads, and the last/best/epoch_NNNN layout.
 
 A file is written to a unique temp name in the same folder, flushed and fsynced, then renamed over
-its target: readers see the old file or the new one, never a partial one. Checkpoints hold plain
-tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
+its target: readers see the old file or the new one, never a partial one. A save serializes the
+state once, straight into that file; `epoch_NNNN.pt` and `best.pt` are hard links to it, so three
+names cost one write. Nothing ever writes into a committed file (every commit is a new file renamed
+over the name), so the names that share a file never change under each other. Checkpoints hold
+plain tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import fcntl
+import functools
 import glob
 import io
 import os
 import re
+import secrets
+import shutil
 import socket
 import tempfile
 import time
-from typing import Any, Callable, Optional
+from collections.abc import Iterator
+from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import StorageError, UserError
 
 LAST = "last.pt"
 LOCK = ".lock"
 BEST = "best.pt"
 EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
 TEMP_PREFIX = ".tmp-"
+# What file systems that have no hard links answer (FAT/exFAT, some FUSE and SMB mounts), and "too many links".
+LINK_REFUSED = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def atomic_write_bytes(data: bytes, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, temp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{os.path.basename(path)}-", dir=folder)
+def storage_error(error: OSError, doing: str, path: str, size: Optional[int] = None, after: str = "") -> StorageError:
+    """`no space left on device writing /ckpt/epoch_0002.pt (205 MB)`: the OS's words, then what and where."""
+    text = error.strerror or str(error) or type(error).__name__
+    amount = "" if not size else f" ({size / 1e6:.0f} MB)" if size >= 1e6 else f" ({size / 1e3:.0f} kB)"
+    return StorageError(f"{text[:1].lower()}{text[1:]} {doing} {os.path.abspath(path)}{amount}{after}")
+
+
+def write_temp(folder: str, name: str, write: Callable[[BinaryIO], None]) -> str:
+    """A new temp file beside `name`, filled by `write`, flushed and fsynced; the caller renames it.
+    On any failure the temp file is removed and the error goes on."""
+    fd, temp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}-", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide checkpoints from the rest of a team
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            write(f)
             f.flush()
             os.fsync(f.fileno())
-        os.replace(temp, path)
     except BaseException:
-        if os.path.exists(temp):
+        with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    fsync_dir(folder)
+    return temp
+
+
+def commit(temp: str, path: str) -> None:
+    """Rename a finished temp file over `path` and make the rename durable."""
+    try:
+        os.replace(temp, path)
+    except BaseException:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+        raise
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def atomic_write_bytes(data: bytes, path: str) -> None:
+    folder = os.path.dirname(os.path.abspath(path))
+    commit(write_temp(folder, os.path.basename(path), lambda f: f.write(data)), path)
 
 
 def fsync_dir(folder: str) -> None:
@@ -56,10 +90,57 @@ def fsync_dir(folder: str) -> None:
         os.close(fd)
 
 
+class _RecordingFile:
+    """torch.save's writer turns a failed write into `RuntimeError: ... unexpected pos`: keep the
+    OSError (its errno says no space, I/O error or quota) so it can be reported instead."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: Optional[OSError] = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_to(state: dict[str, Any], file: BinaryIO) -> None:
+    """Serialize `state` straight into an open file: no second copy of it in memory."""
+    recording = _RecordingFile(file)
+    try:
+        torch.save(state, recording)
+    except Exception:
+        if recording.error is not None:
+            raise recording.error from None
+        raise
+
+
 def serialize(state: dict[str, Any]) -> bytes:
+    """The state as bytes (the old three-write save, kept for `benchmark --mode checkpoint`)."""
     buffer = io.BytesIO()
     torch.save(state, buffer)
     return buffer.getvalue()
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """About what a save writes: the tensors' bytes (the rest is a few KB of structure)."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(state))
 
 
 def load(path: str) -> dict[str, Any]:
@@ -133,9 +214,11 @@ class CheckpointManager:
     removed only after that.
     """
 
-    def __init__(self, folder: str, keep: int) -> None:
+    def __init__(self, folder: str, keep: int, warn: Callable[[str], None] = print) -> None:
         self.folder = folder
         self.keep = keep
+        self.warn = warn
+        self.links = True  # until the file system refuses one
 
     @property
     def last_path(self) -> str:
@@ -145,14 +228,57 @@ class CheckpointManager:
         return os.path.join(self.folder, f"epoch_{epoch:04d}.pt")
 
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
-        """`epoch`: the epoch just completed, which also gets its own file; None for a mid-epoch save."""
-        data = serialize(state)
-        if self.keep > 0 and epoch is not None:
-            atomic_write_bytes(data, self.epoch_path(epoch))
-        atomic_write_bytes(data, self.last_path)
-        if is_best:
-            atomic_write_bytes(data, os.path.join(self.folder, BEST))
-        self.prune()
+        """One serialization and one write, committed as `last.pt`; `epoch` (the epoch just completed,
+        None for a mid-epoch save) and `is_best` add `epoch_NNNN.pt` and `best.pt` as hard links to it.
+
+        Each name is replaced atomically, `last.pt` last. A refused write raises StorageError naming
+        the file, and leaves every committed file as it was and no temp file behind.
+        """
+        also = [self.epoch_path(epoch)] if self.keep > 0 and epoch is not None else []
+        also += [os.path.join(self.folder, BEST)] if is_best else []
+        doing, path = "writing", (also or [self.last_path])[0]
+        try:
+            temp = write_temp(self.folder, LAST, functools.partial(save_to, state))
+            try:
+                for path in also:
+                    doing = "linking" if self.links else "copying to"
+                    self.add_name(temp, path)
+                doing, path = "renaming over", self.last_path
+                commit(temp, self.last_path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)  # gone once committed; here when an error came first
+            doing, path = "removing old checkpoints in", self.folder
+            self.prune()
+        except OSError as error:
+            previous = (f"; the previous checkpoint {self.last_path} is intact" if os.path.isfile(self.last_path)
+                        else "")
+            raise storage_error(error, doing, path, state_bytes(state) if doing == "writing" else None,
+                                previous) from None
+
+    def add_name(self, committed: str, path: str) -> None:
+        """`path` atomically becomes a hard link to `committed` (a copy where the file system has no links)."""
+        temp = os.path.join(self.folder, f"{TEMP_PREFIX}{os.path.basename(path)}-{secrets.token_hex(4)}")
+        try:
+            if self.links:
+                try:
+                    os.link(committed, temp)
+                except OSError as error:
+                    if error.errno not in LINK_REFUSED:
+                        raise
+                    self.links = False
+                    self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
+                              "best.pt are written as copies of last.pt from now on (one more write each)")
+            if not self.links:
+                with open(committed, "rb") as source, open(temp, "wb") as copy:
+                    shutil.copyfileobj(source, copy, 16 << 20)
+                    copy.flush()
+                    os.fsync(copy.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
 
     def epoch_files(self) -> list[str]:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""

@@ -101,8 +101,8 @@ def build_parser() -> Parser:
     g.add_argument("--seed", type=non_negative_int, default=d.seed)
     g.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default=d.amp,
                    help="auto: bf16 on CPUs and on GPUs that support it, else fp16")
-    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
-                   help="NHWC memory format (default: on for CUDA)")
+    g.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=d.channels_last,
+                   help="NHWC memory format (faster on GPUs and CPUs alike)")
     g.add_argument("--compile", action="store_true",
                    help="torch.compile the model (before DDP); checkpoints stay interchangeable with eager runs")
     g = p.add_argument_group("run")
@@ -125,6 +125,9 @@ def build_parser() -> Parser:
     g.add_argument("--checkpoint-interval", type=parse_checkpoint_interval, default=None, metavar="EVERY",
                    help="also checkpoint mid-epoch: every N steps (500), every T time (10m, 90s, 2h), or both "
                    "(500,10m)")
+    g.add_argument("--async-checkpoint", action=argparse.BooleanOptionalAction, default=d.async_checkpoint,
+                   help="write checkpoints in a background thread: training waits only for a copy of the state "
+                   "in host memory; a stop, the end of the run and errors wait for the write in flight")
     g.add_argument("--preempt-signals", type=_signals, default=d.preempt_signals, metavar="SIGNALS",
                    help=f"signals that mean checkpoint at the next step and exit {PREEMPTED_EXIT}, or none "
                    f"(default: {','.join(d.preempt_signals)})")

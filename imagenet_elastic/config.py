@@ -35,7 +35,7 @@ class Config:
     workers: Optional[int] = None  # None: the cores per process, at most 8
     seed: int = 0
     amp: str = "auto"  # auto | bf16 | fp16 | none
-    channels_last: Optional[bool] = None  # None: on for CUDA, off on CPU
+    channels_last: bool = True  # NHWC: faster on GPUs and on CPUs (docs/BENCHMARKS.md)
     compile: bool = False  # torch.compile the model before DDP wraps it
     decode: str = "cpu"  # cpu: in loader workers | gpu: batched on the device (gpu_decode.py)
     device: str = "auto"  # auto | cpu | cuda
@@ -44,6 +44,7 @@ class Config:
     keep_checkpoints: int = 3
     checkpoint_every_steps: Optional[int] = None  # besides every epoch's end
     checkpoint_every_seconds: Optional[float] = None
+    async_checkpoint: bool = True  # write checkpoints in a background thread from a host copy
     preempt_signals: tuple[str, ...] = DEFAULT_SIGNALS
     requeue_on_preempt: bool = False
     resume: Optional[str] = None  # None, RESUME_AUTO or a path

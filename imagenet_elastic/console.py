@@ -1,4 +1,5 @@
-"""The one place that prints: rank 0 only, a rich table and progress bar on a terminal, plain lines in logs."""
+"""The one place that prints: rank 0 only, a rich table and progress bar on a terminal, plain lines in logs;
+warnings on stderr, so `2>warnings.log` keeps them apart from progress."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class Console:
         self.enabled, self.rank = enabled, rank
         self.log_interval = max(1, log_interval)
         self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
+        self.errors = RichConsole(stderr=True, highlight=False, soft_wrap=True)
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -27,10 +29,10 @@ class Console:
 
     def warn(self, message: str, every_rank: bool = False) -> None:
         """`every_rank`: for what only this rank can know (a file its own loader met), said with its rank."""
-        if every_rank:
-            self.rich.print(f"warning: rank {self.rank}: {message}", markup=False, style="yellow")
-        elif self.enabled:
-            self.rich.print(f"warning: {message}", markup=False, style="yellow")
+        if every_rank or self.enabled:
+            who = f"rank {self.rank}: " if every_rank else ""
+            self.errors.print(f"warning: {who}{message}", markup=False, style="yellow")
+            self.errors.file.flush()
 
     def table(self, title: str, rows: list[tuple[str, str]]) -> None:
         if not self.enabled:

@@ -23,7 +23,6 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 from torch.utils.data import DataLoader, Dataset
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from imagenet_elastic import distributed
 from imagenet_elastic.errors import CorruptImageError
@@ -96,6 +95,7 @@ def decode_bytes(raw: bytes, path: str, plan: Plan, size: int) -> torch.Tensor:
             if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
             if img.format == "JPEG" and img.size == (width, height):
+                from torchvision.io import ImageReadMode, decode_jpeg  # see share_heap_with_workers
                 pixels = decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
             else:
                 pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
@@ -203,7 +203,12 @@ def share_heap_with_workers() -> None:
     torchvision, the model's Python objects. Frozen objects are left out of every later collection,
     the parent's and the workers', so their pages stay shared (a worker's private memory in
     `benchmark --mode index`: 89 MB without this, 13 MB with it).
+
+    torchvision's decoders are imported here, not with this module: importing torchvision takes ~2 s
+    (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while forked
+    workers should inherit it rather than each import it again.
     """
+    import torchvision.io  # noqa: F401
     gc.collect()  # what is garbage now would never be collected once frozen
     gc.freeze()
 

@@ -211,6 +211,24 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+def broadcast_buffers(module: torch.nn.Module) -> None:
+    """Every rank takes rank 0's buffers (BatchNorm running statistics), one broadcast per dtype.
+
+    DDP broadcasts them before each forward, but each rank then updates its copy from its own
+    micro-batch: after an epoch's last step every rank holds different statistics, and only rank 0's
+    are saved.
+    """
+    if not is_initialized():
+        return
+    buffers = list(module.buffers())
+    for dtype in sorted({b.dtype for b in buffers}, key=str):
+        same = [b for b in buffers if b.dtype == dtype]
+        flat = torch.cat([b.detach().reshape(-1) for b in same])
+        dist.broadcast(flat, src=0)
+        for buffer, part in zip(same, flat.split([b.numel() for b in same])):
+            buffer.copy_(part.view(buffer.shape))
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

@@ -51,12 +51,13 @@ class EvalResult:
 def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
 
-    The permute of NHWC data already has channels_last strides, so that layout costs nothing.
+    The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
+    other one is made while the pixels are uint8, a quarter of the bytes of float32.
     """
-    images = images.permute(0, 3, 1, 2).float().sub_(ctx.mean).div_(ctx.std)
+    images = images.permute(0, 3, 1, 2)
     if not ctx.channels_last:
         images = images.contiguous()
-    return images, labels
+    return images.float().sub_(ctx.mean).div_(ctx.std), labels
 
 
 def device_batches(batches: Iterable, device: torch.device, decode: Optional[Callable[[list], list]] = None
@@ -112,16 +113,20 @@ def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
 
     Under DDP the running averages that survive are rank 0's (broadcast at every forward), i.e.
     those of the global batch's first slice. Updating them from the first micro-batch only keeps
-    them the same at every world size, so an elastic run evaluates like an uninterrupted one.
+    them the same at every world size, so an elastic run evaluates like an uninterrupted one. The
+    batch counter is put back too, or it would count micro-batches and differ between world sizes.
     """
-    saved = [m.momentum for m in batch_norms]
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in batch_norms]
     for m in batch_norms:
         m.momentum = 0.0  # running = running * (1 - 0) + batch * 0: unchanged, exactly
     try:
         yield
     finally:
-        for m, momentum in zip(batch_norms, saved):
+        for m, (momentum, count) in zip(batch_norms, saved):
             m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)  # in place: DDP keeps references to the buffers
 
 
 def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share: int, lr: float, seed: int,
@@ -160,15 +165,17 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable) -> EvalResult
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
     DDP's forward would then wait on a collective), then the sums are added up across ranks."""
     model.eval()
-    totals = torch.zeros(4, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5, samples
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5
+    samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
     for images, labels, *_ in loader:
         images, labels = prepare_batch(images, labels, ctx)
         with ctx.autocast():
             logits = model(images)
         loss = F.cross_entropy(logits.float(), labels, reduction="sum")
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
-        totals += torch.stack([loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double(),
-                               torch.tensor(float(len(labels)), dtype=torch.float64, device=ctx.device)])
+        totals += torch.stack([loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()])
+        samples += len(labels)
+    totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(ctx.device)])
     distributed.all_reduce_sum(totals)
     loss_sum, top1, top5, samples = totals.tolist()
     count = max(samples, 1.0)

@@ -2,6 +2,7 @@
 
 PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
+STORAGE_ERROR_EXIT = 74  # EX_IOERR: a checkpoint could not be written (no space, I/O error, quota)
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped by a preemption signal after a checkpoint; run again to continue
 
 
@@ -13,6 +14,14 @@ class UserError(Exception):
     """
 
     every_rank = False
+    exit_code = USER_ERROR_EXIT
+
+
+class StorageError(UserError):
+    """The operating system refused a write (no space, I/O error, quota): not the user's input, but
+    as much theirs to fix, so it is reported the same way, with its own exit code."""
+
+    exit_code = STORAGE_ERROR_EXIT
 
 
 class CorruptImageError(UserError):

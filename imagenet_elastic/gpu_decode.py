@@ -23,7 +23,6 @@ from typing import Optional
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
-from torchvision.io import ImageReadMode, decode_jpeg
 
 from imagenet_elastic.data import Box, Load, Plan, byte_tensor, crop_resize, decode_bytes, decode_region, read_file
 from imagenet_elastic.errors import CorruptImageError
@@ -122,6 +121,7 @@ class BatchDecoder:
             # crops) could be overwritten. Waiting for this stream first closes that window; it holds only
             # the previous batch's decoding (device_batches runs this on its side stream), so it is short.
             torch.cuda.current_stream(self.device).synchronize()
+        from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see data.share_heap_with_workers
         return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
 
     def report(self, path: str, reason: str) -> None:

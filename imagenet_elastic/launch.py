@@ -20,7 +20,15 @@ import torch.multiprocessing as mp
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.errors import PREEMPTED_EXIT, PROG, USER_ERROR_EXIT, Preempted, UserError, one_line
+from imagenet_elastic.errors import (
+    PREEMPTED_EXIT,
+    PROG,
+    STORAGE_ERROR_EXIT,
+    USER_ERROR_EXIT,
+    Preempted,
+    UserError,
+    one_line,
+)
 from imagenet_elastic.preemption import signal_numbers
 
 
@@ -50,7 +58,7 @@ def _run_to_exit_code(config: Config, env: DistEnv) -> None:
         run(config, env)
     except UserError as error:
         report_user_error(error, env)
-        sys.exit(USER_ERROR_EXIT)
+        sys.exit(error.exit_code)
     except Preempted:
         sys.exit(PREEMPTED_EXIT)
 
@@ -71,16 +79,17 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
         while not context.join():
             pass
     except mp.ProcessExitedException as failed:
-        if failed.exit_code not in (USER_ERROR_EXIT, PREEMPTED_EXIT):  # those were reported by the child
+        if failed.exit_code not in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT, PREEMPTED_EXIT):  # reported by the child
             print(f"{PROG}: error: local process {failed.error_index} (rank "
                   f"{task_env.rank * procs + failed.error_index}) exited with code {failed.exit_code}; "
                   "the others were stopped", file=sys.stderr)
         sys.exit(failed.exit_code if failed.exit_code and failed.exit_code > 0 else 1)
     except mp.ProcessRaisedException as failed:
-        if any(p.exitcode == USER_ERROR_EXIT for p in context.processes):
-            # a rank stopped on a user error (reported in one line); this rank's error (a closed
-            # connection in a collective) followed from it and only hides it
-            sys.exit(USER_ERROR_EXIT)
+        reported = [p.exitcode for p in context.processes if p.exitcode in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT)]
+        if reported:
+            # a rank stopped on a user or storage error (reported in one line); this rank's error (a
+            # closed connection in a collective) followed from it and only hides it
+            sys.exit(reported[0])
         rank = task_env.rank * procs + failed.error_index
         print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
         sys.exit(1)

@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from imagenet_elastic.checkpoint import atomic_write_bytes
+from imagenet_elastic.checkpoint import atomic_write_bytes, storage_error
 
 FILENAME = "metrics.jsonl"
 
@@ -18,7 +18,11 @@ def write(folder: str, history: list[dict[str, Any]]) -> None:
     from an older checkpoint, never repeats or loses an epoch's row.
     """
     data = "".join(json.dumps(row) + "\n" for row in history).encode()
-    atomic_write_bytes(data, os.path.join(folder, FILENAME))
+    path = os.path.join(folder, FILENAME)
+    try:
+        atomic_write_bytes(data, path)
+    except OSError as error:
+        raise storage_error(error, "writing", path) from None
 
 
 def read(path: str) -> list[dict[str, Any]]:

@@ -15,18 +15,18 @@ from torch.utils.data import DataLoader
 
 from imagenet_elastic import checkpoint, data, distributed, file_index, gpu_decode, metrics, preemption
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
+from imagenet_elastic.checkpoint_writer import CheckpointWriter
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import EvalResult, StepContext, device_batches, evaluate, step_groups, train_step
-from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, UserError
+from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, StorageError, UserError, one_line
 from imagenet_elastic.model import (
     count_parameters,
     create_model,
     create_optimizer,
     place_model,
-    resolve_amp,
-    resolve_channels_last,
+    resolve_precision,
 )
 from imagenet_elastic.preemption import PreemptionFlag
 from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
@@ -56,7 +56,7 @@ class Trainer:
         file_index.check_same_classes(self.train_index, self.val_index)
         if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
             raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
-        self.checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints)
+        self.checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
         self.lock = CheckpointLock(config.checkpoints_path)
         if not config.evaluate:
             checkpoint.check_writable(config.checkpoints_path)
@@ -80,8 +80,11 @@ class Trainer:
                                          config.max_steps_per_epoch)
 
         torch.manual_seed(config.seed)
-        self.amp_dtype = resolve_amp(config.amp, self.device)
-        self.channels_last = resolve_channels_last(config.channels_last, self.device)
+        self.precision = resolve_precision(config.amp, self.device)
+        if self.precision.warning:
+            console.warn(self.precision.warning)
+        self.amp_dtype = self.precision.dtype
+        self.channels_last = config.channels_last
         model = place_model(create_model(config.model, len(self.train_index.classes)), self.device,
                             self.channels_last)
         self.peak_lr = scaled_lr(config.lr, self.plan.global_batch)
@@ -100,6 +103,7 @@ class Trainer:
         self.total_steps = self.sampler.steps * config.epochs
         self.warmup_steps = round(config.warmup_epochs * self.sampler.steps)
         self.sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+        self.writer = CheckpointWriter(self.checkpoints, config.async_checkpoint, self.device)
         self.last_save = time.monotonic()
 
         data.share_heap_with_workers()
@@ -109,8 +113,12 @@ class Trainer:
         self.check_same_checkpoint()
         if env.is_main and not config.evaluate:  # the inputs passed every check: remember the file lists
             for role, index in (("train", self.train_index), ("val", self.val_index)):
-                if not index.cached:
-                    file_index.write_cache(index, file_index.cache_path(config.checkpoints_path, role))
+                path = file_index.cache_path(config.checkpoints_path, role)
+                try:
+                    if not index.cached:
+                        file_index.write_cache(index, path)
+                except OSError as error:  # only a cache: the next start scans again
+                    console.warn(f"could not write the file list cache {path}: {error.strerror or error}")
         # Compiled before DDP wraps it; the checkpoint keeps saving `model`, whose parameters the compiled
         # module shares, so its keys carry no `_orig_mod.` prefix and eager and compiled runs resume each other.
         wrapped: nn.Module = torch.compile(model) if config.compile else model
@@ -164,7 +172,6 @@ class Trainer:
 
     def describe(self) -> None:
         c, env = self.config, self.env
-        amp = {torch.bfloat16: "bf16", torch.float16: "fp16 + GradScaler", None: "off (fp32)"}[self.amp_dtype]
         interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
         interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
         self.console.table("imagenet_elastic", [
@@ -179,11 +186,12 @@ class Trainer:
             ("learning rate", f"{self.peak_lr:.6g} = {c.lr:g} x {self.plan.global_batch}/256, "
                               f"warmup {self.warmup_steps} steps, cosine over {self.total_steps}"),
             ("steps per epoch", str(self.sampler.steps)),
-            ("amp", amp),
+            ("precision", self.precision.describe()),
             ("channels_last / compile", f"{self.channels_last} / {c.compile}"),
             ("decode", "in loader workers" if self.decoder is None else f"batched on {self.device} (--decode gpu)"),
             ("threads / loader workers", f"{self.threads} / {self.workers} per process"),
-            ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)})"),
+            ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
+                            f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
             ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit "
                            f"{PREEMPTED_EXIT}" + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
         ])
@@ -191,8 +199,12 @@ class Trainer:
     # ------------------------------------------------------------------ the two things a run does
 
     def validate(self) -> EvalResult:
-        # Eager even under --compile: validation's mode and its last, smaller batch would each cost a
-        # recompilation, for a pass over 4% as many images as an epoch's training.
+        """The model the checkpoint saves: rank 0's weights and BatchNorm statistics, on every rank.
+
+        Eager even under --compile: validation's mode and its last, smaller batch would each cost a
+        recompilation, for a pass over 4% as many images as an epoch's training.
+        """
+        distributed.broadcast_buffers(self.state.model)
         return evaluate(self.ctx, self.state.model, self.on_device(self.val_loader))
 
     def on_device(self, loader: DataLoader) -> Iterator[list]:
@@ -229,6 +241,7 @@ class Trainer:
                 f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
+        self.settle_saves()  # the run succeeded only once its last checkpoint is on disk
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         """Train the rest of the epoch (all of it, or what a mid-epoch checkpoint left), then validate."""
@@ -254,7 +267,10 @@ class Trainer:
                     progress.update(step_in_epoch, f"loss {loss.item():.4f} lr {lr:.5f} {rate:.1f} img/s")
                 else:
                     progress.update(step_in_epoch)
-                stop, timely = distributed.agree([self.preempt.received is not None, self.checkpoint_due_by_time()])
+                stop, timely, write_failed = distributed.agree([
+                    self.preempt.received is not None, self.checkpoint_due_by_time(), self.writer.failed])
+                if write_failed:
+                    self.raise_write_failure()
                 if stop or timely or self.checkpoint_due_by_steps():
                     pending.fold_into(tally, plan.global_batch, self.env.world_size)
                     self.save(epoch_end=False)
@@ -287,18 +303,35 @@ class Trainer:
         return bool(every) and time.monotonic() - self.last_save >= every
 
     def save(self, epoch_end: bool, is_best: bool = False) -> None:
-        """Rank 0 writes; the others wait until the file is safe, so a stop never outruns its checkpoint."""
+        """Rank 0 hands the state to its writer (metrics.jsonl follows an epoch's checkpoint). A
+        synchronous save is on disk before any rank goes on; a background one is waited for by the
+        next save, a stop, the end of the run and `close`."""
         if self.env.is_main:
             snapshot = self.state.capture(self.config.to_dict(), self.checkpoint_meta())
-            self.checkpoints.save(snapshot, self.state.epoch if epoch_end else None, is_best)
-            if epoch_end:
-                metrics.write(self.config.checkpoints_path, self.state.history)
-        distributed.barrier()
+            after = functools.partial(metrics.write, self.config.checkpoints_path, list(self.state.history))
+            self.writer.submit(snapshot, self.state.epoch if epoch_end else None, is_best,
+                               after if epoch_end else None)
+        if not self.writer.background:
+            self.settle_saves()
         self.last_save = time.monotonic()
+
+    def settle_saves(self) -> None:
+        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
+        rank stops (exit 74), so a stop or a finished run never outruns its checkpoint."""
+        failed = self.env.is_main and self.writer.wait() is not None
+        if distributed.agree([failed])[0]:
+            self.raise_write_failure()
+
+    def raise_write_failure(self) -> None:
+        """Rank 0 raises the writer's error (one line for a storage error); the others end quietly."""
+        if self.env.is_main:
+            raise self.writer.take_error()
+        raise StorageError("rank 0 could not write a checkpoint")
 
     def stop(self) -> None:
         """Called on every rank after the agreed stop's checkpoint is on disk."""
         c, flag = self.config, self.preempt
+        self.settle_saves()
         came = (f"{flag.received} came after step {flag.received_after}" if flag.received
                 else "a preemption signal came to another rank")
         self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
@@ -322,6 +355,10 @@ class Trainer:
     def close(self) -> None:
         """Drop DDP and loaders before the process group goes (see distributed.destroy_process_group)."""
         self.ctx = self.train_loader = self.val_loader = None  # type: ignore[assignment]
+        unreported = self.writer.close()  # the save in flight ends before the lock and the process group go
+        if unreported is not None:
+            self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
+                              f"{one_line(unreported)}")
         self.sample_log.close()
         self.lock.release()
 

@@ -27,6 +27,7 @@ bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode
 bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode gpu --batches 40
 bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode gpu --compile --batches 40
 bench --mode loader --workers "$WORKERS" --batches 20 --rounds 3
+bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # stall of a background save: the pinned copy
 torchrun --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model resnet50 --batch-size 256 \
     --epochs 1 --max-steps-per-epoch 24 --decode gpu --log-interval 8 --checkpoints-path "$WORK/ckpt"
 tail -n 1 "$WORK/ckpt/metrics.jsonl"

@@ -31,7 +31,7 @@ def expect_user_error(args: list[str], culprit: str, watched: Path) -> str:
     before = tree_digest(watched)
     result = run(python_cmd(*args))
     assert result.returncode == 2, result.stdout + result.stderr
-    lines = result.stderr.strip().splitlines()
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning: ")]
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert lines[0].startswith("imagenet-elastic: error: ")

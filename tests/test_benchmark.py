@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 
+import pytest
 from conftest import python_cmd, run
 
 
@@ -30,7 +32,8 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     assert [line["mode"] for line in lines] == ["synthetic", "end_to_end", "end_to_end"]
     for line in lines:
         assert line["images_per_sec"] > 0 and line["model"] == "test_resnet" and line["device"] == "cpu"
-        assert line["amp"] == "bfloat16" and line["compile"] is False
+        assert line["amp"] in ("bf16", "fp32") and line["amp_reason"].startswith("auto: this CPU has")
+        assert line["compile"] is False and line["channels_last"] is True
     assert [line["decode"] for line in lines[1:]] == ["cpu", "gpu"]
 
 
@@ -40,6 +43,17 @@ def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_t
     assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
     # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
     assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
+
+
+def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(image_folder, tmp_path):
+    (line,) = benchmark(image_folder, "--mode", "checkpoint", "--model", "resnet18", "--rounds", "2",
+                        "--checkpoints-path", str(tmp_path))
+    assert line["mode"] == "checkpoint" and line["model"] == "resnet18" and line["filesystem"] != "unknown"
+    assert 80 < line["state_mb"] < 100  # resnet18's weights, momentum and BatchNorm statistics
+    for key in ("sync", "one_write", "stall", "write"):
+        assert len(line["rounds"][key]) == 2 and min(line["rounds"][key]) > 0
+    assert line["stall_vs_sync"] == pytest.approx(line["stall_seconds"] / line["sync_save_seconds"], rel=0.05, abs=1e-3)
+    assert os.listdir(tmp_path) == []  # its temporary folder is gone
 
 
 def test_missing_data_folder_is_one_line(tmp_path):

@@ -25,5 +25,5 @@ def test_every_rank_warning_comes_from_any_rank_and_names_it(capsys):
     quiet.warn("said by rank 0 only")
     quiet.warn("x.png is a PNG file", every_rank=True)
     Console(enabled=True, rank=0).warn("y.png is a PNG file", every_rank=True)
-    assert capsys.readouterr().out.splitlines() == ["warning: rank 3: x.png is a PNG file",
+    assert capsys.readouterr().err.splitlines() == ["warning: rank 3: x.png is a PNG file",
                                                     "warning: rank 0: y.png is a PNG file"]

@@ -164,7 +164,7 @@ def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder,
     gpu = run(python_cmd(*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")))
     assert cpu.returncode == 0, cpu.stderr
     assert gpu.returncode == 0, gpu.stderr
-    assert "--decode gpu without a CUDA device" in gpu.stdout and "batched on cpu (--decode gpu)" in gpu.stdout
+    assert "--decode gpu without a CUDA device" in gpu.stderr and "batched on cpu (--decode gpu)" in gpu.stdout
     cpu_last, gpu_last = load_checkpoint(tmp_path / "cpu" / "last.pt"), load_checkpoint(tmp_path / "gpu" / "last.pt")
     assert_same_tensors(cpu_last["model"], gpu_last["model"])
     assert cpu_last["history"][0]["val_top1"] == gpu_last["history"][0]["val_top1"]
@@ -179,5 +179,5 @@ def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_p
     result = run(torchrun_cmd(2, str(root), *SMALL_RUN, "--batch-size", "4", "--epochs", "1", "--decode", "gpu",
                               "--checkpoints-path", str(tmp_path / "ckpt")))
     assert result.returncode == 0, result.stderr
-    reports = [line for line in result.stdout.splitlines() if "is a PNG file; decoded on the CPU" in line]
-    assert sorted(line.split(":")[1] for line in reports) == [" rank 0", " rank 1"], result.stdout
+    reports = [line for line in result.stderr.splitlines() if "is a PNG file; decoded on the CPU" in line]
+    assert sorted(line.split(":")[1] for line in reports) == [" rank 0", " rank 1"], result.stderr

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 
 import numpy as np
 import pytest
+import torch
 from conftest import (
     EPOCHS,
     SMALL_RUN,
@@ -23,7 +25,7 @@ from conftest import (
 
 from imagenet_elastic.cli import build_parser
 from imagenet_elastic.metrics import read as read_metrics
-from imagenet_elastic.model import create_model
+from imagenet_elastic.model import create_model, native_low_precision
 
 
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
@@ -98,7 +100,7 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
     assert second.returncode == 0, second.stderr
     assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
     assert second.stdout.count("(file list from the cache)") == 2  # train and val: not scanned again
-    assert "epochs: checkpoint 1, now 2" in second.stdout  # a changed schedule is pointed out
+    assert "epochs: checkpoint 1, now 2" in second.stderr  # a changed schedule is pointed out
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["val_top1"] >= 0
     best = max(r["val_top1"] for r in rows)
@@ -107,12 +109,17 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
     assert done.returncode == 0 and "nothing to do" in done.stdout
 
 
-def test_training_set_size_and_global_batch_are_reported(image_folder, tmp_path):
+def test_training_set_size_global_batch_and_precision_are_reported(image_folder, tmp_path):
     result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
                             "--checkpoints-path", str(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
     assert "8 = 1 process x 8" in result.stdout
+    # --amp auto on this machine's CPU, whichever kind it is: never an emulated bf16, and the reason said
+    native = native_low_precision(torch.device("cpu"))["bf16"]
+    expected = "bf16 (auto: this CPU has native bf16)" if native else "fp32 (auto: this CPU has no native bf16)"
+    assert re.search(rf"precision\s+{re.escape(expected)}$", result.stdout, re.MULTILINE), result.stdout
+    assert "warning:" not in result.stderr
 
 
 def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_folder, tmp_path):
@@ -135,14 +142,14 @@ def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_f
             "--resume"]
     compiled = run(python_cmd(*args, "--epochs", "1", "--compile"), timeout=400)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
-    assert "False / True" in compiled.stdout  # channels_last / compile in the start-up table
+    assert "True / True" in compiled.stdout  # channels_last / compile in the start-up table
     snapshot = load_checkpoint(tmp_path / "last.pt")
     assert list(snapshot["model"]) == list(create_model("test_resnet", 4).state_dict())
     assert np.isfinite(snapshot["history"][0]["train_loss"])
     eager = run(python_cmd(*args, "--epochs", "2"))
     assert eager.returncode == 0, eager.stderr
     assert "resuming from" in eager.stdout
-    warnings = [line for line in eager.stdout.splitlines() if line.startswith("warning:")]
+    warnings = [line for line in eager.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].endswith("epochs: checkpoint 1, now 2")  # not the compile flag
     assert [row["epoch"] for row in load_checkpoint(tmp_path / "last.pt")["history"]] == [1, 2]
 

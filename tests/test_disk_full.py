@@ -1,0 +1,82 @@
+"""A checkpoint that does not fit: one line naming the file, exit 74, the previous checkpoint intact.
+
+On a real, small tmpfs (mounting one needs root; CI runs as root): the file system itself says
+"no space left on device", nothing is faked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import load_checkpoint, python_cmd, run, torchrun_cmd
+
+from imagenet_elastic.checkpoint import CheckpointManager, load
+from imagenet_elastic.errors import STORAGE_ERROR_EXIT, StorageError
+from imagenet_elastic.metrics import read as read_metrics
+
+
+@contextlib.contextmanager
+def small_tmpfs(path: Path, megabytes: int) -> Iterator[Path]:
+    if os.geteuid() != 0:
+        pytest.skip("mounting a small tmpfs needs root")
+    path.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={megabytes}m", "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"could not mount a tmpfs: {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "--lazy", str(path)], check=True)
+
+
+def test_a_save_that_does_not_fit_names_the_file_and_leaves_the_previous_checkpoint(tmp_path):
+    with small_tmpfs(tmp_path / "disk", 12) as disk:
+        manager = CheckpointManager(str(disk), keep=3)
+        manager.save({"model": {"w": torch.full((2_000_000,), 1.0)}, "epoch": 1}, 1, is_best=True)  # 8 MB: fits
+        with pytest.raises(StorageError) as caught:  # another 8 MB beside the first: does not
+            manager.save({"model": {"w": torch.full((2_000_000,), 2.0)}, "epoch": 2}, 2, is_best=True)
+        assert str(caught.value) == (f"no space left on device writing {disk / 'epoch_0002.pt'} (8 MB); "
+                                     f"the previous checkpoint {disk / 'last.pt'} is intact")
+        assert sorted(os.listdir(disk)) == ["best.pt", "epoch_0001.pt", "last.pt"]
+        assert load(str(disk / "last.pt"))["epoch"] == 1
+
+
+@pytest.mark.slow
+def test_a_full_disk_during_training_ends_every_rank_with_one_line_and_exit_74(image_folder, tmp_path):
+    """resnet18's state is ~90 MB: epoch 1's checkpoint fits in 130 MB, epoch 2's (written beside it) does not.
+    Its background write fails while epoch 3 trains; both ranks stop at the next step boundary."""
+    with small_tmpfs(tmp_path / "disk", 130) as disk:
+        result = run(torchrun_cmd(2, str(image_folder), "--model", "resnet18", "--image-size", "32",
+                                  "--batch-size", "8", "--workers", "1", "--log-interval", "1", "--epochs", "3",
+                                  "--checkpoints-path", str(disk)))
+        output = result.stdout + result.stderr
+        errors = [line for line in result.stderr.splitlines() if line.startswith("imagenet-elastic: error:")]
+        assert len(errors) == 1, output
+        assert re.fullmatch(rf"imagenet-elastic: error: no space left on device writing {disk}/epoch_0002\.pt "
+                            rf"\(\d+ MB\); the previous checkpoint {disk}/last\.pt is intact", errors[0]), errors
+        assert not re.search(r'File ".*imagenet_elastic/', output), output  # torchrun's own summary only
+        assert set(re.findall(r"exitcode\s*: (-?\d+)", output)) == {str(STORAGE_ERROR_EXIT)}, output
+        assert load_checkpoint(disk / "last.pt")["epoch"] == 1
+        assert [row["epoch"] for row in read_metrics(disk / "metrics.jsonl")] == [1]
+        assert not [n for n in os.listdir(disk) if n.startswith(".tmp-")]
+
+
+@pytest.mark.slow
+def test_a_single_process_exits_74_when_its_checkpoint_does_not_fit(image_folder, tmp_path):
+    with small_tmpfs(tmp_path / "disk", 60) as disk:  # not even the first resnet18 checkpoint fits
+        result = run(python_cmd(str(image_folder), "--model", "resnet18", "--image-size", "32", "--batch-size", "16",
+                                "--workers", "1", "--epochs", "1", "--max-steps-per-epoch", "1",
+                                "--no-async-checkpoint", "--checkpoints-path", str(disk)))
+        assert result.returncode == STORAGE_ERROR_EXIT, result.stdout + result.stderr
+        assert result.stderr.strip().splitlines()[-1].startswith(
+            f"imagenet-elastic: error: no space left on device writing {disk}/epoch_0001.pt ("), result.stderr
+        assert "Traceback" not in result.stdout + result.stderr
+        assert not [n for n in os.listdir(disk) if n.startswith(".tmp-")]
