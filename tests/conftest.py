@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -17,9 +18,10 @@ from imagenet_elastic import fault_injection as fi
 
 REPO = Path(__file__).resolve().parents[1]
 
-# A model and data small enough that an epoch takes a fraction of a second on 2 CPU cores.
+# A model and data small enough that an epoch takes a fraction of a second on 2 CPU cores; fp32 on every
+# CPU kind, so that every machine trains the same bits (and `--evaluate` can be compared with training).
 SMALL_RUN = ["--model", "test_resnet", "--image-size", "32", "--batch-size", "8", "--workers", "1",
-             "--log-interval", "1", "--warmup-epochs", "1", "--lr", "2.0"]
+             "--log-interval", "1", "--warmup-epochs", "1", "--lr", "2.0", "--amp", "none"]
 TRAIN_IMAGES = 4 * 24
 VAL_IMAGES = 4 * 9 - 1  # 35: divisible by neither 2 nor 3
 
@@ -145,6 +147,23 @@ def reference_world2(image_folder, tmp_path_factory) -> dict:
     result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)))
     assert result.returncode == 0, result.stdout + result.stderr
     return load_checkpoint(ckpt / "last.pt")
+
+
+def evaluate_checkpoint(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path,
+                        *extra: str) -> dict:
+    """`--evaluate` of a checkpoint (SMALL_RUN's model and precision) at a world size: its JSON line."""
+    args = [str(image_folder), *SMALL_RUN, *extra, "--evaluate", "--resume", str(checkpoint), "--checkpoints-path",
+            str(scratch)]
+    result = run(python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def assert_row_describes(row: dict, evaluated: dict, rel: float = 1e-6) -> None:
+    """A metrics.jsonl row is what `--evaluate` of that epoch's checkpoint gives."""
+    assert (row["val_top1"], row["val_top5"], row["val_samples"]) == (
+        evaluated["val_top1"], evaluated["val_top5"], evaluated["val_samples"]), (row, evaluated)
+    assert row["val_loss"] == pytest.approx(evaluated["val_loss"], rel=rel), (row, evaluated)
 
 
 def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:

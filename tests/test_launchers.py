@@ -15,7 +15,9 @@ from conftest import (
     SHORT_RUN,
     SMALL_RUN,
     assert_matches_reference,
+    assert_row_describes,
     child_env,
+    evaluate_checkpoint,
     make_image_folder,
     python_cmd,
     run,
@@ -23,6 +25,7 @@ from conftest import (
 
 from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.file_index import scan_image_folder
+from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
 
@@ -46,6 +49,9 @@ def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("global batch") == 1
     assert_matches_reference(tmp_path, reference_world2)
+    # the epoch's metrics row describes the checkpoint (rank 0's BatchNorm statistics, validated on every rank)
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert_row_describes(row, evaluate_checkpoint(image_folder, tmp_path / "last.pt", 1, tmp_path / "eval"))
 
 
 def test_spawn_rank_1_failure_stops_every_process(tmp_path):

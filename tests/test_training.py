@@ -14,13 +14,14 @@ from conftest import (
     SMALL_RUN,
     TRAIN_IMAGES,
     VAL_IMAGES,
+    assert_row_describes,
     assert_same_tensors,
     child_env,
+    evaluate_checkpoint,
     load_checkpoint,
     python_cmd,
     run,
     run_and_kill,
-    torchrun_cmd,
 )
 
 from imagenet_elastic.cli import build_parser
@@ -68,23 +69,23 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
                         load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
 
 
-def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference):
-    """35 images, batch 11: shards of 12/12/11 give the 3 ranks unequal batch counts (no hang, no padding)."""
+def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference,
+                                                                           tmp_path):
+    """35 images, batch 11: shards of 12/12/11 give the 3 ranks unequal batch counts (no hang, no padding).
+    And each epoch's metrics row describes its checkpoint: every rank validated with rank 0's BatchNorm
+    statistics, the ones saved, not its own (which its last micro-batches moved)."""
     ckpt, _ = torchrun_reference
-    args = [str(image_folder), *SMALL_RUN, "--batch-size", "11", "--amp", "none", "--evaluate",
-            "--resume", str(ckpt / "last.pt")]
-    results = {}
-    for world_size in (1, 2, 3):
-        result = run(python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args))
-        assert result.returncode == 0, result.stdout + result.stderr
-        results[world_size] = json.loads(result.stdout.strip().splitlines()[-1])
-        assert results[world_size]["val_samples"] == VAL_IMAGES
-    trained = read_metrics(ckpt / "metrics.jsonl")[-1]
-    assert trained["val_samples"] == VAL_IMAGES
+    results = {world_size: evaluate_checkpoint(image_folder, ckpt / "last.pt", world_size, tmp_path / str(world_size),
+                                               "--batch-size", "11") for world_size in (1, 2, 3)}
+    for result in results.values():
+        assert result["val_samples"] == VAL_IMAGES
     for world_size in (2, 3):  # fp32; only the summation order differs
         assert results[world_size]["val_top1"] == results[1]["val_top1"]
         assert results[world_size]["val_top5"] == results[1]["val_top5"]
         assert results[world_size]["val_loss"] == pytest.approx(results[1]["val_loss"], rel=1e-5, abs=1e-7)
+    rows = read_metrics(ckpt / "metrics.jsonl")
+    assert_row_describes(rows[2], results[2], rel=1e-5)  # epoch 3 = last.pt, trained and evaluated at world size 2
+    assert_row_describes(rows[1], evaluate_checkpoint(image_folder, ckpt / "epoch_0002.pt", 1, tmp_path / "e2"))
 
 
 def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
@@ -111,7 +112,7 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
 
 def test_training_set_size_global_batch_and_precision_are_reported(image_folder, tmp_path):
     result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
-                            "--checkpoints-path", str(tmp_path)))
+                            "--amp", "auto", "--checkpoints-path", str(tmp_path)))
     assert result.returncode == 0, result.stderr
     assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
     assert "8 = 1 process x 8" in result.stdout
