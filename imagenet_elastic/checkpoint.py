@@ -1,11 +1,10 @@
-"""Checkpoint files: atomic writes, safe loads, and the last/best/epoch_NNNN layout.
+"""Checkpoint files: one write per save, safe loads, the last/best/epoch_NNNN layout, the folder's lock.
 
-A file is written to a unique temp name in the same folder, flushed and fsynced, then renamed over
-its target: readers see the old file or the new one, never a partial one. A save serializes the
-state once, straight into that file; `epoch_NNNN.pt` and `best.pt` are hard links to it, so three
-names cost one write. Nothing ever writes into a committed file (every commit is a new file renamed
-over the name), so the names that share a file never change under each other. Checkpoints hold
-plain tensors, numbers, strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
+A save serializes the state once, straight into a new file committed atomically as `last.pt` (see
+atomic_files.py); `epoch_NNNN.pt` and `best.pt` are hard links to it, so three names cost one write.
+Nothing ever writes into a committed file (every commit is a new file renamed over the name), so the
+names that share a file never change under each other. Checkpoints hold plain tensors, numbers,
+strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
 """
 
 from __future__ import annotations
@@ -28,66 +27,16 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 
-from imagenet_elastic.errors import StorageError, UserError
+from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
+from imagenet_elastic.config import RESUME_AUTO
+from imagenet_elastic.errors import UserError, first_line
 
 LAST = "last.pt"
 LOCK = ".lock"
 BEST = "best.pt"
 EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
-TEMP_PREFIX = ".tmp-"
 # What file systems that have no hard links answer (FAT/exFAT, some FUSE and SMB mounts), and "too many links".
 LINK_REFUSED = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
-_UMASK = os.umask(0)
-os.umask(_UMASK)
-
-
-def storage_error(error: OSError, doing: str, path: str, size: Optional[int] = None, after: str = "") -> StorageError:
-    """`no space left on device writing /ckpt/epoch_0002.pt (205 MB)`: the OS's words, then what and where."""
-    text = error.strerror or str(error) or type(error).__name__
-    amount = "" if not size else f" ({size / 1e6:.0f} MB)" if size >= 1e6 else f" ({size / 1e3:.0f} kB)"
-    return StorageError(f"{text[:1].lower()}{text[1:]} {doing} {os.path.abspath(path)}{amount}{after}")
-
-
-def write_temp(folder: str, name: str, write: Callable[[BinaryIO], None]) -> str:
-    """A new temp file beside `name`, filled by `write`, flushed and fsynced; the caller renames it.
-    On any failure the temp file is removed and the error goes on."""
-    fd, temp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}-", dir=folder)
-    try:
-        os.fchmod(fd, 0o666 & ~_UMASK)  # mkstemp's 0600 would hide checkpoints from the rest of a team
-        with os.fdopen(fd, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    return temp
-
-
-def commit(temp: str, path: str) -> None:
-    """Rename a finished temp file over `path` and make the rename durable."""
-    try:
-        os.replace(temp, path)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(temp)
-        raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def atomic_write_bytes(data: bytes, path: str) -> None:
-    folder = os.path.dirname(os.path.abspath(path))
-    commit(write_temp(folder, os.path.basename(path), lambda f: f.write(data)), path)
-
-
-def fsync_dir(folder: str) -> None:
-    """Make a rename durable (the directory entry itself must reach the disk)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class _RecordingFile:
@@ -150,8 +99,7 @@ def load(path: str) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, zipfile errors...
-        first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first[:200]})") from None
+        raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(error)[:200]})") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"checkpoint {path} is not an imagenet_elastic checkpoint")
     return state
@@ -180,7 +128,7 @@ class CheckpointLock:
         self.fd: Optional[int] = None
 
     def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666 & ~_UMASK)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
         deadline = time.monotonic() + wait_s
         told = False
         while True:
@@ -296,17 +244,17 @@ class CheckpointManager:
         """The checkpoint this run starts from, or None for a fresh start.
 
         A torchrun restart continues from `last.pt` whenever it exists, so a restarted round never
-        starts over. Otherwise `resume` decides: None (fresh), "auto" (`last.pt` when it exists) or a
+        starts over. Otherwise `resume` decides: None (fresh), RESUME_AUTO (`last.pt` when it exists) or a
         path, which must exist.
         """
         if restarted and os.path.isfile(self.last_path):
             return self.last_path
-        if resume not in (None, "auto"):
+        if resume not in (None, RESUME_AUTO):
             if not os.path.isfile(resume):
                 raise UserError(f"--resume {resume}: no such checkpoint file")
             return resume
         if os.path.exists(self.last_path):
-            if resume == "auto":
+            if resume == RESUME_AUTO:
                 return self.last_path
             raise UserError(f"{self.last_path} exists from an earlier run: pass --resume to continue it, "
                             "or choose another --checkpoints-path")

@@ -1,11 +1,18 @@
-"""The run's settings: built once from the command line, frozen, and saved in every checkpoint."""
+"""The run's settings: built once from the command line, frozen, and saved in every checkpoint.
+
+Each field says everything about its setting: default, flag, help text. The command line is built
+from these fields (cli.build_parser) and so is README's option table (scripts/options_table.py; a test
+checks that the two agree), so a setting is described in one place only.
+"""
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from imagenet_elastic import options
 from imagenet_elastic.preemption import DEFAULT_SIGNALS
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
@@ -15,51 +22,115 @@ RESUME_SENSITIVE = (
     "batch_size", "lr", "momentum", "weight_decay", "warmup_epochs", "epochs", "label_smoothing",
     "seed", "image_size", "amp", "max_steps_per_epoch",
 )
+GROUPS = {"model": "model and optimisation", "run": "run", "checkpoints": "checkpoints", "distributed": "distributed"}
+
+
+def option(default: Any, help: str, group: str, metavar: Optional[str] = None, shown_default: Optional[str] = None,
+           **argparse_options: Any) -> Any:
+    """A setting's field: its default and what its command-line option needs (argparse's keywords),
+    plus the default as README shows it where the value alone would not say it."""
+    return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
+                                            "shown_default": shown_default, "argparse": argparse_options})
 
 
 @dataclass(frozen=True)
 class Config:
-    data: str
-    val_path: Optional[str] = None
-    model: str = "resnet50"
-    image_size: int = 224
-    val_resize: Optional[int] = None  # None: image_size / 0.875, the usual 256 for 224
-    epochs: int = 90
-    batch_size: int = 64  # per process and forward pass (a micro-batch when accumulating)
-    global_batch_size: Optional[int] = None  # None: the checkpoint's, else batch_size x world size
-    lr: float = 0.1  # for a global batch of 256, scaled linearly
-    momentum: float = 0.9
-    weight_decay: float = 1e-4
-    warmup_epochs: float = 5.0
-    label_smoothing: float = 0.1
-    workers: Optional[int] = None  # None: the cores per process, at most 8
-    seed: int = 0
-    amp: str = "auto"  # auto | bf16 | fp16 | none
-    channels_last: bool = True  # NHWC: faster on GPUs and on CPUs (docs/BENCHMARKS.md)
-    compile: bool = False  # torch.compile the model before DDP wraps it
-    decode: str = "cpu"  # cpu: in loader workers | gpu: batched on the device (gpu_decode.py)
-    device: str = "auto"  # auto | cpu | cuda
-    threads: Optional[int] = None  # intra-op threads per process; None: cores / local processes
-    checkpoints_path: str = "./checkpoints"
-    keep_checkpoints: int = 3
-    checkpoint_every_steps: Optional[int] = None  # besides every epoch's end
-    checkpoint_every_seconds: Optional[float] = None
-    async_checkpoint: bool = True  # write checkpoints in a background thread from a host copy
-    preempt_signals: tuple[str, ...] = DEFAULT_SIGNALS
-    requeue_on_preempt: bool = False
-    resume: Optional[str] = None  # None, RESUME_AUTO or a path
-    evaluate: bool = False
-    dist_init_method: str = "env"  # env | slurm | spawn | mpi
-    dist_timeout: float = 300.0
-    nproc_per_node: Optional[int] = None  # spawn, and Slurm's one-task-per-node layout
-    master_port: Optional[int] = None
-    dist_url: Optional[str] = None  # tcp://HOST:PORT of rank 0 (mpi)
-    max_steps_per_epoch: Optional[int] = None
-    log_interval: int = 50
+    data: str = field(metadata={"help": "ImageFolder root with `train/` and `val/`, or the train folder itself",
+                                "metavar": "DATA", "positional": True})
+    val_path: Optional[str] = option(None, "validation folder", "run", "PATH", shown_default="`DATA/val`")
+    model: str = option("resnet50", "any timm model name, random initialisation (nothing is downloaded)", "model",
+                        "NAME")
+    image_size: int = option(224, "train crop and val crop size", "model", "N", type=options.positive_int)
+    val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224)", "model", "N",
+                                       shown_default="image-size / 0.875", type=options.positive_int)
+    epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
+    batch_size: int = option(
+        64, "per process and forward pass; a larger per-process share of the global batch is split into "
+        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int)
+    global_batch_size: Optional[int] = option(
+        None, "samples per optimizer step over all processes; kept when the world size changes, so the "
+        "optimisation does not (see Fault tolerance)", "model", "N",
+        shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
+    lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
+                       "start)", "model", "X", type=options.positive_float)
+    momentum: float = option(0.9, "SGD momentum", "model", "X", type=options.non_negative_float)
+    weight_decay: float = option(1e-4, "not applied to norm layers and biases", "model", "X",
+                                 type=options.non_negative_float)
+    warmup_epochs: float = option(5.0, "linear warmup, then cosine decay to 0, stepped every iteration", "model", "X",
+                                  type=options.non_negative_float)
+    label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
+                                    type=options.non_negative_float)
+    seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
+                       type=options.non_negative_int)
+    amp: str = option(
+        "auto", "auto: the fastest correct precision for this machine. GPUs: bf16 where native (Ampere and newer), "
+        "else fp16 with a GradScaler whose state is checkpointed. CPUs: bf16 only where native (AVX512-BF16 or "
+        "AMX), else fp32, because emulated bf16 is far slower (docs/BENCHMARKS.md). The start-up table says what "
+        "was chosen and why; an explicit bf16 or fp16 that the device only emulates still runs, with one warning",
+        "model", choices=["auto", "bf16", "fp16", "none"])
+    channels_last: bool = option(True, "NHWC memory format, on GPUs and CPUs alike (measured on CPU in "
+                                 "docs/BENCHMARKS.md)", "model", action=argparse.BooleanOptionalAction)
+    compile: bool = option(
+        False, "`torch.compile` the model before DDP wraps it; checkpoints hold the original module's weights (no "
+        "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
+        action="store_true")
+    decode: str = option(
+        "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, the main process "
+        "decodes each batch with nvJPEG and crops, resizes and flips on the GPU (PNG, CMYK and rejected JPEGs fall "
+        "back to the CPU, each kind reported once by each rank that meets it)", "run", choices=["cpu", "gpu"])
+    workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
+                                    shown_default="cores per process - 1 (max 8)", type=options.non_negative_int)
+    threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
+                                    shown_default="cores / processes per node", type=options.positive_int)
+    device: str = option("auto", "`cuda:LOCAL_RANK` when CUDA is visible", "run", choices=["auto", "cpu", "cuda"])
+    checkpoints_path: str = option("./checkpoints", "where checkpoints and `metrics.jsonl` go", "checkpoints", "DIR")
+    keep_checkpoints: int = option(3, "newest `epoch_NNNN.pt` files kept (0: none, `last.pt`/`best.pt` only)",
+                                   "checkpoints", "K", type=options.non_negative_int)
+    async_checkpoint: bool = option(
+        True, "write checkpoints in a background thread: training waits only for a copy of the state in host "
+        "memory; a stop, the end of the run and errors wait for the write in flight (see Checkpoints)",
+        "checkpoints", action=argparse.BooleanOptionalAction)
+    resume: Optional[str] = option(
+        None, "continue from PATH; without PATH from `DIR/last.pt` when it exists, else start fresh (saying so)",
+        "checkpoints", "PATH", nargs="?", const=RESUME_AUTO)
+    checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
+        (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "
+        "(`500,10m`)", "checkpoints", "EVERY", shown_default="", type=options.checkpoint_interval)
+    preempt_signals: tuple[str, ...] = option(
+        DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
+        "checkpoints", "SIGNALS", type=options.signals)
+    requeue_on_preempt: bool = option(
+        False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
+        "checkpoints", action="store_true")
+    evaluate: bool = option(False, "validate the `--resume` checkpoint and exit", "run", action="store_true")
+    max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
+    log_interval: int = option(50, "steps between progress lines when the output is not a terminal", "run", "N",
+                               type=options.positive_int)
+    dist_init_method: str = option(
+        "env", "where ranks come from (see Launching): env (torchrun or torch.distributed.launch variables, or none "
+        "for one process), slurm (srun's `SLURM_*`), spawn (start --nproc-per-node local processes), mpi "
+        "(`OMPI_COMM_WORLD_*` or `PMI_*`)", "distributed", choices=["env", "slurm", "spawn", "mpi"])
+    nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
+                                           "distributed", "N", shown_default="visible GPUs, else 1",
+                                           type=options.positive_int)
+    master_port: Optional[int] = option(None, "rendezvous port for slurm/mpi/spawn (Slurm default: from the job id)",
+                                        "distributed", "N", type=options.port_number)
+    dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
+                                     "tcp://HOST:PORT")
+    dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
+                                 "SECONDS", type=options.positive_float)
 
     @property
     def eval_resize(self) -> int:
         return self.val_resize or round(self.image_size / 0.875)
+
+    @property
+    def checkpoint_every_steps(self) -> Optional[int]:
+        return self.checkpoint_interval[0]
+
+    @property
+    def checkpoint_every_seconds(self) -> Optional[float]:
+        return self.checkpoint_interval[1]
 
     def to_dict(self) -> dict[str, Any]:
         """Plain values only, so checkpoints load with weights_only=True."""

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -77,7 +76,6 @@ class EpochProgress:
     def __init__(self, console: Console, description: str, total: int, bar: Progress | None) -> None:
         self.console, self.description, self.total, self.bar = console, description, total, bar
         self.task = None
-        self.start = time.perf_counter()
 
     def wants_stats(self, step: int) -> bool:
         """Whether `update` at this step will show numbers (reading them costs a device sync)."""

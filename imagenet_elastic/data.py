@@ -30,8 +30,8 @@ from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
 
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
-Plan = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box and whether to flip
-Load = Callable[[str, Plan, int], Any]  # (path, plan, size) -> what a worker hands over for one image
+ChooseCrop = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box, and whether to flip it
+Load = Callable[[str, ChooseCrop, int], Any]  # (path, choose_crop, size) -> what a worker hands over
 
 
 # ----------------------------------------------------------------------------- crop geometry
@@ -65,9 +65,9 @@ def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def decode_region(path: str, plan: Plan, size: int) -> torch.Tensor:
-    """Decode `path`, crop the box that `plan(width, height)` picks, resize to size x size: RGB uint8 HWC."""
-    return decode_bytes(read_file(path), path, plan, size)
+def decode_region(path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
+    """Decode `path`, crop the box that `choose_crop(width, height)` picks, resize to size x size: RGB uint8 HWC."""
+    return decode_bytes(read_file(path), path, choose_crop, size)
 
 
 def read_file(path: str) -> bytes:
@@ -78,19 +78,19 @@ def read_file(path: str) -> bytes:
         raise CorruptImageError(f"cannot read image file {path}: {error.strerror or error}") from None
 
 
-def decode_bytes(raw: bytes, path: str, plan: Plan, size: int) -> torch.Tensor:
+def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
     """`decode_region` on bytes already read.
 
     The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
     at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
     (Pillow's draft mode); any other JPEG by torchvision's libjpeg-turbo decoder, which writes straight
-    into a tensor (~20% faster than Pillow here, the same pixels). The crop is a view of the decoded
-    pixels, resized by torch's uint8 antialiased bilinear kernel (about twice as fast as Pillow's).
+    into a tensor (faster than Pillow, the same pixels). The crop is a view of the decoded pixels,
+    resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md).
     """
     try:
         with Image.open(io.BytesIO(raw)) as img:
             width, height = img.size
-            (left, top, w, h), flip = plan(width, height)
+            (left, top, w, h), flip = choose_crop(width, height)
             shrink = max(size / w, size / h)
             if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
@@ -122,8 +122,8 @@ def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.T
     """Antialiased bilinear resize of NCHW uint8. Only the CPU has a uint8 kernel; elsewhere the
     resize runs in float32 and rounds back.
 
-    On the CPU the region is first copied to dense channels_last: the kernel then runs twice as fast
-    and its output, permuted to HWC, is contiguous, which makes the batch's collation a plain copy.
+    On the CPU the region is first copied to dense channels_last: the kernel then runs faster and its
+    output, permuted to HWC, is contiguous, which makes the batch's collation a plain copy.
     """
     if uint8_kernel:
         region = region.contiguous(memory_format=torch.channels_last)
@@ -143,7 +143,7 @@ def pixel_span(start: float, length: float, limit: int) -> slice:
 class TrainDataset(Dataset):
     """Indexed by SampleKey (epoch, index): random-resized crop and flip derived from that key.
 
-    `load` turns (path, plan, size) into the sample's image: `decode_region` here, or
+    `load` turns (path, choose_crop, size) into the sample's image: `decode_region` here, or
     `gpu_decode.encode_region`, which leaves the decoding to the device.
     """
 
@@ -158,11 +158,11 @@ class TrainDataset(Dataset):
         epoch, i = key
         rng = sample_rng(self.seed, epoch, i)
 
-        def plan(width: int, height: int) -> tuple[Box, bool]:
+        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
             box = random_resized_crop_box(width, height, rng)
             return box, rng.random() < 0.5
 
-        return self.load(self.index.path(i), plan, self.size), int(self.index.targets[i]), i
+        return self.load(self.index.path(i), choose_crop, self.size), int(self.index.targets[i]), i
 
 
 class EvalDataset(Dataset):
@@ -175,10 +175,10 @@ class EvalDataset(Dataset):
         return len(self.index)
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
-        def plan(width: int, height: int) -> tuple[Box, bool]:
+        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
             return center_crop_box(width, height, self.size, self.resize), False
 
-        return self.load(self.index.path(i), plan, self.size), int(self.index.targets[i])
+        return self.load(self.index.path(i), choose_crop, self.size), int(self.index.targets[i])
 
 
 def default_workers(local_world_size: int) -> int:
@@ -201,12 +201,12 @@ def share_heap_with_workers() -> None:
     A forked worker shares its parent's memory until it writes to a page, and each garbage
     collection in the worker writes to every object it examines: the modules of torch, timm and
     torchvision, the model's Python objects. Frozen objects are left out of every later collection,
-    the parent's and the workers', so their pages stay shared (a worker's private memory in
-    `benchmark --mode index`: 89 MB without this, 13 MB with it).
+    the parent's and the workers', so their pages stay shared (`benchmark --mode index` measures
+    what a worker copies; docs/BENCHMARKS.md).
 
-    torchvision's decoders are imported here, not with this module: importing torchvision takes ~2 s
-    (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while forked
-    workers should inherit it rather than each import it again.
+    torchvision's decoders are imported here, not with this module: importing torchvision takes
+    seconds (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while
+    forked workers should inherit it rather than each import it again.
     """
     import torchvision.io  # noqa: F401
     gc.collect()  # what is garbage now would never be collected once frozen
@@ -257,8 +257,8 @@ def start_workers(loader: DataLoader) -> None:
     Call it while the process has no other thread. Once the process group exists, gloo's threads
     release the tensors of finished collectives through Python, taking the interpreter's lock on
     its list of threads without the GIL; a fork at that moment copies the lock held, and a CPython
-    without the fix for gh-112275 (3.11.7 here) then deadlocks the new worker inside os.fork. Seen
-    here: a rank whose validation never began, its worker stuck in PyOS_AfterFork_Child.
+    without the fix for gh-112275 then deadlocks the new worker inside os.fork: a rank whose
+    validation never began, its worker stuck in PyOS_AfterFork_Child (README, "What a run does").
     """
     if loader.num_workers == 0:
         return

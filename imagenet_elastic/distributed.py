@@ -14,7 +14,7 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
-from imagenet_elastic.errors import RendezvousError, UserError
+from imagenet_elastic.errors import RendezvousError, UserError, first_line
 
 
 @dataclass(frozen=True)
@@ -80,21 +80,31 @@ def visible_gpu_count(environ: Mapping[str, str]) -> int:
     return torch.cuda.device_count()
 
 
+def uses_cuda(requested: str) -> bool:
+    """Whether --device REQUESTED trains on CUDA here."""
+    return requested == "cuda" or (requested == "auto" and torch.cuda.is_available())
+
+
 def select_device(requested: str, env: DistEnv) -> torch.device:
     """`cuda:i` among the visible devices, i = LOCAL_RANK modulo their number.
 
-    The modulo serves Slurm, where each task often sees only its own GPUs (`--gpus-per-task`):
-    local rank 3 of a node then owns that task's device 0. More processes than devices on a node is
-    refused rather than silently doubled up.
+    The modulo serves Slurm, where each task often sees only its own GPU (`--gpus-per-task=1`):
+    local rank 3 of a node then owns that task's device 0. Otherwise more processes than devices on a
+    node would put two ranks on one GPU, where NCCL fails later without naming the cause: refused.
     """
-    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+    if not uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
         raise UserError("--device cuda was given but no CUDA device is visible")
     count = torch.cuda.device_count()
-    if env.local_world_size > count and env.launcher != "srun":
-        raise UserError(f"{env.local_world_size} processes per node but only {count} CUDA device(s) visible "
-                        "(check CUDA_VISIBLE_DEVICES and the processes per node)")
+    if env.local_world_size > count:
+        if env.launcher != "srun":
+            raise UserError(f"{env.local_world_size} processes per node but only {count} CUDA device(s) visible "
+                            "(check CUDA_VISIBLE_DEVICES and the processes per node)")
+        if count > 1:  # every task sees the node's GPUs, not its own
+            raise UserError(f"{env.local_world_size} Slurm tasks per node but each sees the same {count} GPUs, so "
+                            "ranks would share a GPU: ask Slurm for one GPU per task (--gpus-per-task=1) or for as "
+                            "many tasks per node as GPUs")
     index = env.local_rank % count
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
@@ -114,7 +124,7 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     except (RuntimeError, OSError, TimeoutError) as error:
         raise RendezvousError(
             f"gave up {role} at MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} "
-            f"after {timeout_s:g} s (--dist-timeout): {_first_line(error)}"
+            f"after {timeout_s:g} s (--dist-timeout): {first_line(error)}"
         ) from None
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=env.rank,
@@ -166,11 +176,6 @@ def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
     raise TimeoutError(f"rank 0 of this round did not answer within {timeout_s:g} s")
 
 
-def _first_line(error: BaseException) -> str:
-    lines = [line for line in str(error).splitlines() if line.strip()]
-    return lines[0] if lines else type(error).__name__
-
-
 def destroy_process_group() -> None:
     """Tear down after the caller dropped its DDP model and tensors.
 
@@ -181,7 +186,7 @@ def destroy_process_group() -> None:
     _control = None
     gc.unfreeze()  # what data.share_heap_with_workers froze (the model among it) is collectable again
     gc.collect()
-    if dist.is_available() and dist.is_initialized():
+    if is_initialized():
         dist.destroy_process_group()
 
 

@@ -1,5 +1,7 @@
 """Errors a user can fix: printed as one line, never as a traceback."""
 
+import sys
+
 PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
 STORAGE_ERROR_EXIT = 74  # EX_IOERR: a checkpoint could not be written (no space, I/O error, quota)
@@ -54,3 +56,17 @@ def one_line(error: BaseException) -> str:
         head, sep, rest = last.partition(": ")
         text = rest if sep and (head == name or head.endswith(f".{name}")) else last
     return " ".join(text.split())
+
+
+def first_line(error: BaseException) -> str:
+    """An error's first non-empty line, or its class name when it has no message."""
+    lines = [line for line in str(error).splitlines() if line.strip()]
+    return lines[0].strip() if lines else type(error).__name__
+
+
+def report(error: UserError, rank: int) -> None:
+    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`)."""
+    if rank == 0:
+        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
+    elif error.every_rank:
+        print(f"{PROG}: error: [rank {rank}] {one_line(error)}", file=sys.stderr, flush=True)

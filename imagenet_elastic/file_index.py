@@ -20,7 +20,7 @@ from typing import Optional
 
 import numpy as np
 
-from imagenet_elastic.checkpoint import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")

@@ -24,7 +24,16 @@ import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
-from imagenet_elastic.data import Box, Load, Plan, byte_tensor, crop_resize, decode_bytes, decode_region, read_file
+from imagenet_elastic.data import (
+    Box,
+    ChooseCrop,
+    Load,
+    byte_tensor,
+    crop_resize,
+    decode_bytes,
+    decode_region,
+    read_file,
+)
 from imagenet_elastic.errors import CorruptImageError
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
@@ -42,7 +51,7 @@ class EncodedImage:
     cpu_reason: Optional[str] = None
 
 
-def encode_region(path: str, plan: Plan, size: int) -> EncodedImage:
+def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
     """The worker's part: read, parse the header, draw the crop (same signature as data.decode_region)."""
     raw = read_file(path)
     try:
@@ -51,7 +60,7 @@ def encode_region(path: str, plan: Plan, size: int) -> EncodedImage:
             kind, mode = img.format, img.mode
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    box, flip = plan(width, height)
+    box, flip = choose_crop(width, height)
     if kind == "JPEG" and mode in DEVICE_DECODABLE_MODES:
         return EncodedImage(path, byte_tensor(raw), box, flip)
     reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"

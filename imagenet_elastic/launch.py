@@ -27,17 +27,9 @@ from imagenet_elastic.errors import (
     USER_ERROR_EXIT,
     Preempted,
     UserError,
-    one_line,
+    report,
 )
 from imagenet_elastic.preemption import signal_numbers
-
-
-def report_user_error(error: UserError, env: DistEnv) -> None:
-    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`)."""
-    if env.rank == 0:
-        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
-    elif error.every_rank:
-        print(f"{PROG}: error: [rank {env.rank}] {one_line(error)}", file=sys.stderr, flush=True)
 
 
 def run_worker(config: Config, env: DistEnv) -> None:
@@ -52,12 +44,12 @@ def run_worker(config: Config, env: DistEnv) -> None:
 
 
 def _run_to_exit_code(config: Config, env: DistEnv) -> None:
-    from imagenet_elastic.trainer import run
+    from imagenet_elastic.startup import run
 
     try:
         run(config, env)
     except UserError as error:
-        report_user_error(error, env)
+        report(error, env.rank)
         sys.exit(error.exit_code)
     except Preempted:
         sys.exit(PREEMPTED_EXIT)

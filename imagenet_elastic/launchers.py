@@ -159,10 +159,16 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
     )
 
 
-def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int) -> int:
+def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int,
+                         uses_gpus: bool = False) -> int:
     """Ranks each Slurm task starts: `--nproc-per-node`, else one per visible GPU when a node runs a
-    single task (`srun --ntasks-per-node=1 --gres=gpu:4`), else 1."""
+    single task (`srun --ntasks-per-node=1 --gres=gpu:4`), else 1. More ranks than the task's GPUs
+    would put two ranks on one GPU, where NCCL fails later without naming the cause: refused."""
     if nproc_per_node:
+        if uses_gpus and nproc_per_node > visible_gpus:
+            raise UserError(f"--nproc-per-node {nproc_per_node} is more than the {visible_gpus} GPU(s) this Slurm "
+                            "task sees (CUDA_VISIBLE_DEVICES): ranks would share a GPU; ask Slurm for "
+                            f"--gres=gpu:{nproc_per_node} or pass --nproc-per-node {visible_gpus} (or --device cpu)")
         return nproc_per_node
     node_tasks = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
     single_task = node_tasks and tasks_on_node(node_tasks, int(environ.get("SLURM_NODEID") or 0)) == 1
@@ -215,7 +221,7 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
 
 def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,
                    nproc_per_node: Optional[int] = None, master_port: Optional[int] = None,
-                   dist_url: Optional[str] = None, visible_gpus: int = 0) -> LaunchPlan:
+                   dist_url: Optional[str] = None, visible_gpus: int = 0, uses_gpus: bool = False) -> LaunchPlan:
     if method == "env":
         env = env_from_torchrun(environ, local_rank_arg)
         if not env.launched:
@@ -225,7 +231,7 @@ def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: O
         if has_torchrun_vars(environ):  # `srun torchrun ...`: torchrun's view of the job wins
             return LaunchPlan(env_from_torchrun(environ, local_rank_arg))
         env = env_from_slurm(environ, master_port)
-        procs = slurm_procs_per_task(environ, nproc_per_node, visible_gpus)
+        procs = slurm_procs_per_task(environ, nproc_per_node, visible_gpus, uses_gpus)
         return LaunchPlan(env, procs)
     if method == "spawn":
         procs = nproc_per_node or max(1, visible_gpus)

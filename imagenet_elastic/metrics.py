@@ -6,7 +6,7 @@ import json
 import os
 from typing import Any
 
-from imagenet_elastic.checkpoint import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
 
 FILENAME = "metrics.jsonl"
 

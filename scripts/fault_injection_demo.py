@@ -20,7 +20,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from imagenet_elastic import fault_injection as fi
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the harness lives with the tests
+import fault_injection as fi  # noqa: E402
 
 EPOCHS = 3
 TRAIN_PER_CLASS, CLASSES, GLOBAL_BATCH = 48, 8, 16

@@ -11,10 +11,9 @@ import threading
 import time
 from pathlib import Path
 
+import fault_injection as fi
 import pytest
 import torch
-
-from imagenet_elastic import fault_injection as fi
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -15,10 +15,10 @@ import subprocess
 import time
 from pathlib import Path
 
+import fault_injection as fi
 import pytest
 from conftest import REPO, assert_same_tensors, child_env, load_checkpoint, python_cmd, run, torchrun_cmd
 
-from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.metrics import read as read_metrics
 

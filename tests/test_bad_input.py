@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from conftest import SMALL_RUN, make_image_folder, python_cmd, run
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def tree_digest(root: Path) -> dict[str, str]:
     """Every file's hash, except the lock file (it names its latest holder) and the file-list caches

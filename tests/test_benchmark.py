@@ -8,6 +8,8 @@ import os
 import pytest
 from conftest import python_cmd, run
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def benchmark(image_folder, *args: str) -> list[dict]:
     result = run(python_cmd("benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8",

@@ -8,9 +8,12 @@ import subprocess
 import sys
 import time
 
+import pytest
 from conftest import child_env, load_checkpoint
 
 from imagenet_elastic.checkpoint import CheckpointManager
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 WRITER = r"""
 import sys, torch

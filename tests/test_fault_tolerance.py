@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 
+import fault_injection as fi
 import pytest
 from conftest import (
     EPOCHS,
@@ -28,10 +29,11 @@ from conftest import (
     torchrun_workers,
 )
 
-from imagenet_elastic import fault_injection as fi
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.samplelog import ENV_VAR, coverage
+
+pytestmark = pytest.mark.slow  # every test here starts processes
 
 GLOBAL_BATCH = 16  # SMALL_RUN's 8 per process x 2
 SAMPLES_PER_EPOCH = TRAIN_IMAGES // GLOBAL_BATCH * GLOBAL_BATCH

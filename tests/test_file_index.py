@@ -7,7 +7,7 @@ import time
 
 import numpy as np
 import pytest
-from test_transforms import make_split, write_jpeg
+from test_data import make_split, write_jpeg
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.file_index import (

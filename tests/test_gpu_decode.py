@@ -19,7 +19,7 @@ from conftest import (
     torchrun_cmd,
 )
 from PIL import Image
-from test_transforms import write_jpeg
+from test_data import write_jpeg
 
 from imagenet_elastic import data, gpu_decode
 from imagenet_elastic.errors import CorruptImageError
@@ -157,6 +157,7 @@ def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
     assert (via_float.int() - exact.int()).abs().max() <= 1
 
 
+@pytest.mark.slow
 def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder, tmp_path):
     """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4"]
@@ -170,6 +171,7 @@ def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder,
     assert cpu_last["history"][0]["val_top1"] == gpu_last["history"][0]["val_top1"]
 
 
+@pytest.mark.slow
 def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=2)
     for jpeg in (root / "train").rglob("*.jpg"):  # every rank's share is all PNG

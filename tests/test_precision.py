@@ -94,6 +94,7 @@ def test_gpu_bf16_on_a_torch_whose_check_takes_no_argument(monkeypatch):
 
 
 
+@pytest.mark.slow
 def test_an_explicit_bf16_warns_once_where_this_cpu_only_emulates_it(image_folder, tmp_path):
     """The real trainer on this machine's CPU, whichever kind it is."""
     native = native_low_precision(torch.device("cpu"))["bf16"]

@@ -25,6 +25,8 @@ from conftest import (
 
 from imagenet_elastic.samplelog import ENV_VAR, coverage
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_local_cluster.sh"
 
 

@@ -28,6 +28,8 @@ from imagenet_elastic.cli import build_parser
 from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.model import create_model, native_low_precision
 
+pytestmark = pytest.mark.slow  # every test here starts processes
+
 
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
     ckpt, stdout = torchrun_reference

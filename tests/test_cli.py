@@ -1,66 +1,21 @@
-"""One-line errors, the frozen Config, and the command line that builds it."""
+"""The frozen Config, the command line built from its fields, and README's option table made from them."""
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
 import io
-import sys
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
-from imagenet_elastic.cli import build_parser, config_from_args, parse_checkpoint_interval
+from imagenet_elastic.cli import build_parser, config_from_args, options_table
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, Config
-from imagenet_elastic.errors import CorruptImageError, UserError, one_line
+from imagenet_elastic.options import checkpoint_interval
 
-WORKER_MESSAGE = (
-    "Caught CorruptImageError in DataLoader worker process 0.\n"
-    "Original Traceback (most recent call last):\n"
-    '  File "/site-packages/torch/utils/data/_utils/worker.py", line 349, in _worker_loop\n'
-    "    data = fetcher.fetch(index)\n"
-    "  ...\n"
-    "imagenet_elastic.errors.CorruptImageError: cannot decode image file /x/y.jpg: broken"
-)
-
-
-# ----------------------------------------------------------------------------- one_line
-
-def test_one_line_strips_a_module_qualified_class_prefix_from_a_worker_reraise():
-    assert one_line(CorruptImageError(WORKER_MESSAGE)) == "cannot decode image file /x/y.jpg: broken"
-
-
-def test_one_line_strips_a_bare_class_prefix_from_a_worker_reraise():
-    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "CorruptImageError")
-    assert one_line(CorruptImageError(message)) == "cannot decode image file /x/y.jpg: broken"
-
-
-def test_one_line_keeps_a_last_line_of_another_class_whole():
-    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "other.NotMyError")
-    assert one_line(CorruptImageError(message)) == "other.NotMyError: cannot decode image file /x/y.jpg: broken"
-
-
-def test_one_line_does_not_strip_a_class_whose_name_only_ends_the_same():
-    message = WORKER_MESSAGE.replace("imagenet_elastic.errors.CorruptImageError", "pkg.NotCorruptImageError")
-    assert one_line(CorruptImageError(message)).startswith("pkg.NotCorruptImageError: ")
-
-
-def test_one_line_of_a_torch_dataloader_reraise():
-    # The same wrapping torch's DataLoader applies to a worker's exception, done in-process.
-    from torch._utils import ExceptionWrapper
-
-    try:
-        raise CorruptImageError("cannot decode image file /data/a.jpg: truncated")
-    except CorruptImageError:
-        wrapper = ExceptionWrapper(sys.exc_info(), where="in DataLoader worker process 3")
-    with pytest.raises(CorruptImageError) as caught:
-        wrapper.reraise()
-    assert one_line(caught.value) == "cannot decode image file /data/a.jpg: truncated"
-
-
-def test_one_line_joins_a_multi_line_message_without_traceback():
-    assert one_line(UserError("  first line\n   second   line \n")) == "first line second line"
-    assert one_line(UserError("plain")) == "plain"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 # ----------------------------------------------------------------------------- Config
@@ -164,13 +119,13 @@ def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
     ("500,10m", (500, 600.0)), ("0.5m", (None, 30.0)),
 ])
 def test_checkpoint_interval_takes_steps_time_or_both(text, expected):
-    assert parse_checkpoint_interval(text) == expected
+    assert checkpoint_interval(text) == expected
 
 
 @pytest.mark.parametrize("text", ["0", "-5", "10x", "m", "", "5,", "0s"])
 def test_bad_checkpoint_interval_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
-        parse_checkpoint_interval(text)
+        checkpoint_interval(text)
 
 
 def test_checkpoint_interval_reaches_the_config():
@@ -178,3 +133,26 @@ def test_checkpoint_interval_reaches_the_config():
     assert (config.checkpoint_every_steps, config.checkpoint_every_seconds) == (20, 30.0)
     plain = config_from_args(build_parser().parse_args(["/data"]))
     assert (plain.checkpoint_every_steps, plain.checkpoint_every_seconds) == (None, None)
+
+
+def test_readme_option_table_is_the_one_the_parser_is_built_from():
+    text = README.read_text()
+    table = re.search(r"<!-- options table: .*? -->\n(.*?)\n<!-- end of options table -->", text, re.DOTALL)
+    assert table, "README lost its option table markers"
+    assert table.group(1) == options_table(), "README's table is stale: python scripts/options_table.py --write"
+
+
+def test_every_setting_has_exactly_one_option_and_help_shows_them_all(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    shown = capsys.readouterr().out
+    for f in dataclasses.fields(Config):
+        if f.name != "data":
+            assert "--" + f.name.replace("_", "-") in shown, f.name
+    assert "--local-rank" not in shown  # accepted from torch.distributed.launch, never offered
+
+
+def test_master_port_must_be_a_port(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["/data", "--master-port", "70000"])
+    assert "must be <= 65535" in capsys.readouterr().err

@@ -1,8 +1,8 @@
 """Fault injection against real torchrun jobs on this machine: kill workers, kill and add agents, send
 preemption signals, then measure what each fault cost from the sample log and the timestamped output.
 
-Used by scripts/fault_injection_demo.py (which prints the table in README's "Fault tolerance") and by
-the tests. Each torchrun agent stands for one node.
+A test harness, outside the installed package: used by the tests and by scripts/fault_injection_demo.py
+(which prints the table in README's "Fault tolerance"). Each torchrun agent stands for one node.
 """
 
 from __future__ import annotations

@@ -1,27 +1,36 @@
-"""Rank 0's checkpoint saves: written in the training thread, or in the background from a host copy.
+"""When checkpoints are saved, and how rank 0 saves them: in the training thread, or in the
+background from a host copy.
 
-A background save costs the training loop one copy of the state into host memory (pinned buffers on
-CUDA, so the device-to-host copies run at full speed); a thread then serializes, writes, fsyncs and
-renames while training goes on. The rules that keep "a checkpoint on disk" meaning what it did:
+`Checkpointer` owns the policy, for every rank: a save is due every N steps, every T seconds, at
+each epoch's end and at an agreed preemption stop, and all ranks decide it together at the same
+step boundary. `CheckpointWriter` owns rank 0's writes. A background save costs the training loop
+one copy of the state into host memory (pinned buffers on CUDA, so the device-to-host copies run at
+full speed); a thread then serializes, writes, fsyncs and renames while training goes on. The rules
+that keep "a checkpoint on disk" meaning what it did:
 
 - one save at a time: a new save first waits for the one in flight, so the run holds at most one
   extra copy of the state, in buffers that are reused from save to save;
 - whoever needs the file on disk (a preemption stop, the end of the run, an error path) waits for
-  the save in flight first (`wait`);
+  the save in flight first (`settle`, `close`);
 - a process killed mid-write leaves a temp file and the previous `last.pt` (see checkpoint.py);
-- a failed write is kept, not raised in the thread: the trainer asks `failed` at each step boundary
-  and every rank stops together.
+- a failed write is kept, not raised in the thread: every rank learns of it at the next step
+  boundary and all stop together.
 """
 
 from __future__ import annotations
 
+import functools
+import os
 import threading
 import time
 from typing import Any, Callable, Optional
 
 import torch
 
+from imagenet_elastic import distributed, metrics
 from imagenet_elastic.checkpoint import CheckpointManager
+from imagenet_elastic.config import Config
+from imagenet_elastic.errors import StorageError
 
 
 class HostCopy:
@@ -120,3 +129,62 @@ class CheckpointWriter:
         error = self.wait()
         self.host = None
         return error
+
+
+class Checkpointer:
+    """Every rank's view of checkpointing: when a save is due, and waiting for rank 0's writes."""
+
+    def __init__(self, manager: CheckpointManager, config: Config, device: torch.device, is_main: bool) -> None:
+        self.manager = manager
+        self.writer = CheckpointWriter(manager, config.async_checkpoint, device)
+        self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
+        self.metrics_folder = config.checkpoints_path
+        self.is_main = is_main
+        self.last_save = time.monotonic()
+
+    def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
+        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here.
+
+        One all-reduce of three flags on a CPU process group (gloo), so it never waits for the GPU's
+        queue of work; its cost is a network round trip per step (docs/BENCHMARKS.md).
+        """
+        timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
+        stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
+        if failed:
+            self.raise_failure()
+        return stop, stop or timely or (bool(self.every_steps) and step % self.every_steps == 0)
+
+    def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
+             history: Optional[list[dict[str, Any]]] = None) -> None:
+        """Rank 0 hands `capture()` to its writer; `epoch` (just completed) and `history` make it an
+        epoch's checkpoint, followed by metrics.jsonl. A synchronous save is on disk before any rank
+        goes on; a background one is waited for by the next save, `settle` and `close`."""
+        if self.is_main:
+            after = functools.partial(metrics.write, self.metrics_folder, history) if history is not None else None
+            self.writer.submit(capture(), epoch, is_best, after)
+        if not self.writer.background:
+            self.settle()
+        self.last_save = time.monotonic()
+
+    def settle(self) -> None:
+        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
+        rank stops (exit 74), so a stop or a finished run never outruns its checkpoint."""
+        failed = self.is_main and self.writer.wait() is not None
+        if distributed.agree([failed])[0]:
+            self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Rank 0 raises the writer's error (one line for a storage error); the others end quietly."""
+        if self.is_main:
+            raise self.writer.take_error()
+        raise StorageError("rank 0 could not write a checkpoint")
+
+    def remove_stale_temp_files(self, warn: Callable[[str], None]) -> None:
+        """Rank 0, holding the folder's lock, removes what interrupted writes left."""
+        for path in self.manager.stale_temp_files():
+            warn(f"removing {path}, left by a write that was interrupted")
+            os.unlink(path)
+
+    def close(self) -> Optional[Exception]:
+        """Wait for the write in flight; returns a failure nobody took."""
+        return self.writer.close()

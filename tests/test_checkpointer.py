@@ -11,7 +11,7 @@ import torch
 
 from imagenet_elastic import checkpoint
 from imagenet_elastic.checkpoint import CheckpointManager, load
-from imagenet_elastic.checkpoint_writer import CheckpointWriter, HostCopy
+from imagenet_elastic.checkpointer import CheckpointWriter, HostCopy
 from imagenet_elastic.errors import StorageError
 
 CPU = torch.device("cpu")

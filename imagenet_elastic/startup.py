@@ -1,0 +1,248 @@
+"""A run from start to end: its parts built in a fixed order of named steps, then trained.
+
+    check_inputs -> restore_state -> build_loaders -> join_job -> wrap_model -> Trainer
+
+The order is the point. Everything that can fail on the user's input fails in the first step, before
+any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
+workers fork before the process group's threads exist (see data.start_workers). Ranks compare what
+they loaded only once they can talk. Each step that takes something (the checkpoints folder's lock,
+loader workers, the process group) registers its release on the run's ExitStack, so a failure at
+any later step, and the end of the run, release them in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from imagenet_elastic import checkpoint, data, distributed, file_index, gpu_decode, preemption
+from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
+from imagenet_elastic.checkpointer import Checkpointer
+from imagenet_elastic.config import Config
+from imagenet_elastic.console import Console
+from imagenet_elastic.distributed import DistEnv
+from imagenet_elastic.engine import StepContext
+from imagenet_elastic.errors import PREEMPTED_EXIT, UserError
+from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.model import count_parameters, create_model, create_optimizer, place_model, resolve_precision
+from imagenet_elastic.preemption import PreemptionFlag
+from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
+from imagenet_elastic.samplelog import SampleLog
+from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
+from imagenet_elastic.schedule import scaled_lr
+from imagenet_elastic.state import TrainState, check_compatible
+from imagenet_elastic.trainer import Loaders, Restored, Trainer
+
+LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the run works on, every part checked: where it computes, its data, its checkpoints folder."""
+
+    device: torch.device
+    threads: int
+    train_index: ImageIndex
+    val_index: ImageIndex
+    checkpoints: CheckpointManager
+    resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
+    load_seconds: float
+
+
+def check_inputs(config: Config, env: DistEnv, console: Console,
+                 stack: contextlib.ExitStack) -> tuple[Inputs, Optional[dict[str, Any]]]:
+    """Every check that can fail on the user's input: data folders, checkpoints folder (locked by rank
+    0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs."""
+    threads = distributed.configure_threads(config.threads, env.local_world_size)
+    device = distributed.select_device(config.device, env)
+    train_dir, val_dir = file_index.resolve_split_dirs(config.data, config.val_path)
+    train_index = file_index.load_index(train_dir, "train", config.checkpoints_path)
+    val_index = file_index.load_index(val_dir, "val", config.checkpoints_path)
+    file_index.check_same_classes(train_index, val_index)
+    if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
+        raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
+    checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
+    if not config.evaluate:
+        checkpoint.check_writable(config.checkpoints_path)
+        if env.is_main:
+            lock, wait = CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
+            lock.acquire(wait, lambda holder: console.warn(
+                f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
+            stack.callback(lock.release)
+    resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
+    if config.evaluate and resume_from is None:
+        raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+    start = time.perf_counter()
+    snapshot = checkpoint.load(resume_from) if resume_from else None
+    if snapshot is not None:
+        check_compatible(snapshot, resume_from, config.model, train_index.classes)
+    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, time.perf_counter() - start)
+    return inputs, snapshot
+
+
+def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs,
+                  snapshot: Optional[dict[str, Any]]) -> Restored:
+    """Model, optimizer and GradScaler, built from the seed and then given the checkpoint's state; the
+    global batch (the checkpoint's, unless set) and the LR schedule it implies."""
+    saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
+    plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
+                     env.world_size, config.batch_size)
+    sampler = TrainBatchSampler(len(inputs.train_index), plan, env.rank, config.seed, config.max_steps_per_epoch)
+    torch.manual_seed(config.seed)
+    precision = resolve_precision(config.amp, inputs.device)
+    if precision.warning:
+        console.warn(precision.warning)
+    model = place_model(create_model(config.model, len(inputs.train_index.classes)), inputs.device,
+                        config.channels_last)
+    peak_lr = scaled_lr(config.lr, plan.global_batch)
+    optimizer = create_optimizer(model, peak_lr, config.momentum, config.weight_decay, inputs.device)
+    scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
+    state = TrainState(model, optimizer, scaler)
+    if snapshot is not None:
+        state.apply(snapshot)
+        changes = config.differences(snapshot["config"])
+        if snapshot.get("global_batch") not in (None, plan.global_batch):
+            changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
+        for change in changes:
+            console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
+    return Restored(state, plan, sampler, precision, peak_lr, warmup_steps=round(config.warmup_epochs * sampler.steps),
+                    total_steps=sampler.steps * config.epochs, classes=inputs.train_index.classes,
+                    resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
+                    resumed_at=snapshot["saved_at"] if snapshot else None)
+
+
+def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, restored: Restored,
+                  stack: contextlib.ExitStack) -> Loaders:
+    """Train and val loaders, their workers forked now, while this process has one thread (see
+    data.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
+    each batch on the device."""
+    workers = config.workers if config.workers is not None else data.default_workers(env.local_world_size)
+    pin = inputs.device.type == "cuda"
+    ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see data._worker_init
+    load, collate = gpu_decode.worker_functions(config.decode)
+    decoder = None
+    if config.decode == "gpu":
+        if inputs.device.type != "cuda":
+            console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
+                         "(slower than --decode cpu; meant for testing)")
+        decoder = gpu_decode.BatchDecoder(config.image_size, inputs.device,
+                                          functools.partial(console.warn, every_rank=True))
+    train = data.train_loader(data.TrainDataset(inputs.train_index, config.image_size, config.seed, load),
+                              restored.sampler, workers, pin, ignored, collate)
+    val = data.eval_loader(data.EvalDataset(inputs.val_index, config.image_size, config.eval_resize, load),
+                           config.batch_size, env.rank, env.world_size, workers, pin, ignored, collate)
+    data.share_heap_with_workers()
+    stack.callback(data.stop_loader_workers)
+    for loader in ([] if config.evaluate else [train]) + [val]:
+        data.start_workers(loader)
+    return Loaders(train, val, decoder, workers)
+
+
+def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs, restored: Restored,
+             stack: contextlib.ExitStack) -> None:
+    """The process group, then the checks that need it: every rank loaded the same checkpoint. Rank 0
+    then keeps the file lists for the next start, now that they passed every check."""
+    distributed.init_process_group(env, inputs.device, config.dist_timeout)
+    stack.callback(distributed.destroy_process_group)
+    if env.launched and not config.evaluate:
+        state = restored.state
+        mark = torch.tensor([state.step, state.tally.samples, restored.resumed_at or 0.0], dtype=torch.float64)
+        spread = distributed.all_reduce_max(torch.cat([mark, -mark]))
+        if not torch.equal(spread[:3], -spread[3:]):
+            raise RuntimeError(f"ranks loaded different checkpoints from {config.checkpoints_path} "
+                               "(was it written to while this round started?)")
+    if env.is_main and not config.evaluate:
+        for role, index in (("train", inputs.train_index), ("val", inputs.val_index)):
+            path = file_index.cache_path(config.checkpoints_path, role)
+            try:
+                if not index.cached:
+                    file_index.write_cache(index, path)
+            except OSError as error:  # only a cache: the next start scans again
+                console.warn(f"could not write the file list cache {path}: {error.strerror or error}")
+
+
+def wrap_model(model: nn.Module, config: Config, env: DistEnv, device: torch.device) -> nn.Module:
+    """The model as the training step calls it: compiled before DDP wraps it. Checkpoints keep saving
+    `model`, whose parameters the compiled module shares, so their keys carry no `_orig_mod.` prefix
+    and eager and compiled runs resume each other."""
+    wrapped: nn.Module = torch.compile(model) if config.compile else model
+    if env.launched:
+        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+    return wrapped
+
+
+def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag,
+          stack: contextlib.ExitStack) -> Trainer:
+    inputs, snapshot = check_inputs(config, env, console, stack)
+    restored = restore_state(config, env, console, inputs, snapshot)
+    del snapshot  # its tensors are in the model and optimizer now
+    preempt.steps_done = restored.state.step
+    loaders = build_loaders(config, env, console, inputs, restored, stack)
+    join_job(config, env, console, inputs, restored, stack)
+    state = restored.state
+    ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
+                      nn.CrossEntropyLoss(label_smoothing=config.label_smoothing), inputs.device,
+                      restored.precision.dtype, config.channels_last)
+    checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
+    sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+    trainer = Trainer(config, env, console, preempt, restored, loaders, ctx, checkpointer, sample_log)
+    stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
+    describe(console, config, env, inputs, restored, loaders)
+    return trainer
+
+
+def run(config: Config, env: DistEnv) -> None:
+    console = Console(env.is_main, config.log_interval, env.rank)
+    preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
+    with contextlib.ExitStack() as stack:
+        # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
+        # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
+        # only turn that code into -15 and hide why it ended.
+        stack.callback(preempt.ignore_from_now)
+        trainer = build(config, env, console, preempt, stack)
+        if config.evaluate:
+            result = trainer.validate()
+            console.result({"checkpoint": trainer.restored.resume_from, "val_loss": result.loss,
+                            "val_top1": result.top1, "val_top5": result.top5, "val_samples": result.samples})
+        else:
+            trainer.fit()
+
+
+def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored: Restored, loaders: Loaders) -> None:
+    """The start-up table: what was built, and the choices made for this machine."""
+    plan = restored.plan
+    interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
+    interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
+    console.table("imagenet_elastic", [
+        ("model", f"{c.model} ({count_parameters(restored.state.model) / 1e6:.2f} M parameters)"),
+        ("classes", str(len(inputs.train_index.classes))),
+        ("train images", describe_index(inputs.train_index)),
+        ("val images", describe_index(inputs.val_index)),
+        ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
+        ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
+         else "none (single process)"),
+        ("global batch", plan.describe()),
+        ("learning rate", f"{restored.peak_lr:.6g} = {c.lr:g} x {plan.global_batch}/256, "
+                          f"warmup {restored.warmup_steps} steps, cosine over {restored.total_steps}"),
+        ("steps per epoch", str(restored.sampler.steps)),
+        ("precision", restored.precision.describe()),
+        ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
+        ("decode", "in loader workers" if loaders.decoder is None else f"batched on {inputs.device} (--decode gpu)"),
+        ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
+        ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
+                        f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
+        ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
+                       + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
+    ])
+
+
+def describe_index(index: ImageIndex) -> str:
+    return f"{len(index)} in {index.root}" + (" (file list from the cache)" if index.cached else "")

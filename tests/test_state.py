@@ -1,0 +1,156 @@
+"""The training state a checkpoint holds: captured and applied exactly, refused when it is another run's."""
+
+from __future__ import annotations
+
+import io
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.model import create_model, create_optimizer
+from imagenet_elastic.state import TrainState, check_compatible
+
+CLASSES = ("ant", "bee", "cat")
+
+
+# ----------------------------------------------------------------------------- TrainState
+
+def make_state(seed: int) -> TrainState:
+    torch.manual_seed(seed)
+    model = create_model("test_resnet", num_classes=len(CLASSES))
+    optimizer = create_optimizer(model, lr=0.1, momentum=0.9, weight_decay=1e-4, device=torch.device("cpu"))
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    return TrainState(model=model, optimizer=optimizer, scaler=scaler)
+
+
+def take_optimizer_steps(state: TrainState, steps: int = 2) -> None:
+    """Fill the SGD momentum buffers with made-up gradients (no forward pass: keeps the test fast)."""
+    generator = torch.Generator().manual_seed(4)
+    for _ in range(steps):
+        for param in state.model.parameters():
+            param.grad = torch.randn(param.shape, generator=generator)
+        state.optimizer.step()
+    with torch.no_grad():  # and move a buffer, so buffers are checked too
+        for name, buffer in state.model.named_buffers():
+            if name.endswith("running_mean"):
+                buffer.add_(0.5)
+
+
+def round_trip(snapshot: dict) -> dict:
+    buffer = io.BytesIO()
+    torch.save(snapshot, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def test_train_state_capture_and_apply_restore_everything_through_weights_only_load():
+    original = make_state(seed=0)
+    take_optimizer_steps(original)
+    original.epoch, original.step, original.best_top1 = 3, 42, 61.5
+    original.history = [{"epoch": 1, "top1": 50.0}, {"epoch": 2, "top1": 61.5}]
+    random.seed(11)
+    np.random.seed(12)
+    torch.manual_seed(13)
+    snapshot = original.capture({"lr": 0.1}, {"model_name": "test_resnet", "classes": list(CLASSES)})
+    expected = (torch.rand(4), random.random(), np.random.rand(3))
+
+    loaded = round_trip(snapshot)
+    assert loaded["model_name"] == "test_resnet" and loaded["config"] == {"lr": 0.1}
+
+    restored = make_state(seed=1)
+    restored_keys = restored.model.state_dict().keys()
+    assert any(not torch.equal(original.model.state_dict()[k], restored.model.state_dict()[k])
+               for k in restored_keys)
+    random.seed(0)
+    np.random.seed(0)
+    restored.apply(loaded)
+
+    assert torch.equal(torch.rand(4), expected[0])
+    assert random.random() == expected[1]
+    np.testing.assert_array_equal(np.random.rand(3), expected[2])
+    for key, value in original.model.state_dict().items():
+        assert torch.equal(restored.model.state_dict()[key], value), key
+    original_opt, restored_opt = original.optimizer.state_dict(), restored.optimizer.state_dict()
+    assert original_opt["param_groups"] == restored_opt["param_groups"]
+    assert original_opt["state"].keys() == restored_opt["state"].keys() and original_opt["state"]
+    for index, buffers in original_opt["state"].items():
+        assert torch.equal(restored_opt["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
+    assert (restored.epoch, restored.step, restored.best_top1) == (3, 42, 61.5)
+    assert restored.history == original.history
+    assert restored.history is not loaded["history"]
+
+
+def test_a_gpu_checkpoints_fused_optimizer_kernel_does_not_follow_it_to_a_cpu_resume():
+    gpu_run = make_state(seed=0)
+    take_optimizer_steps(gpu_run)
+    snapshot = round_trip(gpu_run.capture({}, {}))
+    for group in snapshot["optimizer"]["param_groups"]:
+        group["fused"] = True  # what create_optimizer sets on CUDA
+    cpu_run = make_state(seed=1)
+    cpu_run.apply(snapshot)
+    assert [g["fused"] for g in cpu_run.optimizer.param_groups] == [None, None]
+    assert [g["lr"] for g in cpu_run.optimizer.param_groups] == [g["lr"] for g in gpu_run.optimizer.param_groups]
+    take_optimizer_steps(cpu_run, steps=1)  # and the restored momentum buffers still step
+
+
+def test_train_state_apply_restores_the_random_number_generators():
+    state = make_state(seed=0)
+    random.seed(21)
+    np.random.seed(22)
+    torch.manual_seed(23)
+    snapshot = round_trip(state.capture({}, {}))
+    after_capture = (torch.rand(5), random.random(), np.random.rand(3), np.random.randn())
+
+    torch.manual_seed(99)
+    random.seed(99)
+    np.random.seed(99)
+    torch.rand(7)
+    state.apply(snapshot)
+    after_apply = (torch.rand(5), random.random(), np.random.rand(3), np.random.randn())
+
+    assert torch.equal(after_apply[0], after_capture[0])
+    assert after_apply[1] == after_capture[1]
+    np.testing.assert_array_equal(after_apply[2], after_capture[2])
+    assert after_apply[3] == after_capture[3]
+
+
+def test_train_state_apply_with_a_cached_numpy_gaussian():
+    state = make_state(seed=0)
+    np.random.seed(5)
+    np.random.randn()  # leaves a cached second gaussian in numpy's legacy state
+    snapshot = round_trip(state.capture({}, {}))
+    expected = np.random.randn(3)
+    np.random.seed(6)
+    state.apply(snapshot)
+    np.testing.assert_array_equal(np.random.randn(3), expected)
+
+
+# ----------------------------------------------------------------------------- check_compatible
+
+def snapshot_of(model_name: str = "test_resnet", classes=CLASSES) -> dict:
+    return {"model_name": model_name, "classes": list(classes)}
+
+
+def test_check_compatible_accepts_the_same_model_and_classes():
+    check_compatible(snapshot_of(), "/ck/last.pt", "test_resnet", CLASSES)
+
+
+def test_check_compatible_refuses_another_model():
+    with pytest.raises(UserError, match="of model 'resnet50', but --model is 'test_resnet'") as caught:
+        check_compatible(snapshot_of(model_name="resnet50"), "/ck/last.pt", "test_resnet", CLASSES)
+    assert "/ck/last.pt" in str(caught.value)
+
+
+def test_check_compatible_refuses_another_class_count():
+    with pytest.raises(UserError, match="has 2 classes, the data has 3") as caught:
+        check_compatible(snapshot_of(classes=("ant", "bee")), "/ck/last.pt", "test_resnet", CLASSES)
+    assert "/ck/last.pt" in str(caught.value)
+
+
+def test_check_compatible_refuses_other_class_names():
+    with pytest.raises(UserError, match="other class names") as caught:
+        check_compatible(snapshot_of(classes=("ant", "bee", "dog")), "/ck/last.pt", "test_resnet", CLASSES)
+    assert "/ck/last.pt" in str(caught.value)
