@@ -64,9 +64,10 @@ def first_line(error: BaseException) -> str:
     return lines[0].strip() if lines else type(error).__name__
 
 
-def report(error: UserError, rank: int) -> None:
-    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`)."""
+def report(error: UserError, rank: int, own: bool = False) -> None:
+    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`, or
+    `own`: see launch.leave_the_report_to_rank_0)."""
     if rank == 0:
         print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
-    elif error.every_rank:
+    elif error.every_rank or own:
         print(f"{PROG}: error: [rank {rank}] {one_line(error)}", file=sys.stderr, flush=True)

@@ -13,6 +13,7 @@ import dataclasses
 import os
 import signal
 import sys
+import time
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -49,10 +50,32 @@ def _run_to_exit_code(config: Config, env: DistEnv) -> None:
     try:
         run(config, env)
     except UserError as error:
-        report(error, env.rank)
+        if env.rank != 0 and not error.every_rank:
+            leave_the_report_to_rank_0(error, env.rank)
+        else:
+            report(error, env.rank)
         sys.exit(error.exit_code)
     except Preempted:
         sys.exit(PREEMPTED_EXIT)
+
+
+REPORT_GRACE_S = 10.0
+
+
+def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
+    """An error in the inputs every rank shares (a checkpoint, a setting) stops every rank, and rank 0
+    says it once. A rank that gets there first must not exit first: its launcher would stop rank 0
+    before rank 0 said anything. So it waits for the launcher's stop, which comes once rank 0 has
+    reported and exited, and then goes quietly. If no stop comes within REPORT_GRACE_S, the error
+    was this rank's alone, and it says so itself."""
+    stops: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda received, _frame: stops.append(received))
+    deadline = time.monotonic() + REPORT_GRACE_S
+    while not stops and time.monotonic() < deadline:
+        time.sleep(0.05)  # a signal ends the sleep at once
+    if not stops:
+        report(error, rank, own=True)
 
 
 def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:
