@@ -74,11 +74,19 @@ def test_srun_one_task_per_node_spawns_one_process_per_gpu(slurm_env, image_fold
 
 
 def sbatch(env: dict[str, str], script: str, options: list[str], args: list[str], log) -> str:
-    """Submit an example script, wait for it, and return the job's output (the test fails on a non-zero exit)."""
-    result = subprocess.run(["sbatch", "--wait", *options, f"--output={log}", str(REPO / "scripts" / script), *args],
-                            cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    """Submit an example script, wait for it, and return the job's output (the test fails unless it completed).
+
+    Polls scontrol rather than `sbatch --wait`, which looks after 2 s, 10 s and then every 32 s, so a
+    job of 12 s would cost 42 (see scripts/slurm_local_cluster.sh).
+    """
+    submitted = subprocess.run(["sbatch", "--parsable", *options, f"--output={log}", str(REPO / "scripts" / script),
+                                *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stdout + submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    state = wait_until(lambda: (s := job_field(job, "JobState", env)) not in ("", "PENDING", "RUNNING", "COMPLETING")
+                       and s, 300, f"job {job} to end")
     output = log.read_text() if log.exists() else ""
-    assert result.returncode == 0, result.stdout + result.stderr + output
+    assert state == "COMPLETED" and job_field(job, "ExitCode", env) == "0:0", f"job {job}: {state}\n{output}"
     return output
 
 
