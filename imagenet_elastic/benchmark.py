@@ -39,12 +39,13 @@ from torch.utils.data import DataLoader, Dataset
 from imagenet_elastic import benchmark_throughput as throughput
 from imagenet_elastic import checkpoint, data, file_index
 from imagenet_elastic.atomic_files import atomic_write_bytes
+from imagenet_elastic.augment import POLICIES
 from imagenet_elastic.checkpoint import CheckpointManager
 from imagenet_elastic.checkpointer import CheckpointWriter
 from imagenet_elastic.engine import train_step
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.file_index import ImageIndex
-from imagenet_elastic.options import Parser, non_negative_int, positive_int
+from imagenet_elastic.options import Parser, non_negative_int, positive_int, probability
 from imagenet_elastic.state import TrainState
 
 MODES = ("loader", "synthetic", "end_to_end", "index", "checkpoint")
@@ -62,6 +63,9 @@ def build_parser() -> Parser:
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--batches", type=positive_int, default=30, help="measured batches per round or mode")
     p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of the loader comparison")
+    p.add_argument("--auto-augment", choices=list(POLICIES), default="none", help="loader mode: the policy in both "
+                   "loaders (torchvision's; ours on uint8 tensors, the textbook one on PIL images)")
+    p.add_argument("--random-erase", type=probability, default=0.0, help="loader mode: erasing in both loaders")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")

@@ -16,6 +16,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from imagenet_elastic import data, gpu_decode
+from imagenet_elastic.augment import INCEPTION_CROP, Augment, make_policy
 from imagenet_elastic.engine import StepContext, device_batches, train_step
 from imagenet_elastic.file_index import ImageIndex, scan_image_folder
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
@@ -39,12 +40,12 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
     return images / (time.perf_counter() - start)
 
 
-def ours_loader(index: ImageIndex, size: int, batch: int, workers: int,
-                encoded: bool = False) -> Callable[[int], Iterator]:
+def ours_loader(index: ImageIndex, size: int, batch: int, workers: int, encoded: bool = False,
+                augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
     sampler = TrainBatchSampler(len(index), BatchPlan(batch, 1, batch), 0, seed=0)
     load, collate = gpu_decode.worker_functions("gpu" if encoded else "cpu")
-    loader = data.train_loader(data.TrainDataset(index, size, 0, load), sampler, workers, torch.cuda.is_available(),
-                               collate=collate)
+    loader = data.train_loader(data.TrainDataset(index, size, 0, load, augment), sampler, workers,
+                               torch.cuda.is_available(), collate=collate)
     data.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -53,12 +54,17 @@ def ours_loader(index: ImageIndex, size: int, batch: int, workers: int,
     return epoch
 
 
-def textbook_loader(root: str, size: int, batch: int, workers: int) -> Callable[[int], Iterator]:
+def textbook_loader(root: str, size: int, batch: int, workers: int,
+                    augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
+    """torchvision's classification reference: PIL transforms, float tensors out of the workers; the
+    policy before ToTensor and erasing after Normalize, as the reference places them."""
     import torchvision.datasets as datasets
     import torchvision.transforms as T
 
-    transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), T.ToTensor(),
-                           T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225])])
+    policy = make_policy(augment.policy)
+    transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *([policy] if policy else []),
+                           T.ToTensor(), T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+                           *([T.RandomErasing(p=augment.erase)] if augment.erase else [])])
     loader = DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, num_workers=workers,
                         pin_memory=torch.cuda.is_available(), drop_last=True)
     return lambda _: iter(loader)
@@ -67,8 +73,9 @@ def textbook_loader(root: str, size: int, batch: int, workers: int) -> Callable[
 def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> dict[str, Any]:
     index = scan_image_folder(train_dir, "train")
     warmup = max(2, 2 * workers)
-    contenders = {"ours": ours_loader(index, args.image_size, args.batch_size, workers),
-                  "textbook": textbook_loader(train_dir, args.image_size, args.batch_size, workers)}
+    augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    contenders = {"ours": ours_loader(index, args.image_size, args.batch_size, workers, augment=augment),
+                  "textbook": textbook_loader(train_dir, args.image_size, args.batch_size, workers, augment)}
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, make in contenders.items():
@@ -76,7 +83,8 @@ def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> dict[s
     ours, textbook = statistics.median(rates["ours"]), statistics.median(rates["textbook"])
     return {"ours_images_per_sec": round(ours, 1), "textbook_images_per_sec": round(textbook, 1),
             "ratio": round(ours / textbook, 2), "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-            "images": len(index), "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size}
+            "images": len(index), "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+            "auto_augment": args.auto_augment, "random_erase": args.random_erase}
 
 
 # ----------------------------------------------------------------------------- model
@@ -141,7 +149,7 @@ def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> di
     ctx, settings = step_context(args, len(index.classes))
     encoded = args.decode == "gpu"
     loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded)
-    decoder = (gpu_decode.BatchDecoder(args.image_size, ctx.device, lambda line: print(line, file=sys.stderr))
+    decoder = (gpu_decode.BatchDecoder(ctx.device, lambda line: print(line, file=sys.stderr))
                if encoded else None)
     batches = device_batches(endless(loader), ctx.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))

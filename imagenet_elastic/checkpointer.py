@@ -27,7 +27,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from imagenet_elastic import distributed, metrics
+from imagenet_elastic import config_file, distributed, metrics
 from imagenet_elastic.checkpoint import CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import StorageError
@@ -139,6 +139,7 @@ class Checkpointer:
         self.writer = CheckpointWriter(manager, config.async_checkpoint, device)
         self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
         self.metrics_folder = config.checkpoints_path
+        self.settings: Optional[Config] = config  # written once, after this run's first checkpoint
         self.is_main = is_main
         self.last_save = time.monotonic()
 
@@ -160,8 +161,11 @@ class Checkpointer:
         epoch's checkpoint, followed by metrics.jsonl. A synchronous save is on disk before any rank
         goes on; a background one is waited for by the next save, `settle` and `close`."""
         if self.is_main:
-            after = functools.partial(metrics.write, self.metrics_folder, history) if history is not None else None
-            self.writer.submit(capture(), epoch, is_best, after)
+            then = [functools.partial(metrics.write, self.metrics_folder, history)] if history is not None else []
+            if self.settings is not None:
+                then.append(functools.partial(config_file.write, self.metrics_folder, self.settings))
+                self.settings = None
+            self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
         if not self.writer.background:
             self.settle()
         self.last_save = time.monotonic()
@@ -188,3 +192,8 @@ class Checkpointer:
     def close(self) -> Optional[Exception]:
         """Wait for the write in flight; returns a failure nobody took."""
         return self.writer.close()
+
+
+def run_each(steps: list[Callable[[], None]]) -> None:
+    for step in steps:
+        step()

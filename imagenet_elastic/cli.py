@@ -11,17 +11,10 @@ import sys
 from collections.abc import Sequence
 from typing import Any, NoReturn, Optional
 
-from imagenet_elastic.config import GROUPS, Config
+from imagenet_elastic.config import GROUPS, Config, flag, setting_fields
+from imagenet_elastic.config_file import read_settings, settings_yaml
 from imagenet_elastic.errors import PROG, UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser, non_negative_int
-
-
-def setting_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(Config) if "help" in f.metadata]
-
-
-def flag(f: dataclasses.Field) -> str:
-    return f.metadata.get("metavar", "DATA") if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
 
 
 def build_parser() -> Parser:
@@ -30,20 +23,44 @@ def build_parser() -> Parser:
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for f in setting_fields():
         meta = f.metadata
-        if meta.get("positional"):
-            p.add_argument(f.name, metavar=meta["metavar"], help=meta["help"])
+        if meta.get("positional"):  # optional here: it may come from --config (see parse)
+            p.add_argument(f.name, metavar=meta["metavar"], help=meta["help"], nargs="?")
             continue
         extra: dict[str, Any] = dict(meta["argparse"])
         if meta["metavar"]:
             extra["metavar"] = meta["metavar"]
         groups[meta["group"]].add_argument(flag(f), dest=f.name, default=f.default, help=meta["help"], **extra)
+    files = p.add_argument_group("settings files")
+    files.add_argument("--config", metavar="FILE.yaml", help="read settings from a flat YAML file of option names "
+                       "and values (`batch-size: 128`); options given on the command line override it")
+    files.add_argument("--print-config", action="store_true",
+                       help="print the resolved settings as YAML, in the form --config reads, and exit")
     p.add_argument("--local-rank", "--local_rank", dest="local_rank", type=non_negative_int, default=None,
                    help=argparse.SUPPRESS)  # passed by python -m torch.distributed.launch; not a setting
     return p
 
 
+NOT_SETTINGS = ("local_rank", "config", "print_config")
+
+
+def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
+    """The command line over the --config file over the defaults, as a checked Config."""
+    parser = build_parser()
+    first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
+    first.add_argument("--config")
+    found, _ = first.parse_known_args(argv)
+    if found.config:
+        parser.set_defaults(**read_settings(found.config, build_parser()))
+    args = parser.parse_args(argv)
+    if args.data is None and not args.print_config:
+        parser.error("the following arguments are required: DATA")
+    return config_from_args(args), args
+
+
 def config_from_args(args: argparse.Namespace) -> Config:
-    return Config(**{k: v for k, v in vars(args).items() if k != "local_rank"})
+    """Lists from nargs=2 options become tuples, as the defaults are."""
+    values = {k: tuple(v) if isinstance(v, list) else v for k, v in vars(args).items() if k not in NOT_SETTINGS}
+    return Config(**values)
 
 
 def options_table() -> str:
@@ -59,6 +76,8 @@ def options_table() -> str:
             usage = f"{usage} {{{','.join(extra['choices'])}}}"
         elif extra.get("nargs") == "?":
             usage = f"{usage} [{meta['metavar']}]"
+        elif isinstance(meta.get("metavar"), tuple):
+            usage = f"{usage} {' '.join(meta['metavar'])}"
         elif meta.get("metavar") and not meta.get("positional"):
             usage = f"{usage} {meta['metavar']}"
         rows.append(f"| `{usage}` | {shown_default(f)} | {meta['help']} |")
@@ -86,8 +105,14 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from imagenet_elastic.benchmark import main as benchmark
         benchmark(argv[1:])
         return
-    args = build_parser().parse_args(argv)
-    config = config_from_args(args)
+    try:
+        config, args = parse(argv)
+    except UserError as error:
+        report(error, rank=0)
+        sys.exit(error.exit_code)
+    if args.print_config:
+        sys.stdout.write(settings_yaml(config, "imagenet_elastic settings (--print-config); run them with --config"))
+        return
     from imagenet_elastic.distributed import uses_cuda, visible_gpu_count
     from imagenet_elastic.launch import run_worker, spawn_workers
     from imagenet_elastic.launchers import resolve_launch

@@ -13,16 +13,22 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from imagenet_elastic import options
+from imagenet_elastic.augment import POLICIES, Augment, check_range
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.preemption import DEFAULT_SIGNALS
+from imagenet_elastic.schedule import SCHEDULES
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.
 RESUME_SENSITIVE = (
-    "batch_size", "lr", "momentum", "weight_decay", "warmup_epochs", "epochs", "label_smoothing",
-    "seed", "image_size", "amp", "max_steps_per_epoch",
+    "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
+    "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
+    "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
 )
-GROUPS = {"model": "model and optimisation", "run": "run", "checkpoints": "checkpoints", "distributed": "distributed"}
+OPTIMIZERS = ("sgd", "nesterov", "adamw", "lamb", "lars")  # --opt: torch's SGD, the rest timm's
+GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
+          "checkpoints": "checkpoints", "distributed": "distributed"}
 
 
 def option(default: Any, help: str, group: str, metavar: Optional[str] = None, shown_default: Optional[str] = None,
@@ -40,9 +46,32 @@ class Config:
     val_path: Optional[str] = option(None, "validation folder", "run", "PATH", shown_default="`DATA/val`")
     model: str = option("resnet50", "any timm model name, random initialisation (nothing is downloaded)", "model",
                         "NAME")
-    image_size: int = option(224, "train crop and val crop size", "model", "N", type=options.positive_int)
-    val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224)", "model", "N",
-                                       shown_default="image-size / 0.875", type=options.positive_int)
+    initial_checkpoint: Optional[str] = option(
+        None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
+        "dict, or a .safetensors file; a classifier of another class count is re-initialised. A resumed run "
+        "continues from its own checkpoint instead", "model", "PATH")
+    image_size: int = option(224, "train crop size (and val crop size unless --val-crop-size)", "model", "N",
+                             type=options.positive_int)
+    val_crop_size: Optional[int] = option(
+        None, "val centre crop size; larger than the train size for FixRes recipes (train 176, val 224)", "model",
+        "N", shown_default="image-size", type=options.positive_int)
+    val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224, 232 in "
+                                       "torchvision's v2 recipe)", "model", "N",
+                                       shown_default="val crop / 0.875", type=options.positive_int)
+    scale: tuple[float, float] = option(
+        (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
+        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)
+    ratio: tuple[float, float] = option(
+        (3 / 4, 4 / 3), "random-resized crop: the range of its aspect ratio (width / height)", "augment",
+        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float)
+    hflip: float = option(0.5, "probability of a horizontal flip; 0 where a mirrored image means something else "
+                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
+    auto_augment: str = option(
+        "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
+        "imagenet (AutoAugment's ImageNet policy); needs --decode cpu", "augment", choices=list(POLICIES))
+    random_erase: float = option(
+        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel; "
+        "needs --decode cpu", "augment", "P", type=options.probability)
     epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
@@ -53,11 +82,30 @@ class Config:
         shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
     lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
                        "start)", "model", "X", type=options.positive_float)
-    momentum: float = option(0.9, "SGD momentum", "model", "X", type=options.non_negative_float)
+    opt: str = option("sgd", "optimizer: sgd (torch's, fused on CUDA), nesterov, adamw, lamb, lars (timm's "
+                      "create_optimizer_v2)", "model", choices=list(OPTIMIZERS))
+    momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
+                             type=options.non_negative_float)
     weight_decay: float = option(1e-4, "not applied to norm layers and biases", "model", "X",
                                  type=options.non_negative_float)
-    warmup_epochs: float = option(5.0, "linear warmup, then cosine decay to 0, stepped every iteration", "model", "X",
-                                  type=options.non_negative_float)
+    warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
+                                  "X", type=options.non_negative_float)
+    sched: str = option("cosine", "LR decay after the warmup: cosine (to --lr-min at the last step) or step (x "
+                        "--decay-rate every --decay-epochs, counted from the first epoch)", "model",
+                        choices=list(SCHEDULES))
+    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
+                           type=options.non_negative_float)
+    decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
+                                 type=options.positive_float)
+    decay_rate: float = option(0.1, "step decay: the factor", "model", "X", type=options.positive_float)
+    model_ema: bool = option(
+        False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
+        "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
+        "metrics.jsonl; best.pt says which of the two was best)", "model", action=argparse.BooleanOptionalAction)
+    model_ema_decay: float = option(0.9998, "EMA decay per optimizer step", "model", "X", type=options.probability)
+    model_ema_warmup: bool = option(
+        False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
+        "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction)
     label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
                                     type=options.non_negative_float)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
@@ -73,7 +121,7 @@ class Config:
     compile: bool = option(
         False, "`torch.compile` the model before DDP wraps it; checkpoints hold the original module's weights (no "
         "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
-        action="store_true")
+        action=argparse.BooleanOptionalAction)
     decode: str = option(
         "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, the main process "
         "decodes each batch with nvJPEG and crops, resizes and flips on the GPU (PNG, CMYK and rejected JPEGs fall "
@@ -101,7 +149,7 @@ class Config:
         "checkpoints", "SIGNALS", type=options.signals)
     requeue_on_preempt: bool = option(
         False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
-        "checkpoints", action="store_true")
+        "checkpoints", action=argparse.BooleanOptionalAction)
     evaluate: bool = option(False, "validate the `--resume` checkpoint and exit", "run", action="store_true")
     max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
     log_interval: int = option(50, "steps between progress lines when the output is not a terminal", "run", "N",
@@ -120,9 +168,26 @@ class Config:
     dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
                                  "SECONDS", type=options.positive_float)
 
+    def __post_init__(self) -> None:
+        """What no single option's type can check: ranges of two values, and options that exclude each other."""
+        check_range("--scale", self.scale, high=1.0)
+        check_range("--ratio", self.ratio)
+        if self.decode == "gpu" and self.augment.after_crop:
+            flag = "--auto-augment" if self.auto_augment != "none" else "--random-erase"
+            raise UserError(f"{flag} works on decoded pixels in the loader workers, and under --decode gpu they "
+                            "hand over undecoded bytes: use --decode cpu with it")
+
+    @property
+    def augment(self) -> Augment:
+        return Augment(tuple(self.scale), tuple(self.ratio), self.hflip, self.auto_augment, self.random_erase)
+
+    @property
+    def eval_crop(self) -> int:
+        return self.val_crop_size or self.image_size
+
     @property
     def eval_resize(self) -> int:
-        return self.val_resize or round(self.image_size / 0.875)
+        return self.val_resize or round(self.eval_crop / 0.875)
 
     @property
     def checkpoint_every_steps(self) -> Optional[int]:
@@ -141,3 +206,12 @@ class Config:
         mine = self.to_dict()
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}"
                 for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]
+
+
+def setting_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if "help" in f.metadata]
+
+
+def flag(f: dataclasses.Field) -> str:
+    """`--batch-size` for batch_size; DATA for the positional data folder."""
+    return f.metadata.get("metavar", "DATA") if f.metadata.get("positional") else "--" + f.name.replace("_", "-")

@@ -25,6 +25,7 @@ from PIL import Image
 from torch.utils.data import DataLoader, Dataset
 
 from imagenet_elastic import distributed
+from imagenet_elastic.augment import INCEPTION_CROP, Augment
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
@@ -141,14 +142,16 @@ def pixel_span(start: float, length: float, limit: int) -> slice:
 # ----------------------------------------------------------------------------- datasets and loaders
 
 class TrainDataset(Dataset):
-    """Indexed by SampleKey (epoch, index): random-resized crop and flip derived from that key.
+    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key.
 
     `load` turns (path, choose_crop, size) into the sample's image: `decode_region` here, or
-    `gpu_decode.encode_region`, which leaves the decoding to the device.
+    `gpu_decode.encode_region`, which leaves the decoding to the device (and so takes no policy or
+    erasing, see config.Config.check).
     """
 
-    def __init__(self, index: ImageIndex, size: int, seed: int, load: Load = decode_region) -> None:
-        self.index, self.size, self.seed, self.load = index, size, seed, load
+    def __init__(self, index: ImageIndex, size: int, seed: int, load: Load = decode_region,
+                 augment: Augment = INCEPTION_CROP) -> None:
+        self.index, self.size, self.seed, self.load, self.augment = index, size, seed, load, augment
 
     def __len__(self) -> int:
         return len(self.index)
@@ -156,13 +159,14 @@ class TrainDataset(Dataset):
     def __getitem__(self, key: SampleKey) -> tuple[Any, int, int]:
         """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
         epoch, i = key
-        rng = sample_rng(self.seed, epoch, i)
+        rng, augment = sample_rng(self.seed, epoch, i), self.augment
 
         def choose_crop(width: int, height: int) -> tuple[Box, bool]:
-            box = random_resized_crop_box(width, height, rng)
-            return box, rng.random() < 0.5
+            box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
+            return box, rng.random() < augment.hflip
 
-        return self.load(self.index.path(i), choose_crop, self.size), int(self.index.targets[i]), i
+        pixels = augment.apply(self.load(self.index.path(i), choose_crop, self.size), rng)
+        return pixels, int(self.index.targets[i]), i
 
 
 class EvalDataset(Dataset):
@@ -204,11 +208,12 @@ def share_heap_with_workers() -> None:
     the parent's and the workers', so their pages stay shared (`benchmark --mode index` measures
     what a worker copies; docs/BENCHMARKS.md).
 
-    torchvision's decoders are imported here, not with this module: importing torchvision takes
+    torchvision's decoders and transforms are imported here, not with this module: importing torchvision takes
     seconds (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while
     forked workers should inherit it rather than each import it again.
     """
     import torchvision.io  # noqa: F401
+    import torchvision.transforms.v2  # noqa: F401  (augment.Augment's policies)
     gc.collect()  # what is garbage now would never be collected once frozen
     gc.freeze()
 

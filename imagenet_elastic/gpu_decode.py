@@ -48,6 +48,7 @@ class EncodedImage:
     data: torch.Tensor  # 1-D uint8 file bytes, or size x size x 3 uint8 pixels
     box: Box
     flip: bool
+    size: int  # of the square crop the batch wants (train and val sizes may differ)
     cpu_reason: Optional[str] = None
 
 
@@ -62,9 +63,9 @@ def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
     box, flip = choose_crop(width, height)
     if kind == "JPEG" and mode in DEVICE_DECODABLE_MODES:
-        return EncodedImage(path, byte_tensor(raw), box, flip)
+        return EncodedImage(path, byte_tensor(raw), box, flip, size)
     reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
-    return EncodedImage(path, decode_bytes(raw, path, lambda w, h: (box, flip), size), box, flip, reason)
+    return EncodedImage(path, decode_bytes(raw, path, lambda w, h: (box, flip), size), box, flip, size, reason)
 
 
 def worker_functions(decode: str) -> tuple[Load, Optional[Callable[[list], list]]]:
@@ -80,10 +81,11 @@ def collate(samples: list[tuple]) -> list:
 
 class BatchDecoder:
     """The main process's part: `decoder(batch)` turns a collated batch of EncodedImage into an
-    N x size x size x 3 uint8 tensor on `device`, leaving the batch's other entries as they are."""
+    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), leaving the batch's
+    other entries as they are."""
 
-    def __init__(self, size: int, device: torch.device, warn: Callable[[str], None]) -> None:
-        self.size, self.device, self.warn = size, device, warn
+    def __init__(self, device: torch.device, warn: Callable[[str], None]) -> None:
+        self.device, self.warn = device, warn
         self.reported: set[str] = set()
 
     def __call__(self, batch: list) -> list:
@@ -96,13 +98,13 @@ class BatchDecoder:
         for im in images:
             pixels = next(on_device) if im.cpu_reason is None else None
             if pixels is not None:
-                crops.append(crop_resize(pixels, im.box, im.flip, self.size))
+                crops.append(crop_resize(pixels, im.box, im.flip, im.size))
                 continue
             reason, crop = im.cpu_reason, im.data
             if reason is None:  # the device decoder refused it; the CPU decoder names a corrupt file
                 reason = "a JPEG the device decoder rejected"
                 crop = decode_bytes(im.data.numpy().tobytes(), im.path, lambda w, h, im=im: (im.box, im.flip),
-                                    self.size)
+                                    im.size)
             self.report(im.path, reason)
             crops.append(crop.to(self.device, non_blocking=True))
         return torch.stack(crops)

@@ -110,11 +110,25 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float,
-                     device: torch.device) -> torch.optim.Optimizer:
-    """On CUDA the fused SGD kernel (a few launches for all parameters), elsewhere torch's default."""
-    fused = True if device.type == "cuda" else None
-    return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, fused=fused)
+                     device: torch.device, name: str = "sgd") -> torch.optim.Optimizer:
+    """SGD is torch's, fused on CUDA (a few launches for all parameters); the others are timm's
+    (`create_optimizer_v2`). All get the same parameter groups: no weight decay on norms and biases."""
+    if name == "sgd":
+        fused = True if device.type == "cuda" else None
+        return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, fused=fused)
+    from timm.optim import create_optimizer_v2
+
+    extra = {"momentum": momentum} if name in ("nesterov", "lars") else {}
+    return create_optimizer_v2(param_groups(model, weight_decay), opt=name, lr=lr, weight_decay=weight_decay,
+                               **extra)
 
 
 def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
+
+
+def create_ema(model: nn.Module, decay: float, warmup: bool) -> nn.Module:
+    """timm's ModelEmaV3: a copy of `model` (as it is now) that `update(model, step)` moves towards it."""
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(model, decay=decay, use_warmup=warmup)

@@ -11,9 +11,12 @@ from imagenet_elastic.preemption import parse_signals
 
 
 class Parser(argparse.ArgumentParser):
+    source: Optional[str] = None  # a config file whose values this parser reads: errors name it
+
     def error(self, message: str) -> NoReturn:
         """One line, no usage dump: `imagenet-elastic: error: argument --batch-size: ...`."""
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        where = f"config file {self.source}: " if self.source else ""
+        self.exit(2, f"{self.prog}: error: {where}{message} (see --help)\n")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -44,6 +47,7 @@ non_negative_int = bounded(int, 0)
 non_negative_float = bounded(float, 0.0)
 positive_float = bounded(float, 0.0, inclusive=False)
 port_number = bounded(int, 1, 65535)
+probability = bounded(float, 0.0, 1.0)
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 

@@ -1,10 +1,13 @@
-"""Learning rate: linear scaling with the global batch, linear warmup, cosine decay per iteration."""
+"""Learning rate: linear scaling with the global batch, linear warmup, then cosine or step decay,
+stepped every iteration."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 REFERENCE_BATCH = 256
+SCHEDULES = ("cosine", "step")  # --sched
 
 
 def scaled_lr(base_lr: float, global_batch: int) -> float:
@@ -12,10 +15,27 @@ def scaled_lr(base_lr: float, global_batch: int) -> float:
     return base_lr * global_batch / REFERENCE_BATCH
 
 
-def lr_at(step: int, peak_lr: float, warmup_steps: int, total_steps: int) -> float:
-    """LR for optimizer step `step` (0-based): warmup from peak/warmup to peak, then cosine to 0."""
-    if step < warmup_steps:
-        return peak_lr * (step + 1) / warmup_steps
-    decay_steps = max(1, total_steps - warmup_steps)
-    progress = min(1.0, (step - warmup_steps) / decay_steps)
-    return 0.5 * peak_lr * (1.0 + math.cos(math.pi * progress))
+@dataclass(frozen=True)
+class LRSchedule:
+    peak: float
+    warmup_steps: int
+    total_steps: int
+    minimum: float = 0.0  # --lr-min: where cosine ends, and the floor of step decay
+    kind: str = "cosine"
+    decay_every: int = 1  # step decay: optimizer steps between two decays
+    decay_rate: float = 0.1
+
+    def at(self, step: int) -> float:
+        """LR for optimizer step `step` (0-based): warmup from peak/warmup to peak, then the decay."""
+        if step < self.warmup_steps:
+            return self.peak * (step + 1) / self.warmup_steps
+        if self.kind == "step":  # torchvision's StepLR: counted from the first step, as its epochs are
+            return max(self.minimum, self.peak * self.decay_rate ** (step // self.decay_every))
+        decay_steps = max(1, self.total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        return self.minimum + 0.5 * (self.peak - self.minimum) * (1.0 + math.cos(math.pi * progress))
+
+    def describe(self) -> str:
+        decay = (f"x{self.decay_rate:g} every {self.decay_every} steps" if self.kind == "step"
+                 else f"cosine over {self.total_steps}")
+        return f"warmup {self.warmup_steps} steps, {decay}" + (f", down to {self.minimum:g}" if self.minimum else "")

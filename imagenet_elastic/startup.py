@@ -23,7 +23,15 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic import checkpoint, data, distributed, file_index, gpu_decode, preemption
+from imagenet_elastic import (
+    checkpoint,
+    data,
+    distributed,
+    file_index,
+    gpu_decode,
+    initial_weights,
+    preemption,
+)
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
 from imagenet_elastic.checkpointer import Checkpointer
 from imagenet_elastic.config import Config
@@ -32,12 +40,19 @@ from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import StepContext
 from imagenet_elastic.errors import PREEMPTED_EXIT, UserError
 from imagenet_elastic.file_index import ImageIndex
-from imagenet_elastic.model import count_parameters, create_model, create_optimizer, place_model, resolve_precision
+from imagenet_elastic.model import (
+    count_parameters,
+    create_ema,
+    create_model,
+    create_optimizer,
+    place_model,
+    resolve_precision,
+)
 from imagenet_elastic.preemption import PreemptionFlag
 from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.samplelog import SampleLog
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
-from imagenet_elastic.schedule import scaled_lr
+from imagenet_elastic.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.state import TrainState, check_compatible
 from imagenet_elastic.trainer import Loaders, Restored, Trainer
 
@@ -55,6 +70,7 @@ class Inputs:
     checkpoints: CheckpointManager
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     load_seconds: float
+    initial_state: Optional[dict[str, torch.Tensor]]  # --initial-checkpoint's, for a run that starts fresh
 
 
 def check_inputs(config: Config, env: DistEnv, console: Console,
@@ -83,8 +99,12 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     start = time.perf_counter()
     snapshot = checkpoint.load(resume_from) if resume_from else None
     if snapshot is not None:
-        check_compatible(snapshot, resume_from, config.model, train_index.classes)
-    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, time.perf_counter() - start)
+        check_compatible(snapshot, resume_from, config.model, train_index.classes,
+                         None if config.evaluate else config.opt)
+    initial = (initial_weights.read(config.initial_checkpoint)
+               if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
+    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, time.perf_counter() - start,
+                    initial)
     return inputs, snapshot
 
 
@@ -102,10 +122,17 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
         console.warn(precision.warning)
     model = place_model(create_model(config.model, len(inputs.train_index.classes)), inputs.device,
                         config.channels_last)
-    peak_lr = scaled_lr(config.lr, plan.global_batch)
-    optimizer = create_optimizer(model, peak_lr, config.momentum, config.weight_decay, inputs.device)
+    start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
+        model, inputs.initial_state, config.initial_checkpoint, config.model)
+    schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),
+                          sampler.steps * config.epochs, config.lr_min, config.sched,
+                          max(1, round(config.decay_epochs * sampler.steps)), config.decay_rate)
+    optimizer = create_optimizer(model, schedule.peak, config.momentum, config.weight_decay, inputs.device,
+                                 config.opt)
     scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
-    state = TrainState(model, optimizer, scaler)
+    averaged = config.model_ema or (config.evaluate and snapshot is not None and snapshot.get("model_ema") is not None)
+    ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if averaged else None
+    state = TrainState(model, optimizer, scaler, ema=ema)
     if snapshot is not None:
         state.apply(snapshot)
         changes = config.differences(snapshot["config"])
@@ -113,8 +140,7 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
             changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
         for change in changes:
             console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
-    return Restored(state, plan, sampler, precision, peak_lr, warmup_steps=round(config.warmup_epochs * sampler.steps),
-                    total_steps=sampler.steps * config.epochs, classes=inputs.train_index.classes,
+    return Restored(state, plan, sampler, precision, schedule, start, classes=inputs.train_index.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None)
 
@@ -133,11 +159,11 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
         if inputs.device.type != "cuda":
             console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
                          "(slower than --decode cpu; meant for testing)")
-        decoder = gpu_decode.BatchDecoder(config.image_size, inputs.device,
-                                          functools.partial(console.warn, every_rank=True))
-    train = data.train_loader(data.TrainDataset(inputs.train_index, config.image_size, config.seed, load),
+        decoder = gpu_decode.BatchDecoder(inputs.device, functools.partial(console.warn, every_rank=True))
+    train = data.train_loader(data.TrainDataset(inputs.train_index, config.image_size, config.seed, load,
+                                                config.augment),
                               restored.sampler, workers, pin, ignored, collate)
-    val = data.eval_loader(data.EvalDataset(inputs.val_index, config.image_size, config.eval_resize, load),
+    val = data.eval_loader(data.EvalDataset(inputs.val_index, config.eval_crop, config.eval_resize, load),
                            config.batch_size, env.rank, env.world_size, workers, pin, ignored, collate)
     data.share_heap_with_workers()
     stack.callback(data.stop_loader_workers)
@@ -209,9 +235,7 @@ def run(config: Config, env: DistEnv) -> None:
         stack.callback(preempt.ignore_from_now)
         trainer = build(config, env, console, preempt, stack)
         if config.evaluate:
-            result = trainer.validate()
-            console.result({"checkpoint": trainer.restored.resume_from, "val_loss": result.loss,
-                            "val_top1": result.top1, "val_top5": result.top5, "val_samples": result.samples})
+            console.result({"checkpoint": trainer.restored.resume_from, **trainer.validate()})
         else:
             trainer.fit()
 
@@ -230,8 +254,12 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
          else "none (single process)"),
         ("global batch", plan.describe()),
-        ("learning rate", f"{restored.peak_lr:.6g} = {c.lr:g} x {plan.global_batch}/256, "
-                          f"warmup {restored.warmup_steps} steps, cosine over {restored.total_steps}"),
+        ("initial weights", restored.start if not restored.resume_from else f"from {restored.resume_from}"),
+        ("model EMA", f"decay {c.model_ema_decay:g} per step" + (" after timm's warmup" if c.model_ema_warmup else "")
+         if restored.state.ema is not None else "off"),
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"),
+        ("learning rate", f"{restored.schedule.peak:.6g} = {c.lr:g} x {plan.global_batch}/256, "
+                          f"{restored.schedule.describe()}"),
         ("steps per epoch", str(restored.sampler.steps)),
         ("precision", restored.precision.describe()),
         ("channels_last / compile", f"{c.channels_last} / {c.compile}"),

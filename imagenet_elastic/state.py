@@ -6,7 +6,7 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -94,11 +94,13 @@ class TrainState:
     best_top1: float = -1.0
     history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per completed epoch
     tally: EpochTally = field(default_factory=EpochTally)  # the epoch in progress
+    ema: Optional[nn.Module] = None  # --model-ema: timm's ModelEmaV3, whose `module` is the averaged model
 
     def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,
             "model": self.model.state_dict(),
+            "model_ema": self.ema.module.state_dict() if self.ema is not None else None,
             "optimizer": self.optimizer.state_dict(),
             "scaler": self.scaler.state_dict(),
             "epoch": self.epoch,
@@ -114,6 +116,8 @@ class TrainState:
 
     def apply(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
+        if self.ema is not None:  # a checkpoint without an average starts it from its weights
+            self.ema.module.load_state_dict(snapshot.get("model_ema") or snapshot["model"])
         kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in self.optimizer.param_groups]
         self.optimizer.load_state_dict(snapshot["optimizer"])
         for group, own in zip(self.optimizer.param_groups, kernels):
@@ -128,8 +132,10 @@ class TrainState:
         apply_rng(snapshot["rng"])
 
 
-def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...]) -> None:
-    """Refuse a checkpoint of another model or class list before touching any state."""
+def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...],
+                     optimizer: Optional[str] = None) -> None:
+    """Refuse a checkpoint of another model, class list or (when training goes on) optimizer before
+    touching any state."""
     saved_model = snapshot.get("model_name")
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:
@@ -138,3 +144,7 @@ def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, class
         raise UserError(f"checkpoint {path} has {len(saved_classes)} classes, the data has {len(classes)}")
     if saved_classes != classes:
         raise UserError(f"checkpoint {path} was trained on other class names than the data's folders")
+    trained_with = snapshot.get("config", {}).get("opt", "sgd")  # checkpoints before --opt: SGD
+    if optimizer is not None and trained_with != optimizer:
+        raise UserError(f"checkpoint {path} was trained with --opt {trained_with}, whose state --opt {optimizer} "
+                        f"cannot continue: resume it with --opt {trained_with}")

@@ -16,13 +16,13 @@ from imagenet_elastic.checkpointer import Checkpointer
 from imagenet_elastic.config import RESUME_AUTO, Config
 from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.engine import EvalResult, StepContext, device_batches, evaluate, step_groups, train_step
+from imagenet_elastic.engine import StepContext, device_batches, evaluate, step_groups, train_step
 from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
 from imagenet_elastic.model import Precision
 from imagenet_elastic.preemption import PreemptionFlag
 from imagenet_elastic.samplelog import SampleLog
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
-from imagenet_elastic.schedule import lr_at
+from imagenet_elastic.schedule import LRSchedule
 from imagenet_elastic.state import EpochTally, PendingSteps, TrainState
 
 
@@ -34,9 +34,8 @@ class Restored:
     plan: BatchPlan
     sampler: TrainBatchSampler
     precision: Precision
-    peak_lr: float
-    warmup_steps: int
-    total_steps: int
+    schedule: LRSchedule
+    start: str  # where a fresh run's weights came from: the seed, or --initial-checkpoint
     classes: tuple[str, ...]
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
     load_seconds: float
@@ -59,6 +58,7 @@ class Trainer:
         self.restored, self.loaders, self.ctx = restored, loaders, ctx
         self.checkpointer, self.sample_log = checkpointer, sample_log
         self.resumed_at = restored.resumed_at  # until the first step, which reports what the restart cost
+        self.best_of: Optional[str] = None  # at an epoch's end: which weights scored its top-1, model or model_ema
 
     def fit(self) -> None:
         c, state = self.config, self.state
@@ -69,13 +69,17 @@ class Trainer:
         for epoch in range(state.epoch, c.epochs):
             row = self.run_epoch(epoch)
             state.epoch, state.tally = epoch + 1, EpochTally()
-            is_best = row["val_top1"] > state.best_top1
-            state.best_top1 = max(state.best_top1, row["val_top1"])
+            self.best_of = "model_ema" if row.get("val_top1_ema", -1.0) > row["val_top1"] else "model"
+            top1 = row["val_top1_ema"] if self.best_of == "model_ema" else row["val_top1"]
+            is_best = top1 > state.best_top1
+            state.best_top1 = max(state.best_top1, top1)
             state.history.append(row)
             self.save(epoch_end=True, is_best=is_best)
+            self.best_of = None  # mid-epoch checkpoints validated nothing
+            ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             self.console.info(
                 f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f} | val loss {row['val_loss']:.4f} "
-                f"top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% ({row['val_samples']} images) | "
+                f"top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% ({row['val_samples']} images){ema} | "
                 f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
@@ -91,10 +95,12 @@ class Trainer:
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.on_device(self.loaders.train), plan.accum):
-                lr = lr_at(state.step, r.peak_lr, r.warmup_steps, r.total_steps)
+                lr = r.schedule.at(state.step)
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
                 state.step += 1
+                if state.ema is not None:
+                    state.ema.update(state.model, step=state.step)
                 self.preempt.steps_done = state.step
                 pending.add(loss)
                 if self.resumed_at is not None:
@@ -112,29 +118,35 @@ class Trainer:
                 if stop:
                     self.stop()
         pending.fold_into(tally, plan.global_batch, self.env.world_size)
-        val = self.validate()
         return {
             "epoch": epoch + 1,
             "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
-            "val_loss": val.loss,
-            "val_top1": val.top1,
-            "val_top5": val.top5,
-            "val_samples": val.samples,
-            "lr": lr_at(state.step - 1, r.peak_lr, r.warmup_steps, r.total_steps),
+            **self.validate(),
+            "lr": r.schedule.at(state.step - 1),
             "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
             "world_size": self.env.world_size,
             "global_batch": plan.global_batch,
             "epoch_seconds": time.perf_counter() - start,
         }
 
-    def validate(self) -> EvalResult:
-        """The model the checkpoint saves: rank 0's weights and BatchNorm statistics, on every rank.
+    def validate(self) -> dict[str, Any]:
+        """The model the checkpoint saves (rank 0's weights and BatchNorm statistics, on every rank), and
+        its average under --model-ema: `val_loss`, `val_top1`, ... and `val_loss_ema`, ...
 
         Eager even under --compile: validation's mode and its last, smaller batch would each cost a
         recompilation, for a pass over 4% as many images as an epoch's training.
         """
-        distributed.broadcast_buffers(self.state.model)
-        return evaluate(self.ctx, self.state.model, self.on_device(self.loaders.val))
+        models = {"": self.state.model}
+        if self.state.ema is not None:
+            models["_ema"] = self.state.ema.module
+        results: dict[str, Any] = {}
+        for suffix, model in models.items():
+            distributed.broadcast_buffers(model)
+            val = evaluate(self.ctx, model, self.on_device(self.loaders.val))
+            results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
+                            f"val_top5{suffix}": val.top5})
+            results["val_samples"] = val.samples
+        return results
 
     def on_device(self, loader: DataLoader) -> Iterator[list]:
         return device_batches(loader, self.ctx.device, self.loaders.decoder)
@@ -148,7 +160,7 @@ class Trainer:
                                history=list(state.history) if epoch_end else None)
 
     def checkpoint_meta(self) -> dict[str, Any]:
-        return {"model_name": self.config.model, "classes": list(self.restored.classes),
+        return {"model_name": self.config.model, "classes": list(self.restored.classes), "best_of": self.best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch}
 
     def stop(self) -> None:

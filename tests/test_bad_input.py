@@ -140,3 +140,18 @@ def test_unwritable_checkpoints_path_is_named(tmp_path, image_folder):
 def test_evaluate_without_checkpoint_is_explained(tmp_path, image_folder):
     expect_user_error([str(image_folder), *SMALL_RUN, "--evaluate", "--checkpoints-path", str(tmp_path / "c")],
                       "--evaluate needs a checkpoint", tmp_path)
+
+
+def test_an_initial_checkpoint_that_is_not_one_is_named_and_nothing_is_written(tmp_path, image_folder):
+    bogus = tmp_path / "weights.pth"
+    bogus.write_bytes(b"these are not weights" * 20)
+    ckpt = tmp_path / "ckpt"
+    expect_user_error([str(image_folder), *SMALL_RUN, "--initial-checkpoint", str(bogus), "--checkpoints-path",
+                       str(ckpt)], f"--initial-checkpoint {bogus} is not a checkpoint or state dict", tmp_path)
+
+
+def test_a_config_file_with_an_unknown_key_is_named(tmp_path, image_folder):
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text("epochs: 3\nmixup: 0.2\n")
+    expect_user_error([str(image_folder), "--config", str(recipe), "--checkpoints-path", str(tmp_path / "c")],
+                      f"config file {recipe}: unknown option 'mixup'", tmp_path)

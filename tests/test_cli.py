@@ -56,6 +56,13 @@ def test_config_eval_resize_defaults_to_size_over_0875():
     assert Config(data="x", val_resize=300).eval_resize == 300
 
 
+def test_val_crop_size_sets_the_val_crop_and_its_default_resize():
+    fixres = Config(data="x", image_size=176, val_crop_size=224)
+    assert (fixres.eval_crop, fixres.eval_resize) == (224, 256)
+    assert Config(data="x", image_size=176, val_crop_size=224, val_resize=232).eval_resize == 232
+    assert Config(data="x", image_size=176).eval_crop == 176
+
+
 # ----------------------------------------------------------------------------- command line
 
 def parse(*argv: str) -> Config:

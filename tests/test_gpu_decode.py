@@ -37,9 +37,9 @@ def mixed_folder(tmp_path):
     return root
 
 
-def decoder_and_warnings(size: int) -> tuple[gpu_decode.BatchDecoder, list[str]]:
+def decoder_and_warnings() -> tuple[gpu_decode.BatchDecoder, list[str]]:
     warnings: list[str] = []
-    return gpu_decode.BatchDecoder(size, CPU, warnings.append), warnings
+    return gpu_decode.BatchDecoder(CPU, warnings.append), warnings
 
 
 def batch_of(dataset: data.TrainDataset, keys: list) -> list:
@@ -66,7 +66,7 @@ def test_batch_decoder_gives_the_worker_paths_pixels_where_no_dct_scaling_applie
     index = scan_image_folder(str(mixed_folder), "train")
     size = 120  # DCT scaling needs a crop of 240 pixels: none of these images has one
     keys = [(1, i) for i in range(len(index))]
-    decoder, warnings = decoder_and_warnings(size)
+    decoder, warnings = decoder_and_warnings()
     images, targets, indices = decoder(batch_of(data.TrainDataset(index, size, 2, gpu_decode.encode_region), keys))
     expected = torch.stack([data.TrainDataset(index, size, 2)[key][0] for key in keys])
     assert images.dtype == torch.uint8 and images.shape == (len(index), size, size, 3)
@@ -78,7 +78,7 @@ def test_batch_decoder_gives_the_worker_paths_pixels_where_no_dct_scaling_applie
 def test_small_crops_differ_from_the_dct_scaled_worker_path_only_by_resampling(mixed_folder):
     index = scan_image_folder(str(mixed_folder), "train")
     keys = [(0, i) for i in range(len(index))]
-    decoder, _ = decoder_and_warnings(16)
+    decoder, _ = decoder_and_warnings()
     images = decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_region), keys))[0]
     expected = torch.stack([data.TrainDataset(index, 16, 0)[key][0] for key in keys])
     difference = (images.float() - expected.float()).abs().mean(dim=(1, 2, 3))
@@ -98,13 +98,22 @@ def test_png_and_cmyk_jpeg_are_decoded_by_the_worker_and_reported_once_per_kind(
     encoded = [dataset[(0, i)][0] for i in range(len(index))]
     reasons = {im.path.rsplit("/", 1)[1]: im.cpu_reason for im in encoded}
     assert reasons == {"k.jpg": "a CMYK JPEG", "p1.png": "a PNG file", "p2.png": "a PNG file", "rgb.jpg": None}
-    decoder, warnings = decoder_and_warnings(24)
+    decoder, warnings = decoder_and_warnings()
     images = decoder(batch_of(dataset, [(0, i) for i in range(len(index))]))[0]
     assert torch.equal(images, torch.stack([data.TrainDataset(index, 24, 0)[(0, i)][0] for i in range(len(index))]))
     decoder(batch_of(dataset, [(1, i) for i in range(len(index))]))
     assert len(warnings) == 2, warnings
     assert "k.jpg is a CMYK JPEG; decoded on the CPU instead" in warnings[0]
     assert "p1.png is a PNG file; decoded on the CPU instead" in warnings[1]
+
+
+def test_one_decoder_gives_each_batch_the_size_its_worker_asked_for(mixed_folder):
+    """Train and val sizes differ under --val-crop-size: the size travels with each image."""
+    index = scan_image_folder(str(mixed_folder), "train")
+    decoder, _ = decoder_and_warnings()
+    train = decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_region), [(0, 0), (0, 1)]))[0]
+    val = decoder(gpu_decode.collate([data.EvalDataset(index, 24, 27, gpu_decode.encode_region)[i] for i in (0, 1)]))
+    assert train.shape == (2, 16, 16, 3) and val[0].shape == (2, 24, 24, 3)
 
 
 class RefusingDecoder(gpu_decode.BatchDecoder):
@@ -127,7 +136,7 @@ def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mi
     keys = [(0, i) for i in range(len(index))]
     batch = batch_of(dataset, keys)
     warnings: list[str] = []
-    decoder = RefusingDecoder([batch[0][4].data], 20, CPU, warnings.append)
+    decoder = RefusingDecoder([batch[0][4].data], CPU, warnings.append)
     images = decoder(batch)[0]
     assert torch.equal(images[4], data.TrainDataset(index, 20, 3)[(0, 4)][0])  # the CPU path's pixels
     assert decoder.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
@@ -143,7 +152,7 @@ def test_a_truncated_jpeg_is_a_corrupt_image_error_naming_the_file(tmp_path):
     cut.write_bytes(cut.read_bytes()[:700])  # the header survives: the worker hands it over
     index = scan_image_folder(str(root), "train")
     dataset = data.TrainDataset(index, 16, 0, gpu_decode.encode_region)
-    decoder, _ = decoder_and_warnings(16)
+    decoder, _ = decoder_and_warnings()
     with pytest.raises(CorruptImageError, match="cannot decode image file") as caught:
         decoder(batch_of(dataset, [(0, 0), (0, 1)]))
     assert str(cut) in str(caught.value)

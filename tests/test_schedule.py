@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from imagenet_elastic.schedule import REFERENCE_BATCH, lr_at, scaled_lr
+from imagenet_elastic.schedule import REFERENCE_BATCH, LRSchedule, scaled_lr
 
 PEAK = 0.4
 WARMUP = 10
@@ -22,7 +22,7 @@ def test_scaled_lr_is_linear_in_the_global_batch():
 
 
 def test_warmup_rises_linearly_to_the_peak():
-    lrs = [lr_at(step, PEAK, WARMUP, TOTAL) for step in range(WARMUP)]
+    lrs = [LRSchedule(PEAK, WARMUP, TOTAL).at(step) for step in range(WARMUP)]
     assert lrs[0] == pytest.approx(PEAK / WARMUP)
     assert lrs[-1] == pytest.approx(PEAK)
     increments = [b - a for a, b in zip(lrs, lrs[1:])]
@@ -30,35 +30,60 @@ def test_warmup_rises_linearly_to_the_peak():
 
 
 def test_first_step_after_warmup_is_the_peak():
-    assert lr_at(WARMUP, PEAK, WARMUP, TOTAL) == pytest.approx(PEAK)
+    assert LRSchedule(PEAK, WARMUP, TOTAL).at(WARMUP) == pytest.approx(PEAK)
 
 
 def test_cosine_reaches_about_zero_at_the_last_step():
-    last = lr_at(TOTAL - 1, PEAK, WARMUP, TOTAL)
+    last = LRSchedule(PEAK, WARMUP, TOTAL).at(TOTAL - 1)
     assert 0.0 <= last < PEAK * 1e-3
-    assert lr_at(TOTAL, PEAK, WARMUP, TOTAL) == pytest.approx(0.0, abs=1e-12)
+    assert LRSchedule(PEAK, WARMUP, TOTAL).at(TOTAL) == pytest.approx(0.0, abs=1e-12)
 
 
 def test_cosine_midpoint_is_half_the_peak():
     middle = WARMUP + (TOTAL - WARMUP) // 2
-    assert lr_at(middle, PEAK, WARMUP, TOTAL) == pytest.approx(PEAK / 2)
+    assert LRSchedule(PEAK, WARMUP, TOTAL).at(middle) == pytest.approx(PEAK / 2)
 
 
 def test_lr_is_monotone_non_increasing_after_warmup():
-    lrs = [lr_at(step, PEAK, WARMUP, TOTAL) for step in range(WARMUP, TOTAL + 5)]
+    lrs = [LRSchedule(PEAK, WARMUP, TOTAL).at(step) for step in range(WARMUP, TOTAL + 5)]
     assert all(b <= a for a, b in zip(lrs, lrs[1:]))
     assert all(lr >= 0.0 for lr in lrs)
     assert lrs[0] > lrs[-1]
 
 
 def test_zero_warmup_starts_at_the_peak_and_decays():
-    assert lr_at(0, PEAK, 0, TOTAL) == pytest.approx(PEAK)
-    lrs = [lr_at(step, PEAK, 0, TOTAL) for step in range(TOTAL)]
+    assert LRSchedule(PEAK, 0, TOTAL).at(0) == pytest.approx(PEAK)
+    lrs = [LRSchedule(PEAK, 0, TOTAL).at(step) for step in range(TOTAL)]
     assert all(b <= a for a, b in zip(lrs, lrs[1:]))
     assert lrs[-1] < PEAK * 1e-3
     assert all(math.isfinite(lr) for lr in lrs)
 
 
 def test_warmup_as_long_as_training_does_not_divide_by_zero():
-    assert lr_at(TOTAL - 1, PEAK, TOTAL, TOTAL) == pytest.approx(PEAK)
-    assert math.isfinite(lr_at(TOTAL, PEAK, TOTAL, TOTAL))
+    assert LRSchedule(PEAK, TOTAL, TOTAL).at(TOTAL - 1) == pytest.approx(PEAK)
+    assert math.isfinite(LRSchedule(PEAK, TOTAL, TOTAL).at(TOTAL))
+
+
+def test_cosine_to_zero_is_bitwise_the_formula_older_checkpoints_trained_with():
+    schedule = LRSchedule(PEAK, WARMUP, TOTAL)
+    for step in range(WARMUP, TOTAL + 1):
+        progress = min(1.0, (step - WARMUP) / (TOTAL - WARMUP))
+        assert schedule.at(step) == 0.5 * PEAK * (1.0 + math.cos(math.pi * progress))
+
+
+def test_cosine_ends_at_lr_min():
+    schedule = LRSchedule(PEAK, WARMUP, TOTAL, minimum=0.01)
+    assert schedule.at(TOTAL) == pytest.approx(0.01)
+    assert all(schedule.at(step) >= 0.01 for step in range(TOTAL + 5))
+    assert schedule.at(WARMUP) == pytest.approx(PEAK)
+
+
+def test_step_decay_multiplies_by_the_rate_every_interval_down_to_lr_min():
+    schedule = LRSchedule(1.0, 0, 100, minimum=0.0005, kind="step", decay_every=30, decay_rate=0.1)
+    assert [schedule.at(step) for step in (0, 29, 30, 59, 60, 90)] == pytest.approx([1, 1, 0.1, 0.1, 0.01, 0.001])
+    assert schedule.at(120) == 0.0005
+
+
+def test_step_decay_warms_up_first():
+    schedule = LRSchedule(1.0, 4, 100, kind="step", decay_every=30)
+    assert [schedule.at(step) for step in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])

@@ -154,3 +154,13 @@ def test_check_compatible_refuses_other_class_names():
     with pytest.raises(UserError, match="other class names") as caught:
         check_compatible(snapshot_of(classes=("ant", "bee", "dog")), "/ck/last.pt", "test_resnet", CLASSES)
     assert "/ck/last.pt" in str(caught.value)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_for_training_but_not_for_evaluation():
+    adamw = {**snapshot_of(), "config": {"opt": "adamw"}}
+    with pytest.raises(UserError, match=r"trained with --opt adamw, whose state --opt sgd cannot continue: resume "
+                                        r"it with --opt adamw"):
+        check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, "sgd")
+    check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, "adamw")
+    check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, None)  # --evaluate: weights only
+    check_compatible({**snapshot_of(), "config": {}}, "/ck/last.pt", "test_resnet", CLASSES, "sgd")  # before --opt

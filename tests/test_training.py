@@ -24,6 +24,7 @@ from conftest import (
     run_and_kill,
 )
 
+from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
 from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.model import create_model, native_low_precision
@@ -41,10 +42,10 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
         assert 0 <= row["val_top1"] <= row["val_top5"] <= 100
     assert rows[-1]["val_top1"] > 50, "the learnable data set was not learned"
     assert rows[-1]["train_loss"] < rows[0]["train_loss"]
-    # last, best and only the newest two epoch files
+    # last, best and only the newest two epoch files; the settings
     names = sorted(p.name for p in ckpt.iterdir())
-    assert names == [".lock", "best.pt", "epoch_0002.pt", "epoch_0003.pt", "index-train.npz", "index-val.npz",
-                     "last.pt", "metrics.jsonl"]
+    assert names == [".lock", "best.pt", "config.yaml", "epoch_0002.pt", "epoch_0003.pt", "index-train.npz",
+                     "index-val.npz", "last.pt", "metrics.jsonl"]
     last = load_checkpoint(ckpt / "last.pt")  # weights_only=True
     assert last["epoch"] == 3 and last["world_size"] == 2 and last["global_batch"] == 16
     assert last["best_top1"] == max(r["val_top1"] for r in rows)
@@ -56,19 +57,42 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
         assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
 
 
+AUGMENTED = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--hflip", "0.3", "--scale", "0.25", "1",
+             "--ratio", "0.5", "2"]
+
+
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
-    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "6"]
+    """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
+    it exactly; AdamW's state and the step schedule continue from the checkpoint; the resumed run continues
+    from last.pt, not from --initial-checkpoint (a timm state dict of 10 classes: the head is re-initialised).
+    And config.yaml, written beside the checkpoints, runs the same settings again."""
+    torch.manual_seed(3)
+    torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
+    args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6",
+            "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
+            "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
+            "--model-ema-warmup"]
     clean = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     assert clean.returncode == 0, clean.stderr
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
                                 when="epoch 2/2 step 3/", victim=lambda proc: proc.pid)
     assert code == -9, output
+    assert "classifier re-initialised: 10 classes there, 4 here" in output
     resumed = run(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
-    assert_same_tensors(load_checkpoint(tmp_path / "killed" / "last.pt")["model"],
-                        load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
+    killed, clean = load_checkpoint(tmp_path / "killed" / "last.pt"), load_checkpoint(tmp_path / "clean" / "last.pt")
+    assert_same_tensors(killed["model"], clean["model"])
+    assert_same_tensors(killed["model_ema"], clean["model_ema"])
+    rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
+    assert len(rows) == 2 and all("val_top1_ema" in row for row in rows)
+    best = load_checkpoint(tmp_path / "killed" / "best.pt")
+    best_row = rows[best["epoch"] - 1]
+    assert best["best_of"] in ("model", "model_ema")
+    assert best["best_top1"] == max(best_row["val_top1"], best_row["val_top1_ema"])
+    saved, _ = cli.parse(["--config", str(tmp_path / "killed" / "config.yaml")])
+    assert saved == cli.parse([*args, "--checkpoints-path", killed_dir, "--resume"])[0]
 
 
 def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference,

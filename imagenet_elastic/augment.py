@@ -1,0 +1,88 @@
+"""What a training sample goes through: the crop and flip it draws, then an optional augmentation
+policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
+
+The policies are torchvision's (transforms.v2). They draw from torch's global generator, so each
+sample's draw runs under a forked generator seeded from the sample's stream: the pixels are a
+function of (seed, epoch, index) alone, whatever worker, rank or restart decodes them, and nothing
+else in the process sees its generator move.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Optional
+
+from imagenet_elastic.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where pixels are touched: the command line checks these settings first
+    import torch
+
+POLICIES = ("none", "ta_wide", "ra", "imagenet")  # --auto-augment
+MEAN_PIXEL = (124, 116, 104)  # ImageNet's mean in uint8: what normalisation turns into 0, the erased value
+
+
+@dataclass(frozen=True)
+class Augment:
+    """The training augmentation, as the flags set it (defaults: today's Inception crop and flip)."""
+
+    scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio
+    hflip: float = 0.5
+    policy: str = "none"
+    erase: float = 0.0
+
+    @property
+    def after_crop(self) -> bool:
+        """Whether the pixels take a second pass (the policy or random erasing) after the crop."""
+        return self.policy != "none" or self.erase > 0
+
+    def apply(self, pixels: torch.Tensor, rng: random.Random) -> torch.Tensor:
+        """HWC uint8 -> HWC uint8 (contiguous, so the batch's collation stays a plain copy)."""
+        if not self.after_crop:
+            return pixels
+        import torch
+
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(rng.getrandbits(63))
+            out = self.transform(pixels.permute(2, 0, 1))
+        return out.permute(1, 2, 0).contiguous()
+
+    @functools.cached_property
+    def transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+        from torchvision.transforms import v2  # imported before the workers fork (data.share_heap_with_workers)
+
+        steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
+        policy = make_policy(self.policy)
+        if policy is not None:
+            steps.append(policy)
+        if self.erase > 0:
+            steps.append(v2.RandomErasing(p=self.erase, value=list(MEAN_PIXEL)))
+        return v2.Compose(steps)
+
+
+INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3, flip half the images
+
+
+def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    from torchvision.transforms import v2
+
+    if name == "none":
+        return None
+    if name == "ta_wide":
+        return v2.TrivialAugmentWide()
+    if name == "ra":
+        return v2.RandAugment()
+    if name == "imagenet":
+        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
+    raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+
+
+def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = None) -> None:
+    """`--scale 0.5 0.1` and the like: one line naming the flag."""
+    low, top = pair
+    if low > top:
+        raise UserError(f"{flag}: MIN must not exceed MAX, got {low:g} {top:g}")
+    if high is not None and top > high:
+        raise UserError(f"{flag}: at most {high:g}, got {top:g}")

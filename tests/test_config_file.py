@@ -1,0 +1,115 @@
+"""--config FILE.yaml, --print-config and config.yaml: one form, read and written, the command line on top."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+import yaml
+
+from imagenet_elastic import cli
+from imagenet_elastic.config import Config
+from imagenet_elastic.config_file import read_settings, settings_yaml
+from imagenet_elastic.errors import UserError
+
+UNUSUAL = ["/data", "--model", "resnet18", "--scale", "0.25", "1", "--ratio", "0.5", "2", "--hflip", "0",
+           "--auto-augment", "ta_wide", "--random-erase", "0.25", "--checkpoint-interval", "500,10m",
+           "--preempt-signals", "SIGUSR2", "--no-channels-last", "--compile", "--resume", "--workers", "3"]
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_printed_settings_read_back_as_the_same_config(tmp_path):
+    config, _ = cli.parse(UNUSUAL)
+    again, _ = cli.parse(["--config", write(tmp_path, settings_yaml(config))])
+    assert again == config
+    assert dataclasses.asdict(Config(data="/data")) != dataclasses.asdict(config)  # the round trip carried values
+
+
+def test_defaults_read_back_as_the_defaults(tmp_path):
+    config = Config(data="/d")
+    assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
+
+
+def test_the_command_line_overrides_the_file_and_the_file_overrides_the_defaults(tmp_path):
+    path = write(tmp_path, "batch-size: 32\nlr: 0.4\ncompile: true\nhflip: 0\nscale: [0.35, 1]\n")
+    config, _ = cli.parse(["/data", "--config", path, "--lr", "0.2", "--no-compile"])
+    assert (config.batch_size, config.lr, config.compile, config.hflip, config.scale) == (32, 0.2, False, 0.0,
+                                                                                          (0.35, 1.0))
+    assert config.epochs == Config(data="/data").epochs
+
+
+def test_keys_may_use_dashes_or_underscores_and_data_may_come_from_the_file(tmp_path):
+    config, _ = cli.parse(["--config", write(tmp_path, "data: /from/file\nbatch_size: 16\nweight-decay: 0.05\n")])
+    assert (config.data, config.batch_size, config.weight_decay) == ("/from/file", 16, 0.05)
+    assert cli.parse(["/cli", "--config", write(tmp_path, "data: /from/file\n")])[0].data == "/cli"
+
+
+def test_an_empty_file_changes_nothing(tmp_path):
+    assert cli.parse(["/data", "--config", write(tmp_path, "# nothing yet\n")])[0] == Config(data="/data")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("bach-size: 3\n", "unknown option 'bach-size' (did you mean batch-size?)"),
+    ("config: other.yaml\n", "unknown option 'config'"),
+    ("- batch-size\n", "expected option names and values, got a list"),
+    ("batch-size: [1\n", "is not valid YAML"),
+    ("compile: maybe\n", "compile must be true or false, got 'maybe'"),
+    ("scale: 0.5\n", "scale takes a list of 2 values, got 0.5"),
+    ("epochs:\n", "epochs needs a value"),
+])
+def test_a_bad_file_is_one_user_error_naming_the_file(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as raised:
+        cli.parse(["/data", "--config", path])
+    assert path in str(raised.value) and message in str(raised.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("batch-size: 0\n", "argument --batch-size: must be >= 1, got 0"),
+    ("auto-augment: fancy\n", "argument --auto-augment: invalid choice: 'fancy'"),
+    ("hflip: 2\n", "argument --hflip: must be <= 1.0, got 2"),
+])
+def test_a_bad_value_in_a_file_fails_as_on_the_command_line_naming_the_file(tmp_path, capsys, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(SystemExit) as raised:
+        cli.parse(["/data", "--config", path])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"config file {path}: {message}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_file_is_named():
+    with pytest.raises(UserError, match="cannot read config file /no/such.yaml: No such file or directory"):
+        cli.parse(["/data", "--config", "/no/such.yaml"])
+
+
+def test_print_config_prints_yaml_and_needs_no_data_folder(capsys):
+    cli.main(["--print-config", "--batch-size", "48", "--hflip", "0.2"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["batch-size"] == 48 and printed["hflip"] == 0.2 and printed["data"] is None
+    assert set(printed) == {f.name.replace("_", "-") for f in cli.setting_fields()}
+
+
+def test_read_settings_returns_only_what_the_file_sets(tmp_path):
+    values = read_settings(write(tmp_path, "epochs: 3\nval-path:\n"), cli.build_parser())
+    assert values == {"epochs": 3, "val_path": None}
+
+
+RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_shipped_recipe_names_its_source_and_parses(recipe):
+    assert "# Source:" in recipe.read_text()
+    config, _ = cli.parse(["/data", "--config", str(recipe)])
+    assert config.data == "/data"
+
+
+def test_recipes_are_shipped():
+    assert RECIPES
