@@ -1,7 +1,7 @@
 """What a training sample goes through: the crop and flip it draws, then an optional augmentation
 policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
 
-The policies are torchvision's (transforms.v2). They draw from torch's global generator, so each
+The policies are torchvision's (transforms.v2), run on PIL images. They draw from torch's global generator, so each
 sample's draw runs under a forked generator seeded from the sample's stream: the pixels are a
 function of (seed, epoch, index) alone, whatever worker, rank or restart decodes them, and nothing
 else in the process sees its generator move.
@@ -39,27 +39,39 @@ class Augment:
         return self.policy != "none" or self.erase > 0
 
     def apply(self, pixels: torch.Tensor, rng: random.Random) -> torch.Tensor:
-        """HWC uint8 -> HWC uint8 (contiguous, so the batch's collation stays a plain copy)."""
+        """HWC uint8 -> HWC uint8 (contiguous, so the batch's collation stays a plain copy).
+
+        The policy runs on a PIL image of the crop: torchvision's PIL kernels run each of its
+        operations in C, about twice as fast per image as its tensor kernels on a CPU
+        (docs/RECIPES.md). Erasing runs on the tensor (torchvision erases tensors only).
+        """
         if not self.after_crop:
             return pixels
+        import numpy as np
         import torch
+        from PIL import Image
 
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(rng.getrandbits(63))
-            out = self.transform(pixels.permute(2, 0, 1))
-        return out.permute(1, 2, 0).contiguous()
+        generator = torch.default_generator  # not torch.manual_seed: its device hooks cost ~100x the draw itself
+        saved = generator.get_state()
+        generator.manual_seed(rng.getrandbits(63))
+        try:
+            if self.policy_transform is not None:
+                pixels = torch.from_numpy(np.array(self.policy_transform(Image.fromarray(pixels.numpy()))))
+            if self.erase_transform is not None:
+                pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0).contiguous()
+        finally:
+            generator.set_state(saved)
+        return pixels
 
     @functools.cached_property
-    def transform(self) -> Callable[[torch.Tensor], torch.Tensor]:
+    def policy_transform(self) -> Optional[Callable]:
+        return make_policy(self.policy)
+
+    @functools.cached_property
+    def erase_transform(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         from torchvision.transforms import v2  # imported before the workers fork (data.share_heap_with_workers)
 
-        steps: list[Callable[[torch.Tensor], torch.Tensor]] = []
-        policy = make_policy(self.policy)
-        if policy is not None:
-            steps.append(policy)
-        if self.erase > 0:
-            steps.append(v2.RandomErasing(p=self.erase, value=list(MEAN_PIXEL)))
-        return v2.Compose(steps)
+        return v2.RandomErasing(p=self.erase, value=list(MEAN_PIXEL)) if self.erase > 0 else None
 
 
 INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3, flip half the images
