@@ -281,10 +281,12 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 # A requeued job may start again only once its credential has expired (default 120 s); 10 s keeps the
-# requeue test short.
+# requeue test short. Past that, it waits for a scheduler pass: the main loop's every 60 s and the
+# backfill's every 30 s by default, so a requeued job restarted ~20 s late; here they run every 2 s.
 AuthInfo=cred_expire=10
 CredType=cred/munge
 GresTypes=gpu
+SchedulerParameters=sched_interval=2,bf_interval=2
 
 StateSaveLocation=$dir/state
 SlurmdSpoolDir=$dir/spool/%n

@@ -55,6 +55,21 @@ def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
 
 
+def start(cmd: list[str]) -> subprocess.Popen:
+    """`cmd` in the background, beside the test's next run (an uninterrupted reference beside the run that
+    is killed: on CI's two cores the two take little longer than one). `finish` collects it."""
+    return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def finish(proc: subprocess.Popen, timeout: float = 180) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def run_and_kill(cmd: list[str], when: str, victim, timeout: float = 240, sig: int = signal.SIGKILL,
                  env: dict[str, str] | None = None) -> tuple[int, str]:
     """Start `cmd`, send `sig` to the process(es) `victim(proc)` returns once a line containing `when` appears.
@@ -148,14 +163,22 @@ def reference_world2(image_folder, tmp_path_factory) -> dict:
     return load_checkpoint(ckpt / "last.pt")
 
 
-def evaluate_checkpoint(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path,
-                        *extra: str) -> dict:
-    """`--evaluate` of a checkpoint (SMALL_RUN's model and precision) at a world size: its JSON line."""
+def evaluate_cmd(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path, *extra: str) -> list[str]:
+    """`--evaluate` of a checkpoint (SMALL_RUN's model and precision) at a world size."""
     args = [str(image_folder), *SMALL_RUN, *extra, "--evaluate", "--resume", str(checkpoint), "--checkpoints-path",
             str(scratch)]
-    result = run(python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args))
+    return python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args)
+
+
+def evaluated(result: subprocess.CompletedProcess) -> dict:
+    """The JSON line an --evaluate run ends with."""
     assert result.returncode == 0, result.stdout + result.stderr
     return json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def evaluate_checkpoint(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path,
+                        *extra: str) -> dict:
+    return evaluated(run(evaluate_cmd(image_folder, checkpoint, world_size, scratch, *extra)))
 
 
 def assert_row_describes(row: dict, evaluated: dict, rel: float = 1e-6) -> None:

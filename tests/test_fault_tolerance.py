@@ -19,11 +19,13 @@ from conftest import (
     TRAIN_IMAGES,
     assert_same_tensors,
     child_env,
+    finish,
     load_checkpoint,
     make_image_folder,
     python_cmd,
     run,
     run_and_kill,
+    start,
     torchrun_cmd,
     torchrun_worker,
     torchrun_workers,
@@ -53,7 +55,7 @@ def assert_every_sample_once(log_dir, epochs: int = EPOCHS, global_batch: int = 
     return report
 
 
-@pytest.mark.parametrize("seed", [14, 16, 17])  # (epoch, step, rank): (1, 5, 0), (2, 4, 1), (3, 4, 1)
+@pytest.mark.parametrize("seed", [14, 16])  # (epoch, step, rank): (1, 5, 0), (2, 4, 1): both ranks, two epochs
 def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, torchrun_reference, seed):
     """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples."""
     rng = random.Random(seed)
@@ -99,11 +101,11 @@ def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume
 
 
 def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_path):
-    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoints-path"]
-    clean = run(python_cmd(*args, str(tmp_path / "clean")))
-    assert clean.returncode == 0, clean.stderr
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--threads", "1", "--checkpoints-path"]  # 2 runs, 2 cores
+    clean = start(python_cmd(*args, str(tmp_path / "clean")))
     code, output = run_and_kill(python_cmd(*args, str(tmp_path / "ckpt")), when="epoch 1/2 step 4/",
                                 victim=lambda proc: proc.pid, sig=signal.SIGUSR1)
+    assert finish(clean).returncode == 0
     assert code == PREEMPTED_EXIT, output
     assert "Traceback" not in output and f"exiting with code {PREEMPTED_EXIT}" in output
     resumed = run(python_cmd(*args, str(tmp_path / "ckpt"), "--resume"))

@@ -19,8 +19,10 @@ from conftest import (
     assert_matches_reference,
     assert_same_tensors,
     child_env,
+    finish,
     load_checkpoint,
     python_cmd,
+    start,
 )
 
 from imagenet_elastic.samplelog import ENV_VAR, coverage
@@ -135,9 +137,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
         slurm_env, image_folder, tmp_path):
     """What `#SBATCH --signal=USR1@120` does near the time limit, sent now with `scancel --signal=USR1`."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "6", "--threads", "1"]  # long enough for scancel to land
-    clean = subprocess.run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")), cwd=REPO,
-                           env=child_env(), capture_output=True, text=True, timeout=240)
-    assert clean.returncode == 0, clean.stderr
+    clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))  # beside the job
     log = tmp_path / "job.out"
     env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), ENV_VAR: str(tmp_path / "samples")}
     script = str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
@@ -152,6 +152,8 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
         wait_until(lambda: job_field(job, "JobState", slurm_env) == "COMPLETED", 180, "the requeued job to finish")
     finally:
         subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+    finished = finish(clean)
+    assert finished.returncode == 0, finished.stderr
     output = log.read_text()  # --open-mode=append (in the script): both runs' output
     assert job_field(job, "Restarts", slurm_env) == "1"
     assert f"requeued Slurm job {job}" in output and "SIGUSR1 came after step" in output

@@ -17,11 +17,14 @@ from conftest import (
     assert_row_describes,
     assert_same_tensors,
     child_env,
-    evaluate_checkpoint,
+    evaluate_cmd,
+    evaluated,
+    finish,
     load_checkpoint,
     python_cmd,
     run,
     run_and_kill,
+    start,
 )
 
 from imagenet_elastic import cli
@@ -68,15 +71,16 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     And config.yaml, written beside the checkpoints, runs the same settings again."""
     torch.manual_seed(3)
     torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
-    args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6",
+    args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6", "--threads", "1",
             "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
             "--model-ema-warmup"]
-    clean = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
-    assert clean.returncode == 0, clean.stderr
+    clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
                                 when="epoch 2/2 step 3/", victim=lambda proc: proc.pid)
+    finished = finish(clean)
+    assert finished.returncode == 0, finished.stderr
     assert code == -9, output
     assert "classifier re-initialised: 10 classes there, 4 here" in output
     resumed = run(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"))
@@ -101,8 +105,10 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
     And each epoch's metrics row describes its checkpoint: every rank validated with rank 0's BatchNorm
     statistics, the ones saved, not its own (which its last micro-batches moved)."""
     ckpt, _ = torchrun_reference
-    results = {world_size: evaluate_checkpoint(image_folder, ckpt / "last.pt", world_size, tmp_path / str(world_size),
-                                               "--batch-size", "11") for world_size in (1, 2, 3)}
+    runs = {world_size: start(evaluate_cmd(image_folder, ckpt / "last.pt", world_size, tmp_path / str(world_size),
+                                           "--batch-size", "11")) for world_size in (1, 2, 3)}  # side by side
+    epoch_2 = start(evaluate_cmd(image_folder, ckpt / "epoch_0002.pt", 1, tmp_path / "e2"))
+    results = {world_size: evaluated(finish(proc)) for world_size, proc in runs.items()}
     for result in results.values():
         assert result["val_samples"] == VAL_IMAGES
     for world_size in (2, 3):  # fp32; only the summation order differs
@@ -111,7 +117,7 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
         assert results[world_size]["val_loss"] == pytest.approx(results[1]["val_loss"], rel=1e-5, abs=1e-7)
     rows = read_metrics(ckpt / "metrics.jsonl")
     assert_row_describes(rows[2], results[2], rel=1e-5)  # epoch 3 = last.pt, trained and evaluated at world size 2
-    assert_row_describes(rows[1], evaluate_checkpoint(image_folder, ckpt / "epoch_0002.pt", 1, tmp_path / "e2"))
+    assert_row_describes(rows[1], evaluated(finish(epoch_2)))
 
 
 def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
