@@ -21,6 +21,8 @@ REPO = Path(__file__).resolve().parents[1]
 # CPU kind, so that every machine trains the same bits (and `--evaluate` can be compared with training).
 SMALL_RUN = ["--model", "test_resnet", "--image-size", "32", "--batch-size", "8", "--workers", "1",
              "--log-interval", "1", "--warmup-epochs", "1", "--lr", "2.0", "--amp", "none"]
+AUGMENTED = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--hflip", "0.3", "--scale", "0.25", "1",
+             "--ratio", "0.5", "2"]  # every per-sample augmentation option, each off its default
 TRAIN_IMAGES = 4 * 24
 VAL_IMAGES = 4 * 9 - 1  # 35: divisible by neither 2 nor 3
 

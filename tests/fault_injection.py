@@ -179,14 +179,15 @@ class Outcome:
     weights: str  # "bitwise" or the largest absolute difference to the uninterrupted run
 
 
-def compare_weights(path: Path, reference: Path) -> float:
-    """Largest absolute difference over the floating-point tensors of two checkpoints' models.
+def compare_weights(path: Path, reference: Path, key: str = "model") -> float:
+    """Largest absolute difference over the floating-point tensors of two checkpoints' models (or, with
+    `key="model_ema"`, their weight averages).
 
     Integer buffers (batch norm's num_batches_tracked) are left out: they count forward passes,
     which gradient accumulation multiplies.
     """
-    a = torch.load(path, map_location="cpu", weights_only=True)["model"]
-    b = torch.load(reference, map_location="cpu", weights_only=True)["model"]
+    a = torch.load(path, map_location="cpu", weights_only=True)[key]
+    b = torch.load(reference, map_location="cpu", weights_only=True)[key]
     return max(((a[k].double() - b[k].double()).abs().max().item() for k in a if a[k].is_floating_point()),
                default=0.0)
 

@@ -13,6 +13,7 @@ import subprocess
 import fault_injection as fi
 import pytest
 from conftest import (
+    AUGMENTED,
     EPOCHS,
     REPO,
     SMALL_RUN,
@@ -183,10 +184,12 @@ def test_second_run_on_a_checkpoints_path_in_use_is_refused_and_the_first_is_unh
 
 @pytest.fixture(scope="module")
 def elastic_job(tmp_path_factory) -> fi.Job:
-    """384 images: 24 steps per epoch, long enough for a node to join while one worker trains alone."""
+    """384 images: 24 steps per epoch, long enough for a node to join while one worker trains alone. With
+    every per-sample augmentation option and the weight average on: they claim world-size invariance."""
     workdir = tmp_path_factory.mktemp("elastic")
     data = make_image_folder(workdir / "data", classes=8, train_per_class=48, val_per_class=4)
-    return fi.Job(str(data), tuple(SMALL_RUN) + ("--epochs", str(EPOCHS)), 384, GLOBAL_BATCH, workdir)
+    args = (*SMALL_RUN, *AUGMENTED, "--model-ema", "--model-ema-decay", "0.9", "--epochs", str(EPOCHS))
+    return fi.Job(str(data), args, 384, GLOBAL_BATCH, workdir)
 
 
 def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once(elastic_job):
@@ -206,6 +209,7 @@ def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once
     assert outputs.count("16 = 2 processes x 8") == 2  # at the start and after the join
     assert all(0 < seconds < 60 for seconds in outcome.recovery_s), outcome.recovery_s
     assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean")) <= 1e-5
+    assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean"), "model_ema") <= 1e-5
 
 
 def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp_path, torchrun_reference):

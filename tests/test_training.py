@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 from conftest import (
+    AUGMENTED,
     EPOCHS,
     SMALL_RUN,
     TRAIN_IMAGES,
@@ -58,10 +59,6 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert "0.125 = 2 x 16/256" in stdout  # the scaled LR is said at start
     for epoch in range(1, EPOCHS + 1):
         assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
-
-
-AUGMENTED = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--hflip", "0.3", "--scale", "0.25", "1",
-             "--ratio", "0.5", "2"]
 
 
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
