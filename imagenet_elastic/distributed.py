@@ -9,7 +9,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -126,12 +126,20 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
             f"gave up {role} at MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} "
             f"after {timeout_s:g} s (--dist-timeout): {first_line(error)}"
         ) from None
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, store=dist.PrefixStore(namespace, store), rank=env.rank,
-                            world_size=env.world_size, timeout=timeout)
+    options = group_options(device)
+    dist.init_process_group(store=dist.PrefixStore(namespace, store), rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, **options)
     # Control messages (stop? checkpoint now?) travel on CPU tensors, so that agreeing on them never
     # waits for the GPU's queue of work.
-    _control = dist.new_group(backend="gloo") if backend != "gloo" else None
+    _control = dist.new_group(backend="gloo") if options["backend"] != "gloo" else None
+
+
+def group_options(device: torch.device) -> dict[str, Any]:
+    """nccl bound to this rank's GPU (`device_id`: NCCL then knows the rank's device at once, and
+    `barrier()` does not have to guess it, with a warning), or gloo on a CPU."""
+    if device.type == "cuda":
+        return {"backend": "nccl", "device_id": device}
+    return {"backend": "gloo"}
 
 
 _ROUNDS = "imagenet_elastic/rounds"

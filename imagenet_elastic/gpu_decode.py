@@ -38,6 +38,8 @@ from imagenet_elastic.errors import CorruptImageError
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
 
+OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+
 
 @dataclass
 class EncodedImage:
@@ -115,12 +117,16 @@ class BatchDecoder:
             return []
         try:
             return [out.permute(1, 2, 0) for out in self.device_decode([im.data for im in images])]
+        except OUT_OF_MEMORY:
+            raise  # not the images' fault: the CPU path would hide it and starve the GPU
         except RuntimeError:  # one bad image fails the whole call: find it
             pass
         results: list[Optional[torch.Tensor]] = []
         for im in images:
             try:
                 results.append(self.device_decode([im.data])[0].permute(1, 2, 0))
+            except OUT_OF_MEMORY:
+                raise
             except RuntimeError:
                 results.append(None)
         return results

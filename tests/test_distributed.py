@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from imagenet_elastic import distributed
-from imagenet_elastic.distributed import DistEnv, default_threads, select_device, visible_gpu_count
+from imagenet_elastic.distributed import DistEnv, default_threads, group_options, select_device, visible_gpu_count
 from imagenet_elastic.errors import UserError
 
 
@@ -84,3 +84,8 @@ def test_more_local_processes_than_gpus_under_other_launchers_are_refused(monkey
     env = DistEnv(rank=1, world_size=2, local_rank=1, local_world_size=2, launched=True, launcher="torchrun")
     with pytest.raises(UserError, match=r"^2 processes per node but only 1 CUDA device"):
         select_device("auto", env)
+
+
+def test_a_cuda_rank_joins_with_nccl_bound_to_its_device_and_a_cpu_rank_with_gloo():
+    assert group_options(torch.device("cuda", 3)) == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
+    assert group_options(torch.device("cpu")) == {"backend": "gloo"}

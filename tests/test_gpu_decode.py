@@ -192,3 +192,19 @@ def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_p
     assert result.returncode == 0, result.stderr
     reports = [line for line in result.stderr.splitlines() if "is a PNG file; decoded on the CPU" in line]
     assert sorted(line.split(":")[1] for line in reports) == [" rank 0", " rank 1"], result.stderr
+
+
+class ExhaustedDecoder(gpu_decode.BatchDecoder):
+    """A device decoder that runs out of memory, as nvJPEG would on a full GPU."""
+
+    def device_decode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise gpu_decode.OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+
+def test_out_of_memory_in_the_device_decoder_is_raised_not_hidden_by_the_cpu_fallback(mixed_folder):
+    index = scan_image_folder(str(mixed_folder), "train")
+    warnings: list[str] = []
+    decoder = ExhaustedDecoder(CPU, warnings.append)
+    with pytest.raises(gpu_decode.OUT_OF_MEMORY):
+        decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_region), [(0, 0), (0, 1)]))
+    assert warnings == []
