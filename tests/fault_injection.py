@@ -75,9 +75,12 @@ def workers_by_rank(agent_pid: int) -> dict[int, int]:
 
 
 def clean_env(**extra: str) -> dict[str, str]:
-    """This environment minus any launcher variables, so a test run inside Slurm or torchrun stays local."""
+    """This environment minus any launcher variables, so a test run inside Slurm or torchrun stays local,
+    and without CUDA devices, so it trains on the CPU with gloo on a GPU machine too (`--device auto`
+    would otherwise pick the GPU, and 2-3 ranks on one GPU are refused). Slurm's gres still sets the
+    variable of its own tasks; a test about CUDA passes CUDA_VISIBLE_DEVICES in `extra`."""
     env = {k: v for k, v in os.environ.items() if not k.startswith(_HANDOFF_VARS)}
-    env.update({"PYTHONUNBUFFERED": "1", **extra})
+    env.update({"PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **extra})
     return env
 
 
