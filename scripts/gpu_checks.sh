@@ -1,33 +1,111 @@
 #!/usr/bin/env bash
-# Every GPU figure of docs/BENCHMARKS.md in one go, for a machine with one CUDA GPU (about 10 minutes on
-# an H100). Prints the versions, then one JSON line per benchmark, then a short trainer run under torchrun
-# with NCCL at one rank and --decode gpu. Paste the output into docs/BENCHMARKS.md with this command line.
-#   bash scripts/gpu_checks.sh [DATA] [WORKDIR]
+# The GPU figures of docs/BENCHMARKS.md, in parts that each finish well inside a 10-minute device call
+# on one H100 (resnet50 at batch 256; each compile part compiles once, cold). Runs from the repository
+# root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the package in
+# the current folder). Every figure is one JSON line on stdout; paste them into docs/BENCHMARKS.md
+# with the command line, the GPU, the versions line and the date.
+#
+#   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
+#
+# PART: versions | data | synthetic | compile | end_to_end | end_to_end_compile | loader | checkpoint
+#       | train | all (every part in order; only where one call may run longer than 10 minutes)
 set -euo pipefail
-DATA=${1:-/tmp/gpu_data}
-WORK=${2:-/tmp/gpu_checks}
-WORKERS=${WORKERS:-$(( $(nproc) - 2 ))}
+PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in the header of the script}
+DATA=${2:-/tmp/gpu_data}
+WORK=${3:-/tmp/gpu_checks}
+PY=${PYTHON:-python3}
+BATCH=256
 mkdir -p "$WORK"
-python - <<'PY'
-import json, platform, torch, torchvision, timm
+
+# Loader workers: the cores less two (the training process and its feeder), then fewer if /dev/shm cannot
+# hold the batches in flight (each worker keeps up to 2 uint8 batches of BATCH x 224 x 224 x 3 there).
+workers() {
+    local cores=$(( $(nproc) - 2 )) batch_mb=$(( BATCH * 224 * 224 * 3 / 1000000 ))
+    local shm_mb; shm_mb=$(df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
+    local fit=$(( ${shm_mb:-0} / (2 * batch_mb + 1) / 2 ))  # half of /dev/shm, a margin for the val loader
+    local n=$(( cores < fit ? cores : fit )); (( n < 1 )) && n=1
+    echo "{\"workers\": $n, \"cores\": $(nproc), \"dev_shm_free_mb\": ${shm_mb:-null}, \"batch_mb\": $batch_mb}" >&2
+    echo "$n"
+}
+
+bench() { "$PY" -m imagenet_elastic benchmark "$DATA" --model resnet50 --batch-size "$BATCH" "$@"; }
+
+need_data() {
+    if [ ! -d "$DATA/train" ]; then
+        echo "no data at $DATA: run 'bash scripts/gpu_checks.sh data $DATA' first" >&2
+        exit 2
+    fi
+}
+
+run_part() {
+    case "$1" in
+    versions)
+        "$PY" - <<'PY'
+import json, os, platform, torch, torchvision, timm
+cuda = torch.cuda.is_available()
 print(json.dumps({"versions": {"python": platform.python_version(), "torch": torch.__version__,
-                  "torchvision": torchvision.__version__, "timm": timm.__version__},
-                  "gpu": torch.cuda.get_device_name(0), "cpus": __import__("os").cpu_count()}))
+                               "torchvision": torchvision.__version__, "timm": timm.__version__,
+                               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()},
+                  "gpu": torch.cuda.get_device_name(0) if cuda else None,
+                  "capability": list(torch.cuda.get_device_capability(0)) if cuda else None,
+                  "cpus": os.cpu_count()}))
 PY
-if [ ! -d "$DATA/train" ]; then  # ImageNet-sized JPEGs (500x375, quality 90): 6,400 train, 400 val
-    python scripts/make_fake_imagenet.py "$DATA" --classes 100 --train-per-class 64 --val-per-class 4 \
-        --size 500x375 >/dev/null
+        ;;
+    data)  # ImageNet-sized JPEGs (500x375, quality 90): 6,400 train, 400 val
+        [ -d "$DATA/train" ] || "$PY" scripts/make_fake_imagenet.py "$DATA" --classes 100 --train-per-class 64 \
+            --val-per-class 4 --size 500x375 >&2
+        echo "{\"data\": \"$DATA\", \"train_images\": $(find "$DATA/train" -name '*.jpg' | wc -l)}"
+        ;;
+    synthetic)
+        need_data
+        bench --mode synthetic --amp bf16 --channels-last --batches 50
+        bench --mode synthetic --amp bf16 --no-channels-last --batches 50
+        bench --mode synthetic --amp fp16 --channels-last --batches 50
+        ;;
+    compile)
+        need_data
+        bench --mode synthetic --amp bf16 --channels-last --compile --batches 50
+        ;;
+    end_to_end)
+        need_data
+        local n; n=$(workers)
+        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode cpu --batches 40
+        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode gpu --batches 40
+        ;;
+    end_to_end_compile)
+        need_data
+        local n; n=$(workers)
+        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode gpu --compile --batches 40
+        ;;
+    loader)
+        need_data
+        local n; n=$(workers)
+        bench --mode loader --workers "$n" --batches 20 --rounds 3
+        bench --mode loader --workers "$n" --batches 20 --rounds 3 --auto-augment ta_wide --random-erase 0.1
+        ;;
+    checkpoint)
+        need_data
+        bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
+        ;;
+    train)  # NCCL at one rank, --decode gpu, a background checkpoint; the last line is the epoch's row
+        need_data
+        rm -rf "$WORK/ckpt"
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model resnet50 \
+            --batch-size "$BATCH" --epochs 1 --max-steps-per-epoch 24 --decode gpu --log-interval 8 \
+            --checkpoints-path "$WORK/ckpt" >&2
+        tail -n 1 "$WORK/ckpt/metrics.jsonl"
+        ;;
+    *)
+        echo "unknown part '$1' (see the script's header)" >&2
+        exit 2
+        ;;
+    esac
+}
+
+if [ "$PART" = all ]; then
+    for part in versions data synthetic compile end_to_end end_to_end_compile loader checkpoint train; do
+        run_part "$part"
+    done
+else
+    run_part "$PART"
 fi
-bench() { imagenet-elastic benchmark "$DATA" --model resnet50 --batch-size 256 "$@"; }
-bench --mode synthetic --amp bf16 --channels-last --batches 50
-bench --mode synthetic --amp bf16 --no-channels-last --batches 50
-bench --mode synthetic --amp fp16 --channels-last --batches 50
-bench --mode synthetic --amp bf16 --channels-last --compile --batches 50
-bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode cpu --batches 40
-bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode gpu --batches 40
-bench --mode end_to_end --amp bf16 --channels-last --workers "$WORKERS" --decode gpu --compile --batches 40
-bench --mode loader --workers "$WORKERS" --batches 20 --rounds 3
-bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # stall of a background save: the pinned copy
-torchrun --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model resnet50 --batch-size 256 \
-    --epochs 1 --max-steps-per-epoch 24 --decode gpu --log-interval 8 --checkpoints-path "$WORK/ckpt"
-tail -n 1 "$WORK/ckpt/metrics.jsonl"
