@@ -6,16 +6,23 @@ import json
 import os
 
 import pytest
-from conftest import python_cmd, run
+from conftest import finish, python_cmd, run, start
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
-def benchmark(image_folder, *args: str) -> list[dict]:
-    result = run(python_cmd("benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8",
-                            "--workers", "1", "--batches", "2", *args))
+def benchmark_cmd(image_folder, *args: str) -> list[str]:
+    return python_cmd("benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8", "--workers", "1",
+                      "--batches", "2", *args)
+
+
+def json_lines(result) -> list[dict]:
     assert result.returncode == 0, result.stdout + result.stderr
     return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def benchmark(image_folder, *args: str) -> list[dict]:
+    return json_lines(run(benchmark_cmd(image_folder, *args)))
 
 
 def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
@@ -29,9 +36,9 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
 
 
 def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
-    lines = benchmark(image_folder, "--mode", "synthetic", "--model", "test_resnet")
-    lines += benchmark(image_folder, "--mode", "end_to_end", "--model", "test_resnet")
-    lines += benchmark(image_folder, "--mode", "end_to_end", "--model", "test_resnet", "--decode", "gpu")
+    modes = [("--mode", "synthetic"), ("--mode", "end_to_end"), ("--mode", "end_to_end", "--decode", "gpu")]
+    runs = [start(benchmark_cmd(image_folder, *mode, "--model", "test_resnet")) for mode in modes]  # side by side
+    lines = [line for proc in runs for line in json_lines(finish(proc))]
     assert [line["mode"] for line in lines] == ["synthetic", "end_to_end", "end_to_end"]
     for line in lines:
         assert line["images_per_sec"] > 0 and line["model"] == "test_resnet" and line["device"] == "cpu"
