@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, first_line
 
 PREFIXES = ("module.", "_orig_mod.")
 
@@ -32,8 +32,8 @@ def read(path: str) -> dict[str, torch.Tensor]:
     except OSError as error:
         raise UserError(f"--initial-checkpoint {path}: {error.strerror or error}") from None
     except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
-        reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-        raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict ({reason[:200]})") from None
+        raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict "
+                        f"({first_line(error)[:200]})") from None
     for key in ("model", "state_dict", "model_state_dict"):  # ours, Lightning-style, common scripts
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]

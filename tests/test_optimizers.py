@@ -6,21 +6,13 @@ import io
 
 import pytest
 import torch
-from test_state import CLASSES
+from test_state import make_state
 
 from imagenet_elastic.config import OPTIMIZERS
-from imagenet_elastic.model import create_ema, create_model, create_optimizer
+from imagenet_elastic.model import create_ema
 from imagenet_elastic.state import TrainState
 
-CPU = torch.device("cpu")
 EXPECTED = {"sgd": "SGD", "nesterov": "SGD", "adamw": "AdamW", "lamb": "Lamb", "lars": "Lars"}
-
-
-def make_state(name: str) -> TrainState:
-    torch.manual_seed(0)
-    model = create_model("test_resnet", num_classes=len(CLASSES))
-    optimizer = create_optimizer(model, 0.05, 0.9, 1e-2, CPU, name)
-    return TrainState(model, optimizer, torch.amp.GradScaler("cpu", enabled=False))
 
 
 def steps(state: TrainState, first: int, count: int) -> None:
@@ -34,34 +26,35 @@ def steps(state: TrainState, first: int, count: int) -> None:
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_optimizer_decays_weights_but_not_norms_and_biases(name):
-    optimizer = make_state(name).optimizer
+    optimizer = make_state(0, name).optimizer
     assert type(optimizer).__name__ == EXPECTED[name]
     decayed, plain = optimizer.param_groups
-    assert decayed["weight_decay"] == 1e-2 and plain["weight_decay"] == 0.0
+    assert decayed["weight_decay"] == 1e-4 and plain["weight_decay"] == 0.0
     assert all(p.ndim > 1 for p in decayed["params"]) and all(p.ndim <= 1 for p in plain["params"])
     assert optimizer.param_groups[0].get("nesterov", False) == (name == "nesterov")
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
 def test_each_optimizer_continues_bitwise_from_a_captured_state(name):
-    straight = make_state(name)
+    straight = make_state(0, name)
     steps(straight, 0, 5)
 
-    interrupted = make_state(name)
+    interrupted = make_state(0, name)
     steps(interrupted, 0, 3)
     buffer = io.BytesIO()
     torch.save(interrupted.capture({}, {}), buffer)
     buffer.seek(0)
-    resumed = make_state(name)
+    resumed = make_state(0, name)
     resumed.apply(torch.load(buffer, weights_only=True))
     steps(resumed, 3, 2)
     for (key, a), b in zip(straight.model.state_dict().items(), resumed.model.state_dict().values()):
         assert torch.equal(a, b), key
-    assert not torch.equal(straight.model.state_dict()["fc.weight"], make_state(name).model.state_dict()["fc.weight"])
+    untrained = make_state(0, name).model.state_dict()["fc.weight"]
+    assert not torch.equal(straight.model.state_dict()["fc.weight"], untrained)
 
 
 def with_ema(name: str, decay: float = 0.9, warmup: bool = False) -> TrainState:
-    state = make_state(name)
+    state = make_state(0, name)
     state.ema = create_ema(state.model, decay, warmup)
     return state
 
@@ -89,11 +82,11 @@ def test_the_weight_average_is_captured_and_continues_bitwise(warmup):
         assert torch.equal(a, b), key
     average, weights = straight.ema.module.state_dict()["fc.weight"], straight.model.state_dict()["fc.weight"]
     assert not torch.equal(average, weights)  # an average, not a copy
-    assert not torch.equal(average, make_state("sgd").model.state_dict()["fc.weight"])  # and it moved
+    assert not torch.equal(average, make_state(0, "sgd").model.state_dict()["fc.weight"])  # and it moved
 
 
 def test_a_checkpoint_without_an_average_starts_it_from_its_weights():
-    plain = make_state("sgd")
+    plain = make_state(0, "sgd")
     steps(plain, 0, 2)
     resumed = with_ema("sgd")
     resumed.apply(plain.capture({}, {}))

@@ -18,10 +18,10 @@ CLASSES = ("ant", "bee", "cat")
 
 # ----------------------------------------------------------------------------- TrainState
 
-def make_state(seed: int) -> TrainState:
+def make_state(seed: int, opt: str = "sgd") -> TrainState:
     torch.manual_seed(seed)
     model = create_model("test_resnet", num_classes=len(CLASSES))
-    optimizer = create_optimizer(model, lr=0.1, momentum=0.9, weight_decay=1e-4, device=torch.device("cpu"))
+    optimizer = create_optimizer(model, lr=0.1, momentum=0.9, weight_decay=1e-4, device=torch.device("cpu"), name=opt)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     return TrainState(model=model, optimizer=optimizer, scaler=scaler)
 
