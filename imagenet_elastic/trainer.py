@@ -58,7 +58,6 @@ class Trainer:
         self.restored, self.loaders, self.ctx = restored, loaders, ctx
         self.checkpointer, self.sample_log = checkpointer, sample_log
         self.resumed_at = restored.resumed_at  # until the first step, which reports what the restart cost
-        self.best_of: Optional[str] = None  # at an epoch's end: which weights scored its top-1, model or model_ema
 
     def fit(self) -> None:
         c, state = self.config, self.state
@@ -69,13 +68,12 @@ class Trainer:
         for epoch in range(state.epoch, c.epochs):
             row = self.run_epoch(epoch)
             state.epoch, state.tally = epoch + 1, EpochTally()
-            self.best_of = "model_ema" if row.get("val_top1_ema", -1.0) > row["val_top1"] else "model"
-            top1 = row["val_top1_ema"] if self.best_of == "model_ema" else row["val_top1"]
+            best_of = "model_ema" if row.get("val_top1_ema", -1.0) > row["val_top1"] else "model"
+            top1 = row["val_top1_ema"] if best_of == "model_ema" else row["val_top1"]
             is_best = top1 > state.best_top1
             state.best_top1 = max(state.best_top1, top1)
             state.history.append(row)
-            self.save(epoch_end=True, is_best=is_best)
-            self.best_of = None  # mid-epoch checkpoints validated nothing
+            self.save(epoch_end=True, is_best=is_best, best_of=best_of)
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             self.console.info(
                 f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f} | val loss {row['val_loss']:.4f} "
@@ -153,14 +151,16 @@ class Trainer:
 
     # ------------------------------------------------------------------ checkpoints and stopping
 
-    def save(self, epoch_end: bool, is_best: bool = False) -> None:
+    def save(self, epoch_end: bool, is_best: bool = False, best_of: Optional[str] = None) -> None:
+        """`best_of`, at an epoch's end: which weights scored its top-1 (model or model_ema); mid-epoch
+        checkpoints validated nothing."""
         state = self.state
-        self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta()),
+        self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
                                epoch=state.epoch if epoch_end else None, is_best=is_best,
                                history=list(state.history) if epoch_end else None)
 
-    def checkpoint_meta(self) -> dict[str, Any]:
-        return {"model_name": self.config.model, "classes": list(self.restored.classes), "best_of": self.best_of,
+    def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
+        return {"model_name": self.config.model, "classes": list(self.restored.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch}
 
     def stop(self) -> None:
