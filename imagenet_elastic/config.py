@@ -16,6 +16,7 @@ from imagenet_elastic import options
 from imagenet_elastic.augment import POLICIES, Augment, check_range
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.preemption import DEFAULT_SIGNALS
+from imagenet_elastic.resolution import TrainSizes
 from imagenet_elastic.schedule import SCHEDULES
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
@@ -25,6 +26,8 @@ RESUME_SENSITIVE = (
     "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
     "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
+    "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
+    "progressive_epochs",
 )
 OPTIMIZERS = ("sgd", "nesterov", "adamw", "lamb", "lars")  # --opt: torch's SGD, the rest timm's
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
@@ -50,8 +53,9 @@ class Config:
         None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
         "dict, or a .safetensors file; a classifier of another class count is re-initialised. A resumed run "
         "continues from its own checkpoint instead", "model", "PATH")
-    image_size: int = option(224, "train crop size (and val crop size unless --val-crop-size)", "model", "N",
-                             type=options.positive_int)
+    image_size: int = option(
+        224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
+        type=options.positive_int)
     val_crop_size: Optional[int] = option(
         None, "val centre crop size; larger than the train size for FixRes recipes (train 176, val 224)", "model",
         "N", shown_default="image-size", type=options.positive_int)
@@ -72,6 +76,22 @@ class Config:
     random_erase: float = option(
         0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel; "
         "needs --decode cpu", "augment", "P", type=options.probability)
+    mixup_alpha: float = option(
+        0.0, "mixup: images at positions 2k and 2k+1 of each global batch become weighted averages of the two, with "
+        "a weight from Beta(A, A) per pair, and their targets the same mix of the labels (0: off)", "augment", "A",
+        type=options.non_negative_float)
+    cutmix_alpha: float = option(
+        0.0, "cutmix: the same pairs swap a box whose area is drawn from Beta(A, A); with --mixup-alpha each pair "
+        "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
+        "(each micro-batch must then hold an even number of images)", "augment", "A",
+        type=options.non_negative_float)
+    progressive_resize: Optional[tuple[int, int]] = option(
+        None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
+        "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",
+        "LOW,HIGH", type=options.increasing_pair)
+    progressive_epochs: Optional[tuple[int, int]] = option(
+        None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
+        "augment", "START,END", type=options.increasing_pair)
     epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
@@ -108,6 +128,15 @@ class Config:
         "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction)
     label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
                                     type=options.non_negative_float)
+    bce_loss: bool = option(
+        False, "binary cross-entropy per class (timm's BinaryCrossEntropy, as in its \"ResNet strikes back\" "
+        "recipes) instead of softmax cross-entropy", "model", action=argparse.BooleanOptionalAction)
+    bce_target_thresh: Optional[float] = option(
+        None, "with --bce-loss: targets above X become 1, the rest 0 (timm's --bce-target-thresh)", "model", "X",
+        type=options.probability)
+    drop_path: float = option(
+        0.0, "stochastic depth: the rate timm's model drops residual branches at (its drop_path_rate); drawn per "
+        "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
                        type=options.non_negative_int)
     amp: str = option(
@@ -172,6 +201,12 @@ class Config:
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
         check_range("--scale", self.scale, high=1.0)
         check_range("--ratio", self.ratio)
+        if (self.progressive_resize is None) != (self.progressive_epochs is None):
+            given, missing = (("--progressive-resize", "--progressive-epochs") if self.progressive_epochs is None
+                              else ("--progressive-epochs", "--progressive-resize"))
+            raise UserError(f"{given} needs {missing} too")
+        if self.bce_target_thresh is not None and not self.bce_loss:
+            raise UserError("--bce-target-thresh applies to --bce-loss only")
         if self.decode == "gpu" and self.augment.after_crop:
             flag = "--auto-augment" if self.auto_augment != "none" else "--random-erase"
             raise UserError(f"{flag} works on decoded pixels in the loader workers, and under --decode gpu they "
@@ -180,6 +215,14 @@ class Config:
     @property
     def augment(self) -> Augment:
         return Augment(tuple(self.scale), tuple(self.ratio), self.hflip, self.auto_augment, self.random_erase)
+
+    @property
+    def train_sizes(self) -> TrainSizes:
+        return TrainSizes(self.image_size, self.progressive_resize, self.progressive_epochs)
+
+    @property
+    def mixes(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
 
     @property
     def eval_crop(self) -> int:

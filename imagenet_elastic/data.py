@@ -16,7 +16,7 @@ import multiprocessing
 import random
 import signal
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import numpy as np
 import torch
@@ -28,6 +28,7 @@ from imagenet_elastic import distributed
 from imagenet_elastic.augment import INCEPTION_CROP, Augment
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.resolution import TrainSizes
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
 
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
@@ -142,16 +143,18 @@ def pixel_span(start: float, length: float, limit: int) -> slice:
 # ----------------------------------------------------------------------------- datasets and loaders
 
 class TrainDataset(Dataset):
-    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key.
+    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at
+    the epoch's size.
 
     `load` turns (path, choose_crop, size) into the sample's image: `decode_region` here, or
     `gpu_decode.encode_region`, which leaves the decoding to the device (and so takes no policy or
     erasing, see config.Config.check).
     """
 
-    def __init__(self, index: ImageIndex, size: int, seed: int, load: Load = decode_region,
+    def __init__(self, index: ImageIndex, size: Union[int, TrainSizes], seed: int, load: Load = decode_region,
                  augment: Augment = INCEPTION_CROP) -> None:
-        self.index, self.size, self.seed, self.load, self.augment = index, size, seed, load, augment
+        self.index, self.seed, self.load, self.augment = index, seed, load, augment
+        self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
 
     def __len__(self) -> int:
         return len(self.index)
@@ -165,7 +168,7 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
             return box, rng.random() < augment.hflip
 
-        pixels = augment.apply(self.load(self.index.path(i), choose_crop, self.size), rng)
+        pixels = augment.apply(self.load(self.index.path(i), choose_crop, self.sizes(epoch)), rng)
         return pixels, int(self.index.targets[i]), i
 
 

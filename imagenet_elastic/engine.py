@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from imagenet_elastic import distributed
+from imagenet_elastic.mixing import Mixer
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -25,10 +26,11 @@ class StepContext:
     model: nn.Module  # the DDP wrapper when distributed
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    criterion: nn.Module
+    criterion: nn.Module  # loss.TrainLoss: takes class labels or soft targets
     device: torch.device
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
+    mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
 
     def __post_init__(self) -> None:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
@@ -142,7 +144,9 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
     ctx.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=ctx.device)
     for j, ((images, labels, _), part) in enumerate(zip(micro_batches, slices)):
-        images, labels = prepare_batch(images, labels, ctx)
+        images, targets = prepare_batch(images, labels, ctx)
+        if ctx.mixer is not None:
+            images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.channels_last)
         seed_micro_batch(seed, step, part.start)
         last = j == len(micro_batches) - 1
         with contextlib.ExitStack() as stack:
@@ -151,7 +155,7 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
             if part.start % share:  # not the first micro-batch of the rank's share
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
             with ctx.autocast():
-                loss = ctx.criterion(ctx.model(images), labels)
+                loss = ctx.criterion(ctx.model(images), targets)
             weighted = loss * (len(labels) / share)  # x1.0 when there is one micro-batch: exact
             ctx.scaler.scale(weighted).backward()
         total += weighted.detach().float()

@@ -13,14 +13,20 @@ from torch import nn
 from imagenet_elastic.errors import UserError
 
 
-def create_model(name: str, num_classes: int) -> nn.Module:
+def create_model(name: str, num_classes: int, drop_path: float = 0.0) -> nn.Module:
     """A timm model with random weights (runs never download anything)."""
     import timm  # ~2 s to import: deferred so that input errors are reported at once
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
         raise UserError(f"--model {name!r} is not a timm model{hint}")
-    return timm.create_model(name, pretrained=False, num_classes=num_classes)
+    extra = {"drop_path_rate": drop_path} if drop_path else {}
+    try:
+        return timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
+    except TypeError as error:
+        if extra and "drop_path_rate" in str(error):
+            raise UserError(f"--drop-path: timm's {name} has no drop_path_rate (no stochastic depth)") from None
+        raise
 
 
 @dataclass(frozen=True)

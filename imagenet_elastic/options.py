@@ -70,6 +70,17 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     return steps, seconds
 
 
+def increasing_pair(text: str) -> tuple[int, int]:
+    """`160,192` -> (160, 192): two non-negative integers, the first below the second."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
+    return low, high
+
+
 def signals(text: str) -> tuple[str, ...]:
     try:
         return parse_signals(text)

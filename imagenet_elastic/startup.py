@@ -30,6 +30,7 @@ from imagenet_elastic import (
     file_index,
     gpu_decode,
     initial_weights,
+    mixing,
     preemption,
 )
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
@@ -40,6 +41,8 @@ from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import StepContext
 from imagenet_elastic.errors import PREEMPTED_EXIT, UserError
 from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.loss import TrainLoss
+from imagenet_elastic.mixing import Mixer
 from imagenet_elastic.model import (
     count_parameters,
     create_ema,
@@ -120,7 +123,9 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
     precision = resolve_precision(config.amp, inputs.device)
     if precision.warning:
         console.warn(precision.warning)
-    model = place_model(create_model(config.model, len(inputs.train_index.classes)), inputs.device,
+    if config.mixes and not config.evaluate:
+        mixing.check_pairs([plan.micro_slices(rank) for rank in range(env.world_size)], plan.describe())
+    model = place_model(create_model(config.model, len(inputs.train_index.classes), config.drop_path), inputs.device,
                         config.channels_last)
     start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
         model, inputs.initial_state, config.initial_checkpoint, config.model)
@@ -160,7 +165,7 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
             console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
                          "(slower than --decode cpu; meant for testing)")
         decoder = gpu_decode.BatchDecoder(inputs.device, functools.partial(console.warn, every_rank=True))
-    train = data.train_loader(data.TrainDataset(inputs.train_index, config.image_size, config.seed, load,
+    train = data.train_loader(data.TrainDataset(inputs.train_index, config.train_sizes, config.seed, load,
                                                 config.augment),
                               restored.sampler, workers, pin, ignored, collate)
     val = data.eval_loader(data.EvalDataset(inputs.val_index, config.eval_crop, config.eval_resize, load),
@@ -214,9 +219,11 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     loaders = build_loaders(config, env, console, inputs, restored, stack)
     join_job(config, env, console, inputs, restored, stack)
     state = restored.state
+    classes = len(inputs.train_index.classes)
     ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
-                      nn.CrossEntropyLoss(label_smoothing=config.label_smoothing), inputs.device,
-                      restored.precision.dtype, config.channels_last)
+                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
+                      restored.precision.dtype, config.channels_last,
+                      Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     trainer = Trainer(config, env, console, preempt, restored, loaders, ctx, checkpointer, sample_log)
@@ -258,6 +265,12 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("model EMA", f"decay {c.model_ema_decay:g} per step" + (" after timm's warmup" if c.model_ema_warmup else "")
          if restored.state.ema is not None else "off"),
         ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"),
+        ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
+                                            is not None else "") if c.bce_loss else "cross-entropy")
+         + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
+        ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
+                       f"{c.eval_resize}"),
+        ("mixing", describe_mixing(c)),
         ("learning rate", f"{restored.schedule.peak:.6g} = {c.lr:g} x {plan.global_batch}/256, "
                           f"{restored.schedule.describe()}"),
         ("steps per epoch", str(restored.sampler.steps)),
@@ -270,6 +283,13 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ])
+
+
+def describe_mixing(c: Config) -> str:
+    kinds = [f"{name} alpha {alpha:g}" for name, alpha in (("mixup", c.mixup_alpha), ("cutmix", c.cutmix_alpha))
+             if alpha > 0]
+    return " or ".join(kinds) + " per pair of the global batch" + (", half each" if len(kinds) == 2 else "") \
+        if kinds else "off"
 
 
 def describe_index(index: ImageIndex) -> str:

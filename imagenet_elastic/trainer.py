@@ -122,6 +122,7 @@ class Trainer:
             **self.validate(),
             "lr": r.schedule.at(state.step - 1),
             "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
+            "train_size": c.train_sizes(epoch),
             "world_size": self.env.world_size,
             "global_batch": plan.global_batch,
             "epoch_seconds": time.perf_counter() - start,

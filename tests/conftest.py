@@ -23,6 +23,7 @@ SMALL_RUN = ["--model", "test_resnet", "--image-size", "32", "--batch-size", "8"
              "--log-interval", "1", "--warmup-epochs", "1", "--lr", "2.0", "--amp", "none"]
 AUGMENTED = ["--auto-augment", "ta_wide", "--random-erase", "0.5", "--hflip", "0.3", "--scale", "0.25", "1",
              "--ratio", "0.5", "2"]  # every per-sample augmentation option, each off its default
+MIXED = ["--mixup-alpha", "0.2", "--cutmix-alpha", "1.0", "--drop-path", "0.1"]  # drawn per step, on the device
 TRAIN_IMAGES = 4 * 24
 VAL_IMAGES = 4 * 9 - 1  # 35: divisible by neither 2 nor 3
 

@@ -56,6 +56,25 @@ def children_of(pid: int) -> list[int]:
     return found
 
 
+def stop(pid: int, timeout: float = 10) -> None:
+    """SIGSTOP `pid` and return once every one of its threads is stopped. kill() returns before that:
+    a thread inside a system call (a rename, an fsync) finishes the call first, so what it changes on
+    disk is only settled once /proc shows every thread in state T."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout
+    while True:
+        states = []
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            try:
+                states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+            except (OSError, IndexError):  # the thread ended while we looked
+                continue
+        if all(state in "Tt" for state in states):
+            return
+        assert time.monotonic() < deadline, f"process {pid} did not stop: thread states {states}"
+        time.sleep(0.001)
+
+
 def process_env(pid: int) -> dict[str, str]:
     raw = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
     return dict(item.decode(errors="replace").split("=", 1) for item in raw if b"=" in item)

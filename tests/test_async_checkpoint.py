@@ -75,11 +75,11 @@ def test_sigkill_during_a_background_write_leaves_the_previous_last_pt_and_resum
         try:
             for _ in range(50):  # freeze the process mid-write; a write that finished first does not count
                 wait_for_a_write_in_flight(ckpt, proc)
-                os.kill(proc.pid, signal.SIGSTOP)
-                if temp_files(ckpt):
+                fi.stop(proc.pid)
+                in_flight = temp_files(ckpt)
+                if in_flight:
                     break
                 os.kill(proc.pid, signal.SIGCONT)
-            in_flight = temp_files(ckpt)
             assert in_flight, "never stopped the run while a write was in flight"
             before = load_checkpoint(ckpt / "last.pt")  # what the interrupted write was replacing
             os.kill(proc.pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import pytest
 from conftest import (
     AUGMENTED,
     EPOCHS,
+    MIXED,
     REPO,
     SMALL_RUN,
     TRAIN_IMAGES,
@@ -185,10 +186,12 @@ def test_second_run_on_a_checkpoints_path_in_use_is_refused_and_the_first_is_unh
 @pytest.fixture(scope="module")
 def elastic_job(tmp_path_factory) -> fi.Job:
     """384 images: 24 steps per epoch, long enough for a node to join while one worker trains alone. With
-    every per-sample augmentation option and the weight average on: they claim world-size invariance."""
+    every per-sample augmentation option, the per-step mixing and drop-path, a progressive size and the weight
+    average on: they claim world-size invariance."""
     workdir = tmp_path_factory.mktemp("elastic")
     data = make_image_folder(workdir / "data", classes=8, train_per_class=48, val_per_class=4)
-    args = (*SMALL_RUN, *AUGMENTED, "--model-ema", "--model-ema-decay", "0.9", "--epochs", str(EPOCHS))
+    args = (*SMALL_RUN, *AUGMENTED, *MIXED, "--progressive-resize", "32,64", "--progressive-epochs", "1,2",
+            "--model-ema", "--model-ema-decay", "0.9", "--epochs", str(EPOCHS))
     return fi.Job(str(data), args, 384, GLOBAL_BATCH, workdir)
 
 

@@ -12,6 +12,7 @@ import torch
 from conftest import (
     AUGMENTED,
     EPOCHS,
+    MIXED,
     SMALL_RUN,
     TRAIN_IMAGES,
     VAL_IMAGES,
@@ -65,13 +66,15 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
     it exactly; AdamW's state and the step schedule continue from the checkpoint; the resumed run continues
     from last.pt, not from --initial-checkpoint (a timm state dict of 10 classes: the head is re-initialised).
-    And config.yaml, written beside the checkpoints, runs the same settings again."""
+    Mixup, cutmix and drop-path are drawn from (seed, step), the BCE loss takes the mixed targets, and the
+    second epoch, where the run is killed, trains at the ramp's larger size. And config.yaml, written beside
+    the checkpoints, runs the same settings again."""
     torch.manual_seed(3)
     torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
     args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6", "--threads", "1",
             "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
-            "--model-ema-warmup"]
+            "--model-ema-warmup", *MIXED, "--bce-loss", "--progressive-resize", "32,64", "--progressive-epochs", "0,1"]
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
@@ -88,6 +91,7 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     assert_same_tensors(killed["model_ema"], clean["model_ema"])
     rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert len(rows) == 2 and all("val_top1_ema" in row for row in rows)
+    assert [row["train_size"] for row in rows] == [32, 64]
     best = load_checkpoint(tmp_path / "killed" / "best.pt")
     best_row = rows[best["epoch"] - 1]
     assert best["best_of"] in ("model", "model_ema")

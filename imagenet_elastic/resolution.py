@@ -1,0 +1,38 @@
+"""The training image size of each epoch: one size, or FFCV's progressive resizing, where small
+images make the early epochs cheap and the size ramps up to its final value before the end.
+
+A pure function of the epoch, so a worker knows a sample's size from its key (epoch, index) alone:
+a restarted run, any worker count and any world size train each epoch at the same size.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+MULTIPLE = 32  # sizes on the ramp are rounded to this (FFCV's rule; a ResNet's total stride)
+
+
+@dataclass(frozen=True)
+class TrainSizes:
+    size: int  # the size of every epoch, without a ramp
+    ramp: Optional[tuple[int, int]] = None  # --progressive-resize LOW,HIGH
+    epochs: Optional[tuple[int, int]] = None  # --progressive-epochs START,END, counted from 0
+
+    def __call__(self, epoch: int) -> int:
+        """LOW up to epoch START, HIGH from epoch END, linear in between, rounded to a multiple of 32
+        (half to even, as FFCV's numpy rounding does)."""
+        if self.ramp is None or self.epochs is None:
+            return self.size
+        (low, high), (start, end) = self.ramp, self.epochs
+        fraction = min(max((epoch - start) / (end - start), 0.0), 1.0)
+        return max(MULTIPLE, round((low + fraction * (high - low)) / MULTIPLE) * MULTIPLE)
+
+    def describe(self, epochs: int) -> str:
+        """`160 -> 192 px over epochs 12-14 (160, 192, 192)` for the start-up table."""
+        if self.ramp is None or self.epochs is None:
+            return f"{self.size} px"
+        start, end = self.epochs
+        ramp = range(max(0, start), min(epochs, end + 1))
+        text = f"{self(0)} -> {self(epochs - 1)} px"
+        return text + (f" over epochs {start + 1}-{end + 1} ({', '.join(str(self(e)) for e in ramp)})" if ramp else "")
