@@ -27,7 +27,7 @@ RESUME_SENSITIVE = (
     "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
-    "progressive_epochs",
+    "progressive_epochs", "ra_reps",
 )
 OPTIMIZERS = ("sgd", "nesterov", "adamw", "lamb", "lars")  # --opt: torch's SGD, the rest timm's
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
@@ -85,6 +85,10 @@ class Config:
         "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
         "(each micro-batch must then hold an even number of images)", "augment", "A",
         type=options.non_negative_float)
+    ra_reps: int = option(
+        1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
+        "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
+        "it sees 1/N of the images", "augment", "N", type=options.positive_int)
     progressive_resize: Optional[tuple[int, int]] = option(
         None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
         "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",

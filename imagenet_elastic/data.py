@@ -38,9 +38,10 @@ Load = Callable[[str, ChooseCrop, int], Any]  # (path, choose_crop, size) -> wha
 
 # ----------------------------------------------------------------------------- crop geometry
 
-def sample_rng(seed: int, epoch: int, index: int) -> random.Random:
-    """The random stream of one training sample in one epoch (string seeds hash with SHA-512)."""
-    return random.Random(f"{seed}:{epoch}:{index}")
+def sample_rng(seed: int, epoch: int, index: int, copy: int = 0) -> random.Random:
+    """The random stream of one training sample in one epoch (string seeds hash with SHA-512); under
+    repeated augmentation each copy after the first has its own."""
+    return random.Random(f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else ""))
 
 
 def random_resized_crop_box(width: int, height: int, rng: random.Random,
@@ -161,8 +162,8 @@ class TrainDataset(Dataset):
 
     def __getitem__(self, key: SampleKey) -> tuple[Any, int, int]:
         """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
-        epoch, i = key
-        rng, augment = sample_rng(self.seed, epoch, i), self.augment
+        epoch, i, *copy = key
+        rng, augment = sample_rng(self.seed, epoch, i, *copy), self.augment
 
         def choose_crop(width: int, height: int) -> tuple[Box, bool]:
             box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)

@@ -18,8 +18,9 @@ import numpy as np
 
 from imagenet_elastic.errors import UserError
 
-# A sample's key: (epoch, index). The dataset derives the sample's augmentation from it.
-SampleKey = tuple[int, int]
+# A sample's key: (epoch, index), or (epoch, index, copy) under repeated augmentation. The dataset derives
+# the sample's augmentation from it.
+SampleKey = tuple[int, ...]
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
@@ -94,10 +95,15 @@ class TrainBatchSampler:
     skipped even if the checkpoint was written at another world size.
     """
 
-    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, max_steps: int | None = None) -> None:
+    def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, max_steps: int | None = None,
+                 reps: int = 1) -> None:
+        if plan.global_batch % reps:
+            raise UserError(f"--ra-reps {reps} must divide the global batch ({plan.global_batch}): each global "
+                            f"batch holds global-batch / ra-reps images, each {reps} times")
         self.num_samples = num_samples
         self.plan = plan
         self.seed = seed
+        self.reps = reps
         self.steps = steps_per_epoch(num_samples, plan.global_batch, max_steps)
         self.slices = plan.micro_slices(rank)
         self.epoch = 0
@@ -123,10 +129,27 @@ class TrainBatchSampler:
     def __iter__(self) -> Iterator[list[SampleKey]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch)
         g = self.plan.global_batch
-        for k in range(self.steps_left):
-            batch = order[self.start_sample + k * g:self.start_sample + (k + 1) * g]
+        if self.reps == 1:
+            for k in range(self.steps_left):
+                batch = order[self.start_sample + k * g:self.start_sample + (k + 1) * g]
+                for part in self.slices:
+                    yield [(self.epoch, int(i)) for i in batch[part]]
+            return
+        for step in range(self.start_sample // g, self.steps):
+            keys = repeated_batch(order, step, g, self.reps, self.epoch)
             for part in self.slices:
-                yield [(self.epoch, int(i)) for i in batch[part]]
+                yield keys[part]
+
+
+def repeated_batch(order: np.ndarray, step: int, global_batch: int, reps: int, epoch: int) -> list[SampleKey]:
+    """Repeated augmentation (DeiT; torchvision's --ra-reps): global batch `step` holds the next
+    global_batch / reps images of the epoch's permutation, `reps` times over, copy c at positions
+    c * global_batch / reps + j, so the copies of an image fall on different ranks (and micro-batches)
+    and get augmentations of their own. An epoch keeps its step count and so sees 1/reps of the images,
+    as torchvision's RASampler does."""
+    unique = global_batch // reps
+    group = order[step * unique:(step + 1) * unique]
+    return [(epoch, int(i), copy) for copy in range(reps) for i in group]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

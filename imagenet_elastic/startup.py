@@ -118,7 +118,8 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
     saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
                      env.world_size, config.batch_size)
-    sampler = TrainBatchSampler(len(inputs.train_index), plan, env.rank, config.seed, config.max_steps_per_epoch)
+    sampler = TrainBatchSampler(len(inputs.train_index), plan, env.rank, config.seed, config.max_steps_per_epoch,
+                                config.ra_reps)
     torch.manual_seed(config.seed)
     precision = resolve_precision(config.amp, inputs.device)
     if precision.warning:
@@ -271,6 +272,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
                        f"{c.eval_resize}"),
         ("mixing", describe_mixing(c)),
+        ("repeated augmentation", f"{c.ra_reps} copies of {plan.global_batch // c.ra_reps} images per global batch"
+         if c.ra_reps > 1 else "off"),
         ("learning rate", f"{restored.schedule.peak:.6g} = {c.lr:g} x {plan.global_batch}/256, "
                           f"{restored.schedule.describe()}"),
         ("steps per epoch", str(restored.sampler.steps)),

@@ -130,3 +130,11 @@ def test_everything_at_once_is_still_a_function_of_the_key(index):
 def test_settings_that_cannot_work_are_refused_naming_the_flag(changes, message):
     with pytest.raises(UserError, match=message.replace("-", r"\-")):
         Config(data="/data", **changes)
+
+
+def test_each_copy_under_repeated_augmentation_has_its_own_draws_and_the_first_is_the_plain_sample(index):
+    dataset = TrainDataset(index, 32, seed=4, augment=EVERYTHING)
+    plain, first, second = dataset[(1, 2)][0], dataset[(1, 2, 0)][0], dataset[(1, 2, 1)][0]
+    assert torch.equal(plain, first)
+    assert not torch.equal(first, second)
+    assert torch.equal(second, TrainDataset(index, 32, seed=4, augment=EVERYTHING)[(1, 2, 1)][0])

@@ -15,12 +15,12 @@ SEED = 7
 
 def global_batches(world_size: int, epoch: int, start_sample: int = 0, max_steps=None,
                    num_samples: int = NUM_SAMPLES, seed: int = SEED, micro_batch: int = GLOBAL_BATCH,
-                   global_batch: int = GLOBAL_BATCH) -> list[list[tuple[int, int]]]:
+                   global_batch: int = GLOBAL_BATCH, reps: int = 1) -> list[list[tuple[int, ...]]]:
     """Concatenate every rank's micro-batches of each step into the global batch that step trains on."""
     plan = BatchPlan(global_batch, world_size, micro_batch)
     per_rank = []
     for rank in range(world_size):
-        sampler = TrainBatchSampler(num_samples, plan, rank, seed, max_steps=max_steps)
+        sampler = TrainBatchSampler(num_samples, plan, rank, seed, max_steps=max_steps, reps=reps)
         sampler.set_epoch(epoch, start_sample=start_sample)
         micro = list(sampler)
         assert len(micro) == len(sampler)
@@ -168,3 +168,34 @@ def test_batch_plan_describes_its_split():
     assert BatchPlan(16, 2, 8).describe() == "16 = 2 processes x 8"
     assert BatchPlan(16, 1, 8).describe() == "16 = 1 process x 16, in 2 micro-batches of 8"
     assert BatchPlan(26, 2, 8).describe() == "26 = 2 processes x 13, in 2 micro-batches of 7/6"
+
+
+def test_repeated_augmentation_puts_each_image_reps_times_in_its_batch_as_distinct_copies():
+    """--ra-reps 4 with a global batch of 8: 2 images per step, copy c of image j at position 2c + j."""
+    order = epoch_permutation(NUM_SAMPLES, SEED, 2).tolist()
+    batches = global_batches(1, 2, reps=4)
+    assert len(batches) == NUM_SAMPLES // GLOBAL_BATCH  # an epoch keeps its step count
+    for step, batch in enumerate(batches):
+        images = order[2 * step:2 * step + 2]
+        assert batch == [(2, i, copy) for copy in range(4) for i in images]
+    assert len({i for batch in batches for _, i, _ in batch}) == len(batches) * 2  # 1/4 of the images
+
+
+@pytest.mark.parametrize("start", [0, 3 * GLOBAL_BATCH])
+def test_repeated_augmentation_does_not_depend_on_world_size_or_resume_point(start):
+    reference = global_batches(1, 4, reps=2, start_sample=start, micro_batch=2)
+    for world_size in (2, 4):
+        assert global_batches(world_size, 4, reps=2, start_sample=start) == reference, world_size
+    assert global_batches(1, 4, reps=2)[start // GLOBAL_BATCH:] == reference
+
+
+def test_the_copies_of_an_image_go_to_different_ranks():
+    plan = BatchPlan(GLOBAL_BATCH, 4, GLOBAL_BATCH)
+    first_step = [next(iter(TrainBatchSampler(NUM_SAMPLES, plan, rank, SEED, reps=4))) for rank in range(4)]
+    for rank_keys in first_step:
+        assert len({i for _, i, _ in rank_keys}) == len(rank_keys)  # no image twice on one rank
+
+
+def test_ra_reps_that_does_not_divide_the_global_batch_is_refused():
+    with pytest.raises(UserError, match="--ra-reps 3 must divide the global batch"):
+        TrainBatchSampler(NUM_SAMPLES, BatchPlan(GLOBAL_BATCH, 1, GLOBAL_BATCH), 0, SEED, reps=3)
