@@ -114,9 +114,9 @@ class Config:
                                  type=options.non_negative_float)
     warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
                                   "X", type=options.non_negative_float)
-    sched: str = option("cosine", "LR decay after the warmup: cosine (to --lr-min at the last step) or step (x "
-                        "--decay-rate every --decay-epochs, counted from the first epoch)", "model",
-                        choices=list(SCHEDULES))
+    sched: str = option(
+        "cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the last step, or "
+        "step (x --decay-rate every --decay-epochs, counted from the first epoch)", "model", choices=list(SCHEDULES))
     lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
                            type=options.non_negative_float)
     decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",

@@ -1,5 +1,5 @@
-"""Learning rate: linear scaling with the global batch, linear warmup, then cosine or step decay,
-stepped every iteration."""
+"""Learning rate: linear scaling with the global batch, linear warmup, then cosine, linear or step
+decay, stepped every iteration."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 from dataclasses import dataclass
 
 REFERENCE_BATCH = 256
-SCHEDULES = ("cosine", "step")  # --sched
+SCHEDULES = ("cosine", "linear", "step")  # --sched
 
 
 def scaled_lr(base_lr: float, global_batch: int) -> float:
@@ -33,9 +33,11 @@ class LRSchedule:
             return max(self.minimum, self.peak * self.decay_rate ** (step // self.decay_every))
         decay_steps = max(1, self.total_steps - self.warmup_steps)
         progress = min(1.0, (step - self.warmup_steps) / decay_steps)
+        if self.kind == "linear":  # FFCV's triangular schedule, with the warmup
+            return self.peak + (self.minimum - self.peak) * progress
         return self.minimum + 0.5 * (self.peak - self.minimum) * (1.0 + math.cos(math.pi * progress))
 
     def describe(self) -> str:
         decay = (f"x{self.decay_rate:g} every {self.decay_every} steps" if self.kind == "step"
-                 else f"cosine over {self.total_steps}")
+                 else f"{self.kind} over {self.total_steps}")
         return f"warmup {self.warmup_steps} steps, {decay}" + (f", down to {self.minimum:g}" if self.minimum else "")

@@ -105,11 +105,22 @@ RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"
 
 
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
-def test_every_shipped_recipe_names_its_source_and_parses(recipe):
-    assert "# Source:" in recipe.read_text()
+def test_every_shipped_recipe_names_its_source_and_published_result_and_parses(recipe):
+    text = recipe.read_text()
+    assert "Source" in text and "published" in text.lower()
     config, _ = cli.parse(["/data", "--config", str(recipe)])
     assert config.data == "/data"
 
 
-def test_recipes_are_shipped():
-    assert RECIPES
+def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
+    recipes = {r.stem: cli.parse(["/data", "--config", str(r)])[0] for r in RECIPES}
+    v2 = recipes["resnet50_torchvision_v2"]
+    assert (v2.mixup_alpha, v2.cutmix_alpha, v2.auto_augment, v2.random_erase, v2.ra_reps, v2.model_ema) == \
+        (0.2, 1.0, "ta_wide", 0.1, 4, True)
+    assert (v2.image_size, v2.eval_crop, v2.eval_resize, v2.epochs) == (176, 224, 232, 600)
+    for name, epochs, ramp in (("ffcv_resnet50_16ep", 16, (11, 13)), ("ffcv_resnet50_88ep", 88, (65, 76)),
+                               ("ffcv_resnet18_16ep", 16, (11, 13))):
+        ffcv = recipes[name]
+        assert (ffcv.epochs, ffcv.progressive_resize, ffcv.progressive_epochs, ffcv.sched) == \
+            (epochs, (160, 192), ramp, "linear")
+    assert recipes["resnet50_baseline_90ep"].sched == "step"

@@ -87,3 +87,14 @@ def test_step_decay_multiplies_by_the_rate_every_interval_down_to_lr_min():
 def test_step_decay_warms_up_first():
     schedule = LRSchedule(1.0, 4, 100, kind="step", decay_every=30)
     assert [schedule.at(step) for step in range(5)] == pytest.approx([0.25, 0.5, 0.75, 1.0, 1.0])
+
+
+def test_linear_decay_falls_in_a_straight_line_from_the_peak_to_the_minimum():
+    """FFCV's triangle: up over the warmup, down in a straight line to --lr-min at the end."""
+    schedule = LRSchedule(PEAK, WARMUP, TOTAL, minimum=0.01, kind="linear")
+    assert schedule.at(WARMUP) == pytest.approx(PEAK)
+    assert schedule.at(WARMUP + (TOTAL - WARMUP) // 2) == pytest.approx((PEAK + 0.01) / 2)
+    assert schedule.at(TOTAL) == pytest.approx(0.01)
+    steps = [schedule.at(step) for step in range(WARMUP, TOTAL + 1)]
+    assert all(b - a == pytest.approx((0.01 - PEAK) / (TOTAL - WARMUP)) for a, b in zip(steps, steps[1:]))
+    assert schedule.describe() == "warmup 10 steps, linear over 100, down to 0.01"
