@@ -78,6 +78,10 @@ class BatchPlan:
             start += size
         return slices
 
+    def all_micro_slices(self) -> list[slice]:
+        """Every micro-batch of a step, over all ranks, in global-batch order."""
+        return [part for rank in range(self.world_size) for part in self.micro_slices(rank)]
+
     def describe(self) -> str:
         """E.g. `16 = 1 process x 16, in 2 micro-batches of 8`."""
         text = f"{self.global_batch} = {self.world_size} process{'es' * (self.world_size > 1)} x {self.share}"

@@ -144,6 +144,12 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
         changes = config.differences(snapshot["config"])
         if snapshot.get("global_batch") not in (None, plan.global_batch):
             changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
+        saved_world = snapshot.get("world_size")
+        if saved_world not in (None, env.world_size) and not config.evaluate and saved_batch == plan.global_batch:
+            before = BatchPlan(plan.global_batch, saved_world, config.batch_size)
+            if before.all_micro_slices() != plan.all_micro_slices():
+                changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
+                               "statistics, dropout and drop path are computed per micro-batch)")
         for change in changes:
             console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
     return Restored(state, plan, sampler, precision, schedule, start, classes=inputs.train_index.classes,

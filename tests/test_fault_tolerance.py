@@ -143,6 +143,7 @@ def test_checkpoint_of_world_size_2_resumes_at_another_world_size_with_the_same_
     assert result.returncode == 0, result.stdout + result.stderr
     split = {1: "24 = 1 process x 24, in 3 micro-batches of 8", 3: "24 = 3 processes x 8"}[world_size]
     assert split in result.stdout
+    assert ("micro-batches: checkpoint 24 = 2 processes x 12, in 2 micro-batches of 6, now " + split) in result.stderr
     final = load_checkpoint(tmp_path / "ckpt" / "last.pt")
     assert final["global_batch"] == 24 and final["world_size"] == world_size and final["step"] == 2 * 4
     report = assert_every_sample_once(tmp_path / "samples", epochs=2, global_batch=24)
@@ -210,6 +211,7 @@ def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once
     assert (outcome.samples_lost, outcome.samples_repeated) == (0, 0)
     assert "16 = 1 process x 16, in 2 micro-batches of 8" in outputs  # the same global batch when alone
     assert outputs.count("16 = 2 processes x 8") == 2  # at the start and after the join
+    assert "results will not match" not in outputs  # the same micro-batches of 8 at both world sizes
     assert all(0 < seconds < 60 for seconds in outcome.recovery_s), outcome.recovery_s
     assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean")) <= 1e-5
     assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean"), "model_ema") <= 1e-5

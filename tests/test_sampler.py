@@ -199,3 +199,10 @@ def test_the_copies_of_an_image_go_to_different_ranks():
 def test_ra_reps_that_does_not_divide_the_global_batch_is_refused():
     with pytest.raises(UserError, match="--ra-reps 3 must divide the global batch"):
         TrainBatchSampler(NUM_SAMPLES, BatchPlan(GLOBAL_BATCH, 1, GLOBAL_BATCH), 0, SEED, reps=3)
+
+
+def test_all_micro_slices_say_whether_two_world_sizes_train_the_same_micro_batches():
+    """2 x 8 and 1 x (8 + 8) train the same micro-batches; 4 x 4 does not (what resume warns about)."""
+    two, one, four = BatchPlan(16, 2, 8), BatchPlan(16, 1, 8), BatchPlan(16, 4, 8)
+    assert two.all_micro_slices() == one.all_micro_slices() == [slice(0, 8), slice(8, 16)]
+    assert four.all_micro_slices() != two.all_micro_slices()
