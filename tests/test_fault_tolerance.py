@@ -9,6 +9,7 @@ import shutil
 import signal
 import socket
 import subprocess
+from pathlib import Path
 
 import fault_injection as fi
 import pytest
@@ -57,20 +58,41 @@ def assert_every_sample_once(log_dir, epochs: int = EPOCHS, global_batch: int = 
     return report
 
 
-@pytest.mark.parametrize("seed", [14, 16])  # (epoch, step, rank): (1, 5, 0), (2, 4, 1): both ranks, two epochs
-def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, torchrun_reference, seed):
-    """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples."""
+# The recipe options whose randomness is drawn per sample or per step, all on; the ramp's larger size from epoch 2
+RECIPE = [*AUGMENTED, *MIXED, "--progressive-resize", "32,64", "--progressive-epochs", "0,1", "--model-ema",
+          "--model-ema-decay", "0.9"]
+
+
+@pytest.fixture(scope="module")
+def recipe_reference(image_folder, tmp_path_factory) -> Path:
+    """torchrun_reference with RECIPE on."""
+    ckpt = tmp_path_factory.mktemp("recipe_reference")
+    result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, *RECIPE, "--epochs", str(EPOCHS),
+                              "--checkpoints-path", str(ckpt)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    return ckpt
+
+
+@pytest.mark.parametrize(("seed", "recipe"), [(14, False), (16, True)])  # (epoch, step, rank): (1, 5, 0), (2, 4, 1)
+def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, request, seed, recipe):
+    """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples.
+    The second kill comes with every recipe option that draws per sample or per step on, in a 64 px epoch of a
+    progressive ramp: the raw weights and their average end bitwise those of an uninterrupted run."""
     rng = random.Random(seed)
     epoch, step, rank = rng.randint(1, EPOCHS), rng.randint(1, 5), rng.randint(0, 1)
-    reference, _ = torchrun_reference
-    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--checkpoint-interval", "1",
-                       "--checkpoints-path", str(tmp_path / "ckpt"), restarts=1)
+    reference = request.getfixturevalue("recipe_reference") if recipe else \
+        request.getfixturevalue("torchrun_reference")[0]
+    cmd = torchrun_cmd(2, str(image_folder), *SMALL_RUN, *(RECIPE if recipe else []), "--epochs", str(EPOCHS),
+                       "--checkpoint-interval", "1", "--checkpoints-path", str(tmp_path / "ckpt"), restarts=1)
     code, output = run_and_kill(cmd, when=f"epoch {epoch}/{EPOCHS} step {step}/", victim=torchrun_worker(rank),
                                 env=child_env(**{ENV_VAR: str(tmp_path / "samples")}))
     assert code == 0, output
     assert re.search(r"resuming from .*last\.pt: \d epochs done, \d+ samples into epoch", output), output
     assert "after the checkpoint was written (restart + load" in output
     assert_same_as_reference(tmp_path / "ckpt", reference)
+    if recipe:
+        assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model_ema"],
+                            load_checkpoint(reference / "last.pt")["model_ema"])
     assert assert_every_sample_once(tmp_path / "samples").steps_redone <= 2
     rows, clean_rows = read_metrics(tmp_path / "ckpt" / "metrics.jsonl"), read_metrics(reference / "metrics.jsonl")
     exact = ("epoch", "val_loss", "val_top1", "val_top5", "val_samples", "lr", "world_size", "global_batch")
