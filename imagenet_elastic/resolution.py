@@ -20,13 +20,16 @@ class TrainSizes:
     epochs: Optional[tuple[int, int]] = None  # --progressive-epochs START,END, counted from 0
 
     def __call__(self, epoch: int) -> int:
-        """LOW up to epoch START, HIGH from epoch END, linear in between, rounded to a multiple of 32
-        (half to even, as FFCV's numpy rounding does)."""
+        """LOW up to epoch START, HIGH from epoch END, exactly; linear in between, rounded to a multiple
+        of 32 (half to even, as FFCV's numpy rounding does: 160 -> 192 over epochs 11-13 gives 192 at 12)."""
         if self.ramp is None or self.epochs is None:
             return self.size
         (low, high), (start, end) = self.ramp, self.epochs
-        fraction = min(max((epoch - start) / (end - start), 0.0), 1.0)
-        return max(MULTIPLE, round((low + fraction * (high - low)) / MULTIPLE) * MULTIPLE)
+        if epoch <= start:
+            return low
+        if epoch >= end:
+            return high
+        return max(MULTIPLE, round((low + (epoch - start) / (end - start) * (high - low)) / MULTIPLE) * MULTIPLE)
 
     def describe(self, epochs: int) -> str:
         """`160 -> 192 px over epochs 12-14 (160, 192, 192)` for the start-up table."""

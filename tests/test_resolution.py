@@ -25,6 +25,8 @@ def test_a_wide_ramp_steps_through_multiples_of_32_and_stays_at_its_ends():
     sizes = TrainSizes(224, (128, 256), (2, 6))
     assert [sizes(e) for e in range(9)] == [128, 128, 128, 160, 192, 224, 256, 256, 256]
     assert TrainSizes(224)(0) == TrainSizes(224)(99) == 224  # no ramp: --image-size every epoch
+    odd = TrainSizes(224, (176, 240), (1, 3))  # ends not multiples of 32: kept exactly, as FFCV keeps them
+    assert [odd(e) for e in range(5)] == [176, 176, 192, 240, 240]  # 208 / 32 = 6.5 rounds half to even
     assert sizes.describe(9) == "128 -> 256 px over epochs 3-7 (128, 160, 192, 224, 256)"
     assert TrainSizes(224).describe(9) == "224 px"
 
