@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.sampler import BatchPlan
 
 STREAM = 0x6D6978  # "mix": keeps these draws apart from every other (seed, step) stream
 
@@ -95,13 +96,14 @@ def cut_boxes(lam: np.ndarray, centre_y: np.ndarray, centre_x: np.ndarray, heigh
             np.clip(cx - half_w, 0, width), np.clip(cx + half_w, 0, width))
 
 
-def check_pairs(micro_slices: list[list[slice]], what: str) -> None:
-    """Every micro-batch of every rank must hold whole pairs; `micro_slices[rank]` as BatchPlan gives them."""
-    for rank, slices in enumerate(micro_slices):
+def check_pairs(plan: BatchPlan) -> None:
+    """Every micro-batch of every rank must hold whole pairs."""
+    for rank in range(plan.world_size):
+        slices = plan.micro_slices(rank)
         for part in slices:
             if part.start % 2 or (part.stop - part.start) % 2:
                 sizes = "/".join(str(s.stop - s.start) for s in slices)
                 raise UserError(
                     f"--mixup-alpha/--cutmix-alpha mix the images of a global batch in pairs (positions 2k and "
-                    f"2k+1), so every micro-batch must hold whole pairs; {what} gives rank {rank} micro-batches "
-                    f"of {sizes}: choose --global-batch-size and --batch-size so that each is even")
+                    f"2k+1), so every micro-batch must hold whole pairs; {plan.describe()} gives rank {rank} "
+                    f"micro-batches of {sizes}: choose --global-batch-size and --batch-size so that each is even")

@@ -125,7 +125,7 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
     if precision.warning:
         console.warn(precision.warning)
     if config.mixes and not config.evaluate:
-        mixing.check_pairs([plan.micro_slices(rank) for rank in range(env.world_size)], plan.describe())
+        mixing.check_pairs(plan)
     model = place_model(create_model(config.model, len(inputs.train_index.classes), config.drop_path), inputs.device,
                         config.channels_last)
     start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
