@@ -1,0 +1,69 @@
+"""The start-up table rank 0 prints once a run is built: what was built, and the choices made for
+this machine (precision, loader workers, the recipe's options)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from imagenet_elastic.config import Config
+from imagenet_elastic.console import Console
+from imagenet_elastic.distributed import DistEnv
+from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.model import count_parameters
+from imagenet_elastic.trainer import Loaders, Restored
+
+if TYPE_CHECKING:
+    from imagenet_elastic.startup import Inputs
+
+
+def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored: Restored,
+             loaders: Loaders) -> None:
+    """The start-up table: what was built, and the choices made for this machine."""
+    plan = restored.plan
+    interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
+    interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
+    console.table("imagenet_elastic", [
+        ("model", f"{c.model} ({count_parameters(restored.state.model) / 1e6:.2f} M parameters)"),
+        ("classes", str(len(inputs.train_index.classes))),
+        ("train images", describe_index(inputs.train_index)),
+        ("val images", describe_index(inputs.val_index)),
+        ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
+        ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
+         else "none (single process)"),
+        ("global batch", plan.describe()),
+        ("initial weights", restored.start if not restored.resume_from else f"from {restored.resume_from}"),
+        ("model EMA", f"decay {c.model_ema_decay:g} per step" + (" after timm's warmup" if c.model_ema_warmup else "")
+         if restored.state.ema is not None else "off"),
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"),
+        ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
+                                            is not None else "") if c.bce_loss else "cross-entropy")
+         + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
+        ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
+                       f"{c.eval_resize}"),
+        ("mixing", describe_mixing(c)),
+        ("repeated augmentation", f"{c.ra_reps} copies of {plan.global_batch // c.ra_reps} images per global batch"
+         if c.ra_reps > 1 else "off"),
+        ("learning rate", f"{restored.schedule.peak:.6g} = {c.lr:g} x {plan.global_batch}/256, "
+                          f"{restored.schedule.describe()}"),
+        ("steps per epoch", str(restored.sampler.steps)),
+        ("precision", restored.precision.describe()),
+        ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
+        ("decode", "in loader workers" if loaders.decoder is None else f"batched on {inputs.device} (--decode gpu)"),
+        ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
+        ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
+                        f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
+        ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
+                       + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
+    ])
+
+
+def describe_mixing(c: Config) -> str:
+    kinds = [f"{name} alpha {alpha:g}" for name, alpha in (("mixup", c.mixup_alpha), ("cutmix", c.cutmix_alpha))
+             if alpha > 0]
+    return " or ".join(kinds) + " per pair of the global batch" + (", half each" if len(kinds) == 2 else "") \
+        if kinds else "off"
+
+
+def describe_index(index: ImageIndex) -> str:
+    return f"{len(index)} in {index.root}" + (" (file list from the cache)" if index.cached else "")
