@@ -51,7 +51,7 @@ class Augment:
         import torch
         from PIL import Image
 
-        generator = torch.default_generator  # not torch.manual_seed: its device hooks cost ~100x the draw itself
+        generator = torch.default_generator  # not torch.manual_seed: its device hooks cost far more than the draw
         saved = generator.get_state()
         generator.manual_seed(rng.getrandbits(63))
         try:

@@ -92,12 +92,15 @@ def state_bytes(state: dict[str, Any]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors_in(state))
 
 
-def load(path: str) -> dict[str, Any]:
-    """Load a checkpoint on CPU; every failure becomes one line naming the file."""
+def load(path: str, lazy: bool = False) -> dict[str, Any]:
+    """Load a checkpoint on CPU; every failure becomes one line naming the file.
+
+    `lazy`: map the file instead of reading it. The numbers and settings are read (a few KB); a
+    tensor's bytes only if it is used (see checkpoint_share: the ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
     except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, zipfile errors...
         raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(error)[:200]})") from None
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
@@ -126,6 +129,7 @@ class CheckpointLock:
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)
         self.fd: Optional[int] = None
+        self.token: Optional[str] = None  # this run's, written into the lock file (see read_lock_token)
 
     def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
@@ -136,7 +140,7 @@ class CheckpointLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "unknown process"
+                holder = os.pread(fd, 200, 0).decode(errors="replace").split(" run ")[0].strip() or "unknown process"
                 if time.monotonic() >= deadline:
                     os.close(fd)
                     raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
@@ -145,14 +149,27 @@ class CheckpointLock:
                     on_wait(holder)
                     told = True
                 time.sleep(0.2)
+        self.token = secrets.token_hex(8)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {self.token}\n".encode(), 0)
+        os.fsync(fd)  # on NFS, other nodes see the token only once it reached the server
         self.fd = fd
 
     def release(self) -> None:
         if self.fd is not None:
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = None
+
+
+def read_lock_token(folder: str) -> Optional[str]:
+    """The token of the run that holds FOLDER's lock, as this process sees the folder: the other ranks
+    compare it with rank 0's to prove that they reach the same folder (see consistency.py)."""
+    try:
+        with open(os.path.join(folder, LOCK), "rb") as f:
+            words = f.read(200).decode(errors="replace").split()
+    except OSError:
+        return None
+    return words[-1] if len(words) >= 2 and words[-2] == "run" else None
 
 
 class CheckpointManager:

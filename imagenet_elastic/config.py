@@ -185,8 +185,12 @@ class Config:
         "checkpoints", action=argparse.BooleanOptionalAction)
     evaluate: bool = option(False, "validate the `--resume` checkpoint and exit", "run", action="store_true")
     max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
-    log_interval: int = option(50, "steps between progress lines when the output is not a terminal", "run", "N",
-                               type=options.positive_int)
+    log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
+                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
+    tensorboard: Optional[bool] = option(
+        None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
+        "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
+        shown_default="when installed", action=argparse.BooleanOptionalAction)
     dist_init_method: str = option(
         "env", "where ranks come from (see Launching): env (torchrun or torch.distributed.launch variables, or none "
         "for one process), slurm (srun's `SLURM_*`), spawn (start --nproc-per-node local processes), mpi "

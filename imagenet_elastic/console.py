@@ -18,8 +18,11 @@ class Console:
     def __init__(self, enabled: bool, log_interval: int = 50, rank: int = 0) -> None:
         self.enabled, self.rank = enabled, rank
         self.log_interval = max(1, log_interval)
-        self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120)
-        self.errors = RichConsole(stderr=True, highlight=False, soft_wrap=True)
+        # A bar and colours only on a real terminal: a log file gets plain lines whatever FORCE_COLOR or
+        # TTY_COMPATIBLE say (rich would believe them, and write bar frames instead of `step N/M` lines).
+        self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120,
+                                force_terminal=sys.stdout.isatty())
+        self.errors = RichConsole(stderr=True, highlight=False, soft_wrap=True, force_terminal=sys.stderr.isatty())
 
     def info(self, message: str) -> None:
         if self.enabled:
@@ -77,10 +80,6 @@ class EpochProgress:
         self.console, self.description, self.total, self.bar = console, description, total, bar
         self.task = None
 
-    def wants_stats(self, step: int) -> bool:
-        """Whether `update` at this step will show numbers (reading them costs a device sync)."""
-        return self.console.enabled and (step % self.console.log_interval == 0 or step == self.total)
-
     def update(self, step: int, stats: str = "") -> None:
         if not self.console.enabled:
             return
@@ -89,3 +88,13 @@ class EpochProgress:
             self.bar.update(self.task, completed=step, **fields)
         elif stats:
             self.console.info(f"{self.description} step {step}/{self.total} {stats}")
+
+
+def clock(seconds: float) -> str:
+    """`1:02:03`, `12:34`, or `2d 03:04:05` for an ETA."""
+    seconds = max(0, round(seconds))
+    days, rest = divmod(seconds, 86400)
+    hours, rest = divmod(rest, 3600)
+    minutes, secs = divmod(rest, 60)
+    text = f"{hours}:{minutes:02d}:{secs:02d}" if hours or days else f"{minutes}:{secs:02d}"
+    return f"{days}d {hours:02d}:{minutes:02d}:{secs:02d}" if days else text

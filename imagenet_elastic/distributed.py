@@ -199,6 +199,7 @@ def destroy_process_group() -> None:
 
 
 def is_initialized() -> bool:
+    """False also on a torch built without distributed support, where `dist.is_initialized` is missing."""
     return dist.is_available() and dist.is_initialized()
 
 
@@ -240,6 +241,28 @@ def broadcast_buffers(module: torch.nn.Module) -> None:
         dist.broadcast(flat, src=0)
         for buffer, part in zip(same, flat.split([b.numel() for b in same])):
             buffer.copy_(part.view(buffer.shape))
+
+
+def rank() -> int:
+    return dist.get_rank() if is_initialized() else 0
+
+
+def all_gather_object(obj: Any) -> list[Any]:
+    """Every rank's `obj`, in rank order, through the control group (CPU, never the GPU's queue)."""
+    if not is_initialized():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj, group=_control)
+    return gathered
+
+
+def broadcast_object(obj: Any, src: int) -> Any:
+    """Rank `src`'s `obj` on every rank (the others pass anything), through the control group."""
+    if not is_initialized():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src, group=_control)
+    return box[0]
 
 
 def barrier() -> None:

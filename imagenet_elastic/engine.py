@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Optional
@@ -97,6 +98,28 @@ def seed_micro_batch(seed: int, step: int, position: int) -> None:
     """Model-side randomness (dropout, drop-path) of a micro-batch from (seed, step, its position in
     the global batch): a resumed step, or the same step at another world size, draws the same."""
     torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
+
+
+class LoaderWaits:
+    """Wall time the training loop spent waiting for the loader's next batch; each log line takes it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable) -> Iterator:
+        batches = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - start
+            yield batch
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
 
 
 def step_groups(loader: Iterable, accum: int) -> Iterator[list]:

@@ -12,10 +12,12 @@ class UserError(Exception):
     """Bad input (flag, file, variable). The message names the culprit.
 
     Most input errors are met identically by every rank, so rank 0 alone reports them;
-    `every_rank` errors belong to one rank (its data shard, its connection) and each reports its own.
+    `every_rank` errors belong to one rank (its data shard, its connection) and each reports its own;
+    `every_node` errors concern several nodes, and the first rank of each node says them in its log.
     """
 
     every_rank = False
+    every_node = False
     exit_code = USER_ERROR_EXIT
 
 

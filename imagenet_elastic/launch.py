@@ -50,10 +50,10 @@ def _run_to_exit_code(config: Config, env: DistEnv) -> None:
     try:
         run(config, env)
     except UserError as error:
-        if env.rank != 0 and not error.every_rank:
-            leave_the_report_to_rank_0(error, env.rank)
+        if env.rank == 0 or error.every_rank or (error.every_node and env.local_rank == 0):
+            report(error, env.rank, own=True)
         else:
-            report(error, env.rank)
+            leave_the_report_to_rank_0(error, env.rank)
         sys.exit(error.exit_code)
     except Preempted:
         sys.exit(PREEMPTED_EXIT)

@@ -15,7 +15,7 @@ from imagenet_elastic.errors import UserError
 
 def create_model(name: str, num_classes: int, drop_path: float = 0.0) -> nn.Module:
     """A timm model with random weights (runs never download anything)."""
-    import timm  # ~2 s to import: deferred so that input errors are reported at once
+    import timm  # slow to import: deferred so that input errors are reported at once
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"

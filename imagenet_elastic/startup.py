@@ -1,13 +1,14 @@
 """A run from start to end: its parts built in a fixed order of named steps, then trained.
 
-    check_inputs -> restore_state -> build_loaders -> join_job -> wrap_model -> Trainer
+    check_inputs -> restore_state -> build_loaders -> join_job -> share_checkpoint -> wrap_model -> Trainer
 
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
 workers fork before the process group's threads exist (see data.start_workers). Ranks compare what
-they loaded only once they can talk. Each step that takes something (the checkpoints folder's lock,
-loader workers, the process group) registers its release on the run's ExitStack, so a failure at
-any later step, and the end of the run, release them in reverse order.
+they were given (consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
+step that takes something (the checkpoints folder's lock, loader workers, the process group)
+registers its release on the run's ExitStack, so a failure at any later step, and the end of the
+run, release them in reverse order.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_elastic import (
     checkpoint,
+    checkpoint_share,
+    consistency,
     data,
     distributed,
     file_index,
@@ -33,6 +36,7 @@ from imagenet_elastic import (
     mixing,
     preemption,
     startup_table,
+    step_log,
 )
 from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager
 from imagenet_elastic.checkpointer import Checkpointer
@@ -52,11 +56,13 @@ from imagenet_elastic.model import (
     resolve_precision,
 )
 from imagenet_elastic.preemption import PreemptionFlag
+from imagenet_elastic.restart_cost import RestartCost, process_started_at
 from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.samplelog import SampleLog
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.state import TrainState, check_compatible
+from imagenet_elastic.step_log import StepLog
 from imagenet_elastic.trainer import Loaders, Restored, Trainer
 
 LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
@@ -72,8 +78,10 @@ class Inputs:
     val_index: ImageIndex
     checkpoints: CheckpointManager
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
+    from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
     initial_state: Optional[dict[str, torch.Tensor]]  # --initial-checkpoint's, for a run that starts fresh
+    tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
 
 
 def check_inputs(config: Config, env: DistEnv, console: Console,
@@ -86,6 +94,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     train_index = file_index.load_index(train_dir, "train", config.checkpoints_path)
     val_index = file_index.load_index(val_dir, "val", config.checkpoints_path)
     file_index.check_same_classes(train_index, val_index)
+    tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
     checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
@@ -100,14 +109,17 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     if config.evaluate and resume_from is None:
         raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
     start = time.perf_counter()
-    snapshot = checkpoint.load(resume_from) if resume_from else None
+    # Load once: rank 0 reads the checkpoint, the others map it for its numbers and settings, and
+    # receive its tensors from rank 0 once the process group exists (share_checkpoint).
+    from_main = env.launched and not env.is_main and resume_from is not None
+    snapshot = checkpoint.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train_index.classes,
                          None if config.evaluate else config.opt)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
-    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, time.perf_counter() - start,
-                    initial)
+    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, from_main,
+                    time.perf_counter() - start, initial, tensorboard)
     return inputs, snapshot
 
 
@@ -140,7 +152,8 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
     ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if averaged else None
     state = TrainState(model, optimizer, scaler, ema=ema)
     if snapshot is not None:
-        state.apply(snapshot)
+        if not inputs.from_main:
+            state.apply(snapshot)
         changes = config.differences(snapshot["config"])
         if snapshot.get("global_batch") not in (None, plan.global_batch):
             changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
@@ -184,19 +197,19 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     return Loaders(train, val, decoder, workers)
 
 
-def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs, restored: Restored,
-             stack: contextlib.ExitStack) -> None:
-    """The process group, then the checks that need it: every rank loaded the same checkpoint. Rank 0
-    then keeps the file lists for the next start, now that they passed every check."""
+def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
+             snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack) -> Optional[float]:
+    """The process group, then the check that needs it: every rank has the same data, settings, code,
+    checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the file lists
+    for the next start, now that they passed every check."""
     distributed.init_process_group(env, inputs.device, config.dist_timeout)
     stack.callback(distributed.destroy_process_group)
-    if env.launched and not config.evaluate:
-        state = restored.state
-        mark = torch.tensor([state.step, state.tally.samples, restored.resumed_at or 0.0], dtype=torch.float64)
-        spread = distributed.all_reduce_max(torch.cat([mark, -mark]))
-        if not torch.equal(spread[:3], -spread[3:]):
-            raise RuntimeError(f"ranks loaded different checkpoints from {config.checkpoints_path} "
-                               "(was it written to while this round started?)")
+    checked = None
+    if env.launched:
+        start = time.perf_counter()
+        token = None if config.evaluate else checkpoint.read_lock_token(config.checkpoints_path)
+        consistency.check_same_job(config, inputs.train_index, inputs.val_index, token, snapshot)
+        checked = time.perf_counter() - start
     if env.is_main and not config.evaluate:
         for role, index in (("train", inputs.train_index), ("val", inputs.val_index)):
             path = file_index.cache_path(config.checkpoints_path, role)
@@ -205,6 +218,15 @@ def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs, res
                     file_index.write_cache(index, path)
             except OSError as error:  # only a cache: the next start scans again
                 console.warn(f"could not write the file list cache {path}: {error.strerror or error}")
+    return checked
+
+
+def share_checkpoint(env: DistEnv, inputs: Inputs, restored: Restored, snapshot: Optional[dict[str, Any]]) -> None:
+    """Rank 0's checkpoint reaches the other ranks over the process group (see checkpoint_share)."""
+    if env.launched and inputs.resume_from is not None:
+        received = checkpoint_share.from_main(snapshot if env.is_main else None, inputs.device)
+        if inputs.from_main:
+            restored.state.apply(received)
 
 
 def wrap_model(model: nn.Module, config: Config, env: DistEnv, device: torch.device) -> nn.Module:
@@ -219,13 +241,15 @@ def wrap_model(model: nn.Module, config: Config, env: DistEnv, device: torch.dev
 
 def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag,
           stack: contextlib.ExitStack) -> Trainer:
+    began = time.time()
     inputs, snapshot = check_inputs(config, env, console, stack)
     restored = restore_state(config, env, console, inputs, snapshot)
-    del snapshot  # its tensors are in the model and optimizer now
-    preempt.steps_done = restored.state.step
     loaders = build_loaders(config, env, console, inputs, restored, stack)
-    join_job(config, env, console, inputs, restored, stack)
+    checked = join_job(config, env, console, inputs, snapshot, stack)
+    share_checkpoint(env, inputs, restored, snapshot)
+    del snapshot  # its tensors are in the model and optimizer now
     state = restored.state
+    preempt.steps_done = state.step
     classes = len(inputs.train_index.classes)
     ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
@@ -233,9 +257,13 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
-    trainer = Trainer(config, env, console, preempt, restored, loaders, ctx, checkpointer, sample_log)
+    cost = (RestartCost(restored.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
+            if restored.resumed_at is not None else None)
+    curves = StepLog(config.checkpoints_path, env.is_main and not config.evaluate, inputs.tensorboard, state.step,
+                     console.warn)
+    trainer = Trainer(config, env, console, preempt, restored, loaders, ctx, checkpointer, sample_log, curves, cost)
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
-    startup_table.describe(console, config, env, inputs, restored, loaders)
+    startup_table.describe(console, config, env, inputs, restored, loaders, checked)
     return trainer
 
 

@@ -3,7 +3,7 @@ this machine (precision, loader workers, the recipe's options)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
@@ -18,8 +18,9 @@ if TYPE_CHECKING:
 
 
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored: Restored,
-             loaders: Loaders) -> None:
-    """The start-up table: what was built, and the choices made for this machine."""
+             loaders: Loaders, checked_s: Optional[float]) -> None:
+    """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
+    comparing the ranks' data, settings, code and checkpoints folder took (None: one process)."""
     plan = restored.plan
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
@@ -29,7 +30,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("train images", describe_index(inputs.train_index)),
         ("val images", describe_index(inputs.val_index)),
         ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
-        ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}" if env.launched
+        ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}; every rank has the same data, "
+                     f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
          else "none (single process)"),
         ("global batch", plan.describe()),
         ("initial weights", restored.start if not restored.resume_from else f"from {restored.resume_from}"),
@@ -53,6 +55,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
+        ("curves", f"every {c.log_interval} steps to steps.jsonl" + (" and TensorBoard" if inputs.tensorboard else "")
+         + f" in {c.checkpoints_path}"),
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ])

@@ -70,13 +70,16 @@ class PendingSteps:
         self.loss += loss
         self.steps += 1
 
-    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> None:
-        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps."""
+    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> EpochTally:
+        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps.
+        Returns what was added (the progress line and steps.jsonl report it)."""
         loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
-        tally.add(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
+        added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
+        tally.add(added.samples, added.steps, added.loss_sum, added.seconds)
         self.loss.zero_()
         self.steps = 0
         self.start = time.perf_counter()
+        return added
 
 
 KERNEL_CHOICES = ("fused", "foreach")  # optimizer options that belong to the device, not to the run

@@ -12,18 +12,21 @@ from typing import Any, Optional
 from torch.utils.data import DataLoader
 
 from imagenet_elastic import distributed, gpu_decode, metrics, preemption
+from imagenet_elastic.checkpoint import BEST
 from imagenet_elastic.checkpointer import Checkpointer
 from imagenet_elastic.config import RESUME_AUTO, Config
-from imagenet_elastic.console import Console
+from imagenet_elastic.console import Console, EpochProgress, clock
 from imagenet_elastic.distributed import DistEnv
-from imagenet_elastic.engine import StepContext, device_batches, evaluate, step_groups, train_step
+from imagenet_elastic.engine import LoaderWaits, StepContext, device_batches, evaluate, step_groups, train_step
 from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
 from imagenet_elastic.model import Precision
 from imagenet_elastic.preemption import PreemptionFlag
+from imagenet_elastic.restart_cost import RestartCost
 from imagenet_elastic.samplelog import SampleLog
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.schedule import LRSchedule
 from imagenet_elastic.state import EpochTally, PendingSteps, TrainState
+from imagenet_elastic.step_log import StepLog
 
 
 @dataclass
@@ -52,12 +55,17 @@ class Loaders:
 
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, restored: Restored,
-                 loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog) -> None:
+                 loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog,
+                 step_log: StepLog, restart_cost: Optional[RestartCost] = None) -> None:
         self.config, self.env, self.console, self.preempt = config, env, console, preempt
         self.state, self.plan, self.sampler = restored.state, restored.plan, restored.sampler
         self.restored, self.loaders, self.ctx = restored, loaders, ctx
         self.checkpointer, self.sample_log = checkpointer, sample_log
-        self.resumed_at = restored.resumed_at  # until the first step, which reports what the restart cost
+        self.restart_cost = restart_cost  # said after the first step of a resumed run, then dropped
+        self.step_log = step_log
+        self.waits = LoaderWaits()
+        self.since_log = EpochTally()  # the steps since the last log line
+        self.resumed_into = restored.state.epoch if restored.resume_from else None  # marked in its metrics row
 
     def fit(self) -> None:
         c, state = self.config, self.state
@@ -68,11 +76,12 @@ class Trainer:
         for epoch in range(state.epoch, c.epochs):
             row = self.run_epoch(epoch)
             state.epoch, state.tally = epoch + 1, EpochTally()
-            best_of = "model_ema" if row.get("val_top1_ema", -1.0) > row["val_top1"] else "model"
-            top1 = row["val_top1_ema"] if best_of == "model_ema" else row["val_top1"]
+            top1, ema = scored(row)
+            best_of = "model_ema" if ema else "model"
             is_best = top1 > state.best_top1
             state.best_top1 = max(state.best_top1, top1)
             state.history.append(row)
+            self.step_log.epoch(state.step, row)
             self.save(epoch_end=True, is_best=is_best, best_of=best_of)
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             self.console.info(
@@ -82,6 +91,7 @@ class Trainer:
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
         self.checkpointer.settle()  # the run succeeded only once its last checkpoint is on disk
+        self.say_where_the_best_is()
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
         """Train the rest of the epoch (all of it, or what a mid-epoch checkpoint left), then validate."""
@@ -92,7 +102,7 @@ class Trainer:
         pending = PendingSteps(self.ctx.device)  # the steps' losses stay on the device until they are needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
-            for micro_batches in step_groups(self.on_device(self.loaders.train), plan.accum):
+            for micro_batches in step_groups(self.on_device(self.waits.timed(self.loaders.train)), plan.accum):
                 lr = r.schedule.at(state.step)
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
@@ -101,21 +111,22 @@ class Trainer:
                     state.ema.update(state.model, step=state.step)
                 self.preempt.steps_done = state.step
                 pending.add(loss)
-                if self.resumed_at is not None:
-                    self.report_resume_time()
+                if self.restart_cost is not None:
+                    self.console.info(self.restart_cost.describe(time.time()))
+                    self.restart_cost = None
                 step_in_epoch = tally.steps + pending.steps
-                if progress.wants_stats(step_in_epoch):  # reading the loss waits for the device: log steps only
-                    rate = pending.steps * plan.global_batch / (time.perf_counter() - pending.start)
-                    progress.update(step_in_epoch, f"loss {loss.item():.4f} lr {lr:.5f} {rate:.1f} img/s")
+                if step_in_epoch % c.log_interval == 0 or step_in_epoch == self.sampler.steps:  # same on every rank
+                    self.fold(pending)  # reading the loss waits for the device: log steps only
+                    self.log_step(progress, epoch, step_in_epoch, lr)
                 else:
                     progress.update(step_in_epoch)
                 stop, save = self.checkpointer.at_step_end(state.step, self.preempt.received is not None)
                 if save:
-                    pending.fold_into(tally, plan.global_batch, self.env.world_size)
+                    self.fold(pending)
                     self.save(epoch_end=False)
                 if stop:
                     self.stop()
-        pending.fold_into(tally, plan.global_batch, self.env.world_size)
+        self.fold(pending)
         return {
             "epoch": epoch + 1,
             "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
@@ -126,7 +137,30 @@ class Trainer:
             "world_size": self.env.world_size,
             "global_batch": plan.global_batch,
             "epoch_seconds": time.perf_counter() - start,
+            **({"resumed": True} if epoch == self.resumed_into else {}),
         }
+
+    def fold(self, pending: PendingSteps) -> None:
+        """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
+        added = pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size)
+        self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds)
+
+    def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
+        """The steps since the last log line: their mean loss over all ranks, images/s, the share of the
+        time spent waiting for the loader (the first thing to check when a GPU is starved), ETAs."""
+        since, steps_per_epoch = self.since_log, self.sampler.steps
+        seconds = max(since.seconds, 1e-9)
+        row = {"step": self.state.step, "epoch": round(epoch + step_in_epoch / steps_per_epoch, 4),
+               "loss": since.loss_sum / since.steps, "lr": lr, "images_per_sec": since.samples / seconds,
+               "data_wait": min(1.0, self.waits.take() / seconds)}
+        per_step = seconds / since.steps
+        left_in_epoch = (steps_per_epoch - step_in_epoch) * per_step
+        left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * steps_per_epoch * per_step
+        progress.update(step_in_epoch, f"loss {row['loss']:.4f} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
+                                       f"data wait {row['data_wait']:.0%} | ETA epoch {clock(left_in_epoch)}, "
+                                       f"run {clock(left_in_run)}")
+        self.step_log.step(row)
+        self.since_log = EpochTally()
 
     def validate(self) -> dict[str, Any]:
         """The model the checkpoint saves (rank 0's weights and BatchNorm statistics, on every rank), and
@@ -156,6 +190,7 @@ class Trainer:
         """`best_of`, at an epoch's end: which weights scored its top-1 (model or model_ema); mid-epoch
         checkpoints validated nothing."""
         state = self.state
+        self.step_log.flush()  # the curves up to this step are on disk with the checkpoint
         self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
                                epoch=state.epoch if epoch_end else None, is_best=is_best,
                                history=list(state.history) if epoch_end else None)
@@ -194,11 +229,15 @@ class Trainer:
         if self.env.is_main:
             self.checkpointer.remove_stale_temp_files(self.console.warn)
 
-    def report_resume_time(self) -> None:
-        """Said once, after the first step of a resumed run: what a restart cost in wall time."""
-        self.console.info(f"first step {time.time() - self.resumed_at:.1f} s after the checkpoint was written "
-                          f"(restart + load {self.restored.load_seconds:.2f} s + first step)")
-        self.resumed_at = None
+    def say_where_the_best_is(self) -> None:
+        found = best_epoch(self.state.history)
+        if found is None:
+            return
+        row, ema = found
+        best = os.path.join(self.config.checkpoints_path, BEST)
+        self.console.info(f"best val top-1 {row['val_top1_ema' if ema else 'val_top1']:.2f}% "
+                          f"({'EMA' if ema else 'raw'} weights) after epoch {row['epoch']}: {best}; weights and "
+                          f"preprocessing for timm: imagenet-elastic export {best} OUT_DIR{' --ema' if ema else ''}")
 
     def close(self) -> None:
         """The write in flight ends, then DDP, loaders and tensors go, before the process group does
@@ -208,4 +247,21 @@ class Trainer:
             self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
                               f"{one_line(unreported)}")
         self.sample_log.close()
+        self.step_log.close()
         self.ctx = self.loaders = self.state = self.restored = None  # type: ignore[assignment]
+
+
+def scored(row: dict[str, Any]) -> tuple[float, bool]:
+    """An epoch's top-1, and whether the EMA weights scored it (they do when they beat the raw ones)."""
+    ema = row.get("val_top1_ema", -1.0) > row["val_top1"]
+    return (row["val_top1_ema"] if ema else row["val_top1"]), ema
+
+
+def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
+    """The row of the epoch best.pt holds, and whether its EMA weights scored it (as `fit` decides)."""
+    best, found = -1.0, None
+    for row in history:
+        top1, ema = scored(row)
+        if top1 > best:
+            best, found = top1, (row, ema)
+    return found

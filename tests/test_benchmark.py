@@ -29,7 +29,7 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     (line,) = benchmark(image_folder, "--mode", "loader", "--rounds", "2")
     assert line["mode"] == "loader" and line["workers"] == 1 and line["batch_size"] == 8
     assert line["ours_images_per_sec"] > 0 and line["textbook_images_per_sec"] > 0
-    # computed from the unrounded rates: the rounded ones may give a last digit one off
+    # the benchmark divides the unrounded rates; these are rounded, so the last digit may be one off
     assert line["ratio"] == pytest.approx(line["ours_images_per_sec"] / line["textbook_images_per_sec"], abs=0.011)
     assert len(line["rounds"]["ours"]) == len(line["rounds"]["textbook"]) == 2
     assert line["peak_host_rss_mb"] > 0 and line["peak_gpu_mb"] is None

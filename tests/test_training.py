@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,6 +29,7 @@ from conftest import (
     run_and_kill,
     start,
 )
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
@@ -50,7 +52,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     # last, best and only the newest two epoch files; the settings
     names = sorted(p.name for p in ckpt.iterdir())
     assert names == [".lock", "best.pt", "config.yaml", "epoch_0002.pt", "epoch_0003.pt", "index-train.npz",
-                     "index-val.npz", "last.pt", "metrics.jsonl"]
+                     "index-val.npz", "last.pt", "metrics.jsonl", "steps.jsonl", "tensorboard"]
     last = load_checkpoint(ckpt / "last.pt")  # weights_only=True
     assert last["epoch"] == 3 and last["world_size"] == 2 and last["global_batch"] == 16
     assert last["best_top1"] == max(r["val_top1"] for r in rows)
@@ -93,6 +95,8 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     assert_same_tensors(killed["model_ema"], clean["model_ema"])
     rows = read_metrics(tmp_path / "killed" / "metrics.jsonl")
     assert len(rows) == 2 and all("val_top1_ema" in row for row in rows)
+    assert [row.get("resumed") for row in rows] == [None, True]  # epoch 2 was finished by the resumed process
+    assert_same_curves(tmp_path / "killed", tmp_path / "clean", steps=12)
     assert [row["train_size"] for row in rows] == [32, 64]
     best = load_checkpoint(tmp_path / "killed" / "best.pt")
     best_row = rows[best["epoch"] - 1]
@@ -100,6 +104,22 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     assert best["best_top1"] == max(best_row["val_top1"], best_row["val_top1_ema"])
     saved, _ = cli.parse(["--config", str(tmp_path / "killed" / "config.yaml")])
     assert saved == cli.parse([*args, "--checkpoints-path", killed_dir, "--resume"])[0]
+
+
+def assert_same_curves(resumed: Path, clean: Path, steps: int) -> None:
+    """steps.jsonl and TensorBoard's events of a resumed run hold every step once, in order, with the
+    uninterrupted run's values (losses summed in another order: equal to float64 rounding)."""
+    rows, clean_rows = ([json.loads(line) for line in (folder / "steps.jsonl").read_text().splitlines()]
+                        for folder in (resumed, clean))
+    assert [r["step"] for r in rows] == [r["step"] for r in clean_rows] == list(range(1, steps + 1))
+    assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in clean_rows], rel=1e-9)
+    for folder, expected in ((resumed, rows), (clean, clean_rows)):
+        events = EventAccumulator(str(folder / "tensorboard"))
+        events.Reload()
+        loss = events.Scalars("train/loss")
+        assert [e.step for e in loss] == list(range(1, steps + 1))
+        assert [e.value for e in loss] == pytest.approx([r["loss"] for r in expected], rel=1e-6)  # float32 there
+        assert [e.step for e in events.Scalars("val/top1")] == [steps // 2, steps]
 
 
 def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference,

@@ -1,0 +1,105 @@
+"""Curves: rank 0's per-step metrics at the log interval, in steps.jsonl and (when installed) TensorBoard.
+
+Both continue across kills, restarts and world-size changes without a duplicated or out-of-order
+step: at start every row beyond the checkpoint's step is dropped (steps.jsonl is rewritten, and
+TensorBoard's `purge_step` hides the events of those steps), and the resumed run logs them again,
+with the same values since it trains them again exactly. Each line of steps.jsonl is flushed as it
+is written; TensorBoard's events are flushed at every checkpoint, so what a checkpoint covers is on
+disk with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from typing import Any, Callable, Optional
+
+from imagenet_elastic.atomic_files import atomic_write_bytes
+from imagenet_elastic.errors import UserError
+
+FILENAME = "steps.jsonl"
+TENSORBOARD_DIR = "tensorboard"
+INSTALL = 'pip install "imagenet_elastic[tensorboard]"'
+
+
+def tensorboard_wanted(setting: Optional[bool]) -> bool:
+    """--tensorboard: always (an error when the package is missing); --no-tensorboard: never; neither:
+    when the package is installed."""
+    installed = importlib.util.find_spec("tensorboard") is not None
+    if setting and not installed:
+        raise UserError(f"--tensorboard needs the tensorboard package: {INSTALL}")
+    return installed if setting is None else setting
+
+
+def kept_rows(text: str, last_step: int) -> list[str]:
+    """The lines of a steps.jsonl whose step the checkpoint covers; a torn last line goes too."""
+    kept = []
+    for line in text.splitlines():
+        try:
+            if json.loads(line)["step"] <= last_step:
+                kept.append(line)
+        except (ValueError, KeyError, TypeError):
+            continue
+    return kept
+
+
+class StepLog:
+    """Only rank 0 writes (`enabled`); the other ranks hold an inert one."""
+
+    def __init__(self, folder: str, enabled: bool, tensorboard: bool, start_step: int,
+                 warn: Callable[[str], None]) -> None:
+        self.path = os.path.join(folder, FILENAME)
+        self.warn = warn
+        self.file = None
+        self.writer: Any = None
+        if not enabled:
+            return
+        try:
+            with open(self.path) as f:
+                text = f.read()
+        except FileNotFoundError:
+            text = ""
+        kept = kept_rows(text, start_step)
+        if kept != text.splitlines():
+            atomic_write_bytes("".join(line + "\n" for line in kept).encode(), self.path)
+        self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed in close())
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(os.path.join(folder, TENSORBOARD_DIR), purge_step=start_step + 1)
+
+    def step(self, row: dict[str, Any]) -> None:
+        """`row`: step, epoch (fractional), loss, lr, images_per_sec, data_wait."""
+        if self.file is not None:
+            try:
+                self.file.write(json.dumps(row) + "\n")
+                self.file.flush()
+            except OSError as error:  # the checkpoints say what a full disk means; the curves only warn once
+                self.warn(f"could not write {self.path}: {error.strerror or error}; per-step metrics stop here")
+                self.file = None
+        if self.writer is not None:
+            for key in ("loss", "lr", "images_per_sec", "data_wait"):
+                self.writer.add_scalar(f"train/{key}", row[key], row["step"])
+
+    def epoch(self, step: int, row: dict[str, Any]) -> None:
+        """An epoch's metrics row (see trainer.run_epoch) at the step that ended the epoch."""
+        if self.writer is None:
+            return
+        for key, value in row.items():
+            if key.startswith("val_") and key != "val_samples":
+                self.writer.add_scalar(f"val/{key[4:]}", value, step)
+        self.writer.add_scalar("train/epoch_loss", row["train_loss"], step)
+        self.writer.add_scalar("train/epoch_images_per_sec", row["images_per_sec"], step)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None

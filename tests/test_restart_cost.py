@@ -1,0 +1,28 @@
+"""The restart report: when this process started, and how a restart's time is split into parts."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+from imagenet_elastic.restart_cost import RestartCost, process_started_at
+
+
+def test_a_new_process_knows_when_it_started():
+    before = time.time()
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from imagenet_elastic.restart_cost "
+                          "import process_started_at as s; print(s())"], capture_output=True, text=True, check=True)
+    after = time.time()
+    started = float(out.stdout)
+    assert before - 0.02 <= started <= after - 0.3  # one clock tick of slack (10 ms) each side
+    assert process_started_at() < before
+
+
+def test_the_report_splits_the_restart_into_its_parts():
+    cost = RestartCost(resumed_at=100.0, started=103.0, began=106.5, built=108.0, load_seconds=0.25)
+    assert cost.describe(stepped=108.75) == (
+        "first step 8.8 s after the checkpoint was written: process started 3.0 s after it, imports 3.5 s, "
+        "build steps 1.5 s (checkpoint load 0.25 s), first step 0.8 s")
+    unknown = RestartCost(100.0, None, 106.5, 108.0, 0.25)
+    assert unknown.describe(108.75).startswith("first step 8.8 s after the checkpoint was written: build steps 1.5 s")

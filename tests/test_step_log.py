@@ -1,0 +1,95 @@
+"""Curves (step_log.py) and what the progress line says: rows trimmed to the checkpoint on restart,
+TensorBoard continuing without duplicated or out-of-order steps (read back from the event files),
+ETAs, the best epoch, and plain lines in log files whatever FORCE_COLOR says. The same continuity
+through a real SIGKILL and resume is in test_training.py."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from imagenet_elastic import step_log
+from imagenet_elastic.console import Console, clock
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.step_log import FILENAME, TENSORBOARD_DIR, StepLog, kept_rows
+from imagenet_elastic.trainer import best_epoch
+
+
+def row(step: int, loss: float) -> dict:
+    return {"step": step, "epoch": step / 10, "loss": loss, "lr": 0.1, "images_per_sec": 50.0, "data_wait": 0.25}
+
+
+def test_rows_beyond_the_checkpoint_and_a_torn_last_line_are_dropped():
+    text = "".join(json.dumps(row(s, 1.0)) + "\n" for s in (2, 4, 6, 8)) + '{"step": 10, "lo'
+    assert [json.loads(line)["step"] for line in kept_rows(text, 6)] == [2, 4, 6]
+    assert kept_rows(text, 0) == []
+
+
+def log_steps(folder, start_step: int, steps, loss: float, tensorboard: bool = True) -> None:
+    log = StepLog(str(folder), enabled=True, tensorboard=tensorboard, start_step=start_step, warn=print)
+    for s in steps:
+        log.step(row(s, loss + s))
+    log.epoch(steps[-1], {"train_loss": 0.5, "images_per_sec": 40.0, "val_loss": 0.7, "val_top1": 60.0,
+                          "val_samples": 35})
+    log.close()
+
+
+def test_a_restart_from_an_earlier_checkpoint_continues_both_curves_without_repeats(tmp_path):
+    log_steps(tmp_path, 0, list(range(1, 11)), loss=0.0)  # killed after step 10, its checkpoint is at step 6
+    log_steps(tmp_path, 6, list(range(7, 13)), loss=100.0)  # the resumed run trains 7.. again
+    rows = [json.loads(line) for line in (tmp_path / FILENAME).read_text().splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, 13))
+    assert [r["loss"] for r in rows] == [float(s) for s in range(1, 7)] + [100.0 + s for s in range(7, 13)]
+    events = EventAccumulator(str(tmp_path / TENSORBOARD_DIR))
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(1, 13))
+    assert [e.value for e in loss] == [float(s) for s in range(1, 7)] + [100.0 + s for s in range(7, 13)]
+    assert {"train/lr", "train/images_per_sec", "train/data_wait", "train/epoch_loss", "val/loss",
+            "val/top1"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("val/top1")] == [12]  # the first run's epoch (step 10) was purged
+
+
+def test_only_rank_0_writes(tmp_path):
+    log = StepLog(str(tmp_path), enabled=False, tensorboard=True, start_step=0, warn=print)
+    log.step(row(1, 1.0))
+    log.close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_tensorboard_when_installed_unless_refused_and_a_clear_error_when_asked_for_but_missing(monkeypatch):
+    assert step_log.tensorboard_wanted(None) is True and step_log.tensorboard_wanted(False) is False
+    monkeypatch.setattr(step_log.importlib.util, "find_spec", lambda name: None)
+    assert step_log.tensorboard_wanted(None) is False
+    with pytest.raises(UserError, match=r'--tensorboard needs the tensorboard package: pip install '
+                                        r'"imagenet_elastic\[tensorboard\]"'):
+        step_log.tensorboard_wanted(True)
+
+
+@pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (59.6, "1:00"), (754, "12:34"), (3723, "1:02:03"),
+                                            (2 * 86400 + 3 * 3600 + 4 * 60 + 5, "2d 03:04:05"), (-3, "0:00")])
+def test_eta_clock(seconds, shown):
+    assert clock(seconds) == shown
+
+
+def test_the_best_epoch_is_the_one_fit_saves_as_best_pt_with_the_weights_that_scored_it():
+    history = [{"epoch": 1, "val_top1": 50.0}, {"epoch": 2, "val_top1": 61.0, "val_top1_ema": 60.0},
+               {"epoch": 3, "val_top1": 58.0, "val_top1_ema": 62.5}, {"epoch": 4, "val_top1": 62.5}]
+    best, ema = best_epoch(history)
+    assert best["epoch"] == 3 and ema  # epoch 4 only ties it
+    assert best_epoch([]) is None
+
+
+def test_a_log_file_gets_plain_lines_whatever_force_color_and_tty_compatible_say(monkeypatch, capsys):
+    monkeypatch.setenv("FORCE_COLOR", "1")
+    monkeypatch.setenv("TTY_COMPATIBLE", "1")
+    console = Console(enabled=True, log_interval=2)
+    with console.progress("epoch 1/1", total=4) as progress:
+        for step in range(1, 5):
+            progress.update(step, f"loss {step}" if step % 2 == 0 else "")
+    console.warn("look here")
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["epoch 1/1 step 2/4 loss 2", "epoch 1/1 step 4/4 loss 4"]
+    assert err == "warning: look here\n" and "\x1b[" not in out + err
