@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import importlib
 import os
 import sys
 from collections.abc import Sequence
@@ -99,11 +100,15 @@ def shown_default(f: dataclasses.Field) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
+# Tools beside training, each a module with `main(argv)`: imported only when asked for.
+SUBCOMMANDS = {"benchmark": "imagenet_elastic.benchmark", "export": "imagenet_elastic.export",
+               "plot": "imagenet_elastic.plot"}
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["benchmark"]:  # a data folder called "benchmark" is ./benchmark
-        from imagenet_elastic.benchmark import main as benchmark
-        benchmark(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:  # a data folder called "export" is ./export
+        importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
         return
     try:
         config, args = parse(argv)
