@@ -52,7 +52,9 @@ class StepLog:
         self.path = os.path.join(folder, FILENAME)
         self.warn = warn
         self.file = None
+        self.appending = False
         self.writer: Any = None
+        self.tensorboard: Optional[tuple[str, int]] = None  # where and from which step, until the first event
         if not enabled:
             return
         try:
@@ -63,28 +65,38 @@ class StepLog:
         kept = kept_rows(text, start_step)
         if kept != text.splitlines():
             atomic_write_bytes("".join(line + "\n" for line in kept).encode(), self.path)
-        self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed in close())
-        if tensorboard:
+        self.appending = True  # the file opens at the first row
+        if tensorboard:  # the writer creates its event file at once: not before there is something to say
+            self.tensorboard = (os.path.join(folder, TENSORBOARD_DIR), start_step + 1)
+
+    def events(self) -> Any:
+        """TensorBoard's writer, made at the first event: a run that fails before it logged anything (a
+        corrupt image at the first batch) leaves no event file behind."""
+        if self.writer is None and self.tensorboard is not None:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.writer = SummaryWriter(os.path.join(folder, TENSORBOARD_DIR), purge_step=start_step + 1)
+            folder, purge_step = self.tensorboard
+            self.writer = SummaryWriter(folder, purge_step=purge_step)
+        return self.writer
 
     def step(self, row: dict[str, Any]) -> None:
         """`row`: step, epoch (fractional), loss, lr, images_per_sec, data_wait."""
-        if self.file is not None:
+        if self.appending:
             try:
+                if self.file is None:
+                    self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed in close())
                 self.file.write(json.dumps(row) + "\n")
                 self.file.flush()
             except OSError as error:  # the checkpoints say what a full disk means; the curves only warn once
                 self.warn(f"could not write {self.path}: {error.strerror or error}; per-step metrics stop here")
-                self.file = None
-        if self.writer is not None:
+                self.appending = False
+        if self.events() is not None:
             for key in ("loss", "lr", "images_per_sec", "data_wait"):
                 self.writer.add_scalar(f"train/{key}", row[key], row["step"])
 
     def epoch(self, step: int, row: dict[str, Any]) -> None:
         """An epoch's metrics row (see trainer.run_epoch) at the step that ended the epoch."""
-        if self.writer is None:
+        if self.events() is None:
             return
         for key, value in row.items():
             if key.startswith("val_") and key != "val_samples":

@@ -52,6 +52,14 @@ def test_a_restart_from_an_earlier_checkpoint_continues_both_curves_without_repe
     assert [e.step for e in events.Scalars("val/top1")] == [12]  # the first run's epoch (step 10) was purged
 
 
+def test_a_run_that_logs_nothing_leaves_no_file(tmp_path):
+    """A run that fails at its first batch (a corrupt image) changes nothing on disk."""
+    log = StepLog(str(tmp_path), enabled=True, tensorboard=True, start_step=0, warn=print)
+    log.flush()
+    log.close()
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_only_rank_0_writes(tmp_path):
     log = StepLog(str(tmp_path), enabled=False, tensorboard=True, start_step=0, warn=print)
     log.step(row(1, 1.0))
