@@ -73,11 +73,14 @@ def recipe_reference(image_folder, tmp_path_factory) -> Path:
     return ckpt
 
 
-@pytest.mark.parametrize(("seed", "recipe"), [(14, False), (16, True)])  # (epoch, step, rank): (1, 5, 0), (2, 4, 1)
+# (epoch, step, rank) = (2, 4, 0). One kill, with every option on: the runs without them are the SIGTERM test's,
+# and the plain options' kill (seed 14: (1, 5, 0)) cost CI 30 s it does not have.
+@pytest.mark.parametrize(("seed", "recipe"), [(0, True)])
 def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, request, seed, recipe):
     """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples.
-    The second kill comes with every recipe option that draws per sample or per step on, in a 64 px epoch of a
-    progressive ramp: the raw weights and their average end bitwise those of an uninterrupted run."""
+    With every recipe option that draws per sample or per step on, in a 64 px epoch of a progressive ramp: the
+    raw weights and their average end bitwise those of an uninterrupted run. Rank 0, the one that writes the
+    checkpoints (in the background), is killed."""
     rng = random.Random(seed)
     epoch, step, rank = rng.randint(1, EPOCHS), rng.randint(1, 5), rng.randint(0, 1)
     reference = request.getfixturevalue("recipe_reference") if recipe else \
