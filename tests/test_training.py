@@ -62,6 +62,13 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
     assert "0.125 = 2 x 16/256" in stdout  # the scaled LR is said at start
     for epoch in range(1, EPOCHS + 1):
         assert stdout.count(f"epoch {epoch}/{EPOCHS}: train loss") == 1
+    # every log line: the interval's mean loss over both ranks, throughput, the loader's share, two ETAs
+    lines = re.findall(r"^epoch (\d)/3 step (\d+)/6 loss [\d.]+ lr [\d.]+ [\d.]+ img/s data wait \d+% \| "
+                       r"ETA epoch \d+:\d\d, run \d+:\d\d$", stdout, re.MULTILINE)
+    assert len(lines) == EPOCHS * 6, stdout  # --log-interval 1
+    best = max(range(EPOCHS), key=lambda i: rows[i]["val_top1"])  # the first of equals, as fit keeps it
+    assert (f"best val top-1 {rows[best]['val_top1']:.2f}% (raw weights) after epoch {best + 1}: {ckpt}/best.pt; "
+            f"weights and preprocessing for timm: imagenet-elastic export {ckpt}/best.pt OUT_DIR") in stdout
 
 
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
