@@ -33,6 +33,7 @@ from imagenet_elastic.errors import UserError, first_line
 
 LAST = "last.pt"
 LOCK = ".lock"
+LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
 BEST = "best.pt"
 EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
 # What file systems that have no hard links answer (FAT/exFAT, some FUSE and SMB mounts), and "too many links".
@@ -129,7 +130,6 @@ class CheckpointLock:
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)
         self.fd: Optional[int] = None
-        self.token: Optional[str] = None  # this run's, written into the lock file (see read_lock_token)
 
     def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
@@ -140,7 +140,7 @@ class CheckpointLock:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
-                holder = os.pread(fd, 200, 0).decode(errors="replace").split(" run ")[0].strip() or "unknown process"
+                holder = parse_lock(os.pread(fd, LOCK_LINE_MAX, 0))[0]
                 if time.monotonic() >= deadline:
                     os.close(fd)
                     raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
@@ -149,9 +149,8 @@ class CheckpointLock:
                     on_wait(holder)
                     told = True
                 time.sleep(0.2)
-        self.token = secrets.token_hex(8)
         os.ftruncate(fd, 0)
-        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {self.token}\n".encode(), 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {secrets.token_hex(8)}\n".encode(), 0)
         os.fsync(fd)  # on NFS, other nodes see the token only once it reached the server
         self.fd = fd
 
@@ -161,15 +160,20 @@ class CheckpointLock:
             self.fd = None
 
 
+def parse_lock(line: bytes) -> tuple[str, Optional[str]]:
+    """The lock file's `pid P on HOST run TOKEN`: who holds it (for messages) and its run's token."""
+    holder, _, token = line.decode(errors="replace").strip().partition(" run ")
+    return holder.strip() or "unknown process", token.strip() or None
+
+
 def read_lock_token(folder: str) -> Optional[str]:
     """The token of the run that holds FOLDER's lock, as this process sees the folder: the other ranks
     compare it with rank 0's to prove that they reach the same folder (see consistency.py)."""
     try:
         with open(os.path.join(folder, LOCK), "rb") as f:
-            words = f.read(200).decode(errors="replace").split()
+            return parse_lock(f.read(LOCK_LINE_MAX))[1]
     except OSError:
         return None
-    return words[-1] if len(words) >= 2 and words[-2] == "run" else None
 
 
 class CheckpointManager:

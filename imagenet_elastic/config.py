@@ -234,11 +234,11 @@ class Config:
 
     @property
     def eval_crop(self) -> int:
-        return self.val_crop_size or self.image_size
+        return eval_sizes(self.image_size, self.val_crop_size, self.val_resize)[0]
 
     @property
     def eval_resize(self) -> int:
-        return self.val_resize or round(self.eval_crop / 0.875)
+        return eval_sizes(self.image_size, self.val_crop_size, self.val_resize)[1]
 
     @property
     def checkpoint_every_steps(self) -> Optional[int]:
@@ -257,6 +257,13 @@ class Config:
         mine = self.to_dict()
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}"
                 for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]
+
+
+def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Optional[int]) -> tuple[int, int]:
+    """Validation's centre crop and the short side it is cut from: also what a checkpoint's saved
+    settings mean to `imagenet-elastic export`."""
+    crop = val_crop_size or image_size
+    return crop, val_resize or round(crop / 0.875)
 
 
 def setting_fields() -> list[dataclasses.Field]:

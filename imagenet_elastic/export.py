@@ -22,6 +22,7 @@ from typing import Any
 
 from imagenet_elastic import checkpoint
 from imagenet_elastic.atomic_files import process_umask
+from imagenet_elastic.config import eval_sizes
 from imagenet_elastic.engine import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
@@ -45,9 +46,8 @@ def crop_fraction(crop: int, resize: int) -> float:
 
 
 def preprocessing(settings: dict[str, Any]) -> dict[str, Any]:
-    """Our validation's preprocessing in timm's terms (see Config.eval_crop / eval_resize)."""
-    crop = settings.get("val_crop_size") or settings["image_size"]
-    resize = settings.get("val_resize") or round(crop / 0.875)
+    """Our validation's preprocessing in timm's terms."""
+    crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
     return {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
             "interpolation": "bilinear", "mean": tuple(m / 255 for m in IMAGENET_MEAN),
             "std": tuple(s / 255 for s in IMAGENET_STD)}
