@@ -1,10 +1,12 @@
 """What a training sample goes through: the crop and flip it draws, then an optional augmentation
 policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
 
-The policies are torchvision's (transforms.v2), run on PIL images. They draw from torch's global generator, so each
-sample's draw runs under a forked generator seeded from the sample's stream: the pixels are a
-function of (seed, epoch, index) alone, whatever worker, rank or restart decodes them, and nothing
-else in the process sees its generator move.
+The policies and erasing are torchvision's (transforms.v2). They draw from torch's global generator, so each
+sample's pass runs under that generator seeded from one number the sample's stream draws after its crop and flip:
+the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies
+them, and nothing else in the process sees its generator move. A loader worker runs the policy on a PIL
+image; under --decode gpu the number travels with the file's bytes and the device runs the policy's tensor
+kernels on the decoded crop (gpu_decode.BatchDecoder): the same operations with the same magnitudes.
 """
 
 from __future__ import annotations
@@ -38,14 +40,27 @@ class Augment:
         """Whether the pixels take a second pass (the policy or random erasing) after the crop."""
         return self.policy != "none" or self.erase > 0
 
-    def apply(self, pixels: torch.Tensor, rng: random.Random) -> torch.Tensor:
-        """HWC uint8 -> HWC uint8 (contiguous, so the batch's collation stays a plain copy).
+    def describe(self) -> str:
+        """For the start-up table."""
+        policy = {"none": "", "ta_wide": ", TrivialAugmentWide", "ra": ", RandAugment",
+                  "imagenet": ", AutoAugment (ImageNet policy)"}[self.policy]
+        return (f"crop area {self.scale[0]:g}-{self.scale[1]:g}, aspect {self.ratio[0]:.3g}-{self.ratio[1]:.3g}, "
+                f"flip {self.hflip:g}{policy}" + (f", random erasing {self.erase:g}" if self.erase else ""))
 
-        The policy runs on a PIL image of the crop: torchvision's PIL kernels run each of its
-        operations in C, about twice as fast per image as its tensor kernels on a CPU
-        (docs/RECIPES.md). Erasing runs on the tensor (torchvision erases tensors only).
+    def draw_seed(self, rng: random.Random) -> Optional[int]:
+        """The number the policy and erasing of one sample draw from, taken from the sample's stream
+        after its crop and flip (so adding a policy keeps every crop); None when there is no second pass."""
+        return rng.getrandbits(63) if self.after_crop else None
+
+    def apply(self, pixels: torch.Tensor, seed: Optional[int], pil: bool = True) -> torch.Tensor:
+        """HWC uint8 -> HWC uint8, the policy then erasing, drawn from `seed` (None: unchanged).
+
+        `pil`: run the policy on a PIL image of the crop (CPU tensors only). torchvision's PIL kernels run
+        each operation in C, about twice as fast per image as its tensor kernels on a CPU
+        (docs/RECIPES.md); the output is then contiguous, so the batch's collation stays a plain copy.
+        Otherwise the tensor kernels run where the pixels are. Erasing always runs on the tensor.
         """
-        if not self.after_crop:
+        if seed is None or not self.after_crop:
             return pixels
         import numpy as np
         import torch
@@ -53,15 +68,17 @@ class Augment:
 
         generator = torch.default_generator  # not torch.manual_seed: its device hooks cost far more than the draw
         saved = generator.get_state()
-        generator.manual_seed(rng.getrandbits(63))
+        generator.manual_seed(seed)
         try:
-            if self.policy_transform is not None:
+            if self.policy_transform is not None and pil:
                 pixels = torch.from_numpy(np.array(self.policy_transform(Image.fromarray(pixels.numpy()))))
+            elif self.policy_transform is not None:
+                pixels = self.policy_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
             if self.erase_transform is not None:
-                pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0).contiguous()
+                pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
         finally:
             generator.set_state(saved)
-        return pixels
+        return pixels.contiguous() if pil else pixels
 
     @functools.cached_property
     def policy_transform(self) -> Optional[Callable]:

@@ -63,9 +63,9 @@ def build_parser() -> Parser:
     p.add_argument("--image-size", type=positive_int, default=224)
     p.add_argument("--batches", type=positive_int, default=30, help="measured batches per round or mode")
     p.add_argument("--rounds", type=positive_int, default=3, help="alternating rounds of the loader comparison")
-    p.add_argument("--auto-augment", choices=list(POLICIES), default="none", help="loader mode: the policy in both "
-                   "loaders (torchvision's; ours on uint8 tensors, the textbook one on PIL images)")
-    p.add_argument("--random-erase", type=probability, default=0.0, help="loader mode: erasing in both loaders")
+    p.add_argument("--auto-augment", choices=list(POLICIES), default="none", help="loader and end_to_end modes: "
+                   "the policy (torchvision's), in both loaders of the comparison; under --decode gpu on the device")
+    p.add_argument("--random-erase", type=probability, default=0.0, help="loader and end_to_end modes: erasing")
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")

@@ -148,10 +148,11 @@ def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> di
     index = scan_image_folder(train_dir, "train")
     ctx, settings = step_context(args, len(index.classes))
     encoded = args.decode == "gpu"
-    loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded)
-    decoder = (gpu_decode.BatchDecoder(ctx.device, lambda line: print(line, file=sys.stderr))
+    augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded, augment)
+    decoder = (gpu_decode.BatchDecoder(ctx.device, lambda line: print(line, file=sys.stderr), augment)
                if encoded else None)
     batches = device_batches(endless(loader), ctx.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
     return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(index), "decode": args.decode,
-            **settings}
+            "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

@@ -72,10 +72,11 @@ class Config:
                           "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
     auto_augment: str = option(
         "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
-        "imagenet (AutoAugment's ImageNet policy); needs --decode cpu", "augment", choices=list(POLICIES))
+        "imagenet (AutoAugment's ImageNet policy); in the loader workers, or on the device under --decode gpu",
+        "augment", choices=list(POLICIES))
     random_erase: float = option(
-        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel; "
-        "needs --decode cpu", "augment", "P", type=options.probability)
+        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel",
+        "augment", "P", type=options.probability)
     mixup_alpha: float = option(
         0.0, "mixup: images at positions 2k and 2k+1 of each global batch become weighted averages of the two, with "
         "a weight from Beta(A, A) per pair, and their targets the same mix of the labels (0: off)", "augment", "A",
@@ -215,10 +216,6 @@ class Config:
             raise UserError(f"{given} needs {missing} too")
         if self.bce_target_thresh is not None and not self.bce_loss:
             raise UserError("--bce-target-thresh applies to --bce-loss only")
-        if self.decode == "gpu" and self.augment.after_crop:
-            flag = "--auto-augment" if self.auto_augment != "none" else "--random-erase"
-            raise UserError(f"{flag} works on decoded pixels in the loader workers, and under --decode gpu they "
-                            "hand over undecoded bytes: use --decode cpu with it")
 
     @property
     def augment(self) -> Augment:

@@ -5,7 +5,8 @@ sample's own random stream, exactly as the CPU path does (data.TrainDataset), so
 contract holds: the same boxes and flips for the same (seed, epoch, index). It hands over the
 bytes and the box. The main process decodes the batch with one batched
 `torchvision.io.decode_jpeg(..., device=...)` call, then crops, resizes and flips each image on
-the device.
+the device, then runs the sample's augmentation policy and erasing there (augment.Augment.apply),
+drawn from a seed the worker took from the sample's stream after the crop and flip.
 
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
@@ -16,29 +17,34 @@ A file that neither can decode is a CorruptImageError naming it, as on the CPU p
 from __future__ import annotations
 
 import io
-from collections.abc import Callable
-from dataclasses import dataclass
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
 from PIL import Image
 from torch.utils.data import default_collate
 
+from imagenet_elastic.augment import INCEPTION_CROP, Augment
 from imagenet_elastic.data import (
     Box,
     ChooseCrop,
     Load,
     byte_tensor,
+    crop_region,
     crop_resize,
     decode_bytes,
     decode_region,
     read_file,
+    resize_regions,
 )
 from imagenet_elastic.errors import CorruptImageError
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
+EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -52,6 +58,7 @@ class EncodedImage:
     flip: bool
     size: int  # of the square crop the batch wants (train and val sizes may differ)
     cpu_reason: Optional[str] = None
+    augment_seed: Optional[int] = None  # the policy's and erasing's draws (augment.Augment.draw_seed)
 
 
 def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
@@ -75,32 +82,64 @@ def worker_functions(decode: str) -> tuple[Load, Optional[Callable[[list], list]
     return (encode_region, collate) if decode == "gpu" else (decode_region, None)
 
 
+@dataclass
+class EncodedBatch:
+    """A batch's images as they cross from the worker: every image's bytes (or fallback pixels) back to back
+    in one uint8 tensor, so the batch is one shared-memory segment, not one (and a socket round trip) per
+    image (docs/BENCHMARKS.md); the images keep everything else."""
+
+    data: torch.Tensor  # 1-D uint8
+    shapes: list[tuple[int, ...]]  # each image's `data` shape, in order
+    images: list[EncodedImage]  # `data` left empty
+
+    @classmethod
+    def pack(cls, images: Sequence[EncodedImage]) -> EncodedBatch:
+        data = torch.cat([im.data.reshape(-1) for im in images]) if images else torch.empty(0, dtype=torch.uint8)
+        return cls(data, [tuple(im.data.shape) for im in images],
+                   [replace(im, data=EMPTY) for im in images])
+
+    def unpack(self) -> list[EncodedImage]:
+        """The images again, each `data` a view into the batch's tensor (no copy)."""
+        images, start = [], 0
+        for im, shape in zip(self.images, self.shapes):
+            end = start + math.prod(shape)
+            images.append(replace(im, data=self.data[start:end].view(shape)))
+            start = end
+        return images
+
+    def pin_memory(self) -> EncodedBatch:
+        """What DataLoader's pin_memory thread calls on a batch type of its own: the one tensor, pinned."""
+        return replace(self, data=self.data.pin_memory())
+
+
 def collate(samples: list[tuple]) -> list:
-    """Encoded images stay a list (their byte strings differ in length); the rest collates as usual."""
+    """Encoded images become one EncodedBatch (their byte strings differ in length); the rest collates as usual."""
     images, *rest = zip(*samples)
-    return [list(images), *(default_collate(list(column)) for column in rest)]
+    return [EncodedBatch.pack(images), *(default_collate(list(column)) for column in rest)]
 
 
 class BatchDecoder:
-    """The main process's part: `decoder(batch)` turns a collated batch of EncodedImage into an
+    """The main process's part: `decoder(batch)` turns a collated EncodedBatch into an
     N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), leaving the batch's
     other entries as they are."""
 
-    def __init__(self, device: torch.device, warn: Callable[[str], None]) -> None:
-        self.device, self.warn = device, warn
+    def __init__(self, device: torch.device, warn: Callable[[str], None], augment: Augment = INCEPTION_CROP) -> None:
+        self.device, self.warn, self.augment = device, warn, augment
         self.reported: set[str] = set()
 
     def __call__(self, batch: list) -> list:
         images, *rest = batch
-        return [self.decode(images), *rest]
+        return [self.decode(images.unpack()), *rest]
 
     def decode(self, images: list[EncodedImage]) -> torch.Tensor:
         on_device = iter(self.decode_on_device([im for im in images if im.cpu_reason is None]))
-        crops = []
-        for im in images:
+        crops: list[Optional[torch.Tensor]] = []
+        decoded: list[tuple[int, torch.Tensor, bool]] = []  # (position, decoded pixels, flip)
+        for i, im in enumerate(images):
             pixels = next(on_device) if im.cpu_reason is None else None
             if pixels is not None:
-                crops.append(crop_resize(pixels, im.box, im.flip, im.size))
+                decoded.append((i, pixels, im.flip))
+                crops.append(None)  # cropped below, with the batch's others
                 continue
             reason, crop = im.cpu_reason, im.data
             if reason is None:  # the device decoder refused it; the CPU decoder names a corrupt file
@@ -109,7 +148,19 @@ class BatchDecoder:
                                     im.size)
             self.report(im.path, reason)
             crops.append(crop.to(self.device, non_blocking=True))
-        return torch.stack(crops)
+        for (i, _, _), crop in zip(decoded, self.crop([(p, images[i].box, f) for i, p, f in decoded], images[0].size)):
+            crops[i] = crop
+        # one image at a time (a few small kernels each): torchvision's policies draw per image
+        return torch.stack([self.augment.apply(crop, im.augment_seed, pil=False) for crop, im in zip(crops, images)])
+
+    def crop(self, decoded: list[tuple[torch.Tensor, Box, bool]], size: int) -> list[torch.Tensor]:
+        """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker
+        path's uint8 kernel, image by image; elsewhere batched (data.resize_regions)."""
+        if not decoded:
+            return []
+        if self.device.type == "cpu":
+            return [crop_resize(pixels, box, flip, size) for pixels, box, flip in decoded]
+        return list(resize_regions([crop_region(p, box) for p, box, _ in decoded], [f for _, _, f in decoded], size))
 
     def decode_on_device(self, images: list[EncodedImage]) -> list[Optional[torch.Tensor]]:
         """HWC views of the decoded images, one batched call; None for each image the decoder rejects."""

@@ -184,7 +184,8 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
         if inputs.device.type != "cuda":
             console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
                          "(slower than --decode cpu; meant for testing)")
-        decoder = gpu_decode.BatchDecoder(inputs.device, functools.partial(console.warn, every_rank=True))
+        decoder = gpu_decode.BatchDecoder(inputs.device, functools.partial(console.warn, every_rank=True),
+                                          config.augment)
     train = data.train_loader(data.TrainDataset(inputs.train_index, config.train_sizes, config.seed, load,
                                                 config.augment),
                               restored.sampler, workers, pin, ignored, collate)

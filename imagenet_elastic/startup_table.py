@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Optional
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
-from imagenet_elastic.distributed import DistEnv
+from imagenet_elastic.distributed import DistEnv, group_options
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.model import count_parameters
@@ -30,7 +30,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("train images", describe_index(inputs.train_index)),
         ("val images", describe_index(inputs.val_index)),
         ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
-        ("launcher", f"{env.launcher}, rendezvous {env.master_addr}:{env.master_port}; every rank has the same data, "
+        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous "
+                     f"{env.master_addr}:{env.master_port}; every rank has the same data, "
                      f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
          else "none (single process)"),
         ("global batch", plan.describe()),
@@ -43,6 +44,7 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
          + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
         ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
                        f"{c.eval_resize}"),
+        ("augmentation", c.augment.describe()),
         ("mixing", describe_mixing(c)),
         ("repeated augmentation", f"{c.ra_reps} copies of {plan.global_batch // c.ra_reps} images per global batch"
          if c.ra_reps > 1 else "off"),
@@ -51,7 +53,9 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("steps per epoch", str(restored.sampler.steps)),
         ("precision", restored.precision.describe()),
         ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
-        ("decode", "in loader workers" if loaders.decoder is None else f"batched on {inputs.device} (--decode gpu)"),
+        ("decode", "in loader workers" if loaders.decoder is None else f"batched on {inputs.device} (--decode gpu)"
+         + (", then the policy and erasing there, image by image" if loaders.decoder and c.augment.after_crop
+            else "")),
         ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),

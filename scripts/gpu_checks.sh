@@ -7,8 +7,8 @@
 #
 #   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
 #
-# PART: versions | data | synthetic | compile | end_to_end | end_to_end_compile | loader | checkpoint
-#       | train | all (every part in order; only where one call may run longer than 10 minutes)
+# PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile | loader
+#       | checkpoint | tests | train | all (every part in order; only where one call may run longer than 10 minutes)
 set -euo pipefail
 PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in the header of the script}
 DATA=${2:-/tmp/gpu_data}
@@ -72,6 +72,14 @@ PY
         bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode cpu --batches 40
         bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode gpu --batches 40
         ;;
+    end_to_end_recipe)  # torchvision's v2 recipe's augmentation at its train size: the policy's cost on each path
+        need_data
+        local n; n=$(workers)
+        local recipe=(--mode end_to_end --amp bf16 --channels-last --workers "$n" --batches 40 --image-size 176
+                      --auto-augment ta_wide --random-erase 0.1)
+        bench "${recipe[@]}" --decode cpu
+        bench "${recipe[@]}" --decode gpu
+        ;;
     end_to_end_compile)
         need_data
         local n; n=$(workers)
@@ -86,6 +94,10 @@ PY
     checkpoint)
         need_data
         bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
+        ;;
+    tests)  # tests/test_cuda.py: NCCL, nvJPEG against the CPU decoder, the policy on the GPU, AMP steps, pinned copies
+        "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py >&2
+        echo "{\"tests\": \"tests/test_cuda.py passed\"}"
         ;;
     train)  # NCCL at one rank, --decode gpu, a background checkpoint; the last line is the epoch's row
         need_data
@@ -103,7 +115,8 @@ PY
 }
 
 if [ "$PART" = all ]; then
-    for part in versions data synthetic compile end_to_end end_to_end_compile loader checkpoint train; do
+    for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile loader checkpoint \
+            tests train; do
         run_part "$part"
     done
 else

@@ -124,8 +124,6 @@ def test_everything_at_once_is_still_a_function_of_the_key(index):
     ({"scale": (0.5, 0.1)}, "--scale: MIN must not exceed MAX, got 0.5 0.1"),
     ({"scale": (0.5, 1.5)}, "--scale: at most 1, got 1.5"),
     ({"ratio": (2.0, 1.0)}, "--ratio: MIN must not exceed MAX, got 2 1"),
-    ({"auto_augment": "ta_wide", "decode": "gpu"}, "--auto-augment works on decoded pixels"),
-    ({"random_erase": 0.1, "decode": "gpu"}, "--random-erase works on decoded pixels"),
 ])
 def test_settings_that_cannot_work_are_refused_naming_the_flag(changes, message):
     with pytest.raises(UserError, match=message.replace("-", r"\-")):

@@ -20,8 +20,10 @@ from conftest import (
 )
 from PIL import Image
 from test_data import write_jpeg
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from imagenet_elastic import data, gpu_decode
+from imagenet_elastic.augment import POLICIES, Augment
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import scan_image_folder
 
@@ -85,6 +87,105 @@ def test_small_crops_differ_from_the_dct_scaled_worker_path_only_by_resampling(m
     assert difference.max() < 12, difference  # the same region; another region of noise differs by ~60
 
 
+def test_the_device_erases_the_rectangles_the_workers_would_and_leaves_validation_alone(mixed_folder):
+    """Erasing is an assignment, so the device's pixels are the worker path's bits, a PNG the worker
+    decoded included; the seed drawn after the crop is the only thing the two paths share."""
+    Image.fromarray(np.full((50, 60, 3), 9, dtype=np.uint8)).save(mixed_folder / "c0" / "plain.png")
+    index = scan_image_folder(str(mixed_folder), "train")
+    erase = Augment(erase=1.0)
+    keys = [(3, i) for i in range(len(index))]
+    warnings: list[str] = []
+    decoder = gpu_decode.BatchDecoder(CPU, warnings.append, erase)
+    before = torch.get_rng_state()
+    images = decoder(batch_of(data.TrainDataset(index, 120, 2, gpu_decode.encode_region, erase), keys))[0]
+    assert torch.equal(torch.get_rng_state(), before)
+    expected = torch.stack([data.TrainDataset(index, 120, 2, augment=erase)[key][0] for key in keys])
+    assert torch.equal(images, expected)
+    plain = torch.stack([data.TrainDataset(index, 120, 2)[key][0] for key in keys])
+    assert all(not torch.equal(a, b) for a, b in zip(images, plain))  # p=1: every image has its box
+    assert len(warnings) == 1 and "plain.png is a PNG file" in warnings[0]
+    val = gpu_decode.collate([data.EvalDataset(index, 24, 27, gpu_decode.encode_region)[i] for i in range(3)])
+    assert torch.equal(decoder(val)[0], decoder_and_warnings()[0](val)[0])
+
+
+@pytest.mark.parametrize("policy", POLICIES[1:])
+def test_the_device_runs_the_workers_policy_draws_with_torchvisions_tensor_kernels(mixed_folder, policy):
+    """Workers run torchvision's PIL kernels, the device its tensor kernels: with the seed each worker
+    drew, every image lands within a level of the worker path's, and the policy drawn from other seeds on
+    the same crops lands far from it."""
+    index = scan_image_folder(str(mixed_folder), "train")
+    augment = Augment(policy=policy)
+    keys = [(epoch, i) for epoch in range(4) for i in range(len(index))]
+    encoded = data.TrainDataset(index, 120, 6, gpu_decode.encode_region, augment)
+    images = gpu_decode.BatchDecoder(CPU, print, augment)(batch_of(encoded, keys))[0]
+    crops = [data.TrainDataset(index, 120, 6)[key][0] for key in keys]  # before the policy
+    seeds = [encoded[key][0].augment_seed for key in keys]
+    assert torch.equal(images, torch.stack([augment.apply(c, s, pil=False) for c, s in zip(crops, seeds)]))
+    workers = torch.stack([data.TrainDataset(index, 120, 6, augment=augment)[key][0] for key in keys])
+    redrawn = torch.stack([augment.apply(c, 1000 + k, pil=False) for k, c in enumerate(crops)])
+    same, other = mean_level_difference(images, workers), mean_level_difference(redrawn, workers)
+    assert same.max() < 1.5, same  # measured: at most ~1 level, most images exact
+    assert other.mean() > 20, other  # measured: ~45-55
+
+
+def mean_level_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    return (a.float() - b.float()).abs().mean(dim=(1, 2, 3))
+
+
+def test_batched_crops_off_the_cpu_give_the_per_image_float_paths_pixels_in_fewer_kernels():
+    rng = np.random.default_rng(1)
+    shapes = [(90, 70), (64, 120), (33, 33), (200, 150), (48, 40)]
+    decoded = [torch.from_numpy(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)) for h, w in shapes]
+    boxes = [(3.2, 5.7, 50.0, 60.0), (0, 0, 120, 64), (10, 10, 5, 7), (20.5, 30.25, 100, 140), (0, 0, 40, 48)]
+    flips = [True, False, True, False, True]
+    one_by_one = []
+    for pixels, box, flip in zip(decoded, boxes, flips):  # what the GPU ran image by image before
+        crop = data.resize_uint8(data.crop_region(pixels, box), 24, uint8_kernel=False)[0].permute(1, 2, 0)
+        one_by_one.append(crop.flip(1) if flip else crop)
+    regions = [data.crop_region(pixels, box) for pixels, box in zip(decoded, boxes)]
+    with OpCounter() as batched_ops:
+        batched = data.resize_regions(regions, flips, 24)
+    assert batched.shape == (5, 24, 24, 3) and torch.equal(batched, torch.stack(one_by_one))
+    assert batched_ops.count <= 2 * len(regions) + 8, batched_ops.names
+
+
+class OpCounter(TorchDispatchMode):
+    """Operators that reach a device kernel (views excluded): on a GPU, about one launch each."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.names: list[str] = []
+
+    @property
+    def count(self) -> int:
+        return len(self.names)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view:
+            self.names.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_batch_crosses_from_a_worker_as_one_tensor_and_decodes_as_in_process(mixed_folder):
+    Image.fromarray(np.full((50, 60, 3), 9, dtype=np.uint8)).save(mixed_folder / "c1" / "plain.png")
+    index = scan_image_folder(str(mixed_folder), "train")
+    dataset = data.TrainDataset(index, 32, 1, gpu_decode.encode_region)
+    keys = [(0, i) for i in range(len(index))]
+    loader = torch.utils.data.DataLoader(dataset, batch_sampler=[keys], num_workers=1, collate_fn=gpu_decode.collate)
+    received = next(iter(loader))
+    packed = received[0]
+    assert isinstance(packed, gpu_decode.EncodedBatch) and packed.data.dim() == 1
+    assert all(im.data.numel() == 0 for im in packed.images)  # the bytes travel in `data` alone
+    unpacked = packed.unpack()
+    for im, key in zip(unpacked, keys):
+        alone = dataset[key][0]
+        assert torch.equal(im.data, alone.data) and (im.path, im.box, im.flip, im.cpu_reason) == (
+            alone.path, alone.box, alone.flip, alone.cpu_reason)
+    assert [im.data.dim() for im in unpacked].count(3) == 1  # the PNG's pixels, decoded by the worker
+    decoder, _ = decoder_and_warnings()
+    assert torch.equal(decoder(received)[0], decoder(batch_of(dataset, keys))[0])
+
+
 def test_png_and_cmyk_jpeg_are_decoded_by_the_worker_and_reported_once_per_kind(tmp_path):
     root = tmp_path / "train"
     pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
@@ -136,7 +237,7 @@ def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mi
     keys = [(0, i) for i in range(len(index))]
     batch = batch_of(dataset, keys)
     warnings: list[str] = []
-    decoder = RefusingDecoder([batch[0][4].data], CPU, warnings.append)
+    decoder = RefusingDecoder([batch[0].unpack()[4].data], CPU, warnings.append)
     images = decoder(batch)[0]
     assert torch.equal(images[4], data.TrainDataset(index, 20, 3)[(0, 4)][0])  # the CPU path's pixels
     assert decoder.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
@@ -168,13 +269,15 @@ def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
 
 @pytest.mark.slow
 def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder, tmp_path):
-    """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels."""
-    args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4"]
+    """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels; random
+    erasing (an assignment) draws from the seed each worker handed over and erases the same boxes."""
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4", "--random-erase", "0.5"]
     cpu = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "cpu")))
     gpu = run(python_cmd(*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")))
     assert cpu.returncode == 0, cpu.stderr
     assert gpu.returncode == 0, gpu.stderr
-    assert "--decode gpu without a CUDA device" in gpu.stderr and "batched on cpu (--decode gpu)" in gpu.stdout
+    assert "--decode gpu without a CUDA device" in gpu.stderr
+    assert "batched on cpu (--decode gpu), then the policy and erasing there" in gpu.stdout
     cpu_last, gpu_last = load_checkpoint(tmp_path / "cpu" / "last.pt"), load_checkpoint(tmp_path / "gpu" / "last.pt")
     assert_same_tensors(cpu_last["model"], gpu_last["model"])
     assert cpu_last["history"][0]["val_top1"] == gpu_last["history"][0]["val_top1"]

@@ -114,7 +114,7 @@ def test_mpirun_example_script_two_ranks_matches_torchrun(image_folder, tmp_path
     result = subprocess.run(["bash", str(REPO / "scripts" / "mpirun_example.sh"), "2", str(image_folder), *SHORT_RUN],
                             cwd=REPO, env=env, capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert result.stdout.count("global batch") == 1 and "mpirun, rendezvous 127.0.0.1:" in result.stdout
+    assert result.stdout.count("global batch") == 1 and "mpirun, gloo, rendezvous 127.0.0.1:" in result.stdout
     assert_matches_reference(tmp_path, reference_world2)
 
 

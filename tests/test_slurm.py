@@ -52,7 +52,7 @@ def test_srun_two_nodes_one_task_each_finds_master_in_hostlist(slurm_env, image_
     result = srun(slurm_env, ["-N2", "--ntasks-per-node=1"],
                   [str(image_folder), *SHORT_RUN, "--threads", "1", "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "srun, rendezvous n1:" in result.stdout  # MASTER_ADDR = first host of n[1-2]
+    assert "srun, gloo, rendezvous n1:" in result.stdout  # MASTER_ADDR = first host of n[1-2]
     assert result.stdout.count("global batch") == 1
     assert_matches_reference(tmp_path, reference_world2)
 
@@ -114,7 +114,7 @@ def test_sbatch_srun_torchrun_example_uses_torchrun_variables(slurm_env, image_f
     output = sbatch(env, "sbatch_srun_torchrun.sh",
                     ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"],
                     [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
-    assert "torchrun, rendezvous" in output  # torchrun's variables won over SLURM_*
+    assert "torchrun, gloo, rendezvous" in output  # torchrun's variables won over SLURM_*
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
 
 
