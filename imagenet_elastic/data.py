@@ -129,8 +129,8 @@ def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
 def resize_regions(regions: list[torch.Tensor], flips: list[bool], size: int) -> torch.Tensor:
     """1CHW uint8 regions off the CPU -> N x size x size x C uint8, each flipped where asked: the pixels
     of `crop_resize`, in fewer kernels. Each region is resized in float32 alone (their sizes differ);
-    the rounding back to uint8 and the flips then run once for the batch, so a GPU batch of 256
-    launches about 3 kernels per image instead of 7 (docs/BENCHMARKS.md)."""
+    the rounding back to uint8 and the flips then run once for the batch: about 2 operators (kernel
+    launches on a GPU) per image instead of 5.5 (docs/BENCHMARKS.md)."""
     out = torch.cat([resize_float(region, size) for region in regions])
     out = out.round_().clamp_(0, 255).to(torch.uint8).permute(0, 2, 3, 1)
     flipped = [i for i, flip in enumerate(flips) if flip]

@@ -94,7 +94,7 @@ class EncodedBatch:
 
     @classmethod
     def pack(cls, images: Sequence[EncodedImage]) -> EncodedBatch:
-        data = torch.cat([im.data.reshape(-1) for im in images]) if images else torch.empty(0, dtype=torch.uint8)
+        data = torch.cat([im.data.reshape(-1) for im in images]) if images else EMPTY
         return cls(data, [tuple(im.data.shape) for im in images],
                    [replace(im, data=EMPTY) for im in images])
 
@@ -125,6 +125,7 @@ class BatchDecoder:
 
     def __init__(self, device: torch.device, warn: Callable[[str], None], augment: Augment = INCEPTION_CROP) -> None:
         self.device, self.warn, self.augment = device, warn, augment
+        self.batched_crops = device.type != "cpu"  # the CPU has a uint8 resize kernel: the worker path's pixels
         self.reported: set[str] = set()
 
     def __call__(self, batch: list) -> list:
@@ -133,13 +134,12 @@ class BatchDecoder:
 
     def decode(self, images: list[EncodedImage]) -> torch.Tensor:
         on_device = iter(self.decode_on_device([im for im in images if im.cpu_reason is None]))
-        crops: list[Optional[torch.Tensor]] = []
-        decoded: list[tuple[int, torch.Tensor, bool]] = []  # (position, decoded pixels, flip)
+        crops: list[Optional[torch.Tensor]] = [None] * len(images)
+        decoded: list[tuple[int, torch.Tensor]] = []  # (position, pixels) of those the device decoded
         for i, im in enumerate(images):
             pixels = next(on_device) if im.cpu_reason is None else None
             if pixels is not None:
-                decoded.append((i, pixels, im.flip))
-                crops.append(None)  # cropped below, with the batch's others
+                decoded.append((i, pixels))  # cropped below, with the batch's others
                 continue
             reason, crop = im.cpu_reason, im.data
             if reason is None:  # the device decoder refused it; the CPU decoder names a corrupt file
@@ -147,20 +147,21 @@ class BatchDecoder:
                 crop = decode_bytes(im.data.numpy().tobytes(), im.path, lambda w, h, im=im: (im.box, im.flip),
                                     im.size)
             self.report(im.path, reason)
-            crops.append(crop.to(self.device, non_blocking=True))
-        for (i, _, _), crop in zip(decoded, self.crop([(p, images[i].box, f) for i, p, f in decoded], images[0].size)):
+            crops[i] = crop.to(self.device, non_blocking=True)
+        for (i, _), crop in zip(decoded, self.crop([pixels for _, pixels in decoded], [images[i] for i, _ in decoded])):
             crops[i] = crop
         # one image at a time (a few small kernels each): torchvision's policies draw per image
         return torch.stack([self.augment.apply(crop, im.augment_seed, pil=False) for crop, im in zip(crops, images)])
 
-    def crop(self, decoded: list[tuple[torch.Tensor, Box, bool]], size: int) -> list[torch.Tensor]:
+    def crop(self, decoded: list[torch.Tensor], images: list[EncodedImage]) -> list[torch.Tensor]:
         """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker
         path's uint8 kernel, image by image; elsewhere batched (data.resize_regions)."""
+        if not self.batched_crops:
+            return [crop_resize(pixels, im.box, im.flip, im.size) for pixels, im in zip(decoded, images)]
         if not decoded:
             return []
-        if self.device.type == "cpu":
-            return [crop_resize(pixels, box, flip, size) for pixels, box, flip in decoded]
-        return list(resize_regions([crop_region(p, box) for p, box, _ in decoded], [f for _, _, f in decoded], size))
+        regions = [crop_region(pixels, im.box) for pixels, im in zip(decoded, images)]
+        return list(resize_regions(regions, [im.flip for im in images], images[0].size))
 
     def decode_on_device(self, images: list[EncodedImage]) -> list[Optional[torch.Tensor]]:
         """HWC views of the decoded images, one batched call; None for each image the decoder rejects."""

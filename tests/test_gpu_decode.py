@@ -149,6 +149,18 @@ def test_batched_crops_off_the_cpu_give_the_per_image_float_paths_pixels_in_fewe
     assert batched_ops.count <= 2 * len(regions) + 8, batched_ops.names
 
 
+def test_the_decoder_crops_a_batch_as_a_gpu_would_within_a_level_of_the_workers_pixels(mixed_folder):
+    """The batched float path (what a GPU runs), here on the CPU: flips, fallbacks and positions in place."""
+    Image.fromarray(np.full((50, 60, 3), 9, dtype=np.uint8)).save(mixed_folder / "c2" / "plain.png")
+    index = scan_image_folder(str(mixed_folder), "train")
+    keys = [(e, i) for e in range(3) for i in range(len(index))]
+    decoder, _ = decoder_and_warnings()
+    decoder.batched_crops = True
+    images = decoder(batch_of(data.TrainDataset(index, 120, 8, gpu_decode.encode_region), keys))[0]
+    expected = torch.stack([data.TrainDataset(index, 120, 8)[key][0] for key in keys])
+    assert images.shape == expected.shape and (images.int() - expected.int()).abs().max() <= 1
+
+
 class OpCounter(TorchDispatchMode):
     """Operators that reach a device kernel (views excluded): on a GPU, about one launch each."""
 
