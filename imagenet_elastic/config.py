@@ -62,6 +62,9 @@ class Config:
     val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224, 232 in "
                                        "torchvision's v2 recipe)", "model", "N",
                                        shown_default="val crop / 0.875", type=options.positive_int)
+    val_flip_average: bool = option(
+        False, "validate on the mean of the logits of each image and of its mirror image (FFCV's lr_tta: its "
+        "published results use it); an exported model does not do it", "model", action=argparse.BooleanOptionalAction)
     scale: tuple[float, float] = option(
         (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
         ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)

@@ -188,17 +188,22 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable) -> EvalResult:
+def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable, flip_average: bool = False) -> EvalResult:
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
-    DDP's forward would then wait on a collective), then the sums are added up across ranks."""
+    DDP's forward would then wait on a collective), then the sums are added up across ranks.
+
+    `flip_average` (--val-flip-average): the logits are the mean of the image's and its mirror's.
+    """
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5
     samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
     for images, labels, *_ in loader:
         images, labels = prepare_batch(images, labels, ctx)
         with ctx.autocast():
-            logits = model(images)
-        loss = F.cross_entropy(logits.float(), labels, reduction="sum")
+            logits = model(images).float()
+            if flip_average:
+                logits = (logits + model(images.flip(3)).float()) / 2
+        loss = F.cross_entropy(logits, labels, reduction="sum")
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
         totals += torch.stack([loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()])
         samples += len(labels)

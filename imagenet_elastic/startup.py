@@ -278,6 +278,7 @@ def run(config: Config, env: DistEnv) -> None:
         stack.callback(preempt.ignore_from_now)
         trainer = build(config, env, console, preempt, stack)
         if config.evaluate:
-            console.result({"checkpoint": trainer.restored.resume_from, **trainer.validate()})
+            flip = {"val_flip_average": True} if config.val_flip_average else {}
+            console.result({"checkpoint": trainer.restored.resume_from, **flip, **trainer.validate()})
         else:
             trainer.fit()

@@ -43,7 +43,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
                                             is not None else "") if c.bce_loss else "cross-entropy")
          + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
         ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
-                       f"{c.eval_resize}"),
+                       f"{c.eval_resize}" + (", logits averaged with the mirror image's" if c.val_flip_average
+                                             else "")),
         ("augmentation", c.augment.describe()),
         ("mixing", describe_mixing(c)),
         ("repeated augmentation", f"{c.ra_reps} copies of {plan.global_batch // c.ra_reps} images per global batch"

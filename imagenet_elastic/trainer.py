@@ -175,7 +175,7 @@ class Trainer:
         results: dict[str, Any] = {}
         for suffix, model in models.items():
             distributed.broadcast_buffers(model)
-            val = evaluate(self.ctx, model, self.on_device(self.loaders.val))
+            val = evaluate(self.ctx, model, self.on_device(self.loaders.val), self.config.val_flip_average)
             results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
                             f"val_top5{suffix}": val.top5})
             results["val_samples"] = val.samples

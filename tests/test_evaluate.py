@@ -1,0 +1,45 @@
+"""`engine.evaluate`'s --val-flip-average: the logits of each image and of its mirror image, averaged."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from imagenet_elastic.engine import StepContext, evaluate, prepare_batch
+from imagenet_elastic.loss import TrainLoss
+
+CPU = torch.device("cpu")
+
+
+def context() -> tuple[StepContext, nn.Module]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 6, 3), nn.ReLU(), nn.Flatten(), nn.LazyLinear(7))  # no mirror symmetry
+    model(torch.zeros(1, 3, 8, 8))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    ctx = StepContext(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), TrainLoss(0.0), CPU, None,
+                      channels_last=True)
+    return ctx, model
+
+
+def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(1)
+    return [(torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8, generator=generator),
+             torch.randint(0, 7, (n,), generator=generator)) for n in (5, 3)]
+
+
+def test_flip_average_scores_the_mean_of_each_images_and_its_mirrors_logits():
+    ctx, model = context()
+    result = evaluate(ctx, model, batches(), flip_average=True)
+    loss = top1 = top5 = 0.0
+    with torch.no_grad():
+        for images, labels in batches():
+            x, _ = prepare_batch(images, labels, ctx)
+            logits = (model(x) + model(torch.flip(x, dims=[3]))) / 2
+            loss += float(F.cross_entropy(logits, labels, reduction="sum"))
+            top = logits.topk(5, dim=1).indices.eq(labels[:, None])
+            top1, top5 = top1 + float(top[:, 0].sum()), top5 + float(top.any(dim=1).sum())
+    assert result.samples == 8
+    assert abs(result.loss - loss / 8) < 1e-6 * abs(loss)
+    assert (result.top1, result.top5) == (100 * top1 / 8, 100 * top5 / 8)
+    assert result.loss != evaluate(ctx, model, batches()).loss  # the mirror images change the scores here
