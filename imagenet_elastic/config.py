@@ -26,6 +26,7 @@ RESUME_SENSITIVE = (
     "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
     "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
+    "model_ema_steps",
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
     "progressive_epochs", "ra_reps",
 )
@@ -130,7 +131,10 @@ class Config:
         False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
         "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
         "metrics.jsonl; best.pt says which of the two was best)", "model", action=argparse.BooleanOptionalAction)
-    model_ema_decay: float = option(0.9998, "EMA decay per optimizer step", "model", "X", type=options.probability)
+    model_ema_decay: float = option(0.9998, "EMA decay per update (see --model-ema-steps)", "model", "X",
+                                    type=options.probability)
+    model_ema_steps: int = option(1, "the EMA takes the weights every N optimizer steps (torchvision's "
+                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.positive_int)
     model_ema_warmup: bool = option(
         False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
         "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction)

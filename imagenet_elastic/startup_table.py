@@ -36,7 +36,9 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
          else "none (single process)"),
         ("global batch", plan.describe()),
         ("initial weights", restored.start if not restored.resume_from else f"from {restored.resume_from}"),
-        ("model EMA", f"decay {c.model_ema_decay:g} per step" + (" after timm's warmup" if c.model_ema_warmup else "")
+        ("model EMA", f"decay {c.model_ema_decay:g} "
+                      + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
+                      + (" after timm's warmup" if c.model_ema_warmup else "")
          if restored.state.ema is not None else "off"),
         ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"),
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh

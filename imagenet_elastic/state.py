@@ -99,6 +99,13 @@ class TrainState:
     tally: EpochTally = field(default_factory=EpochTally)  # the epoch in progress
     ema: Optional[nn.Module] = None  # --model-ema: timm's ModelEmaV3, whose `module` is the averaged model
 
+    def update_average(self, every: int) -> None:
+        """After optimizer step `self.step`: the weight average (--model-ema) takes the weights every
+        `every` steps (--model-ema-steps), a function of the step alone, so a resume at any step and
+        world size averages the same weights. timm's decay warmup counts the average's updates."""
+        if self.ema is not None and self.step % every == 0:
+            self.ema.update(self.model, step=self.step // every)
+
     def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
         return {
             "format_version": FORMAT_VERSION,

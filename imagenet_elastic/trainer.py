@@ -107,8 +107,7 @@ class Trainer:
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
                 state.step += 1
-                if state.ema is not None:
-                    state.ema.update(state.model, step=state.step)
+                state.update_average(c.model_ema_steps)
                 self.preempt.steps_done = state.step
                 pending.add(loss)
                 if self.restart_cost is not None:

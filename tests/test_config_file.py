@@ -117,6 +117,7 @@ def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
     v2 = recipes["resnet50_torchvision_v2"]
     assert (v2.mixup_alpha, v2.cutmix_alpha, v2.auto_augment, v2.random_erase, v2.ra_reps, v2.model_ema) == \
         (0.2, 1.0, "ta_wide", 0.1, 4, True)
+    assert (v2.model_ema_decay, v2.model_ema_steps) == (0.998908, 32)
     assert (v2.image_size, v2.eval_crop, v2.eval_resize, v2.epochs) == (176, 224, 232, 600)
     for name, epochs, ramp in (("ffcv_resnet50_16ep", 16, (11, 13)), ("ffcv_resnet50_88ep", 88, (65, 76)),
                                ("ffcv_resnet18_16ep", 16, (11, 13))):

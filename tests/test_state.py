@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.model import create_model, create_optimizer
+from imagenet_elastic.model import create_ema, create_model, create_optimizer
 from imagenet_elastic.state import TrainState, check_compatible
 
 CLASSES = ("ant", "bee", "cat")
@@ -164,3 +164,21 @@ def test_a_checkpoint_of_another_optimizer_is_refused_for_training_but_not_for_e
     check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, "adamw")
     check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, None)  # --evaluate: weights only
     check_compatible({**snapshot_of(), "config": {}}, "/ck/last.pt", "test_resnet", CLASSES, "sgd")  # before --opt
+
+
+def test_the_weight_average_takes_the_weights_every_model_ema_steps_and_counts_its_updates():
+    """--model-ema-steps 3, decay 0.5: the first update (step 3) copies the weights (timm's first update), the
+    second (step 6) averages them; the steps between leave the average alone."""
+    model = torch.nn.Linear(2, 1)
+    state = TrainState(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
+                       ema=create_ema(model, decay=0.5, warmup=False))
+    start = float(state.ema.module.weight[0, 0].detach())  # the average starts as a copy of the model
+    seen = []
+    for step in range(1, 8):
+        with torch.no_grad():
+            for param in model.parameters():
+                param.fill_(float(step))
+        state.step = step
+        state.update_average(every=3)
+        seen.append(float(state.ema.module.weight[0, 0].detach()))
+    assert seen == [start, start, 3.0, 3.0, 3.0, 4.5, 4.5]

@@ -73,7 +73,8 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
 
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
     """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
-    it exactly; AdamW's state and the step schedule continue from the checkpoint; the resumed run continues
+    it exactly; AdamW's state, the step schedule and the weight average (updated every 2 steps, the kill at an
+    odd one) continue from the checkpoint; the resumed run continues
     from last.pt, not from --initial-checkpoint (a timm state dict of 10 classes: the head is re-initialised).
     Mixup, cutmix and drop-path are drawn from (seed, step), the BCE loss takes the mixed targets, each image
     comes twice per batch with augmentations of its own (--ra-reps), and the
@@ -84,8 +85,8 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6", "--threads", "1",
             "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
-            "--model-ema-warmup", *MIXED, "--bce-loss", "--progressive-resize", "32,64", "--progressive-epochs", "0,1",
-            "--ra-reps", "2"]
+            "--model-ema-warmup", "--model-ema-steps", "2", *MIXED, "--bce-loss", "--progressive-resize", "32,64",
+            "--progressive-epochs", "0,1", "--ra-reps", "2"]
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
