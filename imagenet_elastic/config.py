@@ -26,7 +26,7 @@ RESUME_SENSITIVE = (
     "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
     "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
-    "model_ema_steps",
+    "model_ema_steps", "clip_grad_norm",
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
     "progressive_epochs", "ra_reps",
 )
@@ -117,6 +117,9 @@ class Config:
                              type=options.non_negative_float)
     weight_decay: float = option(1e-4, "not applied to norm layers and biases", "model", "X",
                                  type=options.non_negative_float)
+    clip_grad_norm: Optional[float] = option(
+        None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
+        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float)
     warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
                                   "X", type=options.non_negative_float)
     sched: str = option(

@@ -32,6 +32,7 @@ class StepContext:
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
     mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
+    clip_grad_norm: Optional[float] = None  # --clip-grad-norm
 
     def __post_init__(self) -> None:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
@@ -182,6 +183,9 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
             weighted = loss * (len(labels) / share)  # x1.0 when there is one micro-batch: exact
             ctx.scaler.scale(weighted).backward()
         total += weighted.detach().float()
+    if ctx.clip_grad_norm is not None:  # on the all-reduced gradient: every rank clips the same, at any world size
+        ctx.scaler.unscale_(ctx.optimizer)  # the norm of the true gradient, not of the loss-scaled one
+        torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_grad_norm)
     ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
     return total

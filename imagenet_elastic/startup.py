@@ -255,7 +255,8 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
                       restored.precision.dtype, config.channels_last,
-                      Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None)
+                      Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
+                      config.clip_grad_norm)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(restored.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)

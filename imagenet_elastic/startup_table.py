@@ -40,7 +40,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
                       + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
                       + (" after timm's warmup" if c.model_ema_warmup else "")
          if restored.state.ema is not None else "off"),
-        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"),
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"
+                      + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")),
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
                                             is not None else "") if c.bce_loss else "cross-entropy")
          + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),

@@ -64,3 +64,24 @@ def test_dropout_masks_depend_on_step_and_position_not_on_the_process():
 def test_step_groups_hands_out_whole_steps_only():
     assert list(step_groups(range(7), 3)) == [[0, 1, 2], [3, 4, 5]]
     assert list(step_groups(range(4), 1)) == [[0], [1], [2], [3]]
+
+
+@pytest.mark.parametrize("micro", [8, 3])
+def test_clip_grad_norm_scales_the_global_batchs_gradient_down_to_the_bound(micro):
+    """The first SGD step moves each weight by -lr x gradient: clipped, by the same direction scaled to the bound;
+    over micro-batches, the bound applies to their accumulated gradient. A loose bound changes no bit."""
+    plan = BatchPlan(8, 1, micro)
+    data = batch(8, 0)
+    steps = {}
+    for bound in (None, 0.01, 1e6):
+        ctx = make_ctx()
+        ctx.model[3].p = 0.0
+        ctx.clip_grad_norm = bound
+        before = [p.detach().clone() for p in ctx.model.parameters()]
+        train_step(ctx, split(data, plan.micro_slices(0)), plan.micro_slices(0), plan.share, 0.1, 0, 0)
+        steps[bound] = [p.detach() - b for p, b in zip(ctx.model.parameters(), before)]
+    gradient_norm = torch.cat([d.flatten() for d in steps[None]]).norm() / 0.1
+    assert gradient_norm > 0.01 * 10  # the tight bound really clips
+    for plain, clipped in zip(steps[None], steps[0.01]):  # differences of float32 weights: a few ulps apart
+        torch.testing.assert_close(clipped, plain * (0.01 / gradient_norm), rtol=1e-4, atol=3e-8)
+    assert all(torch.equal(a, b) for a, b in zip(steps[None], steps[1e6]))

@@ -86,7 +86,7 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
             "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
             "--model-ema-warmup", "--model-ema-steps", "2", *MIXED, "--bce-loss", "--progressive-resize", "32,64",
-            "--progressive-epochs", "0,1", "--ra-reps", "2"]
+            "--progressive-epochs", "0,1", "--ra-reps", "2", "--clip-grad-norm", "0.5"]
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
