@@ -159,6 +159,11 @@ def test_the_decoder_crops_a_batch_as_a_gpu_would_within_a_level_of_the_workers_
     images = decoder(batch_of(data.TrainDataset(index, 120, 8, gpu_decode.encode_region), keys))[0]
     expected = torch.stack([data.TrainDataset(index, 120, 8)[key][0] for key in keys])
     assert images.shape == expected.shape and (images.int() - expected.int()).abs().max() <= 1
+    augment = Augment(policy="ra", erase=0.5)  # the policy on the batched crops' views
+    decoder.augment = augment
+    images = decoder(batch_of(data.TrainDataset(index, 120, 8, gpu_decode.encode_region, augment), keys))[0]
+    expected = torch.stack([data.TrainDataset(index, 120, 8, augment=augment)[key][0] for key in keys])
+    assert mean_level_difference(images, expected).max() < 1.5
 
 
 class OpCounter(TorchDispatchMode):
