@@ -167,9 +167,10 @@ class Config:
         "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
         action=argparse.BooleanOptionalAction)
     decode: str = option(
-        "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, the main process "
-        "decodes each batch with nvJPEG and crops, resizes and flips on the GPU (PNG, CMYK and rejected JPEGs fall "
-        "back to the CPU, each kind reported once by each rank that meets it)", "run", choices=["cpu", "gpu"])
+        "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, a thread of the "
+        "training process decodes each batch with nvJPEG and crops, resizes and flips it on the GPU, two batches "
+        "ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind reported once by each rank that meets "
+        "it)", "run", choices=["cpu", "gpu"])
     workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
                                     shown_default="cores per process - 1 (max 8)", type=options.non_negative_int)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import contextlib
+import queue
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 import torch
@@ -15,6 +17,9 @@ from torch import nn
 
 from imagenet_elastic import distributed
 from imagenet_elastic.mixing import Mixer
+
+if TYPE_CHECKING:
+    from imagenet_elastic.gpu_decode import BatchDecoder
 
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
@@ -64,19 +69,24 @@ def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) 
     return images.float().sub_(ctx.mean).div_(ctx.std), labels
 
 
-def device_batches(batches: Iterable, device: torch.device, decode: Optional[Callable[[list], list]] = None
+def device_batches(batches: Iterable, device: torch.device, decoder: Optional[BatchDecoder] = None
                    ) -> Iterator[list]:
     """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
 
-    Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy (or decode) of the
-    next batch runs on a side stream while the current one trains; the main stream waits for it only
-    when it gets there. Other entries (sample indices) stay on the host, so reading them never waits
-    for the device.
+    Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy of the next batch runs
+    on a side stream while the current one trains; the main stream waits for it only when it gets there.
+    Under --decode gpu a thread of its own decodes and crops ahead (`decoded_ahead`), so nvJPEG's host
+    work and the crops' launches overlap the training thread's; the policy and erasing, which draw from
+    torch's process-wide generator, then run in the training thread. Other entries (sample indices) stay
+    on the host, so reading them never waits for the device.
     """
     def prepare(batch: list) -> list:
-        images, labels, *rest = decode(batch) if decode else batch
+        images, labels, *rest = decoder.decode_crops(batch) if decoder else batch
         return [images.to(device, non_blocking=True), labels.to(device, non_blocking=True), *rest]
 
+    if decoder is not None:
+        yield from map(decoder.augment_images, decoded_ahead(batches, prepare, device))
+        return
     if device.type != "cuda":
         yield from map(prepare, batches)
         return
@@ -95,6 +105,67 @@ def device_batches(batches: Iterable, device: torch.device, decode: Optional[Cal
         yield ahead
 
 
+_DONE = object()
+
+
+def decoded_ahead(batches: Iterable, prepare: Callable[[list], list], device: torch.device, ahead: int = 2
+                  ) -> Iterator[list]:
+    """`prepare(batch)` for each batch, run by a thread of its own up to `ahead` batches before they are
+    taken (on CUDA on a stream of its own, which the taking stream then waits for). Its errors (a corrupt
+    image) are raised here, in order; closing this generator stops the thread and waits for it, so the
+    loader is never read by two threads."""
+    results: queue.Queue = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def hand_over(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                results.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def work() -> None:
+        try:
+            with contextlib.ExitStack() as scope:
+                if stream is not None:  # the current device and stream are per thread
+                    scope.enter_context(torch.cuda.device(device))
+                    scope.enter_context(torch.cuda.stream(stream))
+                for batch in batches:
+                    staged = prepare(batch)
+                    hand_over((staged, stream.record_event() if stream is not None else None))
+                    if stop.is_set():  # closed: take no further batch from the loader
+                        return
+            hand_over(_DONE)
+        except BaseException as error:  # every failure is the training thread's to raise
+            hand_over(error)
+
+    thread = threading.Thread(target=work, name="decode-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = results.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            staged, ready = item
+            if ready is not None:
+                main = torch.cuda.current_stream(device)
+                main.wait_event(ready)
+                for tensor in staged:
+                    if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+                        tensor.record_stream(main)  # allocated on the thread's stream
+            yield staged
+    finally:
+        stop.set()
+        while thread.is_alive():  # it may be waiting for a worker's batch or to hand one over
+            with contextlib.suppress(queue.Empty):
+                results.get(timeout=0.1)
+        thread.join()
+
+
 def seed_micro_batch(seed: int, step: int, position: int) -> None:
     """Model-side randomness (dropout, drop-path) of a micro-batch from (seed, step, its position in
     the global batch): a resumed step, or the same step at another world size, draws the same."""
@@ -102,7 +173,8 @@ def seed_micro_batch(seed: int, step: int, position: int) -> None:
 
 
 class LoaderWaits:
-    """Wall time the training loop spent waiting for the loader's next batch; each log line takes it."""
+    """Wall time the training loop spent waiting for its next batch on the device (from the loader, and
+    under --decode gpu from the decoding thread); each log line takes it."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

@@ -5,8 +5,9 @@ sample's own random stream, exactly as the CPU path does (data.TrainDataset), so
 contract holds: the same boxes and flips for the same (seed, epoch, index). It hands over the
 bytes and the box. The main process decodes the batch with one batched
 `torchvision.io.decode_jpeg(..., device=...)` call, then crops, resizes and flips each image on
-the device, then runs the sample's augmentation policy and erasing there (augment.Augment.apply),
-drawn from a seed the worker took from the sample's stream after the crop and flip.
+the device (`decode_crops`, in a thread of its own: engine.decoded_ahead), then runs the sample's
+augmentation policy and erasing there (`augment_images`, in the training thread), drawn from a seed
+the worker took from the sample's stream after the crop and flip.
 
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
@@ -129,8 +130,24 @@ class BatchDecoder:
         self.reported: set[str] = set()
 
     def __call__(self, batch: list) -> list:
-        images, *rest = batch
-        return [self.decode(images.unpack()), *rest]
+        """All of it, in the calling thread (the benchmark's and the tests' way)."""
+        return self.augment_images(self.decode_crops(batch))
+
+    def decode_crops(self, batch: list) -> list:
+        """`[images, *rest, seeds]`: the crops (N x size x size x 3 uint8 on the device) before the policy, and
+        each image's policy seed. Draws nothing at random, so it may run in a thread of its own
+        (engine.device_batches)."""
+        packed, *rest = batch
+        images = packed.unpack()
+        return [self.decode(images), *rest, [im.augment_seed for im in images]]
+
+    def augment_images(self, staged: list) -> list:
+        """`decode_crops`' output with the policy and erasing applied, image by image (torchvision's draw per
+        image), in the thread that owns torch's global generator: the training thread."""
+        images, *rest, seeds = staged
+        if any(seed is not None for seed in seeds):
+            images = torch.stack([self.augment.apply(image, seed, pil=False) for image, seed in zip(images, seeds)])
+        return [images, *rest]
 
     def decode(self, images: list[EncodedImage]) -> torch.Tensor:
         on_device = iter(self.decode_on_device([im for im in images if im.cpu_reason is None]))
@@ -150,8 +167,7 @@ class BatchDecoder:
             crops[i] = crop.to(self.device, non_blocking=True)
         for (i, _), crop in zip(decoded, self.crop([pixels for _, pixels in decoded], [images[i] for i, _ in decoded])):
             crops[i] = crop
-        # one image at a time (a few small kernels each): torchvision's policies draw per image
-        return torch.stack([self.augment.apply(crop, im.augment_seed, pil=False) for crop, im in zip(crops, images)])
+        return torch.stack(crops)
 
     def crop(self, decoded: list[torch.Tensor], images: list[EncodedImage]) -> list[torch.Tensor]:
         """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker

@@ -102,7 +102,7 @@ class Trainer:
         pending = PendingSteps(self.ctx.device)  # the steps' losses stay on the device until they are needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
-            for micro_batches in step_groups(self.on_device(self.waits.timed(self.loaders.train)), plan.accum):
+            for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr = r.schedule.at(state.step)
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))

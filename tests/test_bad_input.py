@@ -86,6 +86,18 @@ def test_corrupt_image_is_named_and_checkpoints_are_untouched(tmp_path, trained)
                       f"cannot decode image file {bad}", ckpt)
 
 
+def test_a_truncated_jpeg_met_by_decode_gpus_thread_is_named_and_checkpoints_are_untouched(tmp_path, trained):
+    """The header parses (the worker hands the bytes over); the decode thread then fails on it, on the device
+    and on the CPU: the training thread raises its error as its own."""
+    data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=1)
+    bad = sorted((data / "train").rglob("*.jpg"))[5]
+    raw = bad.read_bytes()
+    bad.write_bytes(raw[:raw.index(b"\xff\xda") + 20])  # the header up to the start of the scan
+    ckpt = copy_trained(trained, tmp_path)
+    expect_user_error([str(data), *SMALL_RUN, "--epochs", "3", "--decode", "gpu", "--checkpoints-path", str(ckpt),
+                       "--resume"], f"cannot decode image file {bad}", ckpt)
+
+
 def test_unknown_model_is_named(tmp_path, image_folder):
     line = expect_user_error([str(image_folder), "--model", "resnet5O", "--checkpoints-path", str(tmp_path / "c")],
                              "--model 'resnet5O' is not a timm model", tmp_path)
