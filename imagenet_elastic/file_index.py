@@ -4,7 +4,11 @@ Listing 1.28 M files costs minutes on a network file system, on every restart. T
 records every folder it walked with its modification time, and the index is saved with them. A
 later start re-reads the index when every one of those folders still has its recorded mtime (a
 file added, removed or renamed changes its folder's mtime): about a thousand `stat` calls for
-ImageNet instead of a full listing.
+ImageNet instead of a full listing. The cache sits in the checkpoints folder, which the nodes of a job
+share, while each node may read its own copy of the data at the same path; a copy made with `rsync -a`
+or `cp -a` keeps the folders' mtimes even where it lacks a file. So the cache also holds the root
+folder's inode number, which a shared file system shows every node alike and another copy does not
+have: a node with its own copy scans it, and the start-up check compares what it found.
 
 The index is three numpy arrays (fixed-width paths, targets, classes), not Python lists: DataLoader
 workers forked from the main process read it without touching Python reference counts, so the
@@ -24,7 +28,7 @@ from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import UserError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-CACHE_VERSION = 1
+CACHE_VERSION = 2  # 2: the root folder's inode number
 
 
 @dataclass(frozen=True)
@@ -93,16 +97,17 @@ def load_index(root: str, role: str, cache_dir: Optional[str]) -> ImageIndex:
 def write_cache(index: ImageIndex, path: str) -> None:
     buffer = io.BytesIO()
     np.savez(buffer, version=np.int64(CACHE_VERSION), root=np.array(os.path.abspath(index.root)),
-             classes=np.array(index.classes), paths=index.paths, targets=index.targets, folders=index.folders,
-             mtimes=index.mtimes)
+             root_inode=np.int64(os.stat(index.root).st_ino), classes=np.array(index.classes), paths=index.paths,
+             targets=index.targets, folders=index.folders, mtimes=index.mtimes)
     atomic_write_bytes(buffer.getvalue(), path)
 
 
 def read_cache(path: str, root: str) -> Optional[ImageIndex]:
-    """None when there is no cache, it is of another root or version, unreadable, or any folder changed."""
+    """None when there is no cache, it is of another root, copy or version, unreadable, or any folder changed."""
     try:
         with np.load(path, allow_pickle=False) as saved:
-            if int(saved["version"]) != CACHE_VERSION or str(saved["root"]) != os.path.abspath(root):
+            if (int(saved["version"]) != CACHE_VERSION or str(saved["root"]) != os.path.abspath(root)
+                    or int(saved["root_inode"]) != os.stat(root).st_ino):
                 return None
             folders, mtimes = saved["folders"], saved["mtimes"]
             for folder, mtime in zip(folders, mtimes):

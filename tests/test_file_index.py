@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import time
 
 import numpy as np
@@ -178,6 +179,23 @@ def test_cache_of_another_root_or_a_damaged_cache_is_not_used(cached_split, tmp_
     with open(cache_path(cache, "train"), "wb") as f:
         f.write(b"not an npz file")
     assert not load_index(str(root), "train", cache).cached
+
+
+def test_another_copy_at_the_same_path_with_the_same_mtimes_but_a_file_less_is_scanned(cached_split, tmp_path):
+    """Another node's copy of the data at the same path (rsync -a keeps the folders' mtimes), lacking one
+    file, reads the shared cache written from the first copy: the root's inode tells the copies apart."""
+    root, cache, scanned = cached_split
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)  # copy2 and copystat: the files' and folders' mtimes, to the nanosecond
+    lost = copy / "a" / scanned.paths[0].decode().split("/", 1)[1]
+    folder_times = os.stat(lost.parent)
+    lost.unlink()
+    os.utime(lost.parent, ns=(folder_times.st_atime_ns, folder_times.st_mtime_ns))
+    root.rename(tmp_path / "first")
+    copy.rename(root)  # the same path, the same folder mtimes, one image fewer
+    assert read_cache(cache_path(cache, "train"), str(root)) is None
+    fresh = load_index(str(root), "train", cache)
+    assert not fresh.cached and len(fresh) == len(scanned) - 1
 
 
 def test_removed_folder_makes_the_cache_stale(cached_split):
