@@ -28,10 +28,11 @@ from PIL import Image
 from torch.utils.data import default_collate
 
 from imagenet_elastic.augment import INCEPTION_CROP, Augment
-from imagenet_elastic.data import (
+from imagenet_elastic.data import Load
+from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.pixels import (
     Box,
     ChooseCrop,
-    Load,
     byte_tensor,
     crop_region,
     crop_resize,
@@ -40,7 +41,6 @@ from imagenet_elastic.data import (
     read_file,
     resize_regions,
 )
-from imagenet_elastic.errors import CorruptImageError
 
 DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
 
@@ -63,7 +63,7 @@ class EncodedImage:
 
 
 def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
-    """The worker's part: read, parse the header, draw the crop (same signature as data.decode_region)."""
+    """The worker's part: read, parse the header, draw the crop (same signature as pixels.decode_region)."""
     raw = read_file(path)
     try:
         with Image.open(io.BytesIO(raw)) as img:
@@ -171,7 +171,7 @@ class BatchDecoder:
 
     def crop(self, decoded: list[torch.Tensor], images: list[EncodedImage]) -> list[torch.Tensor]:
         """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker
-        path's uint8 kernel, image by image; elsewhere batched (data.resize_regions)."""
+        path's uint8 kernel, image by image; elsewhere batched (pixels.resize_regions)."""
         if not self.batched_crops:
             return [crop_resize(pixels, im.box, im.flip, im.size) for pixels, im in zip(decoded, images)]
         if not decoded:

@@ -7,7 +7,7 @@
    CPU time and wall time per batch (medians of 20 batches, 2 workers).
 2. Operators dispatched per batch after the decode itself (views not counted): on a GPU each image-sized
    one is about one kernel launch from the training thread. The crops image by image in float32 (what
-   the GPU path did before data.resize_regions), the batched crops, and the batched crops followed by
+   the GPU path did before pixels.resize_regions), the batched crops, and the batched crops followed by
    TrivialAugmentWide and random erasing image by image (augment.Augment.apply on tensors, as the
    decoder runs them).
 3. Host time per image of each policy and of erasing on the device path, on 8 x 8 images so that the
@@ -28,7 +28,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from imagenet_elastic import data, gpu_decode
+from imagenet_elastic import gpu_decode, pixels
 from imagenet_elastic.augment import Augment
 
 
@@ -96,9 +96,9 @@ def main() -> None:
     for name, collate in (("one tensor per image (before)", as_list), ("one tensor per batch", gpu_decode.collate)):
         print(json.dumps({"handover": name, "batch": args.batch, "file_kb": args.file_kb,
                           **handover(args.batch, args.file_kb * 1000, collate)}), flush=True)
-    rng, pixels = random.Random(0), np.random.default_rng(0)
-    decoded = [torch.from_numpy(pixels.integers(0, 256, (375, 500, 3), dtype=np.uint8)) for _ in range(args.batch)]
-    boxes = [data.random_resized_crop_box(500, 375, rng) for _ in decoded]
+    rng, noise = random.Random(0), np.random.default_rng(0)
+    decoded = [torch.from_numpy(noise.integers(0, 256, (375, 500, 3), dtype=np.uint8)) for _ in range(args.batch)]
+    boxes = [pixels.random_resized_crop_box(500, 375, rng) for _ in decoded]
     flips = [rng.random() < 0.5 for _ in decoded]
     seeds = [rng.getrandbits(63) for _ in decoded]
     policy = Augment(policy="ta_wide", erase=0.1)
@@ -106,17 +106,18 @@ def main() -> None:
     def one_by_one() -> torch.Tensor:
         crops = []
         for image, box, flip in zip(decoded, boxes, flips):
-            crop = data.resize_uint8(data.crop_region(image, box), args.size, uint8_kernel=False)[0].permute(1, 2, 0)
+            region = pixels.crop_region(image, box)
+            crop = pixels.resize_uint8(region, args.size, uint8_kernel=False)[0].permute(1, 2, 0)
             crops.append(crop.flip(1) if flip else crop)
         return torch.stack(crops)
 
     def batched() -> torch.Tensor:
-        regions = [data.crop_region(image, box) for image, box in zip(decoded, boxes)]
-        return torch.stack(list(data.resize_regions(regions, flips, args.size)))
+        regions = [pixels.crop_region(image, box) for image, box in zip(decoded, boxes)]
+        return torch.stack(list(pixels.resize_regions(regions, flips, args.size)))
 
     def batched_with_policy() -> torch.Tensor:
-        regions = [data.crop_region(image, box) for image, box in zip(decoded, boxes)]
-        crops = data.resize_regions(regions, flips, args.size)
+        regions = [pixels.crop_region(image, box) for image, box in zip(decoded, boxes)]
+        crops = pixels.resize_regions(regions, flips, args.size)
         return torch.stack([policy.apply(crop, seed, pil=False) for crop, seed in zip(crops, seeds)])
 
     reference = one_by_one()

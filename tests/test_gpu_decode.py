@@ -22,7 +22,7 @@ from PIL import Image
 from test_data import write_jpeg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from imagenet_elastic import data, gpu_decode
+from imagenet_elastic import data, gpu_decode, pixels
 from imagenet_elastic.augment import POLICIES, Augment
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import scan_image_folder
@@ -139,12 +139,12 @@ def test_batched_crops_off_the_cpu_give_the_per_image_float_paths_pixels_in_fewe
     boxes = [(3.2, 5.7, 50.0, 60.0), (0, 0, 120, 64), (10, 10, 5, 7), (20.5, 30.25, 100, 140), (0, 0, 40, 48)]
     flips = [True, False, True, False, True]
     one_by_one = []
-    for pixels, box, flip in zip(decoded, boxes, flips):  # what the GPU ran image by image before
-        crop = data.resize_uint8(data.crop_region(pixels, box), 24, uint8_kernel=False)[0].permute(1, 2, 0)
+    for image, box, flip in zip(decoded, boxes, flips):  # what the GPU ran image by image before
+        crop = pixels.resize_uint8(pixels.crop_region(image, box), 24, uint8_kernel=False)[0].permute(1, 2, 0)
         one_by_one.append(crop.flip(1) if flip else crop)
-    regions = [data.crop_region(pixels, box) for pixels, box in zip(decoded, boxes)]
+    regions = [pixels.crop_region(image, box) for image, box in zip(decoded, boxes)]
     with OpCounter() as batched_ops:
-        batched = data.resize_regions(regions, flips, 24)
+        batched = pixels.resize_regions(regions, flips, 24)
     assert batched.shape == (5, 24, 24, 3) and torch.equal(batched, torch.stack(one_by_one))
     assert batched_ops.count <= 2 * len(regions) + 8, batched_ops.names
 
@@ -205,11 +205,11 @@ def test_a_batch_crosses_from_a_worker_as_one_tensor_and_decodes_as_in_process(m
 
 def test_png_and_cmyk_jpeg_are_decoded_by_the_worker_and_reported_once_per_kind(tmp_path):
     root = tmp_path / "train"
-    pixels = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
+    noise = np.random.default_rng(0).integers(0, 256, (30, 40, 3), dtype=np.uint8)
     (root / "a").mkdir(parents=True)
     for name in ("p1.png", "p2.png"):
-        Image.fromarray(pixels).save(root / "a" / name)
-    Image.fromarray(pixels).convert("CMYK").save(root / "a" / "k.jpg")
+        Image.fromarray(noise).save(root / "a" / name)
+    Image.fromarray(noise).convert("CMYK").save(root / "a" / "k.jpg")
     write_jpeg(str(root / "a" / "rgb.jpg"), 40, 30, seed=1)
     index = scan_image_folder(str(root), "train")
     dataset = data.TrainDataset(index, 24, 0, gpu_decode.encode_region)
@@ -278,8 +278,8 @@ def test_a_truncated_jpeg_is_a_corrupt_image_error_naming_the_file(tmp_path):
 
 def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
     region = torch.from_numpy(np.random.default_rng(0).integers(0, 256, (1, 3, 90, 70), dtype=np.uint8))
-    exact = data.resize_uint8(region, 32, uint8_kernel=True)
-    via_float = data.resize_uint8(region, 32, uint8_kernel=False)
+    exact = pixels.resize_uint8(region, 32, uint8_kernel=True)
+    via_float = pixels.resize_uint8(region, 32, uint8_kernel=False)
     assert via_float.dtype == torch.uint8 and via_float.shape == exact.shape
     assert (via_float.int() - exact.int()).abs().max() <= 1
 
