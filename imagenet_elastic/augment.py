@@ -14,14 +14,21 @@ from __future__ import annotations
 import functools
 import random
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from imagenet_elastic.errors import UserError
 
 if TYPE_CHECKING:  # torch is imported where pixels are touched: the command line checks these settings first
     import torch
 
-POLICIES = ("none", "ta_wide", "ra", "imagenet")  # --auto-augment
+# --auto-augment: each policy's name in the start-up table, and how torchvision's transforms.v2 builds it
+POLICY_TABLE: dict[str, tuple[str, Optional[Callable[[Any], Callable]]]] = {
+    "none": ("", None),
+    "ta_wide": ("TrivialAugmentWide", lambda v2: v2.TrivialAugmentWide()),
+    "ra": ("RandAugment", lambda v2: v2.RandAugment()),
+    "imagenet": ("AutoAugment (ImageNet policy)", lambda v2: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)),
+}
+POLICIES = tuple(POLICY_TABLE)
 MEAN_PIXEL = (124, 116, 104)  # ImageNet's mean in uint8: what normalisation turns into 0, the erased value
 
 
@@ -42,10 +49,10 @@ class Augment:
 
     def describe(self) -> str:
         """For the start-up table."""
-        policy = {"none": "", "ta_wide": ", TrivialAugmentWide", "ra": ", RandAugment",
-                  "imagenet": ", AutoAugment (ImageNet policy)"}[self.policy]
+        policy = POLICY_TABLE[self.policy][0]
         return (f"crop area {self.scale[0]:g}-{self.scale[1]:g}, aspect {self.ratio[0]:.3g}-{self.ratio[1]:.3g}, "
-                f"flip {self.hflip:g}{policy}" + (f", random erasing {self.erase:g}" if self.erase else ""))
+                f"flip {self.hflip:g}" + (f", {policy}" if policy else "")
+                + (f", random erasing {self.erase:g}" if self.erase else ""))
 
     def draw_seed(self, rng: random.Random) -> Optional[int]:
         """The number the policy and erasing of one sample draw from, taken from the sample's stream
@@ -95,17 +102,14 @@ INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3,
 
 
 def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    if name not in POLICY_TABLE:
+        raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    build = POLICY_TABLE[name][1]
+    if build is None:
+        return None
     from torchvision.transforms import v2
 
-    if name == "none":
-        return None
-    if name == "ta_wide":
-        return v2.TrivialAugmentWide()
-    if name == "ra":
-        return v2.RandAugment()
-    if name == "imagenet":
-        return v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)
-    raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    return build(v2)
 
 
 def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = None) -> None:
