@@ -95,13 +95,14 @@ PY
         need_data
         bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
         ;;
-    tests)  # tests/test_cuda.py: NCCL, nvJPEG against the CPU decoder, the policy on the GPU, AMP steps, pinned copies
+    tests)  # tests/test_cuda.py: NCCL, nvJPEG against the CPU decoder, the policy on the GPU, AMP steps, pinned copies;
+            # in one process (-o addopts=""): the machine's python may have pytest but not pytest-xdist
         if ! "$PY" -c "import pytest" 2>/dev/null; then
             echo "{\"tests\": \"not run: $PY has no pytest (pip install pytest, or PYTHON=a python that has it)\"}"
             return 0
         fi
         local status=0
-        "$PY" -m pytest -q -p no:cacheprovider -m cuda tests/test_cuda.py > "$WORK/cuda_tests.log" 2>&1 || status=$?
+        "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/test_cuda.py > "$WORK/cuda_tests.log" 2>&1 || status=$?
         cat "$WORK/cuda_tests.log" >&2
         echo "{\"tests\": \"tests/test_cuda.py: $(tail -n 1 "$WORK/cuda_tests.log" | tr -d '"=')\", \"exit\": $status}"
         return "$status"

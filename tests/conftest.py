@@ -35,6 +35,56 @@ def make_image_folder(root: Path, classes: int = 4, train_per_class: int = 24, v
     return root
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Order and groups for pytest-xdist (pyproject's addopts: two workers, `--dist loadgroup`, groups handed
+    out in this order). Every test that starts at most one process at a time goes with its module, so a
+    module's fixtures are built once, and the two workers share these modules first, one core each
+    (`share_cores`). The `multiprocess` tests come last, in one group, so one worker runs them one after another
+    on every core: each keeps both cores busy (ranks, side-by-side runs), some share the local Slurm cluster,
+    some pick free ports. Handed out one by one (pytest-xdist's default), two of them often ran at once, each
+    about twice as slow, and the suite took as long as in one process."""
+    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)  # stable: file order kept
+    for item in items:
+        group = "multiprocess" if item.get_closest_marker("multiprocess") else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
+
+
+RUNNING: dict[str, pytest.Item] = {}  # the test being set up or run in this process
+CORES = sorted(os.sched_getaffinity(0))
+THREADS = torch.get_num_threads()
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    RUNNING["test"] = item  # before its fixtures: a shared reference run is started in some test's setup
+    share_cores(item)
+
+
+def share_cores(item: pytest.Item) -> None:
+    """Under pytest-xdist a test that is not `multiprocess` keeps to one core (the worker's number picks it),
+    and so do the processes it starts: they count one core and take one thread (distributed.default_threads),
+    so the two workers' processes never wait for each other's threads. A multiprocess test gets every core
+    back."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
+    if not worker.startswith("gw"):
+        return
+    if item.get_closest_marker("multiprocess"):
+        os.sched_setaffinity(0, CORES)
+        torch.set_num_threads(THREADS)
+    else:
+        os.sched_setaffinity(0, {CORES[int(worker[2:]) % len(CORES)]})
+        torch.set_num_threads(1)
+
+
+def several_at_once() -> None:
+    """What `torchrun_cmd` and `start` check: a test that starts several processes at once is marked
+    `multiprocess`, or the other worker would run it beside one that already keeps both cores busy."""
+    item = RUNNING.get("test")
+    if item is not None and item.get_closest_marker("multiprocess") is None:
+        raise AssertionError(f"{item.nodeid} starts several processes at once: mark it @pytest.mark.multiprocess")
+
+
 @pytest.fixture(scope="session")
 def image_folder(tmp_path_factory) -> Path:
     root = make_image_folder(tmp_path_factory.mktemp("data") / "imagenet")
@@ -50,6 +100,7 @@ def python_cmd(*args: str) -> list[str]:
 
 
 def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
+    several_at_once()
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
             f"--max-restarts={restarts}", "-m", "imagenet_elastic", *args]
 
@@ -61,6 +112,7 @@ def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
 def start(cmd: list[str]) -> subprocess.Popen:
     """`cmd` in the background, beside the test's next run (an uninterrupted reference beside the run that
     is killed: on CI's two cores the two take little longer than one). `finish` collects it."""
+    several_at_once()
     return subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 

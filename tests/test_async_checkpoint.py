@@ -8,21 +8,23 @@ torchrun ranks train the same bits (see README, Fault tolerance).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import signal
 import subprocess
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import fault_injection as fi
 import pytest
-from conftest import REPO, assert_same_tensors, child_env, load_checkpoint, python_cmd, run, torchrun_cmd
+from conftest import REPO, assert_same_tensors, child_env, finish, load_checkpoint, python_cmd, run, start, torchrun_cmd
 
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.metrics import read as read_metrics
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 RUN = ["--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--global-batch-size", "16",
        "--workers", "1", "--threads", "1", "--log-interval", "1", "--warmup-epochs", "1", "--amp", "none",
@@ -31,13 +33,22 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def synchronous_reference(image_folder, tmp_path_factory) -> Path:
-    """The same run with every save written before training goes on."""
+def synchronous_reference(image_folder, tmp_path_factory) -> Iterator[Callable[[], Path]]:
+    """The same run with every save written before training goes on. It starts at once, beside the first
+    test's run (one thread each); calling the fixture's value waits for it and gives its folder."""
     ckpt = tmp_path_factory.mktemp("sync") / "ckpt"
-    result = run(python_cmd(str(image_folder), *RUN, "--no-async-checkpoint", "--checkpoints-path", str(ckpt)))
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "synchronous writes" in result.stdout
-    return ckpt
+    proc = start(python_cmd(str(image_folder), *RUN, "--no-async-checkpoint", "--checkpoints-path", str(ckpt)))
+
+    @functools.cache
+    def finished() -> Path:
+        result = finish(proc)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "synchronous writes" in result.stdout
+        return ckpt
+
+    yield finished
+    if proc.poll() is None:
+        proc.kill()
 
 
 def assert_same_training(ckpt: Path, reference: Path) -> None:
@@ -95,7 +106,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_last_pt_and_resum
     resumed = run(python_cmd(*args, "--resume"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"removing {ckpt / in_flight[0]}, left by a write that was interrupted" in resumed.stdout + resumed.stderr
-    assert_same_training(ckpt, synchronous_reference)
+    assert_same_training(ckpt, synchronous_reference())
     assert temp_files(ckpt) == []
 
 
@@ -123,4 +134,4 @@ def test_preemption_during_a_background_write_waits_for_it_then_checkpoints_and_
     assert temp_files(ckpt) == []
     resumed = run(torchrun_cmd(2, *args, "--resume"))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    assert_same_training(ckpt, synchronous_reference)
+    assert_same_training(ckpt, synchronous_reference())

@@ -35,6 +35,7 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     assert line["peak_host_rss_mb"] > 0 and line["peak_gpu_mb"] is None
 
 
+@pytest.mark.multiprocess
 def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     modes = [("--mode", "synthetic"), ("--mode", "end_to_end"), ("--mode", "end_to_end", "--decode", "gpu")]
     runs = [start(benchmark_cmd(image_folder, *mode, "--model", "test_resnet")) for mode in modes]  # side by side

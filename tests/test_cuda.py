@@ -98,6 +98,7 @@ def test_the_pinned_host_copy_of_a_checkpoint_holds_the_values_at_the_copy():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_one_nccl_rank_trains_with_decode_gpu_and_a_background_checkpoint(image_folder, tmp_path):
     env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
     cmd = torchrun_cmd(1, str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "auto", "--decode", "gpu",

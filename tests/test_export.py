@@ -91,6 +91,7 @@ def test_user_errors_are_one_line_and_write_nothing(tmp_path, capsys):
 
 
 @pytest.mark.slow  # takes the trained 2-process reference run
+@pytest.mark.multiprocess
 def test_timm_evaluating_the_export_its_own_way_scores_what_our_validation_recorded(torchrun_reference, image_folder,
                                                                                     tmp_path):
     ckpt, _ = torchrun_reference

@@ -76,6 +76,7 @@ def recipe_reference(image_folder, tmp_path_factory) -> Path:
 # (epoch, step, rank) = (2, 4, 0). One kill, with every option on: the runs without them are the SIGTERM test's,
 # and the plain options' kill (seed 14: (1, 5, 0)) cost CI 30 s it does not have.
 @pytest.mark.parametrize(("seed", "recipe"), [(0, True)])
+@pytest.mark.multiprocess
 def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folder, tmp_path, request, seed, recipe):
     """torchrun restarts the round; it continues from the step checkpoint, mid-epoch, with the next samples.
     With every recipe option that draws per sample or per step on, in a 64 px epoch of a progressive ramp: the
@@ -106,6 +107,7 @@ def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folde
     assert [r["train_loss"] for r in rows] == pytest.approx([r["train_loss"] for r in clean_rows], rel=1e-12)
 
 
+@pytest.mark.multiprocess
 def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume_is_exact(
         image_folder, tmp_path, torchrun_reference):
     reference, _ = torchrun_reference
@@ -129,6 +131,7 @@ def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume
     assert assert_every_sample_once(tmp_path / "samples").steps_redone == 0  # nothing trained twice
 
 
+@pytest.mark.multiprocess
 def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_path):
     args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--threads", "1", "--checkpoints-path"]  # 2 runs, 2 cores
     clean = start(python_cmd(*args, str(tmp_path / "clean")))
@@ -160,6 +163,7 @@ def mid_epoch_checkpoint_world2(image_folder, tmp_path_factory):
 
 
 @pytest.mark.parametrize("world_size", [1, 3])
+@pytest.mark.multiprocess
 def test_checkpoint_of_world_size_2_resumes_at_another_world_size_with_the_same_global_batch(
         image_folder, tmp_path, mid_epoch_checkpoint_world2, world_size):
     shutil.copytree(mid_epoch_checkpoint_world2, tmp_path, dirs_exist_ok=True)
@@ -177,6 +181,7 @@ def test_checkpoint_of_world_size_2_resumes_at_another_world_size_with_the_same_
     assert report.world_sizes == (2, world_size)
 
 
+@pytest.mark.multiprocess
 def test_global_batch_that_does_not_split_over_the_new_world_size_is_refused_at_start(
         image_folder, tmp_path, mid_epoch_checkpoint_world2):
     """The checkpoint's global batch is 24; 5 processes cannot share it evenly. Rank 0 of 5, started with the
@@ -194,6 +199,7 @@ def test_global_batch_that_does_not_split_over_the_new_world_size_is_refused_at_
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.multiprocess
 def test_second_run_on_a_checkpoints_path_in_use_is_refused_and_the_first_is_unharmed(image_folder, tmp_path):
     """The lock, not timing luck: the second run starts while the first is training, waits 2 s, gives up."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "50", "--checkpoints-path", str(tmp_path), "--resume",
@@ -228,6 +234,7 @@ def elastic_job(tmp_path_factory) -> fi.Job:
     return fi.Job(str(data), args, 384, GLOBAL_BATCH, workdir)
 
 
+@pytest.mark.multiprocess
 def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once(elastic_job):
     """Two c10d agents (one worker each); one is SIGKILLed with its worker in epoch 1, the survivor goes
     on alone at the same global batch (2 micro-batches of 8), then a new agent joins and the job is 2 again.
@@ -249,6 +256,7 @@ def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once
     assert fi.compare_weights(elastic_job.last("elastic"), elastic_job.last("clean"), "model_ema") <= 1e-5
 
 
+@pytest.mark.multiprocess
 def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp_path, torchrun_reference):
     """Slurm's one-task-per-node layout: the signal reaches the task (the spawning parent), not only the ranks."""
     reference, _ = torchrun_reference

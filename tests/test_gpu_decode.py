@@ -12,10 +12,12 @@ import torch
 from conftest import (
     SMALL_RUN,
     assert_same_tensors,
+    finish,
     load_checkpoint,
     make_image_folder,
     python_cmd,
     run,
+    start,
     torchrun_cmd,
 )
 from PIL import Image
@@ -285,12 +287,15 @@ def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder, tmp_path):
     """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels; random
     erasing (an assignment) draws from the seed each worker handed over and erases the same boxes."""
-    args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4", "--random-erase", "0.5"]
-    cpu = run(python_cmd(*args, "--checkpoints-path", str(tmp_path / "cpu")))
+    args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4", "--random-erase", "0.5",
+            "--threads", "1"]
+    beside = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "cpu")))
     gpu = run(python_cmd(*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")))
+    cpu = finish(beside)
     assert cpu.returncode == 0, cpu.stderr
     assert gpu.returncode == 0, gpu.stderr
     assert "--decode gpu without a CUDA device" in gpu.stderr
@@ -301,6 +306,7 @@ def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder,
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=2)
     for jpeg in (root / "train").rglob("*.jpg"):  # every rank's share is all PNG

@@ -28,7 +28,7 @@ from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.metrics import read as read_metrics
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts several processes
 
 
 def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -> tuple[list[int], list[str]]:

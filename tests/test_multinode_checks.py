@@ -17,7 +17,7 @@ import fault_injection as fi
 import pytest
 from conftest import SHORT_RUN, child_env, make_image_folder
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
 PREFIX = "imagenet-elastic: error: "
 

@@ -27,7 +27,7 @@ from conftest import (
 
 from imagenet_elastic.samplelog import ENV_VAR, coverage
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes on the one local cluster
 
 CLUSTER_SCRIPT = REPO / "scripts" / "slurm_local_cluster.sh"
 

@@ -39,6 +39,7 @@ from imagenet_elastic.model import create_model, native_low_precision
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 
+@pytest.mark.multiprocess
 def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_reference):
     ckpt, stdout = torchrun_reference
     rows = read_metrics(ckpt / "metrics.jsonl")
@@ -71,6 +72,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
             f"weights and preprocessing for timm: imagenet-elastic export {ckpt}/best.pt OUT_DIR") in stdout
 
 
+@pytest.mark.multiprocess
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
     """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
     it exactly; AdamW's state, the step schedule and the weight average (updated every 2 steps, the kill at an
@@ -130,6 +132,7 @@ def assert_same_curves(resumed: Path, clean: Path, steps: int) -> None:
         assert [e.step for e in events.Scalars("val/top1")] == [steps // 2, steps]
 
 
+@pytest.mark.multiprocess
 def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference,
                                                                            tmp_path):
     """35 images, batch 11: shards of 12/12/11 give the 3 ranks unequal batch counts (no hang, no padding).
