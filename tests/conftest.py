@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import signal
@@ -48,6 +49,21 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         group = "multiprocess" if item.get_closest_marker("multiprocess") else item.nodeid.split("::")[0]
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """pytest-xdist 3.8 loses every group under pytest 9 (pytest-dev/pytest-xdist#1386, hence the test extra's
+    pytest<9) and would hand the multiprocess tests out one by one, to run beside each other: refuse that
+    rather than run a slower, flakier suite."""
+    if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9,) \
+            and version_tuple(importlib.metadata.version("pytest-xdist")) <= (3, 8, 0):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist 3.8 does not group the tests "
+                                "(pytest-dev/pytest-xdist#1386): pip install -c constraints.txt -e '.[test]' "
+                                "(pytest<9), or run them in one process with -n 0")
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
 RUNNING: dict[str, pytest.Item] = {}  # the test being set up or run in this process
