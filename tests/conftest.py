@@ -15,6 +15,7 @@ from pathlib import Path
 import fault_injection as fi
 import pytest
 import torch
+from packaging.version import Version  # pytest's own dependency
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -56,14 +57,10 @@ def pytest_configure(config: pytest.Config) -> None:
     pytest<9) and would hand the multiprocess tests out one by one, to run beside each other: refuse that
     rather than run a slower, flakier suite."""
     if config.getoption("dist", "no") == "loadgroup" and pytest.version_tuple >= (9,) \
-            and version_tuple(importlib.metadata.version("pytest-xdist")) <= (3, 8, 0):
+            and Version(importlib.metadata.version("pytest-xdist")) <= Version("3.8.0"):
         raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist 3.8 does not group the tests "
                                 "(pytest-dev/pytest-xdist#1386): pip install -c constraints.txt -e '.[test]' "
                                 "(pytest<9), or run them in one process with -n 0")
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in version.split(".")[:3] if part.isdigit())
 
 
 RUNNING: dict[str, pytest.Item] = {}  # the test being set up or run in this process
