@@ -46,10 +46,13 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     on every core: each keeps both cores busy (ranks, side-by-side runs), some share the local Slurm cluster,
     some pick free ports. Handed out one by one (pytest-xdist's default), two of them often ran at once, each
     about twice as slow, and the suite took as long as in one process."""
-    items.sort(key=lambda item: item.get_closest_marker("multiprocess") is not None)  # stable: file order kept
+    items.sort(key=multiprocess)  # stable: file order kept
     for item in items:
-        group = "multiprocess" if item.get_closest_marker("multiprocess") else item.nodeid.split("::")[0]
-        item.add_marker(pytest.mark.xdist_group(group))
+        item.add_marker(pytest.mark.xdist_group("multiprocess" if multiprocess(item) else item.nodeid.split("::")[0]))
+
+
+def multiprocess(item: pytest.Item) -> bool:
+    return item.get_closest_marker("multiprocess") is not None
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -82,7 +85,7 @@ def share_cores(item: pytest.Item) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
     if not worker.startswith("gw"):
         return
-    if item.get_closest_marker("multiprocess"):
+    if multiprocess(item):
         os.sched_setaffinity(0, CORES)
         torch.set_num_threads(THREADS)
     else:
@@ -94,7 +97,7 @@ def several_at_once() -> None:
     """What `torchrun_cmd` and `start` check: a test that starts several processes at once is marked
     `multiprocess`, or the other worker would run it beside one that already keeps both cores busy."""
     item = RUNNING.get("test")
-    if item is not None and item.get_closest_marker("multiprocess") is None:
+    if item is not None and not multiprocess(item):
         raise AssertionError(f"{item.nodeid} starts several processes at once: mark it @pytest.mark.multiprocess")
 
 
