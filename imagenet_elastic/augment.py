@@ -67,7 +67,7 @@ class Augment:
         (docs/RECIPES.md); the output is then contiguous, so the batch's collation stays a plain copy.
         Otherwise the tensor kernels run where the pixels are. Erasing always runs on the tensor.
         """
-        if seed is None or not self.after_crop:
+        if seed is None:  # draw_seed gives None exactly when there is no second pass
             return pixels
         import numpy as np
         import torch

@@ -69,6 +69,8 @@ def build_parser() -> Parser:
     p.add_argument("--amp", choices=["auto", "bf16", "fp16", "none"], default="auto")
     p.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--compile", action="store_true", help="torch.compile the model (synthetic, end_to_end)")
+    p.add_argument("--blurpool", action="store_true", help="FFCV's BlurPool, as training's --blurpool (synthetic, "
+                   "end_to_end)")
     p.add_argument("--decode", choices=["cpu", "gpu"], default="cpu",
                    help="end_to_end: decode in loader workers (cpu) or batched on the device (gpu)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")

@@ -104,14 +104,14 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
         print(f"warning: {precision.warning}", file=sys.stderr)
     amp = precision.dtype
     channels_last = args.channels_last
-    model = place_model(create_model(args.model, num_classes), device, channels_last)
+    model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     compiled = torch.compile(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
                       nn.CrossEntropyLoss(), device, amp, channels_last)
     settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
                 "device": str(device), "amp": precision.name, "amp_reason": precision.reason,
-                "channels_last": channels_last, "compile": args.compile}
+                "channels_last": channels_last, "compile": args.compile, "blurpool": args.blurpool}
     return ctx, settings
 
 

@@ -152,6 +152,10 @@ class Config:
     drop_path: float = option(
         0.0, "stochastic depth: the rate timm's model drops residual branches at (its drop_path_rate); drawn per "
         "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
+    blurpool: bool = option(
+        False, "blur the input of every strided convolution with 16 or more input channels (FFCV's BlurPool, on in "
+        "its recipes; timm's BlurPool2d filter). Part of the model: a checkpoint resumes, evaluates and exports "
+        "only with the setting it was trained with", "model", action=argparse.BooleanOptionalAction)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
                        type=options.non_negative_int)
     amp: str = option(

@@ -8,7 +8,8 @@ run's validation used (input size, crop fraction, bilinear resize, mean and std)
     timm.create_model("local-dir:OUT_DIR", pretrained=True)
 
 rebuilds the model with these weights, and timm's `resolve_data_config` + `create_transform` (or its
-validate.py with no extra flags) preprocess as our validation did.
+validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
+back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
 """
 
 from __future__ import annotations
@@ -26,6 +27,9 @@ from imagenet_elastic.config import eval_sizes
 from imagenet_elastic.engine import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
+
+# What gives a model timm rebuilt from an export of a --blurpool run its blur back (model.blur_strided_convs)
+BLURPOOL_CALL = "from imagenet_elastic.model import blur_strided_convs; blur_strided_convs(model)"
 
 
 def build_parser() -> Parser:
@@ -69,12 +73,15 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     from imagenet_elastic.model import create_model
 
     classes = list(snapshot["classes"])
-    model = create_model(snapshot["model_name"], len(classes))
+    blurpool = snapshot["config"].get("blurpool", False)
+    model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool)
     model.load_state_dict(weights)
     data_config = preprocessing(snapshot["config"])
     # tag and license would otherwise be those of timm's own pretrained weights for this architecture
     model_config = {"label_names": classes, "pretrained_cfg": {**data_config, "tag": "imagenet_elastic",
                                                                "license": None}}
+    if blurpool:  # timm ignores keys it does not know; a reader of config.json learns what the model needs
+        model_config["imagenet_elastic"] = {"blurpool": True, "after_loading": BLURPOOL_CALL}
     extra = {"data_config": data_config} if "data_config" in inspect.signature(_hub.save_for_hf).parameters else {}
     try:
         _hub.save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
@@ -88,7 +95,8 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "
             f"{which} of epoch {snapshot['epoch']}{hint}) and config.json (input {data_config['input_size'][1]} px, "
             f"crop fraction {data_config['crop_pct']:.4f}, bilinear)\n"
-            f"load it: timm.create_model(\"local-dir:{out_dir}\", pretrained=True)")
+            f"load it: model = timm.create_model(\"local-dir:{out_dir}\", pretrained=True)"
+            + (f"\ntrained with --blurpool, which timm does not build: then {BLURPOOL_CALL}" if blurpool else ""))
 
 
 def main(argv: Sequence[str]) -> None:

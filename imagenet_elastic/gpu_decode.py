@@ -143,10 +143,12 @@ class BatchDecoder:
 
     def augment_images(self, staged: list) -> list:
         """`decode_crops`' output with the policy and erasing applied, image by image (torchvision's draw per
-        image), in the thread that owns torch's global generator: the training thread."""
+        image), in the thread that owns torch's global generator: the training thread. Each image is written
+        back into the batch, which is this batch's own tensor (`decode` stacked it)."""
         images, *rest, seeds = staged
-        if any(seed is not None for seed in seeds):
-            images = torch.stack([self.augment.apply(image, seed, pil=False) for image, seed in zip(images, seeds)])
+        for image, seed in zip(images, seeds):
+            if seed is not None:
+                image.copy_(self.augment.apply(image, seed, pil=False))
         return [images, *rest]
 
     def decode(self, images: list[EncodedImage]) -> torch.Tensor:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import difflib
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Optional
@@ -13,8 +14,8 @@ from torch import nn
 from imagenet_elastic.errors import UserError
 
 
-def create_model(name: str, num_classes: int, drop_path: float = 0.0) -> nn.Module:
-    """A timm model with random weights (runs never download anything)."""
+def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False) -> nn.Module:
+    """A timm model with random weights (runs never download anything); `blurpool`: see blur_strided_convs."""
     import timm  # slow to import: deferred so that input errors are reported at once
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
@@ -22,11 +23,65 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0) -> nn.Modu
         raise UserError(f"--model {name!r} is not a timm model{hint}")
     extra = {"drop_path_rate": drop_path} if drop_path else {}
     try:
-        return timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
     except TypeError as error:
         if extra and "drop_path_rate" in str(error):
             raise UserError(f"--drop-path: timm's {name} has no drop_path_rate (no stochastic depth)") from None
         raise
+    if blurpool and not blur_strided_convs(model):
+        raise UserError(f"--blurpool: timm's {name} has no strided convolution with {BLUR_MIN_CHANNELS} or more "
+                        "input channels to blur")
+    return model
+
+
+BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its input as it is
+
+
+def blur_strided_convs(model: nn.Module) -> list[str]:
+    """FFCV's BlurPool (--blurpool): every convolution with a stride above 1 and at least 16 input channels
+    sees its input blurred first by a 3x3 binomial filter (timm's BlurPool2d at stride 1, zero padding), so
+    that downsampling does not alias. Returns the names of those convolutions.
+
+    Each such convolution keeps its weights and becomes an instance of a subclass of its own class that
+    blurs first; the filter is a buffer that is not saved. So the state dict stays the plain model's
+    (checkpoints, --initial-checkpoint and exports keep timm's names, and a model timm rebuilds from them
+    gets its blur back from this function), and torch.compile sees another class, not a forward hook, which
+    dynamo does not guard on: it ran a blurred model with the graph of a plain one compiled before it
+    (tests/test_blurpool.py).
+    """
+    from timm.layers import BlurPool2d
+
+    blurred = []
+    for name, conv in list(model.named_modules()):  # listed first: the loop adds modules
+        if (isinstance(conv, nn.Conv2d) and not isinstance(conv, _BlurFirst) and max(conv.stride) > 1
+                and conv.in_channels >= BLUR_MIN_CHANNELS):
+            conv.blur = BlurPool2d(conv.in_channels, filt_size=3, stride=1, pad_mode="constant").to(
+                device=conv.weight.device, dtype=conv.weight.dtype)
+            conv.__class__ = _blurred_class(type(conv))
+            blurred.append(name)
+    return blurred
+
+
+def blurred(model: nn.Module) -> int:
+    """How many convolutions blur_strided_convs gave a blur."""
+    return sum(isinstance(m, _BlurFirst) for m in model.modules())
+
+
+class _BlurFirst:
+    """Put before a convolution class among its bases: its forward blurs the input, then convolves."""
+
+    blur: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.blur(x))  # type: ignore[misc]
+
+
+@functools.cache
+def _blurred_class(conv_class: type) -> type:
+    return type(f"Blurred{conv_class.__name__}", (_BlurFirst, conv_class), {"__module__": __name__})
+
+
+BlurredConv2d = _blurred_class(nn.Conv2d)  # found by name: a whole pickled model (torch.save(model)) loads again
 
 
 @dataclass(frozen=True)

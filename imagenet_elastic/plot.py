@@ -19,7 +19,6 @@ matplotlib is an optional extra: pip install "imagenet_elastic[plot]".
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -29,6 +28,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 from imagenet_elastic import metrics, step_log
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
+from imagenet_elastic.step_log import is_number
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -91,29 +91,15 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
 
 def read_steps(folder: str) -> list[dict[str, Any]]:
     """The per-step rows with the fields the plot uses; none when the file is absent or unreadable.
-
-    Each line is flushed as it is written, so the last one of a killed run may be torn: lines that
-    are not complete rows are skipped rather than failing the picture.
-    """
+    Lines that are not such rows (a killed run's torn last line) are skipped rather than failing the picture."""
     path = os.path.join(folder, step_log.FILENAME)
     try:
         with open(path) as f:
-            lines = f.read().splitlines()
+            text = f.read()
     except (OSError, UnicodeDecodeError):
         return []
-    rows = []
-    for line in lines:
-        try:
-            row = json.loads(line)
-        except ValueError:
-            continue
-        if isinstance(row, dict) and all(is_number(row.get(key)) for key in ("epoch", "loss", "lr")):
-            rows.append(row)
-    return rows
-
-
-def is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return [row for _, row in step_log.whole_rows(text) if all(is_number(row.get(key)) for key in ("epoch", "loss",
+                                                                                                       "lr"))]
 
 
 # ----------------------------------------------------------------------------- marks

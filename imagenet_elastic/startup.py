@@ -115,7 +115,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     snapshot = checkpoint.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train_index.classes,
-                         None if config.evaluate else config.opt)
+                         None if config.evaluate else config.opt, config.blurpool)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, from_main,
@@ -138,8 +138,8 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
         console.warn(precision.warning)
     if config.mixes and not config.evaluate:
         mixing.check_pairs(plan)
-    model = place_model(create_model(config.model, len(inputs.train_index.classes), config.drop_path), inputs.device,
-                        config.channels_last)
+    model = place_model(create_model(config.model, len(inputs.train_index.classes), config.drop_path, config.blurpool),
+                        inputs.device, config.channels_last)
     start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
         model, inputs.initial_state, config.initial_checkpoint, config.model)
     schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),

@@ -10,7 +10,7 @@ from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv, group_options
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.file_index import ImageIndex
-from imagenet_elastic.model import count_parameters
+from imagenet_elastic.model import blurred, count_parameters
 from imagenet_elastic.trainer import Loaders, Restored
 
 if TYPE_CHECKING:
@@ -25,7 +25,8 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
     console.table("imagenet_elastic", [
-        ("model", f"{c.model} ({count_parameters(restored.state.model) / 1e6:.2f} M parameters)"),
+        ("model", f"{c.model} ({count_parameters(restored.state.model) / 1e6:.2f} M parameters)"
+                  + (f", BlurPool before {blurred(restored.state.model)} strided convolutions" if c.blurpool else "")),
         ("classes", str(len(inputs.train_index.classes))),
         ("train images", describe_index(inputs.train_index)),
         ("val images", describe_index(inputs.val_index)),

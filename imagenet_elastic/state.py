@@ -143,13 +143,17 @@ class TrainState:
 
 
 def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...],
-                     optimizer: Optional[str] = None) -> None:
-    """Refuse a checkpoint of another model, class list or (when training goes on) optimizer before
-    touching any state."""
+                     optimizer: Optional[str] = None, blurpool: bool = False) -> None:
+    """Refuse a checkpoint of another model (--blurpool included: its state dict is the plain model's),
+    class list or (when training goes on) optimizer before touching any state."""
     saved_model = snapshot.get("model_name")
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:
         raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
+    saved_blurpool = snapshot.get("config", {}).get("blurpool", False)  # checkpoints before --blurpool: none
+    if saved_blurpool != blurpool:
+        raise UserError(f"checkpoint {path} was trained {'with' if saved_blurpool else 'without'} --blurpool: "
+                        f"pass {'--blurpool' if saved_blurpool else '--no-blurpool'} to use it")
     if len(saved_classes) != len(classes):
         raise UserError(f"checkpoint {path} has {len(saved_classes)} classes, the data has {len(classes)}")
     if saved_classes != classes:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
@@ -32,16 +33,25 @@ def tensorboard_wanted(setting: Optional[bool]) -> bool:
     return installed if setting is None else setting
 
 
-def kept_rows(text: str, last_step: int) -> list[str]:
-    """The lines of a steps.jsonl whose step the checkpoint covers; a torn last line goes too."""
-    kept = []
+def whole_rows(text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) for each line of a steps.jsonl that is a whole JSON object. Each line is flushed as it is
+    written, so the last one of a killed run may be torn: it is left out, as is anything else unreadable."""
     for line in text.splitlines():
         try:
-            if json.loads(line)["step"] <= last_step:
-                kept.append(line)
-        except (ValueError, KeyError, TypeError):
+            row = json.loads(line)
+        except ValueError:
             continue
-    return kept
+        if isinstance(row, dict):
+            yield line, row
+
+
+def is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def kept_rows(text: str, last_step: int) -> list[str]:
+    """The lines of a steps.jsonl whose step the checkpoint covers; a torn last line goes too."""
+    return [line for line, row in whole_rows(text) if is_number(row.get("step")) and row["step"] <= last_step]
 
 
 class StepLog:

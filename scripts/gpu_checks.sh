@@ -61,6 +61,7 @@ PY
         bench --mode synthetic --amp bf16 --channels-last --batches 50
         bench --mode synthetic --amp bf16 --no-channels-last --batches 50
         bench --mode synthetic --amp fp16 --channels-last --batches 50
+        bench --mode synthetic --amp bf16 --channels-last --blurpool --batches 50  # FFCV's recipes: what the blur costs
         ;;
     compile)
         need_data

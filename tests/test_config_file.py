@@ -122,6 +122,6 @@ def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
     for name, epochs, ramp in (("ffcv_resnet50_16ep", 16, (11, 13)), ("ffcv_resnet50_88ep", 88, (65, 76)),
                                ("ffcv_resnet18_16ep", 16, (11, 13))):
         ffcv = recipes[name]
-        assert (ffcv.epochs, ffcv.progressive_resize, ffcv.progressive_epochs, ffcv.sched, ffcv.val_flip_average) == \
-            (epochs, (160, 192), ramp, "linear", True)
-    assert recipes["resnet50_baseline_90ep"].sched == "step"
+        assert (ffcv.epochs, ffcv.progressive_resize, ffcv.progressive_epochs, ffcv.sched, ffcv.val_flip_average,
+                ffcv.blurpool) == (epochs, (160, 192), ramp, "linear", True, True)
+    assert recipes["resnet50_baseline_90ep"].sched == "step" and not recipes["resnet50_torchvision_v2"].blurpool

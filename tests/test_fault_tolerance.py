@@ -58,9 +58,10 @@ def assert_every_sample_once(log_dir, epochs: int = EPOCHS, global_batch: int = 
     return report
 
 
-# The recipe options whose randomness is drawn per sample or per step, all on; the ramp's larger size from epoch 2
+# The recipe options whose randomness is drawn per sample or per step, all on, and FFCV's BlurPool; the ramp's
+# larger size from epoch 2
 RECIPE = [*AUGMENTED, *MIXED, "--progressive-resize", "32,64", "--progressive-epochs", "0,1", "--model-ema",
-          "--model-ema-decay", "0.9", "--model-ema-steps", "2"]
+          "--model-ema-decay", "0.9", "--model-ema-steps", "2", "--blurpool"]
 
 
 @pytest.fixture(scope="module")

@@ -79,8 +79,9 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     odd one) continue from the checkpoint; the resumed run continues
     from last.pt, not from --initial-checkpoint (a timm state dict of 10 classes: the head is re-initialised).
     Mixup, cutmix and drop-path are drawn from (seed, step), the BCE loss takes the mixed targets, each image
-    comes twice per batch with augmentations of its own (--ra-reps), and the
-    second epoch, where the run is killed, trains at the ramp's larger size. And config.yaml, written beside
+    comes twice per batch with augmentations of its own (--ra-reps), the model blurs before its strided
+    convolutions (--blurpool: an initial state dict of the plain model fits), and the second epoch, where the
+    run is killed, trains at the ramp's larger size. And config.yaml, written beside
     the checkpoints, runs the same settings again."""
     torch.manual_seed(3)
     torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
@@ -88,7 +89,7 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
             "--opt", "adamw", "--lr", "0.05", "--sched", "step", "--decay-epochs", "1", "--lr-min", "1e-4",
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
             "--model-ema-warmup", "--model-ema-steps", "2", *MIXED, "--bce-loss", "--progressive-resize", "32,64",
-            "--progressive-epochs", "0,1", "--ra-reps", "2", "--clip-grad-norm", "0.5"]
+            "--progressive-epochs", "0,1", "--ra-reps", "2", "--clip-grad-norm", "0.5", "--blurpool"]
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
     killed_dir = str(tmp_path / "killed")
     code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
