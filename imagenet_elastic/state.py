@@ -72,7 +72,11 @@ class PendingSteps:
 
     def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> EpochTally:
         """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps.
-        Returns what was added (the progress line and steps.jsonl report it)."""
+        Returns what was added (the progress line and steps.jsonl report it). With no step pending (the
+        epoch's end right after its last log line, a checkpoint at a log step) nothing is sent: every rank
+        has trained the same steps, so all skip it alike."""
+        if not self.steps:
+            return EpochTally()
         loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
         added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
         tally.add(added.samples, added.steps, added.loss_sum, added.seconds)

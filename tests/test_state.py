@@ -9,9 +9,10 @@ import numpy as np
 import pytest
 import torch
 
+from imagenet_elastic import distributed
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.model import create_ema, create_model, create_optimizer
-from imagenet_elastic.state import TrainState, check_compatible
+from imagenet_elastic.state import EpochTally, PendingSteps, TrainState, check_compatible
 
 CLASSES = ("ant", "bee", "cat")
 
@@ -182,3 +183,19 @@ def test_the_weight_average_takes_the_weights_every_model_ema_steps_and_counts_i
         state.update_average(every=3)
         seen.append(float(state.ema.module.weight[0, 0].detach()))
     assert seen == [start, start, 3.0, 3.0, 3.0, 4.5, 4.5]
+
+
+# ----------------------------------------------------------------------------- PendingSteps
+
+def test_pending_steps_fold_their_mean_loss_and_send_nothing_when_none_is_pending(monkeypatch):
+    sent = []
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda t: sent.append(t.clone()) or t * 2)  # 2 equal ranks
+    pending, tally = PendingSteps(torch.device("cpu")), EpochTally()
+    for loss in (1.0, 3.0):
+        pending.add(torch.tensor(loss, dtype=torch.float64))
+    added = pending.fold_into(tally, global_batch=16, world_size=2)
+    assert (added.samples, added.steps, added.loss_sum) == (32, 2, 4.0) and len(sent) == 1
+    assert (tally.samples, tally.steps, tally.loss_sum) == (32, 2, 4.0)
+    again = pending.fold_into(tally, global_batch=16, world_size=2)  # the epoch's end right after a log step
+    assert (again.samples, again.steps, again.loss_sum) == (0, 0, 0.0) and len(sent) == 1
+    assert (tally.samples, tally.steps) == (32, 2)
