@@ -69,9 +69,10 @@ def test_the_policy_and_erasing_on_the_gpu_draw_what_the_workers_draw(jpegs, pol
     assert level_difference(gpu, other).mean() > 4 * same.mean() + 1
 
 
+@pytest.mark.parametrize("blurpool", [False, True], ids=["plain", "blurpool"])  # the FFCV recipes' depthwise blur
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
-def test_an_amp_step_on_the_gpu_trains(amp):
-    model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
+def test_an_amp_step_on_the_gpu_trains(amp, blurpool):
+    model = create_model("test_resnet", 10, blurpool=blurpool).to(GPU, memory_format=torch.channels_last)
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
