@@ -7,6 +7,10 @@
 #
 #   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
 #
+# MODEL, BATCH, SIZE and BATCHES (measured batches of every benchmark; default each part's own) may be set in the
+# environment: tests/test_gpu_checks.py runs the parts on a CPU with a tiny model, so that the first GPU session
+# does not spend its time on a broken flag.
+#
 # PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile | loader
 #       | checkpoint | tests | train | all (every part in order; only where one call may run longer than 10 minutes)
 set -euo pipefail
@@ -14,13 +18,16 @@ PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in th
 DATA=${2:-/tmp/gpu_data}
 WORK=${3:-/tmp/gpu_checks}
 PY=${PYTHON:-python3}
-BATCH=256
+MODEL=${MODEL:-resnet50}
+BATCH=${BATCH:-256}
+SIZE=${SIZE:-224}
+BATCHES=${BATCHES:-}
 mkdir -p "$WORK"
 
 # Loader workers: the cores less two (the training process and its feeder), then fewer if /dev/shm cannot
-# hold the batches in flight (each worker keeps up to 2 uint8 batches of BATCH x 224 x 224 x 3 there).
+# hold the batches in flight (each worker keeps up to 2 uint8 batches of BATCH x SIZE x SIZE x 3 there).
 workers() {
-    local cores=$(( $(nproc) - 2 )) batch_mb=$(( BATCH * 224 * 224 * 3 / 1000000 ))
+    local cores=$(( $(nproc) - 2 )) batch_mb=$(( BATCH * SIZE * SIZE * 3 / 1000000 ))
     local shm_mb; shm_mb=$(df -Pm /dev/shm 2>/dev/null | awk 'NR == 2 {print $4}')
     local fit=$(( ${shm_mb:-0} / (2 * batch_mb + 1) / 2 ))  # half of /dev/shm, a margin for the val loader
     local n=$(( cores < fit ? cores : fit )); (( n < 1 )) && n=1
@@ -28,7 +35,8 @@ workers() {
     echo "$n"
 }
 
-bench() { "$PY" -m imagenet_elastic benchmark "$DATA" --model resnet50 --batch-size "$BATCH" "$@"; }
+bench() { "$PY" -m imagenet_elastic benchmark "$DATA" --model "$MODEL" --batch-size "$BATCH" "$@"; }
+batches() { echo "${BATCHES:-$1}"; }  # a part's own count unless BATCHES is set
 
 need_data() {
     if [ ! -d "$DATA/train" ]; then
@@ -58,39 +66,43 @@ PY
         ;;
     synthetic)
         need_data
-        bench --mode synthetic --amp bf16 --channels-last --batches 50
-        bench --mode synthetic --amp bf16 --no-channels-last --batches 50
-        bench --mode synthetic --amp fp16 --channels-last --batches 50
-        bench --mode synthetic --amp bf16 --channels-last --blurpool --batches 50  # FFCV's recipes: what the blur costs
+        local b; b=$(batches 50)
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --no-channels-last --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp fp16 --channels-last --batches "$b"
+        # FFCV's recipes: what the blur costs
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --blurpool --batches "$b"
         ;;
     compile)
         need_data
-        bench --mode synthetic --amp bf16 --channels-last --compile --batches 50
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --compile --batches "$(batches 50)"
         ;;
     end_to_end)
         need_data
-        local n; n=$(workers)
-        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode cpu --batches 40
-        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode gpu --batches 40
+        local n b; n=$(workers); b=$(batches 40)
+        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode cpu --batches "$b"
+        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode gpu --batches "$b"
         ;;
     end_to_end_recipe)  # torchvision's v2 recipe's augmentation at its train size: the policy's cost on each path
         need_data
         local n; n=$(workers)
-        local recipe=(--mode end_to_end --amp bf16 --channels-last --workers "$n" --batches 40 --image-size 176
-                      --auto-augment ta_wide --random-erase 0.1)
+        local recipe=(--mode end_to_end --amp bf16 --channels-last --workers "$n" --batches "$(batches 40)"
+                      --image-size $(( SIZE * 176 / 224 )) --auto-augment ta_wide --random-erase 0.1)
         bench "${recipe[@]}" --decode cpu
         bench "${recipe[@]}" --decode gpu
         ;;
     end_to_end_compile)
         need_data
         local n; n=$(workers)
-        bench --mode end_to_end --amp bf16 --channels-last --workers "$n" --decode gpu --compile --batches 40
+        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode gpu --compile \
+            --batches "$(batches 40)"
         ;;
     loader)
         need_data
-        local n; n=$(workers)
-        bench --mode loader --workers "$n" --batches 20 --rounds 3
-        bench --mode loader --workers "$n" --batches 20 --rounds 3 --auto-augment ta_wide --random-erase 0.1
+        local n b; n=$(workers); b=$(batches 20)
+        bench --mode loader --image-size "$SIZE" --workers "$n" --batches "$b" --rounds 3
+        bench --mode loader --image-size "$SIZE" --workers "$n" --batches "$b" --rounds 3 --auto-augment ta_wide \
+            --random-erase 0.1
         ;;
     checkpoint)
         need_data
@@ -111,9 +123,9 @@ PY
     train)  # NCCL at one rank, --decode gpu, a background checkpoint; the last line is the epoch's row
         need_data
         rm -rf "$WORK/ckpt"
-        "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model resnet50 \
-            --batch-size "$BATCH" --epochs 1 --max-steps-per-epoch 24 --decode gpu --log-interval 8 \
-            --checkpoints-path "$WORK/ckpt" >&2
+        "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model "$MODEL" \
+            --batch-size "$BATCH" --image-size "$SIZE" --epochs 1 --max-steps-per-epoch "$(batches 24)" --decode gpu \
+            --log-interval 8 --checkpoints-path "$WORK/ckpt" >&2
         tail -n 1 "$WORK/ckpt/metrics.jsonl"
         ;;
     *)

@@ -1,0 +1,82 @@
+"""scripts/gpu_checks.sh runs as it is: every part but the two compile ones, on a CPU with a tiny model (MODEL,
+BATCH, SIZE and BATCHES from the environment), prints the JSON lines it promises, and exits 0. A device session
+lasts 30 minutes; this is so that none of it goes to a flag the benchmark no longer takes. The compile parts are
+the synthetic and end_to_end commands with --compile added (compiling costs a minute here)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
+
+pytestmark = pytest.mark.slow  # each part starts its processes one after another
+
+SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
+
+
+def gpu_checks(part: str, data, work) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", "scripts/gpu_checks.sh", part, str(data), str(work)], cwd=REPO,
+                          env=child_env(**SMALL), capture_output=True, text=True, timeout=180)
+
+
+def figures(part: str, data, work) -> list[dict]:
+    result = gpu_checks(part, data, work)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = result.stdout.splitlines()
+    assert lines, result.stderr
+    return [json.loads(line) for line in lines]  # stdout is JSON lines only: they are pasted into BENCHMARKS.md
+
+
+def settings(lines: list[dict], *keys: str) -> list[tuple]:
+    return [tuple(line[k] for k in keys) for line in lines]
+
+
+def test_versions_and_data(image_folder, tmp_path):
+    (versions,) = figures("versions", image_folder, tmp_path)
+    assert {"torch", "torchvision", "timm", "cuda", "cudnn"} <= versions["versions"].keys() and versions["gpu"] is None
+    (data,) = figures("data", image_folder, tmp_path)  # the folder exists: counted, not generated again
+    assert data == {"data": str(image_folder), "train_images": TRAIN_IMAGES}
+
+
+def test_synthetic_part_measures_both_layouts_both_precisions_and_the_blur(image_folder, tmp_path):
+    lines = figures("synthetic", image_folder, tmp_path)
+    assert settings(lines, "mode", "amp", "channels_last", "blurpool") == [
+        ("synthetic", "bf16", True, False), ("synthetic", "bf16", False, False), ("synthetic", "fp16", True, False),
+        ("synthetic", "bf16", True, True)]
+    assert all((line["model"], line["batch_size"], line["image_size"]) == ("test_resnet", 8, 32) for line in lines)
+    assert all(line["images_per_sec"] > 0 for line in lines)
+
+
+def test_end_to_end_parts_measure_both_decoders_plain_and_with_the_v2_recipes_augmentation(image_folder, tmp_path):
+    plain = figures("end_to_end", image_folder, tmp_path)
+    recipe = figures("end_to_end_recipe", image_folder, tmp_path)
+    assert settings(plain + recipe, "decode", "auto_augment", "random_erase", "image_size") == [
+        ("cpu", "none", 0.0, 32), ("gpu", "none", 0.0, 32), ("cpu", "ta_wide", 0.1, 25), ("gpu", "ta_wide", 0.1, 25)]
+    assert all(line["images_per_sec"] > 0 and line["workers"] >= 1 for line in plain + recipe)
+
+
+def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
+    loader = figures("loader", image_folder, tmp_path)
+    assert settings(loader, "mode", "auto_augment") == [("loader", "none"), ("loader", "ta_wide")]
+    (checkpoint,) = figures("checkpoint", image_folder, tmp_path)
+    assert checkpoint["mode"] == "checkpoint" and checkpoint["model"] == "test_resnet"
+    (tests,) = figures("tests", image_folder, tmp_path)  # no CUDA device here: every test_cuda.py test skips
+    assert tests["exit"] == 0 and "skipped" in tests["tests"] and "failed" not in tests["tests"]
+
+
+def test_train_part_ends_with_the_epochs_metrics_row(image_folder, tmp_path):
+    (row,) = figures("train", image_folder, tmp_path)
+    assert (row["epoch"], row["world_size"], row["val_samples"]) == (1, 1, VAL_IMAGES)
+    assert (tmp_path / "ckpt" / "last.pt").exists()
+
+
+def test_a_part_that_needs_data_it_does_not_have_or_an_unknown_part_is_one_line(tmp_path):
+    missing = gpu_checks("synthetic", tmp_path / "nowhere", tmp_path)
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr.strip() == (f"no data at {tmp_path / 'nowhere'}: run 'bash scripts/gpu_checks.sh data "
+                                      f"{tmp_path / 'nowhere'}' first")
+    unknown = gpu_checks("synthetics", tmp_path, tmp_path)
+    assert unknown.returncode == 2 and unknown.stderr.strip() == "unknown part 'synthetics' (see the script's header)"
