@@ -51,15 +51,15 @@ def blur_strided_convs(model: nn.Module) -> list[str]:
     """
     from timm.layers import BlurPool2d
 
-    blurred = []
+    names = []
     for name, conv in list(model.named_modules()):  # listed first: the loop adds modules
         if (isinstance(conv, nn.Conv2d) and not isinstance(conv, _BlurFirst) and max(conv.stride) > 1
                 and conv.in_channels >= BLUR_MIN_CHANNELS):
             conv.blur = BlurPool2d(conv.in_channels, filt_size=3, stride=1, pad_mode="constant").to(
                 device=conv.weight.device, dtype=conv.weight.dtype)
             conv.__class__ = _blurred_class(type(conv))
-            blurred.append(name)
-    return blurred
+            names.append(name)
+    return names
 
 
 def blurred(model: nn.Module) -> int:

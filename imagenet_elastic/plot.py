@@ -98,8 +98,8 @@ def read_steps(folder: str) -> list[dict[str, Any]]:
             text = f.read()
     except (OSError, UnicodeDecodeError):
         return []
-    return [row for _, row in step_log.whole_rows(text) if all(is_number(row.get(key)) for key in ("epoch", "loss",
-                                                                                                       "lr"))]
+    used = ("epoch", "loss", "lr")
+    return [row for _, row in step_log.whole_rows(text) if all(is_number(row.get(key)) for key in used)]
 
 
 # ----------------------------------------------------------------------------- marks
