@@ -7,11 +7,13 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import VAL_IMAGES, python_cmd, run
 
 from imagenet_elastic import cli
 from imagenet_elastic.config import Config
 from imagenet_elastic.config_file import read_settings, settings_yaml
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.metrics import read as read_metrics
 
 UNUSUAL = ["/data", "--model", "resnet18", "--scale", "0.25", "1", "--ratio", "0.5", "2", "--hflip", "0",
            "--auto-augment", "ta_wide", "--random-erase", "0.25", "--checkpoint-interval", "500,10m",
@@ -125,3 +127,15 @@ def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
         assert (ffcv.epochs, ffcv.progressive_resize, ffcv.progressive_epochs, ffcv.sched, ffcv.val_flip_average,
                 ffcv.blurpool) == (epochs, (160, 192), ramp, "linear", True, True)
     assert recipes["resnet50_baseline_90ep"].sched == "step" and not recipes["resnet50_torchvision_v2"].blurpool
+
+
+@pytest.mark.slow  # a process per recipe
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_shipped_recipe_trains_and_validates_an_epoch_with_a_tiny_model(recipe, image_folder, tmp_path):
+    """Each recipe's combination of options, at its own image sizes, through a step-capped epoch."""
+    result = run(python_cmd(str(image_folder), "--config", str(recipe), "--model", "test_resnet", "--batch-size", "8",
+                            "--global-batch-size", "16", "--epochs", "1", "--max-steps-per-epoch", "2", "--workers",
+                            "1", "--checkpoints-path", str(tmp_path)))
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert (row["epoch"], row["val_samples"], row["global_batch"]) == (1, VAL_IMAGES, 16)
