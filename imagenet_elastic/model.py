@@ -14,13 +14,21 @@ from torch import nn
 from imagenet_elastic.errors import UserError
 
 
-def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False) -> nn.Module:
-    """A timm model with random weights (runs never download anything); `blurpool`: see blur_strided_convs."""
+def check_model_name(name: str) -> None:
+    """A misspelt --model, with the closest names timm has. The trainer asks first, before it scans the
+    data or makes the checkpoints folder."""
     import timm  # slow to import: deferred so that input errors are reported at once
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
         raise UserError(f"--model {name!r} is not a timm model{hint}")
+
+
+def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False) -> nn.Module:
+    """A timm model with random weights (runs never download anything); `blurpool`: see blur_strided_convs."""
+    import timm
+
+    check_model_name(name)
     extra = {"drop_path_rate": drop_path} if drop_path else {}
     try:
         model = timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)

@@ -49,6 +49,7 @@ from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.loss import TrainLoss
 from imagenet_elastic.mixing import Mixer
 from imagenet_elastic.model import (
+    check_model_name,
     create_ema,
     create_model,
     create_optimizer,
@@ -90,6 +91,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs."""
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
+    check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
     train_dir, val_dir = file_index.resolve_split_dirs(config.data, config.val_path)
     train_index = file_index.load_index(train_dir, "train", config.checkpoints_path)
     val_index = file_index.load_index(val_dir, "val", config.checkpoints_path)

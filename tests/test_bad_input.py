@@ -98,10 +98,11 @@ def test_a_truncated_jpeg_met_by_decode_gpus_thread_is_named_and_checkpoints_are
                        "--resume"], f"cannot decode image file {bad}", ckpt)
 
 
-def test_unknown_model_is_named(tmp_path, image_folder):
+def test_unknown_model_is_named_before_anything_is_written(tmp_path, image_folder):
     line = expect_user_error([str(image_folder), "--model", "resnet5O", "--checkpoints-path", str(tmp_path / "c")],
                              "--model 'resnet5O' is not a timm model", tmp_path)
     assert "resnet50" in line  # a close match is suggested
+    assert not (tmp_path / "c").exists()  # not even the lock: the name is checked before the folder is made
 
 
 def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, trained):
