@@ -154,8 +154,9 @@ class Config:
         "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
     blurpool: bool = option(
         False, "blur the input of every strided convolution with 16 or more input channels (FFCV's BlurPool, on in "
-        "its recipes; timm's BlurPool2d filter). Part of the model: a checkpoint resumes, evaluates and exports "
-        "only with the setting it was trained with", "model", action=argparse.BooleanOptionalAction)
+        "its recipes; timm's BlurPool2d filter). Part of the model: a checkpoint resumes and evaluates only with "
+        "the setting it was trained with, and --initial-checkpoint warns when they differ", "model",
+        action=argparse.BooleanOptionalAction)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
                        type=options.non_negative_int)
     amp: str = option(

@@ -8,7 +8,7 @@ initialisation; any other mismatch means the file is of another model, and is re
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple, Optional
 
 import torch
 from torch import nn
@@ -18,7 +18,12 @@ from imagenet_elastic.errors import UserError, first_line
 PREFIXES = ("module.", "_orig_mod.")
 
 
-def read(path: str) -> dict[str, torch.Tensor]:
+class InitialWeights(NamedTuple):
+    tensors: dict[str, torch.Tensor]
+    blurpool: Optional[bool]  # whether a checkpoint of ours was trained with --blurpool; None: another kind of file
+
+
+def read(path: str) -> InitialWeights:
     """The file's tensors by name; a file that holds none is a UserError naming it."""
     try:
         if path.endswith(".safetensors"):
@@ -34,13 +39,15 @@ def read(path: str) -> dict[str, torch.Tensor]:
     except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
         raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict "
                         f"({first_line(error)[:200]})") from None
+    settings = loaded.get("config") if isinstance(loaded, dict) and "model_name" in loaded else None  # ours
     for key in ("model", "state_dict", "model_state_dict"):  # ours, Lightning-style, common scripts
         if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
             loaded = loaded[key]
             break
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
-    return {strip_prefixes(name): tensor for name, tensor in loaded.items()}
+    return InitialWeights({strip_prefixes(name): tensor for name, tensor in loaded.items()},
+                          settings.get("blurpool", False) if isinstance(settings, dict) else None)
 
 
 def strip_prefixes(name: str) -> str:
@@ -59,8 +66,9 @@ def classifier_names(model: nn.Module) -> set[str]:
     return set()
 
 
-def load(model: nn.Module, weights: dict[str, torch.Tensor], path: str, model_name: str) -> str:
-    """Copy `weights` into `model`; returns what the start-up table says of them."""
+def load(model: nn.Module, initial: InitialWeights, path: str, model_name: str) -> str:
+    """Copy the weights into `model`; returns what the start-up table says of them."""
+    weights = initial.tensors
     own = model.state_dict()
     head = classifier_names(model)
     missing = sorted(set(own) - set(weights))

@@ -81,7 +81,7 @@ class Inputs:
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
-    initial_state: Optional[dict[str, torch.Tensor]]  # --initial-checkpoint's, for a run that starts fresh
+    initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
     tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
 
 
@@ -144,6 +144,11 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
                         inputs.device, config.channels_last)
     start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
         model, inputs.initial_state, config.initial_checkpoint, config.model)
+    if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):
+        mismatch = ("with --blurpool and this run has no blur" if inputs.initial_state.blurpool else
+                    "without --blurpool and this run blurs")
+        console.warn(f"--initial-checkpoint {config.initial_checkpoint} was trained {mismatch}: its weights now "
+                     "see inputs they were not trained on")
     schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),
                           sampler.steps * config.epochs, config.lr_min, config.sched,
                           max(1, round(config.decay_epochs * sampler.steps)), config.decay_rate)

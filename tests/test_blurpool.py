@@ -85,7 +85,7 @@ def digest(path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def test_a_run_validates_evaluates_and_resumes_only_as_the_model_it_trained(image_folder, tmp_path):
+def test_a_run_resumes_and_evaluates_only_as_the_model_it_trained_and_fine_tuning_says_so(image_folder, tmp_path):
     ckpt = tmp_path / "ckpt"
     trained = run(python_cmd(str(image_folder), *SMALL_RUN, "--blurpool", "--epochs", "2", "--max-steps-per-epoch",
                              "2", "--checkpoints-path", str(ckpt)))
@@ -100,6 +100,11 @@ def test_a_run_validates_evaluates_and_resumes_only_as_the_model_it_trained(imag
     one_line_refusal(run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "3", "--max-steps-per-epoch", "2",
                                     "--resume", "--checkpoints-path", str(ckpt))), "pass --blurpool")
     assert digest(ckpt / "last.pt") == before
+    tuned = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
+                           "--initial-checkpoint", str(ckpt / "last.pt"), "--checkpoints-path", str(tmp_path / "t")))
+    assert tuned.returncode == 0, tuned.stdout + tuned.stderr  # fine-tuning without the blur is allowed, and said
+    assert (f"warning: --initial-checkpoint {ckpt / 'last.pt'} was trained with --blurpool and this run has no blur"
+            in tuned.stderr), tuned.stderr
 
 
 def test_the_export_says_how_to_give_timms_model_its_blur_back(tmp_path, capsys):

@@ -51,6 +51,15 @@ def test_our_checkpoint_with_ddp_and_compile_prefixes_loads_everything(tmp_path)
     assert_loaded_except_the_head(model, source, head_refit=False)
 
 
+def test_reading_tells_whether_a_checkpoint_of_ours_was_trained_with_blurpool(tmp_path):
+    state = source_model(4).state_dict()
+    for name, saved in (("blurred.pt", {"blurpool": True}), ("plain.pt", {"blurpool": False}), ("old.pt", {})):
+        torch.save({"model": state, "model_name": "test_resnet", "config": saved}, tmp_path / name)
+    torch.save(state, tmp_path / "timm.pth")
+    assert [initial_weights.read(str(tmp_path / name)).blurpool for name in ("blurred.pt", "plain.pt", "old.pt",
+                                                                            "timm.pth")] == [True, False, False, None]
+
+
 def test_a_safetensors_file_loads(tmp_path):
     source = source_model(7)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "w.safetensors"))
