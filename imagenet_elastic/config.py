@@ -272,6 +272,12 @@ class Config:
                 for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]
 
 
+def saved_setting(settings: dict[str, Any], name: str) -> Any:
+    """A setting from a checkpoint's saved `config`; a checkpoint from before the setting existed ran with
+    its default (SGD before --opt, no blur before --blurpool)."""
+    return settings[name] if name in settings else Config.__dataclass_fields__[name].default
+
+
 def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Optional[int]) -> tuple[int, int]:
     """Validation's centre crop and the short side it is cut from: also what a checkpoint's saved
     settings mean to `imagenet-elastic export`."""

@@ -23,7 +23,7 @@ from typing import Any
 
 from imagenet_elastic import checkpoint
 from imagenet_elastic.atomic_files import process_umask
-from imagenet_elastic.config import eval_sizes
+from imagenet_elastic.config import eval_sizes, saved_setting
 from imagenet_elastic.engine import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
@@ -73,7 +73,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     from imagenet_elastic.model import create_model
 
     classes = list(snapshot["classes"])
-    blurpool = snapshot["config"].get("blurpool", False)
+    blurpool = saved_setting(snapshot["config"], "blurpool")
     model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool)
     model.load_state_dict(weights)
     data_config = preprocessing(snapshot["config"])

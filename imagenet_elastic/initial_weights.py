@@ -13,6 +13,7 @@ from typing import Any, NamedTuple, Optional
 import torch
 from torch import nn
 
+from imagenet_elastic.config import saved_setting
 from imagenet_elastic.errors import UserError, first_line
 
 PREFIXES = ("module.", "_orig_mod.")
@@ -47,7 +48,7 @@ def read(path: str) -> InitialWeights:
     if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
         raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
     return InitialWeights({strip_prefixes(name): tensor for name, tensor in loaded.items()},
-                          settings.get("blurpool", False) if isinstance(settings, dict) else None)
+                          saved_setting(settings, "blurpool") if isinstance(settings, dict) else None)
 
 
 def strip_prefixes(name: str) -> str:

@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from imagenet_elastic import distributed
+from imagenet_elastic.config import saved_setting
 from imagenet_elastic.errors import UserError
 
 FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
@@ -154,7 +155,8 @@ def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, class
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:
         raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
-    saved_blurpool = snapshot.get("config", {}).get("blurpool", False)  # checkpoints before --blurpool: none
+    settings = snapshot.get("config", {})
+    saved_blurpool = saved_setting(settings, "blurpool")
     if saved_blurpool != blurpool:
         raise UserError(f"checkpoint {path} was trained {'with' if saved_blurpool else 'without'} --blurpool: "
                         f"pass {'--blurpool' if saved_blurpool else '--no-blurpool'} to use it")
@@ -162,7 +164,7 @@ def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, class
         raise UserError(f"checkpoint {path} has {len(saved_classes)} classes, the data has {len(classes)}")
     if saved_classes != classes:
         raise UserError(f"checkpoint {path} was trained on other class names than the data's folders")
-    trained_with = snapshot.get("config", {}).get("opt", "sgd")  # checkpoints before --opt: SGD
+    trained_with = saved_setting(settings, "opt")
     if optimizer is not None and trained_with != optimizer:
         raise UserError(f"checkpoint {path} was trained with --opt {trained_with}, whose state --opt {optimizer} "
                         f"cannot continue: resume it with --opt {trained_with}")
