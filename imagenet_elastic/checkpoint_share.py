@@ -6,7 +6,8 @@ other ranks only map the file (`checkpoint.load(lazy=True)`) for the few KB of n
 they need before the process group exists; once it does, rank 0 sends the state in two broadcasts:
 its structure as one object, then every tensor's bytes in one buffer. The result is what
 `checkpoint.load` would have returned: the same nested dicts and lists, CPU tensors of the same
-dtypes, shapes and bits.
+dtypes, shapes, strides and bits. The strides matter: a channels_last momentum buffer that came back
+NCHW beside its channels_last parameter fails CUDA's fused SGD at the first step of every rank but 0.
 """
 
 from __future__ import annotations
@@ -29,6 +30,18 @@ class Slot:
     offset: int
     dtype: torch.dtype
     shape: tuple[int, ...]
+    stride: Optional[tuple[int, ...]] = None  # a dense layout to rebuild (channels_last, ...); None: contiguous
+
+
+def dense_layout(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its storage span exactly once, in some order of its dimensions
+    (contiguous, channels_last, a transpose): such strides can be rebuilt with `torch.empty_strided`."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(tensor.shape, tensor.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
 
 
 def pack(tree: Any) -> tuple[Any, torch.Tensor]:
@@ -39,8 +52,9 @@ def pack(tree: Any) -> tuple[Any, torch.Tensor]:
     def walk(value: Any) -> Any:
         nonlocal size
         if isinstance(value, torch.Tensor):
-            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-            slot = Slot(size, value.dtype, tuple(value.shape))
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # in logical order
+            slot = Slot(size, value.dtype, tuple(value.shape),
+                        None if value.is_contiguous() or not dense_layout(value) else tuple(value.stride()))
             parts.append(data)
             size += -(-data.numel() // ALIGN) * ALIGN
             return slot
@@ -67,8 +81,10 @@ def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
         numel = 1
         for n in skeleton.shape:
             numel *= n
-        data = buffer[skeleton.offset:skeleton.offset + numel * width]
-        return data.view(skeleton.dtype).reshape(skeleton.shape).clone()
+        data = buffer[skeleton.offset:skeleton.offset + numel * width].view(skeleton.dtype).reshape(skeleton.shape)
+        if skeleton.stride is None:
+            return data.clone()
+        return torch.empty_strided(skeleton.shape, skeleton.stride, dtype=skeleton.dtype).copy_(data)
     if isinstance(skeleton, dict):
         return {k: unpack(v, buffer) for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):

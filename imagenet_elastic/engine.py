@@ -76,16 +76,27 @@ def device_batches(batches: Iterable, device: torch.device, decoder: Optional[Ba
     Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy of the next batch runs
     on a side stream while the current one trains; the main stream waits for it only when it gets there.
     Under --decode gpu a thread of its own decodes and crops ahead (`decoded_ahead`), so nvJPEG's host
-    work and the crops' launches overlap the training thread's; the policy and erasing, which draw from
-    torch's process-wide generator, then run in the training thread. Other entries (sample indices) stay
-    on the host, so reading them never waits for the device.
+    work and the crops' launches overlap the training thread's. The policy and erasing, which draw from
+    torch's process-wide generator, then run in the training thread, on a stream of their own
+    (`SideStream`): torchvision's tensor kernels copy small host tensors (affine matrices, fill values)
+    with blocking copies, each of which waits for its stream's queue, and on the training stream that
+    queue is the previous step's forward and backward. Other entries (sample indices) stay on the host,
+    so reading them never waits for the device.
     """
     def prepare(batch: list) -> list:
         images, labels, *rest = decoder.decode_crops(batch) if decoder else batch
         return [images.to(device, non_blocking=True), labels.to(device, non_blocking=True), *rest]
 
     if decoder is not None:
-        yield from map(decoder.augment_images, decoded_ahead(batches, prepare, device))
+        policy = SideStream(device)
+        for staged, ready in decoded_ahead(batches, prepare, device):
+            if decoder.draws_policy(staged):
+                with policy.run_after(ready, staged[0]):
+                    staged = decoder.augment_images(staged)
+            else:
+                staged = decoder.augment_images(staged)
+            take_on_current_stream(staged, ready, device)
+            yield staged
         return
     if device.type != "cuda":
         yield from map(prepare, batches)
@@ -105,15 +116,51 @@ def device_batches(batches: Iterable, device: torch.device, decoder: Optional[Ba
         yield ahead
 
 
+class SideStream:
+    """A CUDA stream for work that the host runs in the training thread but that must not wait behind the
+    training stream's queue (nothing on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def run_after(self, ready: Optional[torch.cuda.Event], tensor: torch.Tensor) -> Iterator[None]:
+        """The block's kernels queue on this stream after `ready` (the event that made `tensor`) and after
+        nothing of the training stream's; the training stream then waits for them. A blocking copy in the
+        block waits for this stream alone: the host goes on while the GPU trains."""
+        if self.stream is None:
+            yield
+            return
+        if ready is not None:
+            self.stream.wait_event(ready)
+        tensor.record_stream(self.stream)  # made on another stream: not reused before this one is done with it
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def take_on_current_stream(staged: list, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
+    """The current (training) stream waits for the event that made `staged`'s device tensors on another
+    stream, and those tensors are not reused before the current stream is done with them."""
+    if ready is None:
+        return
+    main = torch.cuda.current_stream(device)
+    main.wait_event(ready)
+    for tensor in staged:
+        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
+            tensor.record_stream(main)
+
+
 _DONE = object()
 
 
 def decoded_ahead(batches: Iterable, prepare: Callable[[list], list], device: torch.device, ahead: int = 2
-                  ) -> Iterator[list]:
-    """`prepare(batch)` for each batch, run by a thread of its own up to `ahead` batches before they are
-    taken (on CUDA on a stream of its own, which the taking stream then waits for). Its errors (a corrupt
-    image) are raised here, in order; closing this generator stops the thread and waits for it, so the
-    loader is never read by two threads."""
+                  ) -> Iterator[tuple[list, Optional[torch.cuda.Event]]]:
+    """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
+    are taken; on CUDA on a stream of its own, whose event `ready` the taker waits for (None on a CPU). Its
+    errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
+    for it, so the loader is never read by two threads."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
     stream = torch.cuda.Stream(device) if device.type == "cuda" else None
@@ -150,14 +197,7 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[list], list], device: to
                 return
             if isinstance(item, BaseException):
                 raise item
-            staged, ready = item
-            if ready is not None:
-                main = torch.cuda.current_stream(device)
-                main.wait_event(ready)
-                for tensor in staged:
-                    if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
-                        tensor.record_stream(main)  # allocated on the thread's stream
-            yield staged
+            yield item
     finally:
         stop.set()
         while thread.is_alive():  # it may be waiting for a worker's batch or to hand one over

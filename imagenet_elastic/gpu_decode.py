@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import io
 import math
+import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Optional
@@ -29,7 +30,7 @@ from torch.utils.data import default_collate
 
 from imagenet_elastic.augment import INCEPTION_CROP, Augment
 from imagenet_elastic.data import Load
-from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.errors import CorruptImageError, first_line
 from imagenet_elastic.pixels import (
     Box,
     ChooseCrop,
@@ -119,6 +120,33 @@ def collate(samples: list[tuple]) -> list:
     return [EncodedBatch.pack(images), *(default_collate(list(column)) for column in rest)]
 
 
+# How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
+# images: ...": torch's allocator ("CUDA out of memory. Tried to allocate ..."), nvJPEG's status 5
+# (NVJPEG_STATUS_ALLOCATOR_FAILURE) after one of its calls ("Failed to decode batch: 5"), or CUDA's 2
+# (cudaErrorMemoryAllocation) from its stream synchronisation. Corrupt images give other nvJPEG statuses.
+_ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 5\b"
+                                r"|Failed to synchronize CUDA stream: 2\b")
+
+
+def device_out_of_memory(error: BaseException) -> bool:
+    """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
+    decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
+    if isinstance(error, OUT_OF_MEMORY):
+        return True
+    text = str(error)
+    return "out of memory" in text.lower() or _ALLOCATION_FAILED.search(text) is not None
+
+
+def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
+    """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
+    a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
+    if device_out_of_memory(error):
+        if isinstance(error, OUT_OF_MEMORY):
+            raise error
+        raise OUT_OF_MEMORY(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) with nvJPEG "
+                            f"({first_line(error)}); try a smaller --batch-size") from error
+
+
 class BatchDecoder:
     """The main process's part: `decoder(batch)` turns a collated EncodedBatch into an
     N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), leaving the batch's
@@ -141,10 +169,16 @@ class BatchDecoder:
         images = packed.unpack()
         return [self.decode(images), *rest, [im.augment_seed for im in images]]
 
+    @staticmethod
+    def draws_policy(staged: list) -> bool:
+        """Whether `augment_images` runs the policy or erasing on any image of `decode_crops`' output."""
+        return any(seed is not None for seed in staged[-1])
+
     def augment_images(self, staged: list) -> list:
         """`decode_crops`' output with the policy and erasing applied, image by image (torchvision's draw per
-        image), in the thread that owns torch's global generator: the training thread. Each image is written
-        back into the batch, which is this batch's own tensor (`decode` stacked it)."""
+        image), in the thread that owns torch's global generator: the training thread (on a stream of its
+        own: engine.device_batches). Each image is written back into the batch, which is this batch's own
+        tensor (`decode` stacked it)."""
         images, *rest, seeds = staged
         for image, seed in zip(images, seeds):
             if seed is not None:
@@ -187,17 +221,14 @@ class BatchDecoder:
             return []
         try:
             return [out.permute(1, 2, 0) for out in self.device_decode([im.data for im in images])]
-        except OUT_OF_MEMORY:
-            raise  # not the images' fault: the CPU path would hide it and starve the GPU
-        except RuntimeError:  # one bad image fails the whole call: find it
-            pass
+        except RuntimeError as error:  # one bad image fails the whole call: find it, unless the device is full
+            raise_if_out_of_memory(error, len(images))
         results: list[Optional[torch.Tensor]] = []
         for im in images:
             try:
                 results.append(self.device_decode([im.data])[0].permute(1, 2, 0))
-            except OUT_OF_MEMORY:
-                raise
-            except RuntimeError:
+            except RuntimeError as error:
+                raise_if_out_of_memory(error, 1)
                 results.append(None)
         return results
 

@@ -70,8 +70,10 @@ class Mixer:
         area = (bottom - top) * (right - left) / (height * width)
         lam = np.where(cut, 1.0 - area, lam)  # the share of its own pixels each image actually keeps
         # one row per image (both images of a pair share their pair's values), in one copy to the device
-        host = np.repeat(np.stack([lam, cut, top, bottom, left, right]).astype(np.float32), 2, axis=1)
-        lam_t, cut_t, top_t, bottom_t, left_t, right_t = torch.from_numpy(host).to(images.device, non_blocking=True)
+        host = torch.from_numpy(np.repeat(np.stack([lam, cut, top, bottom, left, right]).astype(np.float32), 2, axis=1))
+        if images.device.type == "cuda":  # a copy from pageable memory waits for the stream's queue: the last step
+            host = host.pin_memory()
+        lam_t, cut_t, top_t, bottom_t, left_t, right_t = host.to(images.device, non_blocking=True)
         partner = torch.arange(n, device=images.device) ^ 1  # 0<->1, 2<->3, ...
         rows = torch.arange(height, device=images.device, dtype=torch.float32).view(1, height, 1)
         cols = torch.arange(width, device=images.device, dtype=torch.float32).view(1, 1, width)

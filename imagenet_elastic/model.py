@@ -179,17 +179,72 @@ def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 
 
 def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float,
-                     device: torch.device, name: str = "sgd") -> torch.optim.Optimizer:
-    """SGD is torch's, fused on CUDA (a few launches for all parameters); the others are timm's
-    (`create_optimizer_v2`). All get the same parameter groups: no weight decay on norms and biases."""
+                     device: torch.device, name: str = "sgd", fused: Optional[bool] = None) -> torch.optim.Optimizer:
+    """SGD is torch's, fused on CUDA (a few launches for all parameters; `fused` overrides that); the
+    others are timm's (`create_optimizer_v2`). All get the same parameter groups: no weight decay on norms
+    and biases. Every optimizer's state keeps its parameters' layout whatever it is loaded from
+    (`follow_parameter_layout`), and fused SGD's momentum exists before its first step (`zero_momentum`)."""
     if name == "sgd":
-        fused = True if device.type == "cuda" else None
-        return torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, fused=fused)
-    from timm.optim import create_optimizer_v2
+        fused = device.type == "cuda" if fused is None else fused
+        optimizer = torch.optim.SGD(param_groups(model, weight_decay), lr=lr, momentum=momentum, fused=fused or None)
+    else:
+        from timm.optim import create_optimizer_v2
 
-    extra = {"momentum": momentum} if name in ("nesterov", "lars") else {}
-    return create_optimizer_v2(param_groups(model, weight_decay), opt=name, lr=lr, weight_decay=weight_decay,
-                               **extra)
+        extra = {"momentum": momentum} if name in ("nesterov", "lars") else {}
+        optimizer = create_optimizer_v2(param_groups(model, weight_decay), opt=name, lr=lr,
+                                        weight_decay=weight_decay, **extra)
+    optimizer.register_load_state_dict_pre_hook(keep_own_kernels)
+    optimizer.register_load_state_dict_post_hook(follow_parameter_layout)
+    optimizer.register_load_state_dict_post_hook(zero_momentum)
+    zero_momentum(optimizer)
+    return optimizer
+
+
+KERNEL_CHOICES = ("fused", "foreach")  # optimizer options that belong to the device, not to the run
+
+
+def keep_own_kernels(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A loaded state keeps this optimizer's kernel choices: a GPU checkpoint's fused kernel is not for a
+    CPU resume, nor the reverse."""
+    groups = [{**saved, **{k: own[k] for k in KERNEL_CHOICES if k in own}}
+              for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
+    return {**state_dict, "param_groups": groups}
+
+
+def follow_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
+    """Each per-parameter state tensor of its parameter's shape (momentum, Adam's moments) takes the
+    parameter's strides, as a first step would have made it.
+
+    `Optimizer.load_state_dict` casts dtype and device only, so a state saved NCHW (or packed contiguous
+    by checkpoint_share, or saved by a run with the other --channels-last) would sit beside channels_last
+    parameters and gradients, and CUDA's fused kernels refuse tensor lists of unequal strides
+    (`check_fast_path_restrictions`): the first step after a resume would fail. A copy in the parameter's
+    layout holds the same values.
+    """
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            state = optimizer.state.get(param, {})
+            for key, value in state.items():
+                if (isinstance(value, torch.Tensor) and value.shape == param.shape
+                        and value.stride() != param.stride()):
+                    state[key] = torch.empty_like(param, dtype=value.dtype).copy_(value)
+
+
+def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
+    """Fused SGD's momentum buffers as zeros wherever none exists yet.
+
+    Without them torch's fused SGD makes them with `empty_like` inside its first step and leaves them
+    unwritten when GradScaler finds an inf on that step (the kernel returns early, common at fp16's
+    initial scale): the next step would compute 0.9 x garbage + g. Starting from zeros, the first real
+    step computes 0.9 x 0 + g = g, bit for bit what a first step writes, so nothing else changes.
+    The unfused optimizers never step on an inf (GradScaler skips their `step`)."""
+    for group in optimizer.param_groups:
+        if not (isinstance(optimizer, torch.optim.SGD) and group.get("fused") and group.get("momentum")):
+            continue
+        for param in group["params"]:
+            state = optimizer.state[param]
+            if state.get("momentum_buffer") is None:
+                state["momentum_buffer"] = torch.zeros_like(param, memory_format=torch.preserve_format)
 
 
 def count_parameters(model: nn.Module) -> int:

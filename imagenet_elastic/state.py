@@ -87,9 +87,6 @@ class PendingSteps:
         return added
 
 
-KERNEL_CHOICES = ("fused", "foreach")  # optimizer options that belong to the device, not to the run
-
-
 @dataclass
 class TrainState:
     """The mutable part of training. `capture` and `apply` are exact inverses."""
@@ -133,10 +130,7 @@ class TrainState:
         self.model.load_state_dict(snapshot["model"])
         if self.ema is not None:  # a checkpoint without an average starts it from its weights
             self.ema.module.load_state_dict(snapshot.get("model_ema") or snapshot["model"])
-        kernels = [{k: g[k] for k in KERNEL_CHOICES if k in g} for g in self.optimizer.param_groups]
-        self.optimizer.load_state_dict(snapshot["optimizer"])
-        for group, own in zip(self.optimizer.param_groups, kernels):
-            group.update(own)  # a GPU checkpoint's fused kernel is not for a CPU resume, nor the reverse
+        self.optimizer.load_state_dict(snapshot["optimizer"])  # its own kernels and layout: model.create_optimizer
         if snapshot["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(snapshot["scaler"])
         self.epoch = snapshot["epoch"]

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
 
-from imagenet_elastic.engine import StepContext, step_groups, train_step
+from imagenet_elastic.engine import StepContext, prepare_batch, step_groups, train_step
 from imagenet_elastic.sampler import BatchPlan
 
 
@@ -85,3 +87,30 @@ def test_clip_grad_norm_scales_the_global_batchs_gradient_down_to_the_bound(micr
     for plain, clipped in zip(steps[None], steps[0.01]):  # differences of float32 weights: a few ulps apart
         torch.testing.assert_close(clipped, plain * (0.01 / gradient_norm), rtol=1e-4, atol=3e-8)
     assert all(torch.equal(a, b) for a, b in zip(steps[None], steps[1e6]))
+
+
+def test_batch_norm_statistics_and_counter_come_from_the_first_micro_batch_only():
+    """Accumulating 3 micro-batches: running mean and variance are exactly those one forward pass of the first
+    micro-batch leaves (the others normalise with their own statistics but update nothing), and the batch
+    counter counts the optimizer step once, so every world size and split keeps the same buffers."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Flatten(), nn.LazyLinear(5))
+    model(torch.zeros(2, 3, 4, 4))
+    model.train()
+    ctx = StepContext(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+                      torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), torch.device("cpu"), None,
+                      False)
+    norm = model[1]
+    norm.running_mean.normal_()  # not the initial zeros and ones: an update of either would show
+    norm.running_var.uniform_(0.5, 2.0)
+    norm.num_batches_tracked.fill_(7)
+    plan = BatchPlan(12, 1, 4)
+    data = batch(12, 3)
+    parts = split(data, plan.micro_slices(0))
+    first_only = copy.deepcopy(model)
+    with torch.no_grad():
+        first_only(prepare_batch(parts[0][0], parts[0][1], ctx)[0])
+    train_step(ctx, parts, plan.micro_slices(0), plan.share, 0.1, 0, 0)
+    for name in ("running_mean", "running_var", "num_batches_tracked"):
+        assert torch.equal(getattr(norm, name), getattr(first_only[1], name)), name
+    assert int(norm.num_batches_tracked) == 8 and norm.momentum == 0.1  # and the momentum is back

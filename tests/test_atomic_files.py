@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 
 import pytest
+import torch
 
 from imagenet_elastic import atomic_files
 from imagenet_elastic.atomic_files import atomic_write_bytes
+from imagenet_elastic.checkpoint import CheckpointManager
 
 
 def current_umask() -> int:
@@ -57,3 +60,22 @@ def test_atomic_write_bytes_failure_keeps_the_old_file_and_removes_the_temp(tmp_
 def test_the_umask_is_read_without_being_changed():
     before = current_umask()
     assert atomic_files.process_umask() == before == current_umask()
+
+
+def test_every_temp_file_is_made_beside_its_target_so_the_rename_never_crosses_file_systems(tmp_path, monkeypatch):
+    """rename(2) cannot cross file systems (EXDEV): a temp file made in /tmp, a tmpfs on most clusters, would make
+    every save over a network file system fail. Here a rename between folders fails as it would across mounts."""
+    real_replace = os.replace
+
+    def replace_within_one_folder(source, target):
+        if os.path.dirname(os.path.abspath(source)) != os.path.dirname(os.path.abspath(target)):
+            raise OSError(errno.EXDEV, os.strerror(errno.EXDEV), str(source))
+        real_replace(source, target)
+
+    monkeypatch.setattr(os, "replace", replace_within_one_folder)
+    atomic_write_bytes(b"data", str(tmp_path / "metrics.jsonl"))
+    manager = CheckpointManager(str(tmp_path / "ckpt"), keep=2)
+    os.makedirs(manager.folder)
+    manager.save({"model": {"w": torch.ones(3)}, "epoch": 1}, epoch=1, is_best=True)
+    assert (tmp_path / "metrics.jsonl").read_bytes() == b"data"
+    assert sorted(os.listdir(manager.folder)) == ["best.pt", "epoch_0001.pt", "last.pt"]

@@ -33,7 +33,7 @@ class Source:
 
 def test_every_batch_comes_in_order_prepared_by_a_thread_of_its_own():
     source = Source(7)
-    out = [staged[0].item() for staged in decoded_ahead(source, lambda b: [b[0] * 10], CPU)]
+    out = [staged[0].item() for staged, ready in decoded_ahead(source, lambda b: [b[0] * 10], CPU) if ready is None]
     assert out == [0, 10, 20, 30, 40, 50, 60]
     assert source.threads == {"decode-ahead"}
     assert decode_threads() == []  # ended with the batches
@@ -58,7 +58,7 @@ def test_an_error_in_the_thread_is_raised_in_the_taking_thread_after_the_batches
 
     taken = []
     with pytest.raises(CorruptImageError, match="^cannot decode image file /data/x.jpg: truncated$"):
-        for staged in decoded_ahead(Source(10), prepare, CPU):
+        for staged, _ in decoded_ahead(Source(10), prepare, CPU):
             taken.append(staged[0].item())
     assert taken == [0, 1, 2]
     assert decode_threads() == []

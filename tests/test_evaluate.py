@@ -1,11 +1,14 @@
-"""`engine.evaluate`'s --val-flip-average: the logits of each image and of its mirror image, averaged."""
+"""`engine.evaluate`: every rank's sums over the whole validation set (its shard's and the others'), and
+--val-flip-average: the logits of each image and of its mirror image, averaged."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from imagenet_elastic import distributed
 from imagenet_elastic.engine import StepContext, evaluate, prepare_batch
 from imagenet_elastic.loss import TrainLoss
 
@@ -43,3 +46,17 @@ def test_flip_average_scores_the_mean_of_each_images_and_its_mirrors_logits():
     assert abs(result.loss - loss / 8) < 1e-6 * abs(loss)
     assert (result.top1, result.top5) == (100 * top1 / 8, 100 * top5 / 8)
     assert result.loss != evaluate(ctx, model, batches()).loss  # the mirror images change the scores here
+
+
+def test_every_rank_scores_the_sums_of_all_shards_over_the_global_count(monkeypatch):
+    """Shards differ in size (35 images over 2 ranks: 18 and 17); the all-reduce brings in the other rank's
+    loss sum, top-1 and top-5 counts and image count, and every mean divides by the global count."""
+    ctx, model = context()
+    alone = evaluate(ctx, model, batches())
+    other = torch.tensor([30.0, 4.0, 9.0, 12.0], dtype=torch.float64)  # another rank: loss sum, top-1, top-5, images
+    monkeypatch.setattr(distributed, "all_reduce_sum", lambda totals: totals.add_(other))
+    shared = evaluate(ctx, model, batches())
+    assert shared.samples == 8 + 12
+    assert shared.loss == pytest.approx((alone.loss * 8 + 30.0) / 20, rel=1e-12)
+    assert shared.top1 == pytest.approx(100 * (alone.top1 * 8 / 100 + 4) / 20, rel=1e-12)
+    assert shared.top5 == pytest.approx(100 * (alone.top5 * 8 / 100 + 9) / 20, rel=1e-12)

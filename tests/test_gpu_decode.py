@@ -6,6 +6,8 @@ itself runs here; a decoder that refuses chosen images stands in for nvJPEG's li
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 import torch
@@ -24,7 +26,7 @@ from PIL import Image
 from test_data import write_jpeg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from imagenet_elastic import data, gpu_decode, pixels
+from imagenet_elastic import data, engine, gpu_decode, pixels
 from imagenet_elastic.augment import POLICIES, Augment
 from imagenet_elastic.errors import CorruptImageError
 from imagenet_elastic.file_index import scan_image_folder
@@ -321,16 +323,85 @@ def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_p
 
 
 class ExhaustedDecoder(gpu_decode.BatchDecoder):
-    """A device decoder that runs out of memory, as nvJPEG would on a full GPU."""
+    """A device decoder that fails the way torchvision's CUDA decoder does on a full GPU: `error` is a plain
+    RuntimeError (torchvision re-throws whatever its decoder raised), or torch's own OutOfMemoryError."""
+
+    def __init__(self, error: Exception, *args) -> None:
+        super().__init__(*args)
+        self.error, self.calls = error, 0
 
     def device_decode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
-        raise gpu_decode.OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 2.00 GiB")
+        self.calls += 1
+        raise self.error
 
 
-def test_out_of_memory_in_the_device_decoder_is_raised_not_hidden_by_the_cpu_fallback(mixed_folder):
+@pytest.mark.parametrize("error", [
+    RuntimeError("Error while decoding JPEG images: CUDA out of memory. Tried to allocate 2.00 GiB. GPU 0 has a "
+                 "total capacity of 79.19 GiB of which 3.06 MiB is free."),
+    RuntimeError("Error while decoding JPEG images: Failed to decode batch: 5"),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
+    RuntimeError("Error while decoding JPEG images: Failed to synchronize CUDA stream: 2"),  # cudaErrorMemoryAllocation
+    gpu_decode.OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 2.00 GiB"),
+], ids=["allocator", "nvjpeg_status_5", "cuda_error_2", "torch_oom"])
+def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_the_cpu_fallback(mixed_folder, error):
     index = scan_image_folder(str(mixed_folder), "train")
     warnings: list[str] = []
-    decoder = ExhaustedDecoder(CPU, warnings.append)
-    with pytest.raises(gpu_decode.OUT_OF_MEMORY):
+    decoder = ExhaustedDecoder(error, CPU, warnings.append)
+    with pytest.raises(gpu_decode.OUT_OF_MEMORY) as caught:
         decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_region), [(0, 0), (0, 1)]))
-    assert warnings == []
+    assert decoder.calls == 1 and warnings == []  # not image by image, not on the CPU under a warning
+    assert caught.value is error or caught.value.__cause__ is error
+
+
+@pytest.mark.parametrize("message", ["Error while decoding JPEG images: Failed to decode batch: 3",  # BAD_JPEG
+                                     "Error while decoding JPEG images: Failed to get image info: 4",
+                                     "Error while decoding JPEG images: Failed to synchronize CUDA stream: 5",
+                                     "nvjpeg: unsupported"])
+def test_other_device_decoder_failures_are_bad_images_not_out_of_memory(message):
+    assert not gpu_decode.device_out_of_memory(RuntimeError(message))
+
+
+def test_the_policy_runs_on_a_side_stream_that_waits_for_the_decode_alone_and_the_training_stream_waits_for_it(
+        mixed_folder, monkeypatch):
+    """The design on a CPU (tests/test_cuda.py proves it on a GPU with a busy training stream): each train batch's
+    policy and erasing run inside `SideStream.run_after` given the decode thread's event for that batch, then the
+    training stream takes the batch; a batch without them (validation) never touches the side stream."""
+    index = scan_image_folder(str(mixed_folder), "train")
+    augment = Augment(policy="ta_wide", erase=0.5)
+    events: list = []
+    inside = [False]
+
+    class RecordingStream:
+        def __init__(self, device):
+            assert device == CPU
+
+        @contextlib.contextmanager
+        def run_after(self, ready, tensor):
+            events.append(("side stream waits for", ready, tuple(tensor.shape)))
+            inside[0] = True
+            yield
+            inside[0] = False
+            events.append("training stream waits for the side stream")
+
+    def ahead(batches, prepare, device, count=2):
+        for k, batch in enumerate(batches):
+            yield prepare(batch), f"decoded {k}"  # stands for the decode stream's event
+
+    apply = Augment.apply
+    monkeypatch.setattr(engine, "SideStream", RecordingStream)
+    monkeypatch.setattr(engine, "decoded_ahead", ahead)
+    monkeypatch.setattr(engine, "take_on_current_stream", lambda staged, ready, device: events.append(("take", ready)))
+    monkeypatch.setattr(Augment, "apply", lambda self, *args, **kw: events.append(("apply", inside[0])) or
+                        apply(self, *args, **kw))
+    encoded = data.TrainDataset(index, 16, 0, gpu_decode.encode_region, augment)
+    train = [batch_of(encoded, [(0, 0), (0, 1), (0, 2)]), batch_of(encoded, [(0, 3), (0, 4), (0, 5)])]
+    decoder = gpu_decode.BatchDecoder(CPU, print, augment)
+    out = list(engine.device_batches(train, CPU, decoder))
+    assert len(out) == 2 and all(batch[0].shape == (3, 16, 16, 3) for batch in out)
+    for k in range(2):
+        block = events[k * 6:(k + 1) * 6]
+        assert block == [("side stream waits for", f"decoded {k}", (3, 16, 16, 3)), *[("apply", True)] * 3,
+                         "training stream waits for the side stream", ("take", f"decoded {k}")], events
+    events.clear()
+    val = [gpu_decode.collate([data.EvalDataset(index, 16, 18, gpu_decode.encode_region)[i] for i in range(3)])]
+    assert len(list(engine.device_batches(val, CPU, decoder))) == 1
+    assert events == [("take", "decoded 0")]

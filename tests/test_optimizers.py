@@ -9,7 +9,7 @@ import torch
 from test_state import make_state
 
 from imagenet_elastic.config import OPTIMIZERS
-from imagenet_elastic.model import create_ema
+from imagenet_elastic.model import create_ema, create_optimizer
 from imagenet_elastic.state import TrainState
 
 EXPECTED = {"sgd": "SGD", "nesterov": "SGD", "adamw": "AdamW", "lamb": "Lamb", "lars": "Lars"}
@@ -92,3 +92,48 @@ def test_a_checkpoint_without_an_average_starts_it_from_its_weights():
     resumed.apply(plain.capture({}, {}))
     for key, value in plain.model.state_dict().items():
         assert torch.equal(resumed.ema.module.state_dict()[key], value), key
+
+
+def scaled_step(state: TrainState, scaler: torch.amp.GradScaler, grads: list[torch.Tensor]) -> None:
+    """One GradScaler step with these (unscaled) gradients, as the backward of a scaled loss leaves them."""
+    scaler.scale(torch.ones(()))  # the scale exists from the first scaled loss on
+    for param, grad in zip(state.model.parameters(), grads):
+        param.grad = torch.empty_like(param).copy_(grad * scaler.get_scale())
+    scaler.step(state.optimizer)
+    scaler.update()
+
+
+def test_fused_sgd_after_an_overflowed_first_step_holds_the_momentum_unfused_sgd_holds():
+    """fp16's first step often overflows at GradScaler's initial scale: the fused kernel then returns before it
+    writes the momentum torch made with empty_like, and the next step read 0.9 x garbage + g. CUDA's fused
+    kernel and the CPU's behave alike here, so the CPU proves it."""
+    runs = {}
+    for fused in (True, False):
+        state = make_state(0)
+        state.optimizer = create_optimizer(state.model, 0.1, 0.9, 1e-4, torch.device("cpu"), fused=fused)
+        assert bool(state.optimizer.param_groups[0]["fused"]) == fused
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16)
+        before = [p.detach().clone() for p in state.model.parameters()]
+        scaled_step(state, scaler, [torch.full(p.shape, float("inf")) for p in state.model.parameters()])
+        assert scaler.get_scale() == 2.0 ** 15  # the step was skipped
+        assert all(torch.equal(a, b) for a, b in zip(before, state.model.parameters()))
+        generator = torch.Generator().manual_seed(3)
+        scaled_step(state, scaler, [torch.randn(p.shape, generator=generator) for p in state.model.parameters()])
+        runs[fused] = state
+    for param, twin in zip(runs[True].model.parameters(), runs[False].model.parameters()):
+        fused_momentum = runs[True].optimizer.state[param]["momentum_buffer"]
+        torch.testing.assert_close(fused_momentum, runs[False].optimizer.state[twin]["momentum_buffer"])
+        torch.testing.assert_close(param, twin)
+
+
+def test_a_fused_sgd_loaded_from_a_state_without_momentum_still_starts_from_zeros():
+    """A checkpoint of an unfused run before its first step (or after only skipped ones) holds no momentum."""
+    unfused = make_state(0)
+    assert not unfused.optimizer.state_dict()["state"]
+    resumed = make_state(1)
+    resumed.optimizer = create_optimizer(resumed.model, 0.1, 0.9, 1e-4, torch.device("cpu"), fused=True)
+    resumed.apply(unfused.capture({}, {}))
+    assert [g["fused"] for g in resumed.optimizer.param_groups] == [True, True]  # its own kernel, not the file's
+    for param in resumed.model.parameters():
+        momentum = resumed.optimizer.state[param]["momentum_buffer"]
+        assert momentum.stride() == param.stride() and not momentum.any()

@@ -47,10 +47,19 @@ def round_trip(snapshot: dict) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
+def with_scaler_at(state: TrainState, scale: float) -> TrainState:
+    """An fp16 run's GradScaler that has moved: its scale and growth tracker are state to restore."""
+    state.scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 16, growth_interval=3)
+    state.scaler.scale(torch.ones(()))
+    state.scaler.update(scale)
+    return state
+
+
 def test_train_state_capture_and_apply_restore_everything_through_weights_only_load():
-    original = make_state(seed=0)
+    original = with_scaler_at(make_state(seed=0), 1024.0)
     take_optimizer_steps(original)
     original.epoch, original.step, original.best_top1 = 3, 42, 61.5
+    original.tally = EpochTally(samples=96, steps=6, loss_sum=7.25, seconds=3.5)  # mid-epoch: where it goes on
     original.history = [{"epoch": 1, "top1": 50.0}, {"epoch": 2, "top1": 61.5}]
     random.seed(11)
     np.random.seed(12)
@@ -61,7 +70,7 @@ def test_train_state_capture_and_apply_restore_everything_through_weights_only_l
     loaded = round_trip(snapshot)
     assert loaded["model_name"] == "test_resnet" and loaded["config"] == {"lr": 0.1}
 
-    restored = make_state(seed=1)
+    restored = with_scaler_at(make_state(seed=1), 8.0)
     restored_keys = restored.model.state_dict().keys()
     assert any(not torch.equal(original.model.state_dict()[k], restored.model.state_dict()[k])
                for k in restored_keys)
@@ -80,6 +89,8 @@ def test_train_state_capture_and_apply_restore_everything_through_weights_only_l
     for index, buffers in original_opt["state"].items():
         assert torch.equal(restored_opt["state"][index]["momentum_buffer"], buffers["momentum_buffer"])
     assert (restored.epoch, restored.step, restored.best_top1) == (3, 42, 61.5)
+    assert restored.tally == original.tally and restored.tally is not original.tally
+    assert restored.scaler.state_dict() == original.scaler.state_dict() and restored.scaler.get_scale() == 1024.0
     assert restored.history == original.history
     assert restored.history is not loaded["history"]
 

@@ -1,0 +1,72 @@
+"""What a rank's restored training state looks like when training starts, for tests of the resume paths.
+
+`python tests/state_probe.py ARGS` runs the program with ARGS (as `python -m imagenet_elastic ARGS`; torchrun
+starts it as a script the same way) and, on every rank, just before the first step, writes
+$STATE_PROBE_DIR/rank{R}.json: how many optimizer-state and EMA tensors it checked and each one whose layout
+(strides), dtype or device differs from its parameter's. CUDA's fused optimizers refuse such a tensor at the
+first step; the CPU kernels do not check, so on CPU this is how a test sees it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from typing import Any
+
+import torch
+
+PROBE_DIR = "STATE_PROBE_DIR"
+
+
+def layout_of(tensor: torch.Tensor) -> tuple[Any, ...]:
+    return tuple(tensor.shape), tensor.stride(), str(tensor.dtype), str(tensor.device)
+
+
+def layout_mismatches(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                      ema: torch.nn.Module | None = None) -> tuple[int, list[str]]:
+    """(tensors checked, one line per tensor that does not have its parameter's layout). Optimizer state is
+    compared for every state tensor of its parameter's shape (momentum, Adam's moments), the average's
+    parameters and buffers with the model's of the same name."""
+    names = {param: name for name, param in model.named_parameters()}
+    checked, wrong = 0, []
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            for key, value in optimizer.state.get(param, {}).items():
+                if isinstance(value, torch.Tensor) and value.shape == param.shape:
+                    checked += 1
+                    if layout_of(value) != layout_of(param):
+                        wrong.append(f"optimizer {names[param]}.{key}: {layout_of(value)} vs {layout_of(param)}")
+    if ema is not None:
+        own = dict(model.state_dict(keep_vars=True))
+        for name, value in ema.state_dict(keep_vars=True).items():
+            checked += 1
+            if layout_of(value) != layout_of(own[name]):
+                wrong.append(f"average {name}: {layout_of(value)} vs {layout_of(own[name])}")
+    return checked, wrong
+
+
+def install() -> None:
+    """Wrap Trainer.fit: the report is written on every rank, after every build step, before any step."""
+    from imagenet_elastic.trainer import Trainer
+
+    fit = Trainer.fit
+
+    def reporting_fit(self: Trainer) -> None:
+        state = self.state
+        checked, wrong = layout_mismatches(state.model, state.optimizer, state.ema.module if state.ema else None)
+        path = os.path.join(os.environ[PROBE_DIR], f"rank{self.env.rank}.json")
+        with open(path, "w") as f:
+            json.dump({"rank": self.env.rank, "checked": checked, "mismatches": wrong,
+                       "resumed": self.restored.resume_from is not None}, f)
+        fit(self)
+
+    Trainer.fit = reporting_fit
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
+    install()
+    from imagenet_elastic.cli import program
+
+    program()
