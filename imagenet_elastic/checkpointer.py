@@ -5,7 +5,8 @@ background from a host copy.
 each epoch's end and at an agreed preemption stop, and all ranks decide it together at the same
 step boundary. `CheckpointWriter` owns rank 0's writes. A background save costs the training loop
 one copy of the state into host memory (pinned buffers on CUDA, so the device-to-host copies run at
-full speed); a thread then serializes, writes, fsyncs and renames while training goes on. The rules
+full speed, queued without waiting for them); a thread then waits for the copies, serializes, writes,
+fsyncs and renames while training goes on. The rules
 that keep "a checkpoint on disk" meaning what it did:
 
 - one save at a time: a new save first waits for the one in flight, so the run holds at most one
@@ -35,11 +36,17 @@ from imagenet_elastic.errors import StorageError
 
 class HostCopy:
     """A copy of a (nested) state's tensors in host memory, into the buffers of the previous copy
-    when their shape, layout and dtype still fit (the first save allocates them)."""
+    when their shape, layout and dtype still fit (the first save allocates them).
+
+    From a GPU the copies are queued on the training stream, behind the step that made the state and
+    before the next one that changes it, and `copy` returns at once: whoever reads the copy calls
+    `wait_copied` first (the writer thread), so the training thread never waits for the GPU's queue.
+    """
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
         self.buffers: dict[tuple, torch.Tensor] = {}
+        self.copied: Optional[torch.cuda.Event] = None  # recorded after the last copy's device-to-host copies
 
     @torch.no_grad()
     def copy(self, state: Any) -> Any:
@@ -62,10 +69,14 @@ class HostCopy:
             return value  # numbers and strings are immutable
 
         copied = walk(state, ())
-        if self.pin and torch.cuda.is_available():
-            torch.cuda.current_stream().synchronize()  # the copies are complete before the writer reads them
+        self.copied = torch.cuda.current_stream().record_event() if self.pin and torch.cuda.is_available() else None
         self.buffers = used  # buffers of tensors that went away are freed
         return copied
+
+    def wait_copied(self) -> None:
+        """Until the last copy is complete in host memory."""
+        if self.copied is not None:
+            self.copied.synchronize()
 
 
 class CheckpointWriter:
@@ -91,14 +102,18 @@ class CheckpointWriter:
             self._write(state, epoch, is_best, after, start)
         else:
             snapshot = self.host.copy(state)
-            self.thread = threading.Thread(target=self._write, args=(snapshot, epoch, is_best, after, start),
+            self.thread = threading.Thread(target=self._write, args=(snapshot, epoch, is_best, after, start,
+                                                                     self.host.wait_copied),
                                            name="checkpoint-writer", daemon=True)
             self.thread.start()
         self.stall_seconds = time.perf_counter() - start
 
     def _write(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
-               after: Optional[Callable[[], None]], start: float) -> None:
+               after: Optional[Callable[[], None]], start: float,
+               copied: Optional[Callable[[], None]] = None) -> None:
         try:
+            if copied is not None:
+                copied()  # the host copy's bytes have landed
             self.manager.save(state, epoch, is_best)
             if after is not None:
                 after()

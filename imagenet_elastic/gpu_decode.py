@@ -6,12 +6,13 @@ contract holds: the same boxes and flips for the same (seed, epoch, index). It h
 bytes and the box. The main process decodes the batch with one batched
 `torchvision.io.decode_jpeg(..., device=...)` call, then crops, resizes and flips each image on
 the device (`decode_crops`, in a thread of its own: engine.decoded_ahead), then runs the sample's
-augmentation policy and erasing there (`augment_images`, in the training thread), drawn from a seed
-the worker took from the sample's stream after the crop and flip.
+augmentation policy and erasing there (`augment_images`, in the training thread, on a stream of their
+own: engine.SideStream), drawn from a seed the worker took from the sample's stream after the crop and flip.
 
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
-decodes them itself; a JPEG that the device decoder rejects is decoded in the main process.
+decodes them itself; a JPEG that the device decoder rejects is decoded in the main process. A device
+out of memory is not the images' fault and stays an out-of-memory error (`raise_if_out_of_memory`).
 A file that neither can decode is a CorruptImageError naming it, as on the CPU path.
 """
 

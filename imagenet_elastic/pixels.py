@@ -113,7 +113,10 @@ def resize_regions(regions: list[torch.Tensor], flips: list[bool], size: int) ->
     out = to_uint8(out).permute(0, 2, 3, 1)
     flipped = [i for i, flip in enumerate(flips) if flip]
     if flipped:
-        index = torch.tensor(flipped).to(out.device, non_blocking=True)
+        index = torch.tensor(flipped)
+        if out.is_cuda:  # from pageable memory the copy would wait for this stream's resizes
+            index = index.pin_memory()
+        index = index.to(out.device, non_blocking=True)
         out[index] = out[index].flip(2)
     return out
 

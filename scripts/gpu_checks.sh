@@ -12,7 +12,9 @@
 # does not spend its time on a broken flag.
 #
 # PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile | loader
-#       | checkpoint | tests | train | all (every part in order; only where one call may run longer than 10 minutes)
+#       | checkpoint | tests | restart | train | all (every part in order; only where one call may run longer than
+#       10 minutes). `tests` runs tests/test_cuda.py: among them the fused-SGD resume, the fp16 overflow step and
+#       the sync-debug run of the training loop.
 set -euo pipefail
 PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in the header of the script}
 DATA=${2:-/tmp/gpu_data}
@@ -120,6 +122,27 @@ PY
         echo "{\"tests\": \"tests/test_cuda.py: $(tail -n 1 "$WORK/cuda_tests.log" | tr -d '"=')\", \"exit\": $status}"
         return "$status"
         ;;
+    restart)  # the first multi-GPU restart, on one GPU: two ranks share it over gloo (NCCL refuses two ranks on
+              # one device), train, are restarted with --resume (rank 1 receives rank 0's checkpoint: load-once)
+              # and train on with fused SGD; tests/state_probe.py has each rank report its restored state's layout
+        need_data
+        rm -rf "$WORK/restart"
+        mkdir -p "$WORK/restart/probe"
+        local args=("$DATA" --model "$MODEL" --batch-size "$(( (BATCH + 1) / 2 ))" --image-size "$SIZE" --model-ema
+                    --max-steps-per-epoch "$(batches 4)" --log-interval 2 --checkpoints-path "$WORK/restart/ckpt")
+        for round in "--epochs 1" "--epochs 2 --resume"; do
+            # shellcheck disable=SC2086  # the round's two words
+            STATE_PROBE_DIR="$WORK/restart/probe" STATE_PROBE_ONE_GPU=1 "$PY" -m torch.distributed.run --standalone \
+                --nproc-per-node=2 tests/state_probe.py "${args[@]}" $round >&2
+        done
+        "$PY" - "$WORK/restart" <<'PY'
+import json, pathlib, sys, torch
+folder = pathlib.Path(sys.argv[1])
+ranks = [json.loads((folder / "probe" / f"rank{r}.json").read_text()) for r in (0, 1)]
+last = torch.load(folder / "ckpt" / "last.pt", map_location="cpu", weights_only=True)
+print(json.dumps({"restart": "2 ranks, one device, resumed", "step": last["step"], "ranks": ranks}))
+PY
+        ;;
     train)  # NCCL at one rank, --decode gpu, a background checkpoint; the last line is the epoch's row
         need_data
         rm -rf "$WORK/ckpt"
@@ -137,7 +160,7 @@ PY
 
 if [ "$PART" = all ]; then
     for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile loader checkpoint \
-            tests train; do
+            tests restart train; do
         run_part "$part"
     done
 else

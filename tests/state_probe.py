@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 PROBE_DIR = "STATE_PROBE_DIR"
+ONE_GPU = "STATE_PROBE_ONE_GPU"  # "1": every rank on CUDA device 0, over gloo (NCCL refuses two ranks on one GPU)
 
 
 def layout_of(tensor: torch.Tensor) -> tuple[Any, ...]:
@@ -46,10 +47,25 @@ def layout_mismatches(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
     return checked, wrong
 
 
+def share_one_gpu() -> None:
+    """Several ranks on one GPU, for a multi-rank CUDA test on a machine with one: each takes device 0 and the
+    process group is gloo's, which moves CUDA tensors too (load-once's broadcast, DDP's all-reduce)."""
+    from imagenet_elastic import distributed
+
+    def select_device(requested: str, env: distributed.DistEnv) -> torch.device:
+        torch.cuda.set_device(0)
+        return torch.device("cuda", 0)
+
+    distributed.select_device = select_device
+    distributed.group_options = lambda device: {"backend": "gloo"}
+
+
 def install() -> None:
     """Wrap Trainer.fit: the report is written on every rank, after every build step, before any step."""
     from imagenet_elastic.trainer import Trainer
 
+    if os.environ.get(ONE_GPU) == "1" and torch.cuda.is_available():
+        share_one_gpu()
     fit = Trainer.fit
 
     def reporting_fit(self: Trainer) -> None:
@@ -57,8 +73,8 @@ def install() -> None:
         checked, wrong = layout_mismatches(state.model, state.optimizer, state.ema.module if state.ema else None)
         path = os.path.join(os.environ[PROBE_DIR], f"rank{self.env.rank}.json")
         with open(path, "w") as f:
-            json.dump({"rank": self.env.rank, "checked": checked, "mismatches": wrong,
-                       "resumed": self.restored.resume_from is not None}, f)
+            json.dump({"rank": self.env.rank, "device": str(self.ctx.device), "checked": checked,
+                       "mismatches": wrong, "resumed": self.restored.resume_from is not None}, f)
         fit(self)
 
     Trainer.fit = reporting_fit

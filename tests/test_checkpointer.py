@@ -140,5 +140,7 @@ def test_a_synchronous_writer_has_the_file_on_disk_when_submit_returns(tmp_path)
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_host_copy_of_a_cuda_state_is_pinned_and_complete():
     state = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32)}
-    copied = HostCopy(pin=True).copy(state)["w"]
+    host = HostCopy(pin=True)
+    copied = host.copy(state)["w"]
+    host.wait_copied()
     assert copied.is_pinned() and copied.device.type == "cpu" and torch.equal(copied, state["w"].cpu())

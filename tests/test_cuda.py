@@ -1,5 +1,8 @@
 """The CUDA paths on a real GPU: NCCL, nvJPEG against the CPU decoder, AMP steps, the pinned host copy of
-a background checkpoint. The rest of the suite tests their logic on the CPU; these run the kernels.
+a background checkpoint, a resume of two ranks into CUDA's fused SGD, an fp16 first step that overflows,
+and a training loop that never makes the host wait for the GPU (sync-debug mode, and a busy training stream
+that the policy and the step must not wait for). The rest of the suite tests their logic on the CPU; these
+run the kernels.
 
 Marked `cuda` and skipped where no CUDA device is visible (CI has none). On a GPU machine:
 `python3 -m pytest -q -m cuda tests/test_cuda.py` (scripts/gpu_checks.sh runs it as its `tests` part).
@@ -7,23 +10,29 @@ Marked `cuda` and skipped where no CUDA device is visible (CI has none). On a GP
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import subprocess
+import sys
 
 import fault_injection as fi
 import pytest
 import torch
-from conftest import REPO, SMALL_RUN, load_checkpoint, torchrun_cmd
+from conftest import REPO, SMALL_RUN, load_checkpoint, several_at_once, torchrun_cmd
+from state_probe import ONE_GPU, PROBE_DIR, layout_mismatches
 from test_data import write_jpeg
 
-from imagenet_elastic import data, gpu_decode
+from imagenet_elastic import checkpoint_share, data, engine, gpu_decode
 from imagenet_elastic.augment import POLICIES, Augment
 from imagenet_elastic.checkpointer import HostCopy
 from imagenet_elastic.engine import StepContext, train_step
 from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.loss import TrainLoss
-from imagenet_elastic.model import create_model, create_optimizer
+from imagenet_elastic.mixing import Mixer
+from imagenet_elastic.model import create_ema, create_model, create_optimizer
+from imagenet_elastic.sampler import BatchPlan
+from imagenet_elastic.state import PendingSteps, TrainState
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)
@@ -89,11 +98,15 @@ def test_the_pinned_host_copy_of_a_checkpoint_holds_the_values_at_the_copy():
     state = {"model": {"w": torch.randn(1000, 1000, device=GPU)}, "list": [torch.arange(7, device=GPU)], "n": 3}
     expected = state["model"]["w"].cpu().clone()
     host = HostCopy(pin=True)
+    main = busy_training_stream()  # the step that made the state is still running
     copied = host.copy(state)
-    state["model"]["w"].add_(1)  # training goes on at once
+    assert not main.query(), "the copy waited for the training stream"
+    state["model"]["w"].add_(1)  # training goes on at once, queued behind the copy
+    host.wait_copied()  # what the writer thread does before it reads
     assert copied["model"]["w"].is_pinned() and torch.equal(copied["model"]["w"], expected)
     assert torch.equal(copied["list"][0], torch.arange(7)) and copied["n"] == 3
     again = host.copy(state)
+    host.wait_copied()
     assert again["model"]["w"].data_ptr() == copied["model"]["w"].data_ptr()  # the buffers are reused
     assert torch.equal(again["model"]["w"], expected + 1)
 
@@ -111,3 +124,162 @@ def test_one_nccl_rank_trains_with_decode_gpu_and_a_background_checkpoint(image_
     assert row["val_samples"] == 35 and 0 <= row["val_top1"] <= 100
     weights = load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"]
     assert all(t.device.type == "cpu" and torch.isfinite(t.float()).all() for t in weights.values())
+
+
+# ----------------------------------------------------------------------------- resume into fused SGD (issue 26)
+
+def gpu_state(channels_last: bool = True) -> TrainState:
+    torch.manual_seed(0)
+    model = create_model("test_resnet", 10).to(GPU)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
+    assert optimizer.param_groups[0]["fused"]  # the kernel that checks strides
+    return TrainState(model, optimizer, torch.amp.GradScaler("cuda", enabled=False), ema=create_ema(model, 0.9, False))
+
+
+def steps_on_gpu(state: TrainState, count: int, amp=torch.bfloat16) -> list[float]:
+    ctx = StepContext(state.model, state.optimizer, state.scaler, TrainLoss(0.1), GPU, amp, channels_last=True)
+    generator = torch.Generator().manual_seed(5)
+    images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=generator).to(GPU)
+    labels = torch.randint(0, 10, (16,), generator=generator).to(GPU)
+    return [float(train_step(ctx, [(images, labels, None)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
+            for s in range(count)]
+
+
+@pytest.mark.parametrize("path", ["load_once", "direct_other_layout"])
+def test_a_resumed_state_steps_with_cudas_fused_sgd(path):
+    """What every rank but 0 did at each multi-GPU restart: take rank 0's checkpoint through load-once, then
+    step; and a run resumed with the other --channels-last setting. Fused SGD checks the strides."""
+    trained = gpu_state()
+    steps_on_gpu(trained, 2)
+    snapshot = trained.capture({}, {})
+    snapshot = checkpoint_share.unpack(*checkpoint_share.pack(snapshot)) if path == "load_once" else \
+        copy.deepcopy({k: v for k, v in snapshot.items()})
+    resumed = gpu_state(channels_last=path == "load_once")
+    resumed.apply(snapshot)
+    checked, wrong = layout_mismatches(resumed.model, resumed.optimizer, resumed.ema.module)
+    assert checked and not wrong, wrong
+    assert all(torch.isfinite(torch.tensor(steps_on_gpu(resumed, 2))))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_on_one_gpu_resume_under_torchrun_and_train(image_folder, tmp_path):
+    """Real torchrun and load-once on CUDA: two ranks share device 0 over gloo (NCCL refuses two ranks on one
+    GPU), train, are restarted with --resume and train on with fused SGD; both report their state's layout."""
+    several_at_once()
+    probe = tmp_path / "probe"
+    probe.mkdir()
+    env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
+                       **{PROBE_DIR: str(probe), ONE_GPU: "1"})
+    args = [str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "bf16", "--model-ema", "--max-steps-per-epoch",
+            "3", "--checkpoints-path", str(tmp_path / "ckpt")]
+    for extra in (["--epochs", "1"], ["--epochs", "2", "--resume"]):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+               str(REPO / "tests" / "state_probe.py"), *args, *extra]
+        result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+        assert result.returncode == 0, result.stdout + result.stderr
+    for rank in (0, 1):
+        report = json.loads((probe / f"rank{rank}.json").read_text())
+        assert report["resumed"] and report["device"] == "cuda:0" and report["checked"] and not report["mismatches"]
+    assert load_checkpoint(tmp_path / "ckpt" / "last.pt")["step"] == 6
+
+
+def test_an_fp16_first_step_that_overflows_leaves_fused_momentum_as_unfused_sgds():
+    """GradScaler's initial scale makes the first fp16 backward overflow here; the fused kernel then skips the
+    step, and the next one must not read momentum that was never written."""
+    runs = {}
+    for fused in (True, False):
+        torch.manual_seed(0)
+        model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
+        optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU, fused=fused)
+        scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 24)  # fp16's gradients overflow at this scale
+        ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, torch.float16, channels_last=True)
+        images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, device=GPU)
+        labels = torch.randint(0, 10, (16,), device=GPU)
+        scales = [scaler.get_scale()]
+        for s in range(30):  # the scale halves at each overflowing step until one goes through, and then stays
+            train_step(ctx, [(images, labels, None)], [slice(0, 16)], 16, 0.1, seed=0, step=s)
+            scales.append(scaler.get_scale())
+            if scales[-1] == scales[-2]:
+                break
+        assert scales[1] == 2.0 ** 23 and scales[-1] == scales[-2], scales  # overflowed first, then stepped
+        runs[fused] = (model, optimizer, scales)
+    assert runs[True][2] == runs[False][2]
+    (fused_model, fused_opt, _), (plain_model, plain_opt, _) = runs[True], runs[False]
+    for p, q in zip(fused_model.parameters(), plain_model.parameters()):
+        torch.testing.assert_close(fused_opt.state[p]["momentum_buffer"], plain_opt.state[q]["momentum_buffer"],
+                                   rtol=1e-3, atol=1e-5)
+        assert torch.isfinite(fused_opt.state[p]["momentum_buffer"]).all()
+
+
+# ----------------------------------------------------------------------------- the host never waits for the GPU
+
+BUSY_CYCLES = 4_000_000_000  # torch.cuda._sleep: ~2 s of a GPU clock, far longer than any host work below
+
+
+def busy_training_stream() -> torch.cuda.Stream:
+    """The training stream with a long kernel queued on it, as the previous step's forward and backward are."""
+    main = torch.cuda.current_stream(GPU)
+    torch.cuda._sleep(BUSY_CYCLES)
+    return main
+
+
+@pytest.mark.parametrize("policy", ["ta_wide", "imagenet"])
+def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(jpegs, policy):
+    """torchvision's tensor kernels make blocking host-to-device copies (affine matrices, erasing's fill); on the
+    training stream each would wait for its queue. On their side stream they wait for the decode alone."""
+    augment = Augment(policy=policy, erase=1.0)
+    dataset = data.TrainDataset(jpegs, 120, 4, gpu_decode.encode_region, augment)
+    batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
+    decoder = gpu_decode.BatchDecoder(GPU, print, augment)
+    expected = next(engine.device_batches([batch], GPU, decoder))[0].clone()  # also warms nvJPEG and the kernels
+    torch.cuda.synchronize()
+    main = busy_training_stream()
+    images = next(engine.device_batches([batch], GPU, decoder))[0]
+    assert not main.query(), "the policy waited for the training stream's queue"
+    torch.cuda.synchronize()
+    assert torch.equal(images, expected)
+
+
+def hot_loop_batches(count: int) -> list[list]:
+    """What the loader hands over under --decode cpu: pinned uint8 images, labels, indices."""
+    generator = torch.Generator().manual_seed(7)
+    return [[torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=generator).pin_memory(),
+             torch.randint(0, 10, (16,), generator=generator).pin_memory(), torch.arange(16)] for _ in range(count)]
+
+
+def hot_loop(ctx: StepContext, plan: BatchPlan, batches: list[list], first_step: int) -> None:
+    """The training loop's per-step work (trainer.run_epoch without its log and checkpoint steps)."""
+    pending = PendingSteps(GPU)
+    for step, micro_batches in enumerate(engine.step_groups(engine.device_batches(batches, GPU), plan.accum),
+                                         start=first_step):
+        pending.add(train_step(ctx, micro_batches, plan.micro_slices(0), plan.share, 0.1, seed=0, step=step))
+
+
+@pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
+def test_the_training_loop_never_synchronizes_the_host(amp):
+    """sync-debug mode turns every synchronizing call torch makes into an error; the busy stream also catches
+    what it cannot see (a copy from pageable memory waits for its stream without torch asking). Mixing, two
+    micro-batches per step and fused SGD (with GradScaler under fp16) are on."""
+    torch.manual_seed(0)
+    model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
+    scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
+    ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, amp, channels_last=True,
+                      mixer=Mixer(0.2, 1.0, 10))
+    plan = BatchPlan(16, 1, 8)
+    hot_loop(ctx, plan, hot_loop_batches(2), first_step=0)  # warm-up: cuDNN's choices, the caching allocators
+    batches, more = hot_loop_batches(3), hot_loop_batches(2)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hot_loop(ctx, plan, batches, first_step=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    main = busy_training_stream()
+    hot_loop(ctx, plan, more, first_step=5)
+    assert not main.query(), "a training step waited for the GPU"
+    torch.cuda.synchronize()

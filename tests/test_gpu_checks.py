@@ -1,5 +1,6 @@
 """scripts/gpu_checks.sh runs as it is: every part but the two compile ones, on a CPU with a tiny model (MODEL,
-BATCH, SIZE and BATCHES from the environment), prints the JSON lines it promises, and exits 0. A device session
+BATCH, SIZE and BATCHES from the environment), prints the JSON lines it promises, and exits 0 (the `restart` part
+is tests/test_resume_layout.py's two-rank resume). A device session
 lasts 30 minutes; this is so that none of it goes to a flag the benchmark no longer takes. The compile parts are
 the synthetic and end_to_end commands with --compile added (compiling costs a minute here)."""
 
@@ -80,3 +81,4 @@ def test_a_part_that_needs_data_it_does_not_have_or_an_unknown_part_is_one_line(
                                       f"{tmp_path / 'nowhere'}' first")
     unknown = gpu_checks("synthetics", tmp_path, tmp_path)
     assert unknown.returncode == 2 and unknown.stderr.strip() == "unknown part 'synthetics' (see the script's header)"
+

@@ -13,8 +13,8 @@ import sys
 
 import pytest
 import torch
-from conftest import REPO, SMALL_RUN, child_env, several_at_once
-from state_probe import PROBE_DIR, layout_mismatches
+from conftest import REPO, child_env, several_at_once
+from state_probe import layout_mismatches
 
 from imagenet_elastic import checkpoint_share
 from imagenet_elastic.config import OPTIMIZERS
@@ -88,24 +88,18 @@ def test_load_once_gives_back_channels_last_and_transposed_strides():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_two_rank_torchrun_resume_gives_every_rank_state_in_its_parameters_layout(image_folder, tmp_path):
-    """Real torchrun, real load-once: rank 1 receives rank 0's checkpoint over gloo. channels_last is the
-    default; SGD's momentum and the average are checked on both ranks just before the first resumed step."""
+    """Real torchrun, real load-once (rank 1 receives rank 0's checkpoint over gloo), channels_last (the default),
+    SGD's momentum and the average checked on both ranks just before the first resumed step. It is
+    scripts/gpu_checks.sh's `restart` part, run here on the CPU with a tiny model: on a GPU the same part puts
+    both ranks on the device and steps with CUDA's fused SGD."""
     several_at_once()
-    args = [str(image_folder), *SMALL_RUN, "--model-ema", "--checkpoints-path", str(tmp_path / "ckpt")]
-    probe = tmp_path / "probe"
-    probe.mkdir()
-
-    def torchrun(*extra: str) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "tests" / "state_probe.py"), *args, *extra]
-        return subprocess.run(cmd, cwd=REPO, env=child_env(**{PROBE_DIR: str(probe)}), capture_output=True,
-                              text=True, timeout=240)
-
-    first = torchrun("--epochs", "1", "--max-steps-per-epoch", "2")
-    assert first.returncode == 0, first.stdout + first.stderr
-    resumed = torchrun("--epochs", "2", "--max-steps-per-epoch", "2", "--resume")
-    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
-    reports = [json.loads((probe / f"rank{rank}.json").read_text()) for rank in (0, 1)]
-    for report in reports:
-        assert report["resumed"] and report["checked"] > 0, report
+    result = subprocess.run(["bash", "scripts/gpu_checks.sh", "restart", str(image_folder), str(tmp_path)], cwd=REPO,
+                            env=child_env(PYTHON=sys.executable, MODEL="test_resnet", BATCH="16", SIZE="32",
+                                          BATCHES="2"), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    (line,) = [json.loads(text) for text in result.stdout.splitlines()]  # stdout: one JSON line for BENCHMARKS.md
+    assert line["step"] == 2 * 2  # two epochs of BATCHES steps: the second one resumed
+    assert [r["rank"] for r in line["ranks"]] == [0, 1]
+    for report in line["ranks"]:
+        assert report["resumed"] and report["checked"] > 0 and report["device"] == "cpu", report
         assert report["mismatches"] == [], report
