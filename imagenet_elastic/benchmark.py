@@ -4,7 +4,9 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
 
 - loader: our training input pipeline and the textbook one (ImageFolder + PIL + RandomResizedCrop +
   flip + ToTensor + Normalize in DataLoader workers, as in pytorch/examples), same folder, workers
-  and batch, measured in alternating rounds in one run;
+  and batch, measured in alternating rounds in one run; DATA may be any source (a folder, tar shards),
+  the textbook one runs where it is a folder, and --against adds our loader on other sources of the same
+  images (a pack against its folder); each says how many files its workers opened per sample;
 - synthetic: training steps on batches already on the device (the model's limit);
 - end_to_end: training steps fed by our loader from the folder;
 - index: peak RSS of DataLoader workers that read every entry of a synthetic 1.28 M-image file index,
@@ -37,15 +39,15 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from imagenet_elastic import benchmark_throughput as throughput
-from imagenet_elastic import checkpoint, data, file_index
+from imagenet_elastic import checkpoint, data, sources
 from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.augment import POLICIES
 from imagenet_elastic.checkpoint import CheckpointManager
 from imagenet_elastic.checkpointer import CheckpointWriter
 from imagenet_elastic.engine import train_step
 from imagenet_elastic.errors import UserError, report
-from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.options import Parser, non_negative_int, positive_int, probability
+from imagenet_elastic.sources.image_folder import ImageFolder
 from imagenet_elastic.state import TrainState
 
 MODES = ("loader", "synthetic", "end_to_end", "index", "checkpoint")
@@ -55,7 +57,10 @@ IMAGENET_TRAIN_IMAGES = 1_281_167
 def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic benchmark", description=__doc__,
                formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("data", metavar="DATA", help="ImageFolder root with train/ (or the train folder itself)")
+    p.add_argument("data", metavar="DATA", help="a data root with train/, or the train split itself (class folders, "
+                   "tar shards or a shard pattern)")
+    p.add_argument("--against", metavar="DATA", nargs="+", default=[], help="loader mode: also our loader on these "
+                   "(another form of the same images, e.g. the folder a pack was made from)")
     p.add_argument("--mode", choices=[*MODES, "all"], default="all")
     p.add_argument("--model", default="resnet50")
     p.add_argument("--batch-size", type=positive_int, default=64)
@@ -96,13 +101,13 @@ def memory_peaks() -> dict[str, Optional[float]]:
 
 # ----------------------------------------------------------------------------- index memory
 
-def synthetic_index(size: int = IMAGENET_TRAIN_IMAGES, classes: int = 1000) -> ImageIndex:
+def synthetic_index(size: int = IMAGENET_TRAIN_IMAGES, classes: int = 1000) -> ImageFolder:
     """ImageNet-shaped relative paths (`n00000123/n00000123_4567.JPEG`), no files behind them."""
-    targets = np.arange(size, dtype=np.int64) * classes // size
-    paths = np.array([f"n{t:08d}/n{t:08d}_{i}.JPEG".encode() for i, t in enumerate(targets.tolist())])
+    labels = np.arange(size, dtype=np.int64) * classes // size
+    paths = np.array([f"n{t:08d}/n{t:08d}_{i}.JPEG".encode() for i, t in enumerate(labels.tolist())])
     empty = np.array([], dtype="S1")
-    return ImageIndex("/data/train", tuple(f"n{c:08d}" for c in range(classes)), paths, targets, empty,
-                      np.array([], dtype=np.int64))
+    return ImageFolder("/data/train", "train", tuple(f"n{c:08d}" for c in range(classes)), paths, labels, empty,
+                       np.array([], dtype=np.int64))
 
 
 class PathLengths(Dataset):
@@ -147,10 +152,10 @@ def worker_memory(lookup: Callable[[int], tuple[str, int]], size: int, workers: 
 def run_index(entries: int, workers: int) -> None:
     index = synthetic_index(entries)
     workers = max(1, workers)
-    ours = worker_memory(lambda i: (index.path(i), int(index.targets[i])), len(index), workers)
-    tuples = [(index.path(i), int(index.targets[i])) for i in range(len(index))]  # the textbook's samples list
+    ours = worker_memory(lambda i: (index.path(i), index.label(i)), len(index), workers)
+    tuples = [(index.path(i), index.label(i)) for i in range(len(index))]  # the textbook's samples list
     textbook = worker_memory(tuples.__getitem__, len(tuples), workers)
-    emit("index", entries=len(index), index_mb=round((index.paths.nbytes + index.targets.nbytes) / 2**20, 1),
+    emit("index", entries=len(index), index_mb=round((index.paths.nbytes + index.labels.nbytes) / 2**20, 1),
          workers=workers, ours_worker_peak_rss_mb=ours[0], ours_worker_private_mb=ours[1],
          list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
 
@@ -194,7 +199,7 @@ def run_checkpoint(args: argparse.Namespace) -> None:
     size = min(args.image_size, 64)  # one small step, so that the optimizer's momentum exists as in training
     images = torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8, device=ctx.device)
     labels = torch.randint(0, 1000, (2,), device=ctx.device)
-    train_step(ctx, [(images, labels, None)], [slice(0, 2)], 2, 0.1, seed=0, step=0)
+    train_step(ctx, [data.Batch(images, labels)], [slice(0, 2)], 2, 0.1, seed=0, step=0)
     model = getattr(ctx.model, "_orig_mod", ctx.model)
     state = TrainState(model, ctx.optimizer, ctx.scaler).capture({}, {})
     folder = tempfile.mkdtemp(prefix="checkpoint-benchmark-", dir=args.checkpoints_path)
@@ -236,16 +241,19 @@ def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
     workers = args.workers if args.workers is not None else data.default_workers(1)
     try:
-        train_dir = file_index.train_dir(args.data)
-        for mode in MODES if args.mode == "all" else (args.mode,):
+        modes = MODES if args.mode == "all" else (args.mode,)
+        needs_data = [mode for mode in modes if mode in ("loader", "end_to_end")]
+        train = sources.open_source(sources.train_location(args.data), "train", None) if needs_data else None
+        against = tuple(sources.open_source(sources.train_location(other), "train", None) for other in args.against)
+        for mode in modes:
             if torch.cuda.is_available():  # each mode's line reports its own peak
                 torch.cuda.reset_peak_memory_stats()
             if mode == "loader":
-                emit(mode, **throughput.run_loader(args, train_dir, workers))
+                emit(mode, **throughput.run_loader(args, train, workers, against))
             elif mode == "synthetic":
                 emit(mode, **throughput.run_synthetic(args))
             elif mode == "end_to_end":
-                emit(mode, **throughput.run_end_to_end(args, train_dir, workers))
+                emit(mode, **throughput.run_end_to_end(args, train, workers))
             elif mode == "index":
                 run_index_apart(args.index_entries, workers)
             else:

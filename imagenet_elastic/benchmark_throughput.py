@@ -5,21 +5,25 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import multiprocessing
+import os
 import statistics
 import sys
 import time
 from collections.abc import Iterator
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset
 
-from imagenet_elastic import data, gpu_decode
+from imagenet_elastic import data, sources
 from imagenet_elastic.augment import INCEPTION_CROP, Augment, make_policy
+from imagenet_elastic.data import Batch
+from imagenet_elastic.decoding import Decoding
 from imagenet_elastic.engine import StepContext, device_batches, train_step
-from imagenet_elastic.file_index import ImageIndex, scan_image_folder
 from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.sources.image_folder import ImageFolder
 
 # ----------------------------------------------------------------------------- loader
 
@@ -36,16 +40,61 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
         next(batches)
     start, images = time.perf_counter(), 0
     for _ in range(count):
-        images += len(next(batches)[0])
+        batch = next(batches)
+        images += len(batch) if isinstance(batch, Batch) else len(batch[0])  # ours, or the textbook's [x, y]
     return images / (time.perf_counter() - start)
 
 
-def ours_loader(index: ImageIndex, size: int, batch: int, workers: int, encoded: bool = False,
-                augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
-    sampler = TrainBatchSampler(len(index), BatchPlan(batch, 1, batch), 0, seed=0)
-    load, collate = gpu_decode.worker_functions("gpu" if encoded else "cpu")
-    loader = data.train_loader(data.TrainDataset(index, size, 0, load, augment), sampler, workers,
-                               torch.cuda.is_available(), collate=collate)
+class OpenCounter:
+    """Files opened per sample read, in the loader workers: every `open` of Python's (builtins.open, os.open) as
+    the interpreter's audit hook sees it, in counters the forked workers share with this process."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self.opens, self.samples = context.Value("q", 0), context.Value("q", 0)
+        self.hooked: set[int] = set()  # processes whose hook is installed (a hook stays for the process's life)
+
+    def count_opens(self) -> None:
+        if os.getpid() in self.hooked:
+            return
+        self.hooked.add(os.getpid())
+        opens = self.opens
+
+        def hook(event: str, _args: tuple) -> None:
+            if event == "open":
+                with opens.get_lock():
+                    opens.value += 1
+        sys.addaudithook(hook)
+
+    def per_sample(self) -> Optional[float]:
+        return round(self.opens.value / self.samples.value, 3) if self.samples.value else None
+
+
+class Counted(Dataset):
+    """A dataset whose reads are counted by an OpenCounter."""
+
+    def __init__(self, dataset: Dataset, counter: OpenCounter) -> None:
+        self.dataset, self.counter = dataset, counter
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        self.counter.count_opens()
+        with self.counter.samples.get_lock():
+            self.counter.samples.value += 1
+        return self.dataset[key]
+
+
+def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decode: str = "cpu",
+                augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
+    sampler = TrainBatchSampler(len(source), BatchPlan(batch, 1, batch), 0, seed=0)
+    decoding = Decoding(decode)
+    dataset: Dataset = data.TrainDataset(source, size, 0, decoding.load, augment)
+    if counter is not None:
+        dataset = Counted(dataset, counter)
+    loader = data.train_loader(dataset, sampler, workers, torch.cuda.is_available(),  # type: ignore[arg-type]
+                               collate_fn=decoding.collate)
     data.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -70,20 +119,37 @@ def textbook_loader(root: str, size: int, batch: int, workers: int,
     return lambda _: iter(loader)
 
 
-def run_loader(args: argparse.Namespace, train_dir: str, workers: int) -> dict[str, Any]:
-    index = scan_image_folder(train_dir, "train")
+def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
+               against: tuple[sources.Source, ...] = ()) -> dict[str, Any]:
+    """Ours on DATA against the textbook loader on the same folder (where DATA is one), and ours on each of
+    `against` (another form of the same images: a pack against its folder), in alternating rounds."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    contenders = {"ours": ours_loader(index, args.image_size, args.batch_size, workers, augment=augment),
-                  "textbook": textbook_loader(train_dir, args.image_size, args.batch_size, workers, augment)}
+    counters = [OpenCounter() for _ in range(1 + len(against))]
+    contenders = {"ours": ours_loader(train, args.image_size, args.batch_size, workers, augment=augment,
+                                      counter=counters[0])}
+    if isinstance(train, ImageFolder):
+        contenders["textbook"] = textbook_loader(train.root, args.image_size, args.batch_size, workers, augment)
+    for k, other in enumerate(against):
+        contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, augment=augment,
+                                                 counter=counters[k + 1])
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, make in contenders.items():
             rates[name].append(images_per_sec(endless(make), args.batches, warmup))
-    ours, textbook = statistics.median(rates["ours"]), statistics.median(rates["textbook"])
-    return {"ours_images_per_sec": round(ours, 1), "textbook_images_per_sec": round(textbook, 1),
-            "ratio": round(ours / textbook, 2), "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()},
-            "images": len(index), "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+    rate = {name: statistics.median(values) for name, values in rates.items()}
+    figures: dict[str, Any] = {"data": train.where(), "ours_images_per_sec": round(rate["ours"], 1),
+                               "files_opened_per_sample": counters[0].per_sample()}
+    if "textbook" in rate:
+        figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
+                       ratio=round(rate["ours"] / rate["textbook"], 2))
+    if against:
+        figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
+                               "files_opened_per_sample": counters[k + 1].per_sample(),
+                               "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
+                              for k, other in enumerate(against)]
+    return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
+            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
             "auto_augment": args.auto_augment, "random_erase": args.random_erase}
 
 
@@ -123,8 +189,8 @@ def timed_steps(ctx: StepContext, batches: Iterator, count: int, warmup: int) ->
             sync(ctx.device)
             start, images = time.perf_counter(), 0
         batch = next(batches)
-        train_step(ctx, [batch], [slice(0, len(batch[1]))], len(batch[1]), 0.1, seed=0, step=i)
-        images += len(batch[1])
+        train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
+        images += len(batch)
     sync(ctx.device)
     return images / (time.perf_counter() - start)
 
@@ -139,20 +205,18 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
                            device=ctx.device)
     labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.device)
-    batch = (images, labels, None)
+    batch = Batch(images, labels)
     rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
     return {"images_per_sec": round(rate, 1), **settings}
 
 
-def run_end_to_end(args: argparse.Namespace, train_dir: str, workers: int) -> dict[str, Any]:
-    index = scan_image_folder(train_dir, "train")
-    ctx, settings = step_context(args, len(index.classes))
-    encoded = args.decode == "gpu"
+def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int) -> dict[str, Any]:
+    ctx, settings = step_context(args, len(train.classes))
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    loader = ours_loader(index, args.image_size, args.batch_size, workers, encoded, augment)
-    decoder = (gpu_decode.BatchDecoder(ctx.device, lambda line: print(line, file=sys.stderr), augment)
-               if encoded else None)
+    decoding = Decoding(args.decode)
+    loader = ours_loader(train, args.image_size, args.batch_size, workers, args.decode, augment)
+    decoder = decoding.finisher(ctx.device, lambda line: print(line, file=sys.stderr), augment)
     batches = device_batches(endless(loader), ctx.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
-    return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(index), "decode": args.decode,
-            "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}
+    return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
+            "decode": args.decode, "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

@@ -102,7 +102,7 @@ def shown_default(f: dataclasses.Field) -> str:
 
 # Tools beside training, each a module with `main(argv)`: imported only when asked for.
 SUBCOMMANDS = {"benchmark": "imagenet_elastic.benchmark", "export": "imagenet_elastic.export",
-               "plot": "imagenet_elastic.plot"}
+               "pack": "imagenet_elastic.pack", "plot": "imagenet_elastic.plot"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:

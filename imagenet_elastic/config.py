@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from imagenet_elastic import options
 from imagenet_elastic.augment import POLICIES, Augment, check_range
@@ -18,6 +18,9 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.preemption import DEFAULT_SIGNALS
 from imagenet_elastic.resolution import TrainSizes
 from imagenet_elastic.schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from imagenet_elastic.decoding import Decoding
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 
@@ -31,6 +34,7 @@ RESUME_SENSITIVE = (
     "progressive_epochs", "ra_reps",
 )
 OPTIMIZERS = ("sgd", "nesterov", "adamw", "lamb", "lars")  # --opt: torch's SGD, the rest timm's
+DECODE_MODES = ("cpu", "gpu")  # --decode: decoding.Decoding
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
           "checkpoints": "checkpoints", "distributed": "distributed"}
 
@@ -45,9 +49,16 @@ def option(default: Any, help: str, group: str, metavar: Optional[str] = None, s
 
 @dataclass(frozen=True)
 class Config:
-    data: str = field(metadata={"help": "ImageFolder root with `train/` and `val/`, or the train folder itself",
+    data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
+                                        "shards (`imagenet-elastic pack`, WebDataset); or the train split itself: a "
+                                        "folder, a shard pattern (`shards-{0000..1023}.tar`) or a glob",
                                 "metavar": "DATA", "positional": True})
-    val_path: Optional[str] = option(None, "validation folder", "run", "PATH", shown_default="`DATA/val`")
+    val_path: Optional[str] = option(None, "the validation split: class folders, tar shards (a folder or a pattern), "
+                                     "or a flat folder of images with --val-labels", "run", "PATH",
+                                     shown_default="`DATA/val`")
+    val_labels: Optional[str] = option(
+        None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "
+        "ImageNet's LOC_val_solution.csv", "run", "FILE")
     model: str = option("resnet50", "any timm model name, random initialisation (nothing is downloaded)", "model",
                         "NAME")
     initial_checkpoint: Optional[str] = option(
@@ -175,7 +186,7 @@ class Config:
         "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, a thread of the "
         "training process decodes each batch with nvJPEG and crops, resizes and flips it on the GPU, two batches "
         "ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind reported once by each rank that meets "
-        "it)", "run", choices=["cpu", "gpu"])
+        "it)", "run", choices=list(DECODE_MODES))
     workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
                                     shown_default="cores per process - 1 (max 8)", type=options.non_negative_int)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
@@ -232,6 +243,12 @@ class Config:
             raise UserError(f"{given} needs {missing} too")
         if self.bce_target_thresh is not None and not self.bce_loss:
             raise UserError("--bce-target-thresh applies to --bce-loss only")
+
+    @property
+    def decoding(self) -> Decoding:
+        from imagenet_elastic.decoding import Decoding  # imports torch: after the command line is checked
+
+        return Decoding(self.decode)
 
     @property
     def augment(self) -> Augment:

@@ -26,25 +26,18 @@ import torch
 from imagenet_elastic import __version__, distributed
 from imagenet_elastic.config import Config, flag
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.sources import FileList, Source
 
 # Settings each node may set its own way: where its copy of the data is, its own resources, how it
 # was launched. The checkpoints folder is compared by what it holds (the lock's token), not its path.
-NODE_LOCAL = frozenset({"data", "val_path", "checkpoints_path", "workers", "threads", "log_interval", "tensorboard",
-                        "dist_init_method", "nproc_per_node", "master_port", "dist_url", "dist_timeout"})
+NODE_LOCAL = frozenset({"data", "val_path", "val_labels", "checkpoints_path", "workers", "threads", "log_interval",
+                        "tensorboard", "dist_init_method", "nproc_per_node", "master_port", "dist_url", "dist_timeout"})
 
 
 class JobMismatch(UserError):
     """Ranks that differ in what they must share. Every node's log says it (see launch.py)."""
 
     every_node = True
-
-
-@dataclass(frozen=True)
-class FileList:
-    count: int
-    classes: int
-    digest: str  # of the class names, relative paths and targets, in order
 
 
 @dataclass(frozen=True)
@@ -65,8 +58,9 @@ class Fingerprint:
 def code_version() -> str:
     """Version and a digest of the package's source: an edited or stale checkout has the same version."""
     digest = hashlib.blake2b(digest_size=6)
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        digest.update(path.name.encode() + b"\0" + path.read_bytes())
+    package = Path(__file__).parent
+    for path in sorted(package.rglob("*.py")):
+        digest.update(str(path.relative_to(package)).encode() + b"\0" + path.read_bytes())
     return f"imagenet_elastic {__version__} (source {digest.hexdigest()}), torch {torch.__version__}"
 
 
@@ -78,24 +72,15 @@ def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
-def file_list(index: ImageIndex) -> FileList:
-    """Equal lists give equal arrays (the fixed width is the longest path's), so hashing the arrays'
-    bytes is enough (a fraction of a second for ImageNet's 1.28 M paths: docs/BENCHMARKS.md)."""
-    digest = hashlib.blake2b(digest_size=12)
-    digest.update("\0".join(index.classes).encode() + b"\1" + str(index.paths.dtype).encode())
-    digest.update(index.paths.tobytes())
-    digest.update(index.targets.astype(np.int64).tobytes())
-    return FileList(len(index), len(index.classes), digest.hexdigest())
-
-
-def fingerprint(config: Config, train: ImageIndex, val: ImageIndex, folder_token: Optional[str],
+def fingerprint(config: Config, train: Source, val: Source, folder_token: Optional[str],
                 checkpoint: Optional[dict[str, Any]]) -> Fingerprint:
     mark = None
     if checkpoint is not None:
         mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
                 float(checkpoint["saved_at"]))
     return Fingerprint(code_version(), settings_digest(shared_settings(config)), folder_token, mark,
-                       file_list(train), file_list(val), socket.gethostname(), os.path.abspath(config.checkpoints_path))
+                       train.fingerprint(), val.fingerprint(), socket.gethostname(),
+                       os.path.abspath(config.checkpoints_path))
 
 
 COMPARED = tuple(f.name for f in fields(Fingerprint) if f.name not in ("host", "folder"))
@@ -121,25 +106,31 @@ def setting_differences(mine: dict[str, Any], main: dict[str, Any], rank: int) -
             for k in sorted(set(mine) | set(main)) if mine.get(k) != main.get(k)]
 
 
-def first_file_difference(mine: ImageIndex, main: tuple[tuple[str, ...], np.ndarray, np.ndarray], rank: int) -> str:
+def listing(source: Source) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
+    """What rank 0 sends when file lists differ: class names, entries and labels."""
+    return source.classes, source.entries(), source.labels
+
+
+def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray, np.ndarray], rank: int) -> str:
     """Where this rank's list departs from rank 0's: the first differing entry, or where one list ends."""
-    classes, paths, targets = main
+    classes, entries, labels = main
+    own, own_labels = mine.entries(), mine.labels
     if tuple(mine.classes) != tuple(classes):
-        return (f"class folders only on rank 0: {sorted(set(classes) - set(mine.classes))[:3]}, only on rank {rank}: "
+        return (f"classes only on rank 0: {sorted(set(classes) - set(mine.classes))[:3]}, only on rank {rank}: "
                 f"{sorted(set(mine.classes) - set(classes))[:3]}")
-    common = min(len(paths), len(mine.paths))
-    differs = np.flatnonzero((paths[:common] != mine.paths[:common]) | (targets[:common] != mine.targets[:common]))
+    common = min(len(entries), len(own))
+    differs = np.flatnonzero((entries[:common] != own[:common]) | (labels[:common] != own_labels[:common]))
     if len(differs):
         i = int(differs[0])
-        return f"image #{i} is {paths[i].decode()!r} on rank 0 but {mine.paths[i].decode()!r} on rank {rank}"
-    if len(paths) == len(mine.paths):
+        return f"image #{i} is {entries[i].decode()!r} on rank 0 but {own[i].decode()!r} on rank {rank}"
+    if len(entries) == len(own):
         return "the lists are the same"  # rank 0, and others not asked
-    longer, name = (paths, "rank 0") if len(paths) > common else (mine.paths, f"rank {rank}")
+    longer, name = (entries, "rank 0") if len(entries) > common else (own, f"rank {rank}")
     return f"the lists agree up to image #{common}, where only {name} goes on, with {longer[common].decode()!r}"
 
 
 def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,
-             train: ImageIndex, val: ImageIndex) -> str:
+             train: Source, val: Source) -> str:
     """The one line that says what differs; a collective when the fingerprints alone cannot say it
     (every rank calls it with the same `name` and `ranks`, so every rank takes part)."""
     first, main = ranks[0], prints[0]
@@ -164,7 +155,7 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
         return (f"ranks loaded different checkpoints from {main.folder}: {who(prints, 0)} found {said(main)}, "
                 f"{who(prints, first)}{also} {said(prints[first])} (was it written to while this round started?)")
     index, ours, theirs = (train if name == "train" else val), getattr(main, name), getattr(prints[first], name)
-    listed = distributed.broadcast_object((index.classes, index.paths, index.targets), src=0)
+    listed = distributed.broadcast_object(listing(index) if distributed.rank() == 0 else None, src=0)
     rank = distributed.rank()
     detail = distributed.broadcast_object(first_file_difference(index, listed, rank), src=first)
     return (f"{name} file lists differ: {who(prints, 0)} has {ours.count} images in {ours.classes} classes, "
@@ -172,7 +163,7 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
             "data must be identical")
 
 
-def check_same_job(config: Config, train: ImageIndex, val: ImageIndex, folder_token: Optional[str],
+def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
                    checkpoint: Optional[dict[str, Any]]) -> None:
     """One all-gather of every rank's fingerprint; JobMismatch on every rank when they differ."""
     prints = distributed.all_gather_object(fingerprint(config, train, val, folder_token, checkpoint))

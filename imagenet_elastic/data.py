@@ -1,9 +1,12 @@
-"""Images on disk to uint8 batches: each sample's random stream, datasets, loaders and their workers.
+"""A source's samples to uint8 batches: each sample's random stream, datasets, the batch type, loaders and
+their workers.
 
-Workers decode, crop, resize and flip on uint8 (pixels.py) and hand over HWC uint8 tensors; the copy to the
-device, conversion to float and normalisation happen there (engine.device_batches, engine.prepare_batch).
-Every random choice a training sample gets comes from (seed, epoch, sample index) alone, so a
-restarted run, any worker count and any world size see exactly the same pixels.
+Workers read a sample's bytes from its source (sources/), then decode, crop, resize and flip on uint8
+(pixels.py) and hand over HWC uint8 tensors; the copy to the device, conversion to float and normalisation
+happen there (engine.device_batches, engine.prepare_batch). Under --decode gpu the workers hand over the
+bytes instead (decoding.py says which). Every random choice a training sample gets comes from (seed,
+epoch, sample index) alone, so a restarted run, any worker count and any world size see exactly the same
+pixels.
 """
 
 from __future__ import annotations
@@ -18,16 +21,45 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Union
 
 import torch
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, default_collate
 
 from imagenet_elastic import distributed
 from imagenet_elastic.augment import INCEPTION_CROP, Augment
-from imagenet_elastic.file_index import ImageIndex
-from imagenet_elastic.pixels import Box, ChooseCrop, center_crop_box, decode_region, random_resized_crop_box
+from imagenet_elastic.pixels import Box, ChooseCrop, center_crop_box, decode_bytes, random_resized_crop_box
 from imagenet_elastic.resolution import TrainSizes
 from imagenet_elastic.sampler import SampleKey, TrainBatchSampler, eval_shard
+from imagenet_elastic.sources import Source
 
-Load = Callable[[str, ChooseCrop, int], Any]  # (path, choose_crop, size) -> what a worker hands over
+# (encoded bytes, the sample's name for errors, choose_crop, size) -> what a worker hands over
+Load = Callable[[bytes, str, ChooseCrop, int], Any]
+
+
+@dataclasses.dataclass
+class Batch:
+    """One micro-batch, as a loader hands it over and a training step takes it."""
+
+    images: Any  # N x H x W x 3 uint8; under --decode gpu an EncodedBatch until the device decodes it
+    labels: torch.Tensor  # int64 class indices
+    indices: Optional[torch.Tensor] = None  # training: the samples' indices, kept on the host (sample log)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def pin_memory(self) -> Batch:
+        """What DataLoader's pin_memory thread calls on a batch type of its own."""
+        return dataclasses.replace(self, images=self.images.pin_memory(), labels=self.labels.pin_memory())
+
+    def to(self, device: torch.device) -> Batch:
+        """Images and labels on `device`, without waiting (from pinned memory); indices stay on the host."""
+        return dataclasses.replace(self, images=self.images.to(device, non_blocking=True),
+                                   labels=self.labels.to(device, non_blocking=True))
+
+
+def collate(samples: list[tuple]) -> Batch:
+    """Dataset items (image, label[, index]) to a Batch; images of one size stack into one tensor."""
+    images, labels, *indices = zip(*samples)
+    return Batch(default_collate(list(images)), torch.tensor(labels, dtype=torch.int64),
+                 torch.tensor(indices[0], dtype=torch.int64) if indices else None)
 
 
 def sample_rng(seed: int, epoch: int, index: int, copy: int = 0) -> random.Random:
@@ -40,17 +72,17 @@ class TrainDataset(Dataset):
     """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at
     the epoch's size.
 
-    `load` turns (path, choose_crop, size) into the sample's image: `decode_region` here, or
-    `gpu_decode.encode_region`, which leaves the decoding, and so the policy and erasing, to the device.
+    `load` turns a sample's bytes into its image: `pixels.decode_bytes` here, or `gpu_decode.encode_bytes`,
+    which leaves the decoding, and so the policy and erasing, to the device.
     """
 
-    def __init__(self, index: ImageIndex, size: Union[int, TrainSizes], seed: int, load: Load = decode_region,
+    def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
                  augment: Augment = INCEPTION_CROP) -> None:
-        self.index, self.seed, self.load, self.augment = index, seed, load, augment
+        self.source, self.seed, self.load, self.augment = source, seed, load, augment
         self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.source)
 
     def __getitem__(self, key: SampleKey) -> tuple[Any, int, int]:
         """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
@@ -61,29 +93,29 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
             return box, rng.random() < augment.hflip
 
-        image = self.load(self.index.path(i), choose_crop, self.sizes(epoch))
+        image = self.load(self.source.read(i), self.source.name(i), choose_crop, self.sizes(epoch))
         seed = augment.draw_seed(rng)
         if isinstance(image, torch.Tensor):
             image = augment.apply(image, seed)
         elif seed is not None:  # --decode gpu: the seed travels with the bytes, the device applies it
             image = dataclasses.replace(image, augment_seed=seed)
-        return image, int(self.index.targets[i]), i
+        return image, self.source.label(i), i
 
 
 class EvalDataset(Dataset):
     """Resize-then-centre-crop, done as one resize of the kept region."""
 
-    def __init__(self, index: ImageIndex, size: int, resize: int, load: Load = decode_region) -> None:
-        self.index, self.size, self.resize, self.load = index, size, resize, load
+    def __init__(self, source: Source, size: int, resize: int, load: Load = decode_bytes) -> None:
+        self.source, self.size, self.resize, self.load = source, size, resize, load
 
     def __len__(self) -> int:
-        return len(self.index)
+        return len(self.source)
 
     def __getitem__(self, i: int) -> tuple[Any, int]:
         def choose_crop(width: int, height: int) -> tuple[Box, bool]:
             return center_crop_box(width, height, self.size, self.resize), False
 
-        return self.load(self.index.path(i), choose_crop, self.size), int(self.index.targets[i])
+        return self.load(self.source.read(i), self.source.name(i), choose_crop, self.size), self.source.label(i)
 
 
 def default_workers(local_world_size: int) -> int:
@@ -136,8 +168,8 @@ _WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else
 
 
 def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
-                    collate: Optional[Callable]) -> dict:
-    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate,
+                    collate_fn: Callable[[list], Batch]) -> dict:
+    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate_fn,
                "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
     if workers > 0:
         options.update(persistent_workers=True, prefetch_factor=4, multiprocessing_context=_WORKER_START)
@@ -179,14 +211,14 @@ def start_workers(loader: DataLoader) -> None:
 
 
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
-                 ignored_signals: tuple[int, ...] = (), collate: Optional[Callable] = None) -> DataLoader:
+                 ignored_signals: tuple[int, ...] = (), collate_fn: Callable[[list], Batch] = collate) -> DataLoader:
     return DataLoader(dataset, batch_sampler=Gate(sampler), generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals, collate))
+                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
                 pin_memory: bool, ignored_signals: tuple[int, ...] = (),
-                collate: Optional[Callable] = None) -> DataLoader:
+                collate_fn: Callable[[list], Batch] = collate) -> DataLoader:
     return DataLoader(dataset, batch_size=batch_size, sampler=Gate(eval_shard(len(dataset), rank, world_size)),
                       generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals, collate))
+                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn))

@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from imagenet_elastic import distributed
+from imagenet_elastic.data import Batch
 from imagenet_elastic.mixing import Mixer
 
 if TYPE_CHECKING:
@@ -69,8 +70,8 @@ def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) 
     return images.float().sub_(ctx.mean).div_(ctx.std), labels
 
 
-def device_batches(batches: Iterable, device: torch.device, decoder: Optional[BatchDecoder] = None
-                   ) -> Iterator[list]:
+def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None
+                   ) -> Iterator[Batch]:
     """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
 
     Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy of the next batch runs
@@ -83,33 +84,31 @@ def device_batches(batches: Iterable, device: torch.device, decoder: Optional[Ba
     queue is the previous step's forward and backward. Other entries (sample indices) stay on the host,
     so reading them never waits for the device.
     """
-    def prepare(batch: list) -> list:
-        images, labels, *rest = decoder.decode_crops(batch) if decoder else batch
-        return [images.to(device, non_blocking=True), labels.to(device, non_blocking=True), *rest]
-
     if decoder is not None:
+        def decode(batch: Batch) -> tuple[Batch, list[Optional[int]]]:
+            decoded, seeds = decoder.decode_crops(batch)
+            return decoded.to(device), seeds
+
         policy = SideStream(device)
-        for staged, ready in decoded_ahead(batches, prepare, device):
-            if decoder.draws_policy(staged):
-                with policy.run_after(ready, staged[0]):
-                    staged = decoder.augment_images(staged)
-            else:
-                staged = decoder.augment_images(staged)
+        for (staged, seeds), ready in decoded_ahead(batches, decode, device):
+            if decoder.draws_policy(seeds):
+                with policy.run_after(ready, staged.images):
+                    staged = decoder.augment_images(staged, seeds)
             take_on_current_stream(staged, ready, device)
             yield staged
         return
     if device.type != "cuda":
-        yield from map(prepare, batches)
+        yield from (batch.to(device) for batch in batches)
         return
     side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
     ahead = None
     for batch in batches:
         with torch.cuda.stream(side):
-            staged = prepare(batch)
+            staged = batch.to(device)
         if ahead is not None:
             yield ahead
         main.wait_stream(side)
-        for tensor in staged[:2]:
+        for tensor in (staged.images, staged.labels):
             tensor.record_stream(main)  # allocated on `side`: not reused before `main` is done with it
         ahead = staged
     if ahead is not None:
@@ -140,23 +139,22 @@ class SideStream:
         torch.cuda.current_stream(self.device).wait_stream(self.stream)
 
 
-def take_on_current_stream(staged: list, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
+def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
     """The current (training) stream waits for the event that made `staged`'s device tensors on another
     stream, and those tensors are not reused before the current stream is done with them."""
     if ready is None:
         return
     main = torch.cuda.current_stream(device)
     main.wait_event(ready)
-    for tensor in staged:
-        if isinstance(tensor, torch.Tensor) and tensor.device.type == "cuda":
-            tensor.record_stream(main)
+    for tensor in (staged.images, staged.labels):
+        tensor.record_stream(main)
 
 
 _DONE = object()
 
 
-def decoded_ahead(batches: Iterable, prepare: Callable[[list], list], device: torch.device, ahead: int = 2
-                  ) -> Iterator[tuple[list, Optional[torch.cuda.Event]]]:
+def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2
+                  ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
     """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
     are taken; on CUDA on a stream of its own, whose event `ready` the taker waits for (None on a CPU). Its
     errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
@@ -235,7 +233,7 @@ class LoaderWaits:
         return seconds
 
 
-def step_groups(loader: Iterable, accum: int) -> Iterator[list]:
+def step_groups(loader: Iterable[Batch], accum: int) -> Iterator[list[Batch]]:
     """The loader's micro-batches, `accum` at a time: one list per optimizer step."""
     group = []
     for batch in loader:
@@ -267,7 +265,7 @@ def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
                 m.num_batches_tracked.copy_(count)  # in place: DDP keeps references to the buffers
 
 
-def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share: int, lr: float, seed: int,
+def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, lr: float, seed: int,
                step: int) -> torch.Tensor:
     """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device).
 
@@ -279,8 +277,8 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
         group["lr"] = lr
     ctx.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=ctx.device)
-    for j, ((images, labels, _), part) in enumerate(zip(micro_batches, slices)):
-        images, targets = prepare_batch(images, labels, ctx)
+    for j, (batch, part) in enumerate(zip(micro_batches, slices)):
+        images, targets = prepare_batch(batch.images, batch.labels, ctx)
         if ctx.mixer is not None:
             images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.channels_last)
         seed_micro_batch(seed, step, part.start)
@@ -292,7 +290,7 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
             with ctx.autocast():
                 loss = ctx.criterion(ctx.model(images), targets)
-            weighted = loss * (len(labels) / share)  # x1.0 when there is one micro-batch: exact
+            weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
             ctx.scaler.scale(weighted).backward()
         total += weighted.detach().float()
     if ctx.clip_grad_norm is not None:  # on the all-reduced gradient: every rank clips the same, at any world size
@@ -304,7 +302,7 @@ def train_step(ctx: StepContext, micro_batches: list, slices: list[slice], share
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable, flip_average: bool = False) -> EvalResult:
+def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False) -> EvalResult:
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
     DDP's forward would then wait on a collective), then the sums are added up across ranks.
 
@@ -313,8 +311,8 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable, flip_average:
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5
     samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
-    for images, labels, *_ in loader:
-        images, labels = prepare_batch(images, labels, ctx)
+    for batch in loader:
+        images, labels = prepare_batch(batch.images, batch.labels, ctx)
         with ctx.autocast():
             logits = model(images).float()
             if flip_average:

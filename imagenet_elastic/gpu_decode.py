@@ -27,10 +27,9 @@ from typing import Optional
 
 import torch
 from PIL import Image
-from torch.utils.data import default_collate
 
 from imagenet_elastic.augment import INCEPTION_CROP, Augment
-from imagenet_elastic.data import Load
+from imagenet_elastic.data import Batch
 from imagenet_elastic.errors import CorruptImageError, first_line
 from imagenet_elastic.pixels import (
     Box,
@@ -39,8 +38,6 @@ from imagenet_elastic.pixels import (
     crop_region,
     crop_resize,
     decode_bytes,
-    decode_region,
-    read_file,
     resize_regions,
 )
 
@@ -55,7 +52,7 @@ class EncodedImage:
     """One image as a worker hands it over: its bytes and where to crop, or (`cpu_reason` set) its
     pixels already decoded and cropped on the CPU."""
 
-    path: str
+    path: str  # the sample's name, for messages
     data: torch.Tensor  # 1-D uint8 file bytes, or size x size x 3 uint8 pixels
     box: Box
     flip: bool
@@ -64,9 +61,8 @@ class EncodedImage:
     augment_seed: Optional[int] = None  # the policy's and erasing's draws (augment.Augment.draw_seed)
 
 
-def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
-    """The worker's part: read, parse the header, draw the crop (same signature as pixels.decode_region)."""
-    raw = read_file(path)
+def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
+    """The worker's part: parse the header, draw the crop (a data.Load, as pixels.decode_bytes is)."""
     try:
         with Image.open(io.BytesIO(raw)) as img:
             width, height = img.size
@@ -78,11 +74,6 @@ def encode_region(path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage
         return EncodedImage(path, byte_tensor(raw), box, flip, size)
     reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
     return EncodedImage(path, decode_bytes(raw, path, lambda w, h: (box, flip), size), box, flip, size, reason)
-
-
-def worker_functions(decode: str) -> tuple[Load, Optional[Callable[[list], list]]]:
-    """The dataset's `load` and the loader's `collate_fn` for --decode cpu or gpu."""
-    return (encode_region, collate) if decode == "gpu" else (decode_region, None)
 
 
 @dataclass
@@ -115,10 +106,11 @@ class EncodedBatch:
         return replace(self, data=self.data.pin_memory())
 
 
-def collate(samples: list[tuple]) -> list:
-    """Encoded images become one EncodedBatch (their byte strings differ in length); the rest collates as usual."""
-    images, *rest = zip(*samples)
-    return [EncodedBatch.pack(images), *(default_collate(list(column)) for column in rest)]
+def collate(samples: list[tuple]) -> Batch:
+    """Encoded images become one EncodedBatch (their byte strings differ in length)."""
+    images, labels, *indices = zip(*samples)
+    return Batch(EncodedBatch.pack(images), torch.tensor(labels, dtype=torch.int64),
+                 torch.tensor(indices[0], dtype=torch.int64) if indices else None)
 
 
 # How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
@@ -149,42 +141,39 @@ def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
 
 
 class BatchDecoder:
-    """The main process's part: `decoder(batch)` turns a collated EncodedBatch into an
-    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), leaving the batch's
-    other entries as they are."""
+    """The main process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
+    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), labels and indices as they
+    are."""
 
     def __init__(self, device: torch.device, warn: Callable[[str], None], augment: Augment = INCEPTION_CROP) -> None:
         self.device, self.warn, self.augment = device, warn, augment
         self.batched_crops = device.type != "cpu"  # the CPU has a uint8 resize kernel: the worker path's pixels
         self.reported: set[str] = set()
 
-    def __call__(self, batch: list) -> list:
+    def __call__(self, batch: Batch) -> Batch:
         """All of it, in the calling thread (the benchmark's and the tests' way)."""
-        return self.augment_images(self.decode_crops(batch))
+        return self.augment_images(*self.decode_crops(batch))
 
-    def decode_crops(self, batch: list) -> list:
-        """`[images, *rest, seeds]`: the crops (N x size x size x 3 uint8 on the device) before the policy, and
-        each image's policy seed. Draws nothing at random, so it may run in a thread of its own
-        (engine.device_batches)."""
-        packed, *rest = batch
-        images = packed.unpack()
-        return [self.decode(images), *rest, [im.augment_seed for im in images]]
+    def decode_crops(self, batch: Batch) -> tuple[Batch, list[Optional[int]]]:
+        """The batch with its crops (N x size x size x 3 uint8 on the device) before the policy, and each image's
+        policy seed. Draws nothing at random, so it may run in a thread of its own (engine.device_batches)."""
+        images = batch.images.unpack()
+        return replace(batch, images=self.decode(images)), [im.augment_seed for im in images]
 
     @staticmethod
-    def draws_policy(staged: list) -> bool:
-        """Whether `augment_images` runs the policy or erasing on any image of `decode_crops`' output."""
-        return any(seed is not None for seed in staged[-1])
+    def draws_policy(seeds: list[Optional[int]]) -> bool:
+        """Whether `augment_images` runs the policy or erasing on any image."""
+        return any(seed is not None for seed in seeds)
 
-    def augment_images(self, staged: list) -> list:
+    def augment_images(self, batch: Batch, seeds: list[Optional[int]]) -> Batch:
         """`decode_crops`' output with the policy and erasing applied, image by image (torchvision's draw per
         image), in the thread that owns torch's global generator: the training thread (on a stream of its
         own: engine.device_batches). Each image is written back into the batch, which is this batch's own
         tensor (`decode` stacked it)."""
-        images, *rest, seeds = staged
-        for image, seed in zip(images, seeds):
+        for image, seed in zip(batch.images, seeds):
             if seed is not None:
                 image.copy_(self.augment.apply(image, seed, pil=False))
-        return [images, *rest]
+        return batch
 
     def decode(self, images: list[EncodedImage]) -> torch.Tensor:
         on_device = iter(self.decode_on_device([im for im in images if im.cpu_reason is None]))

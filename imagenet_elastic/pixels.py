@@ -47,21 +47,9 @@ def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
     return (width - side) / 2, (height - side) / 2, side, side
 
 
-def decode_region(path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
-    """Decode `path`, crop the box that `choose_crop(width, height)` picks, resize to size x size: RGB uint8 HWC."""
-    return decode_bytes(read_file(path), path, choose_crop, size)
-
-
-def read_file(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as error:
-        raise CorruptImageError(f"cannot read image file {path}: {error.strerror or error}") from None
-
-
 def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
-    """`decode_region` on bytes already read.
+    """Decode an image's bytes (`path` names it in errors), crop the box that `choose_crop(width, height)` picks,
+    resize to size x size: RGB uint8 HWC.
 
     The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
     at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side

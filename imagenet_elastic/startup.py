@@ -30,11 +30,10 @@ from imagenet_elastic import (
     consistency,
     data,
     distributed,
-    file_index,
-    gpu_decode,
     initial_weights,
     mixing,
     preemption,
+    sources,
     startup_table,
     step_log,
 )
@@ -45,7 +44,6 @@ from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import StepContext
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.loss import TrainLoss
 from imagenet_elastic.mixing import Mixer
 from imagenet_elastic.model import (
@@ -75,8 +73,8 @@ class Inputs:
 
     device: torch.device
     threads: int
-    train_index: ImageIndex
-    val_index: ImageIndex
+    train: sources.Source  # the training split's samples
+    val: sources.Source
     checkpoints: CheckpointManager
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
@@ -92,10 +90,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
-    train_dir, val_dir = file_index.resolve_split_dirs(config.data, config.val_path)
-    train_index = file_index.load_index(train_dir, "train", config.checkpoints_path)
-    val_index = file_index.load_index(val_dir, "val", config.checkpoints_path)
-    file_index.check_same_classes(train_index, val_index)
+    train, val = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
@@ -116,11 +111,11 @@ def check_inputs(config: Config, env: DistEnv, console: Console,
     from_main = env.launched and not env.is_main and resume_from is not None
     snapshot = checkpoint.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
-        check_compatible(snapshot, resume_from, config.model, train_index.classes,
+        check_compatible(snapshot, resume_from, config.model, train.classes,
                          None if config.evaluate else config.opt, config.blurpool)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
-    inputs = Inputs(device, threads, train_index, val_index, checkpoints, resume_from, from_main,
+    inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
                     time.perf_counter() - start, initial, tensorboard)
     return inputs, snapshot
 
@@ -132,7 +127,7 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
     saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
                      env.world_size, config.batch_size)
-    sampler = TrainBatchSampler(len(inputs.train_index), plan, env.rank, config.seed, config.max_steps_per_epoch,
+    sampler = TrainBatchSampler(len(inputs.train), plan, env.rank, config.seed, config.max_steps_per_epoch,
                                 config.ra_reps)
     torch.manual_seed(config.seed)
     precision = resolve_precision(config.amp, inputs.device)
@@ -140,7 +135,7 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
         console.warn(precision.warning)
     if config.mixes and not config.evaluate:
         mixing.check_pairs(plan)
-    model = place_model(create_model(config.model, len(inputs.train_index.classes), config.drop_path, config.blurpool),
+    model = place_model(create_model(config.model, len(inputs.train.classes), config.drop_path, config.blurpool),
                         inputs.device, config.channels_last)
     start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
         model, inputs.initial_state, config.initial_checkpoint, config.model)
@@ -172,7 +167,7 @@ def restore_state(config: Config, env: DistEnv, console: Console, inputs: Inputs
                                "statistics, dropout and drop path are computed per micro-batch)")
         for change in changes:
             console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
-    return Restored(state, plan, sampler, precision, schedule, start, classes=inputs.train_index.classes,
+    return Restored(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None)
 
@@ -181,23 +176,19 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
                   stack: contextlib.ExitStack) -> Loaders:
     """Train and val loaders, their workers forked now, while this process has one thread (see
     data.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
-    each batch on the device."""
+    each batch on the device (decoding.py)."""
     workers = config.workers if config.workers is not None else data.default_workers(env.local_world_size)
     pin = inputs.device.type == "cuda"
     ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see data._worker_init
-    load, collate = gpu_decode.worker_functions(config.decode)
-    decoder = None
-    if config.decode == "gpu":
-        if inputs.device.type != "cuda":
-            console.warn("--decode gpu without a CUDA device: the main process decodes each batch on the CPU "
-                         "(slower than --decode cpu; meant for testing)")
-        decoder = gpu_decode.BatchDecoder(inputs.device, functools.partial(console.warn, every_rank=True),
-                                          config.augment)
-    train = data.train_loader(data.TrainDataset(inputs.train_index, config.train_sizes, config.seed, load,
+    decoding = config.decoding
+    if decoding.warning(inputs.device):
+        console.warn(decoding.warning(inputs.device))
+    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True), config.augment)
+    train = data.train_loader(data.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
-                              restored.sampler, workers, pin, ignored, collate)
-    val = data.eval_loader(data.EvalDataset(inputs.val_index, config.eval_crop, config.eval_resize, load),
-                           config.batch_size, env.rank, env.world_size, workers, pin, ignored, collate)
+                              restored.sampler, workers, pin, ignored, decoding.collate)
+    val = data.eval_loader(data.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.load),
+                           config.batch_size, env.rank, env.world_size, workers, pin, ignored, decoding.collate)
     data.share_heap_with_workers()
     stack.callback(data.stop_loader_workers)
     for loader in ([] if config.evaluate else [train]) + [val]:
@@ -208,24 +199,23 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
 def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
              snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack) -> Optional[float]:
     """The process group, then the check that needs it: every rank has the same data, settings, code,
-    checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the file lists
-    for the next start, now that they passed every check."""
+    checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the sources' lists
+    (a folder's scan, shards' index) for the next start, now that they passed every check."""
     distributed.init_process_group(env, inputs.device, config.dist_timeout)
     stack.callback(distributed.destroy_process_group)
     checked = None
     if env.launched:
         start = time.perf_counter()
         token = None if config.evaluate else checkpoint.read_lock_token(config.checkpoints_path)
-        consistency.check_same_job(config, inputs.train_index, inputs.val_index, token, snapshot)
+        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot)
         checked = time.perf_counter() - start
     if env.is_main and not config.evaluate:
-        for role, index in (("train", inputs.train_index), ("val", inputs.val_index)):
-            path = file_index.cache_path(config.checkpoints_path, role)
+        for source in (inputs.train, inputs.val):
             try:
-                if not index.cached:
-                    file_index.write_cache(index, path)
+                source.keep(config.checkpoints_path)
             except OSError as error:  # only a cache: the next start scans again
-                console.warn(f"could not write the file list cache {path}: {error.strerror or error}")
+                console.warn(f"could not keep the {source.role} list in {config.checkpoints_path}: "
+                             f"{error.strerror or error}")
     return checked
 
 
@@ -258,7 +248,7 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     del snapshot  # its tensors are in the model and optimizer now
     state = restored.state
     preempt.steps_done = state.step
-    classes = len(inputs.train_index.classes)
+    classes = len(inputs.train.classes)
     ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
                       restored.precision.dtype, config.channels_last,

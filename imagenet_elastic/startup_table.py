@@ -9,7 +9,6 @@ from imagenet_elastic.config import Config
 from imagenet_elastic.console import Console
 from imagenet_elastic.distributed import DistEnv, group_options
 from imagenet_elastic.errors import PREEMPTED_EXIT
-from imagenet_elastic.file_index import ImageIndex
 from imagenet_elastic.model import blurred, count_parameters
 from imagenet_elastic.trainer import Loaders, Restored
 
@@ -27,9 +26,9 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
     console.table("imagenet_elastic", [
         ("model", f"{c.model} ({count_parameters(restored.state.model) / 1e6:.2f} M parameters)"
                   + (f", BlurPool before {blurred(restored.state.model)} strided convolutions" if c.blurpool else "")),
-        ("classes", str(len(inputs.train_index.classes))),
-        ("train images", describe_index(inputs.train_index)),
-        ("val images", describe_index(inputs.val_index)),
+        ("classes", str(len(inputs.train.classes))),
+        ("train images", inputs.train.describe()),
+        ("val images", inputs.val.describe()),
         ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
         ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous "
                      f"{env.master_addr}:{env.master_port}; every rank has the same data, "
@@ -58,9 +57,7 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, restored
         ("steps per epoch", str(restored.sampler.steps)),
         ("precision", restored.precision.describe()),
         ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
-        ("decode", "in loader workers" if loaders.decoder is None else f"batched on {inputs.device} (--decode gpu)"
-         + (", then the policy and erasing there, image by image" if loaders.decoder and c.augment.after_crop
-            else "")),
+        ("decode", c.decoding.describe(inputs.device, c.augment)),
         ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
@@ -76,7 +73,3 @@ def describe_mixing(c: Config) -> str:
              if alpha > 0]
     return " or ".join(kinds) + " per pair of the global batch" + (", half each" if len(kinds) == 2 else "") \
         if kinds else "off"
-
-
-def describe_index(index: ImageIndex) -> str:
-    return f"{len(index)} in {index.root}" + (" (file list from the cache)" if index.cached else "")

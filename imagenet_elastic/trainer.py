@@ -16,6 +16,7 @@ from imagenet_elastic.checkpoint import BEST
 from imagenet_elastic.checkpointer import Checkpointer
 from imagenet_elastic.config import RESUME_AUTO, Config
 from imagenet_elastic.console import Console, EpochProgress, clock
+from imagenet_elastic.data import Batch
 from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.engine import LoaderWaits, StepContext, device_batches, evaluate, step_groups, train_step
 from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
@@ -105,7 +106,7 @@ class Trainer:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr = r.schedule.at(state.step)
                 loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
-                self.sample_log.record(epoch, state.step, (i for batch in micro_batches for i in batch[2].tolist()))
+                self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
                 self.preempt.steps_done = state.step
@@ -180,7 +181,7 @@ class Trainer:
             results["val_samples"] = val.samples
         return results
 
-    def on_device(self, loader: DataLoader) -> Iterator[list]:
+    def on_device(self, loader: DataLoader) -> Iterator[Batch]:
         return device_batches(loader, self.ctx.device, self.loaders.decoder)
 
     # ------------------------------------------------------------------ checkpoints and stopping

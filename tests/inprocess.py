@@ -53,6 +53,19 @@ def train(argv: Sequence[str], signal_during_step: Optional[int] = None,
     return outcome
 
 
+def evaluate(argv: Sequence[str]) -> dict:
+    """`imagenet-elastic ARGV --evaluate --resume CHECKPOINT` in this process: the JSON line's values."""
+    config, _ = cli.parse(list(argv))
+    assert config.evaluate, "pass --evaluate"
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.ExitStack() as stack:
+            trainer = startup.build(config, DistEnv(), Console(True, config.log_interval), PreemptionFlag(()), stack)
+            return trainer.validate()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def watch(trainer: Trainer, preempt: PreemptionFlag, signal_during_step: Optional[int], outcome: Outcome) -> None:
     """Record each save's step; deliver the signal at the end of the step it is due in, where the loop asks."""
     checkpointer, state = trainer.checkpointer, trainer.state

@@ -8,6 +8,7 @@ import pytest
 import torch
 from torch import nn
 
+from imagenet_elastic.data import Batch
 from imagenet_elastic.engine import StepContext, prepare_batch, step_groups, train_step
 from imagenet_elastic.sampler import BatchPlan
 
@@ -20,14 +21,14 @@ def make_ctx(seed: int = 0) -> StepContext:
                        torch.device("cpu"), None, False)
 
 
-def batch(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def batch(n: int, seed: int) -> Batch:
     g = torch.Generator().manual_seed(seed)
-    return (torch.randint(0, 256, (n, 4, 4, 3), dtype=torch.uint8, generator=g),
-            torch.randint(0, 5, (n,), generator=g), torch.arange(n))
+    return Batch(torch.randint(0, 256, (n, 4, 4, 3), dtype=torch.uint8, generator=g),
+                 torch.randint(0, 5, (n,), generator=g), torch.arange(n))
 
 
-def split(full, slices):
-    return [tuple(t[s] for t in full) for s in slices]
+def split(full: Batch, slices: list[slice]) -> list[Batch]:
+    return [Batch(full.images[s], full.labels[s], full.indices[s]) for s in slices]
 
 
 @pytest.mark.parametrize("global_batch,micro", [(16, 8), (16, 5), (12, 4), (13, 4)])
@@ -109,7 +110,7 @@ def test_batch_norm_statistics_and_counter_come_from_the_first_micro_batch_only(
     parts = split(data, plan.micro_slices(0))
     first_only = copy.deepcopy(model)
     with torch.no_grad():
-        first_only(prepare_batch(parts[0][0], parts[0][1], ctx)[0])
+        first_only(prepare_batch(parts[0].images, parts[0].labels, ctx)[0])
     train_step(ctx, parts, plan.micro_slices(0), plan.share, 0.1, 0, 0)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(getattr(norm, name), getattr(first_only[1], name)), name

@@ -15,8 +15,8 @@ from imagenet_elastic.augment import MEAN_PIXEL, POLICIES, Augment
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import TrainDataset, sample_rng
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.pixels import random_resized_crop_box
+from imagenet_elastic.sources.image_folder import scan_image_folder
 
 EVERYTHING = Augment(scale=(0.25, 1.0), ratio=(0.5, 2.0), hflip=0.3, policy="ta_wide", erase=0.5)
 
@@ -59,7 +59,7 @@ def test_the_crop_and_flip_are_drawn_before_and_independently_of_the_policy(inde
         for augment in (Augment(), Augment(policy="ra", erase=1.0)):
             seen = []
 
-            def spy(path, choose_crop, size, seen=seen):
+            def spy(raw, name, choose_crop, size, seen=seen):
                 seen.append(choose_crop(64, 48))
                 return torch.zeros(size, size, 3, dtype=torch.uint8)
 
@@ -106,7 +106,7 @@ def test_default_augmentation_draws_the_same_stream_as_before_these_options_exis
     for i in range(len(index)):
         seen = []
 
-        def spy(path, choose_crop, size, seen=seen):
+        def spy(raw, name, choose_crop, size, seen=seen):
             seen.append(choose_crop(64, 48))
             return torch.zeros(size, size, 3, dtype=torch.uint8)
 

@@ -67,7 +67,7 @@ def test_folder_without_class_folders_is_named(tmp_path):
 def test_train_and_val_class_lists_differ(tmp_path):
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=2, val_per_class=1)
     shutil.rmtree(data / "val" / "class_001")
-    line = expect_user_error([str(data), "--checkpoints-path", str(tmp_path / "ck")], "class folders differ", data)
+    line = expect_user_error([str(data), "--checkpoints-path", str(tmp_path / "ck")], "classes differ", data)
     assert "class_001" in line
 
 

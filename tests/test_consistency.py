@@ -12,21 +12,24 @@ from imagenet_elastic import consistency
 from imagenet_elastic.config import Config
 from imagenet_elastic.consistency import (
     Fingerprint,
-    file_list,
     first_difference,
     first_file_difference,
     setting_differences,
     settings_digest,
     shared_settings,
 )
-from imagenet_elastic.file_index import ImageIndex
+from imagenet_elastic.sources.image_folder import ImageFolder
 
 
-def index(entries: list[str], classes: tuple[str, ...] = ("cat", "dog")) -> ImageIndex:
-    """An index of CLASS/NAME entries, in the order given (scan order)."""
-    targets = [classes.index(e.split("/")[0]) for e in entries]
-    return ImageIndex("/data/train", classes, np.array([e.encode() for e in entries]), np.array(targets),
-                      np.array([b"."]), np.array([0]))
+def index(entries: list[str], classes: tuple[str, ...] = ("cat", "dog")) -> ImageFolder:
+    """An image folder of CLASS/NAME entries, in the order given (scan order)."""
+    labels = [classes.index(e.split("/")[0]) for e in entries]
+    return ImageFolder("/data/train", "train", classes, np.array([e.encode() for e in entries]),
+                       np.array(labels, dtype=np.int64), np.array([b"."]), np.array([0]))
+
+
+def file_list(source):
+    return source.fingerprint()
 
 
 FILES = ["cat/a.jpg", "cat/b.jpg", "cat/c.jpg", "dog/d.jpg", "dog/e.jpg"]
@@ -41,7 +44,7 @@ def test_a_missing_file_changes_the_list_and_is_named_with_where_the_lists_part(
     missing = index([f for f in FILES if f != "cat/b.jpg"])
     assert file_list(missing).count == 4 and file_list(missing) != file_list(index(FILES))
     main = index(FILES)
-    said = first_file_difference(missing, (main.classes, main.paths, main.targets), rank=1)
+    said = first_file_difference(missing, consistency.listing(main), rank=1)
     assert said == "image #1 is 'cat/b.jpg' on rank 0 but 'cat/c.jpg' on rank 1"
 
 
@@ -49,27 +52,27 @@ def test_a_file_moved_to_another_class_keeps_the_count_and_is_named():
     moved = index(["cat/a.jpg", "cat/c.jpg", "dog/b.jpg", "dog/d.jpg", "dog/e.jpg"])
     main = index(FILES)
     assert file_list(moved).count == file_list(main).count and file_list(moved) != file_list(main)
-    said = first_file_difference(moved, (main.classes, main.paths, main.targets), rank=3)
+    said = first_file_difference(moved, consistency.listing(main), rank=3)
     assert said == "image #1 is 'cat/b.jpg' on rank 0 but 'cat/c.jpg' on rank 3"
 
 
 def test_a_list_that_only_ends_early_says_where_the_other_goes_on():
     main, short = index(FILES), index(FILES[:-1])
-    said = first_file_difference(short, (main.classes, main.paths, main.targets), rank=1)
+    said = first_file_difference(short, consistency.listing(main), rank=1)
     assert said == "the lists agree up to image #4, where only rank 0 goes on, with 'dog/e.jpg'"
-    said = first_file_difference(main, (short.classes, short.paths, short.targets), rank=2)
+    said = first_file_difference(main, consistency.listing(short), rank=2)
     assert said == "the lists agree up to image #4, where only rank 2 goes on, with 'dog/e.jpg'"
-    said = first_file_difference(main, (main.classes, main.paths, main.targets), rank=0)
+    said = first_file_difference(main, consistency.listing(main), rank=0)
     assert said == "the lists are the same"
-    said = first_file_difference(main, (short.classes, short.paths, short.targets), rank=2)
+    said = first_file_difference(main, consistency.listing(short), rank=2)
     assert said == "the lists agree up to image #4, where only rank 2 goes on, with 'dog/e.jpg'"
 
 
 def test_differing_class_folders_are_named():
     other = index(["cat/a.jpg", "eel/f.jpg"], classes=("cat", "eel"))
     main = index(FILES)
-    said = first_file_difference(other, (main.classes, main.paths, main.targets), rank=1)
-    assert said == "class folders only on rank 0: ['dog'], only on rank 1: ['eel']"
+    said = first_file_difference(other, consistency.listing(main), rank=1)
+    assert said == "classes only on rank 0: ['dog'], only on rank 1: ['eel']"
 
 
 def test_settings_of_node_local_copies_and_resources_may_differ_but_not_the_recipe():

@@ -26,12 +26,13 @@ from test_data import write_jpeg
 from imagenet_elastic import checkpoint_share, data, engine, gpu_decode
 from imagenet_elastic.augment import POLICIES, Augment
 from imagenet_elastic.checkpointer import HostCopy
+from imagenet_elastic.data import Batch
 from imagenet_elastic.engine import StepContext, train_step
-from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.loss import TrainLoss
 from imagenet_elastic.mixing import Mixer
 from imagenet_elastic.model import create_ema, create_model, create_optimizer
 from imagenet_elastic.sampler import BatchPlan
+from imagenet_elastic.sources.image_folder import scan_image_folder
 from imagenet_elastic.state import PendingSteps, TrainState
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
@@ -47,9 +48,9 @@ def jpegs(tmp_path):
 
 
 def decode_on_gpu(index, augment: Augment, keys: list) -> torch.Tensor:
-    dataset = data.TrainDataset(index, 120, 4, gpu_decode.encode_region, augment)
+    dataset = data.TrainDataset(index, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[key] for key in keys])
-    images = gpu_decode.BatchDecoder(GPU, print, augment)(batch)[0]
+    images = gpu_decode.BatchDecoder(GPU, print, augment)(batch).images
     assert images.device == GPU and images.dtype == torch.uint8 and images.shape == (len(keys), 120, 120, 3)
     return images.cpu()
 
@@ -88,7 +89,7 @@ def test_an_amp_step_on_the_gpu_trains(amp, blurpool):
     ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, amp, channels_last=True)
     images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, device=GPU)
     labels = torch.randint(0, 10, (16,), device=GPU)
-    losses = [float(train_step(ctx, [(images, labels, None)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
+    losses = [float(train_step(ctx, [Batch(images, labels)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
               for s in range(3)]
     assert all(torch.isfinite(torch.tensor(losses))), losses
     assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
@@ -143,7 +144,7 @@ def steps_on_gpu(state: TrainState, count: int, amp=torch.bfloat16) -> list[floa
     generator = torch.Generator().manual_seed(5)
     images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=generator).to(GPU)
     labels = torch.randint(0, 10, (16,), generator=generator).to(GPU)
-    return [float(train_step(ctx, [(images, labels, None)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
+    return [float(train_step(ctx, [Batch(images, labels)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
             for s in range(count)]
 
 
@@ -200,7 +201,7 @@ def test_an_fp16_first_step_that_overflows_leaves_fused_momentum_as_unfused_sgds
         labels = torch.randint(0, 10, (16,), device=GPU)
         scales = [scaler.get_scale()]
         for s in range(30):  # the scale halves at each overflowing step until one goes through, and then stays
-            train_step(ctx, [(images, labels, None)], [slice(0, 16)], 16, 0.1, seed=0, step=s)
+            train_step(ctx, [Batch(images, labels)], [slice(0, 16)], 16, 0.1, seed=0, step=s)
             scales.append(scaler.get_scale())
             if scales[-1] == scales[-2]:
                 break
@@ -231,26 +232,29 @@ def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(j
     """torchvision's tensor kernels make blocking host-to-device copies (affine matrices, erasing's fill); on the
     training stream each would wait for its queue. On their side stream they wait for the decode alone."""
     augment = Augment(policy=policy, erase=1.0)
-    dataset = data.TrainDataset(jpegs, 120, 4, gpu_decode.encode_region, augment)
+    dataset = data.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
     decoder = gpu_decode.BatchDecoder(GPU, print, augment)
-    expected = next(engine.device_batches([batch], GPU, decoder))[0].clone()  # also warms nvJPEG and the kernels
+    expected = next(engine.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
     torch.cuda.synchronize()
     main = busy_training_stream()
-    images = next(engine.device_batches([batch], GPU, decoder))[0]
+    images = next(engine.device_batches([batch], GPU, decoder)).images
     assert not main.query(), "the policy waited for the training stream's queue"
     torch.cuda.synchronize()
     assert torch.equal(images, expected)
 
 
-def hot_loop_batches(count: int) -> list[list]:
-    """What the loader hands over under --decode cpu: pinned uint8 images, labels, indices."""
+def hot_loop_batches(steps: int, plan: BatchPlan) -> list[Batch]:
+    """What the loader hands over under --decode cpu for `steps` steps: micro-batches of pinned uint8 images,
+    labels, indices."""
     generator = torch.Generator().manual_seed(7)
-    return [[torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=generator).pin_memory(),
-             torch.randint(0, 10, (16,), generator=generator).pin_memory(), torch.arange(16)] for _ in range(count)]
+    size = plan.micro_slices(0)[0].stop
+    return [Batch(torch.randint(0, 256, (size, 32, 32, 3), dtype=torch.uint8, generator=generator).pin_memory(),
+                  torch.randint(0, 10, (size,), generator=generator).pin_memory(), torch.arange(size))
+            for _ in range(steps * plan.accum)]
 
 
-def hot_loop(ctx: StepContext, plan: BatchPlan, batches: list[list], first_step: int) -> None:
+def hot_loop(ctx: StepContext, plan: BatchPlan, batches: list[Batch], first_step: int) -> None:
     """The training loop's per-step work (trainer.run_epoch without its log and checkpoint steps)."""
     pending = PendingSteps(GPU)
     for step, micro_batches in enumerate(engine.step_groups(engine.device_batches(batches, GPU), plan.accum),
@@ -270,8 +274,9 @@ def test_the_training_loop_never_synchronizes_the_host(amp):
     ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, amp, channels_last=True,
                       mixer=Mixer(0.2, 1.0, 10))
     plan = BatchPlan(16, 1, 8)
-    hot_loop(ctx, plan, hot_loop_batches(2), first_step=0)  # warm-up: cuDNN's choices, the caching allocators
-    batches, more = hot_loop_batches(3), hot_loop_batches(2)
+    hot_loop(ctx, plan, hot_loop_batches(2, plan), first_step=0)  # warm-up: cuDNN's choices, the allocators
+    batches, more = hot_loop_batches(3, plan), hot_loop_batches(2, plan)
+    assert plan.accum == 2 and len(batches) == 6
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

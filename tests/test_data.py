@@ -12,8 +12,8 @@ from PIL import Image
 
 from imagenet_elastic.data import EvalDataset, TrainDataset, sample_rng
 from imagenet_elastic.errors import CorruptImageError, UserError
-from imagenet_elastic.file_index import scan_image_folder
-from imagenet_elastic.pixels import center_crop_box, crop_resize, decode_region, random_resized_crop_box
+from imagenet_elastic.pixels import center_crop_box, crop_resize, decode_bytes, random_resized_crop_box
+from imagenet_elastic.sources.image_folder import scan_image_folder
 
 SIZES = [(1, 1), (1, 2), (2, 1), (2, 3), (3, 2), (3, 3), (5, 7), (17, 3), (31, 32), (1000, 1), (1, 1000),
          (4000, 3), (3, 4000), (640, 480), (333, 500)]
@@ -117,7 +117,7 @@ def test_train_dataset_returns_uint8_hwc_of_the_requested_size(image_root, size)
         pixels, target, index = dataset[(0, i)]
         assert pixels.dtype == torch.uint8
         assert pixels.shape == (size, size, 3)
-        assert target == int(dataset.index.targets[i]) and index == i
+        assert target == int(dataset.source.labels[i]) and index == i
 
 
 def test_train_dataset_same_key_gives_identical_pixels_across_instances(image_root):
@@ -133,14 +133,14 @@ def test_train_dataset_same_key_gives_identical_pixels_across_instances(image_ro
 def test_train_dataset_different_epoch_gives_different_pixels(image_root):
     dataset = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
     for i in range(len(dataset)):
-        if dataset.index.path(i).endswith("wide.jpg"):
+        if dataset.source.path(i).endswith("wide.jpg"):
             continue  # 120x9: every try misses, so only the flip varies (see the next test)
-        assert not torch.equal(dataset[(0, i)][0], dataset[(1, i)][0]), dataset.index.path(i)
+        assert not torch.equal(dataset[(0, i)][0], dataset[(1, i)][0]), dataset.source.path(i)
 
 
 def test_train_dataset_very_wide_image_still_varies_across_epochs_by_its_flip(image_root):
     dataset = TrainDataset(scan_image_folder(image_root, "train"), size=24, seed=5)
-    wide = [dataset.index.path(i) for i in range(len(dataset))].index(os.path.join(image_root, "dog", "wide.jpg"))
+    wide = [dataset.source.path(i) for i in range(len(dataset))].index(os.path.join(image_root, "dog", "wide.jpg"))
     crops = [dataset[(epoch, wide)][0] for epoch in range(8)]
     assert any(not torch.equal(crops[0], crop) for crop in crops[1:])
 
@@ -159,7 +159,7 @@ def test_eval_dataset_returns_deterministic_uint8_hwc_of_the_requested_size(imag
     for i in range(len(first)):
         pixels, target = first[i]
         assert pixels.dtype == torch.uint8 and pixels.shape == (32, 32, 3)
-        assert target == int(index.targets[i])
+        assert target == int(index.labels[i])
         assert torch.equal(pixels, second[i][0])
 
 
@@ -210,7 +210,7 @@ def test_full_scale_jpeg_decode_gives_pillows_pixels_cropped_and_resized(tmp_pat
     path = tmp_path / "a.jpg"
     write_jpeg(str(path), 120, 90, seed=4)
     box = (10.0, 5.0, 100.0, 80.0)  # to 48 px: a 1/2 DCT scale would leave 40 rows, so full scale
-    pixels = decode_region(str(path), lambda w, h: (box, True), 48)
+    pixels = decode_bytes(path.read_bytes(), str(path), lambda w, h: (box, True), 48)
     reference = torch.from_numpy(np.array(Image.open(path).convert("RGB")))
     assert torch.equal(pixels, crop_resize(reference, box, True, 48))
     assert pixels.shape == (48, 48, 3) and pixels.dtype == torch.uint8

@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from imagenet_elastic import distributed
+from imagenet_elastic.data import Batch
 from imagenet_elastic.engine import StepContext, evaluate, prepare_batch
 from imagenet_elastic.loss import TrainLoss
 
@@ -25,10 +26,10 @@ def context() -> tuple[StepContext, nn.Module]:
     return ctx, model
 
 
-def batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+def batches() -> list[Batch]:
     generator = torch.Generator().manual_seed(1)
-    return [(torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8, generator=generator),
-             torch.randint(0, 7, (n,), generator=generator)) for n in (5, 3)]
+    return [Batch(torch.randint(0, 256, (n, 8, 8, 3), dtype=torch.uint8, generator=generator),
+                  torch.randint(0, 7, (n,), generator=generator)) for n in (5, 3)]
 
 
 def test_flip_average_scores_the_mean_of_each_images_and_its_mirrors_logits():
@@ -36,8 +37,8 @@ def test_flip_average_scores_the_mean_of_each_images_and_its_mirrors_logits():
     result = evaluate(ctx, model, batches(), flip_average=True)
     loss = top1 = top5 = 0.0
     with torch.no_grad():
-        for images, labels in batches():
-            x, _ = prepare_batch(images, labels, ctx)
+        for batch in batches():
+            x, labels = prepare_batch(batch.images, batch.labels, ctx)
             logits = (model(x) + model(torch.flip(x, dims=[3]))) / 2
             loss += float(F.cross_entropy(logits, labels, reduction="sum"))
             top = logits.topk(5, dim=1).indices.eq(labels[:, None])

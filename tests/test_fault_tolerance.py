@@ -287,13 +287,15 @@ def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp
 
 
 def test_time_based_checkpoint_interval_saves_mid_epoch(image_folder, tmp_path):
-    """`--checkpoint-interval 0.001s` is due at every step: a SIGKILL mid-epoch loses at most the step in flight."""
+    """`--checkpoint-interval 0.001s` is due at every step: a SIGKILL mid-epoch loses at most the step in flight and
+    the one whose background write was in flight (step 3's save waited for step 2's write, and step 4's line came
+    after it; step 3's own write may still be going when the kill comes)."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoint-interval", "0.001s",
             "--checkpoints-path", str(tmp_path)]
     code, output = run_and_kill(python_cmd(*args), when="epoch 2/2 step 4/", victim=lambda proc: proc.pid)
     assert code == -signal.SIGKILL, output
     snapshot = load_checkpoint(tmp_path / "last.pt")
-    assert snapshot["epoch"] == 1 and snapshot["epoch_progress"]["samples"] >= 3 * 8
+    assert snapshot["epoch"] == 1 and snapshot["epoch_progress"]["samples"] >= 2 * 8
     assert "every 0.001 s" in output  # said in the start-up table
 
 

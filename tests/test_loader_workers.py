@@ -5,7 +5,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 
-from torch.utils.data import Dataset
+from torch.utils.data import Dataset, default_collate
 
 from imagenet_elastic import data
 
@@ -29,7 +29,8 @@ def test_loader_workers_are_forked_even_where_the_default_start_method_is_spawn(
     SEEN_BY_THIS_PROCESS.append(1)
     multiprocessing.set_start_method("spawn", force=True)
     try:
-        loader = data.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False)
+        loader = data.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False,
+                              collate_fn=default_collate)
         assert [int(batch) for batch in loader] == [1]
     finally:
         multiprocessing.set_start_method(previous, force=True)
@@ -53,7 +54,8 @@ class IndexAndPid(Dataset):
 
 def test_start_workers_forks_idle_workers_that_the_first_pass_then_uses(tmp_path):
     log = tmp_path / "reads"
-    loader = data.eval_loader(IndexAndPid(str(log)), 2, rank=0, world_size=1, workers=1, pin_memory=False)
+    loader = data.eval_loader(IndexAndPid(str(log)), 2, rank=0, world_size=1, workers=1, pin_memory=False,
+                              collate_fn=default_collate)
     before = {p.pid for p in multiprocessing.active_children()}
     data.start_workers(loader)
     started = {p.pid for p in multiprocessing.active_children()} - before

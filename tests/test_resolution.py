@@ -9,8 +9,8 @@ from imagenet_elastic import cli
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import TrainDataset
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.file_index import scan_image_folder
 from imagenet_elastic.resolution import TrainSizes
+from imagenet_elastic.sources.image_folder import scan_image_folder
 
 
 def test_ffcv_resnet50_16_and_88_epoch_ramps_give_ffcvs_sizes():

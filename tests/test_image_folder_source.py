@@ -1,4 +1,5 @@
-"""The file index: what a scan finds, the errors it names, and the cache that saves re-scanning."""
+"""A folder of class folders as a source: what a scan finds, the errors it names, the cache that saves
+re-scanning, and how DATA and --val-path name the splits."""
 
 from __future__ import annotations
 
@@ -11,15 +12,15 @@ import pytest
 from test_data import make_split, write_jpeg
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.file_index import (
+from imagenet_elastic.sources import check_same_classes
+from imagenet_elastic.sources import split_locations as resolve_split_dirs
+from imagenet_elastic.sources.image_folder import (
     cache_path,
-    check_same_classes,
-    load_index,
     read_cache,
-    resolve_split_dirs,
     scan_image_folder,
     write_cache,
 )
+from imagenet_elastic.sources.image_folder import open_split as load_index
 
 
 def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):
@@ -31,7 +32,7 @@ def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):
     index = scan_image_folder(str(root), "train")
     assert index.classes == ("a_class", "b_class")
     assert len(index) == 6
-    assert index.targets.tolist() == [0, 0, 0, 1, 1, 1]
+    assert index.labels.tolist() == [0, 0, 0, 1, 1, 1]
     paths = [index.path(i) for i in range(len(index))]
     assert all(os.path.isfile(p) for p in paths)
     assert str(root / "b_class" / "nested" / "deep.JPEG") in paths
@@ -113,7 +114,7 @@ def test_check_same_classes_accepts_equal_class_lists(tmp_path):
 def test_check_same_classes_reports_the_differing_classes(tmp_path):
     make_split(tmp_path / "train", {"a": 1, "b": 1, "c": 1})
     make_split(tmp_path / "val", {"a": 1, "z": 1})
-    with pytest.raises(UserError, match="class folders differ") as caught:
+    with pytest.raises(UserError, match="classes differ") as caught:
         check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
                            scan_image_folder(str(tmp_path / "val"), "val"))
     message = str(caught.value)
@@ -139,7 +140,7 @@ def cached_split(tmp_path):
 def assert_same_index(a, b) -> None:
     assert a.classes == b.classes and a.root == b.root
     np.testing.assert_array_equal(a.paths, b.paths)
-    np.testing.assert_array_equal(a.targets, b.targets)
+    np.testing.assert_array_equal(a.labels, b.labels)
 
 
 def test_unchanged_tree_is_read_from_the_cache(cached_split):
@@ -147,7 +148,7 @@ def test_unchanged_tree_is_read_from_the_cache(cached_split):
     loaded = load_index(str(root), "train", cache)
     assert loaded.cached and not scanned.cached
     assert_same_index(loaded, scanned)
-    assert loaded.paths.dtype.kind == "S" and loaded.targets.dtype == np.int64  # compact arrays, no object lists
+    assert loaded.paths.dtype.kind == "S" and loaded.labels.dtype == np.int64  # compact arrays, no object lists
 
 
 @pytest.mark.parametrize("change", ["add", "remove", "rename", "add nested", "new class"])

@@ -1,0 +1,219 @@
+"""`imagenet-elastic pack`: shards that hold every image (its own bytes, or a resized copy under --max-side) with its
+label, that Python's tarfile and the webdataset package open, the same whatever the process count; from class
+folders, a flat val folder and Hugging Face parquet files; an interrupted pack is completed by a rerun, and an OUT
+that holds anything else is refused."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import webdataset as wds
+from conftest import REPO, child_env, make_image_folder, python_cmd
+from PIL import Image
+from test_data import write_jpeg
+
+from imagenet_elastic import pack, sources
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.sources import tar_shards
+from imagenet_elastic.sources.image_folder import scan_image_folder
+
+
+def run_pack(*argv: str) -> dict:
+    """`imagenet-elastic pack ARGV` in this process; its JSON line."""
+    captured = io.StringIO()
+    stdout, sys.stdout = sys.stdout, captured
+    try:
+        pack.main(list(argv))
+    finally:
+        sys.stdout = stdout
+    return json.loads(captured.getvalue().strip().splitlines()[-1])
+
+
+def refused(capsys, *argv: str) -> str:
+    """`imagenet-elastic pack ARGV` that stops on bad input: exit 2 and the one line it said."""
+    with pytest.raises(SystemExit) as stopped:
+        pack.main(list(argv))
+    said = capsys.readouterr().err.strip().splitlines()
+    assert stopped.value.code == 2 and len(said) == 1, said
+    return said[0]
+
+
+def assert_same_samples(packed: sources.Source, original: sources.Source) -> None:
+    assert len(packed) == len(original) and packed.classes == original.classes
+    assert packed.labels.tolist() == original.labels.tolist()
+    assert all(packed.read(i) == original.read(i) for i in range(len(original)))
+
+
+@pytest.fixture(scope="module")
+def packed(image_folder, tmp_path_factory):
+    out = tmp_path_factory.mktemp("pack") / "out"
+    result = run_pack(str(image_folder), str(out), "--shard-size", "16", "--workers", "2")
+    return out, result
+
+
+def test_a_pack_of_class_folders_holds_every_image_byte_for_byte_with_its_label(image_folder, packed):
+    out, result = packed
+    assert result["images"] == 96 + 35 and result["resized"] == 0
+    assert sorted(os.listdir(out)) == ["classes.txt", "pack.json", "train", "val"]
+    assert json.loads((out / "pack.json").read_text())["complete"] is True
+    assert sorted(os.listdir(out / "train")) == [tar_shards.INDEX_NAME, *(f"shard-{k:06d}.tar" for k in range(6))]
+    train, val = sources.open_splits(str(out), None, None, None)
+    assert train.packed and val.packed and "index written by pack" in train.describe()
+    original_train, original_val = sources.open_splits(str(image_folder), None, None, None)
+    assert_same_samples(train, original_train)
+    assert_same_samples(val, original_val)
+
+
+def test_the_packs_shards_open_with_tarfile_and_with_the_webdataset_package(image_folder, packed):
+    out, _ = packed
+    original = scan_image_folder(str(image_folder / "train"), "train")
+    with tarfile.open(out / "train" / "shard-000000.tar") as tar:
+        names = tar.getnames()
+    assert names[:4] == ["00000000_train_000_00000.jpg", "00000000_train_000_00000.cls",
+                         "00000001_train_000_00001.jpg", "00000001_train_000_00001.cls"]
+    samples = list(wds.WebDataset(str(out / "train" / "shard-{000000..000005}.tar"), shardshuffle=False))
+    assert [s["jpg"] for s in samples] == [original.read(i) for i in range(len(original))]
+    assert [int(s["cls"]) for s in samples] == original.labels.tolist()
+
+
+def test_the_same_input_packs_to_the_same_bytes_with_any_process_count(image_folder, packed, tmp_path):
+    out, _ = packed
+    run_pack(str(image_folder), str(tmp_path / "one"), "--shard-size", "16", "--workers", "1")
+    for split in ("train", "val"):
+        shards = sorted(n for n in os.listdir(out / split) if n.endswith(".tar"))
+        assert shards == sorted(n for n in os.listdir(tmp_path / "one" / split) if n.endswith(".tar"))
+        for name in shards:
+            assert (out / split / name).read_bytes() == (tmp_path / "one" / split / name).read_bytes(), name
+
+
+def test_max_side_resizes_only_the_larger_images_and_keeps_the_others_bytes(tmp_path):
+    src = tmp_path / "src"
+    sizes = {"wide": (120, 60), "tall": (50, 90), "small": (40, 30)}
+    for split in ("train", "val"):
+        for k, (name, (w, h)) in enumerate(sizes.items()):
+            write_jpeg(str(src / split / "only" / f"{name}.jpg"), w, h, seed=k)
+    result = run_pack(str(src), str(tmp_path / "out"), "--max-side", "48", "--quality", "80")
+    assert result["resized"] == 4 and result["max_side"] == 48
+    train = sources.open_source(str(tmp_path / "out" / "train"), "train", None)
+    original = scan_image_folder(str(src / "train"), "train")
+    for i in range(len(train)):
+        with Image.open(io.BytesIO(train.read(i))) as img:
+            name = os.path.basename(original.path(i))[:-4]
+            w, h = sizes[name]
+            expected = (w, h) if max(w, h) <= 48 else (round(w * 48 / max(w, h)), round(h * 48 / max(w, h)))
+            assert img.size == expected and img.format == "JPEG", name
+        assert (train.read(i) == original.read(i)) == (name == "small")
+
+
+def test_a_flat_val_folder_with_its_labels_file_is_packed_as_a_split(image_folder, tmp_path):
+    from test_labelled_folder import flatten
+
+    rows = flatten(image_folder, tmp_path / "flat")
+    (tmp_path / "labels.csv").write_text("".join(f"{name},{cls}\n" for name, cls in rows))
+    run_pack(str(image_folder), str(tmp_path / "out"), "--val-path", str(tmp_path / "flat"), "--val-labels",
+             str(tmp_path / "labels.csv"))
+    _, val = sources.open_splits(str(tmp_path / "out"), None, None, None)
+    _, labelled = sources.open_splits(str(image_folder), str(tmp_path / "flat"), str(tmp_path / "labels.csv"), None)
+    assert_same_samples(val, labelled)
+
+
+def write_parquet(path, images: list[bytes], labels: list[int], names: tuple[str, ...], rows_per_group: int) -> None:
+    """A file as the `datasets` library writes imagenet-1k: image{bytes,path}, label, ClassLabel names."""
+    table = pa.table({"image": [{"bytes": b, "path": f"img{k}.JPEG"} for k, b in enumerate(images)],
+                      "label": pa.array(labels, type=pa.int64())})
+    features = {"image": {"_type": "Image"}, "label": {"names": list(names), "_type": "ClassLabel"}}
+    table = table.replace_schema_metadata({b"huggingface": json.dumps({"info": {"features": features}}).encode()})
+    pq.write_table(table, path, row_group_size=rows_per_group)
+
+
+def test_hugging_face_parquet_files_are_packed_with_their_class_names(image_folder, tmp_path):
+    train, val = sources.open_splits(str(image_folder), None, None, None)
+    hub = tmp_path / "imagenet-1k" / "data"
+    hub.mkdir(parents=True)
+    half = len(train) // 2
+    for k, part in enumerate((range(half), range(half, len(train)))):
+        write_parquet(hub / f"train-{k:05d}-of-00002.parquet", [train.read(i) for i in part],
+                      [train.label(i) for i in part], train.classes, rows_per_group=7)
+    write_parquet(hub / "validation-00000-of-00001.parquet", [val.read(i) for i in range(len(val))],
+                  val.labels.tolist(), val.classes, rows_per_group=10)
+    write_parquet(hub / "test-00000-of-00001.parquet", [val.read(0)], [-1], val.classes, rows_per_group=1)
+    run_pack(str(tmp_path / "imagenet-1k"), str(tmp_path / "out"), "--shard-size", "20", "--workers", "2")
+    packed_train, packed_val = sources.open_splits(str(tmp_path / "out"), None, None, None)
+    assert_same_samples(packed_train, train)  # row groups of 7 across shards of 20 and two files
+    assert_same_samples(packed_val, val)
+
+
+def test_parquet_without_pyarrow_names_the_extra_to_install(tmp_path, monkeypatch):
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
+    monkeypatch.setitem(sys.modules, "pyarrow", None)
+    monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
+    with pytest.raises(UserError, match=r"reading parquet files needs pyarrow: pip install 'imagenet_elastic\[parquet\]'"):
+        pack.pack(str(tmp_path / "src"), str(tmp_path / "out"), pack.build_parser().parse_args(["x", "y"]))
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(image_folder, packed, tmp_path, capsys):
+    out, _ = packed
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "notes.txt").write_text("mine")
+    for target, message in ((other, f"OUT {other} is not empty (notes.txt ...): choose a new or empty folder"),
+                            (out, f"OUT {out} already holds a complete pack of {image_folder}")):
+        before = {p: p.stat().st_mtime_ns for p in target.rglob("*")}
+        said = refused(capsys, str(image_folder), str(target), "--shard-size", "16")
+        assert said == f"imagenet-elastic: error: pack: {message}"
+        assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
+
+
+def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=3, val_per_class=1)
+    bad = sorted((src / "train").rglob("*.jpg"))[2]
+    bad.write_bytes(b"\xff\xd8\xff garbage")
+    said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "2")
+    assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
+    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
+    assert json.loads((tmp_path / "out" / "pack.json").read_text())["complete"] is False
+
+
+@pytest.mark.slow
+def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path):
+    """SIGKILL once the first shards exist: the rerun keeps them, removes the temp file of the shard in flight,
+    writes the rest, and ends with the shards an uninterrupted pack writes."""
+    src = make_image_folder(tmp_path / "src", classes=4, train_per_class=60, val_per_class=5)
+    args = ["pack", str(src), str(tmp_path / "out"), "--shard-size", "8", "--max-side", "32", "--workers", "1"]
+    proc = subprocess.Popen(python_cmd(*args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "out" / "train" / "shard-000003.tar").exists():
+        time.sleep(0.01)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    left = sorted(os.listdir(tmp_path / "out" / "train"))
+    assert "shard-000003.tar" in left and tar_shards.INDEX_NAME not in left, left
+    again = subprocess.run(python_cmd(*args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    assert json.loads(again.stdout.strip().splitlines()[-1])["images"] < 240 + 20  # the kept shards not again
+    whole = subprocess.run(python_cmd("pack", str(src), str(tmp_path / "whole"), *args[3:]), cwd=REPO,
+                           env=child_env(), capture_output=True, text=True, timeout=300)
+    assert whole.returncode == 0, whole.stderr
+    for split in ("train", "val"):
+        names = sorted(n for n in os.listdir(tmp_path / "whole" / split) if n.endswith(".tar"))
+        assert names == sorted(n for n in os.listdir(tmp_path / "out" / split) if not n.endswith(".npz"))
+        for name in names:
+            assert (tmp_path / "out" / split / name).read_bytes() == (tmp_path / "whole" / split / name).read_bytes()
+    index = np.load(tmp_path / "out" / "train" / tar_shards.INDEX_NAME)
+    assert len(index["labels"]) == 240
+    shutil.rmtree(tmp_path / "whole")

@@ -1,0 +1,224 @@
+"""Tar shards as a source (sources/tar_shards.py): shards written by the `webdataset` package's own writer are read
+sample by sample at any index, with no open per sample; the index is kept and re-used; every damaged or
+incomplete input is one line naming the shard and the sample."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import shutil
+import sys
+import tarfile
+import time
+
+import numpy as np
+import pytest
+import webdataset as wds
+
+from imagenet_elastic import sources
+from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.sources import tar_shards
+from imagenet_elastic.sources.image_folder import scan_image_folder
+
+
+def wds_shards(folder, out, per_shard: int = 20) -> list[str]:
+    """The folder's images written by WebDataset's ShardWriter, as `KEY.jpg` + `KEY.cls` samples."""
+    index = scan_image_folder(str(folder), "train")
+    os.makedirs(out, exist_ok=True)
+    with wds.ShardWriter(os.path.join(str(out), "part-%04d.tar"), maxcount=per_shard, verbose=0) as sink:
+        for i in range(len(index)):
+            sink.write({"__key__": f"sample{i:05d}", "jpg": index.read(i), "cls": index.label(i)})
+    return sorted(os.path.join(str(out), n) for n in os.listdir(out))
+
+
+@pytest.fixture(scope="module")
+def written(image_folder, tmp_path_factory):
+    """The fixture's train split as WebDataset shards (5 of 20 samples, one of 16), and the folder itself."""
+    out = tmp_path_factory.mktemp("wds") / "train"
+    return wds_shards(image_folder / "train", out), scan_image_folder(str(image_folder / "train"), "train")
+
+
+def test_shards_from_webdatasets_writer_give_every_sample_at_any_index(written):
+    paths, folder = written
+    shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    assert len(shards) == len(folder) and len(shards.shards) == 5 and not shards.cached
+    assert shards.classes == ("0", "1", "2", "3")  # no classes.txt: the labels name them
+    order = list(range(len(folder)))
+    random.Random(0).shuffle(order)
+    for i in order:  # any order: each sample is one slice of its shard's mapping
+        assert shards.read(i) == folder.read(i) and shards.label(i) == folder.label(i)
+    assert shards.name(21) == f"{paths[1]}:sample00021.jpg"
+
+
+def test_reading_opens_each_shard_once_per_process_not_once_per_sample(written):
+    paths, _ = written
+    shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    tar_shards._MAPS.clear()
+    opened: list[str] = []
+
+    def hook(event, args):
+        if event == "open" and str(args[0]).endswith(".tar"):
+            opened.append(str(args[0]))
+    sys.addaudithook(hook)  # stays for the process: it only records .tar opens
+    for _ in range(3):
+        for i in range(len(shards)):
+            shards.read(i)
+    assert sorted(opened) == paths  # 288 reads, 5 opens
+
+
+def test_a_brace_pattern_or_a_glob_names_the_same_shards_in_order(written):
+    paths, _ = written
+    folder = os.path.dirname(paths[0])
+    braced = tar_shards.open_split(os.path.join(folder, "part-{0000..0004}.tar"), "train", None)
+    globbed = tar_shards.open_split(os.path.join(folder, "part-*.tar"), "train", None)
+    listed = tar_shards.open_split(os.path.join(folder, "part-{0000,0001,0002,0003,0004}.tar"), "train", None)
+    for source in (braced, globbed, listed):
+        assert list(source.shards) == paths and source.fingerprint() == tar_shards.open_split(folder, "train", None)\
+            .fingerprint()
+    with pytest.raises(UserError, match=r"train shard .*part-0005\.tar does not exist"):
+        tar_shards.open_split(os.path.join(folder, "part-{0000..0005}.tar"), "train", None)
+
+
+@pytest.mark.parametrize(("pattern", "expanded"), [
+    ("a-{000..003}.tar", ["a-000.tar", "a-001.tar", "a-002.tar", "a-003.tar"]),
+    ("{x,y}-{8..10}", ["x-8", "x-9", "x-10", "y-8", "y-9", "y-10"]),
+    ("plain.tar", ["plain.tar"]),
+])
+def test_braces_expand_as_webdatasets_do(pattern, expanded):
+    assert tar_shards.expand_braces(pattern) == expanded
+
+
+@pytest.mark.parametrize(("member", "key", "extension"), [
+    ("n01440764_10026.JPEG", "n01440764_10026", "jpeg"), ("dir/k.seg.png", "dir/k", "seg.png"),
+    ("a.b/c.cls", "a.b/c", "cls"), ("noext", "noext", "")])
+def test_a_members_key_ends_at_the_first_dot_of_its_last_part(member, key, extension):
+    assert tar_shards.split_name(member) == (key, extension)
+
+
+def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_shard_changes(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.fingerprint() == walked.fingerprint()
+    assert "index from the cache" in again.describe()
+    time.sleep(0.01)
+    os.utime(folder / "part-0002.tar")  # rewritten in place, say
+    assert not tar_shards.open_split(str(folder), "train", str(tmp_path)).cached
+
+
+def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "named" / "train"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
+    assert tar_shards.open_split(str(folder), "train", None).classes == ("ant", "bee", "cat", "dog")
+    (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\n")
+    with pytest.raises(UserError, match=r"label 3 of sample #\d+ is out of range: the classes file lists 3 classes"):
+        tar_shards.open_split(str(folder), "train", None)
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+JPEG = b"\xff\xd8 not decoded here"
+
+
+@pytest.mark.parametrize(("members", "message"), [
+    ([("a.jpg", JPEG), ("a.cls", b"1"), ("b.jpg", JPEG)], "sample b has no label (.cls)"),
+    ([("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")], "sample a has no image (.jpg, .jpeg, .png, .webp)"),
+    ([("a.jpg", JPEG), ("a.cls", b"one")], "the label of sample a (a.cls) is 'one', not an integer"),
+    ([("a.txt", b"x")], "holds no samples (KEY.jpg with KEY.cls)"),
+])
+def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, members, message):
+    write_tar(tmp_path / "s-0.tar", members)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    said = str(caught.value)
+    assert said.startswith(f"train shard {tmp_path / 's-0.tar'}") and said.endswith(message) or message in said, said
+
+
+def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(written, tmp_path):
+    paths, _ = written
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copy(paths[0], cut / "part-0000.tar")
+    data = (cut / "part-0000.tar").read_bytes()
+    (cut / "part-0000.tar").write_bytes(data[:len(data) // 3])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(cut), "train", None)
+    said = str(caught.value)
+    assert said.startswith(f"train shard {cut / 'part-0000.tar'} is truncated") and "sample sample000" in said, said
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "x.tar").write_bytes(os.urandom(3000))
+    with pytest.raises(UserError, match=rf"train shard {garbage / 'x.tar'} is truncated or not a tar file"):
+        tar_shards.open_split(str(garbage), "train", None)
+
+
+def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "s"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    shards = tar_shards.open_split(str(folder), "train", None)
+    tar_shards._MAPS.clear()
+    last = len(shards) - 1
+    with open(folder / "part-0004.tar", "r+b") as f:
+        f.truncate(int(shards.offsets[last]) + 10)
+    with pytest.raises(CorruptImageError, match=rf"shard {folder / 'part-0004.tar'} is truncated: sample #{last} "):
+        shards.read(last)
+
+
+def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shard(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "packed"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    indexed = tar_shards.open_split(str(folder), "train", None)
+    tar_shards.write_index(indexed, str(folder / tar_shards.INDEX_NAME), relative_to=str(folder))
+    assert tar_shards.open_split(str(folder), "train", None).packed
+    with open(folder / "part-0001.tar", "ab") as f:
+        f.write(b"\0" * 512)
+    with pytest.raises(UserError, match=rf"shard {folder / 'part-0001.tar'} has \d+ bytes but its index .* says \d+: "
+                                        "the shard was replaced or cut short after it was packed"):
+        tar_shards.open_split(str(folder), "train", None)
+    os.unlink(folder / "part-0001.tar")
+    with pytest.raises(UserError, match="lists other shards than"):
+        tar_shards.open_split(str(folder), "train", None)
+
+
+def test_a_val_split_of_numbered_shards_takes_the_training_splits_class_names(written, tmp_path):
+    paths, folder = written
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    for k, path in enumerate(paths[:2]):
+        shutil.copy(path, root / "train" / f"part-{k}.tar")
+    os.makedirs(root / "val")
+    write_tar(root / "val" / "v.tar", [("a.jpg", folder.read(0)), ("a.cls", b"3")])
+    (root / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
+    train, val = sources.open_splits(str(root), None, None, None)
+    assert train.classes == val.classes == ("ant", "bee", "cat", "dog") and val.label(0) == 3
+    write_tar(root / "val" / "v.tar", [("a.jpg", folder.read(0)), ("a.cls", b"4")])
+    with pytest.raises(UserError, match=r"val shard .*v\.tar: label 4 of sample #0 is out of range: the classes file "
+                                        "lists 4 classes"):
+        sources.open_splits(str(root), None, None, None)
+
+
+def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(written, tmp_path):
+    paths, _ = written
+    here = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(paths[0]), copy)
+    assert tar_shards.open_split(str(copy), "train", None).fingerprint() == here.fingerprint()
+    os.unlink(copy / "part-0003.tar")
+    fewer = tar_shards.open_split(str(copy), "train", None)
+    assert fewer.fingerprint() != here.fingerprint()
+    assert np.array_equal(fewer.entries()[:60], here.entries()[:60])
+    assert fewer.entries()[60].startswith(b"part-0004.tar@") and here.entries()[60].startswith(b"part-0003.tar@")
