@@ -10,8 +10,15 @@ import re
 import shutil
 
 import pytest
-from conftest import SMALL_RUN, assert_same_tensors, child_env, load_checkpoint, run_and_kill, torchrun_cmd, \
-    torchrun_worker
+from conftest import (
+    SMALL_RUN,
+    assert_same_tensors,
+    child_env,
+    load_checkpoint,
+    run_and_kill,
+    torchrun_cmd,
+    torchrun_worker,
+)
 from inprocess import evaluate, train
 from test_labelled_folder import flatten
 from test_pack import run_pack
