@@ -160,7 +160,7 @@ def test_parquet_without_pyarrow_names_the_extra_to_install(tmp_path, monkeypatc
     (tmp_path / "src" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
-    with pytest.raises(UserError, match=r"reading parquet files needs pyarrow: pip install 'imagenet_elastic\[parquet\]'"):
+    with pytest.raises(UserError, match=r"needs pyarrow: pip install 'imagenet_elastic\[parquet\]'"):
         pack.pack(str(tmp_path / "src"), str(tmp_path / "out"), pack.build_parser().parse_args(["x", "y"]))
     assert not (tmp_path / "out").exists()
 
