@@ -10,7 +10,8 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
 - synthetic: training steps on batches already on the device (the model's limit);
 - end_to_end: training steps fed by our loader from the folder;
 - index: peak RSS of DataLoader workers that read every entry of a synthetic 1.28 M-image file index,
-  ours (numpy arrays) against a Python list of (path, class) tuples;
+  ours (numpy arrays) against a Python list of (path, class) tuples; then a pack's index of as many samples
+  in 1,024 shards: how long it takes to open, what it holds, what forked workers copy of it;
 - checkpoint: what a save of the model's training state costs in a temporary folder under
   --checkpoints-path: the old synchronous save (serialize, then three atomic writes), one write with
   hard links, and a background save (what the training loop waits for, and how long the write takes).
@@ -160,15 +161,73 @@ def run_index(entries: int, workers: int) -> None:
          list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
 
 
+def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int = 1000) -> str:
+    """A pack's train split of `entries` samples in `shards` shards, as `pack` indexes it: ImageNet's mean JPEG
+    size (110 kB) a sample, the shards sparse files of the right sizes (nothing is read from them here)."""
+    from imagenet_elastic.sources import tar_shards
+
+    split = os.path.join(folder, "train")
+    os.makedirs(split)
+    lengths = np.full(entries, 110_000, dtype=np.int64)
+    shard = (np.arange(entries) * shards // entries).astype(np.int32)
+    first = np.searchsorted(shard, np.arange(shards))  # each shard's first sample
+    position = np.arange(entries) - first[shard]  # a sample's place in its shard: header, image, label's two blocks
+    step = 512 + -(-110_000 // 512) * 512 + 1024
+    offsets = 512 + position * step
+    paths, sizes = [], []
+    for k in range(int(shard.max()) + 1):
+        paths.append(os.path.join(split, f"shard-{k:06d}.tar"))
+        sizes.append(int((shard == k).sum()) * step + 1024)
+        with open(paths[-1], "wb") as f:
+            f.truncate(sizes[-1])
+    labels = np.arange(entries, dtype=np.int64) * classes // entries
+    index = tar_shards.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64),
+                                 np.zeros(len(paths), dtype=np.int64), tuple(f"n{c:08d}" for c in range(classes)),
+                                 labels, shard, offsets.astype(np.int64), lengths)
+    tar_shards.write_index(index, os.path.join(split, tar_shards.INDEX_NAME), relative_to=split)
+    return split
+
+
+def resident_mb() -> float:
+    """This process's resident memory now (VmRSS), in MiB."""
+    with open("/proc/self/status") as f:
+        return int(next(line for line in f if line.startswith("VmRSS:")).split()[1]) / 1024
+
+
+def run_shard_index(entries: int, workers: int) -> None:
+    """A pack's index: how long a start takes to open it (read it, stat every shard), the memory it holds, and
+    what forked loader workers that read every entry copy of it."""
+    from imagenet_elastic.sources import tar_shards
+
+    folder = tempfile.mkdtemp(prefix="shard-index-benchmark-")
+    try:
+        split = synthetic_pack(folder, entries)
+        before = resident_mb()
+        start = time.perf_counter()
+        source = tar_shards.open_split(split, "train", None)
+        seconds = time.perf_counter() - start
+        grown = resident_mb() - before
+        arrays = sum(a.nbytes for a in (source.labels, source.shard, source.offsets, source.lengths))
+        peak, private = worker_memory(lambda i: ("x" * int(source.offsets[i] % 5 + source.shard[i] % 3),
+                                                 source.label(i)), len(source), max(1, workers))
+        emit("index", kind="tar shards", entries=len(source), shards=len(source.shards),
+             index_file_mb=round(os.path.getsize(os.path.join(split, tar_shards.INDEX_NAME)) / 2**20, 1),
+             open_seconds=round(seconds, 3), index_mb=round(arrays / 2**20, 1), open_rss_growth_mb=round(grown, 1),
+             workers=max(1, workers), worker_peak_rss_mb=peak, worker_private_mb=private)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_index_apart(entries: int, workers: int) -> None:
-    """`run_index` in a fresh (spawned) process: a forked worker's memory starts as its parent's, so
-    the figures must not depend on the modes that ran before, and the list of tuples built here
+    """`run_index` and `run_shard_index`, each in a fresh (spawned) process: a forked worker's memory starts as its
+    parent's, so the figures must not depend on the modes that ran before, and the list of tuples built here
     must not raise their peaks either."""
-    child = multiprocessing.get_context("spawn").Process(target=run_index, args=(entries, workers))
-    child.start()
-    child.join()
-    if child.exitcode != 0:
-        raise RuntimeError(f"the index benchmark's process failed with exit code {child.exitcode}")
+    for target in (run_index, run_shard_index):
+        child = multiprocessing.get_context("spawn").Process(target=target, args=(entries, workers))
+        child.start()
+        child.join()
+        if child.exitcode != 0:
+            raise RuntimeError(f"the index benchmark's process failed with exit code {child.exitcode}")
 
 
 # ----------------------------------------------------------------------------- checkpoint cost

@@ -45,9 +45,15 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
     return images / (time.perf_counter() - start)
 
 
+# Where a worker's other opens go (a module imported late, /proc): not the data's files
+NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__)), "/proc",
+                  "/sys", "/dev"})
+
+
 class OpenCounter:
     """Files opened per sample read, in the loader workers: every `open` of Python's (builtins.open, os.open) as
-    the interpreter's audit hook sees it, in counters the forked workers share with this process."""
+    the interpreter's audit hook sees it, outside Python's own files, in counters the forked workers share with
+    this process."""
 
     def __init__(self) -> None:
         context = multiprocessing.get_context("fork")
@@ -60,8 +66,8 @@ class OpenCounter:
         self.hooked.add(os.getpid())
         opens = self.opens
 
-        def hook(event: str, _args: tuple) -> None:
-            if event == "open":
+        def hook(event: str, args: tuple) -> None:
+            if event == "open" and isinstance(args[0], str) and not args[0].startswith(NOT_DATA):
                 with opens.get_lock():
                     opens.value += 1
         sys.addaudithook(hook)

@@ -171,3 +171,46 @@ def test_a_config_file_with_an_unknown_key_is_named(tmp_path, image_folder):
     recipe.write_text("epochs: 3\nmixup: 0.2\n")
     expect_user_error([str(image_folder), "--config", str(recipe), "--checkpoints-path", str(tmp_path / "c")],
                       f"config file {recipe}: unknown option 'mixup'", tmp_path)
+
+
+@pytest.fixture(scope="module")
+def small_pack(image_folder, tmp_path_factory) -> Path:
+    from test_pack import run_pack
+
+    out = tmp_path_factory.mktemp("small_pack") / "pack"
+    run_pack(str(image_folder), str(out), "--shard-size", "32")
+    return out
+
+
+def test_a_pack_shard_changed_after_packing_is_named_before_anything_starts(small_pack, tmp_path):
+    data = tmp_path / "pack"
+    shutil.copytree(small_pack, data)
+    shard = data / "train" / "shard-000001.tar"
+    shard.write_bytes(shard.read_bytes()[:-1024])  # cut short, as an interrupted copy leaves it
+    expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ck")],
+                      f"shard {shard} has {shard.stat().st_size} bytes but its index", tmp_path)
+
+
+def test_a_corrupt_image_inside_a_shard_is_named_by_shard_and_member(small_pack, tmp_path):
+    data = tmp_path / "pack"
+    shutil.copytree(small_pack, data)
+    shard = data / "train" / "shard-000000.tar"
+    from imagenet_elastic.sources import tar_shards
+
+    start = int(tar_shards.open_split(str(data / "train"), "train", None).offsets[1])  # the second sample's image
+    raw = bytearray(shard.read_bytes())
+    raw[start:start + 400] = b"\0" * 400  # the JPEG's header is gone: nothing decodes it; the size is the same
+    shard.write_bytes(bytes(raw))
+    expect_user_error([str(data), *SMALL_RUN, "--epochs", "1", "--checkpoints-path", str(tmp_path / "ck")],
+                      f"cannot decode image file {shard}:", tmp_path / "pack")
+
+
+def test_a_labels_file_naming_a_class_the_training_set_lacks_is_named_by_line(image_folder, tmp_path):
+    (tmp_path / "flat").mkdir()
+    one = next((image_folder / "val").rglob("*.jpg"))
+    shutil.copy(one, tmp_path / "flat" / "a.JPEG")
+    (tmp_path / "labels.csv").write_text("a.JPEG,n01440764\n")
+    expect_user_error([str(image_folder), "--val-path", str(tmp_path / "flat"), "--val-labels",
+                       str(tmp_path / "labels.csv"), "--checkpoints-path", str(tmp_path / "ck")],
+                      f"--val-labels {tmp_path / 'labels.csv'} line 1: class 'n01440764' of a.JPEG is not a class of "
+                      "the training set", tmp_path)

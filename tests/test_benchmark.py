@@ -29,6 +29,7 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     (line,) = benchmark(image_folder, "--mode", "loader", "--rounds", "2")
     assert line["mode"] == "loader" and line["workers"] == 1 and line["batch_size"] == 8
     assert line["ours_images_per_sec"] > 0 and line["textbook_images_per_sec"] > 0
+    assert line["files_opened_per_sample"] == 1.0  # a class folder's image files, one each
     # the benchmark divides the unrounded rates; these are rounded, so the last digit may be one off
     assert line["ratio"] == pytest.approx(line["ours_images_per_sec"] / line["textbook_images_per_sec"], abs=0.011)
     assert len(line["rounds"]["ours"]) == len(line["rounds"]["textbook"]) == 2
@@ -49,11 +50,27 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
 
 
 def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_tuples(image_folder):
-    (line,) = benchmark(image_folder, "--mode", "index", "--index-entries", "200000")
+    line, shards = benchmark(image_folder, "--mode", "index", "--index-entries", "200000")
     assert line["entries"] == 200000
     assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
     # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
     assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
+    assert (shards["kind"], shards["entries"], shards["shards"]) == ("tar shards", 200000, 1024)
+    assert shards["index_mb"] == round(200000 * 28 / 2**20, 1) and shards["open_seconds"] > 0
+    assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
+
+
+def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(image_folder, tmp_path):
+    from test_pack import run_pack
+
+    run_pack(str(image_folder), str(tmp_path / "pack"), "--shard-size", "32")
+    (line,) = json_lines(run(benchmark_cmd(tmp_path / "pack", "--mode", "loader", "--rounds", "1", "--against",
+                                           str(image_folder))))
+    assert "textbook_images_per_sec" not in line and line["data"] == f"{tmp_path / 'pack' / 'train'} (3 shards)"
+    assert line["files_opened_per_sample"] < 0.25  # the 3 shards once each in the worker, not a file per sample
+    (folder,) = line["against"]
+    assert folder["data"] == str(image_folder / "train") and folder["files_opened_per_sample"] == 1.0
+    assert folder["ours_vs_this"] == pytest.approx(line["ours_images_per_sec"] / folder["images_per_sec"], abs=0.011)
 
 
 def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(image_folder, tmp_path):

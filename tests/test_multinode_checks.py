@@ -16,6 +16,7 @@ from pathlib import Path
 import fault_injection as fi
 import pytest
 from conftest import SHORT_RUN, child_env, make_image_folder
+from test_pack import run_pack
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 
@@ -93,13 +94,18 @@ def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_a
         shutil.copytree(node_a, copy)
     (missing / "train" / "class_001" / "train_001_00003.jpg").unlink()
     (moved / "train" / "class_000" / "train_000_00005.jpg").rename(moved / "train" / "class_001" / "moved.jpg")
-    ck = {name: [tmp_path / f"{name}_ck", tmp_path / f"{name}_ck"] for name in ("missing", "moved", "settings")}
+    packs = [tmp_path / "pack_a", tmp_path / "pack_missing"]  # each node's pack of its own copy
+    for folder, pack in zip((node_a, missing), packs):
+        run_pack(str(folder), str(pack), "--shard-size", "16")
+    ck = {name: [tmp_path / f"{name}_ck", tmp_path / f"{name}_ck"] for name in ("missing", "moved", "settings",
+                                                                                 "packs")}
     ck["folders"] = [tmp_path / "folders_ck_a", tmp_path / "folders_ck_b"]
     jobs = {
         "missing": two_nodes([node_a, missing], ck["missing"], [[], []], torchrun=True),
         "folders": two_nodes([node_a, node_a], ck["folders"], [[], []], torchrun=True),
         "moved": two_nodes([node_a, moved], ck["moved"], [[], []], torchrun=False),
         "settings": two_nodes([node_a, node_a], ck["settings"], [[], ["--seed", "7"]], torchrun=False),
+        "packs": two_nodes(packs, ck["packs"], [[], []], torchrun=False),
     }
     wait_all(jobs)
 
@@ -110,6 +116,9 @@ def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_a
     assert_refused(jobs["moved"], "train file lists differ", "32 images in 2 classes", ") 32 in 2;",
                    "image #5 is 'class_000/train_000_00005.jpg' on rank 0 but 'class_000/train_000_00006.jpg' "
                    "on rank 1")
+    assert_refused(jobs["packs"], "train file lists differ", "32 images in 2 classes", ") 31 in 2;",
+                   "image #19 is 'shard-000001.tar:00000019_train_001_00003.jpg' on rank 0 but "
+                   "'shard-000001.tar:00000019_train_001_00004.jpg' on rank 1")
     assert_refused(jobs["settings"], "ranks were started with different settings",
                    "--seed is 0 on rank 0 but 7 on rank 1")
     assert_refused(jobs["folders"], "the checkpoints folder is not shared: rank 1 (",

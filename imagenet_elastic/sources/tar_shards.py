@@ -5,7 +5,7 @@ part, as WebDataset and timm's imagenet-1k-wds shards have them.
 A split is a folder of `*.tar` files (sorted by name), or a brace or glob pattern
 (`/data/imagenet-train-{000000..001023}.tar`). The first start walks every shard's tar headers once and keeps
 an index: for each sample its shard, the offset and length of its image bytes, and its label, in numpy arrays
-(20 bytes a sample: 26 MB for ImageNet's 1.28 M images, shared by forked loader workers). `imagenet-elastic
+(28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md). `imagenet-elastic
 pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are indexed at the
 first start and the index is kept in the checkpoints folder, re-used while every shard keeps its size and mtime.
 
@@ -127,21 +127,30 @@ class TarShards(Source):
         return mapped[start:start + length]
 
     def name(self, i: int) -> str:
-        path = self.shards[int(self.shard[i])]
+        return f"{self.shards[int(self.shard[i])]}:{self.member(i)}"
+
+    def member(self, i: int) -> str:
+        """Sample i's image member's name, from the ustar header before its bytes: its name and prefix fields
+        alone (a loader asks it for every sample it reads, for its errors; parsing the whole header cost ~4% of
+        a worker's time)."""
+        path, offset = self.shards[int(self.shard[i])], int(self.offsets[i])
         try:
             mapped, _ = _mapped(path)
-            header = tarfile.TarInfo.frombuf(mapped[int(self.offsets[i]) - 512:int(self.offsets[i])], "utf-8",
-                                             "surrogateescape")
-            return f"{path}:{header.name}"
-        except (OSError, ValueError, tarfile.TarError):
-            return f"{path} (sample #{i}, byte {int(self.offsets[i])})"
+        except OSError:
+            return f"sample #{i} at byte {offset}"
+        header = mapped[offset - 512:offset]
+        name = header[:100].split(b"\0", 1)[0]
+        if header[257:262] == b"ustar" and header[345] != 0:
+            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+        return name.decode("utf-8", "surrogateescape")
 
     def where(self) -> str:
         return f"{self.location} ({len(self.shards)} shards)"
 
     def entries(self) -> np.ndarray:
+        """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""
         names = [os.path.basename(p) for p in self.shards]
-        return np.array([f"{names[s]}@{o}".encode() for s, o in zip(self.shard.tolist(), self.offsets.tolist())])
+        return np.array([f"{names[int(self.shard[i])]}:{self.member(i)}".encode() for i in range(len(self))])
 
     def fingerprint(self) -> FileList:
         """The index's own arrays: no entry strings are built at every start."""
