@@ -221,4 +221,5 @@ def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(w
     fewer = tar_shards.open_split(str(copy), "train", None)
     assert fewer.fingerprint() != here.fingerprint()
     assert np.array_equal(fewer.entries()[:60], here.entries()[:60])
-    assert fewer.entries()[60] == b"part-0004.tar:sample00080.jpg" and here.entries()[60] == b"part-0003.tar:sample00060.jpg"
+    assert (fewer.entries()[60], here.entries()[60]) == (b"part-0004.tar:sample00080.jpg",
+                                                         b"part-0003.tar:sample00060.jpg")

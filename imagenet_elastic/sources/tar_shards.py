@@ -5,9 +5,10 @@ part, as WebDataset and timm's imagenet-1k-wds shards have them.
 A split is a folder of `*.tar` files (sorted by name), or a brace or glob pattern
 (`/data/imagenet-train-{000000..001023}.tar`). The first start walks every shard's tar headers once and keeps
 an index: for each sample its shard, the offset and length of its image bytes, and its label, in numpy arrays
-(28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md). `imagenet-elastic
-pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are indexed at the
-first start and the index is kept in the checkpoints folder, re-used while every shard keeps its size and mtime.
+(28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md).
+`imagenet-elastic pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are
+indexed at the first start and the index is kept in the checkpoints folder, re-used while every shard keeps its
+size and mtime.
 
 Reading sample i maps its shard (once per process, lazily: a loader worker maps what it reads) and copies the
 sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any
