@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import statistics
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -45,9 +46,9 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
     return images / (time.perf_counter() - start)
 
 
-# Where a worker's other opens go (a module imported late, /proc): not the data's files
-NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__)), "/proc",
-                  "/sys", "/dev"})
+# Where a worker's other opens go (a module imported late, /proc, multiprocessing's own temp files): not the data's
+NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.abspath(__file__)), "/proc", "/sys", "/dev",
+                  os.path.join(tempfile.gettempdir(), "pymp-")})
 
 
 class OpenCounter:

@@ -89,3 +89,11 @@ def test_a_sigkilled_torchrun_job_resumes_at_another_world_size_and_evaluates_as
                        "--checkpoints-path", str(scratch)])
     row = read_metrics(ckpt / "metrics.jsonl")[-1]
     assert (scores["val_top1"], scores["val_samples"]) == (row["val_top1"], row["val_samples"]), json.dumps(row)
+
+
+def test_decode_gpu_reads_a_packs_bytes_as_the_workers_do(forms, folder_run, tmp_path):
+    """--decode gpu hands the shard's bytes to the device decoder (the CPU device here): at 32 px the fixture's
+    48x40 images take no DCT scaling, so both paths feed the same pixels and train the same weights."""
+    train([*forms["pack"], *RUN, "--epochs", "2", "--decode", "gpu", "--checkpoints-path", str(tmp_path)])
+    assert_same_tensors(load_checkpoint(tmp_path / "last.pt")["model"],
+                        load_checkpoint(folder_run / "last.pt")["model"])
