@@ -5,6 +5,7 @@ incomplete input is one line naming the shard and the sample."""
 from __future__ import annotations
 
 import io
+import json
 import os
 import random
 import shutil
@@ -223,3 +224,17 @@ def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(w
     assert np.array_equal(fewer.entries()[:60], here.entries()[:60])
     assert (fewer.entries()[60], here.entries()[60]) == (b"part-0004.tar:sample00080.jpg",
                                                          b"part-0003.tar:sample00060.jpg")
+
+
+def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(image_folder, tmp_path):
+    """timm's imagenet-1k-wds keeps imagenet1k-train-NNNN.tar and imagenet1k-validation-NN.tar in one folder, with
+    an _info.json; DATA is that folder."""
+    for split, word in (("train", "train"), ("val", "validation")):
+        for k, path in enumerate(wds_shards(image_folder / split, tmp_path / "tmp" / split, per_shard=40)):
+            shutil.move(path, tmp_path / f"imagenet1k-{word}-{k:04d}.tar")
+    classes = scan_image_folder(str(image_folder / "train"), "train").classes
+    (tmp_path / "_info.json").write_text(json.dumps({"name": "imagenet-1k", "class_names": list(classes)}))
+    shutil.rmtree(tmp_path / "tmp")
+    train, val = sources.open_splits(str(tmp_path), None, None, None)
+    assert (len(train), len(val), train.classes) == (96, 35, classes)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]

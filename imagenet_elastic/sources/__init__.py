@@ -38,13 +38,17 @@ def open_source(location: str, role: str, cache_dir: Optional[str], classes: Opt
 
 
 def train_location(data: str) -> str:
-    """DATA/train, or DATA itself (a folder or a shard pattern) when it has no train/."""
+    """DATA/train, or the train shards of a folder of train and validation shards side by side (timm's
+    imagenet-1k-wds), or DATA itself (a folder or a shard pattern)."""
     if tar_shards.is_pattern(data):
         return data
     if not os.path.isdir(data):
         raise UserError(f"data folder {data} does not exist")
     train = os.path.join(data, "train")
-    return train if os.path.isdir(train) else data
+    if os.path.isdir(train):
+        return train
+    both = tar_shards.split_patterns(data)
+    return both[0] if both else data
 
 
 def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
@@ -53,7 +57,8 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     train = train_location(data)
     if tar_shards.is_pattern(data) and val_path is None:
         raise UserError(f"DATA {data} is a shard pattern: pass --val-path for the validation split")
-    val = val_path or os.path.join(data, "val")
+    both = None if val_path or tar_shards.is_pattern(data) else tar_shards.split_patterns(data)
+    val = val_path or (both[1] if both else os.path.join(data, "val"))
     if not tar_shards.is_pattern(val) and not os.path.isdir(val):
         raise UserError(f"validation folder {val} does not exist" + ("" if val_path else "; pass --val-path"))
     return train, val

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import glob
 import io
+import json
 import mmap
 import os
 import re
@@ -267,16 +268,48 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: O
                         "integer") from None
 
 
+INFO_FILE = "_info.json"  # timm's shard sets describe themselves in one
+INFO_NAME_KEYS = ("class_names", "classes", "label_names")
+
+
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
-    """classes.txt in the shards' folder or the one above it, if there is one."""
+    """classes.txt in the shards' folder or the one above it, else a list of class names in an _info.json there
+    (under one of INFO_NAME_KEYS), if there is one."""
     folder = os.path.dirname(shards[0]) if is_pattern(location) else location
-    for candidate in (os.path.join(folder, CLASSES_FILE), os.path.join(os.path.dirname(folder), CLASSES_FILE)):
+    for where in (folder, os.path.dirname(folder)):
+        candidate = os.path.join(where, CLASSES_FILE)
         if os.path.isfile(candidate):
             with open(candidate) as f:
                 names = tuple(line.strip() for line in f if line.strip())
             if not names:
                 raise UserError(f"classes file {candidate} is empty")
             return names
+        info = os.path.join(where, INFO_FILE)
+        if os.path.isfile(info):
+            try:
+                with open(info) as f:
+                    described = json.load(f)
+            except (OSError, ValueError) as error:
+                raise UserError(f"{info} is not readable JSON: {error}") from None
+            listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
+                          None)
+            if isinstance(listed, list) and listed:
+                return tuple(str(name) for name in listed)
+    return None
+
+
+def split_patterns(folder: str) -> Optional[tuple[str, str]]:
+    """Patterns of the train and val shards of a folder that holds both side by side, as timm's imagenet-1k-wds
+    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None otherwise."""
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".tar")]
+    except OSError:
+        return None
+    train = [n for n in names if "train" in n]
+    for word in ("validation", "val"):
+        val = [n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)]
+        if train and val and len(train) + len(val) == len(names):
+            return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
     return None
 
 
