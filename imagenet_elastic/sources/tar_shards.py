@@ -14,7 +14,9 @@ Reading sample i maps its shard (once per process, lazily: a loader worker maps 
 sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any
 moment, so the world-size-invariant sampler, step-exact resume and --ra-reps work as with a folder of files.
 Class names come from a `classes.txt` (one per line, in label order) in the shards' folder or the one above
-it; without one the labels are the names ("0", "1", ...), or the training split's classes for a val split.
+it, or a `class_names` list in an `_info.json` there; without either the labels are the names ("0", "1", ...),
+or the training split's classes for a val split. A folder that holds train and validation shards side by side
+(timm's imagenet-1k-wds) is split by their names (`split_patterns`).
 """
 
 from __future__ import annotations
