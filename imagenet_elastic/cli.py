@@ -10,12 +10,12 @@ import importlib
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any, NoReturn, Optional
+from typing import NoReturn, Optional
 
-from imagenet_elastic.config import GROUPS, Config, flag, setting_fields
-from imagenet_elastic.config_file import read_settings, settings_yaml
+from imagenet_elastic.config import GROUPS, Config, add_setting, flag, setting_fields
+from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int
+from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import PROG, UserError, report
-from imagenet_elastic.options import HelpFormatter, Parser, non_negative_int
 
 
 def build_parser() -> Parser:
@@ -27,10 +27,7 @@ def build_parser() -> Parser:
         if meta.get("positional"):  # optional here: it may come from --config (see parse)
             p.add_argument(f.name, metavar=meta["metavar"], help=meta["help"], nargs="?")
             continue
-        extra: dict[str, Any] = dict(meta["argparse"])
-        if meta["metavar"]:
-            extra["metavar"] = meta["metavar"]
-        groups[meta["group"]].add_argument(flag(f), dest=f.name, default=f.default, help=meta["help"], **extra)
+        add_setting(groups[meta["group"]], f.name)
     files = p.add_argument_group("settings files")
     files.add_argument("--config", metavar="FILE.yaml", help="read settings from a flat YAML file of option names "
                        "and values (`batch-size: 128`); options given on the command line override it")
@@ -101,8 +98,8 @@ def shown_default(f: dataclasses.Field) -> str:
 
 
 # Tools beside training, each a module with `main(argv)`: imported only when asked for.
-SUBCOMMANDS = {"benchmark": "imagenet_elastic.benchmark", "export": "imagenet_elastic.export",
-               "pack": "imagenet_elastic.pack", "plot": "imagenet_elastic.plot"}
+SUBCOMMANDS = {"benchmark": "imagenet_elastic.tools.benchmark", "export": "imagenet_elastic.tools.export",
+               "pack": "imagenet_elastic.tools.pack", "plot": "imagenet_elastic.tools.plot"}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
@@ -118,9 +115,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if args.print_config:
         sys.stdout.write(settings_yaml(config, "imagenet_elastic settings (--print-config); run them with --config"))
         return
-    from imagenet_elastic.distributed import uses_cuda, visible_gpu_count
-    from imagenet_elastic.launch import run_worker, spawn_workers
-    from imagenet_elastic.launchers import resolve_launch
+    from imagenet_elastic.launch.distributed import uses_cuda, visible_gpu_count
+    from imagenet_elastic.launch.launchers import resolve_launch
+    from imagenet_elastic.launch.processes import run_worker, spawn_workers
 
     try:
         plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,
@@ -131,7 +128,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         report(error, rank=0)
         sys.exit(error.exit_code)
     try:
-        if plan.procs_per_task > 1 or config.dist_init_method == "spawn":
+        if plan.spawns:
             spawn_workers(config, plan.env, plan.procs_per_task)
         else:
             run_worker(config, plan.env)

@@ -13,7 +13,7 @@ import time
 
 import torch.distributed as dist
 
-from imagenet_elastic import distributed
+from imagenet_elastic.launch import distributed
 
 WARMUP, CALLS, ROUNDS = 200, 2000, 5
 

@@ -28,8 +28,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.data import DataLoader, Dataset, default_collate
 
-from imagenet_elastic import gpu_decode, pixels
-from imagenet_elastic.augment import Augment
+from imagenet_elastic.data import gpu_decode, pixels
+from imagenet_elastic.data.augment import Augment
 
 
 class OpCounter(TorchDispatchMode):

@@ -17,7 +17,7 @@ set -euo pipefail
 DATA=${1:?usage: sbatch $0 DATA [trainer options]}
 shift
 CHECKPOINTS=${CHECKPOINTS:-checkpoints/$SLURM_JOB_NAME}
-HEAD=$(python -c 'import os; from imagenet_elastic.hostlist import first_host; print(first_host(os.environ["SLURM_JOB_NODELIST"]))')
+HEAD=$(python -c 'import os; from imagenet_elastic.launch.hostlist import first_host; print(first_host(os.environ["SLURM_JOB_NODELIST"]))')
 RDZV_PORT=${RDZV_PORT:-29400}
 NPROC=${NPROC_PER_NODE:-gpu}   # torchrun's "gpu": one process per visible GPU
 # last_call_timeout/keep_alive_*: a group re-forms in seconds after a node is lost, not torchrun's ~46 s.

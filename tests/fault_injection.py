@@ -23,8 +23,8 @@ from typing import Optional
 
 import torch
 
-from imagenet_elastic.samplelog import ENV_VAR as SAMPLE_LOG_VAR
-from imagenet_elastic.samplelog import coverage
+from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
+from imagenet_elastic.report.samplelog import coverage
 
 # Rendezvous settings that re-form a group in seconds instead of torchrun's ~46 s: a lost agent is
 # noticed after 3 missed 1-s heartbeats, and a round closes 3 s after its minimum size is reached.

@@ -14,12 +14,13 @@ from typing import Optional
 
 import torch
 
-from imagenet_elastic import cli, startup
-from imagenet_elastic.console import Console
-from imagenet_elastic.distributed import DistEnv
+from imagenet_elastic import cli
 from imagenet_elastic.errors import Preempted
-from imagenet_elastic.preemption import PreemptionFlag
-from imagenet_elastic.trainer import Trainer
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import PreemptionFlag
+from imagenet_elastic.report.console import Console
+from imagenet_elastic.train import startup
+from imagenet_elastic.train.trainer import Trainer
 
 
 @dataclass

@@ -62,7 +62,7 @@ def share_one_gpu() -> None:
 
 def install() -> None:
     """Wrap Trainer.fit: the report is written on every rank, after every build step, before any step."""
-    from imagenet_elastic.trainer import Trainer
+    from imagenet_elastic.train.trainer import Trainer
 
     if os.environ.get(ONE_GPU) == "1" and torch.cuda.is_available():
         share_one_gpu()
@@ -74,7 +74,7 @@ def install() -> None:
         path = os.path.join(os.environ[PROBE_DIR], f"rank{self.env.rank}.json")
         with open(path, "w") as f:
             json.dump({"rank": self.env.rank, "device": str(self.ctx.device), "checked": checked,
-                       "mismatches": wrong, "resumed": self.restored.resume_from is not None}, f)
+                       "mismatches": wrong, "resumed": self.training.resume_from is not None}, f)
         fit(self)
 
     Trainer.fit = reporting_fit

@@ -8,9 +8,10 @@ import pytest
 import torch
 from torch import nn
 
-from imagenet_elastic.data import Batch
-from imagenet_elastic.engine import StepContext, prepare_batch, step_groups, train_step
-from imagenet_elastic.sampler import BatchPlan
+from imagenet_elastic.data.feed import step_groups
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.train.step import StepContext, prepare_batch, train_step
 
 
 def make_ctx(seed: int = 0) -> StepContext:

@@ -22,7 +22,7 @@ import pytest
 from conftest import REPO, assert_same_tensors, child_env, finish, load_checkpoint, python_cmd, run, start, torchrun_cmd
 
 from imagenet_elastic.errors import PREEMPTED_EXIT
-from imagenet_elastic.metrics import read as read_metrics
+from imagenet_elastic.report.metrics import read as read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 

@@ -11,12 +11,12 @@ import torch
 from PIL import Image
 from test_data import make_split, write_jpeg
 
-from imagenet_elastic.augment import MEAN_PIXEL, POLICIES, Augment
 from imagenet_elastic.config import Config
-from imagenet_elastic.data import TrainDataset, sample_rng
+from imagenet_elastic.data.augment import MEAN_PIXEL, POLICIES, Augment
+from imagenet_elastic.data.pipeline import TrainDataset, sample_rng
+from imagenet_elastic.data.pixels import random_resized_crop_box
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.pixels import random_resized_crop_box
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 EVERYTHING = Augment(scale=(0.25, 1.0), ratio=(0.5, 2.0), hflip=0.3, policy="ta_wide", erase=0.5)
 

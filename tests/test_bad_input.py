@@ -195,7 +195,7 @@ def test_a_corrupt_image_inside_a_shard_is_named_by_shard_and_member(small_pack,
     data = tmp_path / "pack"
     shutil.copytree(small_pack, data)
     shard = data / "train" / "shard-000000.tar"
-    from imagenet_elastic.sources import tar_shards
+    from imagenet_elastic.data.sources import tar_shards
 
     start = int(tar_shards.open_split(str(data / "train"), "train", None).offsets[1])  # the second sample's image
     raw = bytearray(shard.read_bytes())

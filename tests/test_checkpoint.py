@@ -10,8 +10,8 @@ import sys
 import pytest
 import torch
 
-from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint import CheckpointLock, CheckpointManager, load, serialize
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager, load, serialize
 from imagenet_elastic.errors import UserError
 
 
@@ -176,7 +176,7 @@ def test_load_of_a_torch_file_without_checkpoint_keys_raises_user_error(tmp_path
 
 LOCK_HOLDER = r"""
 import sys, time
-from imagenet_elastic.checkpoint import CheckpointLock
+from imagenet_elastic.checkpoint.store import CheckpointLock
 lock = CheckpointLock(sys.argv[1])
 lock.acquire(0, print)
 print("held", flush=True)

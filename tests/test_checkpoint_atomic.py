@@ -11,13 +11,13 @@ import time
 import pytest
 from conftest import child_env, load_checkpoint
 
-from imagenet_elastic.checkpoint import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointManager
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 WRITER = r"""
 import sys, torch
-from imagenet_elastic.checkpoint import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointManager
 manager = CheckpointManager(sys.argv[1], keep=1)
 version = 0
 while True:

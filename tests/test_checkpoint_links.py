@@ -8,8 +8,8 @@ import os
 import pytest
 import torch
 
-from imagenet_elastic import checkpoint
-from imagenet_elastic.checkpoint import CheckpointManager, load
+from imagenet_elastic.checkpoint import store
+from imagenet_elastic.checkpoint.store import CheckpointManager, load
 from imagenet_elastic.errors import StorageError
 
 
@@ -24,13 +24,13 @@ def version(path) -> int:
 def count_writes(monkeypatch) -> list[str]:
     """Every file a save serializes a state into."""
     written = []
-    real = checkpoint.save_to
+    real = store.save_to
 
     def counting(state, file):
         written.append(file.name)
         real(state, file)
 
-    monkeypatch.setattr(checkpoint, "save_to", counting)
+    monkeypatch.setattr(store, "save_to", counting)
     return written
 
 
@@ -68,7 +68,7 @@ def test_a_file_system_without_hard_links_gets_copies_and_one_warning(tmp_path, 
     def no_links(src, dst):
         raise OSError(refusal, os.strerror(refusal))
 
-    monkeypatch.setattr(checkpoint.os, "link", no_links)
+    monkeypatch.setattr(store.os, "link", no_links)
     warnings: list[str] = []
     manager = CheckpointManager(str(tmp_path), keep=3, warn=warnings.append)
     manager.save(state(1), 1, is_best=True)
@@ -89,7 +89,7 @@ def test_a_link_that_fails_for_another_reason_is_a_storage_error_and_nothing_cha
     def broken(src, dst):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
 
-    monkeypatch.setattr(checkpoint.os, "link", broken)
+    monkeypatch.setattr(store.os, "link", broken)
     with pytest.raises(StorageError) as caught:
         manager.save(state(2), 2, is_best=False)
     assert str(caught.value) == (f"input/output error linking {tmp_path / 'epoch_0002.pt'}; "
@@ -106,7 +106,7 @@ def test_a_failed_write_removes_its_temp_file_and_names_the_checkpoint_it_was_wr
         file.write(b"partial")
         raise OSError(errno.EDQUOT, os.strerror(errno.EDQUOT))
 
-    monkeypatch.setattr(checkpoint, "save_to", quota)
+    monkeypatch.setattr(store, "save_to", quota)
     with pytest.raises(StorageError, match=r"^disk quota exceeded writing .*last\.pt \(4 kB\)$"):
         manager.save(state(1), None)  # nothing before it: no "previous checkpoint" to speak of
     assert os.listdir(tmp_path) == []

@@ -1,4 +1,4 @@
-"""Load once (checkpoint_share.py): the state rank 0 read reaches the other ranks with the same
+"""Load once (checkpoint/share.py): the state rank 0 read reaches the other ranks with the same
 structure, dtypes, shapes and bits, and a lazily loaded checkpoint reads none of its tensors. The
 torchrun restarts of test_fault_tolerance.py prove it over real process groups (bitwise resumes)."""
 
@@ -8,7 +8,7 @@ import pickle
 
 import torch
 
-from imagenet_elastic import checkpoint, checkpoint_share
+from imagenet_elastic.checkpoint import share, store
 
 
 def sample_state() -> dict:
@@ -46,10 +46,10 @@ def assert_same(a, b) -> None:
 
 def test_pack_then_unpack_gives_back_every_tensor_bit_for_bit_and_the_structure():
     state = sample_state()
-    skeleton, buffer = checkpoint_share.pack(state)
+    skeleton, buffer = share.pack(state)
     skeleton = pickle.loads(pickle.dumps(skeleton))  # what the object broadcast does to it
     assert buffer.dtype == torch.uint8
-    assert_same(state, checkpoint_share.unpack(skeleton, buffer.clone()))
+    assert_same(state, share.unpack(skeleton, buffer.clone()))
 
 
 def read_bytes() -> int:
@@ -63,11 +63,11 @@ def test_a_lazy_load_reads_the_numbers_and_not_the_tensors(tmp_path):
     weights = torch.arange(1 << 22, dtype=torch.float32)  # 16 MB
     torch.save({"model": {"w": weights}, "epoch": 3, "step": 40, "saved_at": 2.5}, path)
     before = read_bytes()
-    lazy = checkpoint.load(str(path), lazy=True)
+    lazy = store.load(str(path), lazy=True)
     lazy_read = read_bytes() - before
     assert (lazy["epoch"], lazy["step"], lazy["saved_at"]) == (3, 40, 2.5)
     before = read_bytes()
-    full = checkpoint.load(str(path))
+    full = store.load(str(path))
     full_read = read_bytes() - before
     assert full_read > 16e6 and lazy_read < 1e6, (lazy_read, full_read)
     assert torch.equal(lazy["model"]["w"], full["model"]["w"])  # and the tensors are there when used

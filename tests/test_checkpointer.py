@@ -9,9 +9,9 @@ import threading
 import pytest
 import torch
 
-from imagenet_elastic import checkpoint
-from imagenet_elastic.checkpoint import CheckpointManager, load
-from imagenet_elastic.checkpointer import CheckpointWriter, HostCopy
+from imagenet_elastic.checkpoint import store
+from imagenet_elastic.checkpoint.saving import CheckpointWriter, HostCopy
+from imagenet_elastic.checkpoint.store import CheckpointManager, load
 from imagenet_elastic.errors import StorageError
 
 CPU = torch.device("cpu")
@@ -23,14 +23,14 @@ class GatedWrites:
     def __init__(self, monkeypatch) -> None:
         self.release = threading.Event()
         self.started = threading.Semaphore(0)
-        real = checkpoint.save_to
+        real = store.save_to
 
         def gated(state, file):
             self.started.release()
             assert self.release.wait(30), "the test never released the write"
             real(state, file)
 
-        monkeypatch.setattr(checkpoint, "save_to", gated)
+        monkeypatch.setattr(store, "save_to", gated)
 
     def wait_started(self) -> None:
         assert self.started.acquire(timeout=30), "no write started"
@@ -109,7 +109,7 @@ def test_a_failed_background_write_is_kept_for_the_training_thread_and_stops_fur
     def full(state, file):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(checkpoint, "save_to", full)
+    monkeypatch.setattr(store, "save_to", full)
     after = []
     writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=True, device=CPU)
     writer.submit(live_state(1.0), 1, False, after=lambda: after.append(1))
@@ -125,7 +125,7 @@ def test_a_bug_in_the_writer_is_not_disguised_as_a_storage_error(tmp_path, monke
     def bug(state, file):
         raise KeyError("oops")
 
-    monkeypatch.setattr(checkpoint, "save_to", bug)
+    monkeypatch.setattr(store, "save_to", bug)
     writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=True, device=CPU)
     writer.submit(live_state(1.0), 1, False)
     assert isinstance(writer.wait(), KeyError)

@@ -13,7 +13,7 @@ import torch
 
 from imagenet_elastic.cli import build_parser, config_from_args, options_table
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, Config
-from imagenet_elastic.options import checkpoint_interval
+from imagenet_elastic.config.options import checkpoint_interval
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 

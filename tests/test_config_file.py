@@ -11,9 +11,9 @@ from conftest import VAL_IMAGES, python_cmd, run
 
 from imagenet_elastic import cli
 from imagenet_elastic.config import Config
-from imagenet_elastic.config_file import read_settings, settings_yaml
+from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.metrics import read as read_metrics
+from imagenet_elastic.report.metrics import read as read_metrics
 
 UNUSUAL = ["/data", "--model", "resnet18", "--scale", "0.25", "1", "--ratio", "0.5", "2", "--hflip", "0",
            "--auto-augment", "ta_wide", "--random-erase", "0.25", "--checkpoint-interval", "500,10m",

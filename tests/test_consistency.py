@@ -8,9 +8,10 @@ import dataclasses
 
 import numpy as np
 
-from imagenet_elastic import consistency
 from imagenet_elastic.config import Config
-from imagenet_elastic.consistency import (
+from imagenet_elastic.data.sources.image_folder import ImageFolder
+from imagenet_elastic.launch import consistency
+from imagenet_elastic.launch.consistency import (
     Fingerprint,
     first_difference,
     first_file_difference,
@@ -18,7 +19,6 @@ from imagenet_elastic.consistency import (
     settings_digest,
     shared_settings,
 )
-from imagenet_elastic.sources.image_folder import ImageFolder
 
 
 def index(entries: list[str], classes: tuple[str, ...] = ("cat", "dog")) -> ImageFolder:

@@ -1,7 +1,7 @@
 """Rank 0 speaks for the run, in lines that survive `grep`; a rank speaks for itself only about what
 only it can see."""
 
-from imagenet_elastic.console import Console
+from imagenet_elastic.report.console import Console
 
 
 def test_start_up_table_in_a_log_keeps_every_value_on_one_line(capsys):

@@ -23,17 +23,19 @@ from conftest import REPO, SMALL_RUN, load_checkpoint, several_at_once, torchrun
 from state_probe import ONE_GPU, PROBE_DIR, layout_mismatches
 from test_data import write_jpeg
 
-from imagenet_elastic import checkpoint_share, data, engine, gpu_decode
-from imagenet_elastic.augment import POLICIES, Augment
-from imagenet_elastic.checkpointer import HostCopy
-from imagenet_elastic.data import Batch
-from imagenet_elastic.engine import StepContext, train_step
-from imagenet_elastic.loss import TrainLoss
-from imagenet_elastic.mixing import Mixer
-from imagenet_elastic.model import create_ema, create_model, create_optimizer
-from imagenet_elastic.sampler import BatchPlan
-from imagenet_elastic.sources.image_folder import scan_image_folder
-from imagenet_elastic.state import PendingSteps, TrainState
+from imagenet_elastic.checkpoint import share
+from imagenet_elastic.checkpoint.saving import HostCopy
+from imagenet_elastic.data import feed, gpu_decode, pipeline
+from imagenet_elastic.data.augment import POLICIES, Augment
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.train.loss import TrainLoss
+from imagenet_elastic.train.mixing import Mixer
+from imagenet_elastic.train.model import create_ema, create_model
+from imagenet_elastic.train.optimizer import create_optimizer
+from imagenet_elastic.train.state import PendingSteps, TrainState
+from imagenet_elastic.train.step import StepContext, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)
@@ -48,7 +50,7 @@ def jpegs(tmp_path):
 
 
 def decode_on_gpu(index, augment: Augment, keys: list) -> torch.Tensor:
-    dataset = data.TrainDataset(index, 120, 4, gpu_decode.encode_bytes, augment)
+    dataset = pipeline.TrainDataset(index, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[key] for key in keys])
     images = gpu_decode.BatchDecoder(GPU, print, augment)(batch).images
     assert images.device == GPU and images.dtype == torch.uint8 and images.shape == (len(keys), 120, 120, 3)
@@ -62,7 +64,7 @@ def level_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 def test_nvjpeg_batches_are_the_cpu_paths_crops_within_a_level_or_two(jpegs):
     keys = [(e, i) for e in range(2) for i in range(len(jpegs))]
     gpu = decode_on_gpu(jpegs, Augment(), keys)
-    cpu = torch.stack([data.TrainDataset(jpegs, 120, 4)[key][0] for key in keys])
+    cpu = torch.stack([pipeline.TrainDataset(jpegs, 120, 4)[key][0] for key in keys])
     difference = level_difference(gpu, cpu)
     assert difference.max() < 2, difference  # IDCT and float resize rounding; another crop differs by ~60
 
@@ -72,8 +74,8 @@ def test_the_policy_and_erasing_on_the_gpu_draw_what_the_workers_draw(jpegs, pol
     augment = Augment(policy=policy, erase=0.5)
     keys = [(e, i) for e in range(3) for i in range(len(jpegs))]
     gpu = decode_on_gpu(jpegs, augment, keys)
-    cpu = torch.stack([data.TrainDataset(jpegs, 120, 4, augment=augment)[key][0] for key in keys])
-    other = torch.stack([data.TrainDataset(jpegs, 120, 5, augment=augment)[key][0] for key in keys])
+    cpu = torch.stack([pipeline.TrainDataset(jpegs, 120, 4, augment=augment)[key][0] for key in keys])
+    other = torch.stack([pipeline.TrainDataset(jpegs, 120, 5, augment=augment)[key][0] for key in keys])
     same = level_difference(gpu, cpu)
     assert same.max() < 4, same
     assert level_difference(gpu, other).mean() > 4 * same.mean() + 1
@@ -155,7 +157,7 @@ def test_a_resumed_state_steps_with_cudas_fused_sgd(path):
     trained = gpu_state()
     steps_on_gpu(trained, 2)
     snapshot = trained.capture({}, {})
-    snapshot = checkpoint_share.unpack(*checkpoint_share.pack(snapshot)) if path == "load_once" else \
+    snapshot = share.unpack(*share.pack(snapshot)) if path == "load_once" else \
         copy.deepcopy({k: v for k, v in snapshot.items()})
     resumed = gpu_state(channels_last=path == "load_once")
     resumed.apply(snapshot)
@@ -232,13 +234,13 @@ def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(j
     """torchvision's tensor kernels make blocking host-to-device copies (affine matrices, erasing's fill); on the
     training stream each would wait for its queue. On their side stream they wait for the decode alone."""
     augment = Augment(policy=policy, erase=1.0)
-    dataset = data.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
+    dataset = pipeline.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
     decoder = gpu_decode.BatchDecoder(GPU, print, augment)
-    expected = next(engine.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
+    expected = next(feed.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
     torch.cuda.synchronize()
     main = busy_training_stream()
-    images = next(engine.device_batches([batch], GPU, decoder)).images
+    images = next(feed.device_batches([batch], GPU, decoder)).images
     assert not main.query(), "the policy waited for the training stream's queue"
     torch.cuda.synchronize()
     assert torch.equal(images, expected)
@@ -257,7 +259,7 @@ def hot_loop_batches(steps: int, plan: BatchPlan) -> list[Batch]:
 def hot_loop(ctx: StepContext, plan: BatchPlan, batches: list[Batch], first_step: int) -> None:
     """The training loop's per-step work (trainer.run_epoch without its log and checkpoint steps)."""
     pending = PendingSteps(GPU)
-    for step, micro_batches in enumerate(engine.step_groups(engine.device_batches(batches, GPU), plan.accum),
+    for step, micro_batches in enumerate(feed.step_groups(feed.device_batches(batches, GPU), plan.accum),
                                          start=first_step):
         pending.add(train_step(ctx, micro_batches, plan.micro_slices(0), plan.share, 0.1, seed=0, step=step))
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import EvalDataset, TrainDataset, sample_rng
+from imagenet_elastic.data.pipeline import EvalDataset, TrainDataset, sample_rng
+from imagenet_elastic.data.pixels import center_crop_box, crop_resize, decode_bytes, random_resized_crop_box
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
-from imagenet_elastic.pixels import center_crop_box, crop_resize, decode_bytes, random_resized_crop_box
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 SIZES = [(1, 1), (1, 2), (2, 1), (2, 3), (3, 2), (3, 3), (5, 7), (17, 3), (31, 32), (1000, 1), (1, 1000),
          (4000, 3), (3, 4000), (640, 480), (333, 500)]

@@ -1,4 +1,4 @@
-"""`engine.decoded_ahead`: --decode gpu's thread that decodes ahead of the training thread."""
+"""`feed.decoded_ahead`: --decode gpu's thread that decodes ahead of the training thread."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from imagenet_elastic.engine import decoded_ahead
+from imagenet_elastic.data.feed import decoded_ahead
 from imagenet_elastic.errors import CorruptImageError
 
 CPU = torch.device("cpu")

@@ -17,9 +17,9 @@ import pytest
 import torch
 from conftest import load_checkpoint, python_cmd, run, torchrun_cmd
 
-from imagenet_elastic.checkpoint import CheckpointManager, load
+from imagenet_elastic.checkpoint.store import CheckpointManager, load
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT, StorageError
-from imagenet_elastic.metrics import read as read_metrics
+from imagenet_elastic.report.metrics import read as read_metrics
 
 
 @contextlib.contextmanager

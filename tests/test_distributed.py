@@ -5,9 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from imagenet_elastic import distributed
-from imagenet_elastic.distributed import DistEnv, default_threads, group_options, select_device, visible_gpu_count
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch import distributed
+from imagenet_elastic.launch.distributed import (
+    DistEnv,
+    default_threads,
+    group_options,
+    select_device,
+    visible_gpu_count,
+)
 
 
 def test_default_threads_divides_cores_by_local_processes(monkeypatch):

@@ -1,4 +1,4 @@
-"""`engine.evaluate`: every rank's sums over the whole validation set (its shard's and the others'), and
+"""`train/step.py evaluate`: every rank's sums over the whole validation set (its shard's and the others'), and
 --val-flip-average: the logits of each image and of its mirror image, averaged."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from imagenet_elastic import distributed
-from imagenet_elastic.data import Batch
-from imagenet_elastic.engine import StepContext, evaluate, prepare_batch
-from imagenet_elastic.loss import TrainLoss
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.launch import distributed
+from imagenet_elastic.train.loss import TrainLoss
+from imagenet_elastic.train.step import StepContext, evaluate, prepare_batch
 
 CPU = torch.device("cpu")
 

@@ -27,10 +27,10 @@ from PIL import Image
 from test_data import write_jpeg
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from imagenet_elastic import data, engine, gpu_decode, pixels
-from imagenet_elastic.augment import POLICIES, Augment
+from imagenet_elastic.data import feed, gpu_decode, pipeline, pixels
+from imagenet_elastic.data.augment import POLICIES, Augment
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 CPU = torch.device("cpu")
 
@@ -49,7 +49,7 @@ def decoder_and_warnings() -> tuple[gpu_decode.BatchDecoder, list[str]]:
     return gpu_decode.BatchDecoder(CPU, warnings.append), warnings
 
 
-def batch_of(dataset: data.TrainDataset, keys: list) -> list:
+def batch_of(dataset: pipeline.TrainDataset, keys: list) -> list:
     return gpu_decode.collate([dataset[key] for key in keys])
 
 
@@ -63,8 +63,8 @@ def test_workers_draw_the_same_crop_and_flip_as_the_cpu_path(mixed_folder):
 
     for epoch in range(3):
         for i in range(len(index)):
-            data.TrainDataset(index, 32, seed=5, load=spy)[(epoch, i)]
-            encoded = data.TrainDataset(index, 32, seed=5, load=gpu_decode.encode_bytes)[(epoch, i)][0]
+            pipeline.TrainDataset(index, 32, seed=5, load=spy)[(epoch, i)]
+            encoded = pipeline.TrainDataset(index, 32, seed=5, load=gpu_decode.encode_bytes)[(epoch, i)][0]
             assert (encoded.box, encoded.flip) == seen[-1]
             assert encoded.cpu_reason is None and encoded.data.dim() == 1  # bytes, left to the device
 
@@ -74,9 +74,9 @@ def test_batch_decoder_gives_the_worker_paths_pixels_where_no_dct_scaling_applie
     size = 120  # DCT scaling needs a crop of 240 pixels: none of these images has one
     keys = [(1, i) for i in range(len(index))]
     decoder, warnings = decoder_and_warnings()
-    batch = decoder(batch_of(data.TrainDataset(index, size, 2, gpu_decode.encode_bytes), keys))
+    batch = decoder(batch_of(pipeline.TrainDataset(index, size, 2, gpu_decode.encode_bytes), keys))
     images, targets, indices = batch.images, batch.labels, batch.indices
-    expected = torch.stack([data.TrainDataset(index, size, 2)[key][0] for key in keys])
+    expected = torch.stack([pipeline.TrainDataset(index, size, 2)[key][0] for key in keys])
     assert images.dtype == torch.uint8 and images.shape == (len(index), size, size, 3)
     assert torch.equal(images, expected)
     assert targets.tolist() == [int(t) for t in index.labels] and indices.tolist() == list(range(len(index)))
@@ -87,8 +87,8 @@ def test_small_crops_differ_from_the_dct_scaled_worker_path_only_by_resampling(m
     index = scan_image_folder(str(mixed_folder), "train")
     keys = [(0, i) for i in range(len(index))]
     decoder, _ = decoder_and_warnings()
-    images = decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), keys)).images
-    expected = torch.stack([data.TrainDataset(index, 16, 0)[key][0] for key in keys])
+    images = decoder(batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), keys)).images
+    expected = torch.stack([pipeline.TrainDataset(index, 16, 0)[key][0] for key in keys])
     difference = (images.float() - expected.float()).abs().mean(dim=(1, 2, 3))
     assert difference.max() < 12, difference  # the same region; another region of noise differs by ~60
 
@@ -103,14 +103,14 @@ def test_the_device_erases_the_rectangles_the_workers_would_and_leaves_validatio
     warnings: list[str] = []
     decoder = gpu_decode.BatchDecoder(CPU, warnings.append, erase)
     before = torch.get_rng_state()
-    images = decoder(batch_of(data.TrainDataset(index, 120, 2, gpu_decode.encode_bytes, erase), keys)).images
+    images = decoder(batch_of(pipeline.TrainDataset(index, 120, 2, gpu_decode.encode_bytes, erase), keys)).images
     assert torch.equal(torch.get_rng_state(), before)
-    expected = torch.stack([data.TrainDataset(index, 120, 2, augment=erase)[key][0] for key in keys])
+    expected = torch.stack([pipeline.TrainDataset(index, 120, 2, augment=erase)[key][0] for key in keys])
     assert torch.equal(images, expected)
-    plain = torch.stack([data.TrainDataset(index, 120, 2)[key][0] for key in keys])
+    plain = torch.stack([pipeline.TrainDataset(index, 120, 2)[key][0] for key in keys])
     assert all(not torch.equal(a, b) for a, b in zip(images, plain))  # p=1: every image has its box
     assert len(warnings) == 1 and "plain.png is a PNG file" in warnings[0]
-    val = gpu_decode.collate([data.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in range(3)])
+    val = gpu_decode.collate([pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in range(3)])
     assert torch.equal(decoder(val).images, decoder_and_warnings()[0](val).images)
 
 
@@ -122,12 +122,12 @@ def test_the_device_runs_the_workers_policy_draws_with_torchvisions_tensor_kerne
     index = scan_image_folder(str(mixed_folder), "train")
     augment = Augment(policy=policy)
     keys = [(epoch, i) for epoch in range(4) for i in range(len(index))]
-    encoded = data.TrainDataset(index, 120, 6, gpu_decode.encode_bytes, augment)
+    encoded = pipeline.TrainDataset(index, 120, 6, gpu_decode.encode_bytes, augment)
     images = gpu_decode.BatchDecoder(CPU, print, augment)(batch_of(encoded, keys)).images
-    crops = [data.TrainDataset(index, 120, 6)[key][0] for key in keys]  # before the policy
+    crops = [pipeline.TrainDataset(index, 120, 6)[key][0] for key in keys]  # before the policy
     seeds = [encoded[key][0].augment_seed for key in keys]
     assert torch.equal(images, torch.stack([augment.apply(c, s, pil=False) for c, s in zip(crops, seeds)]))
-    workers = torch.stack([data.TrainDataset(index, 120, 6, augment=augment)[key][0] for key in keys])
+    workers = torch.stack([pipeline.TrainDataset(index, 120, 6, augment=augment)[key][0] for key in keys])
     redrawn = torch.stack([augment.apply(c, 1000 + k, pil=False) for k, c in enumerate(crops)])
     same, other = mean_level_difference(images, workers), mean_level_difference(redrawn, workers)
     assert same.max() < 1.5, same  # measured: at most ~1 level, most images exact
@@ -162,13 +162,13 @@ def test_the_decoder_crops_a_batch_as_a_gpu_would_within_a_level_of_the_workers_
     keys = [(e, i) for e in range(3) for i in range(len(index))]
     decoder, _ = decoder_and_warnings()
     decoder.batched_crops = True
-    images = decoder(batch_of(data.TrainDataset(index, 120, 8, gpu_decode.encode_bytes), keys)).images
-    expected = torch.stack([data.TrainDataset(index, 120, 8)[key][0] for key in keys])
+    images = decoder(batch_of(pipeline.TrainDataset(index, 120, 8, gpu_decode.encode_bytes), keys)).images
+    expected = torch.stack([pipeline.TrainDataset(index, 120, 8)[key][0] for key in keys])
     assert images.shape == expected.shape and (images.int() - expected.int()).abs().max() <= 1
     augment = Augment(policy="ra", erase=0.5)  # the policy on the batched crops' views
     decoder.augment = augment
-    images = decoder(batch_of(data.TrainDataset(index, 120, 8, gpu_decode.encode_bytes, augment), keys)).images
-    expected = torch.stack([data.TrainDataset(index, 120, 8, augment=augment)[key][0] for key in keys])
+    images = decoder(batch_of(pipeline.TrainDataset(index, 120, 8, gpu_decode.encode_bytes, augment), keys)).images
+    expected = torch.stack([pipeline.TrainDataset(index, 120, 8, augment=augment)[key][0] for key in keys])
     assert mean_level_difference(images, expected).max() < 1.5
 
 
@@ -192,7 +192,7 @@ class OpCounter(TorchDispatchMode):
 def test_a_batch_crosses_from_a_worker_as_one_tensor_and_decodes_as_in_process(mixed_folder):
     Image.fromarray(np.full((50, 60, 3), 9, dtype=np.uint8)).save(mixed_folder / "c1" / "plain.png")
     index = scan_image_folder(str(mixed_folder), "train")
-    dataset = data.TrainDataset(index, 32, 1, gpu_decode.encode_bytes)
+    dataset = pipeline.TrainDataset(index, 32, 1, gpu_decode.encode_bytes)
     keys = [(0, i) for i in range(len(index))]
     loader = torch.utils.data.DataLoader(dataset, batch_sampler=[keys], num_workers=1, collate_fn=gpu_decode.collate)
     received = next(iter(loader))
@@ -218,13 +218,13 @@ def test_png_and_cmyk_jpeg_are_decoded_by_the_worker_and_reported_once_per_kind(
     Image.fromarray(noise).convert("CMYK").save(root / "a" / "k.jpg")
     write_jpeg(str(root / "a" / "rgb.jpg"), 40, 30, seed=1)
     index = scan_image_folder(str(root), "train")
-    dataset = data.TrainDataset(index, 24, 0, gpu_decode.encode_bytes)
+    dataset = pipeline.TrainDataset(index, 24, 0, gpu_decode.encode_bytes)
     encoded = [dataset[(0, i)][0] for i in range(len(index))]
     reasons = {im.path.rsplit("/", 1)[1]: im.cpu_reason for im in encoded}
     assert reasons == {"k.jpg": "a CMYK JPEG", "p1.png": "a PNG file", "p2.png": "a PNG file", "rgb.jpg": None}
     decoder, warnings = decoder_and_warnings()
     images = decoder(batch_of(dataset, [(0, i) for i in range(len(index))])).images
-    assert torch.equal(images, torch.stack([data.TrainDataset(index, 24, 0)[(0, i)][0] for i in range(len(index))]))
+    assert torch.equal(images, torch.stack([pipeline.TrainDataset(index, 24, 0)[(0, i)][0] for i in range(len(index))]))
     decoder(batch_of(dataset, [(1, i) for i in range(len(index))]))
     assert len(warnings) == 2, warnings
     assert "k.jpg is a CMYK JPEG; decoded on the CPU instead" in warnings[0]
@@ -235,8 +235,8 @@ def test_one_decoder_gives_each_batch_the_size_its_worker_asked_for(mixed_folder
     """Train and val sizes differ under --val-crop-size: the size travels with each image."""
     index = scan_image_folder(str(mixed_folder), "train")
     decoder, _ = decoder_and_warnings()
-    train = decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)])).images
-    val = decoder(gpu_decode.collate([data.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in (0, 1)]))
+    train = decoder(batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)])).images
+    val = decoder(gpu_decode.collate([pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in (0, 1)]))
     assert train.shape == (2, 16, 16, 3) and val.images.shape == (2, 24, 24, 3)
 
 
@@ -256,13 +256,13 @@ class RefusingDecoder(gpu_decode.BatchDecoder):
 
 def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mixed_folder):
     index = scan_image_folder(str(mixed_folder), "train")
-    dataset = data.TrainDataset(index, 20, 3, gpu_decode.encode_bytes)
+    dataset = pipeline.TrainDataset(index, 20, 3, gpu_decode.encode_bytes)
     keys = [(0, i) for i in range(len(index))]
     batch = batch_of(dataset, keys)
     warnings: list[str] = []
     decoder = RefusingDecoder([batch.images.unpack()[4].data], CPU, warnings.append)
     images = decoder(batch).images
-    assert torch.equal(images[4], data.TrainDataset(index, 20, 3)[(0, 4)][0])  # the CPU path's pixels
+    assert torch.equal(images[4], pipeline.TrainDataset(index, 20, 3)[(0, 4)][0])  # the CPU path's pixels
     assert decoder.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
     assert warnings == [f"--decode gpu: {index.path(4)} is a JPEG the device decoder rejected; decoded on the "
                         "CPU instead (said once for each kind of image)"]
@@ -275,7 +275,7 @@ def test_a_truncated_jpeg_is_a_corrupt_image_error_naming_the_file(tmp_path):
     write_jpeg(str(cut), 64, 64, seed=3)
     cut.write_bytes(cut.read_bytes()[:700])  # the header survives: the worker hands it over
     index = scan_image_folder(str(root), "train")
-    dataset = data.TrainDataset(index, 16, 0, gpu_decode.encode_bytes)
+    dataset = pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes)
     decoder, _ = decoder_and_warnings()
     with pytest.raises(CorruptImageError, match="cannot decode image file") as caught:
         decoder(batch_of(dataset, [(0, 0), (0, 1)]))
@@ -349,7 +349,7 @@ def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_
     warnings: list[str] = []
     decoder = ExhaustedDecoder(error, CPU, warnings.append)
     with pytest.raises(gpu_decode.OUT_OF_MEMORY) as caught:
-        decoder(batch_of(data.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)]))
+        decoder(batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)]))
     assert decoder.calls == 1 and warnings == []  # not image by image, not on the CPU under a warning
     assert caught.value is error or caught.value.__cause__ is error
 
@@ -389,21 +389,21 @@ def test_the_policy_runs_on_a_side_stream_that_waits_for_the_decode_alone_and_th
             yield prepare(batch), f"decoded {k}"  # stands for the decode stream's event
 
     apply = Augment.apply
-    monkeypatch.setattr(engine, "SideStream", RecordingStream)
-    monkeypatch.setattr(engine, "decoded_ahead", ahead)
-    monkeypatch.setattr(engine, "take_on_current_stream", lambda staged, ready, device: events.append(("take", ready)))
+    monkeypatch.setattr(feed, "SideStream", RecordingStream)
+    monkeypatch.setattr(feed, "decoded_ahead", ahead)
+    monkeypatch.setattr(feed, "take_on_current_stream", lambda staged, ready, device: events.append(("take", ready)))
     monkeypatch.setattr(Augment, "apply", lambda self, *args, **kw: events.append(("apply", inside[0])) or
                         apply(self, *args, **kw))
-    encoded = data.TrainDataset(index, 16, 0, gpu_decode.encode_bytes, augment)
+    encoded = pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes, augment)
     train = [batch_of(encoded, [(0, 0), (0, 1), (0, 2)]), batch_of(encoded, [(0, 3), (0, 4), (0, 5)])]
     decoder = gpu_decode.BatchDecoder(CPU, print, augment)
-    out = list(engine.device_batches(train, CPU, decoder))
+    out = list(feed.device_batches(train, CPU, decoder))
     assert len(out) == 2 and all(batch.images.shape == (3, 16, 16, 3) for batch in out)
     for k in range(2):
         block = events[k * 6:(k + 1) * 6]
         assert block == [("side stream waits for", f"decoded {k}", (3, 16, 16, 3)), *[("apply", True)] * 3,
                          "training stream waits for the side stream", ("take", f"decoded {k}")], events
     events.clear()
-    val = [gpu_decode.collate([data.EvalDataset(index, 16, 18, gpu_decode.encode_bytes)[i] for i in range(3)])]
-    assert len(list(engine.device_batches(val, CPU, decoder))) == 1
+    val = [gpu_decode.collate([pipeline.EvalDataset(index, 16, 18, gpu_decode.encode_bytes)[i] for i in range(3)])]
+    assert len(list(feed.device_batches(val, CPU, decoder))) == 1
     assert events == [("take", "decoded 0")]

@@ -9,7 +9,7 @@ import subprocess
 import pytest
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.hostlist import MAX_HOSTS, expand_hostlist, first_host
+from imagenet_elastic.launch.hostlist import MAX_HOSTS, expand_hostlist, first_host
 
 VALID = [
     ("plain", "node1", ["node1"]),

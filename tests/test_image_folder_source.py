@@ -11,16 +11,16 @@ import numpy as np
 import pytest
 from test_data import make_split, write_jpeg
 
-from imagenet_elastic.errors import UserError
-from imagenet_elastic.sources import check_same_classes
-from imagenet_elastic.sources import split_locations as resolve_split_dirs
-from imagenet_elastic.sources.image_folder import (
+from imagenet_elastic.data.sources import check_same_classes
+from imagenet_elastic.data.sources import split_locations as resolve_split_dirs
+from imagenet_elastic.data.sources.image_folder import (
     cache_path,
     read_cache,
     scan_image_folder,
     write_cache,
 )
-from imagenet_elastic.sources.image_folder import open_split as load_index
+from imagenet_elastic.data.sources.image_folder import open_split as load_index
+from imagenet_elastic.errors import UserError
 
 
 def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):

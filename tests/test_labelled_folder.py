@@ -7,9 +7,9 @@ import shutil
 
 import pytest
 
-from imagenet_elastic import sources
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 
 def flatten(image_folder, out) -> list[tuple[str, str]]:

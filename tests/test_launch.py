@@ -9,8 +9,8 @@ import time
 
 import pytest
 
-from imagenet_elastic import launch
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch import processes
 
 
 @pytest.fixture
@@ -23,15 +23,15 @@ def handlers_restored():
 
 def test_a_rank_stopped_by_its_launcher_goes_quietly(capsys, monkeypatch, handlers_restored):
     """Rank 0 reported and exited, so the launcher stops the others: they say nothing more."""
-    monkeypatch.setattr(launch, "REPORT_GRACE_S", 30.0)
+    monkeypatch.setattr(processes, "REPORT_GRACE_S", 30.0)
     threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGTERM)).start()
     start = time.monotonic()
-    launch.leave_the_report_to_rank_0(UserError("global batch 24 does not split evenly over 5 processes"), rank=3)
+    processes.leave_the_report_to_rank_0(UserError("global batch 24 does not split evenly over 5 processes"), rank=3)
     assert time.monotonic() - start < 5
     assert capsys.readouterr().err == ""
 
 
 def test_a_rank_nobody_stops_reports_the_error_as_its_own(capsys, monkeypatch, handlers_restored):
-    monkeypatch.setattr(launch, "REPORT_GRACE_S", 0.2)
-    launch.leave_the_report_to_rank_0(UserError("cannot read /data/shard3"), rank=3)
+    monkeypatch.setattr(processes, "REPORT_GRACE_S", 0.2)
+    processes.leave_the_report_to_rank_0(UserError("cannot read /data/shard3"), rank=3)
     assert capsys.readouterr().err == "imagenet-elastic: error: [rank 3] cannot read /data/shard3\n"

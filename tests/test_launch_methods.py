@@ -24,9 +24,9 @@ from conftest import (
     run,
 )
 
-from imagenet_elastic.metrics import read as read_metrics
-from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
-from imagenet_elastic.sources.image_folder import scan_image_folder
+from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.report.metrics import read as read_metrics
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts several processes
 

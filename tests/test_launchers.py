@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from imagenet_elastic.distributed import DistEnv
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.launchers import (
+from imagenet_elastic.launch.launchers import (
+    DistEnv,
     LaunchPlan,
     env_from_mpi,
     env_from_slurm,

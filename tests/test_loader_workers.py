@@ -7,7 +7,7 @@ import os
 
 from torch.utils.data import Dataset, default_collate
 
-from imagenet_elastic import data
+from imagenet_elastic.data import pipeline
 
 SEEN_BY_THIS_PROCESS: list[int] = []
 
@@ -29,7 +29,7 @@ def test_loader_workers_are_forked_even_where_the_default_start_method_is_spawn(
     SEEN_BY_THIS_PROCESS.append(1)
     multiprocessing.set_start_method("spawn", force=True)
     try:
-        loader = data.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False,
+        loader = pipeline.eval_loader(WhatThisProcessSaw(), 1, rank=0, world_size=1, workers=1, pin_memory=False,
                               collate_fn=default_collate)
         assert [int(batch) for batch in loader] == [1]
     finally:
@@ -54,10 +54,10 @@ class IndexAndPid(Dataset):
 
 def test_start_workers_forks_idle_workers_that_the_first_pass_then_uses(tmp_path):
     log = tmp_path / "reads"
-    loader = data.eval_loader(IndexAndPid(str(log)), 2, rank=0, world_size=1, workers=1, pin_memory=False,
+    loader = pipeline.eval_loader(IndexAndPid(str(log)), 2, rank=0, world_size=1, workers=1, pin_memory=False,
                               collate_fn=default_collate)
     before = {p.pid for p in multiprocessing.active_children()}
-    data.start_workers(loader)
+    pipeline.start_workers(loader)
     started = {p.pid for p in multiprocessing.active_children()} - before
     assert len(started) == 1 and not log.exists()  # a worker, and no sample read yet
     for _ in range(2):  # the first pass and a later one: every sample once, in order, from that worker

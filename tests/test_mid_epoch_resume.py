@@ -10,7 +10,7 @@ import pytest
 from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint
 from inprocess import train
 
-from imagenet_elastic import samplelog
+from imagenet_elastic.report import samplelog
 
 STEPS_PER_EPOCH = 4  # --max-steps-per-epoch: 12 would fit the 96 images at a batch of 8
 GLOBAL_BATCH = 8

@@ -8,9 +8,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.mixing import Mixer, check_pairs, cut_boxes
-from imagenet_elastic.sampler import BatchPlan
+from imagenet_elastic.train.mixing import Mixer, check_pairs, cut_boxes
 
 CLASSES = 10
 

@@ -8,9 +8,9 @@ import pytest
 import torch
 from test_state import make_state
 
-from imagenet_elastic.config import OPTIMIZERS
-from imagenet_elastic.model import create_ema, create_optimizer
-from imagenet_elastic.state import TrainState
+from imagenet_elastic.train.model import create_ema
+from imagenet_elastic.train.optimizer import OPTIMIZERS, create_optimizer
+from imagenet_elastic.train.state import TrainState
 
 EXPECTED = {"sgd": "SGD", "nesterov": "SGD", "adamw": "AdamW", "lamb": "Lamb", "lars": "Lars"}
 

@@ -24,10 +24,11 @@ from conftest import REPO, child_env, make_image_folder, python_cmd
 from PIL import Image
 from test_data import write_jpeg
 
-from imagenet_elastic import pack, sources
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.sources import tar_shards
-from imagenet_elastic.sources.image_folder import scan_image_folder
+from imagenet_elastic.tools import pack
 
 
 def run_pack(*argv: str) -> dict:

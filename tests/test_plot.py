@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from imagenet_elastic import plot
+from imagenet_elastic.tools import plot
 
 EPOCHS = 12
 STEPS_PER_EPOCH = 20

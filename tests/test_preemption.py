@@ -8,7 +8,7 @@ import signal
 import pytest
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.preemption import PreemptionFlag, parse_signals, slurm_job_to_requeue
+from imagenet_elastic.launch.preemption import PreemptionFlag, parse_signals, slurm_job_to_requeue
 
 
 @pytest.mark.parametrize("text,expected", [

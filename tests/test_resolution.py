@@ -7,10 +7,10 @@ from test_data import make_split
 
 from imagenet_elastic import cli
 from imagenet_elastic.config import Config
-from imagenet_elastic.data import TrainDataset
+from imagenet_elastic.data.pipeline import TrainDataset
+from imagenet_elastic.data.resolution import TrainSizes
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.resolution import TrainSizes
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 
 def test_ffcv_resnet50_16_and_88_epoch_ramps_give_ffcvs_sizes():

@@ -6,13 +6,14 @@ import subprocess
 import sys
 import time
 
-from imagenet_elastic.restart_cost import RestartCost, process_started_at
+from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
 
 
 def test_a_new_process_knows_when_it_started():
     before = time.time()
-    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); from imagenet_elastic.restart_cost "
-                          "import process_started_at as s; print(s())"], capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", "import time; time.sleep(0.3); "
+                          "from imagenet_elastic.report.restart_cost import process_started_at as s; print(s())"],
+                         capture_output=True, text=True, check=True)
     after = time.time()
     started = float(out.stdout)
     assert before - 0.02 <= started <= after - 0.3  # one clock tick of slack (10 ms) each side

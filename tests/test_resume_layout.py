@@ -16,10 +16,10 @@ import torch
 from conftest import REPO, child_env, several_at_once
 from state_probe import layout_mismatches
 
-from imagenet_elastic import checkpoint_share
-from imagenet_elastic.config import OPTIMIZERS
-from imagenet_elastic.model import create_ema, create_model, create_optimizer
-from imagenet_elastic.state import TrainState
+from imagenet_elastic.checkpoint import share
+from imagenet_elastic.train.model import create_ema, create_model
+from imagenet_elastic.train.optimizer import OPTIMIZERS, create_optimizer
+from imagenet_elastic.train.state import TrainState
 
 
 def make_state(name: str, channels_last: bool, ema: bool = True) -> TrainState:
@@ -49,9 +49,9 @@ def saved(state: TrainState) -> dict:
 
 
 def sent_by_rank_0(snapshot: dict) -> dict:
-    """What the other ranks receive through load-once (checkpoint_share), without the process group."""
-    skeleton, buffer = checkpoint_share.pack(snapshot)
-    return checkpoint_share.unpack(skeleton, buffer.clone())
+    """What the other ranks receive through load-once (checkpoint/share.py), without the process group."""
+    skeleton, buffer = share.pack(snapshot)
+    return share.unpack(skeleton, buffer.clone())
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)

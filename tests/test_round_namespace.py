@@ -8,7 +8,7 @@ from datetime import timedelta
 import pytest
 import torch.distributed as dist
 
-from imagenet_elastic.distributed import join_round
+from imagenet_elastic.launch.distributed import join_round
 
 
 @pytest.fixture

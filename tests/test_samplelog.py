@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from imagenet_elastic.samplelog import SampleLog, coverage
-from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.report.samplelog import SampleLog, coverage
 
 SAMPLES, GLOBAL = 24, 4
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, epoch_permutation, eval_shard, steps_per_epoch
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.sampler import BatchPlan, TrainBatchSampler, epoch_permutation, eval_shard, steps_per_epoch
 
 NUM_SAMPLES = 103  # not a multiple of the global batch: the ragged tail is dropped
 GLOBAL_BATCH = 8

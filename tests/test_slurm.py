@@ -25,7 +25,7 @@ from conftest import (
     start,
 )
 
-from imagenet_elastic.samplelog import ENV_VAR, coverage
+from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes on the one local cluster
 

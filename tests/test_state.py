@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from imagenet_elastic import distributed
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.model import create_ema, create_model, create_optimizer
-from imagenet_elastic.state import EpochTally, PendingSteps, TrainState, check_compatible
+from imagenet_elastic.launch import distributed
+from imagenet_elastic.train.model import create_ema, create_model
+from imagenet_elastic.train.optimizer import create_optimizer
+from imagenet_elastic.train.state import EpochTally, PendingSteps, TrainState, check_compatible
 
 CLASSES = ("ant", "bee", "cat")
 

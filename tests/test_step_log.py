@@ -10,11 +10,11 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from imagenet_elastic import step_log
-from imagenet_elastic.console import Console, clock
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.step_log import FILENAME, TENSORBOARD_DIR, StepLog, kept_rows
-from imagenet_elastic.trainer import best_epoch
+from imagenet_elastic.report import step_log
+from imagenet_elastic.report.console import Console, clock
+from imagenet_elastic.report.step_log import FILENAME, TENSORBOARD_DIR, StepLog, kept_rows
+from imagenet_elastic.train.trainer import best_epoch
 
 
 def row(step: int, loss: float) -> dict:

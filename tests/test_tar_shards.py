@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 import webdataset as wds
 
-from imagenet_elastic import sources
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
-from imagenet_elastic.sources import tar_shards
-from imagenet_elastic.sources.image_folder import scan_image_folder
 
 
 def wds_shards(folder, out, per_shard: int = 20) -> list[str]:

@@ -33,8 +33,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
-from imagenet_elastic.metrics import read as read_metrics
-from imagenet_elastic.model import create_model, native_low_precision
+from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.train.model import create_model, native_low_precision
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

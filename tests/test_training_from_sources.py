@@ -24,8 +24,8 @@ from test_labelled_folder import flatten
 from test_pack import run_pack
 from test_tar_shards import wds_shards
 
-from imagenet_elastic.metrics import read as read_metrics
-from imagenet_elastic.sources.image_folder import scan_image_folder
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.report.metrics import read as read_metrics
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--max-steps-per-epoch", "3", "--global-batch-size", "16"]
 FORMS = ("pack", "webdataset", "flat val")

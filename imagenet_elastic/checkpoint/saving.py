@@ -1,0 +1,222 @@
+"""When checkpoints are saved, and how rank 0 saves them: in the training thread, or in the
+background from a host copy.
+
+`Checkpointer` owns the policy, for every rank: a save is due every N steps, every T seconds, at
+each epoch's end and at an agreed preemption stop, and all ranks decide it together at the same
+step boundary. `CheckpointWriter` owns rank 0's writes. A background save costs the training loop
+one copy of the state into host memory (pinned buffers on CUDA, so the device-to-host copies run at
+full speed, queued without waiting for them); a thread then waits for the copies, serializes, writes,
+fsyncs and renames while training goes on. The rules
+that keep "a checkpoint on disk" meaning what it did:
+
+- one save at a time: a new save first waits for the one in flight, so the run holds at most one
+  extra copy of the state, in buffers that are reused from save to save;
+- whoever needs the file on disk (a preemption stop, the end of the run, an error path) waits for
+  the save in flight first (`settle`, `close`);
+- a process killed mid-write leaves a temp file and the previous `last.pt` (see store.py);
+- a failed write is kept, not raised in the thread: every rank learns of it at the next step
+  boundary and all stop together.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import torch
+
+from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.config import Config, yaml_file
+from imagenet_elastic.errors import StorageError
+from imagenet_elastic.launch import distributed
+from imagenet_elastic.report import metrics
+
+
+class HostCopy:
+    """A copy of a (nested) state's tensors in host memory, into the buffers of the previous copy
+    when their shape, layout and dtype still fit (the first save allocates them).
+
+    From a GPU the copies are queued on the training stream, behind the step that made the state and
+    before the next one that changes it, and `copy` returns at once: whoever reads the copy calls
+    `wait_copied` first (the writer thread), so the training thread never waits for the GPU's queue.
+    """
+
+    def __init__(self, pin: bool) -> None:
+        self.pin = pin
+        self.buffers: dict[tuple, torch.Tensor] = {}
+        self.copied: Optional[torch.cuda.Event] = None  # recorded after the last copy's device-to-host copies
+
+    @torch.no_grad()
+    def copy(self, state: Any) -> Any:
+        used: dict[tuple, torch.Tensor] = {}
+
+        def walk(value: Any, path: tuple) -> Any:
+            if isinstance(value, torch.Tensor):
+                buffer = self.buffers.get(path)
+                if (buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype
+                        or buffer.stride() != value.stride()):
+                    buffer = torch.empty_like(value, device="cpu", pin_memory=self.pin)
+                used[path] = buffer
+                return buffer.copy_(value, non_blocking=self.pin)
+            if isinstance(value, dict):
+                return {key: walk(item, (*path, key)) for key, item in value.items()}
+            if isinstance(value, list):
+                return [walk(item, (*path, i)) for i, item in enumerate(value)]
+            if isinstance(value, tuple):
+                return tuple(walk(item, (*path, i)) for i, item in enumerate(value))
+            return value  # numbers and strings are immutable
+
+        copied = walk(state, ())
+        self.copied = torch.cuda.current_stream().record_event() if self.pin and torch.cuda.is_available() else None
+        self.buffers = used  # buffers of tensors that went away are freed
+        return copied
+
+    def wait_copied(self) -> None:
+        """Until the last copy is complete in host memory."""
+        if self.copied is not None:
+            self.copied.synchronize()
+
+
+class CheckpointWriter:
+    """Saves through `manager`, one at a time; `background` decides where the write happens."""
+
+    def __init__(self, manager: CheckpointManager, background: bool, device: torch.device) -> None:
+        self.manager = manager
+        self.background = background
+        self.host = HostCopy(pin=device.type == "cuda") if background else None
+        self.thread: Optional[threading.Thread] = None
+        self.error: Optional[Exception] = None
+        self.stall_seconds = 0.0  # what the last save cost its caller
+        self.write_seconds = 0.0  # how long the last save took to reach the disk
+
+    def submit(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
+               after: Optional[Callable[[], None]] = None) -> None:
+        """Save `state` (see CheckpointManager.save), then run `after` (e.g. metrics.jsonl). Waits for
+        the previous save first; after a failed one nothing more is written until it is dealt with."""
+        start = time.perf_counter()
+        if self.wait() is not None:
+            return
+        if self.host is None:
+            self._write(state, epoch, is_best, after, start)
+        else:
+            snapshot = self.host.copy(state)
+            self.thread = threading.Thread(target=self._write, args=(snapshot, epoch, is_best, after, start,
+                                                                     self.host.wait_copied),
+                                           name="checkpoint-writer", daemon=True)
+            self.thread.start()
+        self.stall_seconds = time.perf_counter() - start
+
+    def _write(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
+               after: Optional[Callable[[], None]], start: float,
+               copied: Optional[Callable[[], None]] = None) -> None:
+        try:
+            if copied is not None:
+                copied()  # the host copy's bytes have landed
+            self.manager.save(state, epoch, is_best)
+            if after is not None:
+                after()
+        except Exception as error:  # kept for the training thread: see `failed`
+            self.error = error
+        self.write_seconds = time.perf_counter() - start
+
+    @property
+    def failed(self) -> bool:
+        """Whether a save has failed; never waits (asked at every step)."""
+        return self.error is not None
+
+    def wait(self) -> Optional[Exception]:
+        """Until the save in flight is on disk (or has failed); returns the failure, if any."""
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+        return self.error
+
+    def take_error(self) -> Exception:
+        """The failure, handed over once to be raised."""
+        error, self.error = self.error, None
+        assert error is not None
+        return error
+
+    def close(self) -> Optional[Exception]:
+        """Wait for the save in flight and free the host copy; returns a failure nobody took."""
+        error = self.wait()
+        self.host = None
+        return error
+
+
+class Checkpointer:
+    """Every rank's view of checkpointing: when a save is due, and waiting for rank 0's writes."""
+
+    def __init__(self, manager: CheckpointManager, config: Config, device: torch.device, is_main: bool) -> None:
+        self.manager = manager
+        self.writer = CheckpointWriter(manager, config.async_checkpoint, device)
+        self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
+        self.metrics_folder = config.checkpoints_path
+        self.settings: Optional[Config] = config  # written once, after this run's first checkpoint
+        self.is_main = is_main
+        self.last_save = time.monotonic()
+
+    def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
+        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here.
+
+        One all-reduce of three flags on a CPU process group (gloo), so it never waits for the GPU's
+        queue of work; its cost is a network round trip per step (docs/BENCHMARKS.md).
+        """
+        timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
+        stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
+        if failed:
+            self.raise_failure()
+        return stop, stop or timely or (bool(self.every_steps) and step % self.every_steps == 0)
+
+    def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
+             history: Optional[list[dict[str, Any]]] = None) -> None:
+        """Rank 0 hands `capture()` to its writer; `epoch` (just completed) and `history` make it an
+        epoch's checkpoint, followed by metrics.jsonl. A synchronous save is on disk before any rank
+        goes on; a background one is waited for by the next save, `settle` and `close`."""
+        if self.is_main:
+            then = [functools.partial(metrics.write, self.metrics_folder, history)] if history is not None else []
+            if self.settings is not None:
+                then.append(functools.partial(yaml_file.write, self.metrics_folder, self.settings))
+                self.settings = None
+            self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
+        if not self.writer.background:
+            self.settle()
+        self.last_save = time.monotonic()
+
+    def resume_metrics(self, history: list[dict[str, Any]]) -> None:
+        """Rank 0 rewrites metrics.jsonl from the checkpoint a run resumes from: the rows of epochs it does not
+        hold (trained after it, by a run that then died) go. This class writes metrics.jsonl and nothing else
+        does: after each epoch's checkpoint, and here."""
+        if self.is_main:
+            metrics.write(self.metrics_folder, history)
+
+    def settle(self) -> None:
+        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
+        rank stops (exit 74), so a stop or a finished run never outruns its checkpoint."""
+        failed = self.is_main and self.writer.wait() is not None
+        if distributed.agree([failed])[0]:
+            self.raise_failure()
+
+    def raise_failure(self) -> None:
+        """Rank 0 raises the writer's error (one line for a storage error); the others end quietly."""
+        if self.is_main:
+            raise self.writer.take_error()
+        raise StorageError("rank 0 could not write a checkpoint")
+
+    def remove_stale_temp_files(self, warn: Callable[[str], None]) -> None:
+        """Rank 0, holding the folder's lock, removes what interrupted writes left."""
+        for path in self.manager.stale_temp_files():
+            warn(f"removing {path}, left by a write that was interrupted")
+            os.unlink(path)
+
+    def close(self) -> Optional[Exception]:
+        """Wait for the write in flight; returns a failure nobody took."""
+        return self.writer.close()
+
+
+def run_each(steps: list[Callable[[], None]]) -> None:
+    for step in steps:
+        step()

@@ -1,0 +1,104 @@
+"""Load once: rank 0 reads the checkpoint, and the other ranks receive it over the process group.
+
+At every restart each rank used to read the same file: a thousand ranks meant a thousand reads of a
+ResNet-50 state (~200 MB each) from the network file system at the moment it is busiest. Now the
+other ranks only map the file (`checkpoint.load(lazy=True)`) for the few KB of numbers and settings
+they need before the process group exists; once it does, rank 0 sends the state in two broadcasts:
+its structure as one object, then every tensor's bytes in one buffer. The result is what
+`checkpoint.load` would have returned: the same nested dicts and lists, CPU tensors of the same
+dtypes, shapes, strides and bits. The strides matter: a channels_last momentum buffer that came back
+NCHW beside its channels_last parameter fails CUDA's fused SGD at the first step of every rank but 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from imagenet_elastic.launch import distributed
+
+ALIGN = 64  # each tensor's bytes start at a multiple of this, so a byte view can become any dtype
+
+
+@dataclass(frozen=True)
+class Slot:
+    """Where a tensor lies in the byte buffer."""
+
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    stride: Optional[tuple[int, ...]] = None  # a dense layout to rebuild (channels_last, ...); None: contiguous
+
+
+def dense_layout(tensor: torch.Tensor) -> bool:
+    """Whether the tensor's elements fill its storage span exactly once, in some order of its dimensions
+    (contiguous, channels_last, a transpose): such strides can be rebuilt with `torch.empty_strided`."""
+    expected = 1
+    for stride, size in sorted((s, n) for n, s in zip(tensor.shape, tensor.stride()) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def pack(tree: Any) -> tuple[Any, torch.Tensor]:
+    """`tree` with each tensor replaced by its Slot, and the buffer holding every tensor's bytes."""
+    parts: list[torch.Tensor] = []
+    size = 0
+
+    def walk(value: Any) -> Any:
+        nonlocal size
+        if isinstance(value, torch.Tensor):
+            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # in logical order
+            slot = Slot(size, value.dtype, tuple(value.shape),
+                        None if value.is_contiguous() or not dense_layout(value) else tuple(value.stride()))
+            parts.append(data)
+            size += -(-data.numel() // ALIGN) * ALIGN
+            return slot
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    skeleton = walk(tree)
+    buffer = torch.empty(size, dtype=torch.uint8)
+    offset = 0
+    for data in parts:
+        buffer[offset:offset + data.numel()] = data
+        offset += -(-data.numel() // ALIGN) * ALIGN
+    return skeleton, buffer
+
+
+def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
+    """The inverse of `pack`. Each tensor gets its own storage, as from torch.load: an optimizer keeps
+    the state tensors it is given, and torch.save refuses tensors of several dtypes that share one."""
+    if isinstance(skeleton, Slot):
+        width = torch.empty((), dtype=skeleton.dtype).element_size()
+        numel = 1
+        for n in skeleton.shape:
+            numel *= n
+        data = buffer[skeleton.offset:skeleton.offset + numel * width].view(skeleton.dtype).reshape(skeleton.shape)
+        if skeleton.stride is None:
+            return data.clone()
+        return torch.empty_strided(skeleton.shape, skeleton.stride, dtype=skeleton.dtype).copy_(data)
+    if isinstance(skeleton, dict):
+        return {k: unpack(v, buffer) for k, v in skeleton.items()}
+    if isinstance(skeleton, (list, tuple)):
+        return type(skeleton)(unpack(v, buffer) for v in skeleton)
+    return skeleton
+
+
+def from_main(tree: Optional[Any], device: torch.device) -> Any:
+    """Rank 0's `tree` (a loaded checkpoint) on every rank; the others pass None. `device` is the
+    process group's: NCCL moves the buffer on the GPU, gloo on the CPU."""
+    if not distributed.is_initialized():
+        return tree
+    skeleton, buffer = pack(tree) if dist.get_rank() == 0 else (None, None)
+    skeleton, size = distributed.broadcast_object((skeleton, None if buffer is None else buffer.numel()), src=0)
+    on_device = buffer.to(device) if buffer is not None else torch.empty(size, dtype=torch.uint8, device=device)
+    dist.broadcast(on_device, src=0)
+    return tree if dist.get_rank() == 0 else unpack(skeleton, on_device.cpu())

@@ -1,0 +1,282 @@
+"""Checkpoint files: one write per save, safe loads, the last/best/epoch_NNNN layout, the folder's lock.
+
+A save serializes the state once, straight into a new file committed atomically as `last.pt` (see
+atomic.py); `epoch_NNNN.pt` and `best.pt` are hard links to it, so three names cost one write.
+Nothing ever writes into a committed file (every commit is a new file renamed over the name), so the
+names that share a file never change under each other. Checkpoints hold plain tensors, numbers,
+strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import fcntl
+import functools
+import glob
+import io
+import os
+import re
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, BinaryIO, Callable, Optional
+
+import torch
+
+from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, commit, storage_error, write_temp
+from imagenet_elastic.config import RESUME_AUTO
+from imagenet_elastic.errors import UserError, first_line
+
+LAST = "last.pt"
+LOCK = ".lock"
+LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
+BEST = "best.pt"
+EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
+# What file systems that have no hard links answer (FAT/exFAT, some FUSE and SMB mounts), and "too many links".
+LINK_REFUSED = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
+
+
+class _RecordingFile:
+    """torch.save's writer turns a failed write into `RuntimeError: ... unexpected pos`: keep the
+    OSError (its errno says no space, I/O error or quota) so it can be reported instead."""
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.error: Optional[OSError] = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as error:
+            self.error = error
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def save_to(state: dict[str, Any], file: BinaryIO) -> None:
+    """Serialize `state` straight into an open file: no second copy of it in memory."""
+    recording = _RecordingFile(file)
+    try:
+        torch.save(state, recording)
+    except Exception:
+        if recording.error is not None:
+            raise recording.error from None
+        raise
+
+
+def serialize(state: dict[str, Any]) -> bytes:
+    """The state as bytes (the old three-write save, kept for `benchmark --mode checkpoint`)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def tensors_in(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from tensors_in(item)
+    elif isinstance(value, (list, tuple)):
+        for item in value:
+            yield from tensors_in(item)
+
+
+def state_bytes(state: dict[str, Any]) -> int:
+    """About what a save writes: the tensors' bytes (the rest is a few KB of structure)."""
+    return sum(t.numel() * t.element_size() for t in tensors_in(state))
+
+
+def load(path: str, lazy: bool = False) -> dict[str, Any]:
+    """Load a checkpoint on CPU; every failure becomes one line naming the file.
+
+    `lazy`: map the file instead of reading it. The numbers and settings are read (a few KB); a
+    tensor's bytes only if it is used (see share.py: the ranks other than 0 use none)."""
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint {path} does not exist")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, zipfile errors...
+        raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(error)[:200]})") from None
+    if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
+        raise UserError(f"checkpoint {path} is not an imagenet_elastic checkpoint")
+    return state
+
+
+def check_writable(folder: str) -> None:
+    """Fail at start, not after the first epoch, when checkpoints cannot be written."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        with tempfile.TemporaryFile(prefix=TEMP_PREFIX, dir=folder):
+            pass
+    except OSError as error:
+        raise UserError(f"checkpoints path {folder} is not writable: {error.strerror or error}") from None
+
+
+class CheckpointLock:
+    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs.
+
+    A second run started against the same folder (or a leftover rank 0 of an elastic round that has
+    not died yet) is waited for, then refused, instead of interleaving its checkpoints with ours or
+    deleting our temp files as stale. The kernel drops the lock when its holder dies, however it dies.
+    """
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, LOCK)
+        self.fd: Optional[int] = None
+
+    def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
+        deadline = time.monotonic() + wait_s
+        told = False
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                holder = parse_lock(os.pread(fd, LOCK_LINE_MAX, 0))[0]
+                if time.monotonic() >= deadline:
+                    os.close(fd)
+                    raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
+                                    f"({holder}); wait for it to end or choose another --checkpoints-path") from None
+                if not told:
+                    on_wait(holder)
+                    told = True
+                time.sleep(0.2)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {secrets.token_hex(8)}\n".encode(), 0)
+        os.fsync(fd)  # on NFS, other nodes see the token only once it reached the server
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the last descriptor drops the flock
+            self.fd = None
+
+
+def parse_lock(line: bytes) -> tuple[str, Optional[str]]:
+    """The lock file's `pid P on HOST run TOKEN`: who holds it (for messages) and its run's token."""
+    holder, _, token = line.decode(errors="replace").strip().partition(" run ")
+    return holder.strip() or "unknown process", token.strip() or None
+
+
+def read_lock_token(folder: str) -> Optional[str]:
+    """The token of the run that holds FOLDER's lock, as this process sees the folder: the other ranks
+    compare it with rank 0's to prove that they reach the same folder (see launch/consistency.py)."""
+    try:
+        with open(os.path.join(folder, LOCK), "rb") as f:
+            return parse_lock(f.read(LOCK_LINE_MAX))[1]
+    except OSError:
+        return None
+
+
+class CheckpointManager:
+    """Owns one checkpoints folder: `last.pt`, `best.pt` and the newest K `epoch_NNNN.pt`.
+
+    Only rank 0 calls `save`. A round is complete once `last.pt` names it; older epoch files are
+    removed only after that.
+    """
+
+    def __init__(self, folder: str, keep: int, warn: Callable[[str], None] = print) -> None:
+        self.folder = folder
+        self.keep = keep
+        self.warn = warn
+        self.links = True  # until the file system refuses one
+
+    @property
+    def last_path(self) -> str:
+        return os.path.join(self.folder, LAST)
+
+    def epoch_path(self, epoch: int) -> str:
+        return os.path.join(self.folder, f"epoch_{epoch:04d}.pt")
+
+    def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
+        """One serialization and one write, committed as `last.pt`; `epoch` (the epoch just completed,
+        None for a mid-epoch save) and `is_best` add `epoch_NNNN.pt` and `best.pt` as hard links to it.
+
+        Each name is replaced atomically, `last.pt` last. A refused write raises StorageError naming
+        the file, and leaves every committed file as it was and no temp file behind.
+        """
+        also = [self.epoch_path(epoch)] if self.keep > 0 and epoch is not None else []
+        also += [os.path.join(self.folder, BEST)] if is_best else []
+        doing, path = "writing", (also or [self.last_path])[0]
+        try:
+            temp = write_temp(self.folder, LAST, functools.partial(save_to, state))
+            try:
+                for path in also:
+                    doing = "linking" if self.links else "copying to"
+                    self.add_name(temp, path)
+                doing, path = "renaming over", self.last_path
+                commit(temp, self.last_path)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(temp)  # gone once committed; here when an error came first
+            doing, path = "removing old checkpoints in", self.folder
+            self.prune()
+        except OSError as error:
+            previous = (f"; the previous checkpoint {self.last_path} is intact" if os.path.isfile(self.last_path)
+                        else "")
+            raise storage_error(error, doing, path, state_bytes(state) if doing == "writing" else None,
+                                previous) from None
+
+    def add_name(self, committed: str, path: str) -> None:
+        """`path` atomically becomes a hard link to `committed` (a copy where the file system has no links)."""
+        temp = os.path.join(self.folder, f"{TEMP_PREFIX}{os.path.basename(path)}-{secrets.token_hex(4)}")
+        try:
+            if self.links:
+                try:
+                    os.link(committed, temp)
+                except OSError as error:
+                    if error.errno not in LINK_REFUSED:
+                        raise
+                    self.links = False
+                    self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
+                              "best.pt are written as copies of last.pt from now on (one more write each)")
+            if not self.links:
+                with open(committed, "rb") as source, open(temp, "wb") as copy:
+                    shutil.copyfileobj(source, copy, 16 << 20)
+                    copy.flush()
+                    os.fsync(copy.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
+
+    def epoch_files(self) -> list[str]:
+        """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""
+        found = ((m, n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
+        return [os.path.join(self.folder, n) for m, n in sorted(found, key=lambda mn: int(mn[0].group(1)))]
+
+    def prune(self) -> None:
+        for path in self.epoch_files()[:-self.keep] if self.keep > 0 else self.epoch_files():
+            os.unlink(path)
+
+    def stale_temp_files(self) -> list[str]:
+        return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))
+
+    def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
+        """The checkpoint this run starts from, or None for a fresh start.
+
+        A torchrun restart continues from `last.pt` whenever it exists, so a restarted round never
+        starts over. Otherwise `resume` decides: None (fresh), RESUME_AUTO (`last.pt` when it exists) or a
+        path, which must exist.
+        """
+        if restarted and os.path.isfile(self.last_path):
+            return self.last_path
+        if resume not in (None, RESUME_AUTO):
+            if not os.path.isfile(resume):
+                raise UserError(f"--resume {resume}: no such checkpoint file")
+            return resume
+        if os.path.exists(self.last_path):
+            if resume == RESUME_AUTO:
+                return self.last_path
+            raise UserError(f"{self.last_path} exists from an earlier run: pass --resume to continue it, "
+                            "or choose another --checkpoints-path")
+        return None

@@ -1,0 +1,327 @@
+"""The run's settings: built once from the command line, frozen, and saved in every checkpoint.
+
+Each field says everything about its setting: default, flag, help text. The command line is built
+from these fields (cli.build_parser) and so is README's option table (scripts/options_table.py; a test
+checks that the two agree), so a setting is described in one place only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+from imagenet_elastic.config import options
+from imagenet_elastic.data.augment import POLICIES, Augment, check_range
+from imagenet_elastic.data.resolution import TrainSizes
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
+from imagenet_elastic.launch.preemption import DEFAULT_SIGNALS
+from imagenet_elastic.train.optimizer import OPTIMIZERS
+from imagenet_elastic.train.schedule import SCHEDULES
+
+if TYPE_CHECKING:
+    from imagenet_elastic.data.decoding import Decoding
+
+RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
+
+# Settings whose change between a checkpoint and a resumed run breaks exact continuation.
+RESUME_SENSITIVE = (
+    "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
+    "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
+    "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
+    "model_ema_steps", "clip_grad_norm",
+    "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
+    "progressive_epochs", "ra_reps",
+)
+DECODE_MODES = ("cpu", "gpu")  # --decode: decoding.Decoding
+GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
+          "checkpoints": "checkpoints", "distributed": "distributed"}
+
+
+def option(default: Any, help: str, group: str, metavar: Optional[str] = None, shown_default: Optional[str] = None,
+           **argparse_options: Any) -> Any:
+    """A setting's field: its default and what its command-line option needs (argparse's keywords),
+    plus the default as README shows it where the value alone would not say it."""
+    return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
+                                            "shown_default": shown_default, "argparse": argparse_options})
+
+
+@dataclass(frozen=True)
+class Config:
+    data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
+                                        "shards (`imagenet-elastic pack`, WebDataset); or the train split itself: a "
+                                        "folder, a shard pattern (`shards-{0000..1023}.tar`) or a glob",
+                                "metavar": "DATA", "positional": True})
+    val_path: Optional[str] = option(None, "the validation split: class folders, tar shards (a folder or a pattern), "
+                                     "or a flat folder of images with --val-labels", "run", "PATH",
+                                     shown_default="`DATA/val`")
+    val_labels: Optional[str] = option(
+        None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "
+        "ImageNet's LOC_val_solution.csv", "run", "FILE")
+    model: str = option("resnet50", "any timm model name, random initialisation (nothing is downloaded)", "model",
+                        "NAME")
+    initial_checkpoint: Optional[str] = option(
+        None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
+        "dict, or a .safetensors file; a classifier of another class count is re-initialised. A resumed run "
+        "continues from its own checkpoint instead", "model", "PATH")
+    image_size: int = option(
+        224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
+        type=options.positive_int)
+    val_crop_size: Optional[int] = option(
+        None, "val centre crop size; larger than the train size for FixRes recipes (train 176, val 224)", "model",
+        "N", shown_default="image-size", type=options.positive_int)
+    val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224, 232 in "
+                                       "torchvision's v2 recipe)", "model", "N",
+                                       shown_default="val crop / 0.875", type=options.positive_int)
+    val_flip_average: bool = option(
+        False, "validate on the mean of the logits of each image and of its mirror image (FFCV's lr_tta: its "
+        "published results use it); an exported model does not do it", "model", action=argparse.BooleanOptionalAction)
+    scale: tuple[float, float] = option(
+        (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
+        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)
+    ratio: tuple[float, float] = option(
+        (3 / 4, 4 / 3), "random-resized crop: the range of its aspect ratio (width / height)", "augment",
+        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float)
+    hflip: float = option(0.5, "probability of a horizontal flip; 0 where a mirrored image means something else "
+                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
+    auto_augment: str = option(
+        "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
+        "imagenet (AutoAugment's ImageNet policy); in the loader workers, or on the device under --decode gpu",
+        "augment", choices=list(POLICIES))
+    random_erase: float = option(
+        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel",
+        "augment", "P", type=options.probability)
+    mixup_alpha: float = option(
+        0.0, "mixup: images at positions 2k and 2k+1 of each global batch become weighted averages of the two, with "
+        "a weight from Beta(A, A) per pair, and their targets the same mix of the labels (0: off)", "augment", "A",
+        type=options.non_negative_float)
+    cutmix_alpha: float = option(
+        0.0, "cutmix: the same pairs swap a box whose area is drawn from Beta(A, A); with --mixup-alpha each pair "
+        "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
+        "(each micro-batch must then hold an even number of images)", "augment", "A",
+        type=options.non_negative_float)
+    ra_reps: int = option(
+        1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
+        "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
+        "it sees 1/N of the images", "augment", "N", type=options.positive_int)
+    progressive_resize: Optional[tuple[int, int]] = option(
+        None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
+        "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",
+        "LOW,HIGH", type=options.increasing_pair)
+    progressive_epochs: Optional[tuple[int, int]] = option(
+        None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
+        "augment", "START,END", type=options.increasing_pair)
+    epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
+    batch_size: int = option(
+        64, "per process and forward pass; a larger per-process share of the global batch is split into "
+        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int)
+    global_batch_size: Optional[int] = option(
+        None, "samples per optimizer step over all processes; kept when the world size changes, so the "
+        "optimisation does not (see Fault tolerance)", "model", "N",
+        shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
+    lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
+                       "start)", "model", "X", type=options.positive_float)
+    opt: str = option("sgd", "optimizer: sgd (torch's, fused on CUDA), nesterov, adamw, lamb, lars (timm's "
+                      "create_optimizer_v2)", "model", choices=list(OPTIMIZERS))
+    momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
+                             type=options.non_negative_float)
+    weight_decay: float = option(1e-4, "not applied to norm layers and biases", "model", "X",
+                                 type=options.non_negative_float)
+    clip_grad_norm: Optional[float] = option(
+        None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
+        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float)
+    warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
+                                  "X", type=options.non_negative_float)
+    sched: str = option(
+        "cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the last step, or "
+        "step (x --decay-rate every --decay-epochs, counted from the first epoch)", "model", choices=list(SCHEDULES))
+    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
+                           type=options.non_negative_float)
+    decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
+                                 type=options.positive_float)
+    decay_rate: float = option(0.1, "step decay: the factor", "model", "X", type=options.positive_float)
+    model_ema: bool = option(
+        False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
+        "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
+        "metrics.jsonl; best.pt says which of the two was best)", "model", action=argparse.BooleanOptionalAction)
+    model_ema_decay: float = option(0.9998, "EMA decay per update (see --model-ema-steps)", "model", "X",
+                                    type=options.probability)
+    model_ema_steps: int = option(1, "the EMA takes the weights every N optimizer steps (torchvision's "
+                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.positive_int)
+    model_ema_warmup: bool = option(
+        False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
+        "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction)
+    label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
+                                    type=options.non_negative_float)
+    bce_loss: bool = option(
+        False, "binary cross-entropy per class (timm's BinaryCrossEntropy, as in its \"ResNet strikes back\" "
+        "recipes) instead of softmax cross-entropy", "model", action=argparse.BooleanOptionalAction)
+    bce_target_thresh: Optional[float] = option(
+        None, "with --bce-loss: targets above X become 1, the rest 0 (timm's --bce-target-thresh)", "model", "X",
+        type=options.probability)
+    drop_path: float = option(
+        0.0, "stochastic depth: the rate timm's model drops residual branches at (its drop_path_rate); drawn per "
+        "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
+    blurpool: bool = option(
+        False, "blur the input of every strided convolution with 16 or more input channels (FFCV's BlurPool, on in "
+        "its recipes; timm's BlurPool2d filter). Part of the model: a checkpoint resumes and evaluates only with "
+        "the setting it was trained with, and --initial-checkpoint warns when they differ", "model",
+        action=argparse.BooleanOptionalAction)
+    seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
+                       type=options.non_negative_int)
+    amp: str = option(
+        "auto", "auto: the fastest correct precision for this machine. GPUs: bf16 where native (Ampere and newer), "
+        "else fp16 with a GradScaler whose state is checkpointed. CPUs: bf16 only where native (AVX512-BF16 or "
+        "AMX), else fp32, because emulated bf16 is far slower (docs/BENCHMARKS.md). The start-up table says what "
+        "was chosen and why; an explicit bf16 or fp16 that the device only emulates still runs, with one warning",
+        "model", choices=["auto", "bf16", "fp16", "none"])
+    channels_last: bool = option(True, "NHWC memory format, on GPUs and CPUs alike (measured on CPU in "
+                                 "docs/BENCHMARKS.md)", "model", action=argparse.BooleanOptionalAction)
+    compile: bool = option(
+        False, "`torch.compile` the model before DDP wraps it; checkpoints hold the original module's weights (no "
+        "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
+        action=argparse.BooleanOptionalAction)
+    decode: str = option(
+        "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, a thread of the "
+        "training process decodes each batch with nvJPEG and crops, resizes and flips it on the GPU, two batches "
+        "ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind reported once by each rank that meets "
+        "it)", "run", choices=list(DECODE_MODES))
+    workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
+                                    shown_default="cores per process - 1 (max 8)", type=options.non_negative_int)
+    threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
+                                    shown_default="cores / processes per node", type=options.positive_int)
+    device: str = option("auto", "`cuda:LOCAL_RANK` when CUDA is visible", "run", choices=["auto", "cpu", "cuda"])
+    checkpoints_path: str = option("./checkpoints", "where checkpoints and `metrics.jsonl` go", "checkpoints", "DIR")
+    keep_checkpoints: int = option(3, "newest `epoch_NNNN.pt` files kept (0: none, `last.pt`/`best.pt` only)",
+                                   "checkpoints", "K", type=options.non_negative_int)
+    async_checkpoint: bool = option(
+        True, "write checkpoints in a background thread: training waits only for a copy of the state in host "
+        "memory; a stop, the end of the run and errors wait for the write in flight (see Checkpoints)",
+        "checkpoints", action=argparse.BooleanOptionalAction)
+    resume: Optional[str] = option(
+        None, "continue from PATH; without PATH from `DIR/last.pt` when it exists, else start fresh (saying so)",
+        "checkpoints", "PATH", nargs="?", const=RESUME_AUTO)
+    checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
+        (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "
+        "(`500,10m`)", "checkpoints", "EVERY", shown_default="", type=options.checkpoint_interval)
+    preempt_signals: tuple[str, ...] = option(
+        DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
+        "checkpoints", "SIGNALS", type=options.signals)
+    requeue_on_preempt: bool = option(
+        False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
+        "checkpoints", action=argparse.BooleanOptionalAction)
+    evaluate: bool = option(False, "validate the `--resume` checkpoint and exit", "run", action="store_true")
+    max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
+    log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
+                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
+    tensorboard: Optional[bool] = option(
+        None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
+        "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
+        shown_default="when installed", action=argparse.BooleanOptionalAction)
+    dist_init_method: str = option(
+        "env", "where ranks come from (see Launching): env (torchrun or torch.distributed.launch variables, or none "
+        "for one process), slurm (srun's `SLURM_*`), spawn (start --nproc-per-node local processes), mpi "
+        "(`OMPI_COMM_WORLD_*` or `PMI_*`)", "distributed", choices=list(LAUNCH_METHODS))
+    nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
+                                           "distributed", "N", shown_default="visible GPUs, else 1",
+                                           type=options.positive_int)
+    master_port: Optional[int] = option(None, "rendezvous port for slurm/mpi/spawn (Slurm default: from the job id)",
+                                        "distributed", "N", type=options.port_number)
+    dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
+                                     "tcp://HOST:PORT")
+    dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
+                                 "SECONDS", type=options.positive_float)
+
+    def __post_init__(self) -> None:
+        """What no single option's type can check: ranges of two values, and options that exclude each other."""
+        check_range("--scale", self.scale, high=1.0)
+        check_range("--ratio", self.ratio)
+        if (self.progressive_resize is None) != (self.progressive_epochs is None):
+            given, missing = (("--progressive-resize", "--progressive-epochs") if self.progressive_epochs is None
+                              else ("--progressive-epochs", "--progressive-resize"))
+            raise UserError(f"{given} needs {missing} too")
+        if self.bce_target_thresh is not None and not self.bce_loss:
+            raise UserError("--bce-target-thresh applies to --bce-loss only")
+
+    @property
+    def decoding(self) -> Decoding:
+        from imagenet_elastic.data.decoding import Decoding  # imports torch: after the command line is checked
+
+        return Decoding(self.decode)
+
+    @property
+    def augment(self) -> Augment:
+        return Augment(tuple(self.scale), tuple(self.ratio), self.hflip, self.auto_augment, self.random_erase)
+
+    @property
+    def train_sizes(self) -> TrainSizes:
+        return TrainSizes(self.image_size, self.progressive_resize, self.progressive_epochs)
+
+    @property
+    def mixes(self) -> bool:
+        return self.mixup_alpha > 0 or self.cutmix_alpha > 0
+
+    @property
+    def eval_crop(self) -> int:
+        return eval_sizes(self.image_size, self.val_crop_size, self.val_resize)[0]
+
+    @property
+    def eval_resize(self) -> int:
+        return eval_sizes(self.image_size, self.val_crop_size, self.val_resize)[1]
+
+    @property
+    def checkpoint_every_steps(self) -> Optional[int]:
+        return self.checkpoint_interval[0]
+
+    @property
+    def checkpoint_every_seconds(self) -> Optional[float]:
+        return self.checkpoint_interval[1]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values only, so checkpoints load with weights_only=True."""
+        return dataclasses.asdict(self)
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        """Human-readable list of resume-sensitive settings that differ from a checkpoint's."""
+        mine = self.to_dict()
+        return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}"
+                for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]
+
+
+def saved_setting(settings: dict[str, Any], name: str) -> Any:
+    """A setting from a checkpoint's saved `config`; a checkpoint from before the setting existed ran with
+    its default (SGD before --opt, no blur before --blurpool)."""
+    return settings[name] if name in settings else Config.__dataclass_fields__[name].default
+
+
+def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Optional[int]) -> tuple[int, int]:
+    """Validation's centre crop and the short side it is cut from: also what a checkpoint's saved
+    settings mean to `imagenet-elastic export`."""
+    crop = val_crop_size or image_size
+    return crop, val_resize or round(crop / 0.875)
+
+
+def setting_fields() -> list[dataclasses.Field]:
+    return [f for f in dataclasses.fields(Config) if "help" in f.metadata]
+
+
+def flag(f: dataclasses.Field) -> str:
+    """`--batch-size` for batch_size; DATA for the positional data folder."""
+    return f.metadata.get("metavar", "DATA") if f.metadata.get("positional") else "--" + f.name.replace("_", "-")
+
+
+def add_setting(parser: Any, name: str, **overrides: Any) -> None:
+    """The option of setting `name` on `parser` (or an argument group), as the trainer's command line has it:
+    its flag, type, choices, metavar, default and help from the field. A tool that takes some of the same
+    settings (`imagenet-elastic benchmark`) declares them with this, so each is described once; `overrides`
+    changes what differs there (a default, a help text)."""
+    f = next(f for f in setting_fields() if f.name == name)
+    meta = f.metadata
+    options: dict[str, Any] = dict(meta["argparse"])
+    if meta["metavar"]:
+        options["metavar"] = meta["metavar"]
+    options.update({"default": f.default, "help": meta["help"], **overrides})
+    parser.add_argument(flag(f), dest=f.name, **options)
+

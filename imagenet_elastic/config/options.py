@@ -1,0 +1,88 @@
+"""argparse pieces both command lines use (the trainer's and `benchmark`'s): one-line errors, help
+that shows defaults only where they add something, and the value types that check their range."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Callable, NoReturn, Optional
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch.preemption import parse_signals
+
+
+class Parser(argparse.ArgumentParser):
+    source: Optional[str] = None  # a config file whose values this parser reads: errors name it
+
+    def error(self, message: str) -> NoReturn:
+        """One line, no usage dump: `imagenet-elastic: error: argument --batch-size: ...`."""
+        where = f"config file {self.source}: " if self.source else ""
+        self.exit(2, f"{self.prog}: error: {where}{message} (see --help)\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Show a default only where it says something the help text does not."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help or ""
+        return super()._get_help_string(action)
+
+
+def bounded(kind: type, low: float, high: Optional[float] = None, inclusive: bool = True) -> Callable[[str], object]:
+    def parse(text: str) -> object:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if value < low or (not inclusive and value == low):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
+        if high is not None and value > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}, got {text}")
+        return value
+    return parse
+
+
+positive_int = bounded(int, 1)
+non_negative_int = bounded(int, 0)
+non_negative_float = bounded(float, 0.0)
+positive_float = bounded(float, 0.0, inclusive=False)
+port_number = bounded(int, 1, 65535)
+probability = bounded(float, 0.0, 1.0)
+
+_UNITS = {"s": 1, "m": 60, "h": 3600}
+
+
+def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
+    """`500` (steps), `10m` / `90s` / `2h` (time), or both: `500,10m` -> (500, 600.0)."""
+    steps: Optional[int] = None
+    seconds: Optional[float] = None
+    try:
+        for item in (part.strip().lower() for part in text.split(",")):
+            if item and item[-1] in _UNITS:
+                seconds = float(item[:-1]) * _UNITS[item[-1]]
+            else:
+                steps = int(item)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected steps (500), a time (10m, 90s, 2h) or both (500,10m), got {text!r}") from None
+    if (steps is not None and steps <= 0) or (seconds is not None and seconds <= 0):
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return steps, seconds
+
+
+def increasing_pair(text: str) -> tuple[int, int]:
+    """`160,192` -> (160, 192): two non-negative integers, the first below the second."""
+    try:
+        low, high = (int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
+    if not 0 <= low < high:
+        raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
+    return low, high
+
+
+def signals(text: str) -> tuple[str, ...]:
+    try:
+        return parse_signals(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).split(": ", 1)[-1]) from None

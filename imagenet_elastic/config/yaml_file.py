@@ -1,0 +1,113 @@
+"""Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's
+`config.yaml` write them, in the same form, so a printed or saved file runs again as it is.
+
+A file holds option names (`batch-size` or `batch_size`) and values, flat. Its values pass through
+the same argparse types as the command line's, so a bad value fails the same way, naming the file.
+The command line overrides the file.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import os
+from typing import Any, Optional
+
+import yaml
+
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
+from imagenet_elastic.config import Config, flag, setting_fields
+from imagenet_elastic.config.options import Parser
+from imagenet_elastic.errors import UserError
+
+FILE_NAME = "config.yaml"  # beside the checkpoints: the settings of the run that wrote them
+
+
+def read_settings(path: str, parser: Parser) -> dict[str, Any]:
+    """The file's settings, converted and checked by `parser` (a fresh one: its errors name the file)."""
+    try:
+        with open(path) as f:
+            loaded = yaml.safe_load(f)
+    except OSError as error:
+        raise UserError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except yaml.YAMLError as error:
+        raise UserError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
+    if loaded is None:
+        return {}
+    if not isinstance(loaded, dict):
+        raise UserError(f"config file {path}: expected option names and values, got a {type(loaded).__name__}")
+    fields = {f.name: f for f in setting_fields()}
+    tokens: list[str] = []
+    positional: list[str] = []
+    nulls: dict[str, Any] = {}  # settings the file resets to their default
+    named: list[str] = []  # settings the file gives a value, which the parser converts
+    for key, value in loaded.items():
+        f = fields.get(str(key).replace("-", "_"))
+        if f is None:
+            close = difflib.get_close_matches(str(key).replace("_", "-"),
+                                              [name.replace("_", "-") for name in fields], n=1)
+            hint = f" (did you mean {close[0]}?)" if close else " (see --help)"
+            raise UserError(f"config file {path}: unknown option {key!r}{hint}")
+        if value is None:  # null: the default, where the default is itself "nothing" (as settings_yaml writes it)
+            if f.default is not None and file_value(f.name, f.default) is not None:
+                raise UserError(f"config file {path}: {key} needs a value")
+            nulls[f.name] = None if f.default is dataclasses.MISSING else f.default
+            continue
+        named.append(f.name)
+        if f.metadata.get("positional"):
+            positional = ["--", str(value)]  # last: after `--` nothing is read as an option
+        else:
+            tokens += option_tokens(f, value, path)
+    parser.source = path
+    parsed = parser.parse_args(tokens + positional)
+    return {**nulls, **{name: getattr(parsed, name) for name in named}}
+
+
+def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
+    """One file entry as the command line would say it: `hflip: 0` -> ['--hflip', '0']."""
+    action = f.metadata["argparse"].get("action")
+    name = flag(f)
+    if action is argparse.BooleanOptionalAction or action == "store_true":
+        if not isinstance(value, bool):
+            raise UserError(f"config file {path}: {f.name.replace('_', '-')} must be true or false, got {value!r}")
+        return [name] if value else [] if action == "store_true" else ["--no-" + name[2:]]
+    nargs = f.metadata["argparse"].get("nargs")
+    if isinstance(nargs, int):
+        if not isinstance(value, list) or len(value) != nargs:
+            raise UserError(f"config file {path}: {f.name.replace('_', '-')} takes a list of {nargs} values, "
+                            f"got {value!r}")
+        return [name, *map(str, value)]
+    if isinstance(value, list):  # preempt-signals: [SIGTERM, SIGUSR1]
+        return [name, ",".join(map(str, value))]
+    return [name, str(value)]
+
+
+def settings_yaml(config: Config, header: Optional[str] = None) -> str:
+    """Every setting of `config`, in the form read_settings reads."""
+    values = {f.name.replace("_", "-"): file_value(f.name, getattr(config, f.name)) for f in setting_fields()}
+    text = yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
+    return (f"# {header}\n" if header else "") + text
+
+
+def file_value(name: str, value: Any) -> Any:
+    if name == "checkpoint_interval":  # (500, 600.0) -> "500,600s"
+        steps, seconds = value
+        parts = ([str(steps)] if steps else []) + ([f"{seconds:g}s"] if seconds else [])
+        return ",".join(parts) or None
+    if name == "preempt_signals":
+        return list(value) or "none"
+    if isinstance(value, tuple):
+        return list(value)
+    return value
+
+
+def write(folder: str, config: Config) -> None:
+    """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds (written with its
+    first checkpoint, so a run that fails before saving anything leaves the file as it was)."""
+    path = os.path.join(folder, FILE_NAME)
+    text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them with --config")
+    try:
+        atomic_write_bytes(text.encode(), path)
+    except OSError as error:
+        raise storage_error(error, "writing", path) from None

@@ -1,0 +1,121 @@
+"""What a training sample goes through: the crop and flip it draws, then an optional augmentation
+policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
+
+The policies and erasing are torchvision's (transforms.v2). They draw from torch's global generator, so each
+sample's pass runs under that generator seeded from one number the sample's stream draws after its crop and flip:
+the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies
+them, and nothing else in the process sees its generator move. A loader worker runs the policy on a PIL
+image; under --decode gpu the number travels with the file's bytes and the device runs the policy's tensor
+kernels on the decoded crop (gpu_decode.BatchDecoder): the same operations with the same magnitudes.
+"""
+
+from __future__ import annotations
+
+import functools
+import random
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from imagenet_elastic.errors import UserError
+
+if TYPE_CHECKING:  # torch is imported where pixels are touched: the command line checks these settings first
+    import torch
+
+# --auto-augment: each policy's name in the start-up table, and how torchvision's transforms.v2 builds it
+POLICY_TABLE: dict[str, tuple[str, Optional[Callable[[Any], Callable]]]] = {
+    "none": ("", None),
+    "ta_wide": ("TrivialAugmentWide", lambda v2: v2.TrivialAugmentWide()),
+    "ra": ("RandAugment", lambda v2: v2.RandAugment()),
+    "imagenet": ("AutoAugment (ImageNet policy)", lambda v2: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)),
+}
+POLICIES = tuple(POLICY_TABLE)
+MEAN_PIXEL = (124, 116, 104)  # ImageNet's mean in uint8: what normalisation turns into 0, the erased value
+
+
+@dataclass(frozen=True)
+class Augment:
+    """The training augmentation, as the flags set it (defaults: today's Inception crop and flip)."""
+
+    scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image
+    ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio
+    hflip: float = 0.5
+    policy: str = "none"
+    erase: float = 0.0
+
+    @property
+    def after_crop(self) -> bool:
+        """Whether the pixels take a second pass (the policy or random erasing) after the crop."""
+        return self.policy != "none" or self.erase > 0
+
+    def describe(self) -> str:
+        """For the start-up table."""
+        policy = POLICY_TABLE[self.policy][0]
+        return (f"crop area {self.scale[0]:g}-{self.scale[1]:g}, aspect {self.ratio[0]:.3g}-{self.ratio[1]:.3g}, "
+                f"flip {self.hflip:g}" + (f", {policy}" if policy else "")
+                + (f", random erasing {self.erase:g}" if self.erase else ""))
+
+    def draw_seed(self, rng: random.Random) -> Optional[int]:
+        """The number the policy and erasing of one sample draw from, taken from the sample's stream
+        after its crop and flip (so adding a policy keeps every crop); None when there is no second pass."""
+        return rng.getrandbits(63) if self.after_crop else None
+
+    def apply(self, pixels: torch.Tensor, seed: Optional[int], pil: bool = True) -> torch.Tensor:
+        """HWC uint8 -> HWC uint8, the policy then erasing, drawn from `seed` (None: unchanged).
+
+        `pil`: run the policy on a PIL image of the crop (CPU tensors only). torchvision's PIL kernels run
+        each operation in C, about twice as fast per image as its tensor kernels on a CPU
+        (docs/RECIPES.md); the output is then contiguous, so the batch's collation stays a plain copy.
+        Otherwise the tensor kernels run where the pixels are. Erasing always runs on the tensor.
+        """
+        if seed is None:  # draw_seed gives None exactly when there is no second pass
+            return pixels
+        import numpy as np
+        import torch
+        from PIL import Image
+
+        generator = torch.default_generator  # not torch.manual_seed: its device hooks cost far more than the draw
+        saved = generator.get_state()
+        generator.manual_seed(seed)
+        try:
+            if self.policy_transform is not None and pil:
+                pixels = torch.from_numpy(np.array(self.policy_transform(Image.fromarray(pixels.numpy()))))
+            elif self.policy_transform is not None:
+                pixels = self.policy_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
+            if self.erase_transform is not None:
+                pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
+        finally:
+            generator.set_state(saved)
+        return pixels.contiguous() if pil else pixels
+
+    @functools.cached_property
+    def policy_transform(self) -> Optional[Callable]:
+        return make_policy(self.policy)
+
+    @functools.cached_property
+    def erase_transform(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+        from torchvision.transforms import v2  # imported before the workers fork (pipeline.share_heap_with_workers)
+
+        return v2.RandomErasing(p=self.erase, value=list(MEAN_PIXEL)) if self.erase > 0 else None
+
+
+INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3, flip half the images
+
+
+def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    if name not in POLICY_TABLE:
+        raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
+    build = POLICY_TABLE[name][1]
+    if build is None:
+        return None
+    from torchvision.transforms import v2
+
+    return build(v2)
+
+
+def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = None) -> None:
+    """`--scale 0.5 0.1` and the like: one line naming the flag."""
+    low, top = pair
+    if low > top:
+        raise UserError(f"{flag}: MIN must not exceed MAX, got {low:g} {top:g}")
+    if high is not None and top > high:
+        raise UserError(f"{flag}: at most {high:g}, got {top:g}")

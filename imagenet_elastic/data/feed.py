@@ -1,0 +1,185 @@
+"""Batches from the loader onto the device: copies on a side stream, --decode gpu's decode thread and the
+policy's own stream, the steps' groups of micro-batches, and the time the loop waited for them."""
+
+from __future__ import annotations
+
+import contextlib
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+
+from imagenet_elastic.data.pipeline import Batch
+
+if TYPE_CHECKING:
+    from imagenet_elastic.data.gpu_decode import BatchDecoder
+
+
+def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None
+                   ) -> Iterator[Batch]:
+    """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
+
+    Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy of the next batch runs
+    on a side stream while the current one trains; the main stream waits for it only when it gets there.
+    Under --decode gpu a thread of its own decodes and crops ahead (`decoded_ahead`), so nvJPEG's host
+    work and the crops' launches overlap the training thread's. The policy and erasing, which draw from
+    torch's process-wide generator, then run in the training thread, on a stream of their own
+    (`SideStream`): torchvision's tensor kernels copy small host tensors (affine matrices, fill values)
+    with blocking copies, each of which waits for its stream's queue, and on the training stream that
+    queue is the previous step's forward and backward. Other entries (sample indices) stay on the host,
+    so reading them never waits for the device.
+    """
+    if decoder is not None:
+        def decode(batch: Batch) -> tuple[Batch, list[Optional[int]]]:
+            decoded, seeds = decoder.decode_crops(batch)
+            return decoded.to(device), seeds
+
+        policy = SideStream(device)
+        for (staged, seeds), ready in decoded_ahead(batches, decode, device):
+            if decoder.draws_policy(seeds):
+                with policy.run_after(ready, staged.images):
+                    staged = decoder.augment_images(staged, seeds)
+            take_on_current_stream(staged, ready, device)
+            yield staged
+        return
+    if device.type != "cuda":
+        yield from (batch.to(device) for batch in batches)
+        return
+    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    ahead = None
+    for batch in batches:
+        with torch.cuda.stream(side):
+            staged = batch.to(device)
+        if ahead is not None:
+            yield ahead
+        main.wait_stream(side)
+        for tensor in (staged.images, staged.labels):
+            tensor.record_stream(main)  # allocated on `side`: not reused before `main` is done with it
+        ahead = staged
+    if ahead is not None:
+        yield ahead
+
+
+class SideStream:
+    """A CUDA stream for work that the host runs in the training thread but that must not wait behind the
+    training stream's queue (nothing on a CPU)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    @contextlib.contextmanager
+    def run_after(self, ready: Optional[torch.cuda.Event], tensor: torch.Tensor) -> Iterator[None]:
+        """The block's kernels queue on this stream after `ready` (the event that made `tensor`) and after
+        nothing of the training stream's; the training stream then waits for them. A blocking copy in the
+        block waits for this stream alone: the host goes on while the GPU trains."""
+        if self.stream is None:
+            yield
+            return
+        if ready is not None:
+            self.stream.wait_event(ready)
+        tensor.record_stream(self.stream)  # made on another stream: not reused before this one is done with it
+        with torch.cuda.stream(self.stream):
+            yield
+        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+
+
+def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
+    """The current (training) stream waits for the event that made `staged`'s device tensors on another
+    stream, and those tensors are not reused before the current stream is done with them."""
+    if ready is None:
+        return
+    main = torch.cuda.current_stream(device)
+    main.wait_event(ready)
+    for tensor in (staged.images, staged.labels):
+        tensor.record_stream(main)
+
+
+_DONE = object()
+
+
+def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2
+                  ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
+    """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
+    are taken; on CUDA on a stream of its own, whose event `ready` the taker waits for (None on a CPU). Its
+    errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
+    for it, so the loader is never read by two threads."""
+    results: queue.Queue = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def hand_over(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                results.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def work() -> None:
+        try:
+            with contextlib.ExitStack() as scope:
+                if stream is not None:  # the current device and stream are per thread
+                    scope.enter_context(torch.cuda.device(device))
+                    scope.enter_context(torch.cuda.stream(stream))
+                for batch in batches:
+                    staged = prepare(batch)
+                    hand_over((staged, stream.record_event() if stream is not None else None))
+                    if stop.is_set():  # closed: take no further batch from the loader
+                        return
+            hand_over(_DONE)
+        except BaseException as error:  # every failure is the training thread's to raise
+            hand_over(error)
+
+    thread = threading.Thread(target=work, name="decode-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = results.get()
+            if item is _DONE:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # it may be waiting for a worker's batch or to hand one over
+            with contextlib.suppress(queue.Empty):
+                results.get(timeout=0.1)
+        thread.join()
+
+
+class LoaderWaits:
+    """Wall time the training loop spent waiting for its next batch on the device (from the loader, and
+    under --decode gpu from the decoding thread); each log line takes it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable) -> Iterator:
+        batches = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - start
+            yield batch
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def step_groups(loader: Iterable[Batch], accum: int) -> Iterator[list[Batch]]:
+    """The loader's micro-batches, `accum` at a time: one list per optimizer step."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []

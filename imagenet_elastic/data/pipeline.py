@@ -1,0 +1,228 @@
+"""A source's samples to uint8 batches: each sample's random stream, datasets, the batch type, loaders and
+their workers.
+
+Workers read a sample's bytes from its source (sources/), then decode, crop, resize and flip on uint8
+(pixels.py) and hand over HWC uint8 tensors; the copy to the device, conversion to float and normalisation
+happen there (data/feed.py device_batches, train/step.py prepare_batch). Under --decode gpu the workers hand over the
+bytes instead (decoding.py says which). Every random choice a training sample gets comes from (seed,
+epoch, sample index) alone, so a restarted run, any worker count and any world size see exactly the same
+pixels.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import gc
+import multiprocessing
+import random
+import signal
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Optional, Union
+
+import torch
+from torch.utils.data import DataLoader, Dataset, default_collate
+
+from imagenet_elastic.data.augment import INCEPTION_CROP, Augment
+from imagenet_elastic.data.pixels import Box, ChooseCrop, center_crop_box, decode_bytes, random_resized_crop_box
+from imagenet_elastic.data.resolution import TrainSizes
+from imagenet_elastic.data.sampler import SampleKey, TrainBatchSampler, eval_shard
+from imagenet_elastic.data.sources import Source
+
+# (encoded bytes, the sample's name for errors, choose_crop, size) -> what a worker hands over
+Load = Callable[[bytes, str, ChooseCrop, int], Any]
+
+
+@dataclasses.dataclass
+class Batch:
+    """One micro-batch, as a loader hands it over and a training step takes it."""
+
+    images: Any  # N x H x W x 3 uint8; under --decode gpu an EncodedBatch until the device decodes it
+    labels: torch.Tensor  # int64 class indices
+    indices: Optional[torch.Tensor] = None  # training: the samples' indices, kept on the host (sample log)
+
+    def __len__(self) -> int:
+        return len(self.labels)
+
+    def pin_memory(self) -> Batch:
+        """What DataLoader's pin_memory thread calls on a batch type of its own."""
+        return dataclasses.replace(self, images=self.images.pin_memory(), labels=self.labels.pin_memory())
+
+    def to(self, device: torch.device) -> Batch:
+        """Images and labels on `device`, without waiting (from pinned memory); indices stay on the host."""
+        return dataclasses.replace(self, images=self.images.to(device, non_blocking=True),
+                                   labels=self.labels.to(device, non_blocking=True))
+
+
+def collate(samples: list[tuple]) -> Batch:
+    """Dataset items (image, label[, index]) to a Batch; images of one size stack into one tensor."""
+    images, labels, *indices = zip(*samples)
+    return Batch(default_collate(list(images)), torch.tensor(labels, dtype=torch.int64),
+                 torch.tensor(indices[0], dtype=torch.int64) if indices else None)
+
+
+def sample_rng(seed: int, epoch: int, index: int, copy: int = 0) -> random.Random:
+    """The random stream of one training sample in one epoch (string seeds hash with SHA-512); under
+    repeated augmentation each copy after the first has its own."""
+    return random.Random(f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else ""))
+
+
+class TrainDataset(Dataset):
+    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at
+    the epoch's size.
+
+    `load` turns a sample's bytes into its image: `pixels.decode_bytes` here, or `gpu_decode.encode_bytes`,
+    which leaves the decoding, and so the policy and erasing, to the device.
+    """
+
+    def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
+                 augment: Augment = INCEPTION_CROP) -> None:
+        self.source, self.seed, self.load, self.augment = source, seed, load, augment
+        self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, key: SampleKey) -> tuple[Any, int, int]:
+        """Pixels, class, and the sample's index (carried along so that a step knows what it trained on)."""
+        epoch, i, *copy = key
+        rng, augment = sample_rng(self.seed, epoch, i, *copy), self.augment
+
+        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
+            box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
+            return box, rng.random() < augment.hflip
+
+        image = self.load(self.source.read(i), self.source.name(i), choose_crop, self.sizes(epoch))
+        seed = augment.draw_seed(rng)
+        if isinstance(image, torch.Tensor):
+            image = augment.apply(image, seed)
+        elif seed is not None:  # --decode gpu: the seed travels with the bytes, the device applies it
+            image = dataclasses.replace(image, augment_seed=seed)
+        return image, self.source.label(i), i
+
+
+class EvalDataset(Dataset):
+    """Resize-then-centre-crop, done as one resize of the kept region."""
+
+    def __init__(self, source: Source, size: int, resize: int, load: Load = decode_bytes) -> None:
+        self.source, self.size, self.resize, self.load = source, size, resize, load
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    def __getitem__(self, i: int) -> tuple[Any, int]:
+        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
+            return center_crop_box(width, height, self.size, self.resize), False
+
+        return self.load(self.source.read(i), self.source.name(i), choose_crop, self.size), self.source.label(i)
+
+
+def default_workers(cores: int, local_world_size: int) -> int:
+    """The cores left to each local process after its own main thread, at most 8."""
+    return min(8, max(1, cores // max(1, local_world_size) - 1))
+
+
+def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
+    """Workers decode one image per thread (torch threads would only fight the main process) and leave the
+    preemption signals to the main process: Slurm and torchrun signal every process of a task, and
+    a worker killed by SIGTERM would take the run down before its checkpoint."""
+    torch.set_num_threads(1)
+    for signum in ignored_signals:
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def share_heap_with_workers() -> None:
+    """Call once the process holds what it will hold when its loader workers fork.
+
+    A forked worker shares its parent's memory until it writes to a page, and each garbage
+    collection in the worker writes to every object it examines: the modules of torch, timm and
+    torchvision, the model's Python objects. Frozen objects are left out of every later collection,
+    the parent's and the workers', so their pages stay shared (`benchmark --mode index` measures
+    what a worker copies; docs/BENCHMARKS.md).
+
+    torchvision's decoders and transforms are imported here, not with this module: importing torchvision takes
+    seconds (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while
+    forked workers should inherit it rather than each import it again.
+    """
+    import torchvision.io  # noqa: F401
+    import torchvision.transforms.v2  # noqa: F401  (augment.Augment's policies)
+    gc.collect()  # what is garbage now would never be collected once frozen
+    gc.freeze()
+
+
+def thaw_heap() -> None:
+    """Undo `share_heap_with_workers` as the rank ends: what it froze is collectable again."""
+    gc.unfreeze()
+
+
+def stop_loader_workers() -> None:
+    """SIGKILL loader workers still alive as the rank ends (after an error their iterator may still be
+    referenced). They ignore SIGTERM (see `_worker_init`), so multiprocessing's own exit handler,
+    which terminates them and then joins, would wait forever."""
+    for child in multiprocessing.active_children():
+        child.kill()
+        child.join()
+
+
+# Workers are forked wherever the platform allows, whatever the launcher: a rank started by
+# `--dist-init-method spawn` (or Slurm's one task per node) inherits the start method "spawn",
+# whose workers would each re-import torch (seconds) and receive a pickled copy of the file index
+# instead of sharing the parent's pages.
+_WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
+
+
+def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
+                    collate_fn: Callable[[list], Batch]) -> dict:
+    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate_fn,
+               "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
+    if workers > 0:
+        options.update(persistent_workers=True, prefetch_factor=4, multiprocessing_context=_WORKER_START)
+    return options
+
+
+class Gate:
+    """A sampler that hands out nothing while it is closed (see `start_workers`)."""
+
+    def __init__(self, sampler: Iterable) -> None:
+        self.sampler, self.open = sampler, True
+
+    def __iter__(self) -> Iterator:
+        return iter(self.sampler) if self.open else iter(())
+
+    def __len__(self) -> int:
+        return len(self.sampler)  # type: ignore[arg-type]
+
+
+def start_workers(loader: DataLoader) -> None:
+    """Fork the loader's persistent workers now, handing them no work.
+
+    Call it while the process has no other thread. Once the process group exists, gloo's threads
+    release the tensors of finished collectives through Python, taking the interpreter's lock on
+    its list of threads without the GIL; a fork at that moment copies the lock held, and a CPython
+    without the fix for gh-112275 then deadlocks the new worker inside os.fork: a rank whose
+    validation never began, its worker stuck in PyOS_AfterFork_Child (README, "What a run does").
+    """
+    if loader.num_workers == 0:
+        return
+    gate = loader.batch_sampler if isinstance(loader.batch_sampler, Gate) else loader.sampler
+    assert isinstance(gate, Gate), "start_workers needs a loader made by this module"
+    gate.open = False
+    try:
+        for _ in loader:  # starts the workers; the closed gate gives them nothing to do
+            pass
+    finally:
+        gate.open = True
+
+
+def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
+                 ignored_signals: tuple[int, ...] = (), collate_fn: Callable[[list], Batch] = collate) -> DataLoader:
+    return DataLoader(dataset, batch_sampler=Gate(sampler), generator=torch.Generator().manual_seed(0),
+                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn))
+
+
+def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
+                pin_memory: bool, ignored_signals: tuple[int, ...] = (),
+                collate_fn: Callable[[list], Batch] = collate) -> DataLoader:
+    return DataLoader(dataset, batch_size=batch_size, sampler=Gate(eval_shard(len(dataset), rank, world_size)),
+                      generator=torch.Generator().manual_seed(0),
+                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn))

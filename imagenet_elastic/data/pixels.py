@@ -1,0 +1,137 @@
+"""What one image becomes: the crop box drawn for it, its file read and decoded (at a reduced DCT
+scale where the crop allows), the box cropped, resized and flipped, as HWC uint8 on any device.
+
+Pure functions of their arguments; the random choices come in as a `random.Random` or a `ChooseCrop`
+(pipeline.py draws them from the sample's stream). gpu_decode.py runs the same crop on the device, batched.
+"""
+
+from __future__ import annotations
+
+import io
+import math
+import random
+from collections.abc import Callable
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from PIL import Image
+
+from imagenet_elastic.errors import CorruptImageError
+
+Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
+ChooseCrop = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box, and whether to flip it
+
+
+def random_resized_crop_box(width: int, height: int, rng: random.Random,
+                            scale: tuple[float, float] = (0.08, 1.0),
+                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
+    """Inception-style crop: a random area fraction and aspect ratio, 10 tries, then a centre crop."""
+    area = width * height
+    log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
+    for _ in range(10):
+        target_area = area * rng.uniform(*scale)
+        aspect = math.exp(rng.uniform(*log_ratio))
+        w = round(math.sqrt(target_area * aspect))
+        h = round(math.sqrt(target_area / aspect))
+        if 0 < w <= width and 0 < h <= height:
+            return rng.randint(0, width - w), rng.randint(0, height - h), w, h
+    aspect = min(max(width / height, ratio[0]), ratio[1])
+    w, h = (width, round(width / aspect)) if width / height <= aspect else (round(height * aspect), height)
+    return (width - w) // 2, (height - h) // 2, w, h
+
+
+def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
+    """The source region that "resize the short side to `resize`, centre-crop `size`" keeps."""
+    side = min(width, height) * size / resize
+    return (width - side) / 2, (height - side) / 2, side, side
+
+
+def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
+    """Decode an image's bytes (`path` names it in errors), crop the box that `choose_crop(width, height)` picks,
+    resize to size x size: RGB uint8 HWC.
+
+    The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
+    at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
+    (Pillow's draft mode); any other JPEG by torchvision's libjpeg-turbo decoder, which writes straight
+    into a tensor (faster than Pillow, the same pixels). The crop is a view of the decoded pixels,
+    resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md).
+    """
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            width, height = img.size
+            (left, top, w, h), flip = choose_crop(width, height)
+            shrink = max(size / w, size / h)
+            if img.format == "JPEG" and shrink <= 0.5:
+                img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
+            if img.format == "JPEG" and img.size == (width, height):
+                from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
+                pixels = decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
+            else:
+                pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
+            fx, fy = img.size[0] / width, img.size[1] / height
+    except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
+        raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
+    return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
+
+
+def byte_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+def crop_resize(pixels: torch.Tensor, box: Box, flip: bool, size: int) -> torch.Tensor:
+    """HWC uint8 (any device) -> the box's pixels resized to size x size, flipped if asked: HWC uint8."""
+    out = resize_uint8(crop_region(pixels, box), size, uint8_kernel=pixels.device.type == "cpu")[0].permute(1, 2, 0)
+    return out.flip(1) if flip else out
+
+
+def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
+    """HWC -> the box's whole pixels as a 1CHW view (channels_last strides), no copy."""
+    left, top, w, h = box
+    rows, cols = pixel_span(top, h, pixels.shape[0]), pixel_span(left, w, pixels.shape[1])
+    return pixels[rows, cols].permute(2, 0, 1).unsqueeze(0)
+
+
+def resize_regions(regions: list[torch.Tensor], flips: list[bool], size: int) -> torch.Tensor:
+    """1CHW uint8 regions off the CPU -> N x size x size x C uint8, each flipped where asked: the pixels
+    of `crop_resize`, in fewer kernels. Each region is resized in float32 alone (their sizes differ);
+    the rounding back to uint8 and the flips then run once for the batch: about 2 operators (kernel
+    launches on a GPU) per image instead of 5.5 (docs/BENCHMARKS.md)."""
+    out = torch.cat([resize_float(region, size) for region in regions])
+    out = to_uint8(out).permute(0, 2, 3, 1)
+    flipped = [i for i, flip in enumerate(flips) if flip]
+    if flipped:
+        index = torch.tensor(flipped)
+        if out.is_cuda:  # from pageable memory the copy would wait for this stream's resizes
+            index = index.pin_memory()
+        index = index.to(out.device, non_blocking=True)
+        out[index] = out[index].flip(2)
+    return out
+
+
+def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
+    """Antialiased bilinear resize of NCHW uint8. Only the CPU has a uint8 kernel; elsewhere the
+    resize runs in float32 and rounds back.
+
+    On the CPU the region is first copied to dense channels_last: the kernel then runs faster and its
+    output, permuted to HWC, is contiguous, which makes the batch's collation a plain copy.
+    """
+    if uint8_kernel:
+        region = region.contiguous(memory_format=torch.channels_last)
+        return F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+    return to_uint8(resize_float(region, size))
+
+
+def resize_float(region: torch.Tensor, size: int) -> torch.Tensor:
+    return F.interpolate(region.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
+
+
+def to_uint8(resized: torch.Tensor) -> torch.Tensor:
+    """A float resize's output back to uint8, rounded as the uint8 kernel rounds (one rule for every path)."""
+    return resized.round_().clamp_(0, 255).to(torch.uint8)
+
+
+def pixel_span(start: float, length: float, limit: int) -> slice:
+    """Whole pixels covering [start, start + length), at least one, inside [0, limit)."""
+    first = min(max(0, round(start)), limit - 1)
+    return slice(first, max(first + 1, min(limit, round(start + length))))

@@ -1,0 +1,158 @@
+"""A folder of class folders of image files (torchvision's ImageFolder layout): DIR/CLASS/**/IMAGE.
+
+Listing 1.28 M files costs minutes on a network file system, on every restart. The scan therefore
+records every folder it walked with its modification time, and the list is saved with them next to the
+checkpoints (`keep`). A later start re-reads the list when every one of those folders still has its
+recorded mtime (a file added, removed or renamed changes its folder's mtime): about a thousand `stat`
+calls for ImageNet instead of a full listing. The checkpoints folder is shared by the nodes of a job, while
+each node may read its own copy of the data at the same path, and a copy made with `rsync -a` or `cp -a`
+keeps the folders' mtimes even where it lacks a file. So the cache also holds the root folder's inode
+number, which a shared file system shows every node alike and another copy does not have: a node with its
+own copy scans it, and the start-up check compares what it found.
+
+Reading a sample opens its file: one open per image per epoch, which is what tar shards (tar_shards.py)
+save a cluster's file system.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.data.sources.base import Source
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
+CACHE_VERSION = 2  # 2: the root folder's inode number
+
+
+class FilesUnder(Source):
+    """Samples that are image files under a folder, at fixed-width relative paths: read with one open each."""
+
+    root: str
+    paths: np.ndarray  # fixed-width bytes, relative to root
+
+    def path(self, i: int) -> str:
+        return os.path.join(self.root, self.paths[i].decode())
+
+    def read(self, i: int) -> bytes:
+        return read_file(self.path(i))
+
+    def name(self, i: int) -> str:
+        return self.path(i)
+
+    def entries(self) -> np.ndarray:
+        return self.paths
+
+
+@dataclass(frozen=True)
+class ImageFolder(FilesUnder):
+    """Every image of one split, in numpy arrays (fixed-width relative paths)."""
+
+    root: str
+    role: str
+    classes: tuple[str, ...]
+    paths: np.ndarray  # fixed-width bytes, relative to root
+    labels: np.ndarray  # int64 class index per image
+    folders: np.ndarray  # every folder the scan walked (bytes, relative to root; b"." is root)
+    mtimes: np.ndarray  # their st_mtime_ns at scan time
+    cached: bool = False  # read from the cache rather than scanned
+
+    def where(self) -> str:
+        return self.root
+
+    def describe(self) -> str:
+        return f"{len(self)} in {self.root}" + (" (file list from the cache)" if self.cached else "")
+
+    def keep(self, cache_dir: str) -> None:
+        if not self.cached:
+            write_cache(self, cache_path(cache_dir, self.role))
+
+
+def read_file(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except OSError as error:
+        raise CorruptImageError(f"cannot read image file {path}: {error.strerror or error}") from None
+
+
+def scan_image_folder(root: str, role: str) -> ImageFolder:
+    """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
+    if not os.path.isdir(root):
+        raise UserError(f"{role} folder {root} does not exist")
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    if not classes:
+        raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
+    paths: list[str] = []
+    labels: list[int] = []
+    folders = {".": os.stat(root).st_mtime_ns}
+    for label, name in enumerate(classes):
+        found: list[str] = []
+        _walk(root, name, folders, found)
+        if not found:
+            raise UserError(f"class folder {os.path.join(root, name)} has no images")
+        paths.extend(sorted(found))
+        labels.extend([label] * len(found))
+    return ImageFolder(root, role, tuple(classes), np.array([p.encode() for p in paths]),
+                       np.array(labels, dtype=np.int64), np.array([f.encode() for f in folders]),
+                       np.array(list(folders.values()), dtype=np.int64))
+
+
+def _walk(root: str, relative: str, folders: dict[str, int], found: list[str]) -> None:
+    """Images under ROOT/relative (symlinks followed); each folder's mtime is taken *before* it is
+    listed, so a file added during the scan makes the cache look stale next time, never current."""
+    path = os.path.join(root, relative)
+    folders[relative] = os.stat(path).st_mtime_ns
+    with os.scandir(path) as entries:
+        for entry in entries:
+            if entry.is_dir():
+                _walk(root, os.path.join(relative, entry.name), folders, found)
+            elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
+                found.append(os.path.join(relative, entry.name))
+
+
+def cache_path(cache_dir: str, role: str) -> str:
+    return os.path.join(cache_dir, f"index-{role}.npz")
+
+
+def claims(location: str, labels_file: Optional[str] = None) -> bool:
+    return os.path.isdir(location)
+
+
+def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
+               labels_file: Optional[str] = None) -> ImageFolder:
+    """The cached list of `root` when it is still current, else a fresh scan (its own class folders name the
+    classes: `classes` is not needed)."""
+    cached = read_cache(cache_path(cache_dir, role), root, role) if cache_dir else None
+    return cached if cached is not None else scan_image_folder(root, role)
+
+
+def write_cache(index: ImageFolder, path: str) -> None:
+    buffer = io.BytesIO()
+    np.savez(buffer, version=np.int64(CACHE_VERSION), root=np.array(os.path.abspath(index.root)),
+             root_inode=np.int64(os.stat(index.root).st_ino), classes=np.array(index.classes), paths=index.paths,
+             targets=index.labels, folders=index.folders, mtimes=index.mtimes)
+    atomic_write_bytes(buffer.getvalue(), path)
+
+
+def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolder]:
+    """None when there is no cache, it is of another root, copy or version, unreadable, or any folder changed."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            if ("root_inode" not in saved or int(saved["version"]) != CACHE_VERSION
+                    or str(saved["root"]) != os.path.abspath(root) or int(saved["root_inode"]) != os.stat(root).st_ino):
+                return None
+            folders, mtimes = saved["folders"], saved["mtimes"]
+            for folder, mtime in zip(folders, mtimes):
+                if os.stat(os.path.join(root, folder.decode())).st_mtime_ns != mtime:
+                    return None
+            return ImageFolder(root, role, tuple(str(c) for c in saved["classes"]), saved["paths"], saved["targets"],
+                               folders, mtimes, cached=True)
+    except (OSError, ValueError, KeyError):  # missing or damaged file, a folder gone: scan again
+        return None

@@ -1,0 +1,430 @@
+"""Tar shards in WebDataset's layout: each sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and
+`KEY.cls` (the label as a decimal integer), where KEY is the member's name up to the first dot of its last
+part, as WebDataset and timm's imagenet-1k-wds shards have them.
+
+A split is a folder of `*.tar` files (sorted by name), or a brace or glob pattern
+(`/data/imagenet-train-{000000..001023}.tar`). The first start walks every shard's tar headers once and keeps
+an index: for each sample its shard, the offset and length of its image bytes, and its label, in numpy arrays
+(28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md).
+`imagenet-elastic pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are
+indexed at the first start and the index is kept in the checkpoints folder, re-used while every shard keeps its
+size and mtime.
+
+Reading sample i maps its shard (once per process, lazily: a loader worker maps what it reads) and copies the
+sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any
+moment, so the world-size-invariant sampler, step-exact resume and --ra-reps work as with a folder of files.
+Class names come from a `classes.txt` (one per line, in label order) in the shards' folder or the one above
+it, or a `class_names` list in an `_info.json` there; without either the labels are the names ("0", "1", ...),
+or the training split's classes for a val split. A folder that holds train and validation shards side by side
+(timm's imagenet-1k-wds) is split by their names (`split_patterns`).
+"""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+import mmap
+import os
+import re
+import tarfile
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import numpy as np
+
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # in the order a sample's image is preferred
+LABEL_EXTENSION = "cls"
+CLASSES_FILE = "classes.txt"
+INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
+INDEX_VERSION = 1
+_PATTERN_CHARS = "{*?["
+
+
+def is_pattern(location: str) -> bool:
+    """A brace or glob pattern of shards, or one shard, rather than a folder."""
+    return any(c in location for c in _PATTERN_CHARS) or location.endswith(".tar")
+
+
+def claims(location: str, labels_file: Optional[str] = None) -> bool:
+    if is_pattern(location):
+        return True
+    try:
+        return os.path.isdir(location) and any(name.endswith(".tar") for name in os.listdir(location))
+    except OSError:
+        return False
+
+
+def expand_braces(pattern: str) -> list[str]:
+    """WebDataset's brace notation: `a-{000..003}.tar` counts with the first number's width (a-000.tar ...
+    a-003.tar), `{x,y}` lists alternatives; several braces multiply."""
+    match = re.search(r"\{([^{}]*)\}", pattern)
+    if match is None:
+        return [pattern]
+    head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
+    counted = re.fullmatch(r"(\d+)\.\.(\d+)", body)
+    if counted:
+        first, last = counted.groups()
+        items = [str(n).zfill(len(first)) for n in range(int(first), int(last) + 1)]
+    else:
+        items = body.split(",")
+    return [expanded for item in items for expanded in expand_braces(head + item + tail)]
+
+
+def shard_paths(location: str, role: str) -> list[str]:
+    """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
+    if not is_pattern(location):
+        paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
+    else:
+        paths = []
+        for part in expand_braces(location):
+            found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+            if not found or not all(os.path.isfile(p) for p in found):
+                missing = part if not found else next(p for p in found if not os.path.isfile(p))
+                raise UserError(f"{role} shard {missing} does not exist (from {location})")
+            paths.extend(found)
+    if not paths:
+        raise UserError(f"{role} data {location} holds no .tar shards")
+    return paths
+
+
+def split_name(member: str) -> tuple[str, str]:
+    """WebDataset's key and extension: the name up to the first dot of its last part, and the rest."""
+    folder, _, base = member.rpartition("/")
+    stem, dot, extension = base.partition(".")
+    return (f"{folder}/{stem}" if folder else stem), extension.lower() if dot else ""
+
+
+@dataclass(frozen=True)
+class TarShards(Source):
+    location: str  # as given: a folder or a pattern
+    role: str
+    shards: tuple[str, ...]  # paths, in order
+    sizes: np.ndarray  # int64 bytes of each shard when indexed
+    mtimes: np.ndarray  # int64 st_mtime_ns of each shard when indexed
+    classes: tuple[str, ...]
+    labels: np.ndarray  # int64 per sample
+    shard: np.ndarray  # int32 per sample: which shard
+    offsets: np.ndarray  # int64 per sample: where its image's bytes begin in the shard
+    lengths: np.ndarray  # int64 per sample: how many
+    cached: bool = False  # the index was read, not walked
+    packed: bool = False  # the index is the one `pack` wrote beside the shards
+
+    def read(self, i: int) -> bytes:
+        path = self.shards[int(self.shard[i])]
+        start, length = int(self.offsets[i]), int(self.lengths[i])
+        try:
+            mapped, fd = _mapped(path)
+            size = os.fstat(fd).st_size  # a shard cut short while mapped would raise SIGBUS, not an error
+        except OSError as error:
+            raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
+        if start + length > size:
+            raise CorruptImageError(f"shard {path} is truncated: sample #{i} ends at byte {start + length}, the "
+                                    f"file has {size} bytes")
+        if _header_size(mapped, start) != length:
+            raise CorruptImageError(f"shard {path} does not match its index at sample #{i} (byte {start}): was the "
+                                    "shard replaced after it was indexed?")
+        return mapped[start:start + length]
+
+    def name(self, i: int) -> str:
+        return f"{self.shards[int(self.shard[i])]}:{self.member(i)}"
+
+    def member(self, i: int) -> str:
+        """Sample i's image member's name, from the ustar header before its bytes: its name and prefix fields
+        alone (a loader asks it for every sample it reads, for its errors; parsing the whole header cost ~4% of
+        a worker's time)."""
+        path, offset = self.shards[int(self.shard[i])], int(self.offsets[i])
+        try:
+            mapped, _ = _mapped(path)
+        except OSError:
+            return f"sample #{i} at byte {offset}"
+        header = mapped[offset - 512:offset]
+        name = header[:100].split(b"\0", 1)[0]
+        if header[257:262] == b"ustar" and header[345] != 0:
+            name = header[345:500].split(b"\0", 1)[0] + b"/" + name
+        return name.decode("utf-8", "surrogateescape")
+
+    def where(self) -> str:
+        return f"{self.location} ({len(self.shards)} shards)"
+
+    def entries(self) -> np.ndarray:
+        """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""
+        names = [os.path.basename(p) for p in self.shards]
+        return np.array([f"{names[int(self.shard[i])]}:{self.member(i)}".encode() for i in range(len(self))])
+
+    def fingerprint(self) -> FileList:
+        """The index's own arrays: no entry strings are built at every start."""
+        names = np.array([os.path.basename(p).encode() for p in self.shards])
+        return FileList(len(self), len(self.classes), digest_of(self.classes, names, self.sizes, self.shard,
+                                                                self.offsets, self.lengths, self.labels))
+
+    def describe(self) -> str:
+        how = " (index written by pack)" if self.packed else " (index from the cache)" if self.cached else ""
+        return f"{len(self)} in {self.where()}{how}"
+
+    def keep(self, cache_dir: str) -> None:
+        if not self.cached and not self.packed:
+            write_index(self, cache_path(cache_dir, self.role), relative_to=None)
+
+
+_MAPS: dict[str, tuple[mmap.mmap, int]] = {}
+_MAPS_PID = [0]
+
+
+def _mapped(path: str) -> tuple[mmap.mmap, int]:
+    """This process's read-only mapping of a shard and its descriptor, made on first use. A forked worker makes
+    its own (the parent's, inherited, stay as they are)."""
+    if _MAPS_PID[0] != os.getpid():
+        _MAPS.clear()
+        _MAPS_PID[0] = os.getpid()
+    found = _MAPS.get(path)
+    if found is None:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            found = mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
+        except BaseException:
+            os.close(fd)
+            raise
+        _MAPS[path] = found
+    return found
+
+
+def _header_size(mapped: mmap.mmap, data_offset: int) -> Optional[int]:
+    """The size field of the tar header right before a member's data (None if it cannot be read)."""
+    field = mapped[data_offset - 512 + 124:data_offset - 512 + 136]
+    try:
+        return int(field.rstrip(b"\0 ").strip() or b"0", 8)
+    except ValueError:  # base-256 sizes (members of 8 GB and more) or not a header
+        return None
+
+
+# ----------------------------------------------------------------------------- walking the headers
+
+@dataclass
+class Found:
+    """What one shard's walk found, sample by sample."""
+
+    offsets: list[int]
+    lengths: list[int]
+    labels: list[int]
+
+
+def walk_shard(path: str, role: str) -> Found:
+    """Every sample of one shard, in order; a UserError naming the shard and the sample for anything wrong."""
+    found = Found([], [], [])
+    size = os.stat(path).st_size
+    key: Optional[str] = None
+    image: Optional[tarfile.TarInfo] = None
+    label: Optional[int] = None
+
+    def finish() -> None:
+        if key is None or (image is None and label is None):  # not a sample (another file kept in the shard)
+            return
+        if image is None:
+            kinds = ", ".join("." + e for e in IMAGE_EXTENSIONS)
+            raise UserError(f"{role} shard {path}: sample {key} has no image ({kinds})")
+        if label is None:
+            raise UserError(f"{role} shard {path}: sample {key} has no label (.{LABEL_EXTENSION})")
+        if image.offset_data + image.size > size:
+            raise UserError(f"{role} shard {path} is truncated: sample {key} ({image.name}) ends at byte "
+                            f"{image.offset_data + image.size}, the file has {size} bytes")
+        found.offsets.append(image.offset_data)
+        found.lengths.append(image.size)
+        found.labels.append(label)
+
+    try:
+        with tarfile.open(path, "r:") as tar:
+            for member in tar:
+                if not member.isfile():
+                    continue
+                member_key, extension = split_name(member.name)
+                if member_key != key:
+                    finish()
+                    key, image, label = member_key, None, None
+                if extension in IMAGE_EXTENSIONS and image is None:
+                    image = member
+                elif extension == LABEL_EXTENSION:
+                    label = _read_label(tar, member, path, key, role)
+            finish()
+    except tarfile.TarError as error:
+        after = f" after sample {key}" if key else ""
+        raise UserError(f"{role} shard {path} is truncated or not a tar file{after}: {error}") from None
+    except OSError as error:
+        raise UserError(f"cannot read {role} shard {path}: {error.strerror or error}") from None
+    if not found.labels:
+        raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
+    return found
+
+
+def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: Optional[str], role: str) -> int:
+    stream = tar.extractfile(member)
+    text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
+    try:
+        return int(text)
+    except ValueError:
+        raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is {text[:20]!r}, not an "
+                        "integer") from None
+
+
+INFO_FILE = "_info.json"  # timm's shard sets describe themselves in one
+INFO_NAME_KEYS = ("class_names", "classes", "label_names")
+
+
+def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
+    """classes.txt in the shards' folder or the one above it, else a list of class names in an _info.json there
+    (under one of INFO_NAME_KEYS), if there is one."""
+    folder = os.path.dirname(shards[0]) if is_pattern(location) else location
+    for where in (folder, os.path.dirname(folder)):
+        candidate = os.path.join(where, CLASSES_FILE)
+        if os.path.isfile(candidate):
+            with open(candidate) as f:
+                names = tuple(line.strip() for line in f if line.strip())
+            if not names:
+                raise UserError(f"classes file {candidate} is empty")
+            return names
+        info = os.path.join(where, INFO_FILE)
+        if os.path.isfile(info):
+            try:
+                with open(info) as f:
+                    described = json.load(f)
+            except (OSError, ValueError) as error:
+                raise UserError(f"{info} is not readable JSON: {error}") from None
+            listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
+                          None)
+            if isinstance(listed, list) and listed:
+                return tuple(str(name) for name in listed)
+    return None
+
+
+def split_patterns(folder: str) -> Optional[tuple[str, str]]:
+    """Patterns of the train and val shards of a folder that holds both side by side, as timm's imagenet-1k-wds
+    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None otherwise."""
+    try:
+        names = [n for n in os.listdir(folder) if n.endswith(".tar")]
+    except OSError:
+        return None
+    train = [n for n in names if "train" in n]
+    for word in ("validation", "val"):
+        val = [n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)]
+        if train and val and len(train) + len(val) == len(names):
+            return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
+    return None
+
+
+def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """Index the shards of `location` by walking their headers."""
+    paths = shard_paths(location, role)
+    return assemble(location, role, paths, [walk_shard(p, role) for p in paths], classes)
+
+
+def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
+             classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """The index of shards whose walks are done (`pack` walks each shard as it writes it)."""
+    named = class_names(location, paths)
+    stats = [os.stat(p) for p in paths]
+    labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
+    known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
+    check_labels(labels, known, per_shard, paths, role, named is not None or classes is not None)
+    return TarShards(location, role, tuple(paths), np.array([s.st_size for s in stats], dtype=np.int64),
+                     np.array([s.st_mtime_ns for s in stats], dtype=np.int64), tuple(known), labels,
+                     np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
+                     np.concatenate([np.array(f.offsets, dtype=np.int64) for f in per_shard]),
+                     np.concatenate([np.array(f.lengths, dtype=np.int64) for f in per_shard]))
+
+
+def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
+                 named: bool) -> None:
+    bad = np.flatnonzero((labels < 0) | (labels >= len(classes)))
+    if not len(bad):
+        return
+    i = int(bad[0])
+    shard = int(np.searchsorted(np.cumsum([len(f.labels) for f in per_shard]), i, side="right"))
+    source = "the classes file lists" if named else "the training split has"
+    raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range: {source} "
+                    f"{len(classes)} classes")
+
+
+# ----------------------------------------------------------------------------- the index on disk
+
+def cache_path(cache_dir: str, role: str) -> str:
+    return os.path.join(cache_dir, f"index-{role}-shards.npz")
+
+
+def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> None:
+    """The index as one .npz, written atomically; `relative_to`: shard paths saved relative to this folder
+    (pack's index beside its shards), else absolute (a cache)."""
+    names = [os.path.relpath(p, relative_to) if relative_to else os.path.abspath(p) for p in source.shards]
+    buffer = io.BytesIO()
+    np.savez(buffer, version=np.int64(INDEX_VERSION), location=np.array(os.path.abspath(source.location)),
+             shards=np.array(names), sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes),
+             labels=source.labels, shard=source.shard, offsets=source.offsets, lengths=source.lengths)
+    atomic_write_bytes(buffer.getvalue(), path)
+
+
+def read_index(path: str, location: str, role: str, shards: list[str], packed: bool) -> Optional[TarShards]:
+    """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
+    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard."""
+    try:
+        with np.load(path, allow_pickle=False) as saved:
+            if int(saved["version"]) != INDEX_VERSION:
+                return None
+            folder = os.path.dirname(path)
+            listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
+            sizes, mtimes = saved["sizes"], saved["mtimes"]
+            arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
+            classes = tuple(str(c) for c in saved["classes"])
+    except (OSError, ValueError, KeyError):
+        if packed:
+            raise UserError(f"shard index {path} is damaged: run imagenet-elastic pack again, or remove it to "
+                            "index the shards at start") from None
+        return None
+    current = [os.path.normpath(os.path.abspath(p)) for p in shards]
+    if [os.path.abspath(p) for p in listed] != current:
+        if packed:
+            missing = sorted(set(map(os.path.abspath, listed)) ^ set(current))[:1]
+            raise UserError(f"shard index {path} lists other shards than {location} holds ({missing[0]}): was the "
+                            "pack changed after it was written?")
+        return None
+    for shard, size, mtime in zip(current, sizes.tolist(), mtimes.tolist()):
+        stat = os.stat(shard)
+        if stat.st_size != size:
+            if packed:
+                raise UserError(f"shard {shard} has {stat.st_size} bytes but its index {path} says {size}: the shard "
+                                "was replaced or cut short after it was packed")
+            return None
+        if not packed and stat.st_mtime_ns != mtime:
+            return None
+    return TarShards(location, role, tuple(shards), sizes, mtimes, classes, arrays["labels"], arrays["shard"],
+                     arrays["offsets"], arrays["lengths"], cached=True, packed=packed)
+
+
+def open_split(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
+               labels_file: Optional[str] = None) -> TarShards:
+    """The shards at `location`: pack's index beside them, else a cached index, else a walk of their headers."""
+    if labels_file is not None:
+        raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
+                        f".{LABEL_EXTENSION} members are the labels)")
+    paths = shard_paths(location, role)
+    beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
+    if os.path.isfile(beside):
+        source = read_index(beside, location, role, paths, packed=True)
+    else:
+        source = read_index(cache_path(cache_dir, role), location, role, paths, packed=False) if cache_dir else None
+    if source is None:
+        return walk(location, role, classes)
+    numbered = source.classes == tuple(map(str, range(len(source.classes))))
+    if classes is not None and source.classes != classes and numbered:
+        source = _with_classes(source, classes)
+    return source
+
+
+def _with_classes(source: TarShards, classes: tuple[str, ...]) -> TarShards:
+    """A split that numbers its labels takes the training split's names for them."""
+    if int(source.labels.max()) >= len(classes):
+        raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
+                        f"the training split has {len(classes)} classes")
+    return replace(source, classes=classes)

@@ -1,0 +1,317 @@
+"""What each launcher tells a process about the job: environment variables to a LaunchPlan.
+
+Pure functions of the environment (passed in), so every launcher's rules are unit-tested without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import shutil
+import subprocess
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Callable, Optional
+from urllib.parse import urlparse
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch.hostlist import first_host
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+TORCHRUN = "torchrun or torch.distributed.launch"
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+
+
+@dataclass(frozen=True)
+class DistEnv:
+    """This process's place in the job, as its launcher describes it."""
+
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    local_world_size: int = 1
+    master_addr: str = "127.0.0.1"
+    master_port: int = 29500
+    restart_count: int = 0  # torchrun's TORCHELASTIC_RESTART_COUNT; >0 means "resume"
+    launched: bool = False  # False: a plain single process, no process group at all
+    launcher: str = "none"  # who started us, for messages: torchrun, srun, mpirun, spawn
+    store_is_external: bool = False  # the rendezvous store runs elsewhere (torchrun's agent, the spawn parent)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def child(self, index: int, procs: int) -> DistEnv:
+        """The `index`-th of `procs` processes this task starts (spawn, Slurm one-task-per-node)."""
+        return dataclasses.replace(
+            self, rank=self.rank * procs + index, world_size=self.world_size * procs,
+            local_rank=self.local_rank * procs + index, local_world_size=self.local_world_size * procs,
+            launched=True)
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    """This process's DistEnv; with procs_per_task > 1, or `starts_ranks`, it is a task that starts that many
+    ranks itself (spawn, Slurm's one task per node)."""
+
+    env: DistEnv
+    procs_per_task: int = 1
+    starts_ranks: bool = False
+
+    @property
+    def spawns(self) -> bool:
+        return self.starts_ranks or self.procs_per_task > 1
+
+
+def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
+    value = environ.get(name)
+    if value is None or value == "":
+        raise UserError(f"environment variable {name} is not set (it is set by {launcher})")
+    try:
+        return int(value)
+    except ValueError:
+        raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def _require(environ: Mapping[str, str], names: tuple[str, ...], method: str, launcher: str) -> None:
+    missing = [n for n in names if not environ.get(n)]
+    if missing:
+        raise UserError(f"--dist-init-method {method} looked for {', '.join(names)} but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not set; these are set by {launcher}")
+
+
+def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
+    """--master-port, else MASTER_PORT, else the launcher's default."""
+    if explicit:
+        return explicit
+    if environ.get("MASTER_PORT"):
+        return _int_var(environ, "MASTER_PORT", "the cluster or the user")
+    return default
+
+
+def has_torchrun_vars(environ: Mapping[str, str]) -> bool:
+    return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
+
+
+# ----------------------------------------------------------------------------- torchrun
+
+def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
+    """torchrun / torch.distributed.launch variables; none at all means one plain process.
+
+    `local_rank_arg` is the legacy `--local_rank` / `--local-rank` argument that
+    `python -m torch.distributed.launch` passes; LOCAL_RANK in the environment wins when both exist.
+    """
+    present = [name for name in TORCHRUN_VARS if name in environ]
+    if not present and local_rank_arg is None:
+        return DistEnv()
+    missing = [name for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if name not in environ]
+    if missing:
+        raise UserError(f"--dist-init-method env found {', '.join(present) or '--local-rank'} but not "
+                        f"{', '.join(missing)}; these variables are set by {TORCHRUN}")
+    rank = _int_var(environ, "RANK", TORCHRUN)
+    world_size = _int_var(environ, "WORLD_SIZE", TORCHRUN)
+    if "LOCAL_RANK" in environ:
+        local_rank = _int_var(environ, "LOCAL_RANK", TORCHRUN)
+    elif local_rank_arg is not None:
+        local_rank = local_rank_arg
+    else:
+        raise UserError(f"environment variable LOCAL_RANK is not set (it is set by {TORCHRUN})")
+    local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN)
+                        if "LOCAL_WORLD_SIZE" in environ else world_size)
+    if not (0 <= rank < world_size):
+        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    restarts = environ.get("TORCHELASTIC_RESTART_COUNT")
+    return DistEnv(
+        rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
+        master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN),
+        restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN) if restarts else 0,
+        launched=True, launcher="torchrun",
+        # torchrun's agent hosts the store and tells its workers so (torch >= 2.2)
+        store_is_external=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
+    )
+
+
+# ----------------------------------------------------------------------------- Slurm
+
+def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
+    """Read Slurm's compressed SLURM_TASKS_PER_NODE ("2(x3),1": 2 on nodes 0-2, 1 on node 3)."""
+    counts: list[int] = []
+    for item in tasks_per_node.split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", item)
+        if not match:
+            raise UserError(f"SLURM_TASKS_PER_NODE={tasks_per_node!r} is not in Slurm's format")
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    if not 0 <= node_id < len(counts):
+        raise UserError(f"SLURM_NODEID={node_id} is outside SLURM_TASKS_PER_NODE={tasks_per_node!r}")
+    return counts[node_id]
+
+
+def slurm_master_port(job_id: int) -> int:
+    """MASTER_PORT = 15000 + SLURM_JOB_ID mod 15000: below Linux's ephemeral range (32768+), different
+    for consecutive jobs that share a node."""
+    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+
+
+def _scontrol_first_host(nodelist: str) -> str:
+    if not shutil.which("scontrol"):
+        raise UserError(f"cannot expand Slurm nodelist {nodelist!r} and scontrol is not available")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodelist], capture_output=True, text=True, timeout=30)
+    if out.returncode != 0 or not out.stdout.split():
+        raise UserError(f"cannot expand Slurm nodelist {nodelist!r}: {out.stderr.strip()}")
+    return out.stdout.split()[0]
+
+
+def master_from_nodelist(nodelist: str, fallback: Callable[[str], str] = _scontrol_first_host) -> str:
+    """First host of the nodelist by our own parser; `scontrol show hostnames` only if that fails."""
+    try:
+        return first_host(nodelist)
+    except UserError:
+        return fallback(nodelist)
+
+
+def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None,
+                   fallback: Callable[[str], str] = _scontrol_first_host) -> DistEnv:
+    """One rank per Slurm task (`srun --ntasks-per-node=G`)."""
+    names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
+    _require(environ, names, "slurm", "srun (inside salloc/sbatch allocations too)")
+    nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
+    if not nodelist:
+        raise UserError("--dist-init-method slurm looked for SLURM_STEP_NODELIST and SLURM_JOB_NODELIST but "
+                        "neither is set; these are set by srun")
+    node_id = _int_var(environ, "SLURM_NODEID", "srun")
+    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
+    ntasks = _int_var(environ, "SLURM_NTASKS", "srun")
+    return DistEnv(
+        rank=_int_var(environ, "SLURM_PROCID", "srun"), world_size=ntasks,
+        local_rank=_int_var(environ, "SLURM_LOCALID", "srun"),
+        local_world_size=tasks_on_node(spec, node_id) if spec else ntasks,
+        master_addr=environ.get("MASTER_ADDR") or master_from_nodelist(nodelist, fallback),
+        master_port=_master_port(environ, master_port, slurm_master_port(_int_var(environ, "SLURM_JOB_ID", "srun"))),
+        launched=True, launcher="srun",
+        restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
+    )
+
+
+def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int,
+                         uses_gpus: bool = False) -> int:
+    """Ranks each Slurm task starts: `--nproc-per-node`, else one per visible GPU when a node runs a
+    single task (`srun --ntasks-per-node=1 --gres=gpu:4`), else 1. More ranks than the task's GPUs
+    would put two ranks on one GPU, where NCCL fails later without naming the cause: refused."""
+    if nproc_per_node:
+        if uses_gpus and nproc_per_node > visible_gpus:
+            raise UserError(f"--nproc-per-node {nproc_per_node} is more than the {visible_gpus} GPU(s) this Slurm "
+                            "task sees (CUDA_VISIBLE_DEVICES): ranks would share a GPU; ask Slurm for "
+                            f"--gres=gpu:{nproc_per_node} or pass --nproc-per-node {visible_gpus} (or --device cpu)")
+        return nproc_per_node
+    node_tasks = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE") or ""
+    single_task = node_tasks and tasks_on_node(node_tasks, int(environ.get("SLURM_NODEID") or 0)) == 1
+    return visible_gpus if single_task and visible_gpus > 1 else 1
+
+
+# ----------------------------------------------------------------------------- MPI
+
+def parse_dist_url(url: str) -> tuple[str, int]:
+    parsed = urlparse(url)
+    try:
+        port = parsed.port  # raises ValueError for a non-numeric or out-of-range port
+    except ValueError:
+        port = None
+    if parsed.scheme != "tcp" or not parsed.hostname or not port:
+        raise UserError(f"--dist-url {url!r} must look like tcp://HOST:PORT")
+    return parsed.hostname, port
+
+
+def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
+                 master_port: Optional[int] = None) -> DistEnv:
+    """OpenMPI's OMPI_COMM_WORLD_* (or MPICH/Intel MPI's PMI_*). MPI only launches: the process group
+    is still gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
+    if environ.get("OMPI_COMM_WORLD_SIZE"):
+        launcher = "OpenMPI's mpirun"
+        rank = _int_var(environ, "OMPI_COMM_WORLD_RANK", launcher)
+        world = _int_var(environ, "OMPI_COMM_WORLD_SIZE", launcher)
+        local_rank = _int_var(environ, "OMPI_COMM_WORLD_LOCAL_RANK", launcher)
+        local_world = _int_var(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", launcher)
+    elif environ.get("PMI_SIZE"):
+        launcher = "MPICH/Intel MPI's mpiexec"
+        rank, world = _int_var(environ, "PMI_RANK", launcher), _int_var(environ, "PMI_SIZE", launcher)
+        local_rank = int(environ.get("MPI_LOCALRANKID") or environ.get("PMI_LOCAL_RANK") or 0)
+        local_world = int(environ.get("MPI_LOCALNRANKS") or environ.get("PMI_LOCAL_SIZE") or world)
+    else:
+        raise UserError("--dist-init-method mpi looked for OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI) and "
+                        "PMI_RANK/PMI_SIZE (MPICH, Intel MPI) but none is set; these are set by mpirun/mpiexec")
+    if dist_url:
+        addr, port = parse_dist_url(dist_url)
+    else:
+        addr, port = environ.get("MASTER_ADDR") or "127.0.0.1", _master_port(environ, master_port, 29500)
+    if world > local_world and addr in ("127.0.0.1", "localhost"):
+        raise UserError(f"mpi job spans several nodes ({world} ranks, {local_world} here): set MASTER_ADDR "
+                        "or --dist-url tcp://RANK0_HOST:PORT")
+    return DistEnv(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
+                   master_addr=addr, master_port=port, launched=True, launcher="mpirun")
+
+
+# ----------------------------------------------------------------------------- choosing
+
+@dataclass(frozen=True)
+class LaunchRequest:
+    """What the command line says about the launch, beside the launcher's variables."""
+
+    local_rank_arg: Optional[int] = None
+    nproc_per_node: Optional[int] = None
+    master_port: Optional[int] = None
+    dist_url: Optional[str] = None
+    visible_gpus: int = 0
+    uses_gpus: bool = False
+
+
+def plan_env(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
+    env = env_from_torchrun(environ, request.local_rank_arg)
+    if not env.launched:
+        _refuse_unnoticed_launcher(environ)
+    return LaunchPlan(env)
+
+
+def plan_slurm(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
+    if has_torchrun_vars(environ):  # `srun torchrun ...`: torchrun's view of the job wins
+        return LaunchPlan(env_from_torchrun(environ, request.local_rank_arg))
+    env = env_from_slurm(environ, request.master_port)
+    procs = slurm_procs_per_task(environ, request.nproc_per_node, request.visible_gpus, request.uses_gpus)
+    return LaunchPlan(env, procs)
+
+
+def plan_spawn(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
+    procs = request.nproc_per_node or max(1, request.visible_gpus)
+    port = request.master_port or 0  # 0: the parent's store picks a free port
+    return LaunchPlan(DistEnv(master_port=port, launcher="spawn", store_is_external=True), procs, starts_ranks=True)
+
+
+def plan_mpi(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
+    return LaunchPlan(env_from_mpi(environ, request.dist_url, request.master_port))
+
+
+# --dist-init-method: how each way of being started becomes this process's plan. Kept here once; config offers
+# these names.
+METHODS: dict[str, Callable[[Mapping[str, str], LaunchRequest], LaunchPlan]] = {
+    "env": plan_env, "slurm": plan_slurm, "spawn": plan_spawn, "mpi": plan_mpi}
+
+
+def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,
+                   nproc_per_node: Optional[int] = None, master_port: Optional[int] = None,
+                   dist_url: Optional[str] = None, visible_gpus: int = 0, uses_gpus: bool = False) -> LaunchPlan:
+    if method not in METHODS:
+        raise UserError(f"--dist-init-method {method!r} is not supported; choose {', '.join(METHODS)}")
+    return METHODS[method](environ, LaunchRequest(local_rank_arg, nproc_per_node, master_port, dist_url,
+                                                  visible_gpus, uses_gpus))
+
+
+def _refuse_unnoticed_launcher(environ: Mapping[str, str]) -> None:
+    """N copies of a single-process run would overwrite each other's checkpoints: say what to pass.
+
+    SLURM_STEP_NUM_TASKS is set by srun for its tasks, not in an sbatch script's own shell, where one
+    plain process is a legitimate run.
+    """
+    for var, method, launcher in (("SLURM_STEP_NUM_TASKS", "slurm", "srun"),
+                                  ("OMPI_COMM_WORLD_SIZE", "mpi", "mpirun"), ("PMI_SIZE", "mpi", "mpiexec")):
+        if environ.get(var, "").isdigit() and int(environ[var]) > 1:
+            raise UserError(f"started by {launcher} with {var}={environ[var]} but --dist-init-method is env "
+                            f"(torchrun variables); pass --dist-init-method {method}")

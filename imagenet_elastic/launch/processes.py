@@ -1,0 +1,123 @@
+"""Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
+
+For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
+port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
+the others; the parent reports the failing rank's traceback (user errors were already printed by
+the child as one line) and exits non-zero.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from imagenet_elastic.config import Config
+from imagenet_elastic.errors import (
+    PREEMPTED_EXIT,
+    PROG,
+    STORAGE_ERROR_EXIT,
+    USER_ERROR_EXIT,
+    Preempted,
+    UserError,
+    report,
+)
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import signal_numbers
+
+
+def run_worker(config: Config, env: DistEnv) -> None:
+    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary.
+
+    User errors and preemption end inside the wrapper as plain exit codes, so torchrun's summary
+    holds no traceback for them (`record` only records exceptions, not SystemExit).
+    """
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    record(_run_to_exit_code)(config, env)
+
+
+def _run_to_exit_code(config: Config, env: DistEnv) -> None:
+    from imagenet_elastic.train.startup import run
+
+    try:
+        run(config, env)
+    except UserError as error:
+        if env.rank == 0 or error.every_rank or (error.every_node and env.local_rank == 0):
+            report(error, env.rank, own=True)
+        else:
+            leave_the_report_to_rank_0(error, env.rank)
+        sys.exit(error.exit_code)
+    except Preempted:
+        sys.exit(PREEMPTED_EXIT)
+
+
+REPORT_GRACE_S = 10.0
+
+
+def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
+    """An error in the inputs every rank shares (a checkpoint, a setting) stops every rank, and rank 0
+    says it once. A rank that gets there first must not exit first: its launcher would stop rank 0
+    before rank 0 said anything. So it waits for the launcher's stop, which comes once rank 0 has
+    reported and exited, and then goes quietly. If no stop comes within REPORT_GRACE_S, the error
+    was this rank's alone, and it says so itself."""
+    stops: list[int] = []
+    for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(signum, lambda received, _frame: stops.append(received))
+    deadline = time.monotonic() + REPORT_GRACE_S
+    while not stops and time.monotonic() < deadline:
+        time.sleep(0.05)  # a signal ends the sleep at once
+    if not stops:
+        report(error, rank, own=True)
+
+
+def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:
+    run_worker(config, task_env.child(index, procs))
+
+
+def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
+    if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
+        store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
+                              timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
+        task_env = dataclasses.replace(task_env, master_port=store.port)
+    context = mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=False,
+                                 start_method="spawn")
+    forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
+    try:
+        while not context.join():
+            pass
+    except mp.ProcessExitedException as failed:
+        if failed.exit_code not in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT, PREEMPTED_EXIT):  # reported by the child
+            print(f"{PROG}: error: local process {failed.error_index} (rank "
+                  f"{task_env.rank * procs + failed.error_index}) exited with code {failed.exit_code}; "
+                  "the others were stopped", file=sys.stderr)
+        sys.exit(failed.exit_code if failed.exit_code and failed.exit_code > 0 else 1)
+    except mp.ProcessRaisedException as failed:
+        reported = [p.exitcode for p in context.processes if p.exitcode in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT)]
+        if reported:
+            # a rank stopped on a user or storage error (reported in one line); this rank's error (a
+            # closed connection in a collective) followed from it and only hides it
+            sys.exit(reported[0])
+        rank = task_env.rank * procs + failed.error_index
+        print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        for signum, handler in forwarded.items():
+            signal.signal(signum, handler)
+
+
+def forward_signals(signums: tuple[int, ...], pids: list[int]) -> dict[int, object]:
+    """The parent passes preemption signals on to its ranks instead of dying of them (SIGUSR1's
+    default action), which would leave the ranks without their launcher. Returns the old handlers."""
+    def forward(signum: int, _frame: object) -> None:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+    return {signum: signal.signal(signum, forward) for signum in signums}

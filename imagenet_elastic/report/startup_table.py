@@ -1,0 +1,73 @@
+"""The start-up table rank 0 prints once a run is built: what was built, and the choices made for
+this machine (precision, loader workers, the recipe's options)."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from imagenet_elastic.config import Config
+from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.launch.distributed import group_options
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.report.console import Console
+from imagenet_elastic.train.build import Inputs, Loaders, Training
+from imagenet_elastic.train.model import blurred, count_parameters
+
+
+def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
+             loaders: Loaders, checked_s: Optional[float]) -> None:
+    """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
+    comparing the ranks' data, settings, code and checkpoints folder took (None: one process)."""
+    plan = training.plan
+    interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
+    interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
+    console.table("imagenet_elastic", [
+        ("model", f"{c.model} ({count_parameters(training.state.model) / 1e6:.2f} M parameters)"
+                  + (f", BlurPool before {blurred(training.state.model)} strided convolutions" if c.blurpool else "")),
+        ("classes", str(len(inputs.train.classes))),
+        ("train images", inputs.train.describe()),
+        ("val images", inputs.val.describe()),
+        ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
+        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous "
+                     f"{env.master_addr}:{env.master_port}; every rank has the same data, "
+                     f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
+         else "none (single process)"),
+        ("global batch", plan.describe()),
+        ("initial weights", training.start if not training.resume_from else f"from {training.resume_from}"),
+        ("model EMA", f"decay {c.model_ema_decay:g} "
+                      + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
+                      + (" after timm's warmup" if c.model_ema_warmup else "")
+         if training.state.ema is not None else "off"),
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"
+                      + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")),
+        ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
+                                            is not None else "") if c.bce_loss else "cross-entropy")
+         + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
+        ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
+                       f"{c.eval_resize}" + (", logits averaged with the mirror image's" if c.val_flip_average
+                                             else "")),
+        ("augmentation", c.augment.describe()),
+        ("mixing", describe_mixing(c)),
+        ("repeated augmentation", f"{c.ra_reps} copies of {plan.global_batch // c.ra_reps} images per global batch"
+         if c.ra_reps > 1 else "off"),
+        ("learning rate", f"{training.schedule.peak:.6g} = {c.lr:g} x {plan.global_batch}/256, "
+                          f"{training.schedule.describe()}"),
+        ("steps per epoch", str(training.sampler.steps)),
+        ("precision", training.precision.describe()),
+        ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
+        ("decode", c.decoding.describe(inputs.device, c.augment)),
+        ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
+        ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
+                        f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
+        ("curves", f"every {c.log_interval} steps to steps.jsonl" + (" and TensorBoard" if inputs.tensorboard else "")
+         + f" in {c.checkpoints_path}"),
+        ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
+                       + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
+    ])
+
+
+def describe_mixing(c: Config) -> str:
+    kinds = [f"{name} alpha {alpha:g}" for name, alpha in (("mixup", c.mixup_alpha), ("cutmix", c.cutmix_alpha))
+             if alpha > 0]
+    return " or ".join(kinds) + " per pair of the global batch" + (", half each" if len(kinds) == 2 else "") \
+        if kinds else "off"

@@ -1,0 +1,1 @@
+"""Commands beside training (`imagenet-elastic COMMAND`): benchmark, export, pack, plot."""

@@ -1,0 +1,108 @@
+"""`imagenet-elastic export CHECKPOINT OUT_DIR [--ema]`: a checkpoint's weights for timm and Hugging Face.
+
+Writes, with timm's own helper (`save_for_hf`), OUT_DIR/model.safetensors (the weights only: no
+optimizer state, half the checkpoint's size under SGD) and OUT_DIR/config.json: the architecture,
+num_classes, the class folder names as `label_names`, and as `pretrained_cfg` the preprocessing the
+run's validation used (input size, crop fraction, bilinear resize, mean and std). Then
+
+    timm.create_model("local-dir:OUT_DIR", pretrained=True)
+
+rebuilds the model with these weights, and timm's `resolve_data_config` + `create_transform` (or its
+validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
+back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from imagenet_elastic.checkpoint import store
+from imagenet_elastic.checkpoint.atomic import process_umask
+from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.config.options import HelpFormatter, Parser
+from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.train.step import IMAGENET_MEAN, IMAGENET_STD
+
+# What gives a model timm rebuilt from an export of a --blurpool run its blur back (model.blur_strided_convs)
+BLURPOOL_CALL = "from imagenet_elastic.train.model import blur_strided_convs; blur_strided_convs(model)"
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="imagenet-elastic export", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint of ours (best.pt, last.pt, epoch_NNNN.pt)")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty folder for model.safetensors and config.json")
+    p.add_argument("--ema", action="store_true", help="export the weight average (--model-ema) instead of the "
+                   "raw weights")
+    return p
+
+
+def crop_fraction(crop: int, resize: int) -> float:
+    """crop / resize, nudged down where needed so that timm's floor(crop / crop_pct) gives back `resize`."""
+    fraction = crop / resize
+    while math.floor(crop / fraction) < resize:
+        fraction = math.nextafter(fraction, 0.0)
+    return fraction
+
+
+def preprocessing(settings: dict[str, Any]) -> dict[str, Any]:
+    """Our validation's preprocessing in timm's terms."""
+    crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
+    return {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
+            "interpolation": "bilinear", "mean": tuple(m / 255 for m in IMAGENET_MEAN),
+            "std": tuple(s / 255 for s in IMAGENET_STD)}
+
+
+def export(path: str, out_dir: str, ema: bool) -> str:
+    """Write OUT_DIR; returns what to tell the user."""
+    if os.path.isdir(out_dir) and os.listdir(out_dir):
+        raise UserError(f"export folder {out_dir} is not empty: choose a new or empty folder")
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise UserError(f"export folder {out_dir} is a file")
+    snapshot = store.load(path)
+    weights = snapshot.get("model_ema") if ema else snapshot["model"]
+    if weights is None:
+        raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): "
+                        "export it without --ema")
+    from timm.models import _hub
+
+    from imagenet_elastic.train.model import create_model
+
+    classes = list(snapshot["classes"])
+    blurpool = saved_setting(snapshot["config"], "blurpool")
+    model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool)
+    model.load_state_dict(weights)
+    data_config = preprocessing(snapshot["config"])
+    # tag and license would otherwise be those of timm's own pretrained weights for this architecture
+    model_config = {"label_names": classes, "pretrained_cfg": {**data_config, "tag": "imagenet_elastic",
+                                                               "license": None}}
+    if blurpool:  # timm ignores keys it does not know; a reader of config.json learns what the model needs
+        model_config["imagenet_elastic"] = {"blurpool": True, "after_loading": BLURPOOL_CALL}
+    extra = {"data_config": data_config} if "data_config" in inspect.signature(_hub.save_for_hf).parameters else {}
+    try:
+        _hub.save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
+        for name in os.listdir(out_dir):  # safetensors writes 0600: a model to share is readable like our checkpoints
+            os.chmod(os.path.join(out_dir, name), 0o666 & ~process_umask())
+    except OSError as error:
+        raise UserError(f"could not write {out_dir}: {error.strerror or error}") from None
+    which = "weight average" if ema else "raw weights"
+    hint = ("; its weight average scored best: add --ema to export that" if not ema and
+            snapshot.get("best_of") == "model_ema" else "")
+    return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "
+            f"{which} of epoch {snapshot['epoch']}{hint}) and config.json (input {data_config['input_size'][1]} px, "
+            f"crop fraction {data_config['crop_pct']:.4f}, bilinear)\n"
+            f"load it: model = timm.create_model(\"local-dir:{out_dir}\", pretrained=True)"
+            + (f"\ntrained with --blurpool, which timm does not build: then {BLURPOOL_CALL}" if blurpool else ""))
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        print(export(args.checkpoint, args.out_dir, args.ema))
+    except UserError as error:
+        report(error, rank=0)
+        sys.exit(error.exit_code)

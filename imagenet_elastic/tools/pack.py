@@ -1,0 +1,425 @@
+"""`imagenet-elastic pack SRC OUT`: ImageNet as tar shards with an index, the packed form a cluster trains from.
+
+SRC is anything the trainer reads (a root with train/ and val/, class folders or shards; a flat val folder
+with --val-labels) or a folder of Hugging Face imagenet-1k parquet files (`train-*.parquet`,
+`validation-*.parquet`: rows of image{bytes,path} and label; pyarrow, the `parquet` extra). OUT gets
+`train/` and `val/` of WebDataset shards (`KEY.jpg` + `KEY.cls`, opening with Python's tarfile and the
+webdataset package), each with its index (sources/tar_shards.py) written last, a `classes.txt`, and
+`pack.json` saying what was packed how; `imagenet-elastic OUT` then trains from it.
+
+--max-side N stores images at most N pixels on their longer side (FFCV's cap): those larger are resized
+(Pillow's Lanczos) and encoded as JPEG at --quality; every other image keeps its bytes. Output depends on
+the input and the options alone (members in the source's order, fixed tar headers), whatever the process
+count. A crash or a kill leaves complete shards under their names, the shard being written under a
+temporary one and no index: a rerun with the same source and options keeps the complete shards and writes
+the rest; anything else in OUT is refused rather than overwritten.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import math
+import multiprocessing
+import os
+import sys
+import tarfile
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
+from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.errors import UserError, report
+
+PACK_FILE = "pack.json"
+PACK_VERSION = 1
+SPLITS = ("train", "val")
+
+
+def build_parser() -> Parser:
+    p = Parser(prog="imagenet-elastic pack", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
+    p.add_argument("src", metavar="SRC", help="a data root (train/ and val/) or a folder of imagenet-1k parquet files")
+    p.add_argument("out", metavar="OUT", help="a new or empty folder (or an interrupted pack of the same SRC)")
+    p.add_argument("--val-path", metavar="PATH", help="the validation split, as the trainer's --val-path")
+    p.add_argument("--val-labels", metavar="FILE", help="the classes of a flat validation folder, as the trainer's")
+    p.add_argument("--max-side", type=positive_int, metavar="N",
+                   help="resize images larger than N pixels on their longer side (FFCV: 256 to 512); default: keep all")
+    p.add_argument("--quality", type=int, choices=range(1, 101), metavar="Q", default=90,
+                   help="JPEG quality of the images --max-side resizes")
+    p.add_argument("--shard-size", type=positive_int, metavar="N", default=1024, help="samples per shard")
+    p.add_argument("--workers", type=positive_int, metavar="N", help="processes writing shards (default: the cores)")
+    return p
+
+
+# ----------------------------------------------------------------------------- what is packed
+
+@dataclass(frozen=True)
+class Split:
+    """One split to pack: how many samples, their classes, and where to read them."""
+
+    role: str
+    count: int
+    classes: tuple[str, ...]
+    where: str
+    source: Optional[sources.Source] = None  # a source the trainer reads
+    parquet: tuple[tuple[str, int], ...] = ()  # or parquet files with their row counts, in order
+
+
+def source_splits(src: str, val_path: Optional[str], val_labels: Optional[str]) -> list[Split]:
+    train, val = sources.open_splits(src, val_path, val_labels, cache_dir=None)
+    return [Split(s.role, len(s), s.classes, s.where(), source=s) for s in (train, val)]
+
+
+def parquet_files(src: str) -> dict[str, list[str]]:
+    """imagenet-1k's parquet files by split: `train-*` and `validation-*` (or `val-*`), anywhere under SRC."""
+    found: dict[str, list[str]] = {"train": [], "val": []}
+    for folder, _, names in os.walk(src):
+        for name in sorted(names):
+            if name.endswith(".parquet"):
+                role = ("train" if name.startswith("train") else
+                        "val" if name.startswith(("validation", "val")) else None)
+                if role:
+                    found[role].append(os.path.join(folder, name))
+    return {role: sorted(paths) for role, paths in found.items()}
+
+
+def parquet_splits(files: dict[str, list[str]]) -> list[Split]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError("pack: reading parquet files needs pyarrow: pip install 'imagenet_elastic[parquet]'") from None
+    splits = []
+    for role in SPLITS:
+        if not files[role]:
+            raise UserError(f"pack: no {role} parquet files (named {'train' if role == 'train' else 'validation'}-*"
+                            ".parquet) under the source folder")
+        counts = []
+        classes: Optional[tuple[str, ...]] = None
+        for path in files[role]:
+            try:
+                metadata = pq.read_metadata(path)
+                schema = pq.read_schema(path)
+            except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+                raise UserError(f"pack: {path} is not a readable parquet file: {error}") from None
+            missing = {"image", "label"} - set(schema.names)
+            if missing:
+                raise UserError(f"pack: {path} has no column {sorted(missing)[0]!r} (imagenet-1k's rows are "
+                                "image{bytes,path} and label)")
+            counts.append((path, metadata.num_rows))
+            classes = classes or label_names(schema)
+        total = sum(n for _, n in counts)
+        splits.append(Split(role, total, classes or (), files[role][0], parquet=tuple(counts)))
+    named = next((s.classes for s in splits if s.classes), None)
+    if named is None:  # no ClassLabel names in the files: the labels' numbers name them
+        highest = max(max_label(split) for split in splits)
+        named = tuple(str(c) for c in range(highest + 1))
+    return [Split(s.role, s.count, named, s.where, parquet=s.parquet) for s in splits]
+
+
+def label_names(schema: Any) -> Optional[tuple[str, ...]]:
+    """The ClassLabel names the `datasets` library writes into a parquet file's metadata, if it did."""
+    try:
+        info = json.loads(schema.metadata[b"huggingface"])
+        names = info["info"]["features"]["label"]["names"]
+        return tuple(str(n) for n in names) or None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def max_label(split: Split) -> int:
+    import pyarrow.parquet as pq
+
+    return max(int(max(pq.read_table(path, columns=["label"]).column("label").to_pylist(), default=0))
+               for path, _ in split.parquet)
+
+
+def parquet_samples(split: Split, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
+    """(name, bytes, label) of samples [start, stop) of a parquet split, reading only the row groups they lie in."""
+    import pyarrow.parquet as pq
+
+    first = 0
+    for path, rows in split.parquet:
+        if first + rows <= start or first >= stop:
+            first += rows
+            continue
+        file = pq.ParquetFile(path)
+        group_first = first
+        for g in range(file.num_row_groups):
+            group_rows = file.metadata.row_group(g).num_rows
+            lo, hi = max(start, group_first), min(stop, group_first + group_rows)
+            if lo < hi:
+                table = file.read_row_group(g, columns=["image", "label"])
+                images, labels = table.column("image").to_pylist(), table.column("label").to_pylist()
+                for row in range(lo - group_first, hi - group_first):
+                    image = images[row] or {}
+                    name = f"{path}:{group_first - first + row}"
+                    if not image.get("bytes"):
+                        raise UserError(f"pack: row {group_first - first + row} of {path} has no image bytes")
+                    yield (image.get("path") or name), image["bytes"], int(labels[row])
+            group_first += group_rows
+        first += rows
+
+
+def samples(split: Split, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
+    if split.source is not None:
+        for i in range(start, stop):
+            yield split.source.name(i), split.source.read(i), split.source.label(i)
+    else:
+        yield from parquet_samples(split, start, stop)
+
+
+# ----------------------------------------------------------------------------- writing one shard
+
+@dataclass(frozen=True)
+class Options:
+    max_side: Optional[int]
+    quality: int
+    shard_size: int
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"max_side": self.max_side, "quality": self.quality, "shard_size": self.shard_size}
+
+
+def shard_name(k: int) -> str:
+    return f"shard-{k:06d}.tar"
+
+
+def member_key(i: int, name: str) -> str:
+    """A sample's key: its number, then what is left of its file name without dots (WebDataset's key ends at the
+    first dot of the name), so keys are unique and say where the sample came from."""
+    stem = os.path.splitext(os.path.basename(name.rsplit(":", 1)[-1]))[0]
+    readable = "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)[:80]
+    return f"{i:08d}_{readable}" if readable else f"{i:08d}"
+
+
+def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, int]:
+    """(bytes, extension, 1 if re-encoded) of one image: kept as it is, or resized to --max-side and encoded."""
+    from PIL import Image
+
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            kind, (width, height) = img.format, img.size
+            if options.max_side is None or max(width, height) <= options.max_side:
+                return raw, EXTENSIONS.get(kind or "", "jpg"), 0
+            scale = options.max_side / max(width, height)
+            size = (max(1, round(width * scale)), max(1, round(height * scale)))
+            resized = img.convert("RGB").resize(size, Image.Resampling.LANCZOS)
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        raise UserError(f"pack: cannot decode image {name}: {error}") from None
+    out = io.BytesIO()
+    resized.save(out, format="JPEG", quality=options.quality)
+    return out.getvalue(), "jpg", 1
+
+
+EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+
+
+def tar_member(name: str, size: int) -> tarfile.TarInfo:
+    """A member header that depends on its name and size alone: no time, owner or mode of this machine."""
+    info = tarfile.TarInfo(name)
+    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, 0, 0o644, 0, 0, "", ""
+    return info
+
+
+@dataclass(frozen=True)
+class Written:
+    """A shard on disk: its samples as its index holds them, and how many images were re-encoded."""
+
+    role: str
+    k: int
+    found: tar_shards.Found
+    resized: int
+
+
+def write_shard(folder: str, k: int, split: Split, options: Options) -> Written:
+    """Shard k of a split, under a temporary name until it is complete, then walked for its index."""
+    start, stop = k * options.shard_size, min(split.count, (k + 1) * options.shard_size)
+    resized = 0
+
+    def write(file: Any) -> None:
+        nonlocal resized
+        with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+            for i, (name, raw, label) in enumerate(samples(split, start, stop), start=start):
+                if not 0 <= label < len(split.classes):
+                    raise UserError(f"pack: {name} has label {label}, out of range for {len(split.classes)} classes")
+                data, extension, changed = stored_image(raw, name, options)
+                resized += changed
+                key = member_key(i, name)
+                tar.addfile(tar_member(f"{key}.{extension}", len(data)), io.BytesIO(data))
+                text = f"{label}".encode()
+                tar.addfile(tar_member(f"{key}.{tar_shards.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
+
+    path = os.path.join(folder, shard_name(k))
+    commit(write_temp(folder, shard_name(k), write), path)
+    return Written(split.role, k, tar_shards.walk_shard(path, split.role), resized)
+
+
+def _write_shard_task(task: tuple[str, int, Split, Options]) -> Written:
+    """In a pool worker; its UserError reaches the parent, which reports it as one line."""
+    return write_shard(*task)
+
+
+# ----------------------------------------------------------------------------- the whole pack
+
+def plan(src: str, args: argparse.Namespace) -> list[Split]:
+    files = parquet_files(src) if os.path.isdir(src) else {"train": [], "val": []}
+    if files["train"] or files["val"]:
+        if args.val_path or args.val_labels:
+            raise UserError("pack: --val-path and --val-labels are for folders of images, not parquet files")
+        return parquet_splits(files)
+    return source_splits(src, args.val_path, args.val_labels)
+
+
+def check_out(out: str, record: dict[str, Any]) -> bool:
+    """Whether OUT may be written: new, empty, or an interrupted pack of the same source and options (True:
+    continue it). A complete pack or anything else is refused."""
+    if not os.path.exists(out):
+        return False
+    if not os.path.isdir(out):
+        raise UserError(f"pack: OUT {out} exists and is not a folder")
+    present = os.listdir(out)
+    if not present:
+        return False
+    marker = os.path.join(out, PACK_FILE)
+    if not os.path.isfile(marker):
+        raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
+    try:
+        with open(marker) as f:
+            previous = json.load(f)
+    except (OSError, ValueError):
+        raise UserError(f"pack: {marker} is damaged: remove {out} to pack again") from None
+    if previous.get("complete"):
+        raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
+    same = {k: previous.get(k) for k in ("source", "options", "splits")} == {k: record[k] for k in
+                                                                             ("source", "options", "splits")}
+    if not same:
+        raise UserError(f"pack: OUT {out} holds an interrupted pack of {previous.get('source')} with other options "
+                        f"({previous.get('options')}): remove it, or rerun that pack")
+    return True
+
+
+def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_shards.Found]:
+    """The shards an interrupted pack completed (whole, by their walk); temp files it left are removed."""
+    done: dict[int, tar_shards.Found] = {}
+    if not os.path.isdir(folder):
+        return done
+    for name in os.listdir(folder):
+        path = os.path.join(folder, name)
+        if name.startswith(TEMP_PREFIX):
+            os.unlink(path)
+            continue
+        if not (name.startswith("shard-") and name.endswith(".tar")):
+            continue
+        k = int(name[len("shard-"):-len(".tar")])
+        expected = min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
+        try:
+            found = tar_shards.walk_shard(path, split.role)
+        except UserError:
+            found = None
+        if found is not None and len(found.labels) == expected:
+            done[k] = found
+        else:
+            os.unlink(path)  # cut short, or of another shard size: written again
+    return done
+
+
+class Progress:
+    """Images per second and the time left: a bar on a terminal, a line every 10% in a log."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.start, self.next_line = total, 0, time.perf_counter(), 0.1
+        self.bar = None
+        if sys.stdout.isatty():
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self.bar = Progress(TextColumn("packing"), BarColumn(), MofNCompleteColumn(),
+                                TextColumn("{task.fields[rate]}"), TimeRemainingColumn())
+            self.bar.start()
+            self.task = self.bar.add_task("pack", total=total, rate="")
+
+    def add(self, images: int) -> None:
+        self.done += images
+        rate = self.done / max(time.perf_counter() - self.start, 1e-9)
+        if self.bar is not None:
+            self.bar.update(self.task, completed=self.done, rate=f"{rate:.0f} img/s")
+        elif self.done >= self.next_line * self.total or self.done == self.total:
+            left = (self.total - self.done) / max(rate, 1e-9)
+            print(f"packed {self.done}/{self.total} images, {rate:.0f} img/s, {left:.0f} s left", flush=True)
+            self.next_line = math.floor(10 * self.done / self.total + 1) / 10
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.stop()
+
+
+def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
+    options = Options(args.max_side, args.quality, args.shard_size)
+    splits = plan(src, args)
+    record = {"version": PACK_VERSION, "source": os.path.abspath(src), "options": options.as_dict(),
+              "splits": {s.role: {"samples": s.count, "from": s.where} for s in splits}, "complete": False}
+    continuing = check_out(out, record)
+    os.makedirs(out, exist_ok=True)
+    atomic_write_bytes(json.dumps(record, indent=1).encode(), os.path.join(out, PACK_FILE))
+    tasks, total = [], 0
+    found: dict[str, dict[int, tar_shards.Found]] = {}
+    for split in splits:
+        folder = os.path.join(out, split.role)
+        os.makedirs(folder, exist_ok=True)
+        found[split.role] = done_shards(folder, split, options) if continuing else {}
+        for k in range(math.ceil(split.count / options.shard_size)):
+            if k not in found[split.role]:
+                tasks.append((folder, k, split, options))
+                total += min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
+    began = time.perf_counter()
+    workers = min(args.workers or len(os.sched_getaffinity(0)), max(1, len(tasks)))
+    progress, resized = Progress(total), 0
+    try:
+        with contextlib_pool(workers) as pool:
+            for written in (pool.imap_unordered(_write_shard_task, tasks) if pool else map(_write_shard_task, tasks)):
+                found[written.role][written.k] = written.found
+                resized += written.resized
+                progress.add(len(written.found.labels))
+    finally:
+        progress.close()
+    seconds = time.perf_counter() - began
+    atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
+                       os.path.join(out, tar_shards.CLASSES_FILE))
+    for split in splits:  # the index last: a pack without it is not complete
+        folder = os.path.join(out, split.role)
+        index = tar_shards.assemble(folder, split.role, [os.path.join(folder, shard_name(k)) for k in
+                                                         sorted(found[split.role])],
+                                    [found[split.role][k] for k in sorted(found[split.role])], split.classes)
+        tar_shards.write_index(index, os.path.join(folder, tar_shards.INDEX_NAME), relative_to=folder)
+    atomic_write_bytes(json.dumps({**record, "complete": True}, indent=1).encode(), os.path.join(out, PACK_FILE))
+    return {"out": out, "images": total, "seconds": round(seconds, 1),
+            "images_per_sec": round(total / seconds, 1) if seconds else None, "workers": workers,
+            "resized": resized, **options.as_dict(),
+            "bytes": sum(os.path.getsize(os.path.join(out, s.role, n)) for s in splits
+                         for n in os.listdir(os.path.join(out, s.role)) if n.endswith(".tar"))}
+
+
+def contextlib_pool(workers: int) -> Any:
+    """A pool of forked processes, or None (as a context) for one: no process to start."""
+    import contextlib
+
+    return multiprocessing.get_context("fork").Pool(workers) if workers > 1 else contextlib.nullcontext(None)
+
+
+def main(argv: Sequence[str]) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        result = pack(args.src, args.out, args)
+    except UserError as error:
+        report(error, rank=0)
+        sys.exit(error.exit_code)
+    except OSError as error:
+        report(UserError(f"pack: {error.strerror or error} ({error.filename or args.out})"), rank=0)
+        sys.exit(74)
+    print(json.dumps(result), flush=True)
+
+

@@ -1,0 +1,227 @@
+"""Throughput for `imagenet-elastic benchmark`: the input pipeline against the textbook one, training
+steps on batches already on the device, and both together. Each mode returns its figures."""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import multiprocessing
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset
+
+from imagenet_elastic.data import pipeline, sources
+from imagenet_elastic.data.augment import INCEPTION_CROP, Augment, make_policy
+from imagenet_elastic.data.decoding import Decoding
+from imagenet_elastic.data.feed import device_batches
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
+from imagenet_elastic.data.sources.image_folder import ImageFolder
+from imagenet_elastic.train.step import StepContext, train_step
+
+# ----------------------------------------------------------------------------- loader
+
+def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
+    """Batches across epochs: epoch e's iterator is `make_iter(e)`."""
+    for epoch in itertools.count():
+        yield from make_iter(epoch)
+
+
+def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
+    """Skips `warmup` batches (worker start-up), then times `count`; the consumer does no work, so the
+    workers' prefetch queue is empty in steady state and does not flatter the rate."""
+    for _ in range(warmup):
+        next(batches)
+    start, images = time.perf_counter(), 0
+    for _ in range(count):
+        batch = next(batches)
+        images += len(batch) if isinstance(batch, Batch) else len(batch[0])  # ours, or the textbook's [x, y]
+    return images / (time.perf_counter() - start)
+
+
+# Where a worker's other opens go (a module imported late, /proc, multiprocessing's own temp files): not the data's
+NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "/proc",
+                  "/sys", "/dev", os.path.join(tempfile.gettempdir(), "pymp-")})
+
+
+class OpenCounter:
+    """Files opened per sample read, in the loader workers: every `open` of Python's (builtins.open, os.open) as
+    the interpreter's audit hook sees it, outside Python's own files, in counters the forked workers share with
+    this process."""
+
+    def __init__(self) -> None:
+        context = multiprocessing.get_context("fork")
+        self.opens, self.samples = context.Value("q", 0), context.Value("q", 0)
+        self.hooked: set[int] = set()  # processes whose hook is installed (a hook stays for the process's life)
+
+    def count_opens(self) -> None:
+        if os.getpid() in self.hooked:
+            return
+        self.hooked.add(os.getpid())
+        opens = self.opens
+
+        def hook(event: str, args: tuple) -> None:
+            if event == "open" and isinstance(args[0], str) and not args[0].startswith(NOT_DATA):
+                with opens.get_lock():
+                    opens.value += 1
+        sys.addaudithook(hook)
+
+    def per_sample(self) -> Optional[float]:
+        return round(self.opens.value / self.samples.value, 3) if self.samples.value else None
+
+
+class Counted(Dataset):
+    """A dataset whose reads are counted by an OpenCounter."""
+
+    def __init__(self, dataset: Dataset, counter: OpenCounter) -> None:
+        self.dataset, self.counter = dataset, counter
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, key: Any) -> Any:
+        self.counter.count_opens()
+        with self.counter.samples.get_lock():
+            self.counter.samples.value += 1
+        return self.dataset[key]
+
+
+def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decode: str = "cpu",
+                augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
+    sampler = TrainBatchSampler(len(source), BatchPlan(batch, 1, batch), 0, seed=0)
+    decoding = Decoding(decode)
+    dataset: Dataset = pipeline.TrainDataset(source, size, 0, decoding.load, augment)
+    if counter is not None:
+        dataset = Counted(dataset, counter)
+    loader = pipeline.train_loader(dataset, sampler, workers, torch.cuda.is_available(),  # type: ignore[arg-type]
+                               collate_fn=decoding.collate)
+    pipeline.share_heap_with_workers()  # as the trainer does before its workers fork
+
+    def epoch(e: int) -> Iterator:
+        sampler.set_epoch(e)
+        return iter(loader)
+    return epoch
+
+
+def textbook_loader(root: str, size: int, batch: int, workers: int,
+                    augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
+    """torchvision's classification reference: PIL transforms, float tensors out of the workers; the
+    policy before ToTensor and erasing after Normalize, as the reference places them."""
+    import torchvision.datasets as datasets
+    import torchvision.transforms as T
+
+    policy = make_policy(augment.policy)
+    transform = T.Compose([T.RandomResizedCrop(size), T.RandomHorizontalFlip(), *([policy] if policy else []),
+                           T.ToTensor(), T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
+                           *([T.RandomErasing(p=augment.erase)] if augment.erase else [])])
+    loader = DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, num_workers=workers,
+                        pin_memory=torch.cuda.is_available(), drop_last=True)
+    return lambda _: iter(loader)
+
+
+def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
+               against: tuple[sources.Source, ...] = ()) -> dict[str, Any]:
+    """Ours on DATA against the textbook loader on the same folder (where DATA is one), and ours on each of
+    `against` (another form of the same images: a pack against its folder), in alternating rounds."""
+    warmup = max(2, 2 * workers)
+    augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    counters = [OpenCounter() for _ in range(1 + len(against))]
+    contenders = {"ours": ours_loader(train, args.image_size, args.batch_size, workers, augment=augment,
+                                      counter=counters[0])}
+    if isinstance(train, ImageFolder):
+        contenders["textbook"] = textbook_loader(train.root, args.image_size, args.batch_size, workers, augment)
+    for k, other in enumerate(against):
+        contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, augment=augment,
+                                                 counter=counters[k + 1])
+    rates: dict[str, list[float]] = {name: [] for name in contenders}
+    for _ in range(args.rounds):
+        for name, make in contenders.items():
+            rates[name].append(images_per_sec(endless(make), args.batches, warmup))
+    rate = {name: statistics.median(values) for name, values in rates.items()}
+    figures: dict[str, Any] = {"data": train.where(), "ours_images_per_sec": round(rate["ours"], 1),
+                               "files_opened_per_sample": counters[0].per_sample()}
+    if "textbook" in rate:
+        figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
+                       ratio=round(rate["ours"] / rate["textbook"], 2))
+    if against:
+        figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
+                               "files_opened_per_sample": counters[k + 1].per_sample(),
+                               "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
+                              for k, other in enumerate(against)]
+    return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
+            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+            "auto_augment": args.auto_augment, "random_erase": args.random_erase}
+
+
+# ----------------------------------------------------------------------------- model
+
+def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
+    from imagenet_elastic.train.model import create_model, place_model, resolve_precision, use_fastest_kernels
+    from imagenet_elastic.train.optimizer import create_optimizer
+
+    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                          else "cpu")
+    use_fastest_kernels(device)
+    precision = resolve_precision(args.amp, device)
+    if precision.warning:
+        print(f"warning: {precision.warning}", file=sys.stderr)
+    amp = precision.dtype
+    channels_last = args.channels_last
+    model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool), device, channels_last)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
+    compiled = torch.compile(model) if args.compile else model
+    ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
+                      nn.CrossEntropyLoss(), device, amp, channels_last)
+    settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
+                "device": str(device), "amp": precision.name, "amp_reason": precision.reason,
+                "channels_last": channels_last, "compile": args.compile, "blurpool": args.blurpool}
+    return ctx, settings
+
+
+def timed_steps(ctx: StepContext, batches: Iterator, count: int, warmup: int) -> float:
+    """Training images/s over `count` steps after `warmup` (compilation, cudnn autotuning)."""
+    images, start = 0, time.perf_counter()
+    for i in range(warmup + count):
+        if i == warmup:
+            sync(ctx.device)
+            start, images = time.perf_counter(), 0
+        batch = next(batches)
+        train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
+        images += len(batch)
+    sync(ctx.device)
+    return images / (time.perf_counter() - start)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
+    ctx, settings = step_context(args, 1000)
+    images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
+                           device=ctx.device)
+    labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.device)
+    batch = Batch(images, labels)
+    rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
+    return {"images_per_sec": round(rate, 1), **settings}
+
+
+def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int) -> dict[str, Any]:
+    ctx, settings = step_context(args, len(train.classes))
+    augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    decoding = Decoding(args.decode)
+    loader = ours_loader(train, args.image_size, args.batch_size, workers, args.decode, augment)
+    decoder = decoding.finisher(ctx.device, lambda line: print(line, file=sys.stderr), augment)
+    batches = device_batches(endless(loader), ctx.device, decoder)
+    rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
+    return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
+            "decode": args.decode, "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

@@ -1,0 +1,254 @@
+"""A run's parts, built in a fixed order of named steps (startup.py calls them, then trains):
+
+    check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> wrap_model
+
+The order is the point. Everything that can fail on the user's input fails in the first step, before
+any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
+workers fork before the process group's threads exist (see pipeline.start_workers). Ranks compare what
+they were given (launch/consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
+step that takes something (the checkpoints folder's lock, loader workers, the process group)
+registers its release on the run's ExitStack, so a failure at any later step, and the end of the
+run, release them in reverse order.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils.data import DataLoader
+
+from imagenet_elastic.checkpoint import initial_weights, share, store
+from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
+from imagenet_elastic.config import Config
+from imagenet_elastic.data import gpu_decode, pipeline, sources
+from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch import consistency, distributed, preemption
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.report import step_log
+from imagenet_elastic.report.console import Console
+from imagenet_elastic.train import mixing
+from imagenet_elastic.train.model import (
+    Precision,
+    check_model_name,
+    create_ema,
+    create_model,
+    place_model,
+    resolve_precision,
+    use_fastest_kernels,
+)
+from imagenet_elastic.train.optimizer import create_optimizer
+from imagenet_elastic.train.schedule import LRSchedule, scaled_lr
+from imagenet_elastic.train.state import TrainState, check_compatible
+
+
+@dataclass
+class Training:
+    """The training state, new or as the checkpoint left it, and the schedule that follows from it."""
+
+    state: TrainState
+    plan: BatchPlan
+    sampler: TrainBatchSampler
+    precision: Precision
+    schedule: LRSchedule
+    start: str  # where a fresh run's weights came from: the seed, or --initial-checkpoint
+    classes: tuple[str, ...]
+    resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
+    load_seconds: float
+    resumed_at: Optional[float]  # the checkpoint's time stamp
+
+
+@dataclass
+class Loaders:
+    train: DataLoader
+    val: DataLoader
+    decoder: Optional[gpu_decode.BatchDecoder]  # --decode gpu: finishes each batch on the device
+    workers: int
+
+
+LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """What the run works on, every part checked: where it computes, its data, its checkpoints folder."""
+
+    device: torch.device
+    threads: int
+    train: sources.Source  # the training split's samples
+    val: sources.Source
+    checkpoints: CheckpointManager
+    resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
+    from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
+    load_seconds: float
+    initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
+    tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
+
+
+def check_inputs(config: Config, env: DistEnv, console: Console,
+                 stack: contextlib.ExitStack) -> tuple[Inputs, Optional[dict[str, Any]]]:
+    """Every check that can fail on the user's input: data folders, checkpoints folder (locked by rank
+    0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs."""
+    threads = distributed.configure_threads(config.threads, env.local_world_size)
+    device = distributed.select_device(config.device, env)
+    use_fastest_kernels(device)
+    check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
+    train, val = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
+    tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
+    if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
+        raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
+    checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
+    if not config.evaluate:
+        store.check_writable(config.checkpoints_path)
+        if env.is_main:
+            lock, wait = CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
+            lock.acquire(wait, lambda holder: console.warn(
+                f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
+            stack.callback(lock.release)
+    resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
+    if config.evaluate and resume_from is None:
+        raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+    start = time.perf_counter()
+    # Load once: rank 0 reads the checkpoint, the others map it for its numbers and settings, and
+    # receive its tensors from rank 0 once the process group exists (share_checkpoint).
+    from_main = env.launched and not env.is_main and resume_from is not None
+    snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
+    if snapshot is not None:
+        check_compatible(snapshot, resume_from, config.model, train.classes,
+                         None if config.evaluate else config.opt, config.blurpool)
+    initial = (initial_weights.read(config.initial_checkpoint)
+               if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
+    inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
+                    time.perf_counter() - start, initial, tensorboard)
+    return inputs, snapshot
+
+
+def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inputs,
+                  snapshot: Optional[dict[str, Any]]) -> Training:
+    """Model, optimizer and GradScaler, built from the seed and then given the checkpoint's state; the
+    global batch (the checkpoint's, unless set) and the LR schedule it implies."""
+    saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
+    plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
+                     env.world_size, config.batch_size)
+    sampler = TrainBatchSampler(len(inputs.train), plan, env.rank, config.seed, config.max_steps_per_epoch,
+                                config.ra_reps)
+    torch.manual_seed(config.seed)
+    precision = resolve_precision(config.amp, inputs.device)
+    if precision.warning:
+        console.warn(precision.warning)
+    if config.mixes and not config.evaluate:
+        mixing.check_pairs(plan)
+    model = place_model(create_model(config.model, len(inputs.train.classes), config.drop_path, config.blurpool),
+                        inputs.device, config.channels_last)
+    start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
+        model, inputs.initial_state, config.initial_checkpoint, config.model)
+    if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):
+        mismatch = ("with --blurpool and this run has no blur" if inputs.initial_state.blurpool else
+                    "without --blurpool and this run blurs")
+        console.warn(f"--initial-checkpoint {config.initial_checkpoint} was trained {mismatch}: its weights now "
+                     "see inputs they were not trained on")
+    schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),
+                          sampler.steps * config.epochs, config.lr_min, config.sched,
+                          max(1, round(config.decay_epochs * sampler.steps)), config.decay_rate)
+    optimizer = create_optimizer(model, schedule.peak, config.momentum, config.weight_decay, inputs.device,
+                                 config.opt)
+    scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
+    averaged = config.model_ema or (config.evaluate and snapshot is not None and snapshot.get("model_ema") is not None)
+    ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if averaged else None
+    state = TrainState(model, optimizer, scaler, ema=ema)
+    if snapshot is not None:
+        if not inputs.from_main:
+            state.apply(snapshot)
+        changes = config.differences(snapshot["config"])
+        if snapshot.get("global_batch") not in (None, plan.global_batch):
+            changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
+        saved_world = snapshot.get("world_size")
+        if saved_world not in (None, env.world_size) and not config.evaluate and saved_batch == plan.global_batch:
+            before = BatchPlan(plan.global_batch, saved_world, config.batch_size)
+            if before.all_micro_slices() != plan.all_micro_slices():
+                changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
+                               "statistics, dropout and drop path are computed per micro-batch)")
+        for change in changes:
+            console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
+    return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
+                    resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
+                    resumed_at=snapshot["saved_at"] if snapshot else None)
+
+
+def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
+                  stack: contextlib.ExitStack) -> Loaders:
+    """Train and val loaders, their workers forked now, while this process has one thread (see
+    pipeline.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
+    each batch on the device (data/decoding.py)."""
+    workers = (config.workers if config.workers is not None
+               else pipeline.default_workers(distributed.available_cores(), env.local_world_size))
+    pin = inputs.device.type == "cuda"
+    ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see pipeline._worker_init
+    decoding = config.decoding
+    if decoding.warning(inputs.device):
+        console.warn(decoding.warning(inputs.device))
+    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True), config.augment)
+    train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
+                                                config.augment),
+                              training.sampler, workers, pin, ignored, decoding.collate)
+    val = pipeline.eval_loader(pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.load),
+                           config.batch_size, env.rank, env.world_size, workers, pin, ignored, decoding.collate)
+    pipeline.share_heap_with_workers()
+    stack.callback(pipeline.stop_loader_workers)
+    for loader in ([] if config.evaluate else [train]) + [val]:
+        pipeline.start_workers(loader)
+    return Loaders(train, val, decoder, workers)
+
+
+def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
+             snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack) -> Optional[float]:
+    """The process group, then the check that needs it: every rank has the same data, settings, code,
+    checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the sources' lists
+    (a folder's scan, shards' index) for the next start, now that they passed every check."""
+    distributed.init_process_group(env, inputs.device, config.dist_timeout)
+    stack.callback(distributed.destroy_process_group)
+    # Out before the group goes: what was frozen for the loader workers (build_loaders), DDP's objects among it,
+    # must be collectable when destroy_process_group collects (see there).
+    stack.callback(pipeline.thaw_heap)
+    checked = None
+    if env.launched:
+        start = time.perf_counter()
+        token = None if config.evaluate else store.read_lock_token(config.checkpoints_path)
+        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot)
+        checked = time.perf_counter() - start
+    if env.is_main and not config.evaluate:
+        for source in (inputs.train, inputs.val):
+            try:
+                source.keep(config.checkpoints_path)
+            except OSError as error:  # only a cache: the next start scans again
+                console.warn(f"could not keep the {source.role} list in {config.checkpoints_path}: "
+                             f"{error.strerror or error}")
+    return checked
+
+
+def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot: Optional[dict[str, Any]]) -> None:
+    """Rank 0's checkpoint reaches the other ranks over the process group (see checkpoint/share.py)."""
+    if env.launched and inputs.resume_from is not None:
+        received = share.from_main(snapshot if env.is_main else None, inputs.device)
+        if inputs.from_main:
+            training.state.apply(received)
+
+
+def wrap_model(model: nn.Module, config: Config, env: DistEnv, device: torch.device) -> nn.Module:
+    """The model as the training step calls it: compiled before DDP wraps it. Checkpoints keep saving
+    `model`, whose parameters the compiled module shares, so their keys carry no `_orig_mod.` prefix
+    and eager and compiled runs resume each other."""
+    wrapped: nn.Module = torch.compile(model) if config.compile else model
+    if env.launched:
+        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
+    return wrapped
+
+

@@ -1,0 +1,111 @@
+"""Mixup and CutMix, on the device, per optimizer step, with partners and amounts that do not depend on
+how the global batch is split.
+
+The images at positions 2k and 2k+1 of a global batch are partners: each becomes a mix of the two
+(mixup: a weighted average; cutmix: a box of the other pasted in), and its target the same mix of the
+two one-hot labels. Pair k draws its amount (lambda from Beta(alpha, alpha)), its kind (mixup or
+cutmix, half each when both are on) and its box from a stream of (seed, step) alone. So a pair mixes
+the same way on any rank, in any micro-batch and after any restart, provided every micro-batch
+starts at an even position and holds an even count (`check_pairs`).
+
+Why not torchvision's MixUp/CutMix or timm's Mixup: they pair each image with its neighbour in the
+*local* batch and draw from the global generators, so the partners and amounts would change with the
+world size, the micro-batch size and a restart. What they share with this module: Beta(alpha,
+alpha), a box with side sqrt(1 - lambda) centred anywhere and clipped, lambda corrected to the area
+actually pasted, and one kind per pair chosen at random when both are on (timm's switch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.errors import UserError
+
+STREAM = 0x6D6978  # "mix": keeps these draws apart from every other (seed, step) stream
+
+
+@dataclass(frozen=True)
+class PairDraws:
+    """What each pair of a global batch draws at one step (arrays of one entry per pair)."""
+
+    lam: np.ndarray  # weight of an image's own pixels and label, before the cutmix correction
+    cut: np.ndarray  # True: cutmix, False: mixup
+    centre_y: np.ndarray  # the cutmix box's centre, as a fraction of the height and width
+    centre_x: np.ndarray
+
+
+@dataclass(frozen=True)
+class Mixer:
+    mixup_alpha: float
+    cutmix_alpha: float
+    num_classes: int
+
+    def draws(self, seed: int, step: int, pairs: int) -> PairDraws:
+        """The draws of the first `pairs` pairs of step `step`: a prefix of the same stream whatever
+        `pairs` is, and each quantity from its own stream, so switching one kind off leaves the other's
+        draws as they were."""
+        streams = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([STREAM, seed, step, part])))
+                   for part in range(5)]
+        mixup = streams[0].beta(self.mixup_alpha, self.mixup_alpha, pairs) if self.mixup_alpha > 0 else None
+        cutmix = streams[1].beta(self.cutmix_alpha, self.cutmix_alpha, pairs) if self.cutmix_alpha > 0 else None
+        both = mixup is not None and cutmix is not None
+        cut = streams[2].random(pairs) < 0.5 if both else np.full(pairs, cutmix is not None)
+        lam = np.where(cut, cutmix if cutmix is not None else 0.0, mixup if mixup is not None else 0.0)
+        return PairDraws(lam, cut, streams[3].random(pairs), streams[4].random(pairs))
+
+    def __call__(self, images: torch.Tensor, labels: torch.Tensor, seed: int, step: int, start: int,
+                 channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """A micro-batch (float NCHW, class labels) that begins at position `start` of the global batch
+        -> mixed images (same layout) and their soft targets (N x classes, not yet label-smoothed)."""
+        n, _, height, width = images.shape
+        first = start // 2
+        d = self.draws(seed, step, first + n // 2)
+        lam, cut = d.lam[first:], d.cut[first:]
+        top, bottom, left, right = cut_boxes(lam, d.centre_y[first:], d.centre_x[first:], height, width)
+        area = (bottom - top) * (right - left) / (height * width)
+        lam = np.where(cut, 1.0 - area, lam)  # the share of its own pixels each image actually keeps
+        # one row per image (both images of a pair share their pair's values), in one copy to the device
+        host = torch.from_numpy(np.repeat(np.stack([lam, cut, top, bottom, left, right]).astype(np.float32), 2, axis=1))
+        if images.device.type == "cuda":  # a copy from pageable memory waits for the stream's queue: the last step
+            host = host.pin_memory()
+        lam_t, cut_t, top_t, bottom_t, left_t, right_t = host.to(images.device, non_blocking=True)
+        partner = torch.arange(n, device=images.device) ^ 1  # 0<->1, 2<->3, ...
+        rows = torch.arange(height, device=images.device, dtype=torch.float32).view(1, height, 1)
+        cols = torch.arange(width, device=images.device, dtype=torch.float32).view(1, 1, width)
+        inside = ((rows >= top_t.view(n, 1, 1)) & (rows < bottom_t.view(n, 1, 1))
+                  & (cols >= left_t.view(n, 1, 1)) & (cols < right_t.view(n, 1, 1)))
+        own = torch.where(cut_t.view(n, 1, 1) > 0, (~inside).float(), lam_t.view(n, 1, 1)).unsqueeze(1)
+        mixed = images * own + images[partner] * (1.0 - own)
+        onehot = F.one_hot(labels, self.num_classes).float()
+        targets = onehot * lam_t.view(n, 1) + onehot[partner] * (1.0 - lam_t.view(n, 1))
+        layout = torch.channels_last if channels_last else torch.contiguous_format
+        return mixed.contiguous(memory_format=layout), targets
+
+
+def cut_boxes(lam: np.ndarray, centre_y: np.ndarray, centre_x: np.ndarray, height: int, width: int
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """CutMix's boxes: sides sqrt(1 - lambda) of the image's, centred at the drawn point, clipped to the
+    image; whole pixels (top, bottom, left, right), bottom and right exclusive."""
+    side = np.sqrt(1.0 - lam)
+    half_h, half_w = (side * height).astype(np.int64) // 2, (side * width).astype(np.int64) // 2
+    cy, cx = (centre_y * height).astype(np.int64), (centre_x * width).astype(np.int64)
+    return (np.clip(cy - half_h, 0, height), np.clip(cy + half_h, 0, height),
+            np.clip(cx - half_w, 0, width), np.clip(cx + half_w, 0, width))
+
+
+def check_pairs(plan: BatchPlan) -> None:
+    """Every micro-batch of every rank must hold whole pairs."""
+    for rank in range(plan.world_size):
+        slices = plan.micro_slices(rank)
+        for part in slices:
+            if part.start % 2 or (part.stop - part.start) % 2:
+                sizes = "/".join(str(s.stop - s.start) for s in slices)
+                raise UserError(
+                    f"--mixup-alpha/--cutmix-alpha mix the images of a global batch in pairs (positions 2k and "
+                    f"2k+1), so every micro-batch must hold whole pairs; {plan.describe()} gives rank {rank} "
+                    f"micro-batches of {sizes}: choose --global-batch-size and --batch-size so that each is even")

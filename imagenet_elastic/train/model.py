@@ -1,0 +1,184 @@
+"""Model and optimizer construction."""
+
+from __future__ import annotations
+
+import difflib
+import functools
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from imagenet_elastic.errors import UserError
+
+
+def check_model_name(name: str) -> None:
+    """A misspelt --model, with the closest names timm has. The trainer asks first, before it scans the
+    data or makes the checkpoints folder."""
+    import timm  # slow to import: deferred so that input errors are reported at once
+    if not timm.is_model(name):
+        close = difflib.get_close_matches(name, timm.list_models(), n=3)
+        hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
+        raise UserError(f"--model {name!r} is not a timm model{hint}")
+
+
+def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False) -> nn.Module:
+    """A timm model with random weights (runs never download anything); `blurpool`: see blur_strided_convs."""
+    import timm
+
+    check_model_name(name)
+    extra = {"drop_path_rate": drop_path} if drop_path else {}
+    try:
+        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
+    except TypeError as error:
+        if extra and "drop_path_rate" in str(error):
+            raise UserError(f"--drop-path: timm's {name} has no drop_path_rate (no stochastic depth)") from None
+        raise
+    if blurpool and not blur_strided_convs(model):
+        raise UserError(f"--blurpool: timm's {name} has no strided convolution with {BLUR_MIN_CHANNELS} or more "
+                        "input channels to blur")
+    return model
+
+
+BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its input as it is
+
+
+def blur_strided_convs(model: nn.Module) -> list[str]:
+    """FFCV's BlurPool (--blurpool): every convolution with a stride above 1 and at least 16 input channels
+    sees its input blurred first by a 3x3 binomial filter (timm's BlurPool2d at stride 1, zero padding), so
+    that downsampling does not alias. Returns the names of those convolutions.
+
+    Each such convolution keeps its weights and becomes an instance of a subclass of its own class that
+    blurs first; the filter is a buffer that is not saved. So the state dict stays the plain model's
+    (checkpoints, --initial-checkpoint and exports keep timm's names, and a model timm rebuilds from them
+    gets its blur back from this function), and torch.compile sees another class, not a forward hook, which
+    dynamo does not guard on: it ran a blurred model with the graph of a plain one compiled before it
+    (tests/test_blurpool.py).
+    """
+    from timm.layers import BlurPool2d
+
+    names = []
+    for name, conv in list(model.named_modules()):  # listed first: the loop adds modules
+        if (isinstance(conv, nn.Conv2d) and not isinstance(conv, _BlurFirst) and max(conv.stride) > 1
+                and conv.in_channels >= BLUR_MIN_CHANNELS):
+            conv.blur = BlurPool2d(conv.in_channels, filt_size=3, stride=1, pad_mode="constant").to(
+                device=conv.weight.device, dtype=conv.weight.dtype)
+            conv.__class__ = _blurred_class(type(conv))
+            names.append(name)
+    return names
+
+
+def blurred(model: nn.Module) -> int:
+    """How many convolutions blur_strided_convs gave a blur."""
+    return sum(isinstance(m, _BlurFirst) for m in model.modules())
+
+
+class _BlurFirst:
+    """Put before a convolution class among its bases: its forward blurs the input, then convolves."""
+
+    blur: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.blur(x))  # type: ignore[misc]
+
+
+@functools.cache
+def _blurred_class(conv_class: type) -> type:
+    return type(f"Blurred{conv_class.__name__}", (_BlurFirst, conv_class), {"__module__": __name__})
+
+
+BlurredConv2d = _blurred_class(nn.Conv2d)  # found by name: a whole pickled model (torch.save(model)) loads again
+
+
+@dataclass(frozen=True)
+class Precision:
+    """The autocast dtype of a run (None: fp32) and why it was chosen, for the start-up table."""
+
+    dtype: Optional[torch.dtype]
+    reason: str
+    warning: Optional[str] = None  # said once at start: a precision asked for that this device emulates
+
+    @property
+    def name(self) -> str:
+        return {torch.bfloat16: "bf16", torch.float16: "fp16", None: "fp32"}[self.dtype]
+
+    def describe(self) -> str:
+        return self.name + (" + GradScaler" if self.dtype == torch.float16 else "") + f" ({self.reason})"
+
+
+def _cpu_probe(*names: str) -> bool:
+    """True when any of torch.cpu's capability probes says yes; probes a torch version lacks say no."""
+    return any(getattr(torch.cpu, name, lambda: False)() for name in names)
+
+
+def native_low_precision(device: torch.device) -> dict[str, bool]:
+    """Which of bf16 and fp16 this device computes natively rather than by emulation.
+
+    On a CPU, bf16 needs AVX512-BF16 or AMX: without them oneDNN runs bf16 convolutions on a
+    reference path many times slower than fp32 (pytorch/pytorch#111456). Note that
+    `torch.ops.mkldnn._is_mkldnn_bf16_supported()` also says yes on plain AVX-512, where bf16 is
+    slower than fp32 too. fp16 on a CPU needs AMX-FP16. On a GPU, bf16 needs compute capability 8.0
+    (Ampere); `is_bf16_supported()` counts emulation as support unless told not to.
+    """
+    if device.type == "cuda":
+        try:
+            bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
+        except TypeError:  # torch before the argument existed counted native support only
+            bf16 = torch.cuda.is_bf16_supported()
+        return {"bf16": bf16, "fp16": True}
+    return {"bf16": _cpu_probe("_is_avx512_bf16_supported", "_is_amx_tile_supported"),
+            "fp16": _cpu_probe("_is_amx_fp16_supported")}
+
+
+def choose_precision(amp: str, device_type: str, native: Mapping[str, bool]) -> Precision:
+    """--amp auto: the fastest correct precision. On a GPU bf16 where native, else fp16 with a
+    GradScaler; on a CPU bf16 only where native, else fp32 (the emulated paths are far slower).
+    An explicit choice is kept, with a warning when this device only emulates it."""
+    where = "GPU" if device_type == "cuda" else "CPU"
+    if amp == "auto":
+        if native["bf16"]:
+            return Precision(torch.bfloat16, f"auto: this {where} has native bf16")
+        if device_type == "cuda":
+            return Precision(torch.float16, "auto: this GPU has no native bf16")
+        return Precision(None, "auto: this CPU has no native bf16")
+    if amp == "none":
+        return Precision(None, "--amp none")
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+    if native[amp]:
+        return Precision(dtype, f"--amp {amp}")
+    return Precision(dtype, f"--amp {amp}; emulated on this {where}",
+                     warning=f"--amp {amp}: this {where} has no native {amp}, so it runs emulated, far slower "
+                             f"than fp32 (see docs/BENCHMARKS.md); --amp auto picks the fastest precision "
+                             "for this machine")
+
+
+def resolve_precision(amp: str, device: torch.device) -> Precision:
+    return choose_precision(amp, device.type, native_low_precision(device))
+
+
+def place_model(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
+    """The model as training runs it: on its device, in its memory layout."""
+    model = model.to(device)
+    if channels_last:
+        model = model.to(memory_format=torch.channels_last)
+    return model
+
+
+def use_fastest_kernels(device: torch.device) -> None:
+    """On CUDA, cuDNN times its algorithms at each new shape and keeps the fastest: worth it here, where a run's
+    input shapes are fixed (a process-wide setting, so the build step that picks the device sets it)."""
+    if device.type == "cuda":
+        torch.backends.cudnn.benchmark = True
+
+
+def count_parameters(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+def create_ema(model: nn.Module, decay: float, warmup: bool) -> nn.Module:
+    """timm's ModelEmaV3: a copy of `model` (as it is now) that `update(model, step)` moves towards it."""
+    from timm.utils import ModelEmaV3
+
+    return ModelEmaV3(model, decay=decay, use_warmup=warmup)

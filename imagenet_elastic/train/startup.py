@@ -1,0 +1,77 @@
+"""A run from start to end: the build steps (build.py) in their order, the Trainer over what they built,
+the start-up table, then training or --evaluate's one validation. Every part taken registers its release on
+the run's ExitStack, so a failure at any step, and the end of the run, release them in reverse order."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+
+from imagenet_elastic.checkpoint.saving import Checkpointer
+from imagenet_elastic.config import Config
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import PreemptionFlag
+from imagenet_elastic.report import startup_table
+from imagenet_elastic.report.console import Console
+from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
+from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
+from imagenet_elastic.report.samplelog import SampleLog
+from imagenet_elastic.report.step_log import StepLog
+from imagenet_elastic.train.build import (
+    build_loaders,
+    check_inputs,
+    join_job,
+    prepare_training,
+    share_checkpoint,
+    wrap_model,
+)
+from imagenet_elastic.train.loss import TrainLoss
+from imagenet_elastic.train.mixing import Mixer
+from imagenet_elastic.train.step import StepContext
+from imagenet_elastic.train.trainer import Trainer
+
+
+def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag,
+          stack: contextlib.ExitStack) -> Trainer:
+    began = time.time()
+    inputs, snapshot = check_inputs(config, env, console, stack)
+    training = prepare_training(config, env, console, inputs, snapshot)
+    loaders = build_loaders(config, env, console, inputs, training, stack)
+    checked = join_job(config, env, console, inputs, snapshot, stack)
+    share_checkpoint(env, inputs, training, snapshot)
+    del snapshot  # its tensors are in the model and optimizer now
+    state = training.state
+    preempt.steps_done = state.step
+    classes = len(inputs.train.classes)
+    ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
+                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
+                      training.precision.dtype, config.channels_last,
+                      Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
+                      config.clip_grad_norm)
+    checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
+    sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+    cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
+            if training.resumed_at is not None else None)
+    curves = StepLog(config.checkpoints_path, env.is_main and not config.evaluate, inputs.tensorboard, state.step,
+                     console.warn)
+    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, curves, cost)
+    stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
+    startup_table.describe(console, config, env, inputs, training, loaders, checked)
+    return trainer
+
+
+def run(config: Config, env: DistEnv) -> None:
+    console = Console(env.is_main, config.log_interval, env.rank)
+    preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
+    with contextlib.ExitStack() as stack:
+        # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
+        # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
+        # only turn that code into -15 and hide why it ended.
+        stack.callback(preempt.ignore_from_now)
+        trainer = build(config, env, console, preempt, stack)
+        if config.evaluate:
+            flip = {"val_flip_average": True} if config.val_flip_average else {}
+            console.result({"checkpoint": trainer.training.resume_from, **flip, **trainer.validate()})
+        else:
+            trainer.fit()

@@ -1,0 +1,164 @@
+"""Everything a run needs to continue exactly: captured to and applied from plain dicts."""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import numpy as np
+import torch
+from torch import nn
+
+from imagenet_elastic.config import saved_setting
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.launch import distributed
+
+FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
+
+
+def capture_rng() -> dict[str, Any]:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_plain, np_state[2:])],
+    }
+
+
+def apply_rng(rng: dict[str, Any]) -> None:
+    torch.set_rng_state(rng["torch"])
+    if rng["cuda"] and torch.cuda.is_available() and len(rng["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    version, internal, gauss = rng["python"]
+    random.setstate((version, tuple(internal), gauss))
+    name, keys, *rest = rng["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+
+
+def _plain(value: Any) -> Any:
+    return value.item() if isinstance(value, np.generic) else value
+
+
+@dataclass
+class EpochTally:
+    """How far into the current epoch training got, in terms that do not depend on the world size."""
+
+    samples: int = 0  # global samples consumed: where the sampler continues
+    steps: int = 0
+    loss_sum: float = 0.0  # sum over steps of the step's mean loss over all ranks
+    seconds: float = 0.0  # training time, for the epoch's images/s
+
+    def add(self, samples: int, steps: int, loss_sum: float, seconds: float) -> None:
+        self.samples += samples
+        self.steps += steps
+        self.loss_sum += loss_sum
+        self.seconds += seconds
+
+
+class PendingSteps:
+    """Steps trained since the tally was last brought up to date; their loss stays on the device."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
+        self.steps = 0
+        self.start = time.perf_counter()
+
+    def add(self, loss: torch.Tensor) -> None:
+        self.loss += loss
+        self.steps += 1
+
+    def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> EpochTally:
+        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps.
+        Returns what was added (the progress line and steps.jsonl report it). With no step pending (the
+        epoch's end right after its last log line, a checkpoint at a log step) nothing is sent: every rank
+        has trained the same steps, so all skip it alike."""
+        if not self.steps:
+            return EpochTally()
+        loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
+        added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
+        tally.add(added.samples, added.steps, added.loss_sum, added.seconds)
+        self.loss.zero_()
+        self.steps = 0
+        self.start = time.perf_counter()
+        return added
+
+
+@dataclass
+class TrainState:
+    """The mutable part of training. `capture` and `apply` are exact inverses."""
+
+    model: nn.Module  # unwrapped (not the DDP wrapper)
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    epoch: int = 0  # completed epochs
+    step: int = 0  # optimizer steps taken, the LR schedule's position
+    best_top1: float = -1.0
+    history: list[dict[str, Any]] = field(default_factory=list)  # one metrics row per completed epoch
+    tally: EpochTally = field(default_factory=EpochTally)  # the epoch in progress
+    ema: Optional[nn.Module] = None  # --model-ema: timm's ModelEmaV3, whose `module` is the averaged model
+
+    def update_average(self, every: int) -> None:
+        """After optimizer step `self.step`: the weight average (--model-ema) takes the weights every
+        `every` steps (--model-ema-steps), a function of the step alone, so a resume at any step and
+        world size averages the same weights. timm's decay warmup counts the average's updates."""
+        if self.ema is not None and self.step % every == 0:
+            self.ema.update(self.model, step=self.step // every)
+
+    def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": self.model.state_dict(),
+            "model_ema": self.ema.module.state_dict() if self.ema is not None else None,
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict(),
+            "epoch": self.epoch,
+            "step": self.step,
+            "best_top1": self.best_top1,
+            "history": self.history,
+            "epoch_progress": dataclasses.asdict(self.tally),
+            "rng": capture_rng(),
+            "config": config,
+            "saved_at": time.time(),
+            **meta,
+        }
+
+    def apply(self, snapshot: dict[str, Any]) -> None:
+        self.model.load_state_dict(snapshot["model"])
+        if self.ema is not None:  # a checkpoint without an average starts it from its weights
+            self.ema.module.load_state_dict(snapshot.get("model_ema") or snapshot["model"])
+        self.optimizer.load_state_dict(snapshot["optimizer"])  # its own kernels and layout: optimizer.py
+        if snapshot["scaler"] and self.scaler.is_enabled():
+            self.scaler.load_state_dict(snapshot["scaler"])
+        self.epoch = snapshot["epoch"]
+        self.step = snapshot["step"]
+        self.best_top1 = snapshot["best_top1"]
+        self.history = list(snapshot["history"])
+        self.tally = EpochTally(**snapshot.get("epoch_progress", {}))
+        apply_rng(snapshot["rng"])
+
+
+def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...],
+                     optimizer: Optional[str] = None, blurpool: bool = False) -> None:
+    """Refuse a checkpoint of another model (--blurpool included: its state dict is the plain model's),
+    class list or (when training goes on) optimizer before touching any state."""
+    saved_model = snapshot.get("model_name")
+    saved_classes = tuple(snapshot.get("classes", ()))
+    if saved_model != model_name:
+        raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
+    settings = snapshot.get("config", {})
+    saved_blurpool = saved_setting(settings, "blurpool")
+    if saved_blurpool != blurpool:
+        raise UserError(f"checkpoint {path} was trained {'with' if saved_blurpool else 'without'} --blurpool: "
+                        f"pass {'--blurpool' if saved_blurpool else '--no-blurpool'} to use it")
+    if len(saved_classes) != len(classes):
+        raise UserError(f"checkpoint {path} has {len(saved_classes)} classes, the data has {len(classes)}")
+    if saved_classes != classes:
+        raise UserError(f"checkpoint {path} was trained on other class names than the data's folders")
+    trained_with = saved_setting(settings, "opt")
+    if optimizer is not None and trained_with != optimizer:
+        raise UserError(f"checkpoint {path} was trained with --opt {trained_with}, whose state --opt {optimizer} "
+                        f"cannot continue: resume it with --opt {trained_with}")

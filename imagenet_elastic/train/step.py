@@ -1,0 +1,157 @@
+"""One training step (with gradient accumulation) and one exact validation pass."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.launch import distributed
+from imagenet_elastic.train.mixing import Mixer
+
+if TYPE_CHECKING:
+    pass
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+@dataclass
+class StepContext:
+    """What a training or evaluation step needs besides the batch."""
+
+    model: nn.Module  # the DDP wrapper when distributed
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module  # loss.TrainLoss: takes class labels or soft targets
+    device: torch.device
+    amp_dtype: Optional[torch.dtype]
+    channels_last: bool
+    mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
+    clip_grad_norm: Optional[float] = None  # --clip-grad-norm
+
+    def __post_init__(self) -> None:
+        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                              enabled=self.amp_dtype is not None)
+
+
+@dataclass(frozen=True)
+class EvalResult:
+    loss: float
+    top1: float  # percent
+    top5: float  # percent
+    samples: int
+
+
+def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
+
+    The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
+    other one is made while the pixels are uint8, a quarter of the bytes of float32.
+    """
+    images = images.permute(0, 3, 1, 2)
+    if not ctx.channels_last:
+        images = images.contiguous()
+    return images.float().sub_(ctx.mean).div_(ctx.std), labels
+
+
+def seed_micro_batch(seed: int, step: int, position: int) -> None:
+    """Model-side randomness (dropout, drop-path) of a micro-batch from (seed, step, its position in
+    the global batch): a resumed step, or the same step at another world size, draws the same."""
+    torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
+
+@contextlib.contextmanager
+def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
+    """Batch norm normalises with the micro-batch's statistics but leaves its running averages alone.
+
+    Under DDP the running averages that survive are rank 0's (broadcast at every forward), i.e.
+    those of the global batch's first slice. Updating them from the first micro-batch only keeps
+    them the same at every world size, so an elastic run evaluates like an uninterrupted one. The
+    batch counter is put back too, or it would count micro-batches and differ between world sizes.
+    """
+    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
+             for m in batch_norms]
+    for m in batch_norms:
+        m.momentum = 0.0  # running = running * (1 - 0) + batch * 0: unchanged, exactly
+    try:
+        yield
+    finally:
+        for m, (momentum, count) in zip(batch_norms, saved):
+            m.momentum = momentum
+            if count is not None:
+                m.num_batches_tracked.copy_(count)  # in place: DDP keeps references to the buffers
+
+
+def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, lr: float, seed: int,
+               step: int) -> torch.Tensor:
+    """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device).
+
+    Each micro-batch's loss is weighted by its share of the rank's samples, so the accumulated
+    gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
+    global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
+    """
+    for group in ctx.optimizer.param_groups:
+        group["lr"] = lr
+    ctx.optimizer.zero_grad(set_to_none=True)
+    total = torch.zeros((), device=ctx.device)
+    for j, (batch, part) in enumerate(zip(micro_batches, slices)):
+        images, targets = prepare_batch(batch.images, batch.labels, ctx)
+        if ctx.mixer is not None:
+            images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.channels_last)
+        seed_micro_batch(seed, step, part.start)
+        last = j == len(micro_batches) - 1
+        with contextlib.ExitStack() as stack:
+            if not last and hasattr(ctx.model, "no_sync"):
+                stack.enter_context(ctx.model.no_sync())
+            if part.start % share:  # not the first micro-batch of the rank's share
+                stack.enter_context(running_stats_frozen(ctx.batch_norms))
+            with ctx.autocast():
+                loss = ctx.criterion(ctx.model(images), targets)
+            weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
+            ctx.scaler.scale(weighted).backward()
+        total += weighted.detach().float()
+    if ctx.clip_grad_norm is not None:  # on the all-reduced gradient: every rank clips the same, at any world size
+        ctx.scaler.unscale_(ctx.optimizer)  # the norm of the true gradient, not of the loss-scaled one
+        torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_grad_norm)
+    ctx.scaler.step(ctx.optimizer)
+    ctx.scaler.update()
+    return total
+
+
+@torch.no_grad()
+def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False) -> EvalResult:
+    """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
+    DDP's forward would then wait on a collective), then the sums are added up across ranks.
+
+    `flip_average` (--val-flip-average): the logits are the mean of the image's and its mirror's.
+    """
+    model.eval()
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5
+    samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
+    for batch in loader:
+        images, labels = prepare_batch(batch.images, batch.labels, ctx)
+        with ctx.autocast():
+            logits = model(images).float()
+            if flip_average:
+                logits = (logits + model(images.flip(3)).float()) / 2
+        loss = F.cross_entropy(logits, labels, reduction="sum")
+        top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
+        totals += torch.stack([loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()])
+        samples += len(labels)
+    totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(ctx.device)])
+    distributed.all_reduce_sum(totals)
+    loss_sum, top1, top5, samples = totals.tolist()
+    count = max(samples, 1.0)
+    return EvalResult(loss=loss_sum / count, top1=100 * top1 / count, top5=100 * top5 / count, samples=int(samples))

@@ -1,0 +1,240 @@
+"""The training loop of a run whose parts are built (startup.py): epochs, validation, checkpoints and
+the stop every rank agrees on."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from torch.utils.data import DataLoader
+
+from imagenet_elastic.checkpoint.saving import Checkpointer
+from imagenet_elastic.checkpoint.store import BEST
+from imagenet_elastic.config import RESUME_AUTO, Config
+from imagenet_elastic.data.feed import LoaderWaits, device_batches, step_groups
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
+from imagenet_elastic.launch import distributed, preemption
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import PreemptionFlag
+from imagenet_elastic.report.console import Console, EpochProgress, clock
+from imagenet_elastic.report.restart_cost import RestartCost
+from imagenet_elastic.report.samplelog import SampleLog
+from imagenet_elastic.report.step_log import StepLog
+from imagenet_elastic.train.build import Loaders, Training
+from imagenet_elastic.train.state import EpochTally, PendingSteps
+from imagenet_elastic.train.step import StepContext, evaluate, train_step
+
+
+class Trainer:
+    def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, training: Training,
+                 loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog,
+                 step_log: StepLog, restart_cost: Optional[RestartCost] = None) -> None:
+        self.config, self.env, self.console, self.preempt = config, env, console, preempt
+        self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
+        self.training, self.loaders, self.ctx = training, loaders, ctx
+        self.checkpointer, self.sample_log = checkpointer, sample_log
+        self.restart_cost = restart_cost  # said after the first step of a resumed run, then dropped
+        self.step_log = step_log
+        self.waits = LoaderWaits()
+        self.since_log = EpochTally()  # the steps since the last log line
+        self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
+
+    def fit(self) -> None:
+        c, state = self.config, self.state
+        self.say_where_it_starts()
+        if state.epoch >= c.epochs:
+            self.console.info(f"nothing to do: the checkpoint already completed {state.epoch} of {c.epochs} epochs")
+            return
+        for epoch in range(state.epoch, c.epochs):
+            row = self.run_epoch(epoch)
+            state.epoch, state.tally = epoch + 1, EpochTally()
+            top1, ema = scored(row)
+            best_of = "model_ema" if ema else "model"
+            is_best = top1 > state.best_top1
+            state.best_top1 = max(state.best_top1, top1)
+            state.history.append(row)
+            self.step_log.epoch(state.step, row)
+            self.save(epoch_end=True, is_best=is_best, best_of=best_of)
+            ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
+            self.console.info(
+                f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f} | val loss {row['val_loss']:.4f} "
+                f"top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% ({row['val_samples']} images){ema} | "
+                f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
+            if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
+                self.stop()
+        self.checkpointer.settle()  # the run succeeded only once its last checkpoint is on disk
+        self.say_where_the_best_is()
+
+    def run_epoch(self, epoch: int) -> dict[str, Any]:
+        """Train the rest of the epoch (all of it, or what a mid-epoch checkpoint left), then validate."""
+        c, state, plan, tally, r = self.config, self.state, self.plan, self.state.tally, self.training
+        start = time.perf_counter()
+        self.sampler.set_epoch(epoch, tally.samples)
+        slices = plan.micro_slices(self.env.rank)
+        pending = PendingSteps(self.ctx.device)  # the steps' losses stay on the device until they are needed
+        self.ctx.model.train()
+        with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
+            for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
+                lr = r.schedule.at(state.step)
+                loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
+                self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
+                state.step += 1
+                state.update_average(c.model_ema_steps)
+                self.preempt.steps_done = state.step
+                pending.add(loss)
+                if self.restart_cost is not None:
+                    self.console.info(self.restart_cost.describe(time.time()))
+                    self.restart_cost = None
+                step_in_epoch = tally.steps + pending.steps
+                if step_in_epoch % c.log_interval == 0 or step_in_epoch == self.sampler.steps:  # same on every rank
+                    self.fold(pending)  # reading the loss waits for the device: log steps only
+                    self.log_step(progress, epoch, step_in_epoch, lr)
+                else:
+                    progress.update(step_in_epoch)
+                stop, save = self.checkpointer.at_step_end(state.step, self.preempt.received is not None)
+                if save:
+                    self.fold(pending)
+                    self.save(epoch_end=False)
+                if stop:
+                    self.stop()
+        self.fold(pending)
+        return {
+            "epoch": epoch + 1,
+            "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
+            **self.validate(),
+            "lr": r.schedule.at(state.step - 1),
+            "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
+            "train_size": c.train_sizes(epoch),
+            "world_size": self.env.world_size,
+            "global_batch": plan.global_batch,
+            "epoch_seconds": time.perf_counter() - start,
+            **({"resumed": True} if epoch == self.resumed_into else {}),
+        }
+
+    def fold(self, pending: PendingSteps) -> None:
+        """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
+        added = pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size)
+        self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds)
+
+    def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
+        """The steps since the last log line: their mean loss over all ranks, images/s, the share of the
+        time spent waiting for the loader (the first thing to check when a GPU is starved), ETAs."""
+        since, steps_per_epoch = self.since_log, self.sampler.steps
+        seconds = max(since.seconds, 1e-9)
+        row = {"step": self.state.step, "epoch": round(epoch + step_in_epoch / steps_per_epoch, 4),
+               "loss": since.loss_sum / since.steps, "lr": lr, "images_per_sec": since.samples / seconds,
+               "data_wait": min(1.0, self.waits.take() / seconds)}
+        per_step = seconds / since.steps
+        left_in_epoch = (steps_per_epoch - step_in_epoch) * per_step
+        left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * steps_per_epoch * per_step
+        progress.update(step_in_epoch, f"loss {row['loss']:.4f} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
+                                       f"data wait {row['data_wait']:.0%} | ETA epoch {clock(left_in_epoch)}, "
+                                       f"run {clock(left_in_run)}")
+        self.step_log.step(row)
+        self.since_log = EpochTally()
+
+    def validate(self) -> dict[str, Any]:
+        """The model the checkpoint saves (rank 0's weights and BatchNorm statistics, on every rank), and
+        its average under --model-ema: `val_loss`, `val_top1`, ... and `val_loss_ema`, ...
+
+        Eager even under --compile: validation's mode and its last, smaller batch would each cost a
+        recompilation, for a pass over 4% as many images as an epoch's training.
+        """
+        models = {"": self.state.model}
+        if self.state.ema is not None:
+            models["_ema"] = self.state.ema.module
+        results: dict[str, Any] = {}
+        for suffix, model in models.items():
+            distributed.broadcast_buffers(model)
+            val = evaluate(self.ctx, model, self.on_device(self.loaders.val), self.config.val_flip_average)
+            results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
+                            f"val_top5{suffix}": val.top5})
+            results["val_samples"] = val.samples
+        return results
+
+    def on_device(self, loader: DataLoader) -> Iterator[Batch]:
+        return device_batches(loader, self.ctx.device, self.loaders.decoder)
+
+    # ------------------------------------------------------------------ checkpoints and stopping
+
+    def save(self, epoch_end: bool, is_best: bool = False, best_of: Optional[str] = None) -> None:
+        """`best_of`, at an epoch's end: which weights scored its top-1 (model or model_ema); mid-epoch
+        checkpoints validated nothing."""
+        state = self.state
+        self.step_log.flush()  # the curves up to this step are on disk with the checkpoint
+        self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
+                               epoch=state.epoch if epoch_end else None, is_best=is_best,
+                               history=list(state.history) if epoch_end else None)
+
+    def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
+        return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
+                "world_size": self.env.world_size, "global_batch": self.plan.global_batch}
+
+    def stop(self) -> None:
+        """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""
+        c, flag = self.config, self.preempt
+        self.checkpointer.settle()
+        came = (f"{flag.received} came after step {flag.received_after}" if flag.received
+                else "a preemption signal came to another rank")
+        self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
+                          f"{self.checkpointer.manager.last_path}; exiting with code {PREEMPTED_EXIT}")
+        if c.requeue_on_preempt and self.env.is_main:
+            job = preemption.slurm_job_to_requeue(os.environ)
+            problem = preemption.requeue_slurm_job(job)
+            self.console.info(f"requeued Slurm job {job}" if not problem else f"could not requeue {job}: {problem}")
+        raise Preempted()
+
+    # ------------------------------------------------------------------ reporting
+
+    def say_where_it_starts(self) -> None:
+        """Where training continues from; rank 0 also tidies the folder it holds the lock of."""
+        c, state, resume_from = self.config, self.state, self.training.resume_from
+        if resume_from:
+            where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
+            self.console.info(f"resuming from {resume_from}: {state.epoch} epochs done{where}, "
+                              f"best val top-1 {state.best_top1:.2f}%")
+            self.checkpointer.resume_metrics(state.history)
+        elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
+            self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
+        if self.env.is_main:
+            self.checkpointer.remove_stale_temp_files(self.console.warn)
+
+    def say_where_the_best_is(self) -> None:
+        found = best_epoch(self.state.history)
+        if found is None:
+            return
+        row, ema = found
+        best = os.path.join(self.config.checkpoints_path, BEST)
+        self.console.info(f"best val top-1 {row['val_top1_ema' if ema else 'val_top1']:.2f}% "
+                          f"({'EMA' if ema else 'raw'} weights) after epoch {row['epoch']}: {best}; weights and "
+                          f"preprocessing for timm: imagenet-elastic export {best} OUT_DIR{' --ema' if ema else ''}")
+
+    def close(self) -> None:
+        """The write in flight ends, then DDP, loaders and tensors go, before the process group does
+        (see distributed.destroy_process_group)."""
+        unreported = self.checkpointer.close()
+        if unreported is not None:
+            self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
+                              f"{one_line(unreported)}")
+        self.sample_log.close()
+        self.step_log.close()
+        self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
+
+
+def scored(row: dict[str, Any]) -> tuple[float, bool]:
+    """An epoch's top-1, and whether the EMA weights scored it (they do when they beat the raw ones)."""
+    ema = row.get("val_top1_ema", -1.0) > row["val_top1"]
+    return (row["val_top1_ema"] if ema else row["val_top1"]), ema
+
+
+def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
+    """The row of the epoch best.pt holds, and whether its EMA weights scored it (as `fit` decides)."""
+    best, found = -1.0, None
+    for row in history:
+        top1, ema = scored(row)
+        if top1 > best:
+            best, found = top1, (row, ema)
+    return found
