@@ -12,15 +12,17 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, Optional
 
-from imagenet_elastic.config import GROUPS, Config, add_setting, flag, setting_fields
-from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int
+from imagenet_elastic.config import GROUPS, RESUME_AUTO, Config, add_setting, flag, setting_fields
+from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int, shown
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import PROG, UserError, report
 
 
 def build_parser() -> Parser:
     p = Parser(prog=PROG, description="Train an ImageNet classifier with DDP; survives restarts.",
-               formatter_class=HelpFormatter)
+               formatter_class=HelpFormatter,
+               epilog="other commands (each has its own --help):\n" + "\n".join(
+                   f"  {PROG} {name:<10} {what}" for name, (_, what) in SUBCOMMANDS.items()))
     groups = {key: p.add_argument_group(title) for key, title in GROUPS.items()}
     for f in setting_fields():
         meta = f.metadata
@@ -41,8 +43,28 @@ def build_parser() -> Parser:
 NOT_SETTINGS = ("local_rank", "config", "print_config")
 
 
+def resume_takes_a_path(argv: Sequence[str]) -> list[str]:
+    """`--resume` takes the word after it only when that names a checkpoint (an existing file, or a `.pt` path);
+    else it is the bare flag and the word stays where it was: `--resume /data/imagenet` resumes and trains
+    /data/imagenet, where argparse's optional value would have taken the data folder for the checkpoint.
+    `--resume=PATH` always takes PATH."""
+    out, words = [], list(argv)
+    for i, word in enumerate(words):
+        if word == "--":
+            return out + words[i:]
+        if word == "--resume":
+            following = words[i + 1] if i + 1 < len(words) else None
+            path = following is not None and not following.startswith("-") and (
+                following.endswith(".pt") or os.path.isfile(following))
+            out.append("--resume" if path else f"--resume={RESUME_AUTO}")
+            continue
+        out.append(word)
+    return out
+
+
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     """The command line over the --config file over the defaults, as a checked Config."""
+    argv = resume_takes_a_path(argv)
     parser = build_parser()
     first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
     first.add_argument("--config")
@@ -83,6 +105,7 @@ def options_table() -> str:
 
 
 def shown_default(f: dataclasses.Field) -> str:
+    """README's default column: what --help says (options.shown), as code where it is a value."""
     if f.metadata.get("shown_default") is not None:
         return f.metadata["shown_default"]
     value = f.default
@@ -90,22 +113,22 @@ def shown_default(f: dataclasses.Field) -> str:
         return ""
     if value is True:
         return "on"
-    if isinstance(value, str):
-        return f"`{value}`"
-    if isinstance(value, tuple):
-        return f"`{','.join(value)}`"
-    return f"{value:g}" if isinstance(value, float) else str(value)
+    return f"`{shown(value)}`" if isinstance(value, (str, tuple)) else shown(value)
 
 
 # Tools beside training, each a module with `main(argv)`: imported only when asked for.
-SUBCOMMANDS = {"benchmark": "imagenet_elastic.tools.benchmark", "export": "imagenet_elastic.tools.export",
-               "pack": "imagenet_elastic.tools.pack", "plot": "imagenet_elastic.tools.plot"}
+SUBCOMMANDS = {
+    "benchmark": ("imagenet_elastic.tools.benchmark", "measure the loader, the model, both, memory, checkpoint cost"),
+    "export": ("imagenet_elastic.tools.export", "a checkpoint's weights and preprocessing for timm / Hugging Face"),
+    "pack": ("imagenet_elastic.tools.pack", "ImageNet (folders or parquet) as indexed tar shards"),
+    "plot": ("imagenet_elastic.tools.plot", "a run's curves as one picture"),
+}
 
 
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # a data folder called "export" is ./export
-        importlib.import_module(SUBCOMMANDS[argv[0]]).main(argv[1:])
+        importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
         return
     try:
         config, args = parse(argv)

@@ -40,6 +40,15 @@ class RendezvousError(UserError):
     every_rank = True
 
 
+class FailedOnRank0(UserError):
+    """What rank 0 alone did (a write in the checkpoints folder it holds the lock of) failed: every rank raises
+    this, with rank 0's line and exit code (launch.distributed.rank_0_does)."""
+
+    def __init__(self, line: str, exit_code: int) -> None:
+        super().__init__(line)
+        self.exit_code = exit_code
+
+
 class Preempted(Exception):
     """Every rank stops at the same step boundary after a preemption signal; the checkpoint is safe."""
 

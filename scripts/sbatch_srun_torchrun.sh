@@ -1,7 +1,11 @@
 #!/usr/bin/env bash
 # srun starts one torchrun agent per node; the agents meet through c10d rendezvous on the first node.
 # torchrun's variables win over Slurm's, and a failed worker is restarted by its agent (--max-restarts).
-#   sbatch scripts/sbatch_srun_torchrun.sh /data/imagenet [more trainer options]
+#   sbatch scripts/sbatch_srun_torchrun.sh RUN_DIR /data/imagenet [more trainer options]
+# RUN_DIR is the run's checkpoints folder, always given: the first submission starts it, a requeue or a
+# chained resubmission of the same line continues it (--resume), and a new experiment gets a folder of its
+# own because it has to be named (keying it on the script's fixed job name sent a second experiment into
+# the first one's folder, quietly continuing its weights).
 #SBATCH --job-name=imagenet-elastic
 #SBATCH --nodes=2
 #SBATCH --ntasks-per-node=1
@@ -14,9 +18,9 @@
 #SBATCH --output=%x-%j.out
 #SBATCH --open-mode=append
 set -euo pipefail
-DATA=${1:?usage: sbatch $0 DATA [trainer options]}
-shift
-CHECKPOINTS=${CHECKPOINTS:-checkpoints/$SLURM_JOB_NAME}
+CHECKPOINTS=${1:?usage: sbatch $0 RUN_DIR DATA [trainer options]: RUN_DIR is the checkpoints folder of this run}
+DATA=${2:?usage: sbatch $0 RUN_DIR DATA [trainer options]}
+shift 2
 HEAD=$(python -c 'import os; from imagenet_elastic.launch.hostlist import first_host; print(first_host(os.environ["SLURM_JOB_NODELIST"]))')
 RDZV_PORT=${RDZV_PORT:-29400}
 NPROC=${NPROC_PER_NODE:-gpu}   # torchrun's "gpu": one process per visible GPU

@@ -163,3 +163,58 @@ def test_master_port_must_be_a_port(capsys):
     with pytest.raises(SystemExit):
         build_parser().parse_args(["/data", "--master-port", "70000"])
     assert "must be <= 65535" in capsys.readouterr().err
+
+
+def test_a_bare_resume_never_takes_the_data_folder(tmp_path):
+    """`--resume /data/imagenet` used to resume from /data/imagenet and then say DATA is missing."""
+    from imagenet_elastic import cli
+
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.write_bytes(b"")
+    assert cli.parse(["--resume", "/data/imagenet"])[0] == Config(data="/data/imagenet", resume=RESUME_AUTO)
+    assert cli.parse(["/data/imagenet", "--resume", "--epochs", "3"])[0].resume == RESUME_AUTO
+    assert cli.parse(["--resume", str(checkpoint), "/data/imagenet"])[0].resume == str(checkpoint)  # a file
+    assert cli.parse(["/data", "--resume", "/runs/a/last.pt"])[0].resume == "/runs/a/last.pt"  # a .pt path
+    assert cli.parse(["/data", "--resume=/runs/a/last"])[0].resume == "/runs/a/last"  # the explicit form, always
+
+
+def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_other_commands(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag, default in (("--seed N", "0"), ("--lr-min X", "0"), ("--random-erase P", "0"),
+                          ("--scale MIN MAX", "0.08 1"), ("--preempt-signals SIGNALS", "SIGTERM,SIGUSR1"),
+                          ("--channels-last, --no-channels-last", "on")):
+        assert re.search(rf"{re.escape(flag)} .*?\(default: {re.escape(default)}\)", text), flag
+    for flag, default in (("--workers N", "cores per process - 1 (max 8)"),
+                          ("--threads N", "cores / processes per node"),
+                          ("--global-batch-size N", "checkpoint's, else batch-size x processes")):
+        assert f"(default: {default})" in text, flag
+    assert "(0.08, 1.0)" not in text and "(default: None)" not in text
+    for command in ("benchmark", "export", "pack", "plot"):
+        assert f"imagenet-elastic {command} " in text, command
+
+
+def test_the_weight_decay_help_says_the_rule_the_optimizer_applies():
+    from imagenet_elastic.train.optimizer import param_groups
+
+    field = next(f for f in dataclasses.fields(Config) if f.name == "weight_decay")
+    assert "1-D parameters" in field.metadata["help"]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(4)))  # 1-D, neither a norm nor a bias
+    decayed, plain = param_groups(model, 0.1)
+    assert [p.ndim for p in decayed["params"]] == [2] and len(plain["params"]) == 4
+
+
+def test_the_package_imports_no_private_name_of_timm():
+    """timm's `_hub` and the like move between releases; export uses `timm.models.save_for_hf`."""
+    import ast
+
+    package = Path(__file__).resolve().parents[1] / "imagenet_elastic"
+    private = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("timm"):
+                names = [*(node.module or "").split("."), *(a.name for a in node.names)]
+                private += [f"{path.name}: {node.module} {n}" for n in names if n.startswith("_")]
+    assert private == []

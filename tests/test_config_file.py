@@ -139,3 +139,16 @@ def test_every_shipped_recipe_trains_and_validates_an_epoch_with_a_tiny_model(re
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert (row["epoch"], row["val_samples"], row["global_batch"]) == (1, VAL_IMAGES, 16)
+
+
+def test_a_runs_config_yaml_reruns_its_settings_as_a_new_run(tmp_path):
+    """config.yaml leaves out where the run lives: with it, `--config` would have resumed (or been refused by) the
+    old folder instead of running the same settings again."""
+    from imagenet_elastic.config import yaml_file
+
+    ran = Config(data="/data/imagenet", lr=0.3, epochs=7, checkpoints_path=str(tmp_path / "old"), resume="auto")
+    yaml_file.write(str(tmp_path), ran)
+    keys = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "checkpoints-path" not in keys and "resume" not in keys and keys["lr"] == 0.3
+    again, _ = cli.parse(["--config", str(tmp_path / "config.yaml"), "--checkpoints-path", str(tmp_path / "new")])
+    assert again == dataclasses.replace(ran, checkpoints_path=str(tmp_path / "new"), resume=None)

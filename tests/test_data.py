@@ -214,3 +214,19 @@ def test_full_scale_jpeg_decode_gives_pillows_pixels_cropped_and_resized(tmp_pat
     reference = torch.from_numpy(np.array(Image.open(path).convert("RGB")))
     assert torch.equal(pixels, crop_resize(reference, box, True, 48))
     assert pixels.shape == (48, 48, 3) and pixels.dtype == torch.uint8
+
+
+def test_only_the_decoders_failures_are_called_a_corrupt_image(tmp_path):
+    """A failure of ours while decoding (here in the crop's choice) stays what it is, with its traceback, instead
+    of blaming the file; a file the decoder cannot read is still a CorruptImageError naming it."""
+    path = tmp_path / "a.jpg"
+    write_jpeg(str(path), 64, 48, seed=1)
+
+    def broken_choice(width: int, height: int):
+        raise RuntimeError("a bug in the crop's choice")
+
+    with pytest.raises(RuntimeError, match="a bug in the crop's choice") as caught:
+        decode_bytes(path.read_bytes(), str(path), broken_choice, 32)
+    assert not isinstance(caught.value, CorruptImageError)
+    with pytest.raises(CorruptImageError, match=f"cannot decode image file {path}"):
+        decode_bytes(path.read_bytes()[:300], str(path), lambda w, h: ((0, 0, w, h), False), 32)

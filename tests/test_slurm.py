@@ -94,9 +94,9 @@ def sbatch(env: dict[str, str], script: str, options: list[str], args: list[str]
 
 def test_sbatch_example_script_runs_to_completion(slurm_env, image_folder, tmp_path, reference_world2):
     # the example asks for 2 nodes x 4 GPUs x 8 CPUs; the test cluster has 2 fake GPUs and 2 CPUs a node
-    output = sbatch({**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt")}, "sbatch_task_per_gpu.sh",
+    output = sbatch(slurm_env, "sbatch_task_per_gpu.sh",
                     ["--nodes=2", "--ntasks-per-node=1", "--gpus-per-task=1", "--cpus-per-task=1"],
-                    [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
+                    [str(tmp_path / "ckpt"), str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
     assert "epoch 1/1: train loss" in output
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
 
@@ -110,10 +110,10 @@ def test_env_method_under_srun_without_torchrun_is_refused(slurm_env, image_fold
 
 
 def test_sbatch_srun_torchrun_example_uses_torchrun_variables(slurm_env, image_folder, tmp_path, reference_world2):
-    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), "NPROC_PER_NODE": "1", "RDZV_PORT": "29457"}
+    env = {**slurm_env, "NPROC_PER_NODE": "1", "RDZV_PORT": "29457"}
     output = sbatch(env, "sbatch_srun_torchrun.sh",
                     ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1", "--gres=gpu:1"],
-                    [str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
+                    [str(tmp_path / "ckpt"), str(image_folder), *SHORT_RUN, "--threads", "1"], tmp_path / "job.out")
     assert "torchrun, gloo, rendezvous" in output  # torchrun's variables won over SLURM_*
     assert_matches_reference(tmp_path / "ckpt", reference_world2)
 
@@ -139,10 +139,10 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     args = [str(image_folder), *SMALL_RUN, "--epochs", "6", "--threads", "1"]  # long enough for scancel to land
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))  # beside the job
     log = tmp_path / "job.out"
-    env = {**slurm_env, "CHECKPOINTS": str(tmp_path / "ckpt"), ENV_VAR: str(tmp_path / "samples")}
+    env = {**slurm_env, ENV_VAR: str(tmp_path / "samples")}
     script = str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
     submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
-                                "--cpus-per-task=1", f"--output={log}", script, *args],
+                                "--cpus-per-task=1", f"--output={log}", script, str(tmp_path / "ckpt"), *args],
                                cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
     assert submitted.returncode == 0, submitted.stderr
     job = submitted.stdout.strip().split(";")[0]

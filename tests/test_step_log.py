@@ -29,6 +29,7 @@ def test_rows_beyond_the_checkpoint_and_a_torn_last_line_are_dropped():
 
 def log_steps(folder, start_step: int, steps, loss: float, tensorboard: bool = True) -> None:
     log = StepLog(str(folder), enabled=True, tensorboard=tensorboard, start_step=start_step, warn=print)
+    log.trim()
     for s in steps:
         log.step(row(s, loss + s))
     log.epoch(steps[-1], {"train_loss": 0.5, "images_per_sec": 40.0, "val_loss": 0.7, "val_top1": 60.0,
@@ -55,6 +56,7 @@ def test_a_restart_from_an_earlier_checkpoint_continues_both_curves_without_repe
 def test_a_run_that_logs_nothing_leaves_no_file(tmp_path):
     """A run that fails at its first batch (a corrupt image) changes nothing on disk."""
     log = StepLog(str(tmp_path), enabled=True, tensorboard=True, start_step=0, warn=print)
+    log.trim()
     log.flush()
     log.close()
     assert list(tmp_path.iterdir()) == []
@@ -62,6 +64,7 @@ def test_a_run_that_logs_nothing_leaves_no_file(tmp_path):
 
 def test_only_rank_0_writes(tmp_path):
     log = StepLog(str(tmp_path), enabled=False, tensorboard=True, start_step=0, warn=print)
+    log.trim()
     log.step(row(1, 1.0))
     log.close()
     assert list(tmp_path.iterdir()) == []

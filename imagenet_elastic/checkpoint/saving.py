@@ -30,7 +30,7 @@ import torch
 
 from imagenet_elastic.checkpoint.store import CheckpointManager
 from imagenet_elastic.config import Config, yaml_file
-from imagenet_elastic.errors import StorageError
+from imagenet_elastic.errors import STORAGE_ERROR_EXIT, FailedOnRank0, StorageError, one_line
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.report import metrics
 
@@ -189,9 +189,9 @@ class Checkpointer:
     def resume_metrics(self, history: list[dict[str, Any]]) -> None:
         """Rank 0 rewrites metrics.jsonl from the checkpoint a run resumes from: the rows of epochs it does not
         hold (trained after it, by a run that then died) go. This class writes metrics.jsonl and nothing else
-        does: after each epoch's checkpoint, and here."""
-        if self.is_main:
-            metrics.write(self.metrics_folder, history)
+        does: after each epoch's checkpoint, and here. Called on every rank: a refused write ends every rank
+        with its line (distributed.rank_0_does)."""
+        distributed.rank_0_does(lambda: metrics.write(self.metrics_folder, history))
 
     def settle(self) -> None:
         """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
@@ -201,16 +201,24 @@ class Checkpointer:
             self.raise_failure()
 
     def raise_failure(self) -> None:
-        """Rank 0 raises the writer's error (one line for a storage error); the others end quietly."""
-        if self.is_main:
-            raise self.writer.take_error()
-        raise StorageError("rank 0 could not write a checkpoint")
+        """Every rank raises the writer's error: rank 0 its own (one line for a storage error, a traceback for a
+        bug), the others the same line, sent by rank 0, so each names the real culprit."""
+        error = self.writer.take_error() if self.is_main else None
+        line = distributed.broadcast_object(one_line(error) if error is not None else None, src=0)
+        if error is not None:
+            raise error
+        raise FailedOnRank0(line or "rank 0 could not write a checkpoint", STORAGE_ERROR_EXIT)
 
     def remove_stale_temp_files(self, warn: Callable[[str], None]) -> None:
-        """Rank 0, holding the folder's lock, removes what interrupted writes left."""
+        """Rank 0, holding the folder's lock, removes what interrupted writes left; one that cannot be removed is
+        a StorageError naming it (call it through distributed.rank_0_does, on every rank)."""
         for path in self.manager.stale_temp_files():
             warn(f"removing {path}, left by a write that was interrupted")
-            os.unlink(path)
+            try:
+                os.unlink(path)
+            except OSError as error:
+                raise StorageError(f"cannot remove {path}, left by an interrupted write in the checkpoints folder: "
+                                   f"{error.strerror or error}; remove it by hand") from None
 
     def close(self) -> Optional[Exception]:
         """Wait for the write in flight; returns a failure nobody took."""

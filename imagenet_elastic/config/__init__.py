@@ -127,7 +127,8 @@ class Config:
                       "create_optimizer_v2)", "model", choices=list(OPTIMIZERS))
     momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
                              type=options.non_negative_float)
-    weight_decay: float = option(1e-4, "not applied to norm layers and biases", "model", "X",
+    weight_decay: float = option(1e-4, "not applied to 1-D parameters: norm layers' weights and every bias",
+                                 "model", "X",
                                  type=options.non_negative_float)
     clip_grad_norm: Optional[float] = option(
         None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
@@ -201,7 +202,9 @@ class Config:
         "memory; a stop, the end of the run and errors wait for the write in flight (see Checkpoints)",
         "checkpoints", action=argparse.BooleanOptionalAction)
     resume: Optional[str] = option(
-        None, "continue from PATH; without PATH from `DIR/last.pt` when it exists, else start fresh (saying so)",
+        None, "continue from the checkpoint PATH (`--resume=PATH`, or `--resume PATH` where PATH is a file or ends "
+        "in .pt); bare `--resume`: from `DIR/last.pt` when it exists, else start fresh (saying so). The bare form "
+        "never takes the next word: `--resume /data/imagenet` resumes and trains /data/imagenet",
         "checkpoints", "PATH", nargs="?", const=RESUME_AUTO)
     checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
         (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "
@@ -322,6 +325,9 @@ def add_setting(parser: Any, name: str, **overrides: Any) -> None:
     options: dict[str, Any] = dict(meta["argparse"])
     if meta["metavar"]:
         options["metavar"] = meta["metavar"]
-    options.update({"default": f.default, "help": meta["help"], **overrides})
+    help_text = meta["help"]
+    if meta.get("shown_default"):  # an unset value that means something (`cores / processes per node`)
+        help_text += f" (default: {meta['shown_default'].replace('`', '')})"
+    options.update({"default": f.default, "help": help_text, **overrides})
     parser.add_argument(flag(f), dest=f.name, **options)
 

@@ -19,13 +19,29 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: error: {where}{message} (see --help)\n")
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Show a default only where it says something the help text does not."""
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Every default, as a user would type it (0 too; `0.08 1`, not a Python tuple; a switch's `on`), unless the
+    help text already says it or there is none (an unset option)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help or ""
-        return super()._get_help_string(action)
+        text = action.help or ""
+        default = action.default
+        if default is None or default is False or default is argparse.SUPPRESS or "default" in text:
+            return text
+        return f"{text} (default: {shown(default)})"
+
+
+def shown(value: object) -> str:
+    """A default as the command line writes it."""
+    if value is True:
+        return "on"
+    if isinstance(value, (tuple, list)):  # names as one comma-separated word (signals); numbers as nargs
+        if not value:
+            return "none"
+        return ("," if all(isinstance(v, str) for v in value) else " ").join(shown(v) for v in value)
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
 
 
 def bounded(kind: type, low: float, high: Optional[float] = None, inclusive: bool = True) -> Callable[[str], object]:

@@ -83,9 +83,15 @@ def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
     return [name, str(value)]
 
 
-def settings_yaml(config: Config, header: Optional[str] = None) -> str:
-    """Every setting of `config`, in the form read_settings reads."""
-    values = {f.name.replace("_", "-"): file_value(f.name, getattr(config, f.name)) for f in setting_fields()}
+# Where a run lives, not how it trains: left out of the config.yaml a run writes, so that `--config DIR/config.yaml`
+# reruns the settings as a new run (its own --checkpoints-path) instead of resuming, or refusing, the old one.
+RUN_LOCATION = ("checkpoints_path", "resume")
+
+
+def settings_yaml(config: Config, header: Optional[str] = None, leave_out: tuple[str, ...] = ()) -> str:
+    """Every setting of `config` but `leave_out`, in the form read_settings reads."""
+    values = {f.name.replace("_", "-"): file_value(f.name, getattr(config, f.name)) for f in setting_fields()
+              if f.name not in leave_out}
     text = yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
     return (f"# {header}\n" if header else "") + text
 
@@ -103,10 +109,12 @@ def file_value(name: str, value: Any) -> Any:
 
 
 def write(folder: str, config: Config) -> None:
-    """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds (written with its
-    first checkpoint, so a run that fails before saving anything leaves the file as it was)."""
+    """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds, without where it lives
+    (RUN_LOCATION); written with its first checkpoint, so a run that fails before saving anything leaves the file
+    as it was."""
     path = os.path.join(folder, FILE_NAME)
-    text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them with --config")
+    text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them as a new run with "
+                                 "--config and a --checkpoints-path of its own (this file names none)", RUN_LOCATION)
     try:
         atomic_write_bytes(text.encode(), path)
     except OSError as error:

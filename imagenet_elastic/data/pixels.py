@@ -7,10 +7,11 @@ Pure functions of their arguments; the random choices come in as a `random.Rando
 
 from __future__ import annotations
 
+import contextlib
 import io
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import torch
@@ -57,11 +58,13 @@ def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> t
     into a tensor (faster than Pillow, the same pixels). The crop is a view of the decoded pixels,
     resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md).
     """
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            width, height = img.size
-            (left, top, w, h), flip = choose_crop(width, height)
-            shrink = max(size / w, size / h)
+    with decoding(path):
+        img = Image.open(io.BytesIO(raw))
+        width, height = img.size
+    with img:
+        (left, top, w, h), flip = choose_crop(width, height)  # ours: an error here is a bug, not a bad file
+        shrink = max(size / w, size / h)
+        with decoding(path):
             if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
             if img.format == "JPEG" and img.size == (width, height):
@@ -69,10 +72,19 @@ def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> t
                 pixels = decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
             else:
                 pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
-            fx, fy = img.size[0] / width, img.size[1] / height
+        fx, fy = img.size[0] / width, img.size[1] / height
+    return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
+
+
+@contextlib.contextmanager
+def decoding(path: str) -> Iterator[None]:
+    """The decoders' own failures (a truncated or corrupt file, an unknown format, a decompression bomb) as a
+    CorruptImageError naming the file; around decoding alone, so that a failure of ours is not called a bad file.
+    torchvision's JPEG decoder reports a corrupt file as a RuntimeError."""
+    try:
+        yield
     except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
 
 
 def byte_tensor(raw: bytes) -> torch.Tensor:

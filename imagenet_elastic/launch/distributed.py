@@ -5,14 +5,14 @@ from __future__ import annotations
 import gc
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
-from imagenet_elastic.errors import RendezvousError, UserError, first_line
+from imagenet_elastic.errors import FailedOnRank0, RendezvousError, UserError, first_line, one_line
 from imagenet_elastic.launch.launchers import DistEnv
 
 
@@ -234,6 +234,25 @@ def broadcast_object(obj: Any, src: int) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_control)
     return box[0]
+
+
+def rank_0_does(action: Callable[[], None]) -> None:
+    """Rank 0 does `action`, a step only it takes (a write in the checkpoints folder whose lock it holds), and
+    every rank learns at once whether it failed, from one broadcast of a few bytes.
+
+    A failure on rank 0 alone would otherwise reach the others as a peer that vanished: gloo's "connection
+    closed by peer" traceback, or under NCCL nothing until --dist-timeout. Instead each rank raises the same
+    one line, naming the real culprit, with rank 0's exit code. `action` reports the OS's refusals as
+    UserError (StorageError); anything else is a bug and keeps its traceback on rank 0."""
+    failure: Optional[tuple[str, int]] = None
+    if rank() == 0:
+        try:
+            action()
+        except UserError as error:
+            failure = (one_line(error), error.exit_code)
+    failure = broadcast_object(failure, src=0)
+    if failure is not None:
+        raise FailedOnRank0(*failure)
 
 
 def barrier() -> None:

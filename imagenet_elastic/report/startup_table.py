@@ -38,7 +38,7 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training
                       + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
                       + (" after timm's warmup" if c.model_ema_warmup else "")
          if training.state.ema is not None else "off"),
-        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on norms and biases)"
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on 1-D parameters: norms, biases)"
                       + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")),
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
                                             is not None else "") if c.bce_loss else "cross-entropy")

@@ -16,7 +16,7 @@ import os
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
 from imagenet_elastic.errors import UserError
 
 FILENAME = "steps.jsonl"
@@ -65,19 +65,30 @@ class StepLog:
         self.appending = False
         self.writer: Any = None
         self.tensorboard: Optional[tuple[str, int]] = None  # where and from which step, until the first event
-        if not enabled:
+        self.enabled, self.start_step = enabled, start_step
+        if enabled and tensorboard:  # its writer makes its event file at once: not before there is something to say
+            self.tensorboard = (os.path.join(folder, TENSORBOARD_DIR), start_step + 1)
+
+    def trim(self) -> None:
+        """Rank 0, before the first step: the rows beyond the step the run starts from go (a run that died after
+        its checkpoint logged them). A file it cannot read or write is a StorageError naming it: call this through
+        distributed.rank_0_does, so that every rank says it."""
+        if not self.enabled:
             return
         try:
             with open(self.path) as f:
                 text = f.read()
         except FileNotFoundError:
             text = ""
-        kept = kept_rows(text, start_step)
+        except OSError as error:
+            raise storage_error(error, "reading", self.path) from None
+        kept = kept_rows(text, self.start_step)
         if kept != text.splitlines():
-            atomic_write_bytes("".join(line + "\n" for line in kept).encode(), self.path)
+            try:
+                atomic_write_bytes("".join(line + "\n" for line in kept).encode(), self.path)
+            except OSError as error:
+                raise storage_error(error, "writing", self.path) from None
         self.appending = True  # the file opens at the first row
-        if tensorboard:  # the writer creates its event file at once: not before there is something to say
-            self.tensorboard = (os.path.join(folder, TENSORBOARD_DIR), start_step + 1)
 
     def events(self) -> Any:
         """TensorBoard's writer, made at the first event: a run that fails before it logged anything (a

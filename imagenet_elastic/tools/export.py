@@ -68,7 +68,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     if weights is None:
         raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): "
                         "export it without --ema")
-    from timm.models import _hub
+    from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
     from imagenet_elastic.train.model import create_model
 
@@ -82,9 +82,9 @@ def export(path: str, out_dir: str, ema: bool) -> str:
                                                                "license": None}}
     if blurpool:  # timm ignores keys it does not know; a reader of config.json learns what the model needs
         model_config["imagenet_elastic"] = {"blurpool": True, "after_loading": BLURPOOL_CALL}
-    extra = {"data_config": data_config} if "data_config" in inspect.signature(_hub.save_for_hf).parameters else {}
+    extra = {"data_config": data_config} if "data_config" in inspect.signature(save_for_hf).parameters else {}
     try:
-        _hub.save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
+        save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
         for name in os.listdir(out_dir):  # safetensors writes 0600: a model to share is readable like our checkpoints
             os.chmod(os.path.join(out_dir, name), 0o666 & ~process_umask())
     except OSError as error:

@@ -21,7 +21,8 @@ OPTIMIZERS: dict[str, tuple[str, bool]] = {
 
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on weights of convolutions and linear layers, none on norms and biases."""
+    """Weight decay on every parameter of two or more dimensions (convolutions, linear layers), none on 1-D ones
+    (norm layers' weights and every bias)."""
     decay, no_decay = [], []
     for param in model.parameters():
         if param.requires_grad:

@@ -10,6 +10,7 @@ import time
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.config import Config
+from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report import startup_table
@@ -55,6 +56,7 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
             if training.resumed_at is not None else None)
     curves = StepLog(config.checkpoints_path, env.is_main and not config.evaluate, inputs.tensorboard, state.step,
                      console.warn)
+    distributed.rank_0_does(curves.trim)
     trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, curves, cost)
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
     startup_table.describe(console, config, env, inputs, training, loaders, checked)

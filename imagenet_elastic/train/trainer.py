@@ -199,8 +199,7 @@ class Trainer:
             self.checkpointer.resume_metrics(state.history)
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
-        if self.env.is_main:
-            self.checkpointer.remove_stale_temp_files(self.console.warn)
+        distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
 
     def say_where_the_best_is(self) -> None:
         found = best_epoch(self.state.history)
