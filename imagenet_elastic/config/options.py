@@ -21,7 +21,7 @@ class Parser(argparse.ArgumentParser):
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Every default, as a user would type it (0 too; `0.08 1`, not a Python tuple; a switch's `on`), unless the
-    help text already says it or there is none (an unset option)."""
+    help text already says it or there is none (an unset option); descriptions as written (line breaks kept)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

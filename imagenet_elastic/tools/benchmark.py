@@ -44,7 +44,7 @@ from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.checkpoint.saving import CheckpointWriter
 from imagenet_elastic.checkpoint.store import CheckpointManager
 from imagenet_elastic.config import add_setting
-from imagenet_elastic.config.options import Parser, positive_int
+from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.errors import UserError, report
@@ -64,7 +64,7 @@ TRAINING_SETTINGS = ("model", "batch_size", "workers", "image_size", "auto_augme
 
 def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic benchmark", description=__doc__,
-               formatter_class=argparse.RawDescriptionHelpFormatter)
+               formatter_class=HelpFormatter)
     p.add_argument("data", metavar="DATA", help="a data root with train/, or the train split itself (class folders, "
                    "tar shards or a shard pattern)")
     p.add_argument("--against", metavar="DATA", nargs="+", default=[], help="loader mode: also our loader on these "

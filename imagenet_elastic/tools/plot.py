@@ -18,7 +18,6 @@ matplotlib is an optional extra: pip install "imagenet_elastic[plot]".
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
@@ -51,12 +50,8 @@ class Event(NamedTuple):
     label: str
 
 
-class DescriptionAsWritten(argparse.RawDescriptionHelpFormatter, HelpFormatter):
-    """The module's docstring as --help's description, line breaks kept; defaults as HelpFormatter shows them."""
-
-
 def build_parser() -> Parser:
-    p = Parser(prog="imagenet-elastic plot", description=__doc__, formatter_class=DescriptionAsWritten)
+    p = Parser(prog="imagenet-elastic plot", description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("checkpoints_dir", metavar="CHECKPOINTS_DIR",
                    help="the run's --checkpoints-path: the folder with metrics.jsonl (and steps.jsonl)")
     p.add_argument("-o", "--output", metavar="PATH", default=None,
