@@ -82,7 +82,7 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     comes twice per batch with augmentations of its own (--ra-reps), the model blurs before its strided
     convolutions (--blurpool: an initial state dict of the plain model fits), and the second epoch, where the
     run is killed, trains at the ramp's larger size. And config.yaml, written beside
-    the checkpoints, runs the same settings again."""
+    the checkpoints, runs the same settings again as a new run."""
     torch.manual_seed(3)
     torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
     args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6", "--threads", "1",
@@ -113,8 +113,8 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     best_row = rows[best["epoch"] - 1]
     assert best["best_of"] in ("model", "model_ema")
     assert best["best_top1"] == max(best_row["val_top1"], best_row["val_top1_ema"])
-    saved, _ = cli.parse(["--config", str(tmp_path / "killed" / "config.yaml")])
-    assert saved == cli.parse([*args, "--checkpoints-path", killed_dir, "--resume"])[0]
+    saved, _ = cli.parse(["--config", str(tmp_path / "killed" / "config.yaml"), "--checkpoints-path", "/new"])
+    assert saved == cli.parse([*args, "--checkpoints-path", "/new"])[0]  # where it lived left out: a new run
 
 
 def assert_same_curves(resumed: Path, clean: Path, steps: int) -> None:
