@@ -93,15 +93,21 @@ class Inputs:
     tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
 
 
-def check_inputs(config: Config, env: DistEnv, console: Console,
-                 stack: contextlib.ExitStack) -> tuple[Inputs, Optional[dict[str, Any]]]:
+def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextlib.ExitStack,
+                 splits: Optional[tuple[sources.Source, sources.Source]] = None
+                 ) -> tuple[Inputs, Optional[dict[str, Any]]]:
     """Every check that can fail on the user's input: data folders, checkpoints folder (locked by rank
-    0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs."""
+    0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs.
+    `splits`: the train and val sources, where the caller has them (a test's in-memory source); else DATA's."""
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
     use_fastest_kernels(device)
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
-    train, val = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
+    if splits is None:
+        splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
+    else:
+        sources.check_same_classes(*splits)
+    train, val = splits
     tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")

@@ -7,9 +7,11 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from typing import Optional
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.config import Config
+from imagenet_elastic.data.sources import Source
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -33,10 +35,13 @@ from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.trainer import Trainer
 
 
-def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag,
-          stack: contextlib.ExitStack) -> Trainer:
+def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, stack: contextlib.ExitStack,
+          splits: Optional[tuple[Source, Source]] = None) -> Trainer:
+    """Everything a run needs, from what it is given: its settings, its place in the job (`env`), where it speaks
+    (`console`), its preemption flag, the stack that releases what it takes, and, where the caller holds them,
+    the data's train and val sources (else DATA's, as the command line names them)."""
     began = time.time()
-    inputs, snapshot = check_inputs(config, env, console, stack)
+    inputs, snapshot = check_inputs(config, env, console, stack, splits)
     training = prepare_training(config, env, console, inputs, snapshot)
     loaders = build_loaders(config, env, console, inputs, training, stack)
     checked = join_job(config, env, console, inputs, snapshot, stack)
