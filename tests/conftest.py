@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.metadata
+import importlib.util
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import time
 from pathlib import Path
 
 import fault_injection as fi
+import inprocess
 import pytest
 import torch
 from packaging.version import Version  # pytest's own dependency
@@ -30,10 +32,21 @@ TRAIN_IMAGES = 4 * 24
 VAL_IMAGES = 4 * 9 - 1  # 35: divisible by neither 2 nor 3
 
 
+def _fake_imagenet():
+    """scripts/make_fake_imagenet.py as a module: its images, without an interpreter started for them."""
+    spec = importlib.util.spec_from_file_location("make_fake_imagenet", REPO / "scripts" / "make_fake_imagenet.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+FAKE_IMAGENET = _fake_imagenet()
+
+
 def make_image_folder(root: Path, classes: int = 4, train_per_class: int = 24, val_per_class: int = 9) -> Path:
-    subprocess.run([sys.executable, str(REPO / "scripts" / "make_fake_imagenet.py"), str(root),
-                    "--classes", str(classes), "--train-per-class", str(train_per_class),
-                    "--val-per-class", str(val_per_class), "--size", "48x40"], check=True, capture_output=True)
+    """What `python scripts/make_fake_imagenet.py ROOT --classes .. --size 48x40` writes."""
+    for split, per_class in (("train", train_per_class), ("val", val_per_class)):
+        FAKE_IMAGENET.make_split(str(root), split, classes, per_class, (48, 40), seed=0)
     return root
 
 
@@ -234,10 +247,14 @@ def reference_world2(image_folder, tmp_path_factory) -> dict:
     return load_checkpoint(ckpt / "last.pt")
 
 
-def evaluate_cmd(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path, *extra: str) -> list[str]:
-    """`--evaluate` of a checkpoint (SMALL_RUN's model and precision) at a world size."""
-    args = [str(image_folder), *SMALL_RUN, *extra, "--evaluate", "--resume", str(checkpoint), "--checkpoints-path",
+def evaluate_args(image_folder: Path, checkpoint: Path, scratch: Path, *extra: str) -> list[str]:
+    """`--evaluate` of a checkpoint, with SMALL_RUN's model and precision."""
+    return [str(image_folder), *SMALL_RUN, *extra, "--evaluate", "--resume", str(checkpoint), "--checkpoints-path",
             str(scratch)]
+
+
+def evaluate_cmd(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path, *extra: str) -> list[str]:
+    args = evaluate_args(image_folder, checkpoint, scratch, *extra)
     return python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args)
 
 
@@ -249,6 +266,10 @@ def evaluated(result: subprocess.CompletedProcess) -> dict:
 
 def evaluate_checkpoint(image_folder: Path, checkpoint: Path, world_size: int, scratch: Path,
                         *extra: str) -> dict:
+    """`--evaluate`'s JSON line: one rank in this process (inprocess.command), more under torchrun."""
+    if world_size == 1:
+        return evaluated(inprocess.command([*evaluate_args(image_folder, checkpoint, scratch, *extra), "--workers",
+                                            "0"]))
     return evaluated(run(evaluate_cmd(image_folder, checkpoint, world_size, scratch, *extra)))
 
 

@@ -14,6 +14,7 @@ import contextlib
 import io
 import random
 import signal
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Optional
@@ -146,7 +147,9 @@ def command(argv: Sequence[str]) -> Finished:
     out, err = io.StringIO(), io.StringIO()
     code = 0
     try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # torch's @record would point faulthandler at stderr, which has no file descriptor here
+            warnings.filterwarnings("ignore", message="Unable to enable fault handler")
             cli.main(list(argv))
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)

@@ -1,4 +1,8 @@
-"""Bad input: one line on stderr naming the culprit, exit code 2, no traceback, nothing on disk changed."""
+"""Bad input: one line on stderr naming the culprit, exit code 2, no traceback, nothing on disk changed.
+
+The command runs in this process (inprocess.command: cli.main with its output captured), with no loader worker;
+the one failure that crosses a worker's process boundary (a corrupt image met by a loader worker) runs as a real
+process."""
 
 from __future__ import annotations
 
@@ -6,10 +10,9 @@ import hashlib
 import shutil
 from pathlib import Path
 
+import inprocess
 import pytest
 from conftest import SMALL_RUN, make_image_folder, python_cmd, run
-
-pytestmark = pytest.mark.slow  # every test here starts processes
 
 
 def tree_digest(root: Path) -> dict[str, str]:
@@ -26,15 +29,17 @@ def tree_digest(root: Path) -> dict[str, str]:
 def trained(image_folder, tmp_path_factory) -> Path:
     """A folder holding a finished one-epoch run of test_resnet on the 4-class data."""
     ckpt = tmp_path_factory.mktemp("trained")
-    result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "2",
-                            "--checkpoints-path", str(ckpt)))
-    assert result.returncode == 0, result.stderr
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "2",
+                     "--checkpoints-path", str(ckpt)])
     return ckpt
 
 
-def expect_user_error(args: list[str], culprit: str, watched: Path) -> str:
+def expect_user_error(args: list[str], culprit: str, watched: Path, process: bool = False) -> str:
+    """`imagenet-elastic ARGS` refuses: exit 2, one error line (warnings aside) that names `culprit`, no
+    traceback, and every file under `watched` as it was. In this process without loader workers, unless
+    `process`: a real process with the workers ARGS ask for."""
     before = tree_digest(watched)
-    result = run(python_cmd(*args))
+    result = run(python_cmd(*args)) if process else inprocess.command([*args, "--workers", "0"])
     assert result.returncode == 2, result.stdout + result.stderr
     lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning: ")]
     assert len(lines) == 1, result.stderr
@@ -77,13 +82,14 @@ def test_missing_validation_folder_suggests_val_path(tmp_path):
     expect_user_error([str(data), "--checkpoints-path", str(tmp_path / "ck")], "--val-path", data)
 
 
-def test_corrupt_image_is_named_and_checkpoints_are_untouched(tmp_path, trained):
+@pytest.mark.slow  # a process: the loader worker's failure crosses into the trainer
+def test_corrupt_image_met_by_a_loader_worker_is_named_and_checkpoints_are_untouched(tmp_path, trained):
     data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=1)
     bad = sorted((data / "train").rglob("*.jpg"))[5]
     bad.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 10)
     ckpt = copy_trained(trained, tmp_path)
     expect_user_error([str(data), *SMALL_RUN, "--epochs", "3", "--checkpoints-path", str(ckpt), "--resume"],
-                      f"cannot decode image file {bad}", ckpt)
+                      f"cannot decode image file {bad}", ckpt, process=True)
 
 
 def test_a_truncated_jpeg_met_by_decode_gpus_thread_is_named_and_checkpoints_are_untouched(tmp_path, trained):

@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import os
 
+import inprocess
 import pytest
 from conftest import finish, python_cmd, run, start
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+
+def benchmark_args(image_folder, *args: str) -> list[str]:
+    return ["benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8", "--workers", "1", "--batches",
+            "2", *args]
 
 
 def benchmark_cmd(image_folder, *args: str) -> list[str]:
-    return python_cmd("benchmark", str(image_folder), "--image-size", "32", "--batch-size", "8", "--workers", "1",
-                      "--batches", "2", *args)
+    return python_cmd(*benchmark_args(image_folder, *args))
 
 
 def json_lines(result) -> list[dict]:
@@ -25,6 +28,7 @@ def benchmark(image_folder, *args: str) -> list[dict]:
     return json_lines(run(benchmark_cmd(image_folder, *args)))
 
 
+@pytest.mark.slow  # a process: its loader workers fork
 def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     (line,) = benchmark(image_folder, "--mode", "loader", "--rounds", "2")
     assert line["mode"] == "loader" and line["workers"] == 1 and line["batch_size"] == 8
@@ -36,6 +40,7 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     assert line["peak_host_rss_mb"] > 0 and line["peak_gpu_mb"] is None
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     modes = [("--mode", "synthetic"), ("--mode", "end_to_end"), ("--mode", "end_to_end", "--decode", "gpu")]
@@ -49,6 +54,7 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     assert [line["decode"] for line in lines[1:]] == ["cpu", "gpu"]
 
 
+@pytest.mark.slow  # spawns the workers' processes
 def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_tuples(image_folder):
     line, shards = benchmark(image_folder, "--mode", "index", "--index-entries", "200000")
     assert line["entries"] == 200000
@@ -60,6 +66,7 @@ def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_t
     assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
 
 
+@pytest.mark.slow  # a process: its loader workers fork
 def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(image_folder, tmp_path):
     from test_pack import run_pack
 
@@ -74,8 +81,8 @@ def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(im
 
 
 def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(image_folder, tmp_path):
-    (line,) = benchmark(image_folder, "--mode", "checkpoint", "--model", "resnet18", "--rounds", "2",
-                        "--checkpoints-path", str(tmp_path))
+    (line,) = json_lines(inprocess.command(benchmark_args(image_folder, "--mode", "checkpoint", "--model", "resnet18",
+                                                          "--rounds", "2", "--checkpoints-path", str(tmp_path))))
     assert line["mode"] == "checkpoint" and line["model"] == "resnet18" and line["filesystem"] != "unknown"
     assert 80 < line["state_mb"] < 100  # resnet18's weights, momentum and BatchNorm statistics
     for key in ("sync", "one_write", "stall", "write"):
@@ -85,6 +92,6 @@ def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(i
 
 
 def test_missing_data_folder_is_one_line(tmp_path):
-    result = run(python_cmd("benchmark", str(tmp_path / "nope")))
+    result = inprocess.command(["benchmark", str(tmp_path / "nope")])
     assert result.returncode == 2
     assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"

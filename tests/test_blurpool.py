@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import json
 
+import inprocess
 import pytest
 import timm
 import torch
 import torch.nn.functional as F
-from conftest import SMALL_RUN, assert_row_describes, evaluate_checkpoint, python_cmd, run
+from conftest import SMALL_RUN, assert_row_describes, evaluate_checkpoint
 from test_bad_input import expect_user_error
 from torch import nn
 
@@ -76,8 +77,8 @@ def test_a_model_with_nothing_to_blur_is_refused_by_name():
 
 def test_a_run_resumes_and_evaluates_only_as_the_model_it_trained_and_fine_tuning_says_so(image_folder, tmp_path):
     ckpt = tmp_path / "ckpt"
-    trained = run(python_cmd(str(image_folder), *SMALL_RUN, "--blurpool", "--epochs", "2", "--max-steps-per-epoch",
-                             "2", "--checkpoints-path", str(ckpt)))
+    trained = inprocess.command([str(image_folder), *SMALL_RUN, "--workers", "0", "--blurpool", "--epochs", "2",
+                                 "--max-steps-per-epoch", "2", "--checkpoints-path", str(ckpt)])
     assert trained.returncode == 0, trained.stdout + trained.stderr
     assert "BlurPool before 3 strided convolutions" in trained.stdout
     row = read_metrics(ckpt / "metrics.jsonl")[-1]
@@ -88,8 +89,9 @@ def test_a_run_resumes_and_evaluates_only_as_the_model_it_trained_and_fine_tunin
                       f"checkpoint {ckpt / 'last.pt'} was trained with --blurpool: pass --blurpool", ckpt)
     expect_user_error([str(image_folder), *SMALL_RUN, "--epochs", "3", "--max-steps-per-epoch", "2", "--resume",
                        "--checkpoints-path", str(ckpt)], "pass --blurpool", ckpt)
-    tuned = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
-                           "--initial-checkpoint", str(ckpt / "last.pt"), "--checkpoints-path", str(tmp_path / "t")))
+    tuned = inprocess.command([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+                               "--max-steps-per-epoch", "1", "--initial-checkpoint", str(ckpt / "last.pt"),
+                               "--checkpoints-path", str(tmp_path / "t")])
     assert tuned.returncode == 0, tuned.stdout + tuned.stderr  # fine-tuning without the blur is allowed, and said
     assert (f"warning: --initial-checkpoint {ckpt / 'last.pt'} was trained with --blurpool and this run has no blur"
             in tuned.stderr), tuned.stderr

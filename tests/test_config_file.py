@@ -5,9 +5,10 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import inprocess
 import pytest
 import yaml
-from conftest import VAL_IMAGES, python_cmd, run
+from conftest import VAL_IMAGES
 
 from imagenet_elastic import cli
 from imagenet_elastic.config import Config
@@ -129,13 +130,12 @@ def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
     assert recipes["resnet50_baseline_90ep"].sched == "step" and not recipes["resnet50_torchvision_v2"].blurpool
 
 
-@pytest.mark.slow  # a process per recipe
 @pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
 def test_every_shipped_recipe_trains_and_validates_an_epoch_with_a_tiny_model(recipe, image_folder, tmp_path):
     """Each recipe's combination of options, at its own image sizes, through a step-capped epoch."""
-    result = run(python_cmd(str(image_folder), "--config", str(recipe), "--model", "test_resnet", "--batch-size", "8",
-                            "--global-batch-size", "16", "--epochs", "1", "--max-steps-per-epoch", "2", "--workers",
-                            "1", "--checkpoints-path", str(tmp_path)))
+    result = inprocess.command([str(image_folder), "--config", str(recipe), "--model", "test_resnet", "--batch-size",
+                                "8", "--global-batch-size", "16", "--epochs", "1", "--max-steps-per-epoch", "2",
+                                "--workers", "0", "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 0, result.stdout + result.stderr
     (row,) = read_metrics(tmp_path / "metrics.jsonl")
     assert (row["epoch"], row["val_samples"], row["global_batch"]) == (1, VAL_IMAGES, 16)

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import fault_injection as fi
+import inprocess
 import pytest
 from conftest import (
     AUGMENTED,
@@ -179,12 +180,16 @@ def mid_epoch_checkpoint_world2(image_folder, tmp_path_factory):
 @pytest.mark.parametrize("world_size", [1, 3])
 @pytest.mark.multiprocess
 def test_checkpoint_of_world_size_2_resumes_at_another_world_size_with_the_same_global_batch(
-        image_folder, tmp_path, mid_epoch_checkpoint_world2, world_size):
+        image_folder, tmp_path, mid_epoch_checkpoint_world2, world_size, monkeypatch):
     shutil.copytree(mid_epoch_checkpoint_world2, tmp_path, dirs_exist_ok=True)
     args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoints-path", str(tmp_path / "ckpt"), "--resume"]
-    cmd = python_cmd(*args) if world_size == 1 else torchrun_cmd(world_size, *args)
-    result = subprocess.run(cmd, cwd=REPO, env=child_env(**{ENV_VAR: str(tmp_path / "samples")}),
-                            capture_output=True, text=True, timeout=240)
+    if world_size == 1:  # one rank: in this process
+        monkeypatch.setenv(ENV_VAR, str(tmp_path / "samples"))
+        result = inprocess.command([*args, "--workers", "0"])
+    else:
+        result = subprocess.run(torchrun_cmd(world_size, *args), cwd=REPO,
+                                env=child_env(**{ENV_VAR: str(tmp_path / "samples")}), capture_output=True, text=True,
+                                timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     split = {1: "24 = 1 process x 24, in 3 micro-batches of 8", 3: "24 = 3 processes x 8"}[world_size]
     assert split in result.stdout

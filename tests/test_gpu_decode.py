@@ -9,18 +9,16 @@ from __future__ import annotations
 import contextlib
 import io
 
+import inprocess
 import numpy as np
 import pytest
 import torch
 from conftest import (
     SMALL_RUN,
     assert_same_tensors,
-    finish,
     load_checkpoint,
     make_image_folder,
-    python_cmd,
     run,
-    start,
     torchrun_cmd,
 )
 from PIL import Image
@@ -290,16 +288,13 @@ def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
     assert (via_float.int() - exact.int()).abs().max() <= 1
 
 
-@pytest.mark.slow
-@pytest.mark.multiprocess
 def test_training_with_decode_gpu_matches_decode_cpu_step_for_step(image_folder, tmp_path):
     """The fixture's 48x40 images never take DCT scaling at 32 px, so both paths feed identical pixels; random
     erasing (an assignment) draws from the seed each worker handed over and erases the same boxes."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "4", "--random-erase", "0.5",
-            "--threads", "1"]
-    beside = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "cpu")))
-    gpu = run(python_cmd(*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")))
-    cpu = finish(beside)
+            "--threads", "1", "--workers", "0"]
+    cpu = inprocess.command([*args, "--checkpoints-path", str(tmp_path / "cpu")])
+    gpu = inprocess.command([*args, "--decode", "gpu", "--checkpoints-path", str(tmp_path / "gpu")])
     assert cpu.returncode == 0, cpu.stderr
     assert gpu.returncode == 0, gpu.stderr
     assert "--decode gpu without a CUDA device" in gpu.stderr

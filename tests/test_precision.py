@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+import inprocess
 import pytest
 import torch
-from conftest import SMALL_RUN, python_cmd, run
+from conftest import SMALL_RUN
 
 from imagenet_elastic.train.model import choose_precision, native_low_precision
 
@@ -94,12 +95,11 @@ def test_gpu_bf16_on_a_torch_whose_check_takes_no_argument(monkeypatch):
 
 
 
-@pytest.mark.slow
 def test_an_explicit_bf16_warns_once_where_this_cpu_only_emulates_it(image_folder, tmp_path):
     """The real trainer on this machine's CPU, whichever kind it is."""
     native = native_low_precision(torch.device("cpu"))["bf16"]
-    result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1", "--amp",
-                            "bf16", "--checkpoints-path", str(tmp_path)))
+    result = inprocess.command([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+                                "--max-steps-per-epoch", "1", "--amp", "bf16", "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 0, result.stderr
     warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
     assert warnings == ([] if native else [f"warning: {choose_precision('bf16', 'cpu', NO_BF16).warning}"])

@@ -15,11 +15,11 @@ from conftest import (
     EPOCHS,
     MIXED,
     SMALL_RUN,
-    TRAIN_IMAGES,
     VAL_IMAGES,
     assert_row_describes,
     assert_same_tensors,
     child_env,
+    evaluate_checkpoint,
     evaluate_cmd,
     evaluated,
     finish,
@@ -34,7 +34,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
 from imagenet_elastic.report.metrics import read as read_metrics
-from imagenet_elastic.train.model import create_model, native_low_precision
+from imagenet_elastic.train.model import create_model
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
@@ -141,9 +141,11 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
     statistics, the ones saved, not its own (which its last micro-batches moved)."""
     ckpt, _ = torchrun_reference
     runs = {world_size: start(evaluate_cmd(image_folder, ckpt / "last.pt", world_size, tmp_path / str(world_size),
-                                           "--batch-size", "11")) for world_size in (1, 2, 3)}  # side by side
-    epoch_2 = start(evaluate_cmd(image_folder, ckpt / "epoch_0002.pt", 1, tmp_path / "e2"))
-    results = {world_size: evaluated(finish(proc)) for world_size, proc in runs.items()}
+                                           "--batch-size", "11")) for world_size in (2, 3)}
+    # one rank in this process, beside the two torchrun jobs
+    results = {1: evaluate_checkpoint(image_folder, ckpt / "last.pt", 1, tmp_path / "1", "--batch-size", "11")}
+    epoch_2 = evaluate_checkpoint(image_folder, ckpt / "epoch_0002.pt", 1, tmp_path / "e2")
+    results.update({world_size: evaluated(finish(proc)) for world_size, proc in runs.items()})
     for result in results.values():
         assert result["val_samples"] == VAL_IMAGES
     for world_size in (2, 3):  # fp32; only the summation order differs
@@ -152,55 +154,7 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
         assert results[world_size]["val_loss"] == pytest.approx(results[1]["val_loss"], rel=1e-5, abs=1e-7)
     rows = read_metrics(ckpt / "metrics.jsonl")
     assert_row_describes(rows[2], results[2], rel=1e-5)  # epoch 3 = last.pt, trained and evaluated at world size 2
-    assert_row_describes(rows[1], evaluated(finish(epoch_2)))
-
-
-def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
-    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
-            "--resume"]
-    first = run(python_cmd(*args, "--epochs", "1"))
-    assert first.returncode == 0, first.stderr
-    assert "starting fresh" in first.stdout
-    # a row for an epoch that no checkpoint holds (as if killed between the two writes)
-    with open(tmp_path / "metrics.jsonl", "a") as f:
-        f.write(json.dumps({"epoch": 2, "val_top1": -1.0}) + "\n")
-    second = run(python_cmd(*args, "--epochs", "2"))
-    assert second.returncode == 0, second.stderr
-    assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
-    assert second.stdout.count("(file list from the cache)") == 2  # train and val: not scanned again
-    assert "epochs: checkpoint 1, now 2" in second.stderr  # a changed schedule is pointed out
-    rows = read_metrics(tmp_path / "metrics.jsonl")
-    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["val_top1"] >= 0
-    best = max(r["val_top1"] for r in rows)
-    assert load_checkpoint(tmp_path / "last.pt")["best_top1"] == best
-    done = run(python_cmd(*args, "--epochs", "2"))
-    assert done.returncode == 0 and "nothing to do" in done.stdout
-
-
-def test_training_set_size_global_batch_and_precision_are_reported(image_folder, tmp_path):
-    result = run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "1",
-                            "--amp", "auto", "--checkpoints-path", str(tmp_path)))
-    assert result.returncode == 0, result.stderr
-    assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
-    assert "8 = 1 process x 8" in result.stdout
-    # --amp auto on this machine's CPU, whichever kind it is: never an emulated bf16, and the reason said
-    native = native_low_precision(torch.device("cpu"))["bf16"]
-    expected = "bf16 (auto: this CPU has native bf16)" if native else "fp32 (auto: this CPU has no native bf16)"
-    assert re.search(rf"precision\s+{re.escape(expected)}$", result.stdout, re.MULTILINE), result.stdout
-    assert "warning:" not in result.stderr
-
-
-def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_folder, tmp_path):
-    args = [str(image_folder), *SMALL_RUN, "--amp", "fp16", "--channels-last", "--max-steps-per-epoch", "3",
-            "--checkpoints-path", str(tmp_path), "--resume"]
-    first = run(python_cmd(*args, "--epochs", "1"))
-    assert first.returncode == 0, first.stderr
-    assert "fp16 + GradScaler" in first.stdout
-    scaler = load_checkpoint(tmp_path / "last.pt")["scaler"]
-    assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 3  # three unskipped steps
-    second = run(python_cmd(*args, "--epochs", "2"))
-    assert second.returncode == 0, second.stderr
-    assert load_checkpoint(tmp_path / "last.pt")["scaler"]["_growth_tracker"] == 6  # restored, not reset
+    assert_row_describes(rows[1], epoch_2)
 
 
 def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):

@@ -1,0 +1,62 @@
+"""A run's life in one process: a fresh start, what it reports, its checkpoints (the fp16 scaler's state with
+them), `--resume` continuing it without repeating a metrics row, and the run with nothing left to do."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import inprocess
+import torch
+from conftest import SMALL_RUN, TRAIN_IMAGES, VAL_IMAGES, load_checkpoint
+
+from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.train.model import native_low_precision
+
+
+def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
+            "--resume"]
+    first = inprocess.command([*args, "--workers", "0", "--epochs", "1"])
+    assert first.returncode == 0, first.stderr
+    assert "starting fresh" in first.stdout
+    # a row for an epoch that no checkpoint holds (as if killed between the two writes)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write(json.dumps({"epoch": 2, "val_top1": -1.0}) + "\n")
+    second = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
+    assert second.returncode == 0, second.stderr
+    assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
+    assert second.stdout.count("(file list from the cache)") == 2  # train and val: not scanned again
+    assert "epochs: checkpoint 1, now 2" in second.stderr  # a changed schedule is pointed out
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in rows] == [1, 2] and rows[1]["val_top1"] >= 0
+    best = max(r["val_top1"] for r in rows)
+    assert load_checkpoint(tmp_path / "last.pt")["best_top1"] == best
+    done = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
+    assert done.returncode == 0 and "nothing to do" in done.stdout
+
+
+def test_training_set_size_global_batch_and_precision_are_reported(image_folder, tmp_path):
+    result = inprocess.command([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+                                "--max-steps-per-epoch", "1", "--amp", "auto", "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stderr
+    assert f"{TRAIN_IMAGES} in" in result.stdout and f"{VAL_IMAGES} in" in result.stdout
+    assert "8 = 1 process x 8" in result.stdout
+    # --amp auto on this machine's CPU, whichever kind it is: never an emulated bf16, and the reason said
+    native = native_low_precision(torch.device("cpu"))["bf16"]
+    expected = "bf16 (auto: this CPU has native bf16)" if native else "fp32 (auto: this CPU has no native bf16)"
+    assert re.search(rf"precision\s+{re.escape(expected)}$", result.stdout, re.MULTILINE), result.stdout
+    assert "warning:" not in result.stderr
+
+
+def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--amp", "fp16", "--channels-last", "--max-steps-per-epoch", "3",
+            "--checkpoints-path", str(tmp_path), "--resume"]
+    first = inprocess.command([*args, "--workers", "0", "--epochs", "1"])
+    assert first.returncode == 0, first.stderr
+    assert "fp16 + GradScaler" in first.stdout
+    scaler = load_checkpoint(tmp_path / "last.pt")["scaler"]
+    assert scaler["scale"] > 1 and scaler["_growth_tracker"] == 3  # three unskipped steps
+    second = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
+    assert second.returncode == 0, second.stderr
+    assert load_checkpoint(tmp_path / "last.pt")["scaler"]["_growth_tracker"] == 6  # restored, not reset
