@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 HOOK = '''
 import json, os, sys
@@ -57,7 +58,8 @@ def main(args: list[str]) -> int:
         began = time.perf_counter()
         code = subprocess.call([sys.executable, "-m", "pytest", *args], env=env)
         wall = time.perf_counter() - began
-        rows = [json.loads(line) for line in open(log)] if os.path.exists(log) else []
+        lines = Path(log).read_text().splitlines() if os.path.exists(log) else []
+        rows = [json.loads(line) for line in lines]
     kinds = collections.Counter(kind(r) for r in rows)
     files = collections.Counter(r["test"].split("::")[0] for r in rows if r["test"])
     print(f"\n{len(rows)} Python interpreters started in {wall:.0f} s of wall time (pytest exit {code})")

@@ -13,7 +13,8 @@ import threading
 import time
 from pathlib import Path
 
-import fault_injection as fi
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the harness the demo script uses too
+import fault_injection as fi  # noqa: E402
 import inprocess
 import pytest
 import torch
