@@ -10,6 +10,7 @@ import sys
 import time
 
 import fault_injection as fi
+import inprocess
 import pytest
 from conftest import (
     REPO,
@@ -130,10 +131,12 @@ def test_multinode_torchrun_script_with_node_level_variables(image_folder, tmp_p
     assert_matches_reference(tmp_path, reference_world2)
 
 
-def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_folder, tmp_path):
-    env = child_env(OMPI_COMM_WORLD_SIZE="2", OMPI_COMM_WORLD_RANK="0")
-    result = subprocess.run(python_cmd(str(image_folder), "--checkpoints-path", str(tmp_path)), cwd=REPO,
-                            env=env, capture_output=True, text=True, timeout=60)
+def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_folder, tmp_path, monkeypatch):
+    for name in set(os.environ) - set(child_env()):
+        monkeypatch.delenv(name)  # no launcher's variables in this process ...
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")  # ... but mpirun's
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    result = inprocess.command([str(image_folder), "--checkpoints-path", str(tmp_path)])
     assert result.returncode == 2
     assert "pass --dist-init-method mpi" in result.stderr and "Traceback" not in result.stderr
 
