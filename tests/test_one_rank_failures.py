@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import fault_injection as fi
+import inprocess
 import pytest
 from conftest import REPO, SMALL_RUN, child_env, python_cmd, several_at_once
 
@@ -62,10 +63,8 @@ def digest(path: Path) -> str:
 @pytest.fixture(scope="module")
 def one_epoch(image_folder, tmp_path_factory) -> Path:
     folder = tmp_path_factory.mktemp("one_epoch")
-    done = subprocess.run(python_cmd(str(image_folder), *SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3",
-                                     "--checkpoints-path", str(folder)), cwd=REPO, env=child_env(),
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "3",
+                     "--checkpoints-path", str(folder)])
     return folder
 
 
