@@ -133,6 +133,25 @@ def test_steps_a_killed_run_logged_past_its_checkpoint_are_not_sent_again(tmp_pa
     assert_wandb_holds(ckpt)
 
 
+def test_a_run_killed_while_validating_sends_the_epochs_row_at_a_step_the_trackers_already_hold(tmp_path):
+    """Killed in epoch 1's validation: the trackers hold step 12's training row, not the epoch's row, which the
+    resumed run sends (each kind of row counts its own last step)."""
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+
+    def dies_validating(trainer) -> None:
+        def validate():
+            raise RuntimeError("killed while validating")
+        trainer.validate = validate
+
+    with pytest.raises(RuntimeError, match="killed while validating"):
+        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=dies_validating,
+                        splits=inprocess.in_memory())
+    assert max(steps_jsonl(ckpt)) == 12
+    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+
+
 def test_a_run_killed_before_its_first_checkpoint_restarts_into_the_same_tracker_runs(tmp_path):
     store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
     with pytest.raises(RuntimeError, match="killed after step 3"):
