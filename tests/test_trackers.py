@@ -225,6 +225,16 @@ def test_a_tracker_that_cannot_be_written_is_one_line_before_training(tmp_path, 
     assert "Traceback" not in done.stderr and not (ckpt / STEPS).exists() and not (ckpt / "last.pt").exists()
 
 
+def test_mlflows_file_store_is_refused_in_one_line_that_says_how_to_allow_it(tmp_path, image_folder, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    done = inprocess.command([str(image_folder), "--checkpoints-path", str(tmp_path / "ckpt"), "--mlflow",
+                              f"file:{tmp_path}/mlruns"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"imagenet-elastic: error: --mlflow file:{tmp_path}/mlruns: cannot use this MLflow store: MLflow keeps its "
+        "file store for old runs: set MLFLOW_ALLOW_FILE_STORE=true, or use sqlite:///PATH")
+
+
 def test_a_missing_package_names_its_extra(tmp_path, image_folder, monkeypatch):
     find_spec = trackers.importlib.util.find_spec
     monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
