@@ -111,6 +111,7 @@ class WandbTracker(Tracker):
 
     option, package = "wandb", "wandb"
     NOT_IN_NAME = re.compile(r"[/\\#?%:]")  # W&B refuses these in a project's name
+    STARTED = re.compile(r"\d{8}_\d{6}")  # a run folder's start time, as wandb names it
 
     def __init__(self, where: str, folder: str) -> None:
         super().__init__(where, folder)
@@ -137,15 +138,15 @@ class WandbTracker(Tracker):
         return self.run.id
 
     def logs(self, run_id: str) -> list[str]:
-        """This run's transaction logs, one per start (offline and online alike), oldest first."""
+        """This run's transaction logs, one per start (offline-run-TIME-ID, or run-TIME-ID online), oldest first."""
         found = glob.glob(os.path.join(self.dir, "wandb", f"*run-*-{run_id}", f"run-{run_id}.wandb"))
-        return sorted(found, key=lambda path: os.path.basename(os.path.dirname(path)).split("-", 2)[-1])
+        return sorted(found, key=lambda path: self.STARTED.findall(os.path.basename(os.path.dirname(path)))[:1])
 
     def held(self) -> dict[str, int]:
         last = {TRAIN_KEY: 0, EPOCH_KEY: 0}
-        mine = os.path.realpath(self.run.dir)
+        mine = os.path.realpath(os.path.dirname(self.run.dir))  # run.dir is the run folder's files/
         for path in self.logs(self.run.id):
-            if os.path.realpath(path).startswith(os.path.dirname(mine)):  # this start's own log: nothing yet
+            if os.path.realpath(os.path.dirname(path)) == mine:  # this start's own log: nothing sent yet
                 continue
             for step, values in wandb_history(path):
                 for key in last:
