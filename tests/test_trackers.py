@@ -30,6 +30,9 @@ def offline(monkeypatch, tmp_path):
     monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
     monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
     monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # wandb.init in this process (an earlier in-process test) leaves its service's address here for child processes
+    # to share; a killed child's run would then stay open in it, and the same run id could not start again.
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
     (tmp_path / "wandb_dir").mkdir()
 
 
@@ -63,8 +66,8 @@ def assert_mlflow_holds(store: str, ckpt: Path) -> None:
     for key in ("loss", "lr", "images_per_sec", "epoch"):
         history = client.get_metric_history(run_id, f"train/{key}")
         assert [m.step for m in history] == list(rows), key
-        if key in ("loss", "lr", "epoch"):
-            assert [m.value for m in history] == pytest.approx([rows[s][key] for s in rows], rel=1e-12), key
+        if key in ("loss", "lr", "epoch"):  # trained again exactly; images/s is the clock's
+            assert [m.value for m in history] == [rows[s][key] for s in rows], key
     epochs = client.get_metric_history(run_id, "epoch/val_top1")
     metrics = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
     assert [m.step for m in epochs] == [row["step"] for row in metrics] == [12, 24]
@@ -88,7 +91,8 @@ def assert_wandb_holds(ckpt: Path) -> None:
     train = [(step, values) for step, values in history if trackers.TRAIN_KEY in values]
     rows = steps_jsonl(ckpt)
     assert [step for step, _ in train] == list(rows)
-    assert [values["train/loss"] for _, values in train] == pytest.approx([rows[s]["loss"] for s in rows], rel=1e-12)
+    for key in ("loss", "lr", "epoch"):
+        assert [values[f"train/{key}"] for _, values in train] == [rows[s][key] for s in rows], key
     assert [step for step, values in history if "epoch/val_top1" in values] == [12, 24]
     steps = [step for step, _ in history]
     assert steps == sorted(steps)

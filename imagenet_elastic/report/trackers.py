@@ -268,8 +268,9 @@ class Tracking:
              settings: dict[str, Any], facts: dict[str, str], rows: list[dict[str, Any]],
              history: list[dict[str, Any]]) -> None:
         """Open each tracker's run: the checkpoint's (`saved`), else the one a start from this same point made
-        and recorded in PENDING (when this start `continuing`s the folder), else a new one. Then what it lacks
-        of `rows` (steps.jsonl up to the checkpoint) and `history` (its epochs) is sent, in step order."""
+        and recorded in PENDING (when this start continues the folder: --resume, a torchrun restart), else a new
+        one. Then what each lacks of `rows` (steps.jsonl up to the checkpoint) and `history` (its epochs) is sent,
+        in step order."""
         pending = self.read_pending() if continuing else {}
         for tracker in self.trackers:
             run_id = saved.get(tracker.option)
