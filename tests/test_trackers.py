@@ -17,6 +17,7 @@ import inprocess
 import pytest
 from conftest import SMALL_RUN, python_cmd, run, run_and_kill
 
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import trackers
 from imagenet_elastic.report.step_log import FILENAME as STEPS
 
@@ -245,6 +246,16 @@ def test_mlflows_file_store_is_refused_in_one_line_that_says_how_to_allow_it(tmp
     assert done.stderr.strip().splitlines()[-1] == (
         f"imagenet-elastic: error: --mlflow file:{tmp_path}/mlruns: cannot use this MLflow store: MLflow keeps its "
         "file store for old runs: set MLFLOW_ALLOW_FILE_STORE=true, or use sqlite:///PATH")
+
+
+def test_wandb_online_without_an_account_is_one_line_before_training(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(UserError, match=r"^--wandb tests: No API key configured"):
+        inprocess.train(args(ckpt, f"file:{tmp_path}/mlruns"), splits=inprocess.in_memory())
+    assert not (ckpt / STEPS).exists() and not (ckpt / "last.pt").exists()
 
 
 def test_a_missing_package_names_its_extra(tmp_path, image_folder, monkeypatch):

@@ -9,7 +9,9 @@ One run, whatever restarts it. A tracker run's id is made once, at the first sta
 it is kept in CHECKPOINTS/trackers.json (PENDING), written as soon as the run is made and removed once a
 checkpoint holds it: a run killed before its first checkpoint restarts into the same tracker run, and a folder
 whose checkpoints are later deleted does not lend its old run to a new one. A start that would not continue the
-folder (no --resume, no torchrun restart) makes a new run.
+folder (no --resume, no torchrun restart) makes a new run. (A W&B id is chosen here; MLflow's store chooses its
+own, so a death in the milliseconds between making an MLflow run and recording it leaves that run empty and the
+restart makes another.)
 
 No step twice, none backward. A run killed after its last checkpoint has sent steps beyond it, and the resumed run
 trains those steps again (resume is step-exact, so with the same values; bitwise on CPU). The trackers cannot
