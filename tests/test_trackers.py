@@ -248,7 +248,17 @@ def test_mlflows_file_store_is_refused_in_one_line_that_says_how_to_allow_it(tmp
         "file store for old runs: set MLFLOW_ALLOW_FILE_STORE=true, or use sqlite:///PATH")
 
 
-def test_wandb_online_without_an_account_is_one_line_before_training(tmp_path, monkeypatch):
+@pytest.fixture
+def wandb_settings_read_again():
+    """wandb reads its settings from the environment once per process, at its first run: again after this."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_without_an_account_is_one_line_before_training(tmp_path, monkeypatch, wandb_settings_read_again):
     monkeypatch.setenv("WANDB_MODE", "online")
     monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings
     monkeypatch.delenv("WANDB_API_KEY", raising=False)

@@ -9,9 +9,9 @@ One run, whatever restarts it. A tracker run's id is made once, at the first sta
 it is kept in CHECKPOINTS/trackers.json (PENDING), written as soon as the run is made and removed once a
 checkpoint holds it: a run killed before its first checkpoint restarts into the same tracker run, and a folder
 whose checkpoints are later deleted does not lend its old run to a new one. A start that would not continue the
-folder (no --resume, no torchrun restart) makes a new run. (A W&B id is chosen here; MLflow's store chooses its
-own, so a death in the milliseconds between making an MLflow run and recording it leaves that run empty and the
-restart makes another.)
+folder (no --resume, no torchrun restart) makes a new run. (A W&B id is chosen here and recorded before the run is
+made; MLflow's store chooses its own, so a death in the milliseconds between making an MLflow run and recording it
+leaves that run empty and the restart makes another.)
 
 No step twice, none backward. A run killed after its last checkpoint has sent steps beyond it, and the resumed run
 trains those steps again (resume is step-exact, so with the same values; bitwise on CPU). The trackers cannot
@@ -87,9 +87,13 @@ class Tracker(ABC):
     def check(self) -> None:
         """Before anything else starts (no thread, no worker): that runs can be made there, else a UserError."""
 
+    def new_id(self) -> Optional[str]:
+        """The id of a new run, where the tracker lets its caller choose it (None: the store chooses)."""
+        return None
+
     @abstractmethod
     def open(self, run_id: Optional[str], name: str, settings: dict[str, Any]) -> str:
-        """Continue run `run_id`, or make a new one (None); returns its id."""
+        """Continue run `run_id` (a new run where no run has it yet), or make a new one (None); returns its id."""
 
     @abstractmethod
     def held(self) -> dict[str, int]:
@@ -120,6 +124,9 @@ class WandbTracker(Tracker):
         self.dir = os.environ.get("WANDB_DIR") or folder
         self.run: Any = None
 
+    def new_id(self) -> str:
+        return secrets.token_hex(4)  # W&B's ids are 8 characters of [a-z0-9]
+
     def check(self) -> None:
         if not self.where or self.NOT_IN_NAME.search(self.where):
             raise self.refuse("a W&B project name, without / \\ # ? % :")
@@ -134,7 +141,7 @@ class WandbTracker(Tracker):
         import wandb
 
         # console="off": the console's lines stay ours (W&B would wrap stdout and stderr).
-        self.run = wandb.init(project=self.where, id=run_id or secrets.token_hex(4), resume="allow", name=name,
+        self.run = wandb.init(project=self.where, id=run_id or self.new_id(), resume="allow", name=name,
                               dir=self.dir, settings=wandb.Settings(console="off", silent=True))
         self.run.config.update({"settings": settings}, allow_val_change=True)
         return self.run.id
@@ -279,11 +286,14 @@ class Tracking:
             earlier = pending.get(tracker.option, {})
             if run_id is None and earlier.get("from") == started_from:
                 run_id = earlier.get("id")
+            fresh = tracker.option not in saved
             try:
+                run_id = run_id or tracker.new_id()
+                if fresh and run_id is not None:  # recorded before the run exists, where its id is ours to choose
+                    self.record_pending(pending, tracker.option, run_id, started_from)
                 self.runs[tracker.option] = tracker.open(run_id, name, settings)
-                if tracker.option not in saved:
-                    pending[tracker.option] = {"id": self.runs[tracker.option], "from": started_from}
-                    self.write_pending(pending)
+                if fresh:
+                    self.record_pending(pending, tracker.option, self.runs[tracker.option], started_from)
                 tracker.describe(facts)
                 self.held[tracker.option] = tracker.held()
             except UserError:
@@ -303,8 +313,10 @@ class Tracking:
         except (OSError, ValueError):
             return {}
 
-    def write_pending(self, pending: dict[str, Any]) -> None:
-        atomic_write_bytes(json.dumps(pending).encode(), self.pending_path)
+    def record_pending(self, pending: dict[str, Any], option: str, run_id: str, started_from: Optional[float]) -> None:
+        if pending.get(option) != {"id": run_id, "from": started_from}:
+            pending[option] = {"id": run_id, "from": started_from}
+            atomic_write_bytes(json.dumps(pending).encode(), self.pending_path)
 
     def forget_pending(self) -> None:
         """After a checkpoint that holds the runs' ids (the first of this start)."""
