@@ -20,8 +20,9 @@ last holds of each kind of row (`held`: MLflow's metric history; W&B's own trans
 records `wandb sync` uploads), and rows up to it are not sent again. Rows it lacks that steps.jsonl and the
 checkpoint's history hold (lost in flight at a kill, or a tracker first named at a resume) are sent first, in step
 order. The two kinds are counted apart: a run killed while validating has sent its epoch's last step, not the
-epoch's row. (W&B keeps one row per step: that epoch row reaches the step's row in the offline logs, but W&B's
-server ignores a resumed run's step it already holds, so online, or synced, that one epoch row is lost.)
+epoch's row. (W&B keeps one row per step: the offline logs hold that epoch row at the step's row, but W&B's server
+refuses a step that is not past a resumed run's last one, so online, or synced, that one epoch row may be lost; not
+seen here, where there is no W&B server.)
 
 A tracker never stops training. A setting it cannot use at start (package missing, a store that cannot be
 created) is one line and exit 2, before training; a failure later (server gone, disk full) is one warning on
