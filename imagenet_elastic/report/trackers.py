@@ -36,9 +36,11 @@ import glob
 import importlib.util
 import json
 import os
+import queue
 import re
 import secrets
 import struct
+import threading
 import time
 import zlib
 from abc import ABC, abstractmethod
@@ -178,15 +180,25 @@ class WandbTracker(Tracker):
 
 class MlflowTracker(Tracker):
     """MLflow: a tracking URI (a server's http(s)://..., sqlite:///PATH, file:PATH); the experiment is
-    MLFLOW_EXPERIMENT_NAME, else `imagenet_elastic`."""
+    MLFLOW_EXPERIMENT_NAME, else `imagenet_elastic`.
+
+    MLflow's client waits for its store (a row to sqlite took 70 ms here; a server, a round trip and, when it is
+    gone, minutes of retries), so rows go through a queue to a thread of their own, in order: the store holds a
+    prefix of what was sent, whatever kills the process, and the next start sends the rest (see `held`). A failure
+    in the thread is raised by the next `log` (Tracking then warns once); `close` waits CLOSE_WAIT_S for the queue.
+    """
 
     option, package = "mlflow", "mlflow"
+    CLOSE_WAIT_S = 30.0
 
     def __init__(self, where: str, folder: str) -> None:
         super().__init__(where, folder)
         self.client: Any = None
         self.run_id: Optional[str] = None
         self.experiment_id: Optional[str] = None
+        self.rows: queue.Queue = queue.Queue()
+        self.sender: Optional[threading.Thread] = None
+        self.failure: Optional[Exception] = None  # the sender's, raised by the next `log`
 
     def check(self) -> None:
         import logging
@@ -225,10 +237,24 @@ class MlflowTracker(Tracker):
                 for key in (TRAIN_KEY, EPOCH_KEY)}
 
     def log(self, step: int, values: dict[str, float]) -> None:
+        if self.failure is not None:
+            raise self.failure
+        if self.sender is None:
+            self.sender = threading.Thread(target=self.send_rows, name="mlflow-rows", daemon=True)
+            self.sender.start()
+        self.rows.put((step, int(time.time() * 1000), values))
+
+    def send_rows(self) -> None:
         from mlflow.entities import Metric
 
-        now = int(time.time() * 1000)
-        self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step) for key, value in values.items()])
+        while (row := self.rows.get()) is not None:
+            step, now, values = row
+            if self.failure is None:  # after one, the rest is left to the next start
+                try:
+                    self.client.log_batch(self.run_id, metrics=[Metric(key, value, now, step)
+                                                                for key, value in values.items()])
+                except Exception as error:  # for the training thread to report (see log)
+                    self.failure = error
 
     def describe(self, facts: dict[str, str]) -> None:
         from mlflow.entities import RunTag
@@ -237,6 +263,15 @@ class MlflowTracker(Tracker):
                                                  for key, value in facts.items()])
 
     def close(self, finished: bool) -> None:
+        if self.sender is not None:
+            self.rows.put(None)
+            self.sender.join(self.CLOSE_WAIT_S)
+            if self.sender.is_alive():
+                raise TimeoutError(f"rows still unsent after {self.CLOSE_WAIT_S:g} s; the next start sends those "
+                                   "its checkpoint covers")
+            self.sender = None
+        if self.failure is not None:
+            raise self.failure
         if self.run_id is not None:
             self.client.set_terminated(self.run_id, status="FINISHED" if finished else "KILLED")
             self.run_id = None
