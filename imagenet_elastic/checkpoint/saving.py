@@ -156,6 +156,7 @@ class Checkpointer:
         self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
         self.metrics_folder = config.checkpoints_path
         self.settings: Optional[Config] = config  # written once, after this run's first checkpoint
+        self.after_first_save: list[Callable[[], None]] = []  # run once, after this run's first checkpoint
         self.is_main = is_main
         self.last_save = time.monotonic()
 
@@ -181,6 +182,8 @@ class Checkpointer:
             if self.settings is not None:
                 then.append(functools.partial(yaml_file.write, self.metrics_folder, self.settings))
                 self.settings = None
+            then += self.after_first_save
+            self.after_first_save = []
             self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
         if not self.writer.background:
             self.settle()

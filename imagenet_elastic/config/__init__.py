@@ -223,6 +223,15 @@ class Config:
         None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
         "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
         shown_default="when installed", action=argparse.BooleanOptionalAction)
+    wandb: Optional[str] = option(
+        None, "rank 0 also logs steps.jsonl's and metrics.jsonl's rows, the settings and the start-up table to this "
+        "Weights & Biases project (`pip install \"imagenet_elastic[wandb]\"`; `WANDB_MODE=offline` keeps the run "
+        "on disk for `wandb sync`); a restart, requeue or --resume continues the same run, without a step twice",
+        "run", "PROJECT")
+    mlflow: Optional[str] = option(
+        None, "the same to MLflow at this tracking URI: a server (`http://HOST:5000`) or a local store "
+        "(`sqlite:///PATH`); the experiment is `$MLFLOW_EXPERIMENT_NAME`, else imagenet_elastic (`pip install "
+        "\"imagenet_elastic[mlflow]\"`)", "run", "URI")
     dist_init_method: str = option(
         "env", "where ranks come from (see Launching): env (torchrun or torch.distributed.launch variables, or none "
         "for one process), slurm (srun's `SLURM_*`), spawn (start --nproc-per-node local processes), mpi "

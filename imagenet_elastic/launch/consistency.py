@@ -30,9 +30,11 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 
 # Settings each node may set its own way: where its copy of the data is, its own resources, how it
-# was launched. The checkpoints folder is compared by what it holds (the lock's token), not its path.
+# was launched, what rank 0 alone writes (curves, trackers). The checkpoints folder is compared by what
+# it holds (the lock's token), not its path.
 NODE_LOCAL = frozenset({"data", "val_path", "val_labels", "checkpoints_path", "workers", "threads", "log_interval",
-                        "tensorboard", "dist_init_method", "nproc_per_node", "master_port", "dist_url", "dist_timeout"})
+                        "tensorboard", "wandb", "mlflow", "dist_init_method", "nproc_per_node", "master_port",
+                        "dist_url", "dist_timeout"})
 
 
 class JobMismatch(UserError):

@@ -15,13 +15,21 @@ from imagenet_elastic.train.model import blurred, count_parameters
 
 
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
-             loaders: Loaders, checked_s: Optional[float]) -> None:
+             loaders: Loaders, checked_s: Optional[float]) -> list[tuple[str, str]]:
     """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
-    comparing the ranks' data, settings, code and checkpoints folder took (None: one process)."""
+    comparing the ranks' data, settings, code and checkpoints folder took (None: one process). Returns its
+    rows (the experiment trackers record them)."""
+    found = rows(c, env, inputs, training, loaders, checked_s)
+    console.table("imagenet_elastic", found)
+    return found
+
+
+def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: Loaders,
+         checked_s: Optional[float]) -> list[tuple[str, str]]:
     plan = training.plan
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
-    console.table("imagenet_elastic", [
+    return [
         ("model", f"{c.model} ({count_parameters(training.state.model) / 1e6:.2f} M parameters)"
                   + (f", BlurPool before {blurred(training.state.model)} strided convolutions" if c.blurpool else "")),
         ("classes", str(len(inputs.train.classes))),
@@ -60,10 +68,10 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
         ("curves", f"every {c.log_interval} steps to steps.jsonl" + (" and TensorBoard" if inputs.tensorboard else "")
-         + f" in {c.checkpoints_path}"),
+         + f" in {c.checkpoints_path}" + "".join(f"; {t.flag} {t.where}" for t in inputs.trackers)),
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
-    ])
+    ]
 
 
 def describe_mixing(c: Config) -> str:

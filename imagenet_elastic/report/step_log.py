@@ -1,4 +1,5 @@
-"""Curves: rank 0's per-step metrics at the log interval, in steps.jsonl and (when installed) TensorBoard.
+"""Curves: rank 0's per-step metrics at the log interval, in steps.jsonl, (when installed) TensorBoard and the
+experiment trackers (--wandb, --mlflow: see trackers.py, which keeps its own no-repeat rule).
 
 Both continue across kills, restarts and world-size changes without a duplicated or out-of-order
 step: at start every row beyond the checkpoint's step is dropped (steps.jsonl is rewritten, and
@@ -18,6 +19,7 @@ from typing import Any, Callable, Optional
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.report.trackers import Tracking
 
 FILENAME = "steps.jsonl"
 TENSORBOARD_DIR = "tensorboard"
@@ -58,9 +60,11 @@ class StepLog:
     """Only rank 0 writes (`enabled`); the other ranks hold an inert one."""
 
     def __init__(self, folder: str, enabled: bool, tensorboard: bool, start_step: int,
-                 warn: Callable[[str], None]) -> None:
+                 warn: Callable[[str], None], tracking: Optional[Tracking] = None) -> None:
         self.path = os.path.join(folder, FILENAME)
         self.warn = warn
+        self.tracking = tracking if tracking is not None else Tracking([], folder, warn)
+        self.kept: list[dict[str, Any]] = []  # the rows the checkpoint covers, after `trim`
         self.file = None
         self.appending = False
         self.writer: Any = None
@@ -83,6 +87,7 @@ class StepLog:
         except OSError as error:
             raise storage_error(error, "reading", self.path) from None
         kept = kept_rows(text, self.start_step)
+        self.kept = [json.loads(line) for line in kept]
         if kept != text.splitlines():
             try:
                 atomic_write_bytes("".join(line + "\n" for line in kept).encode(), self.path)
@@ -111,12 +116,14 @@ class StepLog:
             except OSError as error:  # the checkpoints say what a full disk means; the curves only warn once
                 self.warn(f"could not write {self.path}: {error.strerror or error}; per-step metrics stop here")
                 self.appending = False
+        self.tracking.step(row)
         if self.events() is not None:
             for key in ("loss", "lr", "images_per_sec", "data_wait"):
                 self.writer.add_scalar(f"train/{key}", row[key], row["step"])
 
     def epoch(self, step: int, row: dict[str, Any]) -> None:
         """An epoch's metrics row (see trainer.run_epoch) at the step that ended the epoch."""
+        self.tracking.epoch(step, row)
         if self.events() is None:
             return
         for key, value in row.items():
@@ -129,7 +136,9 @@ class StepLog:
         if self.writer is not None:
             self.writer.flush()
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
+        """`finished`: the run trained its last epoch (the trackers mark their runs so)."""
+        self.tracking.close(finished)
         if self.file is not None:
             self.file.close()
             self.file = None

@@ -33,7 +33,7 @@ from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import consistency, distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.report import step_log
+from imagenet_elastic.report import step_log, trackers
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import mixing
 from imagenet_elastic.train.model import (
@@ -64,6 +64,7 @@ class Training:
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
     load_seconds: float
     resumed_at: Optional[float]  # the checkpoint's time stamp
+    tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/trackers.py)
 
 
 @dataclass
@@ -91,6 +92,7 @@ class Inputs:
     load_seconds: float
     initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
     tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
+    trackers: tuple[trackers.Tracker, ...]  # rank 0's experiment trackers (--wandb, --mlflow), checked
 
 
 def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextlib.ExitStack,
@@ -119,6 +121,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
             lock.acquire(wait, lambda holder: console.warn(
                 f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
             stack.callback(lock.release)
+    chosen = trackers.chosen(config) if env.is_main and not config.evaluate else []
     resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
     if config.evaluate and resume_from is None:
         raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
@@ -133,7 +136,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, tensorboard)
+                    time.perf_counter() - start, initial, tensorboard, tuple(chosen))
     return inputs, snapshot
 
 
@@ -186,7 +189,8 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
             console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
     return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
-                    resumed_at=snapshot["saved_at"] if snapshot else None)
+                    resumed_at=snapshot["saved_at"] if snapshot else None,
+                    tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {})
 
 
 def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,

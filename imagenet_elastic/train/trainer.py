@@ -41,12 +41,14 @@ class Trainer:
         self.waits = LoaderWaits()
         self.since_log = EpochTally()  # the steps since the last log line
         self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
+        self.finished = False
 
     def fit(self) -> None:
         c, state = self.config, self.state
         self.say_where_it_starts()
         if state.epoch >= c.epochs:
             self.console.info(f"nothing to do: the checkpoint already completed {state.epoch} of {c.epochs} epochs")
+            self.finished = True
             return
         for epoch in range(state.epoch, c.epochs):
             row = self.run_epoch(epoch)
@@ -66,6 +68,7 @@ class Trainer:
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
         self.checkpointer.settle()  # the run succeeded only once its last checkpoint is on disk
+        self.finished = True
         self.say_where_the_best_is()
 
     def run_epoch(self, epoch: int) -> dict[str, Any]:
@@ -103,6 +106,7 @@ class Trainer:
         self.fold(pending)
         return {
             "epoch": epoch + 1,
+            "step": state.step,  # the optimizer step that ended it: where trackers and TensorBoard put the row
             "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
             **self.validate(),
             "lr": r.schedule.at(state.step - 1),
@@ -171,7 +175,8 @@ class Trainer:
 
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
-                "world_size": self.env.world_size, "global_batch": self.plan.global_batch}
+                "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
+                "trackers": dict(self.step_log.tracking.runs)}
 
     def stop(self) -> None:
         """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""
@@ -219,7 +224,7 @@ class Trainer:
             self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
                               f"{one_line(unreported)}")
         self.sample_log.close()
-        self.step_log.close()
+        self.step_log.close(self.finished)
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
 
 

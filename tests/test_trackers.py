@@ -1,0 +1,293 @@
+"""Experiment trackers (report/trackers.py): a run logged to MLflow (a local store, read back with MLflow's own
+client) and to W&B (offline: its transaction logs, read as `wandb sync` reads them) is one tracker run that holds
+every step once, in order, with steps.jsonl's values, whether it was stopped and resumed with --resume, restarted
+before its first checkpoint, or SIGKILLed after its last; a tracker that fails mid-run costs one warning; a store
+that cannot be written is one line at start-up."""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import inprocess
+import pytest
+from conftest import SMALL_RUN, python_cmd, run, run_and_kill
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.report import trackers
+from imagenet_elastic.report.step_log import FILENAME as STEPS
+
+EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """No network, every store under the test's folder; the file store MLflow only keeps for old runs, allowed."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    monkeypatch.setenv("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
+    # wandb.init in this process (an earlier in-process test) leaves its service's address here for child processes
+    # to share; a killed child's run would then stay open in it, and the same run id could not start again.
+    monkeypatch.delenv("WANDB_SERVICE", raising=False)
+    (tmp_path / "wandb_dir").mkdir()
+
+
+def args(ckpt: Path, store: str, *more: str) -> list[str]:
+    return ["memory", *SMALL_RUN, "--workers", "0", "--threads", "1", "--epochs", str(EPOCHS), "--no-tensorboard",
+            "--checkpoints-path", str(ckpt), "--mlflow", store, "--wandb", "tests", *more]
+
+
+def steps_jsonl(ckpt: Path) -> dict[int, dict]:
+    rows = [json.loads(line) for line in (ckpt / STEPS).read_text().splitlines()]
+    assert [r["step"] for r in rows] == sorted({r["step"] for r in rows})
+    return {r["step"]: r for r in rows}
+
+
+def mlflow_runs(store: str) -> list:
+    from mlflow import MlflowClient
+
+    client = MlflowClient(tracking_uri=store)
+    experiment = client.get_experiment_by_name("imagenet_elastic")
+    return client.search_runs([experiment.experiment_id])
+
+
+def assert_mlflow_holds(store: str, ckpt: Path) -> None:
+    """One run; every step of steps.jsonl once, in order, with its values; every epoch once at its last step."""
+    from mlflow import MlflowClient
+
+    runs = mlflow_runs(store)
+    assert len(runs) == 1, [r.info.run_id for r in runs]
+    client, run_id = MlflowClient(tracking_uri=store), runs[0].info.run_id
+    rows = steps_jsonl(ckpt)
+    for key in ("loss", "lr", "images_per_sec", "epoch"):
+        history = client.get_metric_history(run_id, f"train/{key}")
+        assert [m.step for m in history] == list(rows), key
+        if key in ("loss", "lr", "epoch"):  # trained again exactly; images/s is the clock's
+            assert [m.value for m in history] == [rows[s][key] for s in rows], key
+    epochs = client.get_metric_history(run_id, "epoch/val_top1")
+    metrics = [json.loads(line) for line in (ckpt / "metrics.jsonl").read_text().splitlines()]
+    assert [m.step for m in epochs] == [row["step"] for row in metrics] == [12, 24]
+    assert [m.value for m in epochs] == [row["val_top1"] for row in metrics]
+    assert runs[0].data.params["epochs"] == str(EPOCHS)
+    assert runs[0].data.tags["startup.steps per epoch"] == str(STEPS_PER_EPOCH)
+
+
+def wandb_history(run_id: str) -> list[tuple[int, dict]]:
+    """Every history row of the run's transaction logs, in the order `wandb sync` uploads them (start time)."""
+    logs = sorted(glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", f"offline-run-*-{run_id}",
+                                         f"run-{run_id}.wandb")))
+    return [row for path in logs for row in trackers.wandb_history(path)]
+
+
+def assert_wandb_holds(ckpt: Path) -> None:
+    ids = {Path(path).name.rsplit("-", 1)[-1]
+           for path in glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*"))}
+    assert len(ids) == 1, ids
+    history = wandb_history(ids.pop())
+    train = [(step, values) for step, values in history if trackers.TRAIN_KEY in values]
+    rows = steps_jsonl(ckpt)
+    assert [step for step, _ in train] == list(rows)
+    for key in ("loss", "lr", "epoch"):
+        assert [values[f"train/{key}"] for _, values in train] == [rows[s][key] for s in rows], key
+    assert [step for step, values in history if "epoch/val_top1" in values] == [12, 24]
+    steps = [step for step, _ in history]
+    assert steps == sorted(steps)
+
+
+def test_a_run_stopped_and_resumed_is_one_run_in_each_tracker_with_every_step_once(tmp_path):
+    store, ckpt = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "ckpt"
+    first = inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), signal_during_step=16,
+                            splits=inprocess.in_memory())
+    assert first.stopped and first.final_step == 16
+    second = inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert not second.stopped and second.final_step == EPOCHS * STEPS_PER_EPOCH
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+    assert not (ckpt / trackers.PENDING).exists()
+
+
+def killed_at(step: int):
+    """A before_fit hook: the run dies at the end of `step` (an error, not a stop: no checkpoint of its own)."""
+    def hook(trainer) -> None:
+        at_step_end = trainer.checkpointer.at_step_end
+
+        def dying(current: int, stop_requested: bool):
+            if current == step:
+                raise RuntimeError(f"killed after step {step}")
+            return at_step_end(current, stop_requested)
+
+        trainer.checkpointer.at_step_end = dying
+    return hook
+
+
+def test_steps_a_killed_run_logged_past_its_checkpoint_are_not_sent_again(tmp_path):
+    """Killed at step 18, its last checkpoint at step 15: the resumed run trains 16-18 again, and the trackers,
+    which already hold them, do not get them twice (MLflow's file store here)."""
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="killed after step 18"):
+        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=killed_at(18),
+                        splits=inprocess.in_memory())
+    assert max(steps_jsonl(ckpt)) == 18
+    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+
+
+def test_a_run_killed_while_validating_sends_the_epochs_row_at_a_step_the_trackers_already_hold(tmp_path):
+    """Killed in epoch 1's validation: the trackers hold step 12's training row, not the epoch's row, which the
+    resumed run sends (each kind of row counts its own last step)."""
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+
+    def dies_validating(trainer) -> None:
+        def validate():
+            raise RuntimeError("killed while validating")
+        trainer.validate = validate
+
+    with pytest.raises(RuntimeError, match="killed while validating"):
+        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=dies_validating,
+                        splits=inprocess.in_memory())
+    assert max(steps_jsonl(ckpt)) == 12
+    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+
+
+def test_a_run_killed_before_its_first_checkpoint_restarts_into_the_same_tracker_runs(tmp_path):
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="killed after step 3"):
+        inprocess.train(args(ckpt, store, "--resume"), before_fit=killed_at(3), splits=inprocess.in_memory())
+    assert not (ckpt / "last.pt").exists()
+    pending = json.loads((ckpt / trackers.PENDING).read_text())
+    assert set(pending) == {"wandb", "mlflow"}
+    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+    assert not (ckpt / trackers.PENDING).exists()  # the checkpoints hold the runs now
+
+
+def test_a_new_run_in_the_same_folder_is_a_new_tracker_run(tmp_path):
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+    with pytest.raises(RuntimeError, match="killed after step 3"):
+        inprocess.train(args(ckpt, store), before_fit=killed_at(3), splits=inprocess.in_memory())
+    inprocess.train(args(ckpt, store, "--epochs", "1"), splits=inprocess.in_memory())  # no --resume: starts over
+    assert len(mlflow_runs(store)) == 2
+
+
+def test_a_tracker_first_named_at_a_resume_gets_the_whole_run(tmp_path):
+    """A checkpoint without tracker runs (from before this option, or without it): the new run is sent steps.jsonl
+    and metrics.jsonl's earlier rows first."""
+    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
+    plain = [a for a in args(ckpt, store) if a not in ("--mlflow", store, "--wandb", "tests")]
+    inprocess.train([*plain, "--checkpoint-interval", "5"], signal_during_step=16, splits=inprocess.in_memory())
+    assert "trackers" in torch_load(ckpt / "last.pt") and not torch_load(ckpt / "last.pt")["trackers"]
+    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
+
+
+def torch_load(path: Path) -> dict:
+    from conftest import load_checkpoint
+
+    return load_checkpoint(path)
+
+
+def test_a_tracker_that_fails_mid_run_warns_once_and_training_goes_on(tmp_path, capsys):
+    """MLflow's store goes away at step 5 (its folder removed): one warning, the run trains to its end, W&B keeps
+    every step."""
+    store, ckpt = tmp_path / "mlruns", tmp_path / "ckpt"
+
+    def store_gone_at_step_5(trainer) -> None:
+        at_step_end = trainer.checkpointer.at_step_end
+
+        def removing(step: int, stop_requested: bool):
+            if step == 5:
+                shutil.rmtree(store)
+            return at_step_end(step, stop_requested)
+
+        trainer.checkpointer.at_step_end = removing
+
+    outcome = inprocess.train(args(ckpt, f"file:{store}"), before_fit=store_gone_at_step_5,
+                              splits=inprocess.in_memory())
+    assert outcome.final_step == EPOCHS * STEPS_PER_EPOCH
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].startswith(
+        f"warning: --mlflow file:{store} failed, training goes on without it: "), warnings
+    assert_wandb_holds(ckpt)  # the other tracker goes on
+    assert json.loads((ckpt / STEPS).read_text().splitlines()[-1])["step"] == EPOCHS * STEPS_PER_EPOCH
+
+
+@pytest.mark.parametrize("option, value, says", [
+    ("--mlflow", "sqlite:////proc/no/such/folder/mlflow.db", "--mlflow sqlite:////proc/no/such/folder/mlflow.db: "
+                                                             "cannot use this MLflow store"),
+    ("--mlflow", "file:/proc/mlruns", "--mlflow file:/proc/mlruns: cannot use this MLflow store"),
+    ("--wandb", "team/project", "--wandb team/project: a W&B project name"),
+])
+def test_a_tracker_that_cannot_be_written_is_one_line_before_training(tmp_path, image_folder, option, value, says):
+    ckpt = tmp_path / "ckpt"
+    done = inprocess.command([str(image_folder), *SMALL_RUN, "--epochs", "1", "--checkpoints-path", str(ckpt),
+                              option, value])
+    assert done.returncode == 2, done.stderr
+    errors = [line for line in done.stderr.splitlines() if not line.startswith("warning: ")]
+    assert errors == [errors[0]] and errors[0].startswith(f"imagenet-elastic: error: {says}"), done.stderr
+    assert "Traceback" not in done.stderr and not (ckpt / STEPS).exists() and not (ckpt / "last.pt").exists()
+
+
+def test_mlflows_file_store_is_refused_in_one_line_that_says_how_to_allow_it(tmp_path, image_folder, monkeypatch):
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE")
+    done = inprocess.command([str(image_folder), "--checkpoints-path", str(tmp_path / "ckpt"), "--mlflow",
+                              f"file:{tmp_path}/mlruns"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"imagenet-elastic: error: --mlflow file:{tmp_path}/mlruns: cannot use this MLflow store: MLflow keeps its "
+        "file store for old runs: set MLFLOW_ALLOW_FILE_STORE=true, or use sqlite:///PATH")
+
+
+@pytest.fixture
+def wandb_settings_read_again():
+    """wandb reads its settings from the environment once per process, at its first run: again after this."""
+    import wandb
+
+    wandb.teardown()
+    yield
+    wandb.teardown()
+
+
+def test_wandb_online_without_an_account_is_one_line_before_training(tmp_path, monkeypatch, wandb_settings_read_again):
+    monkeypatch.setenv("WANDB_MODE", "online")
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no W&B settings
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    ckpt = tmp_path / "ckpt"
+    with pytest.raises(UserError, match=r"^--wandb tests: No API key configured"):
+        inprocess.train(args(ckpt, f"file:{tmp_path}/mlruns"), splits=inprocess.in_memory())
+    assert not (ckpt / STEPS).exists() and not (ckpt / "last.pt").exists()
+
+
+def test_a_missing_package_names_its_extra(tmp_path, image_folder, monkeypatch):
+    find_spec = trackers.importlib.util.find_spec
+    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
+    done = inprocess.command([str(image_folder), "--checkpoints-path", str(tmp_path), "--wandb", "tests"])
+    assert done.returncode == 2
+    assert done.stderr.strip().splitlines()[-1] == ('imagenet-elastic: error: --wandb needs the wandb package: '
+                                                    'pip install "imagenet_elastic[wandb]"')
+
+
+@pytest.mark.slow
+def test_a_sigkilled_run_resumed_is_one_run_in_both_trackers_with_every_step_once(tmp_path, image_folder):
+    """The real thing: a process SIGKILLed mid-epoch, steps past its last checkpoint logged, W&B's service left to
+    notice; the same command again continues both runs."""
+    store, ckpt = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "ckpt"
+    command = python_cmd(str(image_folder), *args(ckpt, store, "--checkpoint-interval", "5", "--resume")[1:])
+    code, output = run_and_kill(command, when="epoch 2/2 step 6/", victim=lambda proc: proc.pid)
+    assert code == -signal.SIGKILL, output
+    assert max(steps_jsonl(ckpt)) > 15  # logged past the checkpoint at step 15
+    resumed = run(command)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stdout
+    assert_mlflow_holds(store, ckpt)
+    assert_wandb_holds(ckpt)
