@@ -6,11 +6,12 @@ bitwise, and --grad-checkpointing trains the same numbers as without it."""
 from __future__ import annotations
 
 import shutil
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_tensors, load_checkpoint
+from conftest import assert_same_tensors, child_env, load_checkpoint, python_cmd
 from inprocess import command, in_memory, train
 
 REVISION = "0123456789abcdef0123456789abcdef01234567"
@@ -126,6 +127,19 @@ def test_published_weights_missing_offline_are_one_line_naming_the_model_and_the
     line = one_line_error([str(tmp_path / "data"), "--model", "test_vit", "--pretrained",
                            "--checkpoints-path", str(tmp_path / "ckpt")])
     assert "test_vit" in line and str(hub) in line and "HF_HUB_OFFLINE" in line
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
+    """huggingface_hub reads them as it is imported: a process of its own, started with them set."""
+    (tmp_path / "data").mkdir()
+    env = {k: v for k, v in child_env(HF_HOME=str(tmp_path / "home"), HF_HUB_OFFLINE="1").items()
+           if k != "HF_HUB_CACHE"}  # which would override HF_HOME
+    result = subprocess.run(python_cmd(str(tmp_path / "data"), "--model", "test_resnet", "--pretrained",
+                                       "--checkpoints-path", str(tmp_path / "ckpt")),
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2, result.stderr
+    assert f"the Hugging Face cache {tmp_path / 'home' / 'hub'} and HF_HUB_OFFLINE is set" in result.stderr
     assert not (tmp_path / "ckpt").exists()
 
 
