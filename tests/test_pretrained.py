@@ -147,6 +147,7 @@ def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
     (["--pretrained", "--initial-checkpoint", "w.pt"], "--pretrained and --initial-checkpoint"),
     (["--model", "hf-hub:someone/shapes"], "--model hf-hub:someone/shapes names published weights: add --pretrained"),
     (["--model", "test_resnet.no_such_tag", "--pretrained"], "test_resnet.no_such_tag"),
+    (["--model", "vgg11", "--grad-checkpointing"], "--grad-checkpointing: timm's vgg11 does not support"),
 ])
 def test_weights_asked_for_in_a_way_that_cannot_work_are_one_line(hub, tmp_path, extra, culprit):
     (tmp_path / "data").mkdir()

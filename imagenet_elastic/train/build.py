@@ -39,6 +39,7 @@ from imagenet_elastic.train import mixing
 from imagenet_elastic.train.model import (
     Precision,
     check_model_name,
+    check_model_options,
     create_ema,
     create_model,
     place_model,
@@ -108,6 +109,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     # data either), else once the checkpoint to resume from, if any, is known
     weights = published.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
         else None
+    check_model_options(config.model, config.layer_decay, config.grad_checkpointing)
     if splits is None:
         splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     else:

@@ -57,6 +57,23 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: 
     return model
 
 
+def check_model_options(name: str, layer_decay: Optional[float], grad_checkpointing: bool) -> None:
+    """--layer-decay and --grad-checkpointing ask for what a model may lack: asked of a copy built on the meta
+    device (no memory, no initialisation), so that a refusal comes before the data is scanned."""
+    import timm
+
+    from imagenet_elastic.train.optimizer import check_layer_decay
+
+    if layer_decay is None and not grad_checkpointing:
+        return
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    if layer_decay is not None:
+        check_layer_decay(model, name)
+    if grad_checkpointing:
+        recompute_activations(model, name)
+
+
 def recompute_activations(model: nn.Module, name: str) -> None:
     """--grad-checkpointing: timm's set_grad_checkpointing, where the model's blocks run under
     torch.utils.checkpoint, which recomputes them in the backward pass with the forward's random state (drop
