@@ -11,11 +11,15 @@ re-initialises a classifier of another class count and adapts the weights to the
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
-
-import torch
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from imagenet_elastic.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    import torch
+
+# timm's model names that say where the weights are, not what the model is (config.json there says that)
+WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
 
 class Published(NamedTuple):
@@ -61,6 +65,8 @@ def fetch(model_name: str) -> Published:
     except FileNotFoundError as error:  # local-dir: without config.json
         raise UserError(f"--model {model_name}: {first_line(error)[:200]}") from None
     except RuntimeError as error:  # an unknown tag, an architecture without published weights, a file that misfits
+        raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
+    except OSError as error:  # weights timm downloads from a URL (torch hub's cache), a file it cannot read
         raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
     head = model.get_classifier() if hasattr(model, "get_classifier") else None
     classes = getattr(model, "num_classes", 0) if head is not None else 0

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 from imagenet_elastic.config import options
 from imagenet_elastic.data.augment import POLICIES, Augment, check_range
 from imagenet_elastic.data.resolution import TrainSizes
@@ -24,7 +25,6 @@ from imagenet_elastic.train.schedule import SCHEDULES
 if TYPE_CHECKING:
     from imagenet_elastic.data.decoding import Decoding
 
-WEIGHT_SOURCES = ("hf-hub:", "local-dir:")  # timm's model names that say where the weights are, not what the model is
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.

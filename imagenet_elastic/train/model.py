@@ -22,7 +22,7 @@ def check_model_name(name: str) -> None:
     data or makes the checkpoints folder."""
     import timm  # slow to import: deferred so that input errors are reported at once
 
-    from imagenet_elastic.config import WEIGHT_SOURCES
+    from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 
     if name.startswith(WEIGHT_SOURCES):  # the architecture is in the source's config.json: checked as it is read
         return
