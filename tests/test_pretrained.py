@@ -104,14 +104,17 @@ def test_a_local_dir_export_folder_is_published_weights_too(hub, tmp_path):
     assert "6 classes there, 4 here" in start
 
 
-def test_a_resumed_run_continues_from_its_checkpoint_without_the_published_weights(hub, tmp_path):
+def test_a_resumed_run_continues_bitwise_from_its_checkpoint_without_the_published_weights(hub, tmp_path):
     cached(hub, "timm/test_resnet.r160_in1k", timm_model("test_resnet", 1000, seed=7))
-    argv = [*RUN, "--model", "test_resnet", "--pretrained", "--epochs", "2", "--checkpoints-path",
-            str(tmp_path / "ckpt")]
-    assert train(argv, signal_during_step=1, splits=in_memory()).stopped
+    argv = [*RUN, "--model", "test_resnet", "--pretrained", "--epochs", "2"]
+    assert train([*argv, "--checkpoints-path", str(tmp_path / "straight")], splits=in_memory()).final_step == 2
+    stopped = [*argv, "--checkpoints-path", str(tmp_path / "stopped")]
+    assert train(stopped, signal_during_step=1, splits=in_memory()).stopped
     shutil.rmtree(hub / "models--timm--test_resnet.r160_in1k")  # the cache is gone (another node, a cleanup)
-    resumed = train([*argv, "--resume"], splits=in_memory())
+    resumed = train([*stopped, "--resume"], splits=in_memory())
     assert not resumed.stopped and resumed.final_step == 2
+    assert_same_tensors(load_checkpoint(tmp_path / "stopped" / "last.pt")["model"],
+                        load_checkpoint(tmp_path / "straight" / "last.pt")["model"])
 
 
 def one_line_error(argv: list[str]) -> str:
