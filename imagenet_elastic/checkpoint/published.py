@@ -7,6 +7,8 @@ cache (huggingface_hub reads HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE), so an of
 download left there. The weights are read once, at the start (`fetch`), before any data is scanned, so a missing
 file costs seconds; the model the run trains is then built from them (`timm_options`) by timm's own loader, which
 re-initialises a classifier of another class count and adapts the weights to the model (its checkpoint filter).
+Every rank of a fresh start reads them from its node's cache (huggingface_hub locks a download in progress, so
+ranks that share a cache download once).
 """
 
 from __future__ import annotations
