@@ -202,7 +202,7 @@ def test_the_weight_decay_help_says_the_rule_the_optimizer_applies():
     assert "1-D parameters" in field.metadata["help"]
     model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
     model.register_parameter("scale", torch.nn.Parameter(torch.ones(4)))  # 1-D, neither a norm nor a bias
-    decayed, plain = param_groups(model, 0.1)
+    plain, decayed = param_groups(model, 0.1)  # timm's order
     assert [p.ndim for p in decayed["params"]] == [2] and len(plain["params"]) == 4
 
 

@@ -28,7 +28,7 @@ def steps(state: TrainState, first: int, count: int) -> None:
 def test_each_optimizer_decays_weights_but_not_norms_and_biases(name):
     optimizer = make_state(0, name).optimizer
     assert type(optimizer).__name__ == EXPECTED[name]
-    decayed, plain = optimizer.param_groups
+    plain, decayed = optimizer.param_groups  # timm's order: the undecayed group first
     assert decayed["weight_decay"] == 1e-4 and plain["weight_decay"] == 0.0
     assert all(p.ndim > 1 for p in decayed["params"]) and all(p.ndim <= 1 for p in plain["params"])
     assert optimizer.param_groups[0].get("nesterov", False) == (name == "nesterov")

@@ -12,6 +12,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Optional
 
+from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 from imagenet_elastic.config import options
 from imagenet_elastic.data.augment import POLICIES, Augment, check_range
 from imagenet_elastic.data.resolution import TrainSizes
@@ -33,7 +34,7 @@ RESUME_SENSITIVE = (
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
     "model_ema_steps", "clip_grad_norm",
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
-    "progressive_epochs", "ra_reps",
+    "progressive_epochs", "ra_reps", "layer_decay",
 )
 DECODE_MODES = ("cpu", "gpu")  # --decode: decoding.Decoding
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
@@ -60,8 +61,14 @@ class Config:
     val_labels: Optional[str] = option(
         None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "
         "ImageNet's LOC_val_solution.csv", "run", "FILE")
-    model: str = option("resnet50", "any timm model name, random initialisation (nothing is downloaded)", "model",
-                        "NAME")
+    model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained; with "
+                        "--pretrained also a pretrained tag (`resnet50.a1_in1k`) or `hf-hub:ORG/NAME` or "
+                        "`local-dir:FOLDER`", "model", "NAME")
+    pretrained: bool = option(
+        False, "start a fresh run from the weights timm publishes for --model (its tag, else timm's default one), "
+        "read through the Hugging Face hub cache (HF_HOME; HF_HUB_OFFLINE=1: the cache alone); a classifier of "
+        "another class count is re-initialised. A resumed run continues from its own checkpoint instead", "model",
+        action=argparse.BooleanOptionalAction)
     initial_checkpoint: Optional[str] = option(
         None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
         "dict, or a .safetensors file; a classifier of another class count is re-initialised. A resumed run "
@@ -127,9 +134,14 @@ class Config:
                       "create_optimizer_v2)", "model", choices=list(OPTIMIZERS))
     momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
                              type=options.non_negative_float)
-    weight_decay: float = option(1e-4, "not applied to 1-D parameters: norm layers' weights and every bias",
+    weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
+                                 "those timm's model.no_weight_decay() names (a ViT's pos_embed and cls_token)",
                                  "model", "X",
                                  type=options.non_negative_float)
+    layer_decay: Optional[float] = option(
+        None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
+        "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
+        type=options.positive_float)
     clip_grad_norm: Optional[float] = option(
         None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
         "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float)
@@ -178,6 +190,10 @@ class Config:
         "AMX), else fp32, because emulated bf16 is far slower (docs/BENCHMARKS.md). The start-up table says what "
         "was chosen and why; an explicit bf16 or fp16 that the device only emulates still runs, with one warning",
         "model", choices=["auto", "bf16", "fp16", "none"])
+    grad_checkpointing: bool = option(
+        False, "recompute each block's activations in the backward pass instead of keeping them (timm's "
+        "set_grad_checkpointing): less memory for large models, about a third more compute, the same numbers",
+        "model", action=argparse.BooleanOptionalAction)
     channels_last: bool = option(True, "NHWC memory format, on GPUs and CPUs alike (measured on CPU in "
                                  "docs/BENCHMARKS.md)", "model", action=argparse.BooleanOptionalAction)
     compile: bool = option(
@@ -256,6 +272,11 @@ class Config:
             raise UserError(f"{given} needs {missing} too")
         if self.bce_target_thresh is not None and not self.bce_loss:
             raise UserError("--bce-target-thresh applies to --bce-loss only")
+        if self.pretrained and self.initial_checkpoint:
+            raise UserError("--pretrained and --initial-checkpoint both say where a fresh run's weights come from: "
+                            "pass one")
+        if self.model.startswith(WEIGHT_SOURCES) and not self.pretrained:
+            raise UserError(f"--model {self.model} names published weights: add --pretrained")
 
     @property
     def decoding(self) -> Decoding:

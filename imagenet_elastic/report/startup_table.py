@@ -3,7 +3,7 @@ this machine (precision, loader workers, the recipe's options)."""
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import PREEMPTED_EXIT
@@ -46,7 +46,8 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                       + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
                       + (" after timm's warmup" if c.model_ema_warmup else "")
          if training.state.ema is not None else "off"),
-        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} (none on 1-D parameters: norms, biases)"
+        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} ({describe_undecayed(training.state.optimizer)})"
+                      + describe_layer_decay(c.layer_decay, training.state.optimizer)
                       + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")),
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
                                             is not None else "") if c.bce_loss else "cross-entropy")
@@ -62,7 +63,9 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                           f"{training.schedule.describe()}"),
         ("steps per epoch", str(training.sampler.steps)),
         ("precision", training.precision.describe()),
-        ("channels_last / compile", f"{c.channels_last} / {c.compile}"),
+        ("channels_last / compile", f"{c.channels_last} / {c.compile}"
+                                    + ("; activations recomputed in the backward pass (--grad-checkpointing)"
+                                       if c.grad_checkpointing else "")),
         ("decode", c.decoding.describe(inputs.device, c.augment)),
         ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
@@ -72,6 +75,21 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ]
+
+
+def describe_undecayed(optimizer: Any) -> str:
+    """Which parameters the groups leave undecayed (optimizer.param_groups): 1-D ones, and by name the others."""
+    named = [name for group in optimizer.param_groups if not group["weight_decay"]
+             for name, param in zip(group.get("param_names", ()), group["params"]) if param.ndim > 1]
+    return "none on 1-D parameters: norms, biases" + (f"; nor on {', '.join(named)} (no_weight_decay)" if named
+                                                       else "")
+
+
+def describe_layer_decay(layer_decay: Optional[float], optimizer: Any) -> str:
+    if layer_decay is None:
+        return ""
+    scales = sorted({group.get("lr_scale", 1.0) for group in optimizer.param_groups})
+    return f", layer decay {layer_decay:g}: {len(scales)} layers, LR x{scales[0]:.3g} to x{scales[-1]:.3g}"
 
 
 def describe_mixing(c: Config) -> str:

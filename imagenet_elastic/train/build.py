@@ -25,7 +25,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from imagenet_elastic.checkpoint import initial_weights, share, store
+from imagenet_elastic.checkpoint import initial_weights, published, share, store
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import gpu_decode, pipeline, sources
@@ -39,13 +39,14 @@ from imagenet_elastic.train import mixing
 from imagenet_elastic.train.model import (
     Precision,
     check_model_name,
+    check_model_options,
     create_ema,
     create_model,
     place_model,
     resolve_precision,
     use_fastest_kernels,
 )
-from imagenet_elastic.train.optimizer import create_optimizer
+from imagenet_elastic.train.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.train.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.train.state import TrainState, check_compatible
 
@@ -59,7 +60,7 @@ class Training:
     sampler: TrainBatchSampler
     precision: Precision
     schedule: LRSchedule
-    start: str  # where a fresh run's weights came from: the seed, or --initial-checkpoint
+    start: str  # where a fresh run's weights came from: the seed, --initial-checkpoint or --pretrained
     classes: tuple[str, ...]
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
     load_seconds: float
@@ -91,6 +92,7 @@ class Inputs:
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
     initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
+    published: Optional[published.Published]  # --pretrained's weights, for a run that starts fresh
     tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
     trackers: tuple[trackers.Tracker, ...]  # rank 0's experiment trackers (--wandb, --mlflow), checked
 
@@ -105,6 +107,11 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     device = distributed.select_device(config.device, env)
     use_fastest_kernels(device)
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
+    # --pretrained's weights are read now when the run surely starts fresh (a missing file costs no scan of the
+    # data either), else once the checkpoint to resume from, if any, is known
+    weights = published.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
+        else None
+    check_model_options(config.model, config.layer_decay, config.grad_checkpointing)
     if splits is None:
         splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     else:
@@ -135,8 +142,10 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
                          None if config.evaluate else config.opt, config.blurpool)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
+    if config.pretrained and weights is None and snapshot is None and not config.evaluate:
+        weights = published.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, tensorboard, tuple(chosen))
+                    time.perf_counter() - start, initial, weights, tensorboard, tuple(chosen))
     return inputs, snapshot
 
 
@@ -155,10 +164,16 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
         console.warn(precision.warning)
     if config.mixes and not config.evaluate:
         mixing.check_pairs(plan)
-    model = place_model(create_model(config.model, len(inputs.train.classes), config.drop_path, config.blurpool),
+    classes = len(inputs.train.classes)
+    model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
+                                     config.grad_checkpointing),
                         inputs.device, config.channels_last)
-    start = "random (seed)" if inputs.initial_state is None else initial_weights.load(
-        model, inputs.initial_state, config.initial_checkpoint, config.model)
+    if inputs.published is not None:
+        start = published.describe(inputs.published, classes)
+    elif inputs.initial_state is not None:
+        start = initial_weights.load(model, inputs.initial_state, config.initial_checkpoint, config.model)
+    else:
+        start = "random (seed)"
     if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):
         mismatch = ("with --blurpool and this run has no blur" if inputs.initial_state.blurpool else
                     "without --blurpool and this run blurs")
@@ -167,8 +182,10 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
     schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),
                           sampler.steps * config.epochs, config.lr_min, config.sched,
                           max(1, round(config.decay_epochs * sampler.steps)), config.decay_rate)
+    if config.layer_decay is not None:
+        check_layer_decay(model, config.model)
     optimizer = create_optimizer(model, schedule.peak, config.momentum, config.weight_decay, inputs.device,
-                                 config.opt)
+                                 config.opt, layer_decay=config.layer_decay)
     scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
     averaged = config.model_ema or (config.evaluate and snapshot is not None and snapshot.get("model_ema") is not None)
     ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if averaged else None

@@ -6,32 +6,45 @@ import difflib
 import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
 from imagenet_elastic.errors import UserError
 
+if TYPE_CHECKING:
+    from imagenet_elastic.checkpoint.published import Published
+
 
 def check_model_name(name: str) -> None:
     """A misspelt --model, with the closest names timm has. The trainer asks first, before it scans the
     data or makes the checkpoints folder."""
     import timm  # slow to import: deferred so that input errors are reported at once
+
+    from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
+
+    if name.startswith(WEIGHT_SOURCES):  # the architecture is in the source's config.json: checked as it is read
+        return
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
         raise UserError(f"--model {name!r} is not a timm model{hint}")
 
 
-def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False) -> nn.Module:
-    """A timm model with random weights (runs never download anything); `blurpool`: see blur_strided_convs."""
+def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
+                 published: Optional[Published] = None, grad_checkpointing: bool = False) -> nn.Module:
+    """A timm model with random weights, or with `published` ones (--pretrained, already read: see
+    checkpoint/published.py); `blurpool`: see blur_strided_convs; `grad_checkpointing`: see recompute_activations."""
     import timm
 
+    from imagenet_elastic.checkpoint import published as published_weights
+
     check_model_name(name)
-    extra = {"drop_path_rate": drop_path} if drop_path else {}
+    extra: dict = {"drop_path_rate": drop_path} if drop_path else {}
+    weights = published_weights.timm_options(published) if published is not None else {"pretrained": False}
     try:
-        model = timm.create_model(name, pretrained=False, num_classes=num_classes, **extra)
+        model = timm.create_model(name, num_classes=num_classes, **weights, **extra)
     except TypeError as error:
         if extra and "drop_path_rate" in str(error):
             raise UserError(f"--drop-path: timm's {name} has no drop_path_rate (no stochastic depth)") from None
@@ -39,7 +52,39 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: 
     if blurpool and not blur_strided_convs(model):
         raise UserError(f"--blurpool: timm's {name} has no strided convolution with {BLUR_MIN_CHANNELS} or more "
                         "input channels to blur")
+    if grad_checkpointing:
+        recompute_activations(model, name)
     return model
+
+
+def check_model_options(name: str, layer_decay: Optional[float], grad_checkpointing: bool) -> None:
+    """--layer-decay and --grad-checkpointing ask for what a model may lack: asked of a copy built on the meta
+    device (no memory, no initialisation), so that a refusal comes before the data is scanned."""
+    import timm
+
+    from imagenet_elastic.train.optimizer import check_layer_decay
+
+    if layer_decay is None and not grad_checkpointing:
+        return
+    with torch.device("meta"):
+        model = timm.create_model(name, pretrained=False)
+    if layer_decay is not None:
+        check_layer_decay(model, name)
+    if grad_checkpointing:
+        recompute_activations(model, name)
+
+
+def recompute_activations(model: nn.Module, name: str) -> None:
+    """--grad-checkpointing: timm's set_grad_checkpointing, where the model's blocks run under
+    torch.utils.checkpoint, which recomputes them in the backward pass with the forward's random state (drop
+    path draws the same). Batch norm would update its running statistics a second time as it recomputes:
+    the training step runs the backward with them frozen (step.train_step)."""
+    try:
+        model.set_grad_checkpointing(True)
+    except (AttributeError, NotImplementedError, AssertionError):
+        raise UserError(f"--grad-checkpointing: timm's {name} does not support gradient checkpointing") from None
+    if not getattr(model, "grad_checkpointing", True):
+        raise UserError(f"--grad-checkpointing: timm's {name} does not support gradient checkpointing")
 
 
 BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its input as it is

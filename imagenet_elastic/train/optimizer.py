@@ -20,34 +20,94 @@ OPTIMIZERS: dict[str, tuple[str, bool]] = {
 }
 
 
-def param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on every parameter of two or more dimensions (convolutions, linear layers), none on 1-D ones
-    (norm layers' weights and every bias)."""
-    decay, no_decay = [], []
-    for param in model.parameters():
-        if param.requires_grad:
-            (no_decay if param.ndim <= 1 else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
+    """timm's parameter groups, as its create_optimizer_v2 builds them from a model: weight decay on every parameter
+    but 1-D ones (norm layers' weights, biases) and those the model's `no_weight_decay()` names (a ViT's position
+    embedding and class token, as in timm's and DeiT's recipes); with `layer_decay`, timm's layer-wise groups
+    (BEiT's LR decay: the model's `group_matcher` numbers its layers, each group has an `lr_scale`).
+
+    Each group also lists its parameters' names (`param_names`, which torch saves in the optimizer's state dict),
+    so that a saved state finds its parameters by name when the grouping changed (`regroup`)."""
+    from timm.optim import param_groups_layer_decay, param_groups_weight_decay
+
+    skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
+    if layer_decay is None:
+        groups = param_groups_weight_decay(model, weight_decay, no_weight_decay_list=skip)
+    else:
+        groups = param_groups_layer_decay(model, weight_decay, no_weight_decay_list=skip, layer_decay=layer_decay)
+    names = {id(param): name for name, param in model.named_parameters()}
+    return [{**group, "param_names": [names[id(p)] for p in group["params"]]} for group in groups]
+
+
+def check_layer_decay(model: nn.Module, model_name: str) -> None:
+    """--layer-decay needs the model's own numbering of its layers: timm's fallback (fixed-size runs of
+    parameters) means nothing for an architecture, so a model without a `group_matcher` is refused."""
+    if not hasattr(model, "group_matcher"):
+        from imagenet_elastic.errors import UserError
+
+        raise UserError(f"--layer-decay: timm's {model_name} has no group_matcher (its layers are not numbered); "
+                        "leave --layer-decay out for this model")
+
+
+def legacy_groups(model: nn.Module) -> list[list[str]]:
+    """The grouping of checkpoints written before timm's groups (`param_groups` until November 2026): every
+    parameter of two or more dimensions decayed, in the first group, the others in the second, without names."""
+    trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+    return [[name for name, param in trained if param.ndim > 1], [name for name, param in trained if param.ndim <= 1]]
+
+
+def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
+    """A saved state grouped otherwise than this optimizer (a checkpoint written before timm's groups, whose
+    grouping `legacy` gives; or one of another grouping rule) is rearranged by parameter name: each parameter's
+    state (momentum, moments) goes to where this optimizer keeps that parameter, and each group keeps this
+    run's own settings. `Optimizer.load_state_dict` pairs parameters by position alone, and would refuse the
+    groups' sizes or, worse, hand one parameter's momentum to another. A state of other parameters is refused."""
+    own = optimizer.param_groups
+    saved = state_dict["param_groups"]
+    saved_names = [group.get("param_names") for group in saved]
+    own_names = [group["param_names"] for group in own]
+    if saved_names == own_names:
+        return None  # the same grouping: loaded as saved
+    if any(names is None for names in saved_names):
+        saved_names = legacy
+    fits = len(saved_names) == len(saved) and all(
+        len(names) == len(group["params"]) for names, group in zip(saved_names, saved))
+    if not fits or sorted(sum(saved_names, [])) != sorted(sum(own_names, [])):
+        raise ValueError("the checkpoint's optimizer state holds other parameters than this model's")
+    name_of = {index: name for names, group in zip(saved_names, saved) for index, name in zip(group["params"], names)}
+    where = {name: index for index, name in enumerate(sum(own_names, []))}
+    groups, start = [], 0
+    for group in own:
+        count = len(group["params"])
+        settings = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**settings, "params": list(range(start, start + count))})
+        start += count
+    state = {where[name_of[index]]: value for index, value in state_dict["state"].items()}
+    return {**state_dict, "state": state, "param_groups": groups}
 
 
 def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float,
-                     device: torch.device, name: str = "sgd", fused: Optional[bool] = None) -> torch.optim.Optimizer:
-    """The optimizer OPTIMIZERS names, over the same parameter groups: no weight decay on norms and biases.
-    torch's SGD is fused on CUDA (a few launches for all parameters; `fused` overrides that). Every
-    optimizer's state keeps its parameters' layout whatever it is loaded from (`follow_parameter_layout`), and
-    fused SGD's momentum exists before its first step (`zero_momentum`)."""
+                     device: torch.device, name: str = "sgd", fused: Optional[bool] = None,
+                     layer_decay: Optional[float] = None) -> torch.optim.Optimizer:
+    """The optimizer OPTIMIZERS names, over timm's parameter groups (`param_groups`). torch's SGD is fused on CUDA
+    (a few launches for all parameters; `fused` overrides that). A state loaded from a checkpoint finds its
+    parameters by name (`regroup`), keeps this optimizer's kernels (`keep_own_kernels`) and its parameters' memory
+    layout (`follow_parameter_layout`), and fused SGD's momentum exists before its first step (`zero_momentum`)."""
+    import functools
+
     import torch
 
     maker, takes_momentum = OPTIMIZERS[name]
     extra = {"momentum": momentum} if takes_momentum else {}
+    groups = param_groups(model, weight_decay, layer_decay)
     if maker == "torch":
         fused = device.type == "cuda" if fused is None else fused
-        optimizer = torch.optim.SGD(param_groups(model, weight_decay), lr=lr, fused=fused or None, **extra)
+        optimizer = torch.optim.SGD(groups, lr=lr, fused=fused or None, **extra)
     else:
         from timm.optim import create_optimizer_v2
 
-        optimizer = create_optimizer_v2(param_groups(model, weight_decay), opt=name, lr=lr,
-                                        weight_decay=weight_decay, **extra)
+        optimizer = create_optimizer_v2(groups, opt=name, lr=lr, weight_decay=weight_decay, **extra)
+    optimizer.register_load_state_dict_pre_hook(functools.partial(regroup, legacy_groups(model)))
     optimizer.register_load_state_dict_pre_hook(keep_own_kernels)
     optimizer.register_load_state_dict_post_hook(follow_parameter_layout)
     optimizer.register_load_state_dict_post_hook(zero_momentum)

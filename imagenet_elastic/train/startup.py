@@ -55,7 +55,7 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
                       training.precision.dtype, config.channels_last,
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
-                      config.clip_grad_norm)
+                      config.clip_grad_norm, config.grad_checkpointing)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)

@@ -36,6 +36,7 @@ class StepContext:
     channels_last: bool
     mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
     clip_grad_norm: Optional[float] = None  # --clip-grad-norm
+    recomputes: bool = False  # --grad-checkpointing: the backward pass runs the blocks' forward again
 
     def __post_init__(self) -> None:
         self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
@@ -102,8 +103,8 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
     gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
     global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
     """
-    for group in ctx.optimizer.param_groups:
-        group["lr"] = lr
+    for group in ctx.optimizer.param_groups:  # --layer-decay's groups take their share of the LR, as in timm
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # x1.0 elsewhere: exact
     ctx.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=ctx.device)
     for j, (batch, part) in enumerate(zip(micro_batches, slices)):
@@ -120,6 +121,8 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
             with ctx.autocast():
                 loss = ctx.criterion(ctx.model(images), targets)
             weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
+            if ctx.recomputes:  # the forward updated the running statistics; the recomputation must not again
+                stack.enter_context(running_stats_frozen(ctx.batch_norms))
             ctx.scaler.scale(weighted).backward()
         total += weighted.detach().float()
     if ctx.clip_grad_norm is not None:  # on the all-reduced gradient: every rank clips the same, at any world size

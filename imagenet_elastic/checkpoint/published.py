@@ -1,0 +1,92 @@
+"""--pretrained: a fresh run's model starts from the weights timm publishes for --model (fine-tuning).
+
+timm resolves the name: a plain architecture takes its default pretrained tag, `resnet50.a1_in1k` names one,
+`hf-hub:ORG/NAME` a Hugging Face repository (its config.json says the architecture), `local-dir:FOLDER` a
+folder as `imagenet-elastic export` or timm's save_for_hf write it. Files come through the Hugging Face hub
+cache (huggingface_hub reads HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE), so an offline node reads what an earlier
+download left there. The weights are read once, at the start (`fetch`), before any data is scanned, so a missing
+file costs seconds; the model the run trains is then built from them (`timm_options`) by timm's own loader, which
+re-initialises a classifier of another class count and adapts the weights to the model (its checkpoint filter).
+Every rank of a fresh start reads them from its node's cache (huggingface_hub locks a download in progress, so
+ranks that share a cache download once).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, NamedTuple
+
+from imagenet_elastic.errors import UserError, first_line
+
+if TYPE_CHECKING:
+    import torch
+
+# timm's model names that say where the weights are, not what the model is (config.json there says that)
+WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
+
+
+class Published(NamedTuple):
+    tensors: dict[str, torch.Tensor]
+    source: str  # where they came from, for the start-up table
+    classes: int  # the classifier's class count there
+
+
+def cache_folder() -> str:
+    from huggingface_hub import constants
+
+    return constants.HF_HUB_CACHE
+
+
+def fetch(model_name: str) -> Published:
+    """The published weights of `model_name` as timm loads them, or a UserError naming the model and the cache."""
+    import timm
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        EntryNotFoundError,
+        GatedRepoError,
+        HfHubHTTPError,
+        LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
+        RepositoryNotFoundError,
+    )
+
+    where = f"the Hugging Face cache {cache_folder()}"
+    try:
+        model = timm.create_model(model_name, pretrained=True)
+    except (LocalEntryNotFoundError, OfflineModeIsEnabled):
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached")
+        raise UserError(f"--pretrained: the weights of {model_name} are not in {where} and {why}: download them "
+                        "once where the hub can be reached (run with --pretrained, or `hf download`), or set "
+                        "HF_HOME to the cache that holds them") from None
+    except GatedRepoError:
+        raise UserError(f"--pretrained: the weights of {model_name} are gated on the hub: accept their terms and "
+                        "log in (`hf auth login`) where the run downloads them") from None
+    except (RepositoryNotFoundError, EntryNotFoundError):
+        raise UserError(f"--pretrained: the hub has no weights for {model_name}") from None
+    except HfHubHTTPError as error:
+        raise UserError(f"--pretrained {model_name}: the hub answered {first_line(error)[:200]}") from None
+    except FileNotFoundError as error:  # local-dir: without config.json
+        raise UserError(f"--model {model_name}: {first_line(error)[:200]}") from None
+    except RuntimeError as error:  # an unknown tag, an architecture without published weights, a file that misfits
+        raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
+    except OSError as error:  # weights timm downloads from a URL (torch hub's cache), a file it cannot read
+        raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    classes = getattr(model, "num_classes", 0) if head is not None else 0
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    source = cfg.get("hf_hub_id") or cfg.get("file") or model_name
+    return Published(model.state_dict(), f"{source} ({where})" if cfg.get("hf_hub_id") else source, classes)
+
+
+def timm_options(published: Published) -> dict[str, Any]:
+    """timm.create_model's arguments that load these weights: its pretrained path with the tensors in hand
+    (a `state_dict` source), so nothing is read twice and timm still drops a classifier of another class count."""
+    return {"pretrained": True, "pretrained_cfg_overlay": {"source": "", "state_dict": published.tensors,
+                                                           "num_classes": published.classes}}
+
+
+def describe(published: Published, classes: int) -> str:
+    """What the start-up table says of a fresh run's weights."""
+    if published.classes in (0, classes):
+        return f"published: {published.source}"
+    return f"published: {published.source} (classifier re-initialised: {published.classes} classes there, " \
+           f"{classes} here)"
