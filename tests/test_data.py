@@ -145,9 +145,9 @@ def test_eval_dataset_returns_deterministic_uint8_hwc_of_the_requested_size(imag
     first, second = EvalDataset(index, size=32, resize=36), EvalDataset(index, size=32, resize=36)
     assert len(first) == 4
     for i in range(len(first)):
-        pixels, target = first[i]
+        pixels, target, position = first[i]
         assert pixels.dtype == torch.uint8 and pixels.shape == (32, 32, 3)
-        assert target == int(index.labels[i])
+        assert target == int(index.labels[i]) and position == i
         assert torch.equal(pixels, second[i][0])
 
 
@@ -161,7 +161,7 @@ def test_eval_dataset_resizes_the_whole_image_then_crops_its_centre_as_torchvisi
     path = tmp_path / "val" / "a" / "g.png"
     path.parent.mkdir(parents=True)
     Image.fromarray(grad.astype(np.uint8)).save(path)
-    pixels, _ = EvalDataset(scan_image_folder(str(tmp_path / "val"), "val"), size=28, resize=32)[0]
+    pixels = EvalDataset(scan_image_folder(str(tmp_path / "val"), "val"), size=28, resize=32)[0][0]
     resized = Image.open(path).convert("RGB").resize((42, 32), Image.BILINEAR)
     expected = np.asarray(resized.crop((7, 2, 7 + 28, 2 + 28)), dtype=np.int16)
     assert np.abs(pixels.numpy().astype(np.int16) - expected).max() <= 1

@@ -122,8 +122,9 @@ class EvalDataset(Dataset):
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        return self.load(self.source.read(i), self.source.name(i), self.view), self.source.label(i)
+    def __getitem__(self, i: int) -> tuple[Any, int, int]:
+        """Pixels, class, and the sample's index (per-image scores: ReaL's labels, tools/evaluate.py)."""
+        return self.load(self.source.read(i), self.source.name(i), self.view), self.source.label(i), i
 
 
 def default_workers(cores: int, local_world_size: int) -> int:
