@@ -115,7 +115,9 @@ def test_a_class_subset_scores_only_its_classes_logits(trained, tmp_path):
     print(f"subset top-1 {row['top1']:.2f} against {full:.2f} over all three classes")
 
 
-def test_several_val_sets_give_a_line_each_and_a_table(trained, tmp_path):
+def test_several_val_sets_of_any_source_give_a_line_each_and_a_table(trained, tmp_path):
+    """Class folders, the flat folder with its labels file, and tar shards packed from the folders: the same images,
+    the same scores, ReaL's included (found by the number in each image's name, in a shard's member too)."""
     root, logits, labels = trained
     flat = tmp_path / "flat"
     flat.mkdir()
@@ -124,13 +126,57 @@ def test_several_val_sets_give_a_line_each_and_a_table(trained, tmp_path):
         os.symlink(path, flat / path.name)
         rows.append(f"{path.name},{path.parent.name}")
     (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
-    done = command(["evaluate", str(root / "export"), str(root / "val"), str(flat), "--val-labels",
-                    str(tmp_path / "labels.csv"), "--workers", "0", "--amp", "none"])
+    (tmp_path / "src").mkdir()
+    for split in ("train", "val"):
+        os.symlink(root / "val", tmp_path / "src" / split)
+    assert command(["pack", str(tmp_path / "src"), str(tmp_path / "packed"), "--workers", "1"]).returncode == 0
+    (tmp_path / "real.json").write_text(json.dumps([[(k + 1) % 3] for k in range(VAL_IMAGES)]))  # not the labels
+    places = [str(root / "val"), str(flat), str(tmp_path / "packed" / "val")]
+    done = command(["evaluate", str(root / "export"), *places, "--val-labels", str(tmp_path / "labels.csv"),
+                    "--real-labels", str(tmp_path / "real.json"), "--workers", "0", "--amp", "none"])
     assert done.returncode == 0, done.stderr
     lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert [line["val"] for line in lines] == [str(root / "val"), str(flat)]
-    assert all(line["top1"] == pytest.approx(top1(logits, labels)) for line in lines)
-    assert "scores" in done.stdout and f"{top1(logits, labels):.2f}%" in done.stdout
+    assert [line["val"] for line in lines] == places
+    guess = logits.argmax(1)
+    real = 100 * float((guess == (torch.arange(VAL_IMAGES) + 1) % 3).float().mean())
+    for line in lines:
+        assert line["images"] == VAL_IMAGES and line["top1"] == pytest.approx(top1(logits, labels))
+        assert line["real_top1"] == pytest.approx(real) and line["real_images"] == VAL_IMAGES
+    assert real != top1(logits, labels)
+    assert "scores" in done.stdout and done.stdout.count(f"top-1 {top1(logits, labels):.2f}%") == 3
+    assert done.stdout.count(f"ReaL {real:.2f}%") == 3
+
+
+def test_a_timm_model_name_takes_its_own_preprocessing_and_imagenets_class_names(trained, tmp_path, monkeypatch):
+    """--pretrained with a timm name (its download stood in for by a seeded 1000-class model with a bicubic, 0.9
+    crop config of its own). VAL's folders are ImageNet wnids, each image put in the folder of the class timm's own
+    evaluation path predicts for it: 100% there, and here exactly when every prediction agrees."""
+    from timm.data import ImageNetInfo
+
+    root, _, _ = trained
+    real_create_model = timm.create_model
+
+    def published(name: str, pretrained: bool = False, **kwargs):
+        assert (name, pretrained) == ("test_resnet.fake_in1k", True)
+        torch.manual_seed(3)
+        return real_create_model("test_resnet", num_classes=1000,
+                                 pretrained_cfg_overlay={"interpolation": "bicubic", "crop_pct": 0.9})
+
+    monkeypatch.setattr(timm, "create_model", published)
+    model = published("test_resnet.fake_in1k", True).eval()
+    data = resolve_data_config({}, model=model)
+    assert (data["interpolation"], data["crop_pct"], data["mean"]) == ("bicubic", 0.9, (0.5, 0.5, 0.5))
+    transform = create_transform(**data)
+    wnids = ImageNetInfo("imagenet-1k").label_names()
+    images = sorted((root / "val").rglob("*.JPEG"))
+    with torch.no_grad():
+        guess = model(torch.stack([transform(Image.open(path).convert("RGB")) for path in images])).argmax(1)
+    for path, k in zip(images, guess.tolist()):
+        (tmp_path / "val" / wnids[k]).mkdir(parents=True, exist_ok=True)
+        os.symlink(path, tmp_path / "val" / wnids[k] / path.name)
+    [row] = evaluated("test_resnet.fake_in1k", str(tmp_path / "val"), "--pretrained")
+    assert (row["crop"], row["resize"], row["interpolation"], row["mean"]) == (160, 177, "bicubic", [0.5] * 3)
+    assert row["images"] == VAL_IMAGES and row["top1"] == 100.0
 
 
 def test_flip_average_and_our_preprocessing_are_options(trained):

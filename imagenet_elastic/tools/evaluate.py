@@ -289,7 +289,9 @@ def real_counts(sets: list[frozenset[int]]) -> Any:
 
 def labels_file(location: str, val_labels: str | None) -> str | None:
     """--val-labels names the classes of the flat folders among VAL (image files, no folders), not of the others."""
-    if val_labels is None or not os.path.isdir(location):
+    from imagenet_elastic.data.sources import tar_shards
+
+    if val_labels is None or not os.path.isdir(location) or tar_shards.claims(location):
         return None
     return None if any(entry.is_dir() for entry in os.scandir(location)) else val_labels
 
