@@ -179,12 +179,14 @@ def test_a_timm_model_name_takes_its_own_preprocessing_and_imagenets_class_names
     assert row["images"] == VAL_IMAGES and row["top1"] == 100.0
 
 
-def test_flip_average_and_our_preprocessing_are_options(trained):
+def test_flip_average_our_preprocessing_and_the_device_decoder_are_options(trained):
     root, logits, labels = trained
     [plain] = evaluated(str(root / "export"), str(root / "val"), "--preprocessing", "ours")
     [flipped] = evaluated(str(root / "export"), str(root / "val"), "--flip-average")
+    [device] = evaluated(str(root / "export"), str(root / "val"), "--decode", "gpu")  # on the CPU: the same pixels
     assert plain["top1"] == pytest.approx(top1(logits, labels))  # the export's preprocessing is ours
     assert flipped["flip_average"] is True and flipped["loss"] != plain["loss"]
+    assert (device["top1"], device["loss"]) == (plain["top1"], plain["loss"])
 
 
 def one_line_error(*argv: str) -> str:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -66,6 +67,7 @@ def build_parser() -> Parser:
     add_setting(p, "amp")
     add_setting(p, "device")
     add_setting(p, "channels_last")
+    add_setting(p, "decode")
     add_setting(p, "dist_timeout")
     return p
 
@@ -160,8 +162,9 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
                             "needs --pretrained")
         try:
             module = timm.create_model(name, pretrained=True)
-        except RuntimeError as error:
-            raise UserError(f"MODEL {name}: {str(error).splitlines()[0][:200]}") from None
+        except (RuntimeError, OSError, ValueError) as error:  # an unknown name; weights not found or not fetched
+            raise UserError(f"MODEL {name}: timm cannot create it with --pretrained "
+                            f"({(str(error).splitlines() or [type(error).__name__])[0][:200]})") from None
         classes = imagenet_classes(module)
     if len(classes) != module.num_classes:
         raise UserError(f"MODEL {name} names {len(classes)} classes for its {module.num_classes} outputs")
@@ -300,6 +303,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     import torch
 
     from imagenet_elastic.data import pipeline, sources
+    from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.feed import device_batches
     from imagenet_elastic.launch import distributed
@@ -333,7 +337,10 @@ def run(args: Any) -> list[dict[str, Any]]:
         console.warn(precision.warning)
     workers = (args.workers if args.workers is not None
                else pipeline.default_workers(distributed.available_cores(), env.local_world_size))
-    decoding = Decoding("cpu")
+    decoding = Decoding(args.decode)
+    if decoding.warning(device):
+        console.warn(decoding.warning(device))
+    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), INCEPTION_CROP)
     loaders = []
     with contextlib.ExitStack() as stack:
         for _, source, _ in sets:
@@ -355,7 +362,7 @@ def run(args: Any) -> list[dict[str, Any]]:
         rows = []
         for (location, _, real_of), loader in zip(sets, loaders):
             counts = real_counts(real_of) if real_of is not None else None
-            result = evaluate(ctx, module, device_batches(loader, device, None), args.flip_average, columns, counts)
+            result = evaluate(ctx, module, device_batches(loader, device, decoder), args.flip_average, columns, counts)
             row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
                                    "top1": result.top1, "top5": result.top5, "loss": result.loss}
             if counts is not None:
