@@ -191,7 +191,7 @@ def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_ot
                           ("--global-batch-size N", "checkpoint's, else batch-size x processes")):
         assert f"(default: {default})" in text, flag
     assert "(0.08, 1.0)" not in text and "(default: None)" not in text
-    for command in ("benchmark", "export", "pack", "plot"):
+    for command in ("benchmark", "evaluate", "export", "pack", "plot"):
         assert f"imagenet-elastic {command} " in text, command
 
 

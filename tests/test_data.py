@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from imagenet_elastic.data.pipeline import EvalDataset, TrainDataset, sample_rng
-from imagenet_elastic.data.pixels import center_crop_box, crop_resize, decode_bytes, random_resized_crop_box
+from imagenet_elastic.data.pixels import crop_resize, decode_bytes, random_resized_crop_box
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
 
@@ -71,18 +71,6 @@ def test_random_resized_crop_box_respects_scale_and_ratio_bounds_on_large_images
         _, _, w, h = random_resized_crop_box(1000, 1000, random.Random(seed))
         assert 0.08 * 1e6 * 0.97 <= w * h <= 1e6
         assert 3 / 4 * 0.97 <= w / h <= 4 / 3 * 1.03
-
-
-def test_center_crop_box_keeps_the_centred_square_of_the_resized_short_side():
-    left, top, w, h = center_crop_box(500, 375, 224, 256)
-    assert w == h == pytest.approx(375 * 224 / 256)
-    assert left == pytest.approx((500 - w) / 2)
-    assert top == pytest.approx((375 - h) / 2)
-    assert center_crop_box(256, 256, 224, 256) == pytest.approx((16, 16, 224, 224))
-    assert center_crop_box(100, 100, 224, 224) == pytest.approx((0, 0, 100, 100))
-    left, top, w, h = center_crop_box(300, 600, 224, 256)
-    assert left == pytest.approx((300 - w) / 2) and top == pytest.approx((600 - h) / 2)
-    assert w == pytest.approx(300 * 224 / 256)
 
 
 def test_sample_rng_is_deterministic():
@@ -157,25 +145,26 @@ def test_eval_dataset_returns_deterministic_uint8_hwc_of_the_requested_size(imag
     first, second = EvalDataset(index, size=32, resize=36), EvalDataset(index, size=32, resize=36)
     assert len(first) == 4
     for i in range(len(first)):
-        pixels, target = first[i]
+        pixels, target, position = first[i]
         assert pixels.dtype == torch.uint8 and pixels.shape == (32, 32, 3)
-        assert target == int(index.labels[i])
+        assert target == int(index.labels[i]) and position == i
         assert torch.equal(pixels, second[i][0])
 
 
-def test_eval_dataset_matches_resize_then_centre_crop(tmp_path):
-    # A smooth gradient, so resampling differences stay small while a wrong region would not.
+def test_eval_dataset_resizes_the_whole_image_then_crops_its_centre_as_torchvision_does(tmp_path):
+    """The long side becomes int(32 * 80 / 60) = 42, not round(42.67) = 43, and the crop starts at round((42 - 28)
+    / 2) = 7: torchvision's Resize and CenterCrop, which timm's eval transform uses (tests/test_reference_pixels.py
+    compares with timm itself)."""
     x = np.linspace(0, 255, 80, dtype=np.float32)
     y = np.linspace(0, 255, 60, dtype=np.float32)
     grad = np.stack([np.tile(x, (60, 1)), np.tile(y[:, None], (1, 80)), np.full((60, 80), 128.0)], axis=-1)
     path = tmp_path / "val" / "a" / "g.png"
     path.parent.mkdir(parents=True)
     Image.fromarray(grad.astype(np.uint8)).save(path)
-    pixels, _ = EvalDataset(scan_image_folder(str(tmp_path / "val"), "val"), size=28, resize=32)[0]
-    resized = Image.open(path).convert("RGB").resize((round(80 * 32 / 60), 32), Image.BILINEAR)
-    left = (resized.width - 28) // 2
-    expected = np.asarray(resized.crop((left, 2, left + 28, 30)), dtype=np.int16)
-    assert np.abs(pixels.numpy().astype(np.int16) - expected).max() <= 12
+    pixels = EvalDataset(scan_image_folder(str(tmp_path / "val"), "val"), size=28, resize=32)[0][0]
+    resized = Image.open(path).convert("RGB").resize((42, 32), Image.BILINEAR)
+    expected = np.asarray(resized.crop((7, 2, 7 + 28, 2 + 28)), dtype=np.int16)
+    assert np.abs(pixels.numpy().astype(np.int16) - expected).max() <= 1
 
 
 def test_corrupt_image_raises_corrupt_image_error_naming_the_file(tmp_path):

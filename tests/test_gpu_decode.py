@@ -108,7 +108,8 @@ def test_the_device_erases_the_rectangles_the_workers_would_and_leaves_validatio
     plain = torch.stack([pipeline.TrainDataset(index, 120, 2)[key][0] for key in keys])
     assert all(not torch.equal(a, b) for a, b in zip(images, plain))  # p=1: every image has its box
     assert len(warnings) == 1 and "plain.png is a PNG file" in warnings[0]
-    val = gpu_decode.collate([pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in range(3)])
+    val_set = pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_centre_crop)
+    val = gpu_decode.collate([val_set[i] for i in range(3)])
     assert torch.equal(decoder(val).images, decoder_and_warnings()[0](val).images)
 
 
@@ -234,7 +235,8 @@ def test_one_decoder_gives_each_batch_the_size_its_worker_asked_for(mixed_folder
     index = scan_image_folder(str(mixed_folder), "train")
     decoder, _ = decoder_and_warnings()
     train = decoder(batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)])).images
-    val = decoder(gpu_decode.collate([pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_bytes)[i] for i in (0, 1)]))
+    val_set = pipeline.EvalDataset(index, 24, 27, gpu_decode.encode_centre_crop)
+    val = decoder(gpu_decode.collate([val_set[i] for i in (0, 1)]))
     assert train.shape == (2, 16, 16, 3) and val.images.shape == (2, 24, 24, 3)
 
 
@@ -399,6 +401,7 @@ def test_the_policy_runs_on_a_side_stream_that_waits_for_the_decode_alone_and_th
         assert block == [("side stream waits for", f"decoded {k}", (3, 16, 16, 3)), *[("apply", True)] * 3,
                          "training stream waits for the side stream", ("take", f"decoded {k}")], events
     events.clear()
-    val = [gpu_decode.collate([pipeline.EvalDataset(index, 16, 18, gpu_decode.encode_bytes)[i] for i in range(3)])]
+    val_set = pipeline.EvalDataset(index, 16, 18, gpu_decode.encode_centre_crop)
+    val = [gpu_decode.collate([val_set[i] for i in range(3)])]
     assert len(list(feed.device_batches(val, CPU, decoder))) == 1
     assert events == [("take", "decoded 0")]

@@ -3,7 +3,8 @@
 cpu: loader workers decode, crop, resize and flip, then run the policy and erasing; batches of uint8 pixels
 cross to the training process. gpu: workers only parse each image's header and draw its crop; the bytes
 cross (one EncodedBatch per batch), and the training process decodes whole batches with nvJPEG, crops them
-there and runs the policy and erasing on the device (gpu_decode.BatchDecoder).
+there and runs the policy and erasing on the device (gpu_decode.BatchDecoder). Validation takes the same two
+ways with the reference's view of each image (pixels.CentreCrop) instead of a random crop.
 """
 
 from __future__ import annotations
@@ -26,6 +27,11 @@ class Decoding:
     def load(self) -> pipeline.Load:
         """What a loader worker does with a sample's bytes."""
         return gpu_decode.encode_bytes if self.mode == "gpu" else pixels.decode_bytes
+
+    @property
+    def eval_load(self) -> pipeline.EvalLoad:
+        """What a validation loader's worker does with a sample's bytes."""
+        return gpu_decode.encode_centre_crop if self.mode == "gpu" else pixels.decode_centre_crop
 
     @property
     def collate(self) -> Callable[[list], pipeline.Batch]:

@@ -9,6 +9,11 @@ the device (`decode_crops`, in a thread of its own: feed.decoded_ahead), then ru
 augmentation policy and erasing there (`augment_images`, in the training thread, on a stream of their
 own: feed.SideStream), drawn from a seed the worker took from the sample's stream after the crop and flip.
 
+Validation batches take the same way with the reference's view of each image (pixels.CentreCrop) instead of a
+random crop: nvJPEG's decode of the whole image, resized in float32 and rounded, then centre-cropped. These are
+the CPU path's pixels within a few levels (nvJPEG's IDCT is not libjpeg-turbo's, the float resize rounds within
+one level of the uint8 kernel): not bit for bit timm's, which `--decode cpu` is within rounding.
+
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
 decodes them itself; a JPEG that the device decoder rejects is decoded in the main process. A device
@@ -31,17 +36,20 @@ from PIL import Image
 from imagenet_elastic.data.augment import INCEPTION_CROP, Augment
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.pixels import (
+    DECODED_BY_TORCHVISION,
     Box,
+    CentreCrop,
     ChooseCrop,
     byte_tensor,
     crop_region,
     crop_resize,
     decode_bytes,
+    decode_centre_crop,
     resize_regions,
 )
 from imagenet_elastic.errors import CorruptImageError, first_line
 
-DEVICE_DECODABLE_MODES = ("RGB", "L")  # JPEG colour modes nvJPEG turns into RGB
+DEVICE_DECODABLE_MODES = DECODED_BY_TORCHVISION  # JPEG colour modes nvJPEG turns into RGB
 
 OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
 EMPTY = torch.empty(0, dtype=torch.uint8)
@@ -59,21 +67,49 @@ class EncodedImage:
     size: int  # of the square crop the batch wants (train and val sizes may differ)
     cpu_reason: Optional[str] = None
     augment_seed: Optional[int] = None  # the policy's and erasing's draws (augment.Augment.draw_seed)
+    centre: Optional[CentreCrop] = None  # validation: this view of the whole image instead of `box` and `flip`
+
+    def decode_on_cpu(self, raw: bytes) -> torch.Tensor:
+        """The worker path's pixels of these bytes."""
+        if self.centre is not None:
+            return decode_centre_crop(raw, self.path, self.centre)
+        return decode_bytes(raw, self.path, lambda w, h: (self.box, self.flip), self.size)
+
+    def finish(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Decoded HWC pixels (on the device) to this image's crop, one image alone."""
+        if self.centre is not None:
+            return self.centre.apply(pixels)
+        return crop_resize(pixels, self.box, self.flip, self.size)
 
 
-def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
-    """The worker's part: parse the header, draw the crop (a pipeline.Load, as pixels.decode_bytes is)."""
+def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
+    """Width, height, and why the device cannot decode the image (None: it can)."""
     try:
         with Image.open(io.BytesIO(raw)) as img:
             width, height = img.size
             kind, mode = img.format, img.mode
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    box, flip = choose_crop(width, height)
     if kind == "JPEG" and mode in DEVICE_DECODABLE_MODES:
-        return EncodedImage(path, byte_tensor(raw), box, flip, size)
-    reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
-    return EncodedImage(path, decode_bytes(raw, path, lambda w, h: (box, flip), size), box, flip, size, reason)
+        return width, height, None
+    return width, height, f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
+
+
+def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
+    """The worker's part: parse the header, draw the crop (a pipeline.Load, as pixels.decode_bytes is)."""
+    width, height, reason = read_header(raw, path)
+    box, flip = choose_crop(width, height)
+    image = EncodedImage(path, byte_tensor(raw), box, flip, size, reason)
+    return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+
+
+def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
+    """Validation's worker part (a pipeline.EvalLoad, as pixels.decode_centre_crop is): the bytes, and the view
+    the device takes of the whole decoded image."""
+    width, height, reason = read_header(raw, path)
+    image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, reason,
+                         centre=view)
+    return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
 
 
 @dataclass
@@ -187,8 +223,7 @@ class BatchDecoder:
             reason, crop = im.cpu_reason, im.data
             if reason is None:  # the device decoder refused it; the CPU decoder names a corrupt file
                 reason = "a JPEG the device decoder rejected"
-                crop = decode_bytes(im.data.numpy().tobytes(), im.path, lambda w, h, im=im: (im.box, im.flip),
-                                    im.size)
+                crop = im.decode_on_cpu(im.data.numpy().tobytes())
             self.report(im.path, reason)
             crops[i] = crop.to(self.device, non_blocking=True)
         for (i, _), crop in zip(decoded, self.crop([pixels for _, pixels in decoded], [images[i] for i, _ in decoded])):
@@ -197,9 +232,10 @@ class BatchDecoder:
 
     def crop(self, decoded: list[torch.Tensor], images: list[EncodedImage]) -> list[torch.Tensor]:
         """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker
-        path's uint8 kernel, image by image; elsewhere batched (pixels.resize_regions)."""
-        if not self.batched_crops:
-            return [crop_resize(pixels, im.box, im.flip, im.size) for pixels, im in zip(decoded, images)]
+        path's uint8 kernel, image by image; elsewhere batched (pixels.resize_regions). Validation's
+        (pixels.CentreCrop) image by image, each whole image resized as the reference resizes it."""
+        if not self.batched_crops or any(im.centre is not None for im in images):
+            return [im.finish(pixels) for pixels, im in zip(decoded, images)]
         if not decoded:
             return []
         regions = [crop_region(pixels, im.box) for pixels, im in zip(decoded, images)]

@@ -2,11 +2,11 @@
 their workers.
 
 Workers read a sample's bytes from its source (sources/), then decode, crop, resize and flip on uint8
-(pixels.py) and hand over HWC uint8 tensors; the copy to the device, conversion to float and normalisation
-happen there (data/feed.py device_batches, train/step.py prepare_batch). Under --decode gpu the workers hand over the
-bytes instead (decoding.py says which). Every random choice a training sample gets comes from (seed,
-epoch, sample index) alone, so a restarted run, any worker count and any world size see exactly the same
-pixels.
+(pixels.py; validation: the reference's resize and centre crop) and hand over HWC uint8 tensors; the copy to
+the device, conversion to float and normalisation happen there (data/feed.py device_batches, train/step.py
+prepare_batch). Under --decode gpu the workers hand over the bytes instead (decoding.py says which). Every
+random choice a training sample gets comes from (seed, epoch, sample index) alone, so a restarted run, any
+worker count and any world size see exactly the same pixels.
 """
 
 from __future__ import annotations
@@ -24,13 +24,22 @@ import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
 from imagenet_elastic.data.augment import INCEPTION_CROP, Augment
-from imagenet_elastic.data.pixels import Box, ChooseCrop, center_crop_box, decode_bytes, random_resized_crop_box
+from imagenet_elastic.data.pixels import (
+    Box,
+    CentreCrop,
+    ChooseCrop,
+    decode_bytes,
+    decode_centre_crop,
+    random_resized_crop_box,
+)
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import SampleKey, TrainBatchSampler, eval_shard
 from imagenet_elastic.data.sources import Source
 
 # (encoded bytes, the sample's name for errors, choose_crop, size) -> what a worker hands over
 Load = Callable[[bytes, str, ChooseCrop, int], Any]
+# (encoded bytes, the sample's name, validation's view) -> what a worker hands over
+EvalLoad = Callable[[bytes, str, CentreCrop], Any]
 
 
 @dataclasses.dataclass
@@ -102,19 +111,20 @@ class TrainDataset(Dataset):
 
 
 class EvalDataset(Dataset):
-    """Resize-then-centre-crop, done as one resize of the kept region."""
+    """Each image as the reference's evaluation sees it (pixels.CentreCrop): timm's `create_transform` for the
+    exported model gives the same pixels. `load`: `pixels.decode_centre_crop`, or
+    `gpu_decode.encode_centre_crop`, which leaves the decoding and the resize to the device."""
 
-    def __init__(self, source: Source, size: int, resize: int, load: Load = decode_bytes) -> None:
-        self.source, self.size, self.resize, self.load = source, size, resize, load
+    def __init__(self, source: Source, size: int, resize: int, load: EvalLoad = decode_centre_crop,
+                 interpolation: str = "bilinear") -> None:
+        self.source, self.load, self.view = source, load, CentreCrop(size, resize, interpolation)
 
     def __len__(self) -> int:
         return len(self.source)
 
-    def __getitem__(self, i: int) -> tuple[Any, int]:
-        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
-            return center_crop_box(width, height, self.size, self.resize), False
-
-        return self.load(self.source.read(i), self.source.name(i), choose_crop, self.size), self.source.label(i)
+    def __getitem__(self, i: int) -> tuple[Any, int, int]:
+        """Pixels, class, and the sample's index (per-image scores: ReaL's labels, tools/evaluate.py)."""
+        return self.load(self.source.read(i), self.source.name(i), self.view), self.source.label(i), i
 
 
 def default_workers(cores: int, local_world_size: int) -> int:

@@ -1,8 +1,12 @@
-"""What one image becomes: the crop box drawn for it, its file read and decoded (at a reduced DCT
-scale where the crop allows), the box cropped, resized and flipped, as HWC uint8 on any device.
+"""What one image becomes, as HWC uint8 on any device.
+
+Training: the crop box drawn for it, its file read and decoded (at a reduced DCT scale where the crop allows), the
+box cropped, resized and flipped (`decode_bytes`). Validation: the reference's pixels (`CentreCrop`, the view
+timm's `create_transform` and torchvision's ImageNet evaluation take), so that a score we record is the score
+timm's own evaluation gives the same weights: full-scale decode, the whole image resized, then the centre crop.
 
 Pure functions of their arguments; the random choices come in as a `random.Random` or a `ChooseCrop`
-(pipeline.py draws them from the sample's stream). gpu_decode.py runs the same crop on the device, batched.
+(pipeline.py draws them from the sample's stream). gpu_decode.py runs the same crops on the device, batched.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import io
 import math
 import random
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -42,10 +47,49 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random,
     return (width - w) // 2, (height - h) // 2, w, h
 
 
-def center_crop_box(width: int, height: int, size: int, resize: int) -> Box:
-    """The source region that "resize the short side to `resize`, centre-crop `size`" keeps."""
-    side = min(width, height) * size / resize
-    return (width - side) / 2, (height - side) / 2, side, side
+INTERPOLATIONS = ("bilinear", "bicubic")  # validation's resize, as timm's pretrained configs name them
+DECODED_BY_TORCHVISION = ("RGB", "L")  # JPEG modes whose libjpeg-turbo decode is Pillow's pixels (not CMYK/YCCK)
+
+
+@dataclass(frozen=True)
+class CentreCrop:
+    """Validation's view of an image, the reference's: timm's `create_transform` for a model's pretrained config
+    (and torchvision's ImageNet evaluation) resize the whole image so that its short side is `resize` (the long
+    side to int(resize * long / short)) with an antialiased `interpolation`, then keep the centred `size` square
+    (offsets rounded as torchvision's CenterCrop rounds them). The same geometry here, and torchvision's resize
+    kernels: on the CPU its uint8 kernels, within 1 level of Pillow's bilinear and 2 of its bicubic
+    (docs/BENCHMARKS.md); elsewhere in float32, rounded."""
+
+    size: int
+    resize: int
+    interpolation: str = "bilinear"
+
+    def apply(self, pixels: torch.Tensor) -> torch.Tensor:
+        """HWC uint8 (any device) -> size x size x 3 uint8."""
+        from torchvision.transforms.v2 import InterpolationMode  # see pipeline.share_heap_with_workers
+        from torchvision.transforms.v2 import functional as TF
+
+        resized = TF.resize(pixels.permute(2, 0, 1), [self.resize], InterpolationMode(self.interpolation),
+                            antialias=True)
+        return TF.center_crop(resized, [self.size]).permute(1, 2, 0)
+
+
+def decode_full(raw: bytes, path: str) -> torch.Tensor:
+    """The whole image at full scale in RGB, as the reference's `Image.open(...).convert("RGB")` gives it: HWC
+    uint8. JPEGs in RGB or grey by torchvision's libjpeg-turbo decoder (the same pixels as Pillow's, written
+    straight into a tensor); any other image (PNG, a CMYK JPEG) by Pillow itself."""
+    with decoding(path), Image.open(io.BytesIO(raw)) as img:
+        if img.format == "JPEG" and img.mode in DECODED_BY_TORCHVISION:
+            from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
+            return decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
+        return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
+
+
+def decode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> torch.Tensor:
+    """Validation's pixels of an image's bytes (`path` names it in errors): size x size x 3 uint8. No DCT
+    scaling: a reduced-scale decode is not the reference's pixels (and at 224 px from ImageNet's 500x375
+    images its crop would be too large for it anyway)."""
+    return view.apply(decode_full(raw, path))
 
 
 def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:

@@ -226,8 +226,9 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
                               training.sampler, workers, pin, ignored, decoding.collate)
-    val = pipeline.eval_loader(pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.load),
-                           config.batch_size, env.rank, env.world_size, workers, pin, ignored, decoding.collate)
+    val_set = pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.eval_load)
+    val = pipeline.eval_loader(val_set, config.batch_size, env.rank, env.world_size, workers, pin, ignored,
+                               decoding.collate)
     pipeline.share_heap_with_workers()
     stack.callback(pipeline.stop_loader_workers)
     for loader in ([] if config.evaluate else [train]) + [val]:

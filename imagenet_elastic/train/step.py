@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional
 
 import numpy as np
@@ -37,10 +37,12 @@ class StepContext:
     mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
     clip_grad_norm: Optional[float] = None  # --clip-grad-norm
     recomputes: bool = False  # --grad-checkpointing: the backward pass runs the blocks' forward again
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)  # on 0-255 levels
 
     def __post_init__(self) -> None:
-        self.mean = torch.tensor(IMAGENET_MEAN, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(IMAGENET_STD, device=self.device).view(1, 3, 1, 1)
+        mean, std = self.normalisation
+        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
         self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     def autocast(self) -> torch.autocast:
@@ -54,6 +56,16 @@ class EvalResult:
     top1: float  # percent
     top5: float  # percent
     samples: int
+    counts: dict[str, float] = field(default_factory=dict)  # Counts' sums over every rank
+
+
+@dataclass(frozen=True)
+class Counts:
+    """Further sums a validation pass adds up over its images, exactly across ranks (ReaL's correct and counted
+    images): `count(logits, batch)` gives a float64 tensor of `len(names)` sums for one batch."""
+
+    names: tuple[str, ...]
+    count: Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
 def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,14 +146,18 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False) -> EvalResult:
+def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
+             columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None) -> EvalResult:
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
     DDP's forward would then wait on a collective), then the sums are added up across ranks.
 
     `flip_average` (--val-flip-average): the logits are the mean of the image's and its mirror's.
+    `columns`: score these classes of the model alone (a class subset: ImageNet-A and -R's 200); the batch's
+    labels are then positions in `columns`. `counts`: further sums per batch, reduced with the others.
     """
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5
+    extra = len(counts.names) if counts is not None else 0
+    totals = torch.zeros(3 + extra, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5, counts
     samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
     for batch in loader:
         images, labels = prepare_batch(batch.images, batch.labels, ctx)
@@ -149,12 +165,18 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_a
             logits = model(images).float()
             if flip_average:
                 logits = (logits + model(images.flip(3)).float()) / 2
+        if columns is not None:
+            logits = logits.index_select(1, columns)
         loss = F.cross_entropy(logits, labels, reduction="sum")
         top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
-        totals += torch.stack([loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()])
+        sums = [loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()]
+        if counts is not None:
+            sums.extend(counts.count(logits, batch).to(torch.float64).unbind())
+        totals += torch.stack(sums)
         samples += len(labels)
     totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(ctx.device)])
     distributed.all_reduce_sum(totals)
-    loss_sum, top1, top5, samples = totals.tolist()
+    loss_sum, top1, top5, *others, samples = totals.tolist()
     count = max(samples, 1.0)
-    return EvalResult(loss=loss_sum / count, top1=100 * top1 / count, top5=100 * top5 / count, samples=int(samples))
+    return EvalResult(loss=loss_sum / count, top1=100 * top1 / count, top5=100 * top5 / count, samples=int(samples),
+                      counts=dict(zip(counts.names, others)) if counts is not None else {})

@@ -1,0 +1,246 @@
+"""`imagenet-elastic evaluate MODEL VAL`: timm's own evaluation path's top-1 on our checkpoint and on its export, ReaL
+and class-subset scores against hand-computed ones, numbered class folders, several val sets at once, and every bad
+input as one line."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+
+import numpy as np
+import pytest
+import timm
+import torch
+from conftest import SMALL_RUN, run, torchrun_cmd
+from inprocess import InMemory, command, train
+from PIL import Image
+from test_reference_pixels import training_images
+from timm.data import create_transform, resolve_data_config
+
+from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.tools.export import export
+
+CLASSES = ("a", "b", "c")
+VAL_IMAGES = 30
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """A model trained here for 2 epochs (unsure of many images), its export, and its validation images in class
+    folders on disk; and timm's evaluation of the export on them: each image's logits, as timm's validate.py gets
+    them (resolve_data_config + create_transform, the model's forward, fp32)."""
+    root = tmp_path_factory.mktemp("evaluate")
+    train_images, train_labels = training_images(60, 3, seed=1)
+    val_images, val_labels = training_images(VAL_IMAGES, 3, seed=2)
+    for i, (raw, label) in enumerate(zip(val_images, val_labels)):
+        folder = root / "val" / CLASSES[label]
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / f"ILSVRC2012_val_{i + 1:08d}.JPEG").write_bytes(raw)
+    splits = (InMemory("train", CLASSES, train_images, train_labels),
+              InMemory("val", CLASSES, val_images, val_labels))
+    train(["unused", *SMALL_RUN, "--epochs", "2", "--lr", "0.5", "--workers", "0", "--checkpoints-path",
+           str(root / "run")], splits=splits)
+    export(str(root / "run" / "last.pt"), str(root / "export"), ema=False)
+    model = timm.create_model(f"local-dir:{root / 'export'}", pretrained=True).eval()
+    transform = create_transform(**resolve_data_config({}, model=model))
+    with torch.no_grad():
+        logits = model(torch.stack([transform(Image.open(io.BytesIO(raw)).convert("RGB")) for raw in val_images]))
+    return root, logits, torch.from_numpy(val_labels)
+
+
+def evaluated(*argv: str) -> list[dict]:
+    done = command(["evaluate", *argv, "--workers", "0", "--amp", "none"])
+    assert done.returncode == 0, done.stdout + done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+
+
+def top1(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    return 100 * float((logits.argmax(1) == labels).float().mean())
+
+
+def test_evaluate_scores_timms_top1_on_our_checkpoint_and_on_its_export(trained):
+    root, logits, labels = trained
+    expected = top1(logits, labels)
+    assert 30 < expected < 100  # a model unsure of some images: a pixel or label mismatch would show
+    [ours] = evaluated(str(root / "run" / "last.pt"), str(root / "val"))
+    [exported] = evaluated(str(root / "export"), str(root / "val"))
+    for row in (ours, exported):
+        assert row["images"] == VAL_IMAGES and row["top1"] == pytest.approx(expected)
+        assert (row["crop"], row["resize"], row["interpolation"]) == (32, 37, "bilinear")
+    assert read_metrics(root / "run" / "metrics.jsonl")[-1]["val_top1"] == pytest.approx(expected)
+
+
+def test_numbered_class_folders_name_the_models_classes_by_position(trained, tmp_path):
+    """ImageNet-V2's layout: folders 0..N-1, folder k holding class k (sorted as text, 10 before 2)."""
+    root, logits, labels = trained
+    for k, name in enumerate(CLASSES):
+        os.symlink(root / "val" / name, tmp_path / str(k))
+    [row] = evaluated(str(root / "export"), str(tmp_path))
+    assert row["top1"] == pytest.approx(top1(logits, labels)) and row["images"] == VAL_IMAGES
+
+
+def test_real_top1_counts_images_with_real_labels_right_when_the_top1_is_among_them(trained, tmp_path):
+    """real.json made by hand from timm's predictions: image 1 lists its prediction (right), image 2 nothing
+    (skipped), image 3 only another class (wrong), image 4 its prediction and another (right), image 5 two others
+    (wrong); the other 25 list nothing. ReaL top-1: 2 right of 4 counted = 50%."""
+    root, logits, labels = trained
+    guess = logits.argmax(1).tolist()
+    real: list[list[int]] = [[] for _ in range(VAL_IMAGES)]
+    real[0] = [guess[0]]
+    real[2] = [(guess[2] + 1) % 3]
+    real[3] = [(guess[3] + 2) % 3, guess[3]]
+    real[4] = [(guess[4] + 1) % 3, (guess[4] + 2) % 3]
+    (tmp_path / "real.json").write_text(json.dumps(real))
+    [row] = evaluated(str(root / "export"), str(root / "val"), "--real-labels", str(tmp_path / "real.json"))
+    assert (row["real_top1"], row["real_images"]) == (50.0, 4)
+    assert row["top1"] == pytest.approx(top1(logits, labels))
+
+
+def test_a_class_subset_scores_only_its_classes_logits(trained, tmp_path):
+    """Classes a and c alone (ImageNet-A/-R's way): an image of a that the model calls b counts as right when its
+    logit of a beats that of c. Expected: the argmax over columns 0 and 2 of timm's logits, by hand."""
+    root, logits, labels = trained
+    for name in ("a", "c"):
+        os.symlink(root / "val" / name, tmp_path / name)
+    (tmp_path / "subset.txt").write_text("c\na\n")
+    [row] = evaluated(str(root / "export"), str(tmp_path), "--class-subset", str(tmp_path / "subset.txt"))
+    kept = labels != 1
+    pair = logits[kept][:, [0, 2]]
+    right = sum(1 for (la, lc), label in zip(pair.tolist(), labels[kept].tolist()) if (la > lc) == (label == 0))
+    assert row["images"] == int(kept.sum()) and row["classes"] == 2
+    assert row["top1"] == pytest.approx(100 * right / int(kept.sum()))
+    assert row["top5"] == 100.0  # two classes: both are in every top-5
+    full = top1(logits[kept], labels[kept])
+    print(f"subset top-1 {row['top1']:.2f} against {full:.2f} over all three classes")
+
+
+def test_several_val_sets_of_any_source_give_a_line_each_and_a_table(trained, tmp_path):
+    """Class folders, the flat folder with its labels file, and tar shards packed from the folders: the same images,
+    the same scores, ReaL's included (found by the number in each image's name, in a shard's member too)."""
+    root, logits, labels = trained
+    flat = tmp_path / "flat"
+    flat.mkdir()
+    rows = []
+    for path in sorted((root / "val").rglob("*.JPEG")):
+        os.symlink(path, flat / path.name)
+        rows.append(f"{path.name},{path.parent.name}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    (tmp_path / "src").mkdir()
+    for split in ("train", "val"):
+        os.symlink(root / "val", tmp_path / "src" / split)
+    assert command(["pack", str(tmp_path / "src"), str(tmp_path / "packed"), "--workers", "1"]).returncode == 0
+    (tmp_path / "real.json").write_text(json.dumps([[(k + 1) % 3] for k in range(VAL_IMAGES)]))  # not the labels
+    places = [str(root / "val"), str(flat), str(tmp_path / "packed" / "val")]
+    done = command(["evaluate", str(root / "export"), *places, "--val-labels", str(tmp_path / "labels.csv"),
+                    "--real-labels", str(tmp_path / "real.json"), "--workers", "0", "--amp", "none"])
+    assert done.returncode == 0, done.stderr
+    lines = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert [line["val"] for line in lines] == places
+    guess = logits.argmax(1)
+    real = 100 * float((guess == (torch.arange(VAL_IMAGES) + 1) % 3).float().mean())
+    for line in lines:
+        assert line["images"] == VAL_IMAGES and line["top1"] == pytest.approx(top1(logits, labels))
+        assert line["real_top1"] == pytest.approx(real) and line["real_images"] == VAL_IMAGES
+    assert real != top1(logits, labels)
+    assert "scores" in done.stdout and done.stdout.count(f"top-1 {top1(logits, labels):.2f}%") == 3
+    assert done.stdout.count(f"ReaL {real:.2f}%") == 3
+
+
+def test_a_timm_model_name_takes_its_own_preprocessing_and_imagenets_class_names(trained, tmp_path, monkeypatch):
+    """--pretrained with a timm name (its download stood in for by a seeded 1000-class model with a bicubic, 0.9
+    crop config of its own). VAL's folders are ImageNet wnids, each image put in the folder of the class timm's own
+    evaluation path predicts for it: 100% there, and here exactly when every prediction agrees."""
+    from timm.data import ImageNetInfo
+
+    root, _, _ = trained
+    real_create_model = timm.create_model
+
+    def published(name: str, pretrained: bool = False, **kwargs):
+        assert (name, pretrained) == ("test_resnet.fake_in1k", True)
+        torch.manual_seed(3)
+        return real_create_model("test_resnet", num_classes=1000,
+                                 pretrained_cfg_overlay={"interpolation": "bicubic", "crop_pct": 0.9})
+
+    monkeypatch.setattr(timm, "create_model", published)
+    model = published("test_resnet.fake_in1k", True).eval()
+    data = resolve_data_config({}, model=model)
+    assert (data["interpolation"], data["crop_pct"], data["mean"]) == ("bicubic", 0.9, (0.5, 0.5, 0.5))
+    transform = create_transform(**data)
+    wnids = ImageNetInfo("imagenet-1k").label_names()
+    images = sorted((root / "val").rglob("*.JPEG"))
+    with torch.no_grad():
+        guess = model(torch.stack([transform(Image.open(path).convert("RGB")) for path in images])).argmax(1)
+    for path, k in zip(images, guess.tolist()):
+        (tmp_path / "val" / wnids[k]).mkdir(parents=True, exist_ok=True)
+        os.symlink(path, tmp_path / "val" / wnids[k] / path.name)
+    [row] = evaluated("test_resnet.fake_in1k", str(tmp_path / "val"), "--pretrained")
+    assert (row["crop"], row["resize"], row["interpolation"], row["mean"]) == (160, 177, "bicubic", [0.5] * 3)
+    assert row["images"] == VAL_IMAGES and row["top1"] == 100.0
+
+
+def test_flip_average_our_preprocessing_and_the_device_decoder_are_options(trained):
+    root, logits, labels = trained
+    [plain] = evaluated(str(root / "export"), str(root / "val"), "--preprocessing", "ours")
+    [flipped] = evaluated(str(root / "export"), str(root / "val"), "--flip-average")
+    [device] = evaluated(str(root / "export"), str(root / "val"), "--decode", "gpu")  # on the CPU: the same pixels
+    assert plain["top1"] == pytest.approx(top1(logits, labels))  # the export's preprocessing is ours
+    assert flipped["flip_average"] is True and flipped["loss"] != plain["loss"]
+    assert (device["top1"], device["loss"]) == (plain["top1"], plain["loss"])
+
+
+def one_line_error(*argv: str) -> str:
+    done = command(["evaluate", *argv, "--workers", "0"])
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [line for line in done.stderr.strip().splitlines() if not line.startswith("warning: ")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    assert lines[0].startswith("imagenet-elastic: error: ")
+    return lines[0]
+
+
+def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
+    root, _, _ = trained
+    model, val = str(root / "export"), str(root / "val")
+    assert "--real-labels" in one_line_error(model, val, "--real-labels", str(tmp_path / "missing.json"))
+    (tmp_path / "subset.txt").write_text("a\nzebra\n")
+    said = one_line_error(model, val, "--class-subset", str(tmp_path / "subset.txt"))
+    assert "line 2" in said and "'zebra'" in said
+    (tmp_path / "ac.txt").write_text("a\nc\n")
+    assert "outside --class-subset" in one_line_error(model, val, "--class-subset", str(tmp_path / "ac.txt"))
+    assert "does not exist" in one_line_error(model, str(tmp_path / "nowhere"))
+    assert "needs --pretrained" in one_line_error("resnet18", val)
+    assert "has no weight average" in one_line_error(str(root / "run" / "last.pt"), val, "--ema")
+    assert "--ema applies to our checkpoints only" in one_line_error(model, val, "--ema")
+    assert "Unknown model" in one_line_error("no_such_model_xyz", val, "--pretrained")
+    (tmp_path / "odd" / "zebra").mkdir(parents=True)
+    Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "odd" / "zebra" / "x.jpg")
+    assert "the model does not have" in one_line_error(model, str(tmp_path / "odd"))
+    (tmp_path / "odd.json").write_text(json.dumps({"not": "a list"}))
+    assert "not a list of lists" in one_line_error(model, val, "--real-labels", str(tmp_path / "odd.json"))
+    (tmp_path / "short.json").write_text(json.dumps([[0]]))
+    assert "has 1 entries" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_under_torchrun_every_world_size_scores_every_image_once(trained, tmp_path):
+    """29 images over 1, 2 and 3 ranks (shards of 15/14 and 10/10/9): the same counts, ReaL's included."""
+    root, _, _ = trained
+    val = tmp_path / "val"
+    for path in sorted((root / "val").rglob("*.JPEG"))[:-1]:
+        (val / path.parent.name).mkdir(parents=True, exist_ok=True)
+        os.symlink(path, val / path.parent.name / path.name)
+    (tmp_path / "real.json").write_text(json.dumps([[k % 3] if k % 4 else [] for k in range(VAL_IMAGES)]))
+    rows = []
+    for world in (1, 2, 3):
+        done = run(torchrun_cmd(world, "evaluate", str(root / "export"), str(val), "--real-labels",
+                                str(tmp_path / "real.json"), "--workers", "0", "--amp", "none"))
+        assert done.returncode == 0, done.stdout + done.stderr
+        [row] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+        assert row["world_size"] == world
+        rows.append(row)
+    for row in rows[1:]:
+        for key in ("images", "top1", "top5", "real_top1", "real_images"):
+            assert row[key] == rows[0][key], (key, row, rows[0])
+        assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)  # float32 sums of other batches
+    assert rows[0]["images"] == 29
