@@ -64,3 +64,33 @@ def test_start_workers_forks_idle_workers_that_the_first_pass_then_uses(tmp_path
         batches = list(loader)
         assert [i for indices, _ in batches for i in indices.tolist()] == list(range(6))
         assert {pid for _, pids in batches for pid in pids.tolist()} == started
+
+
+def test_stopping_the_workers_of_a_live_loader_raises_nothing_when_their_deaths_are_signalled_first(monkeypatch):
+    """A rank that ends on an error may still hold its loader's iterator, so torch's SIGCHLD handler is installed
+    and watches the workers: the SIGKILL the clean-up sends must not come back as "DataLoader worker is killed"
+    (here the signal is made to arrive before the join, where it once did in a refused two-node start)."""
+    import signal
+    import time
+    from multiprocessing.process import BaseProcess
+
+    from torch.utils.data import DataLoader
+
+    kill = BaseProcess.kill
+
+    def kill_then_wait(self) -> None:
+        kill(self)
+        time.sleep(0.3)
+
+    monkeypatch.setattr(BaseProcess, "kill", kill_then_wait)
+    previous = signal.getsignal(signal.SIGCHLD)
+    loader = DataLoader(list(range(64)), batch_size=2, num_workers=2, persistent_workers=True,
+                        multiprocessing_context="fork")
+    batches = iter(loader)
+    next(batches)
+    try:
+        pipeline.stop_loader_workers()
+        assert multiprocessing.active_children() == []
+    finally:
+        signal.signal(signal.SIGCHLD, previous)
+        del batches

@@ -17,6 +17,7 @@ import gc
 import multiprocessing
 import random
 import signal
+import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Optional, Union
 
@@ -168,8 +169,15 @@ def thaw_heap() -> None:
 def stop_loader_workers() -> None:
     """SIGKILL loader workers still alive as the rank ends (after an error their iterator may still be
     referenced). They ignore SIGTERM (see `_worker_init`), so multiprocessing's own exit handler,
-    which terminates them and then joins, would wait forever."""
-    for child in multiprocessing.active_children():
+    which terminates them and then joins, would wait forever.
+
+    These deaths are ours: torch's DataLoader SIGCHLD handler, still installed while an iterator lives, would
+    raise "DataLoader worker is killed by signal" from the join below, in the middle of the rank's clean-up
+    (seen once after a refused start: a traceback instead of the one line, and a rank that never exited)."""
+    children = multiprocessing.active_children()
+    if children and threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in children:
         child.kill()
         child.join()
 
