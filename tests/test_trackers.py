@@ -126,36 +126,34 @@ def killed_at(step: int):
     return hook
 
 
-def test_steps_a_killed_run_logged_past_its_checkpoint_are_not_sent_again(tmp_path):
-    """Killed at step 18, its last checkpoint at step 15: the resumed run trains 16-18 again, and the trackers,
-    which already hold them, do not get them twice (MLflow's file store here)."""
+def killed_then_resumed(tmp_path, before_fit, dies_with: str, logged_to: int) -> None:
+    """A run checkpointing every 5 steps dies in `before_fit`'s way, having logged steps up to `logged_to`; its
+    resumed run leaves each tracker holding every step once, as steps.jsonl does (MLflow's file store here)."""
     store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
-    with pytest.raises(RuntimeError, match="killed after step 18"):
-        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=killed_at(18),
+    with pytest.raises(RuntimeError, match=dies_with):
+        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=before_fit,
                         splits=inprocess.in_memory())
-    assert max(steps_jsonl(ckpt)) == 18
+    assert max(steps_jsonl(ckpt)) == logged_to
     inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
     assert_mlflow_holds(store, ckpt)
     assert_wandb_holds(ckpt)
+
+
+def test_steps_a_killed_run_logged_past_its_checkpoint_are_not_sent_again(tmp_path):
+    """Killed at step 18, its last checkpoint at step 15: the resumed run trains 16-18 again, and the trackers,
+    which already hold them, do not get them twice (MLflow's file store here)."""
+    killed_then_resumed(tmp_path, killed_at(18), "killed after step 18", logged_to=18)
 
 
 def test_a_run_killed_while_validating_sends_the_epochs_row_at_a_step_the_trackers_already_hold(tmp_path):
     """Killed in epoch 1's validation: the trackers hold step 12's training row, not the epoch's row, which the
     resumed run sends (each kind of row counts its own last step)."""
-    store, ckpt = f"file:{tmp_path}/mlruns", tmp_path / "ckpt"
-
     def dies_validating(trainer) -> None:
         def validate():
             raise RuntimeError("killed while validating")
         trainer.validate = validate
 
-    with pytest.raises(RuntimeError, match="killed while validating"):
-        inprocess.train(args(ckpt, store, "--checkpoint-interval", "5"), before_fit=dies_validating,
-                        splits=inprocess.in_memory())
-    assert max(steps_jsonl(ckpt)) == 12
-    inprocess.train(args(ckpt, store, "--resume"), splits=inprocess.in_memory())
-    assert_mlflow_holds(store, ckpt)
-    assert_wandb_holds(ckpt)
+    killed_then_resumed(tmp_path, dies_validating, "killed while validating", logged_to=12)
 
 
 def test_a_run_killed_before_its_first_checkpoint_restarts_into_the_same_tracker_runs(tmp_path):
