@@ -54,15 +54,25 @@ def make_image_folder(root: Path, classes: int = 4, train_per_class: int = 24, v
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Order and groups for pytest-xdist (pyproject's addopts: two workers, `--dist loadgroup`, groups handed
-    out in this order). Every test that starts at most one process at a time goes with its module, so a
-    module's fixtures are built once, and the two workers share these modules first, one core each
-    (`share_cores`). The `multiprocess` tests come last, in one group, so one worker runs them one after another
-    on every core: each keeps both cores busy (ranks, side-by-side runs), some share the local Slurm cluster,
-    some pick free ports. Handed out one by one (pytest-xdist's default), two of them often ran at once, each
-    about twice as slow, and the suite took as long as in one process."""
-    items.sort(key=multiprocess)  # stable: file order kept
+    out in this order, each to the first worker with little left to do).
+    1. The `multiprocess` tests, in one group, so one worker runs them one after another on every core (ranks,
+       side-by-side runs; some share the local Slurm cluster, some pick free ports). Handed out one by one
+       (pytest-xdist's default), two of them often ran at once, each about twice as slow.
+    2. Every test that starts at most one process at a time, with its module (its fixtures are built once), on a
+       core of its own (`share_cores`): the other worker takes these beside group 1, whose processes leave a
+       core idle for part of their time (start-up, loader hand-offs, checkpoint writes).
+    3. The multiprocess tests marked `mostly_waiting` (a grace period, a time-out, a rendezvous), in a group of
+       their own, last: the worker that finished its modules runs them beside the end of group 1.
+    Before (the single-process tests first, then every multiprocess test on one worker) the suite took ~100 s
+    longer on two cores; docs/BENCHMARKS.md has the figures."""
+    items.sort(key=order)  # stable: file order kept within each part
     for item in items:
-        item.add_marker(pytest.mark.xdist_group("multiprocess" if multiprocess(item) else item.nodeid.split("::")[0]))
+        item.add_marker(pytest.mark.xdist_group(("multiprocess", item.nodeid.split("::")[0],
+                                                 "multiprocess-waiting")[order(item)]))
+
+
+def order(item: pytest.Item) -> int:
+    return 2 if item.get_closest_marker("mostly_waiting") else 0 if multiprocess(item) else 1
 
 
 def multiprocess(item: pytest.Item) -> bool:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import timm
 import torch
-from conftest import SMALL_RUN, run, torchrun_cmd
+from conftest import SMALL_RUN, finish, start, torchrun_cmd
 from inprocess import InMemory, command, train
 from PIL import Image
 from test_reference_pixels import training_images
@@ -231,10 +231,14 @@ def test_under_torchrun_every_world_size_scores_every_image_once(trained, tmp_pa
         (val / path.parent.name).mkdir(parents=True, exist_ok=True)
         os.symlink(path, val / path.parent.name / path.name)
     (tmp_path / "real.json").write_text(json.dumps([[k % 3] if k % 4 else [] for k in range(VAL_IMAGES)]))
-    rows = []
-    for world in (1, 2, 3):
-        done = run(torchrun_cmd(world, "evaluate", str(root / "export"), str(val), "--real-labels",
-                                str(tmp_path / "real.json"), "--workers", "0", "--amp", "none"))
+    args = [str(root / "export"), str(val), "--real-labels", str(tmp_path / "real.json")]
+    jobs = {world: start(torchrun_cmd(world, "evaluate", *args, "--workers", "0", "--amp", "none"))
+            for world in (2, 3)}  # side by side, and one rank in this process meanwhile
+    [row] = evaluated(*args)
+    assert row["world_size"] == 1
+    rows = [row]
+    for world, job in jobs.items():
+        done = finish(job)
         assert done.returncode == 0, done.stdout + done.stderr
         [row] = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
         assert row["world_size"] == world

@@ -254,6 +254,7 @@ def elastic_job(tmp_path_factory) -> fi.Job:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.mostly_waiting  # for the rendezvous to re-form, twice
 def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once(elastic_job):
     """Two c10d agents (one worker each); one is SIGKILLed with its worker in epoch 1, the survivor goes
     on alone at the same global batch (2 micro-batches of 8), then a new agent joins and the job is 2 again.

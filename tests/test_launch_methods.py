@@ -141,6 +141,7 @@ def test_env_method_under_mpirun_without_torchrun_variables_is_refused(image_fol
     assert "pass --dist-init-method mpi" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.mostly_waiting  # one process, for --dist-timeout
 def test_missing_peer_fails_after_dist_timeout_with_one_clear_line(image_folder, tmp_path):
     """Rank 1 of 2 with nobody at MASTER_ADDR:MASTER_PORT: a named error after --dist-timeout, not a hang."""
     port = fi.free_port()  # nothing listens here once the socket is closed

@@ -8,40 +8,49 @@ from __future__ import annotations
 import hashlib
 import shutil
 import subprocess
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import fault_injection as fi
 import inprocess
 import pytest
-from conftest import REPO, SMALL_RUN, child_env, python_cmd, several_at_once
+from conftest import REPO, SMALL_RUN, child_env, load_checkpoint, python_cmd, several_at_once
 
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.mostly_waiting]  # rank 1: REPORT_GRACE_S
 
 PREFIX = "imagenet-elastic: error: "
 
 
-def two_ranks(*args: str) -> list[tuple[subprocess.CompletedProcess, float]]:
-    """Ranks 0 and 1 of a job, each started with the variables a launcher sets; (result, seconds it ran)."""
+def two_ranks(*args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
+    """Starts ranks 0 and 1 of a job, each with the variables a launcher sets, and returns the function that waits
+    for them: (result, seconds each ran, timed by a thread of its own, so that jobs can run side by side)."""
     several_at_once()
     port = str(fi.free_port())
-    procs, began = [], time.monotonic()
-    for rank in (0, 1):
+    began = time.monotonic()
+    results: dict[int, tuple[subprocess.CompletedProcess, float]] = {}
+
+    def rank_runs(rank: int) -> None:
         env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        procs.append(subprocess.Popen(python_cmd(*args, "--threads", "1"), cwd=REPO, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    results = []
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=120)
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-        results.append((subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - began))
-    return results
+        done = subprocess.run(python_cmd(*args, "--threads", "1"), cwd=REPO, env=env, capture_output=True,
+                              text=True, timeout=120)
+        results[rank] = (done, time.monotonic() - began)
+
+    threads = [threading.Thread(target=rank_runs, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+
+    def ended() -> list[tuple[subprocess.CompletedProcess, float]]:
+        for thread in threads:
+            thread.join()
+        assert sorted(results) == [0, 1], "a rank ran past its 120 s"  # the thread's TimeoutExpired
+        return [results[0], results[1]]
+
+    return ended
 
 
 def assert_every_rank_said(results: list[tuple[subprocess.CompletedProcess, float]], culprit: str) -> None:
@@ -68,37 +77,42 @@ def one_epoch(image_folder, tmp_path_factory) -> Path:
     return folder
 
 
-def test_a_stale_temp_entry_rank_0_cannot_remove_ends_every_rank_with_its_name(image_folder, one_epoch, tmp_path):
-    folder = tmp_path / "ckpt"
-    shutil.copytree(one_epoch, folder)
-    (folder / ".tmp-last.pt-abcd").mkdir()  # unlink() refuses a directory
-    before = digest(folder / "last.pt")
-    results = two_ranks(str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3", "--resume",
-                        "--checkpoints-path", str(folder))
+@pytest.fixture(scope="module")
+def jobs(image_folder, one_epoch, tmp_path_factory) -> dict[str, tuple[Path, str, list]]:
+    """The three failures' jobs, started side by side (rank 1 of each spends most of its time waiting for a
+    launcher's stop that never comes, launch.processes.REPORT_GRACE_S): for each, its checkpoints folder, the
+    digest of its last.pt before (or "") and the ranks' results."""
+    base = tmp_path_factory.mktemp("one_rank")
+    run = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3"]
+    folders = {name: base / name / "ckpt" for name in ("stale temp", "metrics.jsonl", "steps.jsonl")}
+    for name in ("stale temp", "steps.jsonl"):
+        shutil.copytree(one_epoch, folders[name])
+    (folders["stale temp"] / ".tmp-last.pt-abcd").mkdir()  # unlink() refuses a directory
+    (folders["metrics.jsonl"] / "metrics.jsonl").mkdir(parents=True)  # a rename over it fails
+    (folders["steps.jsonl"] / "steps.jsonl").unlink()
+    (folders["steps.jsonl"] / "steps.jsonl").mkdir()
+    before = {name: digest(folder / "last.pt") if (folder / "last.pt").exists() else ""
+              for name, folder in folders.items()}
+    waits = {name: two_ranks(*run, *([] if name == "metrics.jsonl" else ["--resume"]), "--checkpoints-path",
+                             str(folder)) for name, folder in folders.items()}
+    return {name: (folders[name], before[name], ended()) for name, ended in waits.items()}
+
+
+def test_a_stale_temp_entry_rank_0_cannot_remove_ends_every_rank_with_its_name(jobs):
+    folder, before, results = jobs["stale temp"]
     assert_every_rank_said(results, f"cannot remove {folder / '.tmp-last.pt-abcd'}, left by an interrupted write")
     assert digest(folder / "last.pt") == before
 
 
-def test_metrics_jsonl_refused_mid_run_ends_every_rank_with_its_name_not_a_checkpoint(image_folder, tmp_path):
+def test_metrics_jsonl_refused_mid_run_ends_every_rank_with_its_name_not_a_checkpoint(jobs):
     """Epoch 1's checkpoint is written; the metrics.jsonl write after it is refused: rank 1 used to say 'rank 0
     could not write a checkpoint'."""
-    folder = tmp_path / "ckpt"
-    (folder / "metrics.jsonl").mkdir(parents=True)  # a rename over it fails
-    results = two_ranks(str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3",
-                        "--checkpoints-path", str(folder))
+    folder, _, results = jobs["metrics.jsonl"]
     assert_every_rank_said(results, f"writing {folder / 'metrics.jsonl'}")
-    from conftest import load_checkpoint
-
     assert load_checkpoint(folder / "last.pt")["epoch"] == 1  # the last committed checkpoint, intact
 
 
-def test_steps_jsonl_rank_0_cannot_read_at_resume_ends_every_rank_with_its_name(image_folder, one_epoch, tmp_path):
-    folder = tmp_path / "ckpt"
-    shutil.copytree(one_epoch, folder)
-    (folder / "steps.jsonl").unlink()
-    (folder / "steps.jsonl").mkdir()
-    before = digest(folder / "last.pt")
-    results = two_ranks(str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3", "--resume",
-                        "--checkpoints-path", str(folder))
+def test_steps_jsonl_rank_0_cannot_read_at_resume_ends_every_rank_with_its_name(jobs):
+    folder, before, results = jobs["steps.jsonl"]
     assert_every_rank_said(results, f"reading {folder / 'steps.jsonl'}")
     assert digest(folder / "last.pt") == before

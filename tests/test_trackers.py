@@ -289,3 +289,19 @@ def test_a_sigkilled_run_resumed_is_one_run_in_both_trackers_with_every_step_onc
     assert "resuming from" in resumed.stdout
     assert_mlflow_holds(store, ckpt)
     assert_wandb_holds(ckpt)
+
+
+@pytest.mark.slow
+def test_a_process_without_wandb_leaves_the_client_that_timm_would_import_unloaded(tmp_path, image_folder):
+    """timm imports the W&B client wherever it is installed (~0.5 s of every rank's start); the command's
+    process (cli.program) makes that import fail unless --wandb asks for the client, which the SIGKILL test
+    above then uses for real."""
+    probe = ("import atexit, sys\n"
+             "atexit.register(lambda: print('loaded:', sorted(m for m in ('timm', 'wandb') if sys.modules.get(m))))\n"
+             "from imagenet_elastic.cli import program\n"
+             "sys.argv[0] = 'imagenet-elastic'\n"
+             "program()\n")
+    done = run([python_cmd()[0], "-c", probe, str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+                "--max-steps-per-epoch", "1", "--checkpoints-path", str(tmp_path)])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "loaded: ['timm']"

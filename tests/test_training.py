@@ -73,6 +73,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
 
 
 @pytest.mark.multiprocess
+@pytest.mark.mostly_waiting  # two processes of one thread each
 def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
     """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
     it exactly; AdamW's state, the step schedule and the weight average (updated every 2 steps, the kill at an

@@ -8,6 +8,8 @@ from __future__ import annotations
 import json
 import re
 import shutil
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -65,18 +67,31 @@ def test_a_run_on_each_form_is_bitwise_the_run_on_its_class_folders(forms, folde
     assert [[r[k] for k in keys] for r in ours["history"]] == [[r[k] for k in keys] for r in reference["history"]]
 
 
+@pytest.fixture(scope="module")
+def killed_jobs(forms, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+    """Each form's two-rank job (the start-up check compares their sources), rank 1 SIGKILLed in epoch 1 and
+    restarted by torchrun; the three side by side: (checkpoints folder, exit code, output)."""
+    base = tmp_path_factory.mktemp("killed")
+
+    def killed(form: str) -> tuple[Path, int, str]:
+        ckpt = base / str(FORMS.index(form)) / "ckpt"
+        cmd = torchrun_cmd(2, *forms[form], *SMALL_RUN, "--threads", "1", "--max-steps-per-epoch", "3", "--epochs",
+                           "1", "--checkpoint-interval", "1", "--checkpoints-path", str(ckpt), restarts=1)
+        return (ckpt, *run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=child_env()))
+
+    with ThreadPoolExecutor(len(FORMS)) as pool:
+        jobs = {form: pool.submit(killed, form) for form in FORMS}
+    return {form: job.result() for form, job in jobs.items()}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("form", FORMS)
 def test_a_sigkilled_torchrun_job_resumes_at_another_world_size_and_evaluates_as_from_folders(
-        forms, folder_run, tmp_path, form):
-    """Two ranks (the start-up check compares their sources), rank 1 SIGKILLed in epoch 1 and restarted by
-    torchrun; epoch 2 at world size 1 from the checkpoint; then --evaluate of it. Every weight is the class
-    folders' run's, and the evaluation is the epoch's metrics row."""
-    ckpt = tmp_path / "ckpt"
-    cmd = torchrun_cmd(2, *forms[form], *SMALL_RUN, "--threads", "1", "--max-steps-per-epoch", "3", "--epochs", "1",
-                       "--checkpoint-interval", "1", "--checkpoints-path", str(ckpt), restarts=1)
-    code, output = run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=child_env())
+        forms, folder_run, killed_jobs, tmp_path, form):
+    """The job of `killed_jobs` restarted and ended; epoch 2 at world size 1 from its checkpoint; then --evaluate of
+    it. Every weight is the class folders' run's, and the evaluation is the epoch's metrics row."""
+    ckpt, code, output = killed_jobs[form]
     assert code == 0, output
     assert "every rank has the same data" in output and re.search(r"resuming from .*last\.pt", output), output
     train([*forms[form], *RUN, "--epochs", "2", "--checkpoints-path", str(ckpt), "--resume"])

@@ -40,6 +40,7 @@ import queue
 import re
 import secrets
 import struct
+import sys
 import threading
 import time
 import zlib
@@ -280,6 +281,14 @@ class MlflowTracker(Tracker):
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
 
 
+def installed(package: str) -> bool:
+    """Whether `package` can be imported; a None that cli.program left for it in sys.modules (so that timm's
+    import of the W&B client fails fast) is taken out first, so that the tracker imports the real one."""
+    if package in sys.modules and sys.modules[package] is None:
+        del sys.modules[package]
+    return importlib.util.find_spec(package) is not None
+
+
 def chosen(config: Config) -> list[Tracker]:
     """The trackers the settings name (each registered tracker's option), each checked: installed, and its
     destination usable. Rank 0 only."""
@@ -289,7 +298,7 @@ def chosen(config: Config) -> list[Tracker]:
         if where is None:
             continue
         tracker = cls(where, config.checkpoints_path)
-        if importlib.util.find_spec(tracker.package) is None:
+        if not installed(tracker.package):
             raise UserError(f'{tracker.flag} needs the {tracker.package} package: pip install '
                             f'"imagenet_elastic[{option}]"')
         tracker.check()
