@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tarfile
+import threading
 import time
 
 import numpy as np
@@ -177,6 +178,25 @@ def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(im
         said = refused(capsys, str(image_folder), str(target), "--shard-size", "16")
         assert said == f"imagenet-elastic: error: pack: {message}"
         assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
+
+
+def test_the_pool_forks_before_the_progress_bar_starts_a_thread(image_folder, tmp_path, monkeypatch):
+    """On a terminal the bar is rich's, which refreshes from a thread of its own; a fork while that thread runs
+    Python can leave its locks (stdout's) held for ever in the pool's processes (CPython gh-112275)."""
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    threads_at_fork = []
+    fork = pack.contextlib_pool
+    monkeypatch.setattr(pack, "contextlib_pool", lambda workers: (threads_at_fork.append(threading.active_count()),
+                                                                  fork(workers))[1])
+    monkeypatch.setattr(sys, "stdout", Terminal())
+    before = threading.active_count()
+    pack.main([str(image_folder), str(tmp_path / "out"), "--shard-size", "16", "--workers", "2"])
+    assert "packing" in sys.stdout.getvalue()  # the bar was drawn
+    assert threads_at_fork == [before]
 
 
 def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):

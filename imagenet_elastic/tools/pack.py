@@ -377,15 +377,18 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
                 total += min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
     began = time.perf_counter()
     workers = min(args.workers or len(os.sched_getaffinity(0)), max(1, len(tasks)))
-    progress, resized = Progress(total), 0
-    try:
-        with contextlib_pool(workers) as pool:
+    resized = 0
+    # the pool forks before the progress bar starts its refresh thread: a fork while another thread runs Python
+    # can leave a lock that thread held (stdout's, rich's) held for ever in the child (CPython gh-112275)
+    with contextlib_pool(workers) as pool:
+        progress = Progress(total)
+        try:
             for written in (pool.imap_unordered(_write_shard_task, tasks) if pool else map(_write_shard_task, tasks)):
                 found[written.role][written.k] = written.found
                 resized += written.resized
                 progress.add(len(written.found.labels))
-    finally:
-        progress.close()
+        finally:
+            progress.close()
     seconds = time.perf_counter() - began
     atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
                        os.path.join(out, tar_shards.CLASSES_FILE))
