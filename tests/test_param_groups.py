@@ -117,3 +117,30 @@ def test_a_state_grouped_with_layer_decay_loads_by_name_into_plain_groups():
     assert len(plain.param_groups) == 2
     for name, param in model.named_parameters():
         assert torch.equal(plain.state[param]["exp_avg"], moments[name]), name
+
+
+@pytest.mark.parametrize("name", ["sgd", "lamb"])
+def test_a_resume_with_other_settings_trains_with_them_and_keeps_what_training_wrote(name):
+    """--weight-decay, --momentum and --layer-decay changed at a resume (the start warns of each change) are what the
+    optimizer then uses, not the checkpoint's; each parameter's momentum or moments, and LAMB's step count (kept in
+    its groups), come from the checkpoint."""
+    torch.manual_seed(0)
+    model = create_model("test_vit", num_classes=3)
+    state = TrainState(model, create_optimizer(model, 0.1, 0.9, 1e-4, CPU, name, layer_decay=0.7),
+                       torch.amp.GradScaler("cpu", enabled=False))
+    steps(state, 0, 2)
+    saved = state.optimizer.state_dict()
+    written = {n: {k: v.clone() for k, v in state.optimizer.state[p].items()} for n, p in model.named_parameters()}
+    resumed = create_optimizer(model, 0.1, 0.8, 0.05, CPU, name, layer_decay=0.5)
+    asked = [{k: v for k, v in g.items() if k != "params"} for g in resumed.param_groups]
+    resumed.load_state_dict(saved)
+    settings = [{k: v for k, v in g.items() if k not in ("params", "step")} for g in resumed.param_groups]
+    assert settings == asked
+    assert {g["weight_decay"] for g in resumed.param_groups} == {0.0, 0.05}
+    assert [g.get("momentum") for g in resumed.param_groups] == [0.8 if name == "sgd" else None] * len(settings)
+    if name == "lamb":  # a one-element tensor in each group
+        assert [float(g["step"]) for g in resumed.param_groups] == [2.0] * len(settings)
+    for n, p in model.named_parameters():
+        assert resumed.state[p].keys() == written[n].keys(), n
+        for key, value in written[n].items():
+            assert torch.equal(resumed.state[p][key], value), (n, key)

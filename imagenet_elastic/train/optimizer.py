@@ -91,7 +91,7 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
                      layer_decay: Optional[float] = None) -> torch.optim.Optimizer:
     """The optimizer OPTIMIZERS names, over timm's parameter groups (`param_groups`). torch's SGD is fused on CUDA
     (a few launches for all parameters; `fused` overrides that). A state loaded from a checkpoint finds its
-    parameters by name (`regroup`), keeps this optimizer's kernels (`keep_own_kernels`) and its parameters' memory
+    parameters by name (`regroup`), keeps this run's group settings (`keep_own_settings`) and its parameters' memory
     layout (`follow_parameter_layout`), and fused SGD's momentum exists before its first step (`zero_momentum`)."""
     import functools
 
@@ -108,20 +108,23 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
 
         optimizer = create_optimizer_v2(groups, opt=name, lr=lr, weight_decay=weight_decay, **extra)
     optimizer.register_load_state_dict_pre_hook(functools.partial(regroup, legacy_groups(model)))
-    optimizer.register_load_state_dict_pre_hook(keep_own_kernels)
+    optimizer.register_load_state_dict_pre_hook(keep_own_settings)
     optimizer.register_load_state_dict_post_hook(follow_parameter_layout)
     optimizer.register_load_state_dict_post_hook(zero_momentum)
     zero_momentum(optimizer)
     return optimizer
 
 
-KERNEL_CHOICES = ("fused", "foreach")  # optimizer options that belong to the device, not to the run
+def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """A loaded state keeps each group's settings as this run made them: what its command line asks for (weight
+    decay, --layer-decay's LR scales, momentum, betas, ...) and the kernels its device runs (a GPU checkpoint's
+    fused kernel is not for a CPU resume, nor the reverse). The checkpoint gives what training wrote: each
+    parameter's state (momentum, moments) and what an optimizer counts in its groups (timm's LAMB: `step`).
 
-
-def keep_own_kernels(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A loaded state keeps this optimizer's kernel choices: a GPU checkpoint's fused kernel is not for a
-    CPU resume, nor the reverse."""
-    groups = [{**saved, **{k: own[k] for k in KERNEL_CHOICES if k in own}}
+    `Optimizer.load_state_dict` would restore the saved settings too, so a resume with another --weight-decay
+    would warn of the change (build.restore_state) and then train with the old value. Resumed with the
+    checkpoint's own settings, this changes nothing."""
+    groups = [{**saved, **{k: v for k, v in own.items() if k != "params"}}
               for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
     return {**state_dict, "param_groups": groups}
 
