@@ -73,7 +73,7 @@ def install() -> None:
         checked, wrong = layout_mismatches(state.model, state.optimizer, state.ema.module if state.ema else None)
         path = os.path.join(os.environ[PROBE_DIR], f"rank{self.env.rank}.json")
         with open(path, "w") as f:
-            json.dump({"rank": self.env.rank, "device": str(self.ctx.device), "checked": checked,
+            json.dump({"rank": self.env.rank, "device": str(self.ctx.input.device), "checked": checked,
                        "mismatches": wrong, "resumed": self.training.resume_from is not None}, f)
         fit(self)
 

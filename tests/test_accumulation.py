@@ -11,7 +11,7 @@ from torch import nn
 from imagenet_elastic.data.feed import step_groups
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
-from imagenet_elastic.train.step import StepContext, prepare_batch, train_step
+from imagenet_elastic.train.step import ModelInput, StepContext, prepare_batch, train_step
 
 
 def make_ctx(seed: int = 0) -> StepContext:
@@ -19,7 +19,7 @@ def make_ctx(seed: int = 0) -> StepContext:
     model = nn.Sequential(nn.Flatten(), nn.Linear(4 * 4 * 3, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 5))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     return StepContext(model, optimizer, torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
-                       torch.device("cpu"), None, False)
+                       ModelInput(torch.device("cpu"), None, False))
 
 
 def batch(n: int, seed: int) -> Batch:
@@ -100,8 +100,8 @@ def test_batch_norm_statistics_and_counter_come_from_the_first_micro_batch_only(
     model(torch.zeros(2, 3, 4, 4))
     model.train()
     ctx = StepContext(model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
-                      torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(), torch.device("cpu"), None,
-                      False)
+                      torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
+                      ModelInput(torch.device("cpu"), None, False))
     norm = model[1]
     norm.running_mean.normal_()  # not the initial zeros and ones: an update of either would show
     norm.running_var.uniform_(0.5, 2.0)
@@ -111,7 +111,7 @@ def test_batch_norm_statistics_and_counter_come_from_the_first_micro_batch_only(
     parts = split(data, plan.micro_slices(0))
     first_only = copy.deepcopy(model)
     with torch.no_grad():
-        first_only(prepare_batch(parts[0].images, parts[0].labels, ctx)[0])
+        first_only(prepare_batch(parts[0].images, parts[0].labels, ctx.input)[0])
     train_step(ctx, parts, plan.micro_slices(0), plan.share, 0.1, 0, 0)
     for name in ("running_mean", "running_var", "num_batches_tracked"):
         assert torch.equal(getattr(norm, name), getattr(first_only[1], name)), name

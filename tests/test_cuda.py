@@ -35,7 +35,7 @@ from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.model import create_ema, create_model
 from imagenet_elastic.train.optimizer import create_optimizer
 from imagenet_elastic.train.state import PendingSteps, TrainState
-from imagenet_elastic.train.step import StepContext, train_step
+from imagenet_elastic.train.step import ModelInput, StepContext, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)
@@ -88,7 +88,7 @@ def test_an_amp_step_on_the_gpu_trains(amp, blurpool):
     before = [p.detach().clone() for p in model.parameters()]
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
-    ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, amp, channels_last=True)
+    ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), ModelInput(GPU, amp, channels_last=True))
     images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, device=GPU)
     labels = torch.randint(0, 10, (16,), device=GPU)
     losses = [float(train_step(ctx, [Batch(images, labels)], [slice(0, 16)], 16, 0.1, seed=0, step=s))
@@ -142,7 +142,8 @@ def gpu_state(channels_last: bool = True) -> TrainState:
 
 
 def steps_on_gpu(state: TrainState, count: int, amp=torch.bfloat16) -> list[float]:
-    ctx = StepContext(state.model, state.optimizer, state.scaler, TrainLoss(0.1), GPU, amp, channels_last=True)
+    ctx = StepContext(state.model, state.optimizer, state.scaler, TrainLoss(0.1),
+                      ModelInput(GPU, amp, channels_last=True))
     generator = torch.Generator().manual_seed(5)
     images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, generator=generator).to(GPU)
     labels = torch.randint(0, 10, (16,), generator=generator).to(GPU)
@@ -198,7 +199,7 @@ def test_an_fp16_first_step_that_overflows_leaves_fused_momentum_as_unfused_sgds
         model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
         optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU, fused=fused)
         scaler = torch.amp.GradScaler("cuda", init_scale=2.0 ** 24)  # fp16's gradients overflow at this scale
-        ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, torch.float16, channels_last=True)
+        ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), ModelInput(GPU, torch.float16, channels_last=True))
         images = torch.randint(0, 256, (16, 32, 32, 3), dtype=torch.uint8, device=GPU)
         labels = torch.randint(0, 10, (16,), device=GPU)
         scales = [scaler.get_scale()]
@@ -273,7 +274,7 @@ def test_the_training_loop_never_synchronizes_the_host(amp):
     model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
     scaler = torch.amp.GradScaler("cuda", enabled=amp == torch.float16)
-    ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), GPU, amp, channels_last=True,
+    ctx = StepContext(model, optimizer, scaler, TrainLoss(0.1), ModelInput(GPU, amp, channels_last=True),
                       mixer=Mixer(0.2, 1.0, 10))
     plan = BatchPlan(16, 1, 8)
     hot_loop(ctx, plan, hot_loop_batches(2, plan), first_step=0)  # warm-up: cuDNN's choices, the allocators

@@ -250,8 +250,8 @@ def filesystem_of(path: str) -> str:
 def run_checkpoint(args: argparse.Namespace) -> None:
     ctx, settings = throughput.step_context(args, 1000)
     size = min(args.image_size, 64)  # one small step, so that the optimizer's momentum exists as in training
-    images = torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8, device=ctx.device)
-    labels = torch.randint(0, 1000, (2,), device=ctx.device)
+    images = torch.randint(0, 256, (2, size, size, 3), dtype=torch.uint8, device=ctx.input.device)
+    labels = torch.randint(0, 1000, (2,), device=ctx.input.device)
     train_step(ctx, [pipeline.Batch(images, labels)], [slice(0, 2)], 2, 0.1, seed=0, step=0)
     model = getattr(ctx.model, "_orig_mod", ctx.model)
     state = TrainState(model, ctx.optimizer, ctx.scaler).capture({}, {})
@@ -263,7 +263,7 @@ def run_checkpoint(args: argparse.Namespace) -> None:
         warn = functools.partial(print, "warning:", file=sys.stderr)
         manager = CheckpointManager(new, keep=1, warn=warn)
         writer = CheckpointWriter(CheckpointManager(background, keep=1, warn=warn), background=True,
-                                  device=ctx.device)
+                                  device=ctx.input.device)
         for path in (old, new, background):
             os.mkdir(path)
         for epoch in range(1, args.rounds + 1):

@@ -310,7 +310,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train.model import place_model, resolve_precision
-    from imagenet_elastic.train.step import StepContext, evaluate
+    from imagenet_elastic.train.step import ModelInput, evaluate
 
     env = resolve_launch("env", os.environ).env
     console = Console(env.is_main)
@@ -355,14 +355,13 @@ def run(args: Any) -> list[dict[str, Any]]:
         stack.callback(distributed.destroy_process_group)
         stack.callback(pipeline.thaw_heap)
         module = place_model(model.module, device, args.channels_last)
-        ctx = StepContext(module, None, None, None, device, precision.dtype,  # type: ignore[arg-type]
-                          args.channels_last, normalisation=(tuple(m * 255 for m in prep.mean),
-                                                             tuple(s * 255 for s in prep.std)))
+        to = ModelInput(device, precision.dtype, args.channels_last,
+                        normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))
         columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
         rows = []
         for (location, _, real_of), loader in zip(sets, loaders):
             counts = real_counts(real_of) if real_of is not None else None
-            result = evaluate(ctx, module, device_batches(loader, device, decoder), args.flip_average, columns, counts)
+            result = evaluate(to, module, device_batches(loader, device, decoder), args.flip_average, columns, counts)
             row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
                                    "top1": result.top1, "top5": result.top5, "loss": result.loss}
             if counts is not None:

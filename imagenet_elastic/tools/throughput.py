@@ -25,7 +25,7 @@ from imagenet_elastic.data.feed import device_batches
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
-from imagenet_elastic.train.step import StepContext, train_step
+from imagenet_elastic.train.step import ModelInput, StepContext, train_step
 
 # ----------------------------------------------------------------------------- loader
 
@@ -179,7 +179,7 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     compiled = torch.compile(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
-                      nn.CrossEntropyLoss(), device, amp, channels_last)
+                      nn.CrossEntropyLoss(), ModelInput(device, amp, channels_last))
     settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
                 "device": str(device), "amp": precision.name, "amp_reason": precision.reason,
                 "channels_last": channels_last, "compile": args.compile, "blurpool": args.blurpool}
@@ -191,12 +191,12 @@ def timed_steps(ctx: StepContext, batches: Iterator, count: int, warmup: int) ->
     images, start = 0, time.perf_counter()
     for i in range(warmup + count):
         if i == warmup:
-            sync(ctx.device)
+            sync(ctx.input.device)
             start, images = time.perf_counter(), 0
         batch = next(batches)
         train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
         images += len(batch)
-    sync(ctx.device)
+    sync(ctx.input.device)
     return images / (time.perf_counter() - start)
 
 
@@ -208,8 +208,8 @@ def sync(device: torch.device) -> None:
 def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
     ctx, settings = step_context(args, 1000)
     images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
-                           device=ctx.device)
-    labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.device)
+                           device=ctx.input.device)
+    labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.input.device)
     batch = Batch(images, labels)
     rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
     return {"images_per_sec": round(rate, 1), **settings}
@@ -220,8 +220,8 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     decoding = Decoding(args.decode)
     loader = ours_loader(train, args.image_size, args.batch_size, workers, args.decode, augment)
-    decoder = decoding.finisher(ctx.device, lambda line: print(line, file=sys.stderr), augment)
-    batches = device_batches(endless(loader), ctx.device, decoder)
+    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr), augment)
+    batches = device_batches(endless(loader), ctx.input.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
     return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
             "decode": args.decode, "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

@@ -32,7 +32,7 @@ from imagenet_elastic.train.build import (
 )
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.step import StepContext
+from imagenet_elastic.train.step import ModelInput, StepContext
 from imagenet_elastic.train.trainer import Trainer
 
 
@@ -52,8 +52,8 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     preempt.steps_done = state.step
     classes = len(inputs.train.classes)
     ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
-                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), inputs.device,
-                      training.precision.dtype, config.channels_last,
+                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh),
+                      ModelInput(inputs.device, training.precision.dtype, config.channels_last),
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
                       config.clip_grad_norm, config.grad_checkpointing)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)

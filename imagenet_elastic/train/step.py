@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -16,38 +16,46 @@ from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.train.mixing import Mixer
 
-if TYPE_CHECKING:
-    pass
-
 IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
 IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
 
 
 @dataclass
-class StepContext:
-    """What a training or evaluation step needs besides the batch."""
+class ModelInput:
+    """How a batch of uint8 pixels becomes the model's input: on which device, in which precision (autocast), in
+    which memory layout, normalised with which mean and std (on 0-255 levels). A validation pass needs nothing
+    more; a training step needs this and the rest of StepContext."""
 
-    model: nn.Module  # the DDP wrapper when distributed
-    optimizer: torch.optim.Optimizer
-    scaler: torch.amp.GradScaler
-    criterion: nn.Module  # loss.TrainLoss: takes class labels or soft targets
     device: torch.device
     amp_dtype: Optional[torch.dtype]
     channels_last: bool
-    mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
-    clip_grad_norm: Optional[float] = None  # --clip-grad-norm
-    recomputes: bool = False  # --grad-checkpointing: the backward pass runs the blocks' forward again
-    normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)  # on 0-255 levels
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)
 
     def __post_init__(self) -> None:
         mean, std = self.normalisation
         self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
         self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
-        self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
                               enabled=self.amp_dtype is not None)
+
+
+@dataclass
+class StepContext:
+    """What a training step needs besides the batch."""
+
+    model: nn.Module  # the DDP wrapper when distributed
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    criterion: nn.Module  # loss.TrainLoss: takes class labels or soft targets
+    input: ModelInput
+    mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
+    clip_grad_norm: Optional[float] = None  # --clip-grad-norm
+    recomputes: bool = False  # --grad-checkpointing: the backward pass runs the blocks' forward again
+
+    def __post_init__(self) -> None:
+        self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
 
 
 @dataclass(frozen=True)
@@ -68,16 +76,16 @@ class Counts:
     count: Callable[[torch.Tensor, Batch], torch.Tensor]
 
 
-def prepare_batch(images: torch.Tensor, labels: torch.Tensor, ctx: StepContext) -> tuple[torch.Tensor, torch.Tensor]:
+def prepare_batch(images: torch.Tensor, labels: torch.Tensor, to: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
     """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
 
     The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
     other one is made while the pixels are uint8, a quarter of the bytes of float32.
     """
     images = images.permute(0, 3, 1, 2)
-    if not ctx.channels_last:
+    if not to.channels_last:
         images = images.contiguous()
-    return images.float().sub_(ctx.mean).div_(ctx.std), labels
+    return images.float().sub_(to.mean).div_(to.std), labels
 
 
 def seed_micro_batch(seed: int, step: int, position: int) -> None:
@@ -118,11 +126,11 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
     for group in ctx.optimizer.param_groups:  # --layer-decay's groups take their share of the LR, as in timm
         group["lr"] = lr * group.get("lr_scale", 1.0)  # x1.0 elsewhere: exact
     ctx.optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=ctx.device)
+    total = torch.zeros((), device=ctx.input.device)
     for j, (batch, part) in enumerate(zip(micro_batches, slices)):
-        images, targets = prepare_batch(batch.images, batch.labels, ctx)
+        images, targets = prepare_batch(batch.images, batch.labels, ctx.input)
         if ctx.mixer is not None:
-            images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.channels_last)
+            images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.input.channels_last)
         seed_micro_batch(seed, step, part.start)
         last = j == len(micro_batches) - 1
         with contextlib.ExitStack() as stack:
@@ -130,7 +138,7 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
                 stack.enter_context(ctx.model.no_sync())
             if part.start % share:  # not the first micro-batch of the rank's share
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
-            with ctx.autocast():
+            with ctx.input.autocast():
                 loss = ctx.criterion(ctx.model(images), targets)
             weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
             if ctx.recomputes:  # the forward updated the running statistics; the recomputation must not again
@@ -146,7 +154,7 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
 
 
 @torch.no_grad()
-def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
+def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
              columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None) -> EvalResult:
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
     DDP's forward would then wait on a collective), then the sums are added up across ranks.
@@ -157,11 +165,11 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_a
     """
     model.eval()
     extra = len(counts.names) if counts is not None else 0
-    totals = torch.zeros(3 + extra, dtype=torch.float64, device=ctx.device)  # loss sum, top-1, top-5, counts
+    totals = torch.zeros(3 + extra, dtype=torch.float64, device=to.device)  # loss sum, top-1, top-5, counts
     samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
     for batch in loader:
-        images, labels = prepare_batch(batch.images, batch.labels, ctx)
-        with ctx.autocast():
+        images, labels = prepare_batch(batch.images, batch.labels, to)
+        with to.autocast():
             logits = model(images).float()
             if flip_average:
                 logits = (logits + model(images.flip(3)).float()) / 2
@@ -174,7 +182,7 @@ def evaluate(ctx: StepContext, model: nn.Module, loader: Iterable[Batch], flip_a
             sums.extend(counts.count(logits, batch).to(torch.float64).unbind())
         totals += torch.stack(sums)
         samples += len(labels)
-    totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(ctx.device)])
+    totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(to.device)])
     distributed.all_reduce_sum(totals)
     loss_sum, top1, top5, *others, samples = totals.tolist()
     count = max(samples, 1.0)

@@ -77,7 +77,7 @@ class Trainer:
         start = time.perf_counter()
         self.sampler.set_epoch(epoch, tally.samples)
         slices = plan.micro_slices(self.env.rank)
-        pending = PendingSteps(self.ctx.device)  # the steps' losses stay on the device until they are needed
+        pending = PendingSteps(self.ctx.input.device)  # the steps' losses stay on the device until they are needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
@@ -153,14 +153,14 @@ class Trainer:
         results: dict[str, Any] = {}
         for suffix, model in models.items():
             distributed.broadcast_buffers(model)
-            val = evaluate(self.ctx, model, self.on_device(self.loaders.val), self.config.val_flip_average)
+            val = evaluate(self.ctx.input, model, self.on_device(self.loaders.val), self.config.val_flip_average)
             results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
                             f"val_top5{suffix}": val.top5})
             results["val_samples"] = val.samples
         return results
 
     def on_device(self, loader: DataLoader) -> Iterator[Batch]:
-        return device_batches(loader, self.ctx.device, self.loaders.decoder)
+        return device_batches(loader, self.ctx.input.device, self.loaders.decoder)
 
     # ------------------------------------------------------------------ checkpoints and stopping
 
