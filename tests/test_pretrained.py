@@ -151,6 +151,8 @@ def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
     (["--model", "hf-hub:someone/shapes"], "--model hf-hub:someone/shapes names published weights: add --pretrained"),
     (["--model", "test_resnet.no_such_tag", "--pretrained"], "test_resnet.no_such_tag"),
     (["--model", "vgg11", "--grad-checkpointing"], "--grad-checkpointing: timm's vgg11 does not support"),
+    (["--model", "ghostnet_050", "--drop-path", "0.1"], "--drop-path: timm's ghostnet_050 has no drop_path_rate"),
+    (["--model", "vit_tiny_patch16_224", "--blurpool"], "--blurpool: timm's vit_tiny_patch16_224 has no strided"),
 ])
 def test_weights_asked_for_in_a_way_that_cannot_work_are_one_line(hub, tmp_path, extra, culprit):
     (tmp_path / "data").mkdir()

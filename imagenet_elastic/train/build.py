@@ -111,7 +111,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     # data either), else once the checkpoint to resume from, if any, is known
     weights = published.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
         else None
-    check_model_options(config.model, config.layer_decay, config.grad_checkpointing)
+    check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing)
     if splits is None:
         splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     else:

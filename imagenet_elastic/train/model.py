@@ -57,21 +57,20 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: 
     return model
 
 
-def check_model_options(name: str, layer_decay: Optional[float], grad_checkpointing: bool) -> None:
-    """--layer-decay and --grad-checkpointing ask for what a model may lack: asked of a copy built on the meta
-    device (no memory, no initialisation), so that a refusal comes before the data is scanned."""
-    import timm
-
+def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay: Optional[float],
+                        grad_checkpointing: bool) -> None:
+    """--drop-path, --blurpool, --layer-decay and --grad-checkpointing ask for what a model may lack (stochastic
+    depth, a strided convolution to blur, numbered layers, checkpointed blocks): asked of a copy built on the meta
+    device (no memory, no initialisation) by the same code that builds the run's model, so that a refusal comes
+    before the data is scanned and leaves nothing on disk."""
     from imagenet_elastic.train.optimizer import check_layer_decay
 
-    if layer_decay is None and not grad_checkpointing:
+    if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing):
         return
     with torch.device("meta"):
-        model = timm.create_model(name, pretrained=False)
+        model = create_model(name, 1, drop_path, blurpool, grad_checkpointing=grad_checkpointing)
     if layer_decay is not None:
         check_layer_decay(model, name)
-    if grad_checkpointing:
-        recompute_activations(model, name)
 
 
 def recompute_activations(model: nn.Module, name: str) -> None:
