@@ -122,7 +122,7 @@ def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dic
     parameter's state (momentum, moments) and what an optimizer counts in its groups (timm's LAMB: `step`).
 
     `Optimizer.load_state_dict` would restore the saved settings too, so a resume with another --weight-decay
-    would warn of the change (build.restore_state) and then train with the old value. Resumed with the
+    would warn of the change (build.prepare_training) and then train with the old value. Resumed with the
     checkpoint's own settings, this changes nothing."""
     groups = [{**saved, **{k: v for k, v in own.items() if k != "params"}}
               for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
