@@ -18,7 +18,7 @@ import pytest
 from conftest import SMALL_RUN, python_cmd, run, run_and_kill
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.report import trackers
+from imagenet_elastic.report import trackers, wandb_log
 from imagenet_elastic.report.step_log import FILENAME as STEPS
 
 EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
@@ -82,7 +82,7 @@ def wandb_history(run_id: str) -> list[tuple[int, dict]]:
     """Every history row of the run's transaction logs, in the order `wandb sync` uploads them (start time)."""
     logs = sorted(glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", f"offline-run-*-{run_id}",
                                          f"run-{run_id}.wandb")))
-    return [row for path in logs for row in trackers.wandb_history(path)]
+    return [row for path in logs for row in wandb_log.wandb_history(path)]
 
 
 def assert_wandb_holds(ckpt: Path) -> None:

@@ -39,18 +39,16 @@ import os
 import queue
 import re
 import secrets
-import struct
 import sys
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from typing import Any, Callable, ClassVar, Optional
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import UserError, one_line
+from imagenet_elastic.report.wandb_log import wandb_history
 
 PENDING = "trackers.json"
 TRAIN_KEY = "train/loss"  # in every step row: the step the tracker last holds of steps.jsonl
@@ -400,46 +398,3 @@ class Tracking:
         for tracker in list(self.trackers):
             self.attempt(tracker, lambda tracker=tracker: tracker.close(finished))
         self.trackers = []
-
-
-# W&B's transaction log (run-ID.wandb): a 7-byte header (":W&B", 0xBEE1, version 0), then LevelDB's log format
-# (32 KiB blocks of records: crc32 of type and data, length, type FULL/FIRST/MIDDLE/LAST, data) whose payloads are
-# wandb's protobuf `Record`s. wandb >= 0.23 writes it from its Go core and no longer ships a Python reader.
-WANDB_HEADER = b":W&B\xe1\xbe\x00"
-BLOCK = 32768
-FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
-
-
-def wandb_records(path: str) -> Iterator[Any]:
-    """The `Record`s of a W&B transaction log, up to the first torn or damaged one (a killed writer's last)."""
-    from wandb.proto import wandb_internal_pb2
-
-    with open(path, "rb") as f:
-        data = f.read()
-    if not data.startswith(WANDB_HEADER):
-        return
-    at, payload = len(WANDB_HEADER), b""
-    while True:
-        if BLOCK - at % BLOCK < 7:  # a block's tail too short for a record header is padding
-            at += BLOCK - at % BLOCK
-        if at + 7 > len(data):
-            return
-        checksum, length, kind = struct.unpack("<IHB", data[at:at + 7])
-        body = data[at + 7:at + 7 + length]
-        if len(body) < length or zlib.crc32(body, zlib.crc32(bytes([kind]))) != checksum:
-            return
-        at += 7 + length
-        payload = body if kind in (FULL, FIRST) else payload + body
-        if kind in (FULL, LAST):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(payload)
-            yield record
-
-
-def wandb_history(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(step, {key: value}) of each history row a W&B transaction log holds."""
-    for record in wandb_records(path):
-        if record.WhichOneof("record_type") == "history":
-            items = record.history.item
-            yield record.history.step.num, {item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                                            for item in items}
