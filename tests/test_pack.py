@@ -189,9 +189,13 @@ def test_the_pool_forks_before_the_progress_bar_starts_a_thread(image_folder, tm
             return True
 
     threads_at_fork = []
-    fork = pack.contextlib_pool
-    monkeypatch.setattr(pack, "contextlib_pool", lambda workers: (threads_at_fork.append(threading.active_count()),
-                                                                  fork(workers))[1])
+    pool = pack.contextlib_pool
+
+    def counted_pool(workers: int):
+        threads_at_fork.append(threading.active_count())
+        return pool(workers)
+
+    monkeypatch.setattr(pack, "contextlib_pool", counted_pool)
     monkeypatch.setattr(sys, "stdout", Terminal())
     before = threading.active_count()
     pack.main([str(image_folder), str(tmp_path / "out"), "--shard-size", "16", "--workers", "2"])
