@@ -186,7 +186,7 @@ def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_ot
                           ("--scale MIN MAX", "0.08 1"), ("--preempt-signals SIGNALS", "SIGTERM,SIGUSR1"),
                           ("--channels-last, --no-channels-last", "on")):
         assert re.search(rf"{re.escape(flag)} .*?\(default: {re.escape(default)}\)", text), flag
-    for flag, default in (("--workers N", "cores per process - 1 (max 8)"),
+    for flag, default in (("--workers N", "cores per process - 1 (max 8; max 4 under --decode gpu)"),
                           ("--threads N", "cores / processes per node"),
                           ("--global-batch-size N", "checkpoint's, else batch-size x processes")):
         assert f"(default: {default})" in text, flag

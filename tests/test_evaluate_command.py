@@ -183,10 +183,11 @@ def test_flip_average_our_preprocessing_and_the_device_decoder_are_options(train
     root, logits, labels = trained
     [plain] = evaluated(str(root / "export"), str(root / "val"), "--preprocessing", "ours")
     [flipped] = evaluated(str(root / "export"), str(root / "val"), "--flip-average")
-    [device] = evaluated(str(root / "export"), str(root / "val"), "--decode", "gpu")  # on the CPU: the same pixels
+    [device] = evaluated(str(root / "export"), str(root / "val"), "--decode", "gpu")  # on the CPU: within a level
     assert plain["top1"] == pytest.approx(top1(logits, labels))  # the export's preprocessing is ours
     assert flipped["flip_average"] is True and flipped["loss"] != plain["loss"]
-    assert (device["top1"], device["loss"]) == (plain["top1"], plain["loss"])
+    assert device["images"] == plain["images"] and abs(device["top1"] - plain["top1"]) <= 100 / plain["images"]
+    assert device["loss"] == pytest.approx(plain["loss"], rel=1e-2) and device["loss"] != plain["loss"]
 
 
 def one_line_error(*argv: str) -> str:

@@ -1,6 +1,6 @@
 """Validation's pixels are the reference's: timm's evaluation transform (`resolve_data_config` + `create_transform`,
 as its validate.py runs it) on the same bytes gives the same pixels within rounding, and so the same predictions for
-the same weights; `--decode gpu` on the CPU gives the worker path's bits."""
+the same weights; `--decode gpu` on the CPU gives the worker path's pixels within a level."""
 
 from __future__ import annotations
 
@@ -85,8 +85,9 @@ def test_validation_pixels_are_timms_eval_transform_within_rounding(crop, resize
 
 
 def test_decode_gpu_validates_on_the_worker_paths_pixels(monkeypatch):
-    """On the CPU device the batch decoder gives the worker path's bits, for the images it decodes itself, those the
-    workers decode (PNG, CMYK) and a JPEG the device decoder rejects."""
+    """On the CPU device the batch decoder gives the worker path's pixels: within a level (the float resize's
+    rounding against the uint8 kernel's) for the images it decodes itself, bit for bit for those the workers decode
+    (PNG, CMYK) and a JPEG the device decoder rejects."""
     source = memory_split(IMAGES)
     rejected = gpu_decode.byte_tensor(IMAGES[2])
     device_decode = gpu_decode.BatchDecoder.device_decode
@@ -102,7 +103,9 @@ def test_decode_gpu_validates_on_the_worker_paths_pixels(monkeypatch):
     batch = gpu_decode.BatchDecoder(CPU, warnings.append)(gpu_decode.collate([encoded_set[i]
                                                                             for i in range(len(source))]))
     expected = torch.stack([pipeline.EvalDataset(source, 40, 46)[i][0] for i in range(len(source))])
-    assert torch.equal(batch.images, expected)
+    fallbacks = [i for i in range(len(source)) if i == 2 or encoded_set[i][0].cpu_reason]
+    assert fallbacks and torch.equal(batch.images[fallbacks], expected[fallbacks])
+    assert (batch.images.int() - expected.int()).abs().max() <= 1
     assert any("rejected" in w for w in warnings) and any("PNG" in w for w in warnings), warnings
 
 

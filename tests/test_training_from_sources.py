@@ -106,9 +106,11 @@ def test_a_sigkilled_torchrun_job_resumes_at_another_world_size_and_evaluates_as
     assert (scores["val_top1"], scores["val_samples"]) == (row["val_top1"], row["val_samples"]), json.dumps(row)
 
 
-def test_decode_gpu_reads_a_packs_bytes_as_the_workers_do(forms, folder_run, tmp_path):
-    """--decode gpu hands the shard's bytes to the device decoder (the CPU device here): at 32 px the fixture's
-    48x40 images take no DCT scaling, so both paths feed the same pixels and train the same weights."""
-    train([*forms["pack"], *RUN, "--epochs", "2", "--decode", "gpu", "--checkpoints-path", str(tmp_path)])
-    assert_same_tensors(load_checkpoint(tmp_path / "last.pt")["model"],
-                        load_checkpoint(folder_run / "last.pt")["model"])
+def test_decode_gpu_reads_a_packs_bytes_as_it_reads_the_folders(forms, image_folder, tmp_path):
+    """--decode gpu hands the shard's bytes to the device decoder (the CPU device here), with the choices its
+    workers drew: the pack trains the weights the class folders train under --decode gpu."""
+    for name, data in (("pack", forms["pack"]), ("folder", [str(image_folder)])):
+        train([*data, *RUN, "--epochs", "1", "--decode", "gpu", "--auto-augment", "ta_wide", "--checkpoints-path",
+               str(tmp_path / name)])
+    assert_same_tensors(load_checkpoint(tmp_path / "pack" / "last.pt")["model"],
+                        load_checkpoint(tmp_path / "folder" / "last.pt")["model"])

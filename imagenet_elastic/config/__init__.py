@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 from imagenet_elastic.config import options
@@ -21,9 +21,6 @@ from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
 from imagenet_elastic.launch.preemption import DEFAULT_SIGNALS
 from imagenet_elastic.train.optimizer import OPTIMIZERS
 from imagenet_elastic.train.schedule import SCHEDULES
-
-if TYPE_CHECKING:
-    from imagenet_elastic.data.decoding import Decoding
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 
@@ -36,7 +33,7 @@ RESUME_SENSITIVE = (
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
     "progressive_epochs", "ra_reps", "layer_decay",
 )
-DECODE_MODES = ("cpu", "gpu")  # --decode: decoding.Decoding
+DECODE_MODES = ("auto", "cpu", "gpu")  # --decode: decoding.Decoding
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
           "checkpoints": "checkpoints", "distributed": "distributed"}
 
@@ -201,12 +198,15 @@ class Config:
         "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
         action=argparse.BooleanOptionalAction)
     decode: str = option(
-        "cpu", "cpu: loader workers decode; gpu: workers only read files and draw the crops, a thread of the "
-        "training process decodes each batch with nvJPEG and crops, resizes and flips it on the GPU, two batches "
-        "ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind reported once by each rank that meets "
-        "it)", "run", choices=list(DECODE_MODES))
+        "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "
+        "a thread of the training process decodes each batch with nvJPEG and crops, resizes, flips, runs the policy "
+        "and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind "
+        "reported once by each rank that meets it); auto: gpu on CUDA when there is a policy or erasing, or fewer "
+        "than 32 cores per process, else cpu (the start-up table says which and why)", "run",
+        choices=list(DECODE_MODES))
     workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
-                                    shown_default="cores per process - 1 (max 8)", type=options.non_negative_int)
+                                    shown_default="cores per process - 1 (max 8; max 4 under --decode gpu)",
+                                    type=options.non_negative_int)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
                                     shown_default="cores / processes per node", type=options.positive_int)
     device: str = option("auto", "`cuda:LOCAL_RANK` when CUDA is visible", "run", choices=["auto", "cpu", "cuda"])
@@ -277,12 +277,6 @@ class Config:
                             "pass one")
         if self.model.startswith(WEIGHT_SOURCES) and not self.pretrained:
             raise UserError(f"--model {self.model} names published weights: add --pretrained")
-
-    @property
-    def decoding(self) -> Decoding:
-        from imagenet_elastic.data.decoding import Decoding  # imports torch: after the command line is checked
-
-        return Decoding(self.decode)
 
     @property
     def augment(self) -> Augment:

@@ -5,14 +5,18 @@ The policies and erasing are torchvision's (transforms.v2). They draw from torch
 sample's pass runs under that generator seeded from one number the sample's stream draws after its crop and flip:
 the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies
 them, and nothing else in the process sees its generator move. A loader worker runs the policy on a PIL
-image; under --decode gpu the number travels with the file's bytes and the device runs the policy's tensor
-kernels on the decoded crop (gpu_decode.BatchDecoder): the same operations with the same magnitudes.
+image. Under --decode gpu the worker runs the same draws without the pixels (`Augment.draws`: torchvision's
+own policy and erasing, on a stand-in image of the crop's size, with the pixel operations recorded instead of
+applied) and hands the operations, magnitudes and boxes over as numbers; the device applies them to the whole
+batch at once (device_policy.py): the same operations with the same magnitudes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
@@ -30,6 +34,15 @@ POLICY_TABLE: dict[str, tuple[str, Optional[Callable[[Any], Callable]]]] = {
 }
 POLICIES = tuple(POLICY_TABLE)
 MEAN_PIXEL = (124, 116, 104)  # ImageNet's mean in uint8: what normalisation turns into 0, the erased value
+
+
+@dataclass(frozen=True)
+class Draws:
+    """What one sample's policy and erasing drew, without their pixels: the operations in the order they run, each
+    with its magnitude as torchvision passes it to the operation, and the erased box (None: nothing erased)."""
+
+    ops: tuple[tuple[str, float], ...] = ()
+    erase: Optional[tuple[int, int, int, int]] = None  # top, left, height, width
 
 
 @dataclass(frozen=True)
@@ -73,19 +86,39 @@ class Augment:
         import torch
         from PIL import Image
 
-        generator = torch.default_generator  # not torch.manual_seed: its device hooks cost far more than the draw
-        saved = generator.get_state()
-        generator.manual_seed(seed)
-        try:
+        with seeded(seed):
             if self.policy_transform is not None and pil:
                 pixels = torch.from_numpy(np.array(self.policy_transform(Image.fromarray(pixels.numpy()))))
             elif self.policy_transform is not None:
                 pixels = self.policy_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
             if self.erase_transform is not None:
                 pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
-        finally:
-            generator.set_state(saved)
         return pixels.contiguous() if pil else pixels
+
+    def draws(self, seed: Optional[int], size: int) -> Optional[Draws]:
+        """The draws `apply(pixels, seed)` makes on a size x size crop, made by torchvision's own transforms on a
+        stand-in of that size (the draws depend on the image's size alone), with each pixel operation recorded
+        instead of run: the device then runs exactly the operations the workers would (None: no second pass)."""
+        if seed is None:
+            return None
+        import torch
+
+        stand_in = torch.zeros((), dtype=torch.uint8).expand(3, size, size)  # no pixels are ever read
+        ops, boxes = self.recorders
+        with seeded(seed):
+            for recorder in (ops, boxes):
+                if recorder.transform is not None:
+                    recorder.transform(stand_in)
+        erased = [params for (params,) in boxes.take() if params["v"] is not None]  # v None: nothing erased
+        box = tuple(int(erased[0][k]) for k in "ijhw") if erased else None
+        return Draws(tuple((op, float(magnitude)) for op, magnitude, *_ in ops.take()), box)
+
+    @functools.cached_property
+    def recorders(self) -> tuple[Recorder, Recorder]:
+        """This process's own copies of the policy and erasing that record what they would do (see `draws`)."""
+        erasing = make_erasing(self.erase)
+        method = "transform" if hasattr(type(erasing), "make_params") else "_transform"  # torchvision 0.21 renamed it
+        return Recorder(make_policy(self.policy), "_apply_image_or_video_transform"), Recorder(erasing, method)
 
     @functools.cached_property
     def policy_transform(self) -> Optional[Callable]:
@@ -93,9 +126,27 @@ class Augment:
 
     @functools.cached_property
     def erase_transform(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-        from torchvision.transforms import v2  # imported before the workers fork (pipeline.share_heap_with_workers)
+        return make_erasing(self.erase)
 
-        return v2.RandomErasing(p=self.erase, value=list(MEAN_PIXEL)) if self.erase > 0 else None
+
+class Recorder:
+    """A torchvision transform whose pixel operation (method `method` of this instance of it) records its arguments
+    instead of running: `_apply_image_or_video_transform(image, op, magnitude, ...)` of the auto-augment policies,
+    `transform(image, params)` of RandomErasing (`_transform` before torchvision 0.21). Nothing else changes, so
+    every draw is the transform's own."""
+
+    def __init__(self, transform: Optional[Callable], method: str) -> None:
+        self.transform, self.seen = transform, []
+        if transform is not None:
+            setattr(transform, method, self.record)
+
+    def record(self, image: Any, *args: Any, **kwargs: Any) -> Any:
+        self.seen.append(args)
+        return image
+
+    def take(self) -> list[tuple]:
+        seen, self.seen = self.seen, []
+        return seen
 
 
 INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3, flip half the images
@@ -110,6 +161,27 @@ def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     from torchvision.transforms import v2
 
     return build(v2)
+
+
+def make_erasing(probability: float) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
+    from torchvision.transforms import v2  # imported before the workers fork (pipeline.share_heap_with_workers)
+
+    return v2.RandomErasing(p=probability, value=list(MEAN_PIXEL)) if probability > 0 else None
+
+
+@contextlib.contextmanager
+def seeded(seed: int) -> Iterator[None]:
+    """torch's global generator seeded with `seed` for the block, then put back: nothing else in the process sees
+    it move (not torch.manual_seed: its device hooks cost far more than the draws)."""
+    import torch
+
+    generator = torch.default_generator
+    saved = generator.get_state()
+    generator.manual_seed(seed)
+    try:
+        yield
+    finally:
+        generator.set_state(saved)
 
 
 def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = None) -> None:

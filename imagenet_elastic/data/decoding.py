@@ -1,10 +1,14 @@
-"""--decode: which process turns a sample's bytes into pixels. The one place that knows both ways.
+"""--decode: which process turns a sample's bytes into pixels, chosen for the machine. The one place that knows
+both ways.
 
 cpu: loader workers decode, crop, resize and flip, then run the policy and erasing; batches of uint8 pixels
-cross to the training process. gpu: workers only parse each image's header and draw its crop; the bytes
-cross (one EncodedBatch per batch), and the training process decodes whole batches with nvJPEG, crops them
-there and runs the policy and erasing on the device (gpu_decode.BatchDecoder). Validation takes the same two
+cross to the training process. gpu: workers only parse each image's header and draw its crop, flip, policy and
+erasing; the bytes and those numbers cross (one EncodedBatch per batch), and the training process decodes whole
+batches with nvJPEG and crops and augments them there (gpu_decode.BatchDecoder). Validation takes the same two
 ways with the reference's view of each image (pixels.CentreCrop) instead of a random crop.
+
+auto (the default) picks by a stated rule (`choose`): gpu on a CUDA device unless the process has cores enough
+to decode for it on the CPU and no policy or erasing to run there.
 """
 
 from __future__ import annotations
@@ -18,10 +22,41 @@ import torch
 from imagenet_elastic.data import gpu_decode, pipeline, pixels
 from imagenet_elastic.data.augment import Augment
 
+# Cores per training process from which --decode auto leaves decoding to CPU workers (when there is no policy).
+# Measured on one H100 with 16 cores (docs/BENCHMARKS.md): 14 loader workers fed resnet50 (bf16, 224 px, batch
+# 256) at 0.85 of what the eager model alone takes (3,381 of 3,956 img/s) and 0.83 compiled (4,568 of 5,535), and
+# the faster a model, the further behind (0.66 at 176 px): fewer than twice those cores starve an H100.
+CPU_DECODE_CORES = 32
+# Loader workers per process under --decode gpu, unless --workers says: they read files, parse headers and draw
+# the choices (no decoding), so a few feed a GPU (docs/BENCHMARKS.md, "what a worker costs under --decode gpu")
+# and the rest of the node's cores stay free.
+GPU_DECODE_WORKERS = 4
+
 
 @dataclass(frozen=True)
 class Decoding:
-    mode: str  # one of config.DECODE_MODES
+    mode: str  # "cpu" or "gpu"
+    why: str = ""  # how the mode was chosen, for the start-up table
+
+    @classmethod
+    def choose(cls, requested: str, device: torch.device, cores_per_process: int, augment: Augment) -> Decoding:
+        """--decode as asked; `auto`: gpu on CUDA when there is a policy or erasing to run (on the device they
+        cost a few operators per batch, in the workers a pass over every image) or fewer than CPU_DECODE_CORES
+        cores per process; else cpu."""
+        if requested != "auto":
+            return cls(requested, f"--decode {requested}")
+        if device.type != "cuda":
+            return cls("cpu", "auto: no CUDA device")
+        if augment.after_crop:
+            return cls("gpu", "auto: CUDA, with a policy or erasing to run")
+        if cores_per_process < CPU_DECODE_CORES:
+            return cls("gpu", f"auto: CUDA, {cores_per_process} cores per process (< {CPU_DECODE_CORES})")
+        return cls("cpu", f"auto: CUDA, {cores_per_process} cores per process (>= {CPU_DECODE_CORES}) and no policy")
+
+    def default_workers(self, cores: int, local_world_size: int) -> int:
+        """Loader workers per process when --workers does not say (pipeline.default_workers, fewer under gpu)."""
+        workers = pipeline.default_workers(cores, local_world_size)
+        return min(workers, GPU_DECODE_WORKERS) if self.mode == "gpu" else workers
 
     @property
     def load(self) -> pipeline.Load:
@@ -38,10 +73,9 @@ class Decoding:
         """How a worker's samples become one batch."""
         return gpu_decode.collate if self.mode == "gpu" else pipeline.collate
 
-    def finisher(self, device: torch.device, warn: Callable[[str], None],
-                 augment: Augment) -> Optional[gpu_decode.BatchDecoder]:
+    def finisher(self, device: torch.device, warn: Callable[[str], None]) -> Optional[gpu_decode.BatchDecoder]:
         """What the training process does with a batch before it trains on it (None: nothing)."""
-        return gpu_decode.BatchDecoder(device, warn, augment) if self.mode == "gpu" else None
+        return gpu_decode.BatchDecoder(device, warn) if self.mode == "gpu" else None
 
     def warning(self, device: torch.device) -> Optional[str]:
         """What to say at start about this mode on this device."""
@@ -52,7 +86,8 @@ class Decoding:
 
     def describe(self, device: torch.device, augment: Augment) -> str:
         """The start-up table's line."""
+        chosen = f" ({self.why})" if self.why else ""
         if self.mode == "cpu":
-            return "in loader workers"
-        return (f"batched on {device} (--decode gpu)"
-                + (", then the policy and erasing there, image by image" if augment.after_crop else ""))
+            return "in loader workers" + chosen
+        return (f"batched on {device}" + (", then the policy and erasing there" if augment.after_crop else "")
+                + chosen)

@@ -1,9 +1,10 @@
-"""Batches from the loader onto the device: copies on a side stream, --decode gpu's decode thread and the
-policy's own stream, the steps' groups of micro-batches, and the time the loop waited for them."""
+"""Batches from the loader onto the device: copies on a side stream, --decode gpu's decoding thread, the steps'
+groups of micro-batches, and the time the loop waited for them."""
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import queue
 import threading
 import time
@@ -11,6 +12,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
+from torch.utils.data import DataLoader
 
 from imagenet_elastic.data.pipeline import Batch
 
@@ -20,35 +22,27 @@ if TYPE_CHECKING:
 
 def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None
                    ) -> Iterator[Batch]:
-    """The loader's batches with images and labels on `device` (decoded there first under --decode gpu).
+    """The loader's batches with images and labels on `device` (decoded and augmented there first under
+    --decode gpu).
 
-    Batches travel as uint8, a quarter of the bytes of float32. On CUDA the copy of the next batch runs
-    on a side stream while the current one trains; the main stream waits for it only when it gets there.
-    Under --decode gpu a thread of its own decodes and crops ahead (`decoded_ahead`), so nvJPEG's host
-    work and the crops' launches overlap the training thread's. The policy and erasing, which draw from
-    torch's process-wide generator, then run in the training thread, on a stream of their own
-    (`SideStream`): torchvision's tensor kernels copy small host tensors (affine matrices, fill values)
-    with blocking copies, each of which waits for its stream's queue, and on the training stream that
-    queue is the previous step's forward and backward. Other entries (sample indices) stay on the host,
-    so reading them never waits for the device.
+    Batches travel as uint8, a quarter of the bytes of float32 (or, under --decode gpu, as the files' bytes). On
+    CUDA the next batch's copy, or its whole decoding (`decoded_ahead`: a thread of its own, on the feeding
+    stream), runs while the current one trains; the training stream waits for it only when it gets there, and
+    the training thread does nothing per image. Other entries (sample indices) stay on the host, so reading them
+    never waits for the device.
     """
     if decoder is not None:
-        def decode(batch: Batch) -> tuple[Batch, list[Optional[int]]]:
-            decoded, seeds = decoder.decode_crops(batch)
-            return decoded.to(device), seeds
-
-        policy = SideStream(device)
-        for (staged, seeds), ready in decoded_ahead(batches, decode, device):
-            if decoder.draws_policy(seeds):
-                with policy.run_after(ready, staged.images):
-                    staged = decoder.augment_images(staged, seeds)
+        if reads_in_this_thread(batches):
+            yield from (decoder(batch) for batch in batches)
+            return
+        for staged, ready in decoded_ahead(batches, decoder, device):
             take_on_current_stream(staged, ready, device)
             yield staged
         return
     if device.type != "cuda":
         yield from (batch.to(device) for batch in batches)
         return
-    side, main = torch.cuda.Stream(device), torch.cuda.current_stream(device)
+    side, main = feeding_stream(device), torch.cuda.current_stream(device)
     ahead = None
     for batch in batches:
         with torch.cuda.stream(side):
@@ -63,28 +57,19 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
         yield ahead
 
 
-class SideStream:
-    """A CUDA stream for work that the host runs in the training thread but that must not wait behind the
-    training stream's queue (nothing on a CPU)."""
+def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
+    """A loader without workers (--workers 0) reads and draws each sample in the thread that iterates it, and the
+    draws of --decode gpu's policy seed torch's global generator (augment.Augment.draws), which the training
+    thread seeds and draws from too: such a loader is decoded in the training thread, not beside it."""
+    return isinstance(batches, DataLoader) and batches.num_workers == 0
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
-    @contextlib.contextmanager
-    def run_after(self, ready: Optional[torch.cuda.Event], tensor: torch.Tensor) -> Iterator[None]:
-        """The block's kernels queue on this stream after `ready` (the event that made `tensor`) and after
-        nothing of the training stream's; the training stream then waits for them. A blocking copy in the
-        block waits for this stream alone: the host goes on while the GPU trains."""
-        if self.stream is None:
-            yield
-            return
-        if ready is not None:
-            self.stream.wait_event(ready)
-        tensor.record_stream(self.stream)  # made on another stream: not reused before this one is done with it
-        with torch.cuda.stream(self.stream):
-            yield
-        torch.cuda.current_stream(self.device).wait_stream(self.stream)
+@functools.cache
+def feeding_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream that copies, decodes and augments batches for `device`: made once per process (not per epoch
+    or validation pass), at high priority, so that its short kernels are scheduled ahead of the training
+    stream's queue instead of waiting behind a whole forward and backward."""
+    return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into the device's range
 
 
 def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
@@ -104,12 +89,12 @@ _DONE = object()
 def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2
                   ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
     """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
-    are taken; on CUDA on a stream of its own, whose event `ready` the taker waits for (None on a CPU). Its
+    are taken; on CUDA on the feeding stream, whose event `ready` the taker waits for (None on a CPU). Its
     errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
     for it, so the loader is never read by two threads."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
-    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    stream = feeding_stream(device) if device.type == "cuda" else None
 
     def hand_over(item: Any) -> None:
         while not stop.is_set():

@@ -1,39 +1,42 @@
-"""`--decode gpu`: loader workers only read files; the main process decodes whole batches with nvJPEG.
+"""`--decode gpu`: loader workers read files and draw every random choice; the device decodes and augments whole
+batches.
 
-A worker reads the file, parses the header for the size, and draws the crop and flip from the
-sample's own random stream, exactly as the CPU path does (pipeline.TrainDataset), so the augmentation
-contract holds: the same boxes and flips for the same (seed, epoch, index). It hands over the
-bytes and the box. The main process decodes the batch with one batched
-`torchvision.io.decode_jpeg(..., device=...)` call, then crops, resizes and flips each image on
-the device (`decode_crops`, in a thread of its own: feed.decoded_ahead), then runs the sample's
-augmentation policy and erasing there (`augment_images`, in the training thread, on a stream of their
-own: feed.SideStream), drawn from a seed the worker took from the sample's stream after the crop and flip.
+A worker reads the file, parses its header for the size, and draws the crop, the flip, the policy's operations
+and magnitudes and the erased box from the sample's own random stream, exactly as the CPU path draws them
+(pipeline.TrainDataset; augment.Augment.draws), so the augmentation contract holds: the same choices for the same
+(seed, epoch, index). It hands over the bytes and those choices as numbers (`EncodedBatch`: one tensor of
+bytes, one row of view numbers per image, the policy's tensors). The training process, in a thread of its own
+(feed.decoded_ahead), decodes the batch with one batched nvJPEG call (torchvision's `decode_jpeg`), then crops,
+resizes and flips every image at once (device_crops.py), then runs the policy and erasing on the sub-batches
+that drew each operation (device_policy.py): a fixed number of operators per batch, none per image, and no
+random draw in the training process.
 
-Validation batches take the same way with the reference's view of each image (pixels.CentreCrop) instead of a
-random crop: nvJPEG's decode of the whole image, resized in float32 and rounded, then centre-cropped. These are
-the CPU path's pixels within a few levels (nvJPEG's IDCT is not libjpeg-turbo's, the float resize rounds within
-one level of the uint8 kernel): not bit for bit timm's, which `--decode cpu` is within rounding.
+Validation batches take the same way with the reference's view of each image (pixels.CentreCrop): the whole
+image resized and centre-cropped, in float32 and rounded: the CPU path's pixels within a level where the decoders
+agree (nvJPEG fills 4:2:0 chroma by nearest sample where libjpeg-turbo interpolates: ~0.7 level on photos).
 
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
-decodes them itself; a JPEG that the device decoder rejects is decoded in the main process. A device
-out of memory is not the images' fault and stays an out-of-memory error (`raise_if_out_of_memory`).
+decodes (and crops) them itself; a JPEG that the device decoder rejects is decoded in the training process. A
+device out of memory is not the images' fault and stays an out-of-memory error (`raise_if_out_of_memory`).
 A file that neither can decode is a CorruptImageError naming it, as on the CPU path.
 """
 
 from __future__ import annotations
 
+import collections
 import io
-import math
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from PIL import Image
 
-from imagenet_elastic.data.augment import INCEPTION_CROP, Augment
+from imagenet_elastic.data import device_crops
+from imagenet_elastic.data.augment import Draws
+from imagenet_elastic.data.device_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.pixels import (
     DECODED_BY_TORCHVISION,
@@ -41,11 +44,8 @@ from imagenet_elastic.data.pixels import (
     CentreCrop,
     ChooseCrop,
     byte_tensor,
-    crop_region,
-    crop_resize,
     decode_bytes,
     decode_centre_crop,
-    resize_regions,
 )
 from imagenet_elastic.errors import CorruptImageError, first_line
 
@@ -57,29 +57,32 @@ EMPTY = torch.empty(0, dtype=torch.uint8)
 
 @dataclass
 class EncodedImage:
-    """One image as a worker hands it over: its bytes and where to crop, or (`cpu_reason` set) its
-    pixels already decoded and cropped on the CPU."""
+    """One image as a worker makes it: its bytes and every choice drawn for it, or (`cpu_reason` set) its pixels
+    already decoded and cropped on the CPU."""
 
     path: str  # the sample's name, for messages
     data: torch.Tensor  # 1-D uint8 file bytes, or size x size x 3 uint8 pixels
     box: Box
     flip: bool
     size: int  # of the square crop the batch wants (train and val sizes may differ)
+    width: int  # the image's, from its header
+    height: int
     cpu_reason: Optional[str] = None
-    augment_seed: Optional[int] = None  # the policy's and erasing's draws (augment.Augment.draw_seed)
+    augment_seed: Optional[int] = None  # the seed of the policy's and erasing's draws (augment.Augment.draw_seed)
+    draws: Optional[Draws] = None  # what they drew
     centre: Optional[CentreCrop] = None  # validation: this view of the whole image instead of `box` and `flip`
 
     def decode_on_cpu(self, raw: bytes) -> torch.Tensor:
-        """The worker path's pixels of these bytes."""
+        """The worker path's pixels of these bytes (before the policy)."""
         if self.centre is not None:
             return decode_centre_crop(raw, self.path, self.centre)
         return decode_bytes(raw, self.path, lambda w, h: (self.box, self.flip), self.size)
 
-    def finish(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Decoded HWC pixels (on the device) to this image's crop, one image alone."""
+    def view(self) -> list[float]:
+        """The device's row of numbers for this image's crop (device_crops.VIEW_FIELDS)."""
         if self.centre is not None:
-            return self.centre.apply(pixels)
-        return crop_resize(pixels, self.box, self.flip, self.size)
+            return device_crops.centre_view(self.centre, self.width, self.height)
+        return device_crops.train_view(self.box, self.flip, self.width, self.height, self.size)
 
 
 def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
@@ -99,7 +102,7 @@ def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> E
     """The worker's part: parse the header, draw the crop (a pipeline.Load, as pixels.decode_bytes is)."""
     width, height, reason = read_header(raw, path)
     box, flip = choose_crop(width, height)
-    image = EncodedImage(path, byte_tensor(raw), box, flip, size, reason)
+    image = EncodedImage(path, byte_tensor(raw), box, flip, size, width, height, reason)
     return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
 
 
@@ -107,39 +110,64 @@ def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
     """Validation's worker part (a pipeline.EvalLoad, as pixels.decode_centre_crop is): the bytes, and the view
     the device takes of the whole decoded image."""
     width, height, reason = read_header(raw, path)
-    image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, reason,
-                         centre=view)
+    image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, width,
+                         height, reason, centre=view)
     return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
 
 
 @dataclass
 class EncodedBatch:
-    """A batch's images as they cross from the worker: every image's bytes (or fallback pixels) back to back
-    in one uint8 tensor, so the batch is one shared-memory segment, not one (and a socket round trip) per
-    image (docs/BENCHMARKS.md); the images keep everything else."""
+    """A batch's images as they cross from the worker, in columns: every image's bytes (or fallback pixels) back
+    to back in one uint8 tensor, so the batch is one shared-memory segment, not one (and a socket round trip) per
+    image (docs/BENCHMARKS.md); one row of crop numbers per image; the policy's tensors. The training process
+    reads no per-image Python object on its way to the device."""
 
     data: torch.Tensor  # 1-D uint8
-    shapes: list[tuple[int, ...]]  # each image's `data` shape, in order
-    images: list[EncodedImage]  # `data` left empty
+    lengths: list[int]  # each image's share of `data`, in order
+    paths: list[str]
+    fallbacks: dict[int, str]  # position -> why the worker decoded it (its `data` is then size x size x 3 pixels)
+    views: torch.Tensor  # N x device_crops.VIEW_FIELDS float32
+    size: int
+    interpolation: str  # the resize's filter: training's bilinear, or validation's CentreCrop's
+    policy: Optional[PolicyPlan]
+    crops: list[tuple[Box, bool]]  # the boxes and flips as drawn: a JPEG the device rejects is decoded with them
+    centre: Optional[CentreCrop]  # validation's view of every image
+
+    def __len__(self) -> int:
+        return len(self.lengths)
 
     @classmethod
     def pack(cls, images: Sequence[EncodedImage]) -> EncodedBatch:
-        data = torch.cat([im.data.reshape(-1) for im in images]) if images else EMPTY
-        return cls(data, [tuple(im.data.shape) for im in images],
-                   [replace(im, data=EMPTY) for im in images])
+        if not images:
+            raise ValueError("an empty batch")
+        size, centre = images[0].size, images[0].centre
+        if any(im.size != size for im in images):  # a batch comes from one epoch: its size is the epoch's
+            raise ValueError(f"one batch, several crop sizes: {sorted({im.size for im in images})}")
+        return cls(torch.cat([im.data.reshape(-1) for im in images]), [im.data.numel() for im in images],
+                   [im.path for im in images], {i: im.cpu_reason for i, im in enumerate(images) if im.cpu_reason},
+                   torch.tensor([im.view() for im in images], dtype=torch.float32), size,
+                   centre.interpolation if centre is not None else "bilinear",
+                   PolicyPlan.pack([im.draws for im in images], size), [(im.box, im.flip) for im in images], centre)
 
-    def unpack(self) -> list[EncodedImage]:
-        """The images again, each `data` a view into the batch's tensor (no copy)."""
-        images, start = [], 0
-        for im, shape in zip(self.images, self.shapes):
-            end = start + math.prod(shape)
-            images.append(replace(im, data=self.data[start:end].view(shape)))
-            start = end
-        return images
+    def pieces(self) -> Sequence[torch.Tensor]:
+        """Each image's bytes (or fallback pixels, flattened): views into `data`, no copy."""
+        return torch.split(self.data, self.lengths)
+
+    def pixels(self, i: int) -> torch.Tensor:
+        """Image i's fallback pixels (size x size x 3), as its worker decoded them."""
+        return self.pieces()[i].view(self.size, self.size, 3)
+
+    def decode_on_cpu(self, i: int) -> torch.Tensor:
+        """Image i's bytes decoded by the worker path (a JPEG the device decoder rejected)."""
+        box, flip = self.crops[i]
+        image = EncodedImage(self.paths[i], EMPTY, box, flip, self.size, 0, 0, centre=self.centre)
+        return image.decode_on_cpu(self.pieces()[i].numpy().tobytes())
 
     def pin_memory(self) -> EncodedBatch:
-        """What DataLoader's pin_memory thread calls on a batch type of its own: the one tensor, pinned."""
-        return replace(self, data=self.data.pin_memory())
+        """What DataLoader's pin_memory thread calls on a batch type of its own: every tensor pinned, so each
+        reaches the device without the host waiting."""
+        return replace(self, data=self.data.pin_memory(), views=self.views.pin_memory(),
+                       policy=self.policy.pin_memory() if self.policy is not None else None)
 
 
 def collate(samples: list[tuple]) -> Batch:
@@ -177,99 +205,127 @@ def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
 
 
 class BatchDecoder:
-    """The main process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
-    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), labels and indices as they
-    are."""
+    """The training process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
+    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), cropped, augmented and erased
+    as the workers drew; labels on the device too, sample indices left on the host. It draws nothing at random,
+    so it runs in a thread of its own (feed.decoded_ahead), on that thread's stream. Works on CPU tensors too
+    (`device` cpu), which is how the tests run it."""
 
-    def __init__(self, device: torch.device, warn: Callable[[str], None], augment: Augment = INCEPTION_CROP) -> None:
-        self.device, self.warn, self.augment = device, warn, augment
-        self.batched_crops = device.type != "cpu"  # the CPU has a uint8 resize kernel: the worker path's pixels
+    def __init__(self, device: torch.device, warn: Callable[[str], None]) -> None:
+        self.device, self.warn = device, warn
         self.reported: set[str] = set()
+        self.held = Held()
+        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
+        # that does not wait for the current one (pytorch/vision#9606): memory freed on the current stream while
+        # kernels queued there still read it could be written over. Its outputs are therefore allocated on a
+        # stream of their own, where nothing else is allocated, and kept until the kernels that read them have
+        # run (`held`), instead of the host waiting for the stream before every decode.
+        self.alloc_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def __call__(self, batch: Batch) -> Batch:
-        """All of it, in the calling thread (the benchmark's and the tests' way)."""
-        return self.augment_images(*self.decode_crops(batch))
+        encoded: EncodedBatch = batch.images
+        images = self.crops(encoded)
+        if encoded.policy is not None:
+            encoded.policy.to(self.device).apply(images)
+        return Batch(images, batch.labels.to(self.device, non_blocking=True), batch.indices)
 
-    def decode_crops(self, batch: Batch) -> tuple[Batch, list[Optional[int]]]:
-        """The batch with its crops (N x size x size x 3 uint8 on the device) before the policy, and each image's
-        policy seed. Draws nothing at random, so it may run in a thread of its own (feed.device_batches)."""
-        images = batch.images.unpack()
-        return replace(batch, images=self.decode(images)), [im.augment_seed for im in images]
+    def crops(self, encoded: EncodedBatch) -> torch.Tensor:
+        """N x size x size x 3 uint8 on the device: every image decoded, cropped, resized and flipped, those the
+        device cannot decode by the CPU path."""
+        self.held.release_finished()
+        pieces, fallbacks = encoded.pieces(), dict(encoded.fallbacks)
+        wanted = [i for i in range(len(encoded)) if i not in fallbacks]
+        decoded = self.decode_on_device([pieces[i] for i in wanted])
+        on_device = [(i, image) for i, image in zip(wanted, decoded) if image is not None]
+        cpu: dict[int, torch.Tensor] = {i: encoded.pixels(i) for i in fallbacks}
+        for i, image in zip(wanted, decoded):
+            if image is None:  # the device decoder refused it; the CPU decoder names a corrupt file
+                fallbacks[i] = "a JPEG the device decoder rejected"
+                cpu[i] = encoded.decode_on_cpu(i)
+        for i in sorted(fallbacks):
+            self.report(encoded.paths[i], fallbacks[i])
+        views = encoded.views.to(self.device, non_blocking=True)
+        if not cpu:
+            crops = device_crops.crop_resize(decoded, views, encoded.size, encoded.interpolation)
+            self.hold(decoded)
+            return crops
+        out = torch.empty((len(encoded), encoded.size, encoded.size, 3), dtype=torch.uint8, device=self.device)
+        if on_device:
+            rows = self.index([i for i, _ in on_device])
+            images = [image for _, image in on_device]
+            out.index_copy_(0, rows, device_crops.crop_resize(images, views.index_select(0, rows), encoded.size,
+                                                              encoded.interpolation))
+            self.hold(images)
+        cpu_rows = sorted(cpu)
+        out.index_copy_(0, self.index(cpu_rows), self.to_device(torch.stack([cpu[i] for i in cpu_rows])))
+        return out
 
-    @staticmethod
-    def draws_policy(seeds: list[Optional[int]]) -> bool:
-        """Whether `augment_images` runs the policy or erasing on any image."""
-        return any(seed is not None for seed in seeds)
+    def hold(self, decoded: list[torch.Tensor]) -> None:
+        """On CUDA, keep nvJPEG's outputs until the kernels just queued to read them have run (see __init__); the
+        CPU runs each operator before the next, so nothing is left to read them there."""
+        if self.device.type == "cuda":
+            self.held.keep(decoded, torch.cuda.current_stream(self.device).record_event())
 
-    def augment_images(self, batch: Batch, seeds: list[Optional[int]]) -> Batch:
-        """`decode_crops`' output with the policy and erasing applied, image by image (torchvision's draw per
-        image), in the thread that owns torch's global generator: the training thread (on a stream of its
-        own: feed.device_batches). Each image is written back into the batch, which is this batch's own
-        tensor (`decode` stacked it)."""
-        for image, seed in zip(batch.images, seeds):
-            if seed is not None:
-                image.copy_(self.augment.apply(image, seed, pil=False))
-        return batch
+    def index(self, rows: list[int]) -> torch.Tensor:
+        return self.to_device(torch.tensor(rows, dtype=torch.int64))
 
-    def decode(self, images: list[EncodedImage]) -> torch.Tensor:
-        on_device = iter(self.decode_on_device([im for im in images if im.cpu_reason is None]))
-        crops: list[Optional[torch.Tensor]] = [None] * len(images)
-        decoded: list[tuple[int, torch.Tensor]] = []  # (position, pixels) of those the device decoded
-        for i, im in enumerate(images):
-            pixels = next(on_device) if im.cpu_reason is None else None
-            if pixels is not None:
-                decoded.append((i, pixels))  # cropped below, with the batch's others
-                continue
-            reason, crop = im.cpu_reason, im.data
-            if reason is None:  # the device decoder refused it; the CPU decoder names a corrupt file
-                reason = "a JPEG the device decoder rejected"
-                crop = im.decode_on_cpu(im.data.numpy().tobytes())
-            self.report(im.path, reason)
-            crops[i] = crop.to(self.device, non_blocking=True)
-        for (i, _), crop in zip(decoded, self.crop([pixels for _, pixels in decoded], [images[i] for i, _ in decoded])):
-            crops[i] = crop
-        return torch.stack(crops)
+    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A host tensor made here on the device, through pinned memory (from pageable memory the copy would make
+        the host wait for the stream)."""
+        if self.device.type == "cuda":
+            tensor = tensor.pin_memory()
+        return tensor.to(self.device, non_blocking=True)
 
-    def crop(self, decoded: list[torch.Tensor], images: list[EncodedImage]) -> list[torch.Tensor]:
-        """Each decoded image's crop, resized and flipped: HWC uint8. On the CPU (tests) with the worker
-        path's uint8 kernel, image by image; elsewhere batched (pixels.resize_regions). Validation's
-        (pixels.CentreCrop) image by image, each whole image resized as the reference resizes it."""
-        if not self.batched_crops or any(im.centre is not None for im in images):
-            return [im.finish(pixels) for pixels, im in zip(decoded, images)]
-        if not decoded:
-            return []
-        regions = [crop_region(pixels, im.box) for pixels, im in zip(decoded, images)]
-        return list(resize_regions(regions, [im.flip for im in images], images[0].size))
-
-    def decode_on_device(self, images: list[EncodedImage]) -> list[Optional[torch.Tensor]]:
-        """HWC views of the decoded images, one batched call; None for each image the decoder rejects."""
+    def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """The decoded images (C x H x W uint8), one batched call; None for each image the decoder rejects."""
         if not images:
             return []
         try:
-            return [out.permute(1, 2, 0) for out in self.device_decode([im.data for im in images])]
+            return list(self.device_decode(images))
         except RuntimeError as error:  # one bad image fails the whole call: find it, unless the device is full
             raise_if_out_of_memory(error, len(images))
         results: list[Optional[torch.Tensor]] = []
-        for im in images:
+        for data in images:
             try:
-                results.append(self.device_decode([im.data])[0].permute(1, 2, 0))
+                results.append(self.device_decode([data])[0])
             except RuntimeError as error:
                 raise_if_out_of_memory(error, 1)
                 results.append(None)
         return results
 
     def device_decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self.device.type == "cuda":
-            # torchvision allocates the outputs on the current stream but decodes on a stream of its own
-            # (pytorch/vision#9606): memory this stream freed but still reads (the previous batch's
-            # crops) could be overwritten. Waiting for this stream first closes that window; it holds only
-            # the previous batch's decoding (device_batches runs this on its side stream), so it is short.
-            torch.cuda.current_stream(self.device).synchronize()
         from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see pipeline.share_heap_with_workers
-        return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        if self.alloc_stream is None:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        work = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
+            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        work.wait_stream(self.alloc_stream)
+        return decoded
 
     def report(self, path: str, reason: str) -> None:
         if reason not in self.reported:
             self.reported.add(reason)
             self.warn(f"--decode gpu: {path} is {reason}; decoded on the CPU instead "
                       "(said once for each kind of image)")
+
+
+class Held:
+    """Device tensors kept alive until the kernels queued to read them have run: an event recorded after those
+    kernels says when (`release_finished` asks without waiting). Past `limit` batches held, the oldest is waited
+    for: the decoding thread is then that far ahead of the device, and memory must not grow without bound."""
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self.batches: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()
+
+    def keep(self, tensors: list[torch.Tensor], event: Any) -> None:
+        """`event`: a torch.cuda.Event recorded after the kernels that read `tensors`."""
+        self.batches.append((event, tensors))
+        while len(self.batches) > self.limit:
+            event, _ = self.batches.popleft()
+            event.synchronize()
+
+    def release_finished(self) -> None:
+        while self.batches and self.batches[0][0].query():
+            self.batches.popleft()

@@ -102,12 +102,13 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
             return box, rng.random() < augment.hflip
 
-        image = self.load(self.source.read(i), self.source.name(i), choose_crop, self.sizes(epoch))
+        size = self.sizes(epoch)
+        image = self.load(self.source.read(i), self.source.name(i), choose_crop, size)
         seed = augment.draw_seed(rng)
         if isinstance(image, torch.Tensor):
             image = augment.apply(image, seed)
-        elif seed is not None:  # --decode gpu: the seed travels with the bytes, the device applies it
-            image = dataclasses.replace(image, augment_seed=seed)
+        elif seed is not None:  # --decode gpu: what the policy and erasing drew travels with the bytes
+            image = dataclasses.replace(image, augment_seed=seed, draws=augment.draws(seed, size))
         return image, self.source.label(i), i
 
 

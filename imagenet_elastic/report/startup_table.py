@@ -66,7 +66,7 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("channels_last / compile", f"{c.channels_last} / {c.compile}"
                                     + ("; activations recomputed in the backward pass (--grad-checkpointing)"
                                        if c.grad_checkpointing else "")),
-        ("decode", c.decoding.describe(inputs.device, c.augment)),
+        ("decode", loaders.decoding.describe(inputs.device, c.augment)),
         ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),

@@ -9,6 +9,8 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
   images (a pack against its folder); each says how many files its workers opened per sample;
 - synthetic: training steps on batches already on the device (the model's limit);
 - end_to_end: training steps fed by our loader from the folder;
+- device_ops: the operators --decode gpu's device path dispatches per batch of 64, 128 and 256 images from DATA
+  (on the CPU's tensors where there is no GPU): the same count at every batch size (tools/device_ops.py);
 - index: peak RSS of DataLoader workers that read every entry of a synthetic 1.28 M-image file index,
   ours (numpy arrays) against a Python list of (path, class) tuples; then a pack's index of as many samples
   in 1,024 shards: how long it takes to open, what it holds, what forked workers copy of it;
@@ -49,11 +51,11 @@ from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.launch import distributed
-from imagenet_elastic.tools import throughput
+from imagenet_elastic.tools import device_ops, throughput
 from imagenet_elastic.train.state import TrainState
 from imagenet_elastic.train.step import train_step
 
-MODES = ("loader", "synthetic", "end_to_end", "index", "checkpoint")
+MODES = ("loader", "synthetic", "end_to_end", "device_ops", "index", "checkpoint")
 IMAGENET_TRAIN_IMAGES = 1_281_167
 
 
@@ -295,7 +297,7 @@ def main(argv: Sequence[str]) -> None:
     workers = args.workers if args.workers is not None else pipeline.default_workers(distributed.available_cores(), 1)
     try:
         modes = MODES if args.mode == "all" else (args.mode,)
-        needs_data = [mode for mode in modes if mode in ("loader", "end_to_end")]
+        needs_data = [mode for mode in modes if mode in ("loader", "end_to_end", "device_ops")]
         train = sources.open_source(sources.train_location(args.data), "train", None) if needs_data else None
         against = tuple(sources.open_source(sources.train_location(other), "train", None) for other in args.against)
         for mode in modes:
@@ -307,6 +309,9 @@ def main(argv: Sequence[str]) -> None:
                 emit(mode, **throughput.run_synthetic(args))
             elif mode == "end_to_end":
                 emit(mode, **throughput.run_end_to_end(args, train, workers))
+            elif mode == "device_ops":
+                for row in device_ops.run_device_ops(args, train, throughput.run_device(args)):
+                    emit(mode, **row)
             elif mode == "index":
                 run_index_apart(args.index_entries, workers)
             else:

@@ -335,12 +335,12 @@ def run(args: Any) -> list[dict[str, Any]]:
     precision = resolve_precision(args.amp, device)
     if precision.warning:
         console.warn(precision.warning)
-    workers = (args.workers if args.workers is not None
-               else pipeline.default_workers(distributed.available_cores(), env.local_world_size))
-    decoding = Decoding(args.decode)
+    cores = distributed.available_cores()
+    decoding = Decoding.choose(args.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP)
+    workers = args.workers if args.workers is not None else decoding.default_workers(cores, env.local_world_size)
     if decoding.warning(device):
         console.warn(decoding.warning(device))
-    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), INCEPTION_CROP)
+    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True))
     loaders = []
     with contextlib.ExitStack() as stack:
         for _, source, _ in sets:

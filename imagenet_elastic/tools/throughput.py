@@ -25,6 +25,7 @@ from imagenet_elastic.data.feed import device_batches
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
+from imagenet_elastic.launch.distributed import available_cores
 from imagenet_elastic.train.step import ModelInput, StepContext, train_step
 
 # ----------------------------------------------------------------------------- loader
@@ -94,10 +95,11 @@ class Counted(Dataset):
         return self.dataset[key]
 
 
-def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decode: str = "cpu",
+def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decoding: Optional[Decoding] = None,
                 augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
+    """Our training loader over `source` (decoding: --decode cpu's unless given)."""
+    decoding = decoding or Decoding("cpu")
     sampler = TrainBatchSampler(len(source), BatchPlan(batch, 1, batch), 0, seed=0)
-    decoding = Decoding(decode)
     dataset: Dataset = pipeline.TrainDataset(source, size, 0, decoding.load, augment)
     if counter is not None:
         dataset = Counted(dataset, counter)
@@ -163,12 +165,17 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
 
 # ----------------------------------------------------------------------------- model
 
+def run_device(args: argparse.Namespace) -> torch.device:
+    """--device: cuda, cpu, or auto (cuda where there is one)."""
+    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+                        else "cpu")
+
+
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
     from imagenet_elastic.train.model import create_model, place_model, resolve_precision, use_fastest_kernels
     from imagenet_elastic.train.optimizer import create_optimizer
 
-    device = torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                          else "cpu")
+    device = run_device(args)
     use_fastest_kernels(device)
     precision = resolve_precision(args.amp, device)
     if precision.warning:
@@ -218,10 +225,11 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
 def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int) -> dict[str, Any]:
     ctx, settings = step_context(args, len(train.classes))
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    decoding = Decoding(args.decode)
-    loader = ours_loader(train, args.image_size, args.batch_size, workers, args.decode, augment)
-    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr), augment)
+    decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment)
+    loader = ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment)
+    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr))
     batches = device_batches(endless(loader), ctx.input.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
     return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
-            "decode": args.decode, "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}
+            "decode": decoding.mode, "decode_why": decoding.why, "auto_augment": args.auto_augment,
+            "random_erase": args.random_erase, **settings}

@@ -29,6 +29,7 @@ from imagenet_elastic.checkpoint import initial_weights, published, share, store
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import gpu_decode, pipeline, sources
+from imagenet_elastic.data.decoding import Decoding
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import consistency, distributed, preemption
@@ -72,6 +73,7 @@ class Training:
 class Loaders:
     train: DataLoader
     val: DataLoader
+    decoding: Decoding  # where batches are decoded, and why there
     decoder: Optional[gpu_decode.BatchDecoder]  # --decode gpu: finishes each batch on the device
     workers: int
 
@@ -215,14 +217,14 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     """Train and val loaders, their workers forked now, while this process has one thread (see
     pipeline.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
     each batch on the device (data/decoding.py)."""
-    workers = (config.workers if config.workers is not None
-               else pipeline.default_workers(distributed.available_cores(), env.local_world_size))
+    cores = distributed.available_cores()
+    decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment)
+    workers = config.workers if config.workers is not None else decoding.default_workers(cores, env.local_world_size)
     pin = inputs.device.type == "cuda"
     ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see pipeline._worker_init
-    decoding = config.decoding
     if decoding.warning(inputs.device):
         console.warn(decoding.warning(inputs.device))
-    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True), config.augment)
+    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True))
     train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
                               training.sampler, workers, pin, ignored, decoding.collate)
@@ -233,7 +235,7 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     stack.callback(pipeline.stop_loader_workers)
     for loader in ([] if config.evaluate else [train]) + [val]:
         pipeline.start_workers(loader)
-    return Loaders(train, val, decoder, workers)
+    return Loaders(train, val, decoding, decoder, workers)
 
 
 def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,

@@ -1,0 +1,146 @@
+"""Crop, resize and flip a whole batch of decoded images of different sizes in a fixed number of operators.
+
+An antialiased resize is separable: each output row is a weighted sum of input rows, each output column of
+input columns, with the weights of a triangle (bilinear) or cubic filter stretched by the scale. So a crop,
+its resize and its flip are two small matrices per image (`Axis.weights`: output pixels x input pixels,
+zero outside the crop, reversed for a flip), and the whole batch is two batched matrix products over the
+images padded into one canvas: about a dozen operators whatever the batch size, where resizing image by image
+costs a few kernel launches per image (docs/BENCHMARKS.md). The weights are PyTorch's own for
+`interpolate(..., antialias=True)` (the same support, centre and normalisation), so the pixels are those of the
+float resize image by image, within float32 rounding, and within one level of the CPU path's uint8 kernel.
+
+Every per-image number (where the crop starts, how long it is, how large the image would be resized, the offset
+of the output inside it, the flip) comes from the loader worker as a row of `Axis.FIELDS`; validation's centre
+crop of the resized image is the same computation with the whole image as the region (pixels.CentreCrop).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from imagenet_elastic.data.pixels import Box, CentreCrop, pixel_span
+
+# Half the filter's width at scale 1, as PyTorch's antialiased kernels have it (interp_size / 2).
+SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}
+CUBIC_A = -0.5  # PyTorch's antialiased bicubic filter (Pillow's), not the -0.75 of its plain bicubic
+# One canvas holds at most this many float32 pixels (1 GiB); a batch of larger images is resized in parts.
+CANVAS_BUDGET = 1 << 28
+
+
+@dataclass(frozen=True)
+class Axis:
+    """One axis of one image's view: input pixels [start, start + length) resized to `full` pixels, of which the
+    output keeps `size` from `offset` on."""
+
+    start: int
+    length: int
+    full: int
+    offset: int
+
+    FIELDS = 4  # numbers per axis in a view row
+
+    def row(self) -> list[int]:
+        return [self.start, self.length, self.full, self.offset]
+
+
+def train_view(box: Box, flip: bool, width: int, height: int, size: int) -> list[float]:
+    """A training crop's row: the box's whole pixels (pixels.crop_region's) resized to size x size."""
+    left, top, w, h = box
+    rows, cols = pixel_span(top, h, height), pixel_span(left, w, width)
+    return [*Axis(rows.start, rows.stop - rows.start, size, 0).row(),
+            *Axis(cols.start, cols.stop - cols.start, size, 0).row(), float(flip)]
+
+
+def centre_view(view: CentreCrop, width: int, height: int) -> list[float]:
+    """Validation's row: the whole image resized as torchvision resizes it (short side to `view.resize`, the long
+    side to int(resize * long / short)), then the centred `view.size` square (offsets as its CenterCrop rounds)."""
+    short, long = min(width, height), max(width, height)
+    resized_long = int(view.resize * long / short)
+    full_h, full_w = (view.resize, resized_long) if height <= width else (resized_long, view.resize)
+    top, left = int(round((full_h - view.size) / 2.0)), int(round((full_w - view.size) / 2.0))
+    return [*Axis(0, height, full_h, top).row(), *Axis(0, width, full_w, left).row(), 0.0]
+
+
+VIEW_FIELDS = 2 * Axis.FIELDS + 1  # rows, columns, flip
+
+
+def filter_weights(x: torch.Tensor, interpolation: str) -> torch.Tensor:
+    """The resampling filter at distance `x` (in filter units)."""
+    x = x.abs()
+    if interpolation == "bilinear":
+        return (1 - x).clamp_(min=0)
+    a = CUBIC_A
+    near = ((a + 2) * x - (a + 3)) * x * x + 1
+    far = (((x - 5) * x + 8) * x - 4) * a
+    return torch.where(x < 1, near, torch.where(x < 2, far, torch.zeros_like(x)))
+
+
+def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str) -> torch.Tensor:
+    """(N, 4) float32 axis rows -> (N, size, extent) weights: output pixel o of image n is the weighted sum of its
+    input pixels 0..extent-1 along this axis. PyTorch's antialiased weights: the filter stretched by the scale
+    when shrinking, centred at scale * (o + 0.5), cut to the pixels PyTorch visits, normalised to sum 1."""
+    start, length, full, offset = (axis[:, k, None, None] for k in range(Axis.FIELDS))
+    scale = length / full
+    shrinking = scale >= 1
+    support = torch.where(shrinking, SUPPORT[interpolation] * scale, torch.full_like(scale, SUPPORT[interpolation]))
+    inverse = torch.where(shrinking, 1 / scale, torch.ones_like(scale))
+    out = torch.arange(size, device=axis.device, dtype=torch.float32)[None, :, None] + offset
+    centre = scale * (out + 0.5)
+    first = (centre - support + 0.5).floor_().clamp_(min=0)  # int() of a non-negative number
+    stop = torch.minimum((centre + support + 0.5).floor_(), length)
+    pixel = torch.arange(extent, device=axis.device, dtype=torch.float32)[None, None, :] - start  # in the region
+    weights = filter_weights((pixel - centre + 0.5) * inverse, interpolation)
+    weights = weights * ((pixel >= first) & (pixel < stop))
+    return weights / weights.sum(dim=2, keepdim=True)
+
+
+def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
+                interpolation: str = "bilinear") -> torch.Tensor:
+    """Decoded CHW uint8 images (any sizes, one device) and their (N, VIEW_FIELDS) float32 views (on that
+    device) -> N x size x size x 3 uint8, contiguous (channels_last as NCHW).
+
+    The images are padded into one float32 canvas (torch.nested: one copy, one pad), then
+    out[n] = rows[n] @ image[n] @ columns[n]^T as two batched products whose operands are transposed views, so
+    the result comes out in NHWC order with no copy in between. A batch whose canvas would exceed
+    CANVAS_BUDGET is done in consecutive parts (a few images far larger than ImageNet's)."""
+    parts = canvas_parts([tuple(im.shape[-2:]) for im in images])
+    if len(parts) > 1:
+        return torch.cat([crop_resize(images[s], views[s], size, interpolation) for s in parts])
+    height = max(im.shape[-2] for im in images)
+    width = max(im.shape[-1] for im in images)
+    canvas = padded_canvas(images, height, width)  # N x C x H x W float32
+    n, channels = canvas.shape[:2]
+    rows = axis_weights(views[:, :Axis.FIELDS], size, height, interpolation)
+    columns = axis_weights(views[:, Axis.FIELDS:2 * Axis.FIELDS], size, width, interpolation)
+    flipped = views[:, 2 * Axis.FIELDS, None, None] > 0.5
+    columns = torch.where(flipped, columns.flip(1), columns)
+    # (N, size_x, W) @ (N, W, C*H) -> (N, size_x, C, H); then (N, size_y, H) @ (N, H, size_x*C) -> N, y, x, C
+    across = torch.bmm(columns, canvas.view(n, channels * height, width).transpose(1, 2))
+    out = torch.bmm(rows, across.view(n, size * channels, height).transpose(1, 2))
+    return out.round_().clamp_(0, 255).to(torch.uint8).view(n, size, size, channels)
+
+
+def padded_canvas(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
+    """The images as float32, zero-padded to height x width, in one tensor: N x C x height x width."""
+    with warnings.catch_warnings():  # "the PyTorch API of nested tensors is in prototype stage": this use is stable
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.as_nested_tensor(list(images), dtype=torch.float32)
+    return nested.to_padded_tensor(0.0, output_size=(len(images), images[0].shape[0], height, width))
+
+
+def canvas_parts(shapes: list[tuple[int, int]], budget: int = CANVAS_BUDGET) -> list[slice]:
+    """Consecutive runs of images whose padded canvas (count x 3 x max height x max width) fits the budget; a
+    run is at least one image."""
+    parts, first, top_h, top_w = [], 0, 0, 0
+    for i, (h, w) in enumerate(shapes):
+        grown_h, grown_w = max(top_h, h), max(top_w, w)
+        if i > first and (i - first + 1) * 3 * grown_h * grown_w > budget:
+            parts.append(slice(first, i))
+            first, grown_h, grown_w = i, h, w
+        top_h, top_w = grown_h, grown_w
+    parts.append(slice(first, len(shapes)))
+    return parts

@@ -1,0 +1,40 @@
+"""--decode auto: where a machine's batches are decoded, by the stated rule, and how many loader workers that needs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from imagenet_elastic.data import pipeline
+from imagenet_elastic.data.augment import Augment
+from imagenet_elastic.data.decoding import CPU_DECODE_CORES, GPU_DECODE_WORKERS, Decoding
+
+CUDA, CPU = torch.device("cuda", 0), torch.device("cpu")
+PLAIN, POLICY, ERASING = Augment(), Augment(policy="ta_wide"), Augment(erase=0.1)
+
+
+@pytest.mark.parametrize("device,cores,augment,mode", [
+    (CPU, 2, POLICY, "cpu"),  # no GPU to decode on
+    (CUDA, 2, PLAIN, "gpu"),  # an 8-GPU node with few cores per GPU
+    (CUDA, CPU_DECODE_CORES - 1, PLAIN, "gpu"),
+    (CUDA, CPU_DECODE_CORES, PLAIN, "cpu"),  # cores enough to feed the GPU, nothing else for them to run
+    (CUDA, 128, POLICY, "gpu"),  # a policy costs the workers a pass over every image, the device a few operators
+    (CUDA, 128, ERASING, "gpu"),
+])
+def test_auto_decodes_on_the_gpu_unless_the_cpu_has_cores_enough_and_no_policy(device, cores, augment, mode):
+    chosen = Decoding.choose("auto", device, cores, augment)
+    assert chosen.mode == mode and chosen.why.startswith("auto: ")
+    assert chosen.describe(device, augment).endswith(f"({chosen.why})")
+
+
+@pytest.mark.parametrize("asked", ["cpu", "gpu"])
+def test_an_explicit_decode_wins_everywhere(asked):
+    for device in (CPU, CUDA):
+        for cores, augment in ((1, POLICY), (256, PLAIN)):
+            assert Decoding.choose(asked, device, cores, augment) == Decoding(asked, f"--decode {asked}")
+
+
+def test_gpu_decoding_defaults_to_few_workers_per_process():
+    assert Decoding("gpu").default_workers(64, 1) == GPU_DECODE_WORKERS < pipeline.default_workers(64, 1)
+    assert Decoding("gpu").default_workers(3, 1) == pipeline.default_workers(3, 1) == 2  # never more than the cpu's
+    assert Decoding("cpu").default_workers(64, 8) == pipeline.default_workers(64, 8)
