@@ -6,7 +6,7 @@ timm's `create_transform` and torchvision's ImageNet evaluation take), so that a
 timm's own evaluation gives the same weights: full-scale decode, the whole image resized, then the centre crop.
 
 Pure functions of their arguments; the random choices come in as a `random.Random` or a `ChooseCrop`
-(pipeline.py draws them from the sample's stream). gpu_decode.py runs the same crops on the device, batched.
+(pipeline.py draws them from the sample's stream). device_crops.py runs the same crops on a whole batch.
 """
 
 from __future__ import annotations
@@ -146,23 +146,6 @@ def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
     left, top, w, h = box
     rows, cols = pixel_span(top, h, pixels.shape[0]), pixel_span(left, w, pixels.shape[1])
     return pixels[rows, cols].permute(2, 0, 1).unsqueeze(0)
-
-
-def resize_regions(regions: list[torch.Tensor], flips: list[bool], size: int) -> torch.Tensor:
-    """1CHW uint8 regions off the CPU -> N x size x size x C uint8, each flipped where asked: the pixels
-    of `crop_resize`, in fewer kernels. Each region is resized in float32 alone (their sizes differ);
-    the rounding back to uint8 and the flips then run once for the batch: about 2 operators (kernel
-    launches on a GPU) per image instead of 5.5 (docs/BENCHMARKS.md)."""
-    out = torch.cat([resize_float(region, size) for region in regions])
-    out = to_uint8(out).permute(0, 2, 3, 1)
-    flipped = [i for i, flip in enumerate(flips) if flip]
-    if flipped:
-        index = torch.tensor(flipped)
-        if out.is_cuda:  # from pageable memory the copy would wait for this stream's resizes
-            index = index.pin_memory()
-        index = index.to(out.device, non_blocking=True)
-        out[index] = out[index].flip(2)
-    return out
 
 
 def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
