@@ -8,6 +8,7 @@ keep what they are given (a real save-and-load round trip compiles for 40 s, the
 
 from __future__ import annotations
 
+import importlib
 import re
 from collections import defaultdict
 from types import SimpleNamespace
@@ -85,6 +86,22 @@ def test_a_model_that_cannot_compile_runs_eager_from_its_first_call(fresh_dynamo
     assert wrapped.failure == "RuntimeError: no compiler here" and wrapped.compile_seconds is not None
     wrapped(x).sum().backward()  # and on, eager
     assert model[0].weight.grad is not None
+
+
+@pytest.mark.skipif(not hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering"),
+                    reason="this torch compiles the backward at its first use only")
+def test_a_backward_that_cannot_compile_fails_the_first_call_not_the_backward(fresh_dynamo):
+    """AOTAutograd would compile the backward graph at the first backward, after DDP and the loss have their
+    forward: it is compiled with the forward instead, so its failure falls back like the forward's."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def no_backward(gm, example_inputs):
+        raise RuntimeError("no backward compiler")
+
+    model = nn.Sequential(nn.Linear(3, 4), nn.ReLU(), nn.Linear(4, 2))
+    wrapped = CompiledOrEager(model, backend=aot_autograd(fw_compiler=lambda gm, _: gm, bw_compiler=no_backward))
+    wrapped(torch.randn(5, 3)).sum().backward()
+    assert wrapped.failure == "RuntimeError: no backward compiler" and model[0].weight.grad is not None
 
 
 class BreakBetween(nn.Module):
@@ -308,8 +325,9 @@ def test_a_compiled_run_keeps_its_caches_and_its_restart_loads_them_and_says_so(
 def test_graphs_compiled_after_the_first_step_reach_the_file_with_the_next_checkpoint(image_folder, tmp_path,
                                                                                       monkeypatch, mega_cache,
                                                                                       fresh_dynamo):
-    """Progressive resizing's second size compiles a second graph in epoch 2: the file holds it once that epoch's
-    checkpoint is saved; epoch 1's checkpoint, after no new graph, rewrote nothing."""
+    """The first graph reaches the file after the first step, before any checkpoint; progressive resizing's second
+    size compiles a second graph in epoch 2, which reaches it with that epoch's checkpoint; epoch 1's checkpoint,
+    after no new graph, rewrote nothing."""
     graphs = []
 
     def counted(gm, example_inputs):
@@ -319,15 +337,16 @@ def test_graphs_compiled_after_the_first_step_reach_the_file_with_the_next_check
 
     writes = []
     write = CompileCache.write
-    monkeypatch.setattr(CompileCache, "write", lambda cache, data: (writes.append(decode(data)[0]["artifacts"]),
-                                                                   write(cache, data)))
+    monkeypatch.setattr(CompileCache, "write", lambda cache, data: (
+        writes.append(((tmp_path / "last.pt").exists(), decode(data)[0]["artifacts"])), write(cache, data)))
     monkeypatch.setattr(compiling, "BACKEND", counted)
     args = [str(image_folder), *RUN, "--compile", "--checkpoints-path", str(tmp_path), "--epochs", "2",
             "--progressive-resize", "32,64", "--progressive-epochs", "0,1"]
     result = command(args)
     assert result.returncode == 0, result.stderr
-    assert len(graphs) == 2 and writes == [["inductor:graph0"], ["inductor:graph0", "inductor:graph1"]]
-    assert decode((tmp_path / FILE_NAME).read_bytes())[0]["artifacts"] == writes[-1]
+    assert len(graphs) == 2
+    assert writes == [(False, ["inductor:graph0"]), (True, ["inductor:graph0", "inductor:graph1"])]
+    assert decode((tmp_path / FILE_NAME).read_bytes())[0]["artifacts"] == writes[-1][1]
 
 
 def test_a_damaged_cache_file_costs_a_warning_not_the_run_nor_its_checkpoints(image_folder, tmp_path, monkeypatch,

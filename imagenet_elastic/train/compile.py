@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 import time
 from typing import Any, Callable, Optional
 
@@ -49,7 +50,10 @@ def backward_compiled_with_forward() -> Any:
     """AOTAutograd compiles the backward graph at its first use unless told otherwise: compiled with the forward,
     its failures surface in the same call (before DDP or the loss wait for a backward), and its time in the same
     measure. A torch without the switch (it is private) compiles as it always did."""
-    config = getattr(torch, "_functorch", None) and getattr(torch._functorch, "config", None)
+    try:
+        config: Any = importlib.import_module("torch._functorch.config")
+    except ImportError:
+        config = None
     if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
         yield
         return
