@@ -129,7 +129,8 @@ PY
         rm -rf "$WORK/restart"
         mkdir -p "$WORK/restart/probe"
         local args=("$DATA" --model "$MODEL" --batch-size "$(( (BATCH + 1) / 2 ))" --image-size "$SIZE" --model-ema
-                    --max-steps-per-epoch "$(batches 4)" --log-interval 2 --checkpoints-path "$WORK/restart/ckpt")
+                    --max-steps-per-epoch "$(batches 4)" --log-interval 2 --checkpoints-path "$WORK/restart/ckpt"
+                    --no-compile)
         for round in "--epochs 1" "--epochs 2 --resume"; do
             # shellcheck disable=SC2086  # the round's two words
             STATE_PROBE_DIR="$WORK/restart/probe" STATE_PROBE_ONE_GPU=1 "$PY" -m torch.distributed.run --standalone \
@@ -148,7 +149,7 @@ PY
         rm -rf "$WORK/ckpt"
         "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model "$MODEL" \
             --batch-size "$BATCH" --image-size "$SIZE" --epochs 1 --max-steps-per-epoch "$(batches 24)" --decode gpu \
-            --log-interval 8 --checkpoints-path "$WORK/ckpt" >&2
+            --log-interval 8 --checkpoints-path "$WORK/ckpt" --no-compile >&2
         tail -n 1 "$WORK/ckpt/metrics.jsonl"
         ;;
     *)

@@ -27,3 +27,10 @@ def test_the_report_splits_the_restart_into_its_parts():
         "build steps 1.5 s (checkpoint load 0.25 s), first step 0.8 s")
     unknown = RestartCost(100.0, None, 106.5, 108.0, 0.25)
     assert unknown.describe(108.75).startswith("first step 8.8 s after the checkpoint was written: build steps 1.5 s")
+
+
+def test_a_compiled_first_step_says_what_compiling_took_of_it_and_from_which_cache():
+    cost = RestartCost(resumed_at=100.0, started=103.0, began=106.5, built=108.0, load_seconds=0.25)
+    assert cost.describe(138.75, "compile 29.9 s, cache loaded from ckpt/compile_cache.bin").endswith(
+        "build steps 1.5 s (checkpoint load 0.25 s), first step 30.8 s (compile 29.9 s, cache loaded from "
+        "ckpt/compile_cache.bin)")

@@ -32,6 +32,7 @@ from conftest import (
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imagenet_elastic import cli
+from imagenet_elastic.checkpoint import compile_cache
 from imagenet_elastic.cli import build_parser
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.train.model import create_model
@@ -160,12 +161,16 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
 
 def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):
     """torch.compile (inductor, for real: ~40 s on 2 cores) wraps the model, but checkpoints hold the
-    original module's state, so a run without --compile continues from them, and the reverse."""
+    original module's state, so a run without --compile continues from them, and the reverse. The compiled run
+    keeps torch's caches (the real Mega-Cache) beside its checkpoints, under its key."""
     args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
             "--resume"]
     compiled = run(python_cmd(*args, "--epochs", "1", "--compile"), timeout=400)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
-    assert "True / True" in compiled.stdout  # channels_last / compile in the start-up table
+    assert "True / on: --compile; compile cache none yet" in compiled.stdout  # channels_last / compile
+    if compile_cache.supported():
+        header, _ = compile_cache.decode((tmp_path / compile_cache.FILE_NAME).read_bytes())
+        assert header["key"]["model"] == "test_resnet" and any(a.startswith("inductor:") for a in header["artifacts"])
     snapshot = load_checkpoint(tmp_path / "last.pt")
     assert list(snapshot["model"]) == list(create_model("test_resnet", 4).state_dict())
     assert np.isfinite(snapshot["history"][0]["train_loss"])

@@ -173,12 +173,14 @@ class Checkpointer:
         return stop, stop or timely or (bool(self.every_steps) and step % self.every_steps == 0)
 
     def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
-             history: Optional[list[dict[str, Any]]] = None) -> None:
+             history: Optional[list[dict[str, Any]]] = None, also: Optional[Callable[[], None]] = None) -> None:
         """Rank 0 hands `capture()` to its writer; `epoch` (just completed) and `history` make it an
-        epoch's checkpoint, followed by metrics.jsonl. A synchronous save is on disk before any rank
-        goes on; a background one is waited for by the next save, `settle` and `close`."""
+        epoch's checkpoint, followed by metrics.jsonl; `also`: a further write after it (the compile cache's).
+        A synchronous save is on disk before any rank goes on; a background one is waited for by the next save,
+        `settle` and `close`."""
         if self.is_main:
             then = [functools.partial(metrics.write, self.metrics_folder, history)] if history is not None else []
+            then += [also] if also is not None else []
             if self.settings is not None:
                 then.append(functools.partial(yaml_file.write, self.metrics_folder, self.settings))
                 self.settings = None

@@ -193,9 +193,12 @@ class Config:
         "model", action=argparse.BooleanOptionalAction)
     channels_last: bool = option(True, "NHWC memory format, on GPUs and CPUs alike (measured on CPU in "
                                  "docs/BENCHMARKS.md)", "model", action=argparse.BooleanOptionalAction)
-    compile: bool = option(
-        False, "`torch.compile` the model before DDP wraps it; checkpoints hold the original module's weights (no "
-        "`_orig_mod.` prefix), so compiled and eager runs resume each other; validation runs eager", "model",
+    compile: Optional[bool] = option(
+        None, "`torch.compile` the model before DDP wraps it (unset: on a CUDA device, off on CPUs, where it is "
+        "slower); a model that cannot compile trains eager, with one warning. Rank 0 keeps torch's compile caches "
+        "in CHECKPOINTS/compile_cache.bin, which every rank of a restart loads before compiling (torch >= 2.7). "
+        "Checkpoints hold the original module's weights (no `_orig_mod.` prefix), so compiled and eager runs "
+        "resume each other; validation runs eager", "model", shown_default="on CUDA, off on CPU",
         action=argparse.BooleanOptionalAction)
     decode: str = option(
         "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "

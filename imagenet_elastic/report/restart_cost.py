@@ -1,6 +1,6 @@
 """What a restart cost, said once after its first step, part by part: the launcher noticing and
-starting the process, imports, the build steps (the checkpoint's load among them), the first step.
-A user whose restarts are slow sees which part to look at."""
+starting the process, imports, the build steps (the checkpoint's load among them), the first step
+(and what compiling took of it). A user whose restarts are slow sees which part to look at."""
 
 from __future__ import annotations
 
@@ -29,9 +29,10 @@ class RestartCost:
     built: float  # training can start
     load_seconds: float  # reading (or, on ranks other than 0, mapping) the checkpoint
 
-    def describe(self, stepped: float) -> str:
+    def describe(self, stepped: float, compiled: Optional[str] = None) -> str:
+        """`compiled`: what compiling took of the first step, and from which cache (compile.Compilation)."""
         parts = [f"process started {self.started - self.resumed_at:.1f} s after it, imports "
                  f"{self.began - self.started:.1f} s"] if self.started is not None else []
         parts += [f"build steps {self.built - self.began:.1f} s (checkpoint load {self.load_seconds:.2f} s)",
-                  f"first step {stepped - self.built:.1f} s"]
+                  f"first step {stepped - self.built:.1f} s" + (f" ({compiled})" if compiled else "")]
         return f"first step {stepped - self.resumed_at:.1f} s after the checkpoint was written: " + ", ".join(parts)

@@ -11,21 +11,22 @@ from imagenet_elastic.launch.distributed import group_options
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train.build import Inputs, Loaders, Training
+from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.model import blurred, count_parameters
 
 
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
-             loaders: Loaders, checked_s: Optional[float]) -> list[tuple[str, str]]:
+             loaders: Loaders, checked_s: Optional[float], compilation: Compilation) -> list[tuple[str, str]]:
     """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
     comparing the ranks' data, settings, code and checkpoints folder took (None: one process). Returns its
     rows (the experiment trackers record them)."""
-    found = rows(c, env, inputs, training, loaders, checked_s)
+    found = rows(c, env, inputs, training, loaders, checked_s, compilation)
     console.table("imagenet_elastic", found)
     return found
 
 
 def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: Loaders,
-         checked_s: Optional[float]) -> list[tuple[str, str]]:
+         checked_s: Optional[float], compilation: Compilation) -> list[tuple[str, str]]:
     plan = training.plan
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
@@ -63,7 +64,7 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                           f"{training.schedule.describe()}"),
         ("steps per epoch", str(training.sampler.steps)),
         ("precision", training.precision.describe()),
-        ("channels_last / compile", f"{c.channels_last} / {c.compile}"
+        ("channels_last / compile", f"{c.channels_last} / {compilation.describe()}"
                                     + ("; activations recomputed in the backward pass (--grad-checkpointing)"
                                        if c.grad_checkpointing else "")),
         ("decode", loaders.decoding.describe(inputs.device, c.augment)),

@@ -62,6 +62,9 @@ IMAGENET_TRAIN_IMAGES = 1_281_167
 # The training settings the benchmark takes, declared by the trainer's own fields (config.add_setting)
 TRAINING_SETTINGS = ("model", "batch_size", "workers", "image_size", "auto_augment", "random_erase", "amp",
                      "channels_last", "compile", "blurpool", "decode", "device")
+# Where the benchmark's default differs from the trainer's: it measures what it is told, so compiling (the trainer's
+# default on CUDA) is a mode of its own (scripts/gpu_checks.sh's compile parts)
+BENCHMARK_DEFAULTS = {"compile": {"default": False, "help": "`torch.compile` the model (default: off)"}}
 
 
 def build_parser() -> Parser:
@@ -73,7 +76,7 @@ def build_parser() -> Parser:
                    "(another form of the same images, e.g. the folder a pack was made from)")
     p.add_argument("--mode", choices=[*MODES, "all"], default="all")
     for name in TRAINING_SETTINGS:
-        add_setting(p, name)
+        add_setting(p, name, **BENCHMARK_DEFAULTS.get(name, {}))
     add_setting(p, "checkpoints_path", default=".",
                 help="checkpoint mode writes in a temporary folder here: the disk your checkpoints use")
     p.add_argument("--batches", type=positive_int, default=30, help="measured batches per round or mode")

@@ -1,6 +1,7 @@
 """A run's parts, built in a fixed order of named steps (startup.py calls them, then trains):
 
-    check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> wrap_model
+    check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
+    -> wrap_model
 
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
@@ -25,7 +26,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from imagenet_elastic.checkpoint import initial_weights, published, share, store
+from imagenet_elastic.checkpoint import compile_cache, initial_weights, published, share, store
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import gpu_decode, pipeline, sources
@@ -37,6 +38,7 @@ from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report import step_log, trackers
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import mixing
+from imagenet_elastic.train.compile import Compilation, compile_choice
 from imagenet_elastic.train.model import (
     Precision,
     check_model_name,
@@ -272,11 +274,28 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
             training.state.apply(received)
 
 
-def wrap_model(model: nn.Module, config: Config, env: DistEnv, device: torch.device) -> nn.Module:
-    """The model as the training step calls it: compiled before DDP wraps it. Checkpoints keep saving
-    `model`, whose parameters the compiled module shares, so their keys carry no `_orig_mod.` prefix
-    and eager and compiled runs resume each other."""
-    wrapped: nn.Module = torch.compile(model) if config.compile else model
+def prepare_compile(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training) -> Compilation:
+    """Whether the training step compiles (compile.compile_choice), and on every rank the compile caches an earlier
+    run left beside the checkpoints, loaded before anything compiles. --evaluate validates eager: nothing compiles."""
+    device = inputs.device
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    enabled, reason = (False, "--evaluate validates eager") if config.evaluate else compile_choice(
+        config.compile, device.type, capability)
+    key = compile_cache.cache_key(device, model=config.model, classes=len(inputs.train.classes),
+                                  precision=training.precision.name, channels_last=config.channels_last,
+                                  blurpool=config.blurpool, drop_path=config.drop_path,
+                                  grad_checkpointing=config.grad_checkpointing) if enabled else {}
+    cache = compile_cache.CompileCache(config.checkpoints_path, key, console.warn)
+    compilation = Compilation(enabled, reason, config.model, cache, console.warn, env.is_main)
+    compilation.load_cache()
+    return compilation
+
+
+def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device: torch.device) -> nn.Module:
+    """The model as the training step calls it: compiled (or eager, if it cannot be: see compile.CompiledOrEager)
+    before DDP wraps it. Checkpoints keep saving `model`, whose parameters the compiled module shares, so their
+    keys carry no `_orig_mod.` prefix and eager and compiled runs resume each other."""
+    wrapped = compilation.wrap(model)
     if env.launched:
         wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
     return wrapped

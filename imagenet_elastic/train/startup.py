@@ -26,6 +26,7 @@ from imagenet_elastic.train.build import (
     build_loaders,
     check_inputs,
     join_job,
+    prepare_compile,
     prepare_training,
     share_checkpoint,
     wrap_model,
@@ -51,7 +52,8 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     state = training.state
     preempt.steps_done = state.step
     classes = len(inputs.train.classes)
-    ctx = StepContext(wrap_model(state.model, config, env, inputs.device), state.optimizer, state.scaler,
+    compilation = prepare_compile(config, env, console, inputs, training)
+    ctx = StepContext(wrap_model(state.model, compilation, env, inputs.device), state.optimizer, state.scaler,
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh),
                       ModelInput(inputs.device, training.precision.dtype, config.channels_last),
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
@@ -64,9 +66,10 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     curves = StepLog(config.checkpoints_path, env.is_main and not config.evaluate, inputs.tensorboard, state.step,
                      console.warn, tracking)
     distributed.rank_0_does(curves.trim)
-    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, curves, cost)
+    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, curves,
+                      compilation, cost)
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
-    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked)
+    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation)
     distributed.rank_0_does(lambda: tracking.open(
         training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
         started_from=training.resumed_at, name=os.path.basename(os.path.abspath(config.checkpoints_path)),

@@ -24,6 +24,7 @@ from imagenet_elastic.report.restart_cost import RestartCost
 from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.step_log import StepLog
 from imagenet_elastic.train.build import Loaders, Training
+from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import StepContext, evaluate, train_step
 
@@ -31,12 +32,14 @@ from imagenet_elastic.train.step import StepContext, evaluate, train_step
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, training: Training,
                  loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog,
-                 step_log: StepLog, restart_cost: Optional[RestartCost] = None) -> None:
+                 step_log: StepLog, compilation: Compilation, restart_cost: Optional[RestartCost] = None) -> None:
         self.config, self.env, self.console, self.preempt = config, env, console, preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
         self.training, self.loaders, self.ctx = training, loaders, ctx
         self.checkpointer, self.sample_log = checkpointer, sample_log
+        self.compilation = compilation
         self.restart_cost = restart_cost  # said after the first step of a resumed run, then dropped
+        self.stepped = False  # this process trained a step
         self.step_log = step_log
         self.waits = LoaderWaits()
         self.since_log = EpochTally()  # the steps since the last log line
@@ -88,9 +91,8 @@ class Trainer:
                 state.update_average(c.model_ema_steps)
                 self.preempt.steps_done = state.step
                 pending.add(loss)
-                if self.restart_cost is not None:
-                    self.console.info(self.restart_cost.describe(time.time()))
-                    self.restart_cost = None
+                if not self.stepped:
+                    self.after_first_step()
                 step_in_epoch = tally.steps + pending.steps
                 if step_in_epoch % c.log_interval == 0 or step_in_epoch == self.sampler.steps:  # same on every rank
                     self.fold(pending)  # reading the loss waits for the device: log steps only
@@ -117,6 +119,15 @@ class Trainer:
             "epoch_seconds": time.perf_counter() - start,
             **({"resumed": True} if epoch == self.resumed_into else {}),
         }
+
+    def after_first_step(self) -> None:
+        """Once per process, on every rank: what compiling did (compile.Compilation: its warning, its cache file),
+        and what the restart cost, up to this step's end."""
+        stepped, self.stepped = time.time(), True
+        self.compilation.after_first_step()
+        if self.restart_cost is not None:
+            self.console.info(self.restart_cost.describe(stepped, self.compilation.first_step_cost()))
+            self.restart_cost = None
 
     def fold(self, pending: PendingSteps) -> None:
         """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
@@ -171,7 +182,8 @@ class Trainer:
         self.step_log.flush()  # the curves up to this step are on disk with the checkpoint
         self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
                                epoch=state.epoch if epoch_end else None, is_best=is_best,
-                               history=list(state.history) if epoch_end else None)
+                               history=list(state.history) if epoch_end else None,
+                               also=self.compilation.cache_write())  # graphs compiled since the first step
 
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,

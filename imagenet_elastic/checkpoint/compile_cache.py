@@ -1,0 +1,176 @@
+"""torch.compile's caches beside the checkpoints: CHECKPOINTS/compile_cache.bin.
+
+A restart often lands on a node whose own compile cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty, and
+compiling a ResNet-50 again took 57 s on an H100. torch's Mega-Cache (torch >= 2.7) puts every cache a compile
+filled (Inductor's graphs with their Triton kernels, AOTAutograd's, autotuning's, dynamic-shape decisions) into
+one blob, `torch.compiler.save_cache_artifacts()`, which `load_cache_artifacts` writes back into the local caches,
+where the next compile finds them. Rank 0 keeps that blob here, with the checkpoints every restart reads anyway;
+every rank loads it before its first compiled call.
+
+The file is only a cache: a missing, mismatched or unreadable one costs a cold compile, never the run. It is
+keyed by what decides the graphs (torch and Triton versions, the device, the model and the settings that change
+its code); a file written under another key is left unread, and replaced once this run has compiled. Shapes are
+not in the key: torch's own keys tell a graph compiled for another batch or image size apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.errors import first_line
+
+FILE_NAME = "compile_cache.bin"
+MAGIC = b"imagenet_elastic compile cache 1\n"  # then one line of JSON (key, checksum, artifacts), then torch's blob
+
+
+def supported() -> bool:
+    """Whether this torch has the Mega-Cache (2.7 and later; 2.6 compiles without it)."""
+    return hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
+
+
+def device_name(device: torch.device) -> str:
+    """The device as compiled code depends on it: a GPU's name and compute capability; `cpu`."""
+    if device.type != "cuda":
+        return device.type
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+
+
+def triton_version() -> Optional[str]:
+    """Triton's version, under the names its wheels have (nightly torch installs pytorch-triton); None without it."""
+    for name in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
+        try:
+            return importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def cache_key(device: torch.device, **settings: Any) -> dict[str, Any]:
+    """What the compiled graphs depend on besides shapes: versions, device, and `settings` (the model's name and
+    the run's settings that change its code, as the caller lists them)."""
+    return {"torch": torch.__version__, "triton": triton_version(), "device": device_name(device), **settings}
+
+
+def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str:
+    """The first difference between two keys, as `torch 2.11.0, now 2.13.0`."""
+    for name in sorted(set(saved) | set(mine)):
+        if saved.get(name) != mine.get(name):
+            return f"{name} {saved.get(name)}, now {mine.get(name)}"
+    return "nothing"
+
+
+def encode(key: dict[str, Any], blob: bytes, artifacts: Iterable[str]) -> bytes:
+    header = {"key": key, "sha256": hashlib.sha256(blob).hexdigest(), "artifacts": sorted(artifacts)}
+    return MAGIC + json.dumps(header, sort_keys=True).encode() + b"\n" + blob
+
+
+def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
+    """The header and torch's blob; ValueError saying what is wrong with a file that is not one whole."""
+    if not data.startswith(MAGIC):
+        raise ValueError("not a compile cache of this program")
+    line, newline, blob = data[len(MAGIC):].partition(b"\n")
+    try:
+        header = json.loads(line) if newline else None
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or not isinstance(header.get("key"), dict) or "sha256" not in header:
+        raise ValueError("its header is damaged")
+    if hashlib.sha256(blob).hexdigest() != header["sha256"]:
+        raise ValueError("its checksum does not match its contents")
+    return header, blob
+
+
+def artifact_names(info: Any) -> frozenset[str]:
+    """torch's CacheInfo as `type:key` names: what a blob holds, to tell whether a newer one holds more."""
+    return frozenset(f"{kind}:{name}" for kind, names in getattr(info, "artifacts", {}).items() for name in names)
+
+
+@dataclass
+class CompileCache:
+    """CHECKPOINTS/compile_cache.bin for one run: `load` on every rank before the first compiled call, then rank 0
+    `collect`s (in the training thread, where torch compiles) and `write`s (anywhere, e.g. the checkpoint writer's
+    thread) whenever this process compiled something the file lacks."""
+
+    folder: str
+    key: dict[str, Any]
+    warn: Callable[[str], None]
+    state: str = "none yet"  # for the start-up table: loaded, none yet, ignored (why), unreadable, unsupported
+    loaded: bool = False
+    known: frozenset[str] = field(default_factory=frozenset)  # the artifacts the file holds
+    failed: bool = False  # a write failed: warned once, not tried again
+
+    @property
+    def path(self) -> str:
+        return os.path.join(self.folder, FILE_NAME)
+
+    def load(self) -> None:
+        """Preload torch's caches from the file when it was written under this key; else say why not (a damaged
+        file with one warning). Never raises: the worst case is a cold compile."""
+        if not supported():
+            self.state = f"unsupported by torch {torch.__version__} (no torch.compiler.save_cache_artifacts)"
+            return
+        try:
+            with open(self.path, "rb") as f:
+                header, blob = decode(f.read())
+        except FileNotFoundError:
+            self.state = "none yet"
+            return
+        except (OSError, ValueError) as error:
+            self.unreadable(error)
+            return
+        if header["key"] != self.key:
+            self.state = f"{self.path} ignored: written for {mismatch(header['key'], self.key)}"
+            return
+        try:
+            torch.compiler.load_cache_artifacts(blob)
+        except Exception as error:  # torch's own checks; a local cache folder it cannot write
+            self.unreadable(error)
+            return
+        self.known = frozenset(header.get("artifacts", ()))
+        self.state, self.loaded = f"loaded from {self.path}", True
+
+    def unreadable(self, error: BaseException) -> None:
+        text = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
+        self.warn(f"ignoring the compile cache {self.path} ({text}): compiling from scratch")
+        self.state = f"{self.path} unreadable, ignored"
+
+    def collect(self) -> Optional[bytes]:
+        """The file's new contents, when this process compiled graphs the file lacks (its first step, a
+        recompilation for a new shape); None otherwise. Cheap: torch serializes what it already holds in memory."""
+        if self.failed or not supported():
+            return None
+        try:
+            saved = torch.compiler.save_cache_artifacts()
+        except Exception as error:  # only a cache: a torch that cannot serialize its own costs a warning
+            self.failed = True
+            self.warn(f"could not collect torch's compile caches ({first_line(error)}); a restart will compile "
+                      "from scratch")
+            return None
+        if saved is None:  # nothing compiled through torch's caches (another backend, caches turned off)
+            return None
+        blob, info = saved
+        names = artifact_names(info)
+        if names <= self.known:  # a warm start: the same graphs came out of the loaded caches
+            return None
+        self.known = names
+        return encode(self.key, blob, names)
+
+    def write(self, data: bytes) -> None:
+        """Atomically, so a reader sees the old file or the new one; a refused write is one warning, and the
+        run goes on without a cache file (the checkpoints are written apart from it)."""
+        try:
+            atomic_write_bytes(data, self.path)
+        except OSError as error:
+            self.failed = True
+            self.warn(f"could not write the compile cache {self.path}: {error.strerror or error}; a restart will "
+                      "compile from scratch")

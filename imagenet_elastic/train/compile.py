@@ -1,0 +1,179 @@
+"""torch.compile for the training step: whether it runs (on CUDA unless told otherwise), what happens when the
+model cannot compile (eager, with one warning), and its caches beside the checkpoints (checkpoint/compile_cache.py).
+
+Issue 31's first H100 run: compiling gave ResNet-50 1.40x the eager model throughput, for 57 s of compiling at each
+start with a cold cache (a restart's first step 81 s after the checkpoint, 21 s eager, 29 s with a warm cache);
+hence on by default there, and a cache that restarts load. On CPUs compiled training is slower than eager (the same
+issue): off by default there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import importlib
+import time
+from typing import Any, Callable, Optional
+
+import torch
+from torch import nn
+
+from imagenet_elastic.checkpoint.compile_cache import CompileCache
+from imagenet_elastic.errors import first_line
+from imagenet_elastic.launch import distributed
+
+BACKEND: Any = "inductor"  # torch.compile's backend; tests put a stub here (inductor takes 20-60 s on their CPUs)
+TRITON_MIN_CAPABILITY = (7, 0)  # older GPUs: "Triton only supports devices of CUDA Capability >= 7.0"
+
+
+def compile_choice(setting: Optional[bool], device_type: str,
+                   capability: Optional[tuple[int, int]] = None) -> tuple[bool, str]:
+    """Whether the training step compiles, and why: --compile / --no-compile (also a config file's) always win;
+    unset, it compiles on a CUDA device that Triton supports, and nowhere else. `capability`: the GPU's."""
+    if setting is not None:
+        return setting, "--compile" if setting else "--no-compile"
+    if device_type != "cuda":
+        return False, f"{device_type.upper()} default"
+    if capability is not None and capability < TRITON_MIN_CAPABILITY:
+        return False, f"CUDA default, but this GPU (sm_{capability[0]}{capability[1]}) is older than Triton supports"
+    return True, "CUDA default"
+
+
+def error_line(error: BaseException) -> str:
+    """What went wrong, in one line: the backend's own error rather than dynamo's `backend='inductor' raised:`."""
+    inner = getattr(error, "inner_exception", None) or error
+    return f"{type(inner).__name__}: {first_line(inner)}"
+
+
+@contextlib.contextmanager
+def backward_compiled_with_forward() -> Any:
+    """AOTAutograd compiles the backward graph at its first use unless told otherwise: compiled with the forward,
+    its failures surface in the same call (before DDP or the loss wait for a backward), and its time in the same
+    measure. A torch without the switch (it is private) compiles as it always did."""
+    try:
+        config: Any = importlib.import_module("torch._functorch.config")
+    except ImportError:
+        config = None
+    if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
+        yield
+        return
+    with config.patch(force_non_lazy_backward_lowering=True):
+        yield
+
+
+def undoer(model: nn.Module) -> Callable[[], None]:
+    """A call that puts back what a failed first compiled call may have changed: where the model's code has a graph
+    break, the graph before it runs before the one after it compiles, updating batch norm's running statistics and
+    drawing random numbers; the eager retry then starts from the same state, as an eager run would have."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    cpu = torch.get_rng_state()
+    cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
+
+    @torch.no_grad()
+    def undo() -> None:
+        for buffer, saved in buffers:
+            buffer.copy_(saved)
+        torch.set_rng_state(cpu)
+        if cuda is not None:
+            torch.cuda.set_rng_state(cuda)
+    return undo
+
+
+class CompiledOrEager(nn.Module):
+    """`model` compiled, unless its first call fails to compile: torch.compile only wraps, and dynamo traces and
+    the backend compiles at the first call, so that call retries eager (from the state it started from: see
+    `undoer`), and every later one stays eager. Sits inside DDP, which then never sees the failure: its reducer
+    waits for a backward only after a forward that returned. An error that is not the compiler's fails the eager
+    retry too, and goes on from there; so does a failed recompilation later (a new shape), of a model that compiled."""
+
+    def __init__(self, model: nn.Module, backend: Any = None) -> None:
+        super().__init__()
+        self.compiled = torch.compile(model, backend=backend or BACKEND)  # holds `model` as _orig_mod: one copy
+        self.called = False
+        self.failure: Optional[str] = None  # error_line of the failed compile
+        self.compile_seconds: Optional[float] = None  # the first call: tracing and compiling, forward and backward
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        if self.failure is not None:
+            return self.compiled._orig_mod(*args, **kwargs)
+        if self.called:
+            return self.compiled(*args, **kwargs)
+        self.called = True
+        undo = undoer(self.compiled._orig_mod)
+        start = time.perf_counter()
+        try:
+            with backward_compiled_with_forward():
+                out = self.compiled(*args, **kwargs)
+        except Exception as error:
+            self.compile_seconds, self.failure = time.perf_counter() - start, error_line(error)
+            undo()
+            return self.compiled._orig_mod(*args, **kwargs)
+        self.compile_seconds = time.perf_counter() - start
+        return out
+
+
+class Compilation:
+    """The run's torch.compile: decided once (compile_choice), the model wrapped (`wrap`), its outcome said once
+    after the first step (`after_first_step`), its cache file kept by rank 0 (`cache_write`)."""
+
+    def __init__(self, enabled: bool, reason: str, model_name: str, cache: Optional[CompileCache],
+                 warn: Callable[[str], None], is_main: bool) -> None:
+        self.enabled, self.reason, self.model_name = enabled, reason, model_name
+        self.cache = cache if enabled else None
+        self.warn, self.is_main = warn, is_main
+        self.module: Optional[CompiledOrEager] = None
+
+    def load_cache(self) -> None:
+        """Every rank, before the first compiled call: torch's caches as an earlier run left them."""
+        if self.cache is not None:
+            self.cache.load()
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if not self.enabled:
+            return model
+        self.module = CompiledOrEager(model)
+        return self.module
+
+    @property
+    def fell_back(self) -> bool:
+        return self.module is not None and self.module.failure is not None
+
+    def after_first_step(self) -> None:
+        """Said once, by rank 0, for every rank (one gather of a line or None): which ranks could not compile.
+        Then rank 0 keeps the caches the compile filled, once, so a restart from now on starts warm."""
+        if self.module is None:
+            return
+        failures = distributed.all_gather_object(self.module.failure)
+        failed = [rank for rank, line in enumerate(failures) if line is not None]
+        if failed and self.is_main:
+            some = len(failed) < len(failures)
+            where = f" on rank{'s' if len(failed) > 1 else ''} {', '.join(map(str, failed))}" if some else ""
+            self.warn(f"could not compile {self.model_name}{where} ({failures[failed[0]]}); training goes on eager"
+                      f"{' there' if some else ''} (--no-compile skips the attempt)")
+        write = self.cache_write()
+        if write is not None:
+            write()
+
+    def cache_write(self) -> Optional[Callable[[], None]]:
+        """Rank 0's write of the cache file when this process compiled graphs the file lacks (its first step, a
+        recompilation for a new shape since): collected now, in the thread where torch compiles; written by the
+        returned call, wherever the caller likes (the checkpoint writer's thread). None when there is nothing new."""
+        if self.cache is None or not self.is_main or self.module is None or not self.module.called or self.fell_back:
+            return None
+        data = self.cache.collect()
+        return None if data is None else functools.partial(self.cache.write, data)
+
+    def describe(self) -> str:
+        """The start-up table's words: on or off and why, and the cache file's state."""
+        text = f"{'on' if self.enabled else 'off'}: {self.reason}"
+        return text + (f"; compile cache {self.cache.state}" if self.cache is not None else "")
+
+    def first_step_cost(self) -> Optional[str]:
+        """The restart line's words for what compiling took of the first step, and whether the cache was warm."""
+        if self.module is None or self.module.compile_seconds is None:
+            return None
+        if self.fell_back:
+            return f"compile failed after {self.module.compile_seconds:.1f} s, eager"
+        warm = self.cache is not None and self.cache.loaded
+        return f"compile {self.module.compile_seconds:.1f} s, " + (
+            f"cache loaded from {self.cache.path}" if warm else "cold cache")
