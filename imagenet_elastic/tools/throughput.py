@@ -135,13 +135,14 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
     `against` (another form of the same images: a pack against its folder), in alternating rounds."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    decoding = Decoding.choose(args.decode, run_device(args), available_cores(), augment)  # gpu: the workers' part
     counters = [OpenCounter() for _ in range(1 + len(against))]
-    contenders = {"ours": ours_loader(train, args.image_size, args.batch_size, workers, augment=augment,
+    contenders = {"ours": ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment,
                                       counter=counters[0])}
     if isinstance(train, ImageFolder):
         contenders["textbook"] = textbook_loader(train.root, args.image_size, args.batch_size, workers, augment)
     for k, other in enumerate(against):
-        contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, augment=augment,
+        contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, decoding, augment,
                                                  counter=counters[k + 1])
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
@@ -159,7 +160,7 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
                                "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
                               for k, other in enumerate(against)]
     return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
-            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size, "decode": decoding.mode,
             "auto_augment": args.auto_augment, "random_erase": args.random_erase}
 
 
