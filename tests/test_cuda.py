@@ -114,12 +114,18 @@ def test_the_pinned_host_copy_of_a_checkpoint_holds_the_values_at_the_copy():
     assert torch.equal(again["model"]["w"], expected + 1)
 
 
+def nccl_run_args(data: str, checkpoints: str) -> list[str]:
+    """The one NCCL rank's command line (tests/test_gpu_probes.py parses it on a CPU). Eager, whatever the
+    default of --compile on CUDA: compiling would cost the test a minute."""
+    return [data, *SMALL_RUN, "--device", "cuda", "--amp", "auto", "--decode", "gpu", "--no-compile", "--epochs", "1",
+            "--checkpoints-path", checkpoints]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_nccl_rank_trains_with_decode_gpu_and_a_background_checkpoint(image_folder, tmp_path):
     env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
-    cmd = torchrun_cmd(1, str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "auto", "--decode", "gpu",
-                       "--epochs", "1", "--checkpoints-path", str(tmp_path / "ckpt"))
+    cmd = torchrun_cmd(1, *nccl_run_args(str(image_folder), str(tmp_path / "ckpt")))
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "batched on cuda" in result.stdout and "nccl" in result.stdout, result.stdout
@@ -167,6 +173,14 @@ def test_a_resumed_state_steps_with_cudas_fused_sgd(path):
     assert all(torch.isfinite(torch.tensor(steps_on_gpu(resumed, 2))))
 
 
+def two_ranks_rounds(data: str, checkpoints: str) -> list[list[str]]:
+    """The two rounds' command lines of the two ranks on one GPU: train, then resume (tests/test_gpu_probes.py
+    parses them on a CPU); eager, as `nccl_run_args`."""
+    args = [data, *SMALL_RUN, "--device", "cuda", "--amp", "bf16", "--no-compile", "--model-ema",
+            "--max-steps-per-epoch", "3", "--checkpoints-path", checkpoints]
+    return [[*args, "--epochs", "1"], [*args, "--epochs", "2", "--resume"]]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_on_one_gpu_resume_under_torchrun_and_train(image_folder, tmp_path):
@@ -177,11 +191,9 @@ def test_two_ranks_on_one_gpu_resume_under_torchrun_and_train(image_folder, tmp_
     probe.mkdir()
     env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
                        **{PROBE_DIR: str(probe), ONE_GPU: "1"})
-    args = [str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "bf16", "--model-ema", "--max-steps-per-epoch",
-            "3", "--checkpoints-path", str(tmp_path / "ckpt")]
-    for extra in (["--epochs", "1"], ["--epochs", "2", "--resume"]):
+    for args in two_ranks_rounds(str(image_folder), str(tmp_path / "ckpt")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "tests" / "state_probe.py"), *args, *extra]
+               str(REPO / "tests" / "state_probe.py"), *args]
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
