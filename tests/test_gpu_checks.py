@@ -79,6 +79,7 @@ def test_few_workers_parts_measure_both_decoders_at_4_and_2_workers_eager_and_co
     assert settings(eager, "workers", "decode", "image_size", "compile") == [(*run, False) for run in runs]
     assert settings(compiled, "workers", "decode", "image_size", "compile") == [(*run, True) for run in runs]
     assert all(line["mode"] == "end_to_end" and line["images_per_sec"] > 0 for line in eager + compiled)
+    assert all(line["prefetch"] == 4 for line in eager + compiled)  # batches ahead a worker: nothing pinned here
 
 
 def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):

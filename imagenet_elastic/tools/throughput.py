@@ -94,6 +94,12 @@ class Counted(Dataset):
         return self.dataset[key]
 
 
+def prefetch(batch: int, size: int, workers: int, decode: str) -> int:
+    """The batches ahead each worker of the trainer's loader would prepare here (pipeline.prefetch_factor)."""
+    return pipeline.prefetch_factor(workers, pipeline.batch_bytes(batch, size, encoded=decode == "gpu"),
+                                    pinned=torch.cuda.is_available())
+
+
 def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decode: str = "cpu",
                 augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
     sampler = TrainBatchSampler(len(source), BatchPlan(batch, 1, batch), 0, seed=0)
@@ -102,7 +108,7 @@ def ours_loader(source: sources.Source, size: int, batch: int, workers: int, dec
     if counter is not None:
         dataset = Counted(dataset, counter)
     loader = pipeline.train_loader(dataset, sampler, workers, torch.cuda.is_available(),  # type: ignore[arg-type]
-                               collate_fn=decoding.collate)
+                                   collate_fn=decoding.collate, prefetch=prefetch(batch, size, workers, decode))
     pipeline.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -223,5 +229,7 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr), augment)
     batches = device_batches(endless(loader), ctx.input.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
-    return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
+    return {"images_per_sec": round(rate, 1), "workers": workers,
+            "prefetch": prefetch(args.batch_size, args.image_size, workers, args.decode),
+            "images": len(train), "data": train.where(),
             "decode": args.decode, "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}
