@@ -37,7 +37,7 @@ from imagenet_elastic.data import feed, gpu_decode, pipeline
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
-from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.model import create_ema, create_model
@@ -49,7 +49,7 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 GPU = torch.device("cuda", 0)
 
 
-def twelve(tmp_path, write) -> object:
+def twelve(tmp_path, write) -> ImageFolder:
     """Twelve JPEGs from 120 to 340 pixels wide, `write(path, width, height, seed)` each: crops at 120 px never
     take DCT scaling on the CPU path."""
     for i in range(12):
@@ -313,6 +313,7 @@ def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(j
     augment = Augment(policy=policy, erase=1.0)
     dataset = pipeline.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
+    batch = batch.pin_memory() if hasattr(batch, "pin_memory") else batch  # as the loader's pin thread hands it over
     decoder = gpu_decode.BatchDecoder(GPU, print, augment)
     expected = next(feed.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
     with profiling() as events:
