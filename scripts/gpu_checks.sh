@@ -9,9 +9,9 @@
 #
 #   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
 #
-# MODEL, BATCH, SIZE and BATCHES (measured batches of every benchmark; default each part's own) may be set in the
-# environment: tests/test_gpu_checks.py runs the parts on a CPU with a tiny model, so that the first GPU session
-# does not spend its time on a broken flag.
+# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own) and FEW_WORKERS (the
+# few_workers parts' loader workers; default "4 2") may be set in the environment: tests/test_gpu_checks.py runs the
+# parts on a CPU with a tiny model, so that the first GPU session does not spend its time on a broken flag.
 #
 # PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile
 #       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | loader | checkpoint
@@ -28,6 +28,7 @@ MODEL=${MODEL:-resnet50}
 BATCH=${BATCH:-256}
 SIZE=${SIZE:-224}
 BATCHES=${BATCHES:-}
+FEW_WORKERS=${FEW_WORKERS:-4 2}
 mkdir -p "$WORK"
 
 # Loader workers: the cores less two (the training process and its feeder), then fewer if /dev/shm cannot
@@ -110,7 +111,8 @@ PY
         need_data
         local compile=--no-compile; if [ "$1" = end_to_end_few_workers_compile ]; then compile=--compile; fi
         local n decode
-        for n in 4 2; do
+        # shellcheck disable=SC2086  # a list of numbers
+        for n in $FEW_WORKERS; do
             for decode in cpu gpu; do
                 bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last "$compile" --workers "$n" \
                     --decode "$decode" --batches "$(batches 40)"
