@@ -1,20 +1,24 @@
 #!/usr/bin/env bash
 # The GPU figures of docs/BENCHMARKS.md, in parts that each finish well inside a 10-minute device call
-# on one H100 (resnet50 at batch 256; each compile part compiles once, cold). Runs from the repository
+# on one H100 (resnet50 at batch 256; a compile part's first run compiles cold, ~1.5 minutes, its later ones
+# find torch's compile cache warm). Every part says --compile or --no-compile: the benchmark and the trainer
+# take --compile's default, which may differ by device. Runs from the repository
 # root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the package in
 # the current folder). Every figure is one JSON line on stdout; paste them into docs/BENCHMARKS.md
 # with the command line, the GPU, the versions line and the date.
 #
 #   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
 #
-# MODEL, BATCH, SIZE and BATCHES (measured batches of every benchmark; default each part's own) may be set in the
-# environment: tests/test_gpu_checks.py runs the parts on a CPU with a tiny model, so that the first GPU session
-# does not spend its time on a broken flag.
+# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own) and FEW_WORKERS (the
+# few_workers parts' loader workers; default "4 2") may be set in the environment: tests/test_gpu_checks.py runs the
+# parts on a CPU with a tiny model, so that the first GPU session does not spend its time on a broken flag.
 #
-# PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile | loader
-#       | checkpoint | tests | restart | train | all (every part in order; only where one call may run longer than
-#       10 minutes). `tests` runs tests/test_cuda.py: among them the fused-SGD resume, the fp16 overflow step and
-#       the sync-debug run of the training loop.
+# PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile
+#       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | device_ops | loader
+#       | checkpoint | tests | restart | train | all (every part in order; only where one call may run longer than 10 minutes).
+#       `tests` runs tests/test_cuda.py: among them the fused-SGD resume, the fp16 overflow step and the checks
+#       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
+#       loader workers a rank: what an 8-GPU node with few cores per GPU gives.
 set -euo pipefail
 PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in the header of the script}
 DATA=${2:-/tmp/gpu_data}
@@ -24,6 +28,7 @@ MODEL=${MODEL:-resnet50}
 BATCH=${BATCH:-256}
 SIZE=${SIZE:-224}
 BATCHES=${BATCHES:-}
+FEW_WORKERS=${FEW_WORKERS:-4 2}
 mkdir -p "$WORK"
 
 # Loader workers: the cores less two (the training process and its feeder), then fewer if /dev/shm cannot
@@ -69,11 +74,11 @@ PY
     synthetic)
         need_data
         local b; b=$(batches 50)
-        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --batches "$b"
-        bench --mode synthetic --image-size "$SIZE" --amp bf16 --no-channels-last --batches "$b"
-        bench --mode synthetic --image-size "$SIZE" --amp fp16 --channels-last --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --no-compile --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --no-channels-last --no-compile --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp fp16 --channels-last --no-compile --batches "$b"
         # FFCV's recipes: what the blur costs
-        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --blurpool --batches "$b"
+        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --blurpool --no-compile --batches "$b"
         ;;
     compile)
         need_data
@@ -82,13 +87,16 @@ PY
     end_to_end)
         need_data
         local n b; n=$(workers); b=$(batches 40)
-        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode cpu --batches "$b"
-        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode gpu --batches "$b"
+        local e2e=(--mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --no-compile
+                   --batches "$b")
+        bench "${e2e[@]}" --decode cpu
+        bench "${e2e[@]}" --decode gpu
         ;;
-    end_to_end_recipe)  # torchvision's v2 recipe's augmentation at its train size: the policy's cost on each path
-        need_data
+    end_to_end_recipe | end_to_end_recipe_compile)  # torchvision's v2 recipe's augmentation at its train size: the
+        need_data                                   # policy's cost on each path, eager or compiled
         local n; n=$(workers)
-        local recipe=(--mode end_to_end --amp bf16 --channels-last --workers "$n" --batches "$(batches 40)"
+        local compile=--no-compile; if [ "$1" = end_to_end_recipe_compile ]; then compile=--compile; fi
+        local recipe=(--mode end_to_end --amp bf16 --channels-last "$compile" --workers "$n" --batches "$(batches 40)"
                       --image-size $(( SIZE * 176 / 224 )) --auto-augment ta_wide --random-erase 0.1)
         bench "${recipe[@]}" --decode cpu
         bench "${recipe[@]}" --decode gpu
@@ -96,19 +104,42 @@ PY
     end_to_end_compile)
         need_data
         local n; n=$(workers)
-        bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --decode gpu --compile \
-            --batches "$(batches 40)"
+        local e2e=(--mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --compile
+                   --batches "$(batches 40)")
+        bench "${e2e[@]}" --decode cpu
+        bench "${e2e[@]}" --decode gpu
+        ;;
+    device_ops)  # the operators --decode gpu's device path dispatches per batch of 64, 128, 256 on this GPU
+        need_data
+        bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu
+        bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu --auto-augment ta_wide --random-erase 0.1
+        ;;
+    end_to_end_few_workers | end_to_end_few_workers_compile)  # 4 and 2 loader workers a rank, both decoders
+        need_data
+        local compile=--no-compile; if [ "$1" = end_to_end_few_workers_compile ]; then compile=--compile; fi
+        local n decode
+        # shellcheck disable=SC2086  # a list of numbers
+        for n in $FEW_WORKERS; do
+            for decode in cpu gpu; do
+                bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last "$compile" --workers "$n" \
+                    --decode "$decode" --batches "$(batches 40)"
+            done
+        done
         ;;
     loader)
         need_data
         local n b; n=$(workers); b=$(batches 20)
-        bench --mode loader --image-size "$SIZE" --workers "$n" --batches "$b" --rounds 3
-        bench --mode loader --image-size "$SIZE" --workers "$n" --batches "$b" --rounds 3 --auto-augment ta_wide \
-            --random-erase 0.1
+        local decode
+        for decode in cpu gpu; do  # gpu: what the workers supply of --decode gpu's encoded batches
+            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds 3 \
+                --decode "$decode"
+            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds 3 \
+                --decode "$decode" --auto-augment ta_wide --random-erase 0.1
+        done
         ;;
     checkpoint)
         need_data
-        bench --mode checkpoint --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
+        bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
         ;;
     tests)  # tests/test_cuda.py: NCCL, nvJPEG against the CPU decoder, the policy on the GPU, AMP steps, pinned copies;
             # in one process (-o addopts=""): the machine's python may have pytest but not pytest-xdist
@@ -128,9 +159,9 @@ PY
         need_data
         rm -rf "$WORK/restart"
         mkdir -p "$WORK/restart/probe"
-        local args=("$DATA" --model "$MODEL" --batch-size "$(( (BATCH + 1) / 2 ))" --image-size "$SIZE" --model-ema
-                    --max-steps-per-epoch "$(batches 4)" --log-interval 2 --checkpoints-path "$WORK/restart/ckpt"
-                    --no-compile)
+        local args=("$DATA" --model "$MODEL" --batch-size "$(( (BATCH + 1) / 2 ))" --image-size "$SIZE" --no-compile
+                    --model-ema --max-steps-per-epoch "$(batches 4)" --log-interval 2
+                    --checkpoints-path "$WORK/restart/ckpt")
         for round in "--epochs 1" "--epochs 2 --resume"; do
             # shellcheck disable=SC2086  # the round's two words
             STATE_PROBE_DIR="$WORK/restart/probe" STATE_PROBE_ONE_GPU=1 "$PY" -m torch.distributed.run --standalone \
@@ -148,8 +179,8 @@ PY
         need_data
         rm -rf "$WORK/ckpt"
         "$PY" -m torch.distributed.run --standalone --nproc-per-node=1 -m imagenet_elastic "$DATA" --model "$MODEL" \
-            --batch-size "$BATCH" --image-size "$SIZE" --epochs 1 --max-steps-per-epoch "$(batches 24)" --decode gpu \
-            --log-interval 8 --checkpoints-path "$WORK/ckpt" --no-compile >&2
+            --batch-size "$BATCH" --image-size "$SIZE" --no-compile --epochs 1 --max-steps-per-epoch "$(batches 24)" \
+            --decode gpu --log-interval 8 --checkpoints-path "$WORK/ckpt" >&2
         tail -n 1 "$WORK/ckpt/metrics.jsonl"
         ;;
     *)
@@ -160,8 +191,9 @@ PY
 }
 
 if [ "$PART" = all ]; then
-    for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile loader checkpoint \
-            tests restart train; do
+    for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile \
+            end_to_end_recipe_compile end_to_end_few_workers end_to_end_few_workers_compile device_ops loader \
+            checkpoint tests restart train; do
         run_part "$part"
     done
 else

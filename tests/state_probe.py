@@ -14,7 +14,15 @@ import os
 import sys
 from typing import Any
 
-import torch
+if __name__ == "__main__":  # started as a script (torchrun's way): the checkout's package, before it is imported
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+
+# At the top, not in share_one_gpu: a module that moved fails here, on every machine, not on a GPU's first rank
+from imagenet_elastic.launch import distributed  # noqa: E402
+from imagenet_elastic.launch.launchers import DistEnv  # noqa: E402
+from imagenet_elastic.report import startup_table  # noqa: E402
 
 PROBE_DIR = "STATE_PROBE_DIR"
 ONE_GPU = "STATE_PROBE_ONE_GPU"  # "1": every rank on CUDA device 0, over gloo (NCCL refuses two ranks on one GPU)
@@ -49,15 +57,22 @@ def layout_mismatches(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
 
 def share_one_gpu() -> None:
     """Several ranks on one GPU, for a multi-rank CUDA test on a machine with one: each takes device 0 and the
-    process group is gloo's, which moves CUDA tensors too (load-once's broadcast, DDP's all-reduce)."""
-    from imagenet_elastic import distributed
+    process group is gloo's, which moves CUDA tensors too (load-once's broadcast, DDP's all-reduce).
 
-    def select_device(requested: str, env: distributed.DistEnv) -> torch.device:
+    Patched where the names are looked up: build.check_inputs calls `distributed.select_device`,
+    distributed.init_process_group calls its module's `group_options`, and the start-up table imported its own
+    `group_options` (the backend it names). tests/test_gpu_probes.py checks these on a CPU."""
+
+    def select_device(requested: str, env: DistEnv) -> torch.device:
         torch.cuda.set_device(0)
         return torch.device("cuda", 0)
 
+    def group_options(device: torch.device) -> dict[str, Any]:
+        return {"backend": "gloo"}
+
     distributed.select_device = select_device
-    distributed.group_options = lambda device: {"backend": "gloo"}
+    distributed.group_options = group_options
+    startup_table.group_options = group_options
 
 
 def install() -> None:
@@ -81,7 +96,6 @@ def install() -> None:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout's package
     install()
     from imagenet_elastic.cli import program
 

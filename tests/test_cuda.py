@@ -1,8 +1,10 @@
-"""The CUDA paths on a real GPU: NCCL, nvJPEG against the CPU decoder, AMP steps, the pinned host copy of
-a background checkpoint, a resume of two ranks into CUDA's fused SGD, an fp16 first step that overflows,
-and a training loop that never makes the host wait for the GPU (sync-debug mode, and a busy training stream
-that the policy and the step must not wait for). The rest of the suite tests their logic on the CPU; these
-run the kernels.
+"""The CUDA paths on a real GPU: NCCL, nvJPEG against the CPU decoder (crops and policies on 4:4:4 JPEGs, the
+decoder's own difference on 4:2:0 photo-like ones), AMP steps, the pinned host copy of a background checkpoint,
+a resume of two ranks into CUDA's fused SGD, an fp16 first step that overflows, and a training loop that never
+makes the host wait for the GPU (sync-debug mode, the profiler's copies from pageable memory, and a busy training
+stream that the policy and a step must not wait for). The rest of the suite tests their logic on the CPU; these
+run the kernels. tests/test_gpu_probes.py checks on the CPU that this module imports, that its command lines
+parse, and what its helpers (host_waits.py, state_probe.py, test_data.photo_like) do.
 
 Marked `cuda` and skipped where no CUDA device is visible (CI has none). On a GPU machine:
 `python3 -m pytest -q -m cuda tests/test_cuda.py` (scripts/gpu_checks.sh runs it as its `tests` part).
@@ -10,18 +12,24 @@ Marked `cuda` and skipped where no CUDA device is visible (CI has none). On a GP
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import json
 import os
 import subprocess
 import sys
+import time
+from collections.abc import Iterator
 
 import fault_injection as fi
 import pytest
 import torch
 from conftest import REPO, SMALL_RUN, load_checkpoint, several_at_once, torchrun_cmd
+from host_waits import LAUNCH_QUEUE, device_work, host_to_device_copies
 from state_probe import ONE_GPU, PROBE_DIR, layout_mismatches
-from test_data import write_jpeg
+from test_data import write_jpeg, write_photo
+from torch.profiler import ProfilerActivity
 
 from imagenet_elastic.checkpoint import share
 from imagenet_elastic.checkpoint.saving import HostCopy
@@ -29,7 +37,7 @@ from imagenet_elastic.data import feed, gpu_decode, pipeline
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
-from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.model import create_ema, create_model
@@ -41,18 +49,32 @@ pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available()
 GPU = torch.device("cuda", 0)
 
 
+def twelve(tmp_path, write) -> ImageFolder:
+    """Twelve JPEGs from 120 to 340 pixels wide, `write(path, width, height, seed)` each: crops at 120 px never
+    take DCT scaling on the CPU path."""
+    for i in range(12):
+        write(str(tmp_path / "train" / f"c{i % 3}" / f"{i}.jpg"), 120 + 20 * i, 340 - 15 * i, seed=i)
+    return scan_image_folder(str(tmp_path / "train"), "train")
+
+
 @pytest.fixture
 def jpegs(tmp_path):
-    """Twelve noisy JPEGs from 120 to 340 pixels wide: crops at 120 px never take DCT scaling on the CPU path."""
-    for i in range(12):
-        write_jpeg(str(tmp_path / "train" / f"c{i % 3}" / f"{i}.jpg"), 120 + 20 * i, 340 - 15 * i, seed=i)
-    return scan_image_folder(str(tmp_path / "train"), "train")
+    """Noise with full-resolution (4:4:4) chroma, where any two crops differ. With 4:2:0 chroma nvJPEG (which
+    fills it by nearest sample) and libjpeg-turbo (which interpolates) differ on noise by 4-10 levels per image
+    (the first GPU run): the decoders, not the crops. 4:4:4 leaves the crops' and the policies' logic to compare."""
+    return twelve(tmp_path, functools.partial(write_jpeg, subsampling="4:4:4"))
+
+
+@pytest.fixture
+def photos(tmp_path):
+    """Photo-like JPEGs with 4:2:0 chroma, as cameras and ImageNet's files are (test_data.photo_like)."""
+    return twelve(tmp_path, write_photo)
 
 
 def decode_on_gpu(index, augment: Augment, keys: list) -> torch.Tensor:
     dataset = pipeline.TrainDataset(index, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[key] for key in keys])
-    images = gpu_decode.BatchDecoder(GPU, print, augment)(batch).images
+    images = gpu_decode.BatchDecoder(GPU, print)(batch).images
     assert images.device == GPU and images.dtype == torch.uint8 and images.shape == (len(keys), 120, 120, 3)
     return images.cpu()
 
@@ -67,6 +89,25 @@ def test_nvjpeg_batches_are_the_cpu_paths_crops_within_a_level_or_two(jpegs):
     cpu = torch.stack([pipeline.TrainDataset(jpegs, 120, 4)[key][0] for key in keys])
     difference = level_difference(gpu, cpu)
     assert difference.max() < 2, difference  # IDCT and float resize rounding; another crop differs by ~60
+
+
+PHOTO_CROPS = Augment(scale=(0.25, 1.0))  # at least a quarter of the image: a crop, not one colour edge
+
+
+def test_nvjpeg_crops_of_4_2_0_photos_are_the_cpu_paths_within_what_its_chroma_fill_explains(photos):
+    """nvJPEG fills 4:2:0 chroma by nearest sample where libjpeg-turbo interpolates: on real photos the whole
+    decode differed from PIL's by 0.66 level on average (the first GPU run, 5,120 photos). On these photo-like
+    images the chroma fill alone differs by 0.3-0.5 level per image, at most ~0.8 over a crop (simulated on the
+    CPU: tests/test_gpu_probes.py), and the IDCT and the float resize's rounding add a few tenths on smooth
+    images (< 2 levels together on noise, the test above). Hence < 1.5 per crop: room for all three, while a
+    wrong crop, flip or channel order differs by 10 levels or more (another seed's crops: ~30)."""
+    keys = [(e, i) for e in range(2) for i in range(len(photos))]
+    gpu = decode_on_gpu(photos, PHOTO_CROPS, keys)
+    cpu = torch.stack([pipeline.TrainDataset(photos, 120, 4, augment=PHOTO_CROPS)[key][0] for key in keys])
+    other = torch.stack([pipeline.TrainDataset(photos, 120, 5, augment=PHOTO_CROPS)[key][0] for key in keys])
+    same = level_difference(gpu, cpu)
+    assert same.max() < 1.5, same
+    assert level_difference(gpu, other).min() > 4 * same.max(), level_difference(gpu, other)
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
@@ -114,12 +155,18 @@ def test_the_pinned_host_copy_of_a_checkpoint_holds_the_values_at_the_copy():
     assert torch.equal(again["model"]["w"], expected + 1)
 
 
+def nccl_run_args(data: str, checkpoints: str) -> list[str]:
+    """The one NCCL rank's command line (tests/test_gpu_probes.py parses it on a CPU). Eager, whatever the
+    default of --compile on CUDA: compiling would cost the test a minute."""
+    return [data, *SMALL_RUN, "--device", "cuda", "--amp", "auto", "--decode", "gpu", "--no-compile", "--epochs", "1",
+            "--checkpoints-path", checkpoints]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_one_nccl_rank_trains_with_decode_gpu_and_a_background_checkpoint(image_folder, tmp_path):
     env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"))
-    cmd = torchrun_cmd(1, str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "auto", "--decode", "gpu",
-                       "--epochs", "1", "--checkpoints-path", str(tmp_path / "ckpt"))
+    cmd = torchrun_cmd(1, *nccl_run_args(str(image_folder), str(tmp_path / "ckpt")))
     result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert "batched on cuda" in result.stdout and "nccl" in result.stdout, result.stdout
@@ -167,6 +214,14 @@ def test_a_resumed_state_steps_with_cudas_fused_sgd(path):
     assert all(torch.isfinite(torch.tensor(steps_on_gpu(resumed, 2))))
 
 
+def two_ranks_rounds(data: str, checkpoints: str) -> list[list[str]]:
+    """The two rounds' command lines of the two ranks on one GPU: train, then resume (tests/test_gpu_probes.py
+    parses them on a CPU); eager, as `nccl_run_args`."""
+    args = [data, *SMALL_RUN, "--device", "cuda", "--amp", "bf16", "--no-compile", "--model-ema",
+            "--max-steps-per-epoch", "3", "--checkpoints-path", checkpoints]
+    return [[*args, "--epochs", "1"], [*args, "--epochs", "2", "--resume"]]
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_two_ranks_on_one_gpu_resume_under_torchrun_and_train(image_folder, tmp_path):
@@ -177,11 +232,9 @@ def test_two_ranks_on_one_gpu_resume_under_torchrun_and_train(image_folder, tmp_
     probe.mkdir()
     env = fi.clean_env(CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "0"),
                        **{PROBE_DIR: str(probe), ONE_GPU: "1"})
-    args = [str(image_folder), *SMALL_RUN, "--device", "cuda", "--amp", "bf16", "--model-ema", "--max-steps-per-epoch",
-            "3", "--checkpoints-path", str(tmp_path / "ckpt")]
-    for extra in (["--epochs", "1"], ["--epochs", "2", "--resume"]):
+    for args in two_ranks_rounds(str(image_folder), str(tmp_path / "ckpt")):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-               str(REPO / "tests" / "state_probe.py"), *args, *extra]
+               str(REPO / "tests" / "state_probe.py"), *args]
         result = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
         assert result.returncode == 0, result.stdout + result.stderr
     for rank in (0, 1):
@@ -230,16 +283,47 @@ def busy_training_stream() -> torch.cuda.Stream:
     return main
 
 
+@contextlib.contextmanager
+def profiling() -> Iterator[list]:
+    """The block's events under torch.profiler, CPU and CUDA (the device's kernels and copies among them): the
+    list it yields holds them once the block is done, and the device with it."""
+    events: list = []
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as profile:
+        yield events
+        torch.cuda.synchronize()
+    events.extend(profile.events())
+
+
+def mark_the_current_stream() -> None:
+    """A copy from pinned memory on the current (training) stream, waited for: the first copy of a profile that
+    begins with it, so that the profile names that stream (host_waits.HostCopy.stream)."""
+    torch.zeros(8, dtype=torch.uint8).pin_memory().to(GPU, non_blocking=True)
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("policy", ["ta_wide", "imagenet"])
 def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(jpegs, policy):
-    """torchvision's tensor kernels make blocking host-to-device copies (affine matrices, erasing's fill); on the
-    training stream each would wait for its queue. On their side stream they wait for the decode alone."""
+    """torchvision's tensor kernels copy small host tensors (affine matrices, erasing's fill) from pageable
+    memory, and such a copy waits for its stream's queue; on the training stream that queue is the previous
+    step's forward and backward. On their side stream they wait for the decode alone: the profiler finds no copy
+    from pageable memory on the training stream, and a batch comes out while that stream is still busy. Only
+    the public decode path (TrainDataset, collate, BatchDecoder, device_batches) is used: any way of decoding
+    behind it must pass."""
     augment = Augment(policy=policy, erase=1.0)
     dataset = pipeline.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
-    decoder = gpu_decode.BatchDecoder(GPU, print, augment)
+    batch = batch.pin_memory() if hasattr(batch, "pin_memory") else batch  # as the loader's pin thread hands it over
+    decoder = gpu_decode.BatchDecoder(GPU, print)
     expected = next(feed.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
-    torch.cuda.synchronize()
+    with profiling() as events:
+        mark_the_current_stream()
+        images = next(feed.device_batches([batch], GPU, decoder)).images
+    copies = host_to_device_copies(events)
+    assert copies and not copies[0].pageable, f"the profiler did not see the marking copy first: {copies[:3]}"
+    waiting = [copy for copy in copies if copy.pageable and copy.stream == copies[0].stream]
+    assert not waiting, f"{len(waiting)} copies from pageable memory on the training stream"
+    assert torch.equal(images, expected)
     main = busy_training_stream()
     images = next(feed.device_batches([batch], GPU, decoder)).images
     assert not main.query(), "the policy waited for the training stream's queue"
@@ -267,9 +351,13 @@ def hot_loop(ctx: StepContext, plan: BatchPlan, batches: list[Batch], first_step
 
 @pytest.mark.parametrize("amp", [torch.bfloat16, torch.float16])
 def test_the_training_loop_never_synchronizes_the_host(amp):
-    """sync-debug mode turns every synchronizing call torch makes into an error; the busy stream also catches
-    what it cannot see (a copy from pageable memory waits for its stream without torch asking). Mixing, two
-    micro-batches per step and fused SGD (with GradScaler under fp16) are on."""
+    """The hot loop (mixing, two micro-batches per step, fused SGD, GradScaler under fp16), three ways.
+    Sync-debug mode turns every synchronizing call torch makes into an error. The profiler finds no copy from
+    pageable memory, which waits for its stream without torch asking (and does find the batches' copies, from
+    pinned memory: it sees copies). And one step queued behind a busy kernel returns while that kernel still
+    runs. That step has one micro-batch, and its launches are counted first: they must fit CUDA's launch queue
+    with room to spare, or the host blocks in a launch, which is no sync of ours (the first GPU run queued two
+    steps of two micro-batches behind the kernel and failed that way)."""
     torch.manual_seed(0)
     model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, GPU)
@@ -278,7 +366,7 @@ def test_the_training_loop_never_synchronizes_the_host(amp):
                       mixer=Mixer(0.2, 1.0, 10))
     plan = BatchPlan(16, 1, 8)
     hot_loop(ctx, plan, hot_loop_batches(2, plan), first_step=0)  # warm-up: cuDNN's choices, the allocators
-    batches, more = hot_loop_batches(3, plan), hot_loop_batches(2, plan)
+    batches = hot_loop_batches(3, plan)
     assert plan.accum == 2 and len(batches) == 6
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -286,8 +374,25 @@ def test_the_training_loop_never_synchronizes_the_host(amp):
         hot_loop(ctx, plan, batches, first_step=2)
     finally:
         torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+
+    with profiling() as events:
+        hot_loop(ctx, plan, hot_loop_batches(2, plan), first_step=5)
+    copies = host_to_device_copies(events)
+    assert any(not copy.pageable for copy in copies), f"the profiler saw none of the batches' copies: {copies}"
+    pageable = [copy for copy in copies if copy.pageable]
+    assert not pageable, f"{len(pageable)} copies from pageable memory in two steps"
+
+    one = BatchPlan(8, 1, 8)  # one micro-batch a step
+    with profiling() as events:
+        hot_loop(ctx, one, hot_loop_batches(1, one), first_step=7)
+    launches = device_work(events)
+    assert 0 < launches < LAUNCH_QUEUE * 3 // 4, f"one step launches {launches} kernels and copies: a busy " \
+        f"kernel cannot tell a wait for the GPU from a full launch queue (~{LAUNCH_QUEUE})"
+    batches = hot_loop_batches(1, one)
     main = busy_training_stream()
-    hot_loop(ctx, plan, more, first_step=5)
-    assert not main.query(), "a training step waited for the GPU"
+    start = time.perf_counter()
+    hot_loop(ctx, one, batches, first_step=8)
+    seconds = time.perf_counter() - start
+    assert not main.query(), f"a training step waited for the GPU: its {launches} launches took the host " \
+        f"{seconds:.2f} s, queued behind a kernel of ~2 s"
     torch.cuda.synchronize()

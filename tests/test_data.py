@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Union
 
 import numpy as np
 import pytest
@@ -19,11 +20,45 @@ SIZES = [(1, 1), (1, 2), (2, 1), (2, 3), (3, 2), (3, 3), (5, 7), (17, 3), (31, 3
          (4000, 3), (3, 4000), (640, 480), (333, 500)]
 
 
-def write_jpeg(path, width: int, height: int, seed: int) -> None:
-    """A noisy JPEG: any two different crops of it differ in their pixels."""
-    pixels = np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8)
+def write_jpeg(path, width: int, height: int, seed: int, subsampling: Union[int, str] = -1) -> None:
+    """A noisy JPEG: any two different crops of it differ in their pixels. `subsampling`: PIL's chroma
+    subsampling, -1 libjpeg's default (4:2:0: chroma at half the resolution), "4:4:4" none."""
+    save_jpeg(path, np.random.default_rng(seed).integers(0, 256, (height, width, 3), dtype=np.uint8), subsampling)
+
+
+def save_jpeg(path, pixels: np.ndarray, subsampling: Union[int, str] = -1) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
-    Image.fromarray(pixels).save(path, format="JPEG", quality=90)
+    Image.fromarray(pixels).save(path, format="JPEG", quality=90, subsampling=subsampling)
+
+
+def photo_like(width: int, height: int, seed: int) -> np.ndarray:
+    """HWC uint8 pixels that look like a photograph to a JPEG decoder, unlike noise: shading that varies
+    smoothly, six discs and boxes of moderately saturated colour with soft (anti-aliased) edges, and mild grain,
+    mostly in brightness. Colour changes sharply only at the shapes' edges, as in a photo, so where two decoders
+    fill 4:2:0 chroma differently (nvJPEG by nearest sample, libjpeg-turbo by interpolation) they differ there
+    alone (tests/test_gpu_probes.py measures it)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width].astype(np.float64)
+
+    def colour() -> np.ndarray:  # a brightness, and each channel within 50 levels of it
+        return rng.uniform(40, 215) + rng.uniform(-50, 50, 3)
+
+    u, v = (x / width)[..., None], (y / height)[..., None]
+    corners = [colour() for _ in range(4)]
+    image = corners[0] * (1 - u) * (1 - v) + corners[1] * u * (1 - v) + corners[2] * (1 - u) * v + corners[3] * u * v
+    for k in range(6):
+        cx, cy, radius = rng.uniform(0, width), rng.uniform(0, height), rng.uniform(0.08, 0.3) * min(width, height)
+        outside = np.hypot(x - cx, y - cy) if k % 2 else np.maximum(abs(x - cx), abs(y - cy))
+        cover = np.clip(0.5 - (outside - radius) / 3, 0, 1)[..., None]  # a 3-pixel soft edge
+        shading = 1 + 0.2 * np.sin((x + y) / rng.uniform(8, 30))[..., None]
+        image = image * (1 - cover) + colour() * shading * cover
+    image += rng.normal(0, 3, (height, width, 1)) + rng.normal(0, 1, (height, width, 3))  # grain
+    return np.clip(np.round(image), 0, 255).astype(np.uint8)
+
+
+def write_photo(path, width: int, height: int, seed: int) -> None:
+    """A photo-like JPEG (`photo_like`) at quality 90 with 4:2:0 chroma, as most cameras' and ImageNet's are."""
+    save_jpeg(path, photo_like(width, height, seed))
 
 
 def make_split(root, classes: dict[str, int], size=(48, 40)) -> None:

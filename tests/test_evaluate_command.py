@@ -18,6 +18,7 @@ from PIL import Image
 from test_reference_pixels import training_images
 from timm.data import create_transform, resolve_data_config
 
+from imagenet_elastic.data import pipeline
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.tools.export import export
 
@@ -188,6 +189,20 @@ def test_flip_average_our_preprocessing_and_the_device_decoder_are_options(train
     assert flipped["flip_average"] is True and flipped["loss"] != plain["loss"]
     assert device["images"] == plain["images"] and abs(device["top1"] - plain["top1"]) <= 100 / plain["images"]
     assert device["loss"] == pytest.approx(plain["loss"], rel=1e-2) and device["loss"] != plain["loss"]
+
+
+def test_the_loaders_prefetch_as_far_ahead_as_the_trainers_for_batches_at_the_crop_size(trained, monkeypatch):
+    """Within the trainer's pinned-memory budget on CUDA (pipeline.prefetch_factor); on this CPU, not pinned."""
+    root, _, _ = trained
+    asked = []
+
+    def prefetch_factor(workers: int, batch_bytes: int, pinned: bool) -> int:
+        asked.append((workers, batch_bytes, pinned))
+        return 4
+
+    monkeypatch.setattr(pipeline, "prefetch_factor", prefetch_factor)
+    evaluated(str(root / "export"), str(root / "val"), str(root / "val"), "--batch-size", "5")
+    assert asked == [(0, 5 * 32 * 32 * 3, False)]  # one factor for the two sets, read one after the other
 
 
 def one_line_error(*argv: str) -> str:

@@ -1,8 +1,9 @@
-"""scripts/gpu_checks.sh runs as it is: every part but the two compile ones, on a CPU with a tiny model (MODEL,
-BATCH, SIZE and BATCHES from the environment), prints the JSON lines it promises, and exits 0 (the `restart` part
-is tests/test_resume_layout.py's two-rank resume). A device session
-lasts 30 minutes; this is so that none of it goes to a flag the benchmark no longer takes. The compile parts are
-the synthetic and end_to_end commands with --compile added (compiling costs a minute here)."""
+"""scripts/gpu_checks.sh runs as it is: every part, on a CPU with a tiny model (MODEL, BATCH, SIZE and BATCHES from
+the environment), prints the JSON lines it promises, and exits 0 (the `restart` part is tests/test_resume_layout.py's
+two-rank resume). A device session lasts 30 minutes; this is so that none of it goes to a flag the benchmark no longer
+takes. Every part says --compile or --no-compile, and each line says which it ran. The compile parts run with
+TORCHDYNAMO_DISABLE=1: torch.compile then hands the model back as it is, so their commands and flags run here, not
+the compiler (compiling costs a minute a run here; tests/test_training.py compiles)."""
 
 from __future__ import annotations
 
@@ -16,15 +17,16 @@ from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
 pytestmark = pytest.mark.slow  # each part starts its processes one after another
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
+NOT_COMPILED = {"TORCHDYNAMO_DISABLE": "1"}  # --compile's commands without the compiler
 
 
-def gpu_checks(part: str, data, work) -> subprocess.CompletedProcess:
+def gpu_checks(part: str, data, work, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "scripts/gpu_checks.sh", part, str(data), str(work)], cwd=REPO,
-                          env=child_env(**SMALL), capture_output=True, text=True, timeout=180)
+                          env=child_env(**SMALL, **env), capture_output=True, text=True, timeout=180)
 
 
-def figures(part: str, data, work) -> list[dict]:
-    result = gpu_checks(part, data, work)
+def figures(part: str, data, work, **env: str) -> list[dict]:
+    result = gpu_checks(part, data, work, **env)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = result.stdout.splitlines()
     assert lines, result.stderr
@@ -44,9 +46,9 @@ def test_versions_and_data(image_folder, tmp_path):
 
 def test_synthetic_part_measures_both_layouts_both_precisions_and_the_blur(image_folder, tmp_path):
     lines = figures("synthetic", image_folder, tmp_path)
-    assert settings(lines, "mode", "amp", "channels_last", "blurpool") == [
-        ("synthetic", "bf16", True, False), ("synthetic", "bf16", False, False), ("synthetic", "fp16", True, False),
-        ("synthetic", "bf16", True, True)]
+    assert settings(lines, "mode", "amp", "channels_last", "blurpool", "compile") == [
+        ("synthetic", "bf16", True, False, False), ("synthetic", "bf16", False, False, False),
+        ("synthetic", "fp16", True, False, False), ("synthetic", "bf16", True, True, False)]
     assert all((line["model"], line["batch_size"], line["image_size"]) == ("test_resnet", 8, 32) for line in lines)
     assert all(line["images_per_sec"] > 0 for line in lines)
 
@@ -56,12 +58,45 @@ def test_end_to_end_parts_measure_both_decoders_plain_and_with_the_v2_recipes_au
     recipe = figures("end_to_end_recipe", image_folder, tmp_path)
     assert settings(plain + recipe, "decode", "auto_augment", "random_erase", "image_size") == [
         ("cpu", "none", 0.0, 32), ("gpu", "none", 0.0, 32), ("cpu", "ta_wide", 0.1, 25), ("gpu", "ta_wide", 0.1, 25)]
-    assert all(line["images_per_sec"] > 0 and line["workers"] >= 1 for line in plain + recipe)
+    assert all(line["images_per_sec"] > 0 and line["workers"] >= 1 and not line["compile"] for line in plain + recipe)
+
+
+def test_compile_parts_measure_the_model_end_to_end_and_the_recipe_on_both_decoders_compiled(image_folder, tmp_path):
+    lines = [*figures("compile", image_folder, tmp_path, **NOT_COMPILED),
+             *figures("end_to_end_compile", image_folder, tmp_path, **NOT_COMPILED),
+             *figures("end_to_end_recipe_compile", image_folder, tmp_path, **NOT_COMPILED)]
+    assert [(line["mode"], line.get("decode"), line.get("auto_augment"), line["image_size"]) for line in lines] == [
+        ("synthetic", None, None, 32), ("end_to_end", "cpu", "none", 32), ("end_to_end", "gpu", "none", 32),
+        ("end_to_end", "cpu", "ta_wide", 25), ("end_to_end", "gpu", "ta_wide", 25)]
+    assert all(line["compile"] and line["images_per_sec"] > 0 for line in lines)
+
+
+def test_few_workers_parts_measure_both_decoders_at_4_and_2_workers_eager_and_compiled(image_folder, tmp_path):
+    """What an 8-GPU node with few cores per GPU gives each rank. The compiled part, the same commands with
+    --compile, at 2 workers alone here (FEW_WORKERS): each run is a process, ~5 s of CI's cores."""
+    eager = figures("end_to_end_few_workers", image_folder, tmp_path)
+    compiled = figures("end_to_end_few_workers_compile", image_folder, tmp_path, FEW_WORKERS="2", **NOT_COMPILED)
+    runs = [(4, "cpu", 32), (4, "gpu", 32), (2, "cpu", 32), (2, "gpu", 32)]
+    assert settings(eager, "workers", "decode", "image_size", "compile") == [(*run, False) for run in runs]
+    assert settings(compiled, "workers", "decode", "image_size", "compile") == [(*run, True) for run in runs[2:]]
+    assert all(line["mode"] == "end_to_end" and line["images_per_sec"] > 0 for line in eager + compiled)
+    assert all(line["prefetch"] == 4 for line in eager + compiled)  # batches ahead a worker: nothing pinned here
+
+
+def test_device_ops_part_counts_the_device_paths_operators_at_three_batch_sizes_plain_and_with_the_policy(
+        image_folder, tmp_path):
+    lines = figures("device_ops", image_folder, tmp_path)
+    assert settings(lines, "batch", "auto_augment") == [(b, policy) for policy in ("none", "ta_wide")
+                                                        for b in (64, 128, 256)]
+    for plain_or_policy in (lines[:3], lines[3:]):  # constant in the batch size (on the CPU's tensors here)
+        assert len({line["ops"] for line in plain_or_policy}) == 1 and plain_or_policy[0]["ops"] > 0
+    assert lines[3]["ops"] > lines[0]["ops"] and all(line["decoder_calls"] == 1 for line in lines)
 
 
 def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     loader = figures("loader", image_folder, tmp_path)
-    assert settings(loader, "mode", "auto_augment") == [("loader", "none"), ("loader", "ta_wide")]
+    assert settings(loader, "mode", "decode", "auto_augment") == [
+        ("loader", decode, policy) for decode in ("cpu", "gpu") for policy in ("none", "ta_wide")]
     (checkpoint,) = figures("checkpoint", image_folder, tmp_path)
     assert checkpoint["mode"] == "checkpoint" and checkpoint["model"] == "test_resnet"
     (tests,) = figures("tests", image_folder, tmp_path)  # no CUDA device here: every test_cuda.py test skips

@@ -31,6 +31,11 @@ class TrainSizes:
             return high
         return max(MULTIPLE, round((low + (epoch - start) / (end - start) * (high - low)) / MULTIPLE) * MULTIPLE)
 
+    @property
+    def largest(self) -> int:
+        """The largest size of any epoch (HIGH under a ramp): what a batch's bytes are bounded by."""
+        return self.size if self.ramp is None or self.epochs is None else max(self.ramp)
+
     def describe(self, epochs: int) -> str:
         """`160 -> 192 px over epochs 12-14 (160, 192, 192)` for the start-up table."""
         if self.ramp is None or self.epochs is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from imagenet_elastic.config import Config
+from imagenet_elastic.data.pipeline import PINNED_BUDGET
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.launch.distributed import group_options
 from imagenet_elastic.launch.launchers import DistEnv
@@ -68,7 +69,7 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                                     + ("; activations recomputed in the backward pass (--grad-checkpointing)"
                                        if c.grad_checkpointing else "")),
         ("decode", loaders.decoding.describe(inputs.device, c.augment)),
-        ("threads / loader workers", f"{inputs.threads} / {loaders.workers} per process"),
+        ("threads / loader workers", describe_loader_workers(inputs.threads, loaders)),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
         ("curves", f"every {c.log_interval} steps to steps.jsonl" + (" and TensorBoard" if inputs.tensorboard else "")
@@ -76,6 +77,17 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ]
+
+
+def describe_loader_workers(threads: int, loaders: Loaders) -> str:
+    """`8 / 14 per process, 2 batches ahead each (pinned budget 1 GiB)`: how far ahead the workers prepare, and on
+    CUDA the page-locked memory that bounds it (pipeline.prefetch_factor)."""
+    text = f"{threads} / {loaders.workers} per process"
+    if loaders.workers:
+        text += f", {loaders.prefetch} batches ahead each"
+        if loaders.pinned:
+            text += f" (pinned budget {PINNED_BUDGET / 2**30:g} GiB)"
+    return text
 
 
 def describe_undecayed(optimizer: Any) -> str:

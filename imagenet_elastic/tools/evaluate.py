@@ -342,11 +342,14 @@ def run(args: Any) -> list[dict[str, Any]]:
         console.warn(decoding.warning(device))
     decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True))
     loaders = []
+    pinned = device.type == "cuda"
+    prefetch = pipeline.prefetch_factor(workers, pipeline.batch_bytes(args.batch_size, prep.crop, args.decode == "gpu"),
+                                        pinned)  # the sets are read one after another: one budget
     with contextlib.ExitStack() as stack:
         for _, source, _ in sets:
             dataset = pipeline.EvalDataset(source, prep.crop, prep.resize, decoding.eval_load, prep.interpolation)
-            loaders.append(pipeline.eval_loader(dataset, args.batch_size, env.rank, env.world_size, workers,
-                                                device.type == "cuda", collate_fn=decoding.collate))
+            loaders.append(pipeline.eval_loader(dataset, args.batch_size, env.rank, env.world_size, workers, pinned,
+                                                collate_fn=decoding.collate, prefetch=prefetch))
         pipeline.share_heap_with_workers()  # workers fork before the process group's threads (build.py's order)
         stack.callback(pipeline.stop_loader_workers)
         for loader in loaders:

@@ -95,6 +95,12 @@ class Counted(Dataset):
         return self.dataset[key]
 
 
+def prefetch(batch: int, size: int, workers: int, decode: str) -> int:
+    """The batches ahead each worker of the trainer's loader would prepare here (pipeline.prefetch_factor)."""
+    return pipeline.prefetch_factor(workers, pipeline.batch_bytes(batch, size, encoded=decode == "gpu"),
+                                    pinned=torch.cuda.is_available())
+
+
 def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decoding: Optional[Decoding] = None,
                 augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
     """Our training loader over `source` (decoding: --decode cpu's unless given)."""
@@ -104,7 +110,7 @@ def ours_loader(source: sources.Source, size: int, batch: int, workers: int, dec
     if counter is not None:
         dataset = Counted(dataset, counter)
     loader = pipeline.train_loader(dataset, sampler, workers, torch.cuda.is_available(),  # type: ignore[arg-type]
-                               collate_fn=decoding.collate)
+                                   collate_fn=decoding.collate, prefetch=prefetch(batch, size, workers, decoding.mode))
     pipeline.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -231,6 +237,7 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr))
     batches = device_batches(endless(loader), ctx.input.device, decoder)
     rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
-    return {"images_per_sec": round(rate, 1), "workers": workers, "images": len(train), "data": train.where(),
-            "decode": decoding.mode, "decode_why": decoding.why, "auto_augment": args.auto_augment,
-            "random_erase": args.random_erase, **settings}
+    return {"images_per_sec": round(rate, 1), "workers": workers,
+            "prefetch": prefetch(args.batch_size, args.image_size, workers, decoding.mode), "images": len(train),
+            "data": train.where(), "decode": decoding.mode, "decode_why": decoding.why,
+            "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

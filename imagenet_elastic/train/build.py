@@ -78,6 +78,8 @@ class Loaders:
     decoding: Decoding  # where batches are decoded, and why there
     decoder: Optional[gpu_decode.BatchDecoder]  # --decode gpu: finishes each batch on the device
     workers: int
+    prefetch: int = pipeline.PREFETCH  # batches each worker prepares ahead (pipeline.prefetch_factor)
+    pinned: bool = False  # on CUDA: the loaders pin their batches, within pipeline.PINNED_BUDGET
 
 
 LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
@@ -224,20 +226,23 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     workers = config.workers if config.workers is not None else decoding.default_workers(cores, env.local_world_size)
     pin = inputs.device.type == "cuda"
     ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see pipeline._worker_init
+    largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
+    batch = pipeline.batch_bytes(config.batch_size, largest, encoded=decoding.mode == "gpu")
+    prefetch = pipeline.prefetch_factor(workers, batch, pinned=pin)
     if decoding.warning(inputs.device):
         console.warn(decoding.warning(inputs.device))
     decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True))
     train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
-                              training.sampler, workers, pin, ignored, decoding.collate)
+                              training.sampler, workers, pin, ignored, decoding.collate, prefetch)
     val_set = pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.eval_load)
     val = pipeline.eval_loader(val_set, config.batch_size, env.rank, env.world_size, workers, pin, ignored,
-                               decoding.collate)
+                               decoding.collate, prefetch)
     pipeline.share_heap_with_workers()
     stack.callback(pipeline.stop_loader_workers)
     for loader in ([] if config.evaluate else [train]) + [val]:
         pipeline.start_workers(loader)
-    return Loaders(train, val, decoding, decoder, workers)
+    return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
 
 
 def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
