@@ -83,6 +83,15 @@ def level_difference(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (a.float() - b.float()).abs().mean(dim=(1, 2, 3))
 
 
+def against_the_workers(index, augment: Augment, epochs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per image, how far the GPU's batch (seed 4) is from the worker path's with the same seed, and with another."""
+    keys = [(e, i) for e in range(epochs) for i in range(len(index))]
+    gpu = decode_on_gpu(index, augment, keys)
+    workers = [torch.stack([pipeline.TrainDataset(index, 120, seed, augment=augment)[key][0] for key in keys])
+               for seed in (4, 5)]
+    return level_difference(gpu, workers[0]), level_difference(gpu, workers[1])
+
+
 def test_nvjpeg_batches_are_the_cpu_paths_crops_within_a_level_or_two(jpegs):
     keys = [(e, i) for e in range(2) for i in range(len(jpegs))]
     gpu = decode_on_gpu(jpegs, Augment(), keys)
@@ -101,25 +110,16 @@ def test_nvjpeg_crops_of_4_2_0_photos_are_the_cpu_paths_within_what_its_chroma_f
     CPU: tests/test_gpu_probes.py), and the IDCT and the float resize's rounding add a few tenths on smooth
     images (< 2 levels together on noise, the test above). Hence < 1.5 per crop: room for all three, while a
     wrong crop, flip or channel order differs by 10 levels or more (another seed's crops: ~30)."""
-    keys = [(e, i) for e in range(2) for i in range(len(photos))]
-    gpu = decode_on_gpu(photos, PHOTO_CROPS, keys)
-    cpu = torch.stack([pipeline.TrainDataset(photos, 120, 4, augment=PHOTO_CROPS)[key][0] for key in keys])
-    other = torch.stack([pipeline.TrainDataset(photos, 120, 5, augment=PHOTO_CROPS)[key][0] for key in keys])
-    same = level_difference(gpu, cpu)
+    same, other = against_the_workers(photos, PHOTO_CROPS, epochs=2)
     assert same.max() < 1.5, same
-    assert level_difference(gpu, other).min() > 4 * same.max(), level_difference(gpu, other)
+    assert other.min() > 4 * same.max(), other
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
 def test_the_policy_and_erasing_on_the_gpu_draw_what_the_workers_draw(jpegs, policy):
-    augment = Augment(policy=policy, erase=0.5)
-    keys = [(e, i) for e in range(3) for i in range(len(jpegs))]
-    gpu = decode_on_gpu(jpegs, augment, keys)
-    cpu = torch.stack([pipeline.TrainDataset(jpegs, 120, 4, augment=augment)[key][0] for key in keys])
-    other = torch.stack([pipeline.TrainDataset(jpegs, 120, 5, augment=augment)[key][0] for key in keys])
-    same = level_difference(gpu, cpu)
+    same, other = against_the_workers(jpegs, Augment(policy=policy, erase=0.5), epochs=3)
     assert same.max() < 4, same
-    assert level_difference(gpu, other).mean() > 4 * same.mean() + 1
+    assert other.mean() > 4 * same.mean() + 1
 
 
 @pytest.mark.parametrize("blurpool", [False, True], ids=["plain", "blurpool"])  # the FFCV recipes' depthwise blur

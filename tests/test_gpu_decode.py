@@ -439,3 +439,22 @@ def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_
                                      "nvjpeg: unsupported"])
 def test_other_device_decoder_failures_are_bad_images_not_out_of_memory(message):
     assert not gpu_decode.device_out_of_memory(RuntimeError(message))
+
+
+def test_the_feeding_stream_is_made_once_per_device_at_high_priority(monkeypatch):
+    """The first GPU run found a stream made at every epoch and every validation pass; each device has one."""
+    made = []
+
+    class Stream:
+        def __init__(self, device, priority=0):
+            made.append((device, priority))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    feed.feeding_stream.cache_clear()
+    try:
+        first = feed.feeding_stream(torch.device("cuda", 0))
+        assert feed.feeding_stream(torch.device("cuda", 0)) is first
+        feed.feeding_stream(torch.device("cuda", 1))
+        assert made == [(torch.device("cuda", 0), -1), (torch.device("cuda", 1), -1)]
+    finally:
+        feed.feeding_stream.cache_clear()

@@ -45,10 +45,10 @@ def test_the_largest_training_size_is_the_ramps_end():
 
 def test_the_start_up_table_says_how_far_ahead_the_workers_prepare_and_the_budget_where_they_pin():
     row = describe_loader_workers
-    assert row(8, build.Loaders(None, None, None, 14, 2, True)) == \
+    assert row(8, build.Loaders(None, None, None, None, 14, 2, True)) == \
         "8 / 14 per process, 2 batches ahead each (pinned budget 1 GiB)"
-    assert row(2, build.Loaders(None, None, None, 1, 4, False)) == "2 / 1 per process, 4 batches ahead each"
-    assert row(2, build.Loaders(None, None, None, 0)) == "2 / 0 per process"
+    assert row(2, build.Loaders(None, None, None, None, 1, 4, False)) == "2 / 1 per process, 4 batches ahead each"
+    assert row(2, build.Loaders(None, None, None, None, 0)) == "2 / 0 per process"
 
 
 @pytest.mark.parametrize(("decode", "batch"), [("cpu", 8 * 96 * 96 * 3), ("gpu", 8 * 110_000)])
