@@ -9,8 +9,9 @@
 #
 #   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
 #
-# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own) and FEW_WORKERS (the
-# few_workers parts' loader workers; default "4 2") may be set in the environment: tests/test_gpu_checks.py runs the
+# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own), FEW_WORKERS (the
+# few_workers parts' loader workers; default "4 2") and ROUNDS (the loader part's; default 3) may be set in the
+# environment: tests/test_gpu_checks.py runs the
 # parts on a CPU with a tiny model, so that the first GPU session does not spend its time on a broken flag.
 #
 # PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile
@@ -29,6 +30,7 @@ BATCH=${BATCH:-256}
 SIZE=${SIZE:-224}
 BATCHES=${BATCHES:-}
 FEW_WORKERS=${FEW_WORKERS:-4 2}
+ROUNDS=${ROUNDS:-3}
 mkdir -p "$WORK"
 
 # Loader workers: the cores less two (the training process and its feeder), then fewer if /dev/shm cannot
@@ -131,9 +133,9 @@ PY
         local n b; n=$(workers); b=$(batches 20)
         local decode
         for decode in cpu gpu; do  # gpu: what the workers supply of --decode gpu's encoded batches
-            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds 3 \
+            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds "$ROUNDS" \
                 --decode "$decode"
-            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds 3 \
+            bench --mode loader --image-size "$SIZE" --workers "$n" --no-compile --batches "$b" --rounds "$ROUNDS" \
                 --decode "$decode" --auto-augment ta_wide --random-erase 0.1
         done
         ;;
