@@ -218,3 +218,14 @@ def test_the_package_imports_no_private_name_of_timm():
                 names = [*(node.module or "").split("."), *(a.name for a in node.names)]
                 private += [f"{path.name}: {node.module} {n}" for n in names if n.startswith("_")]
     assert private == []
+
+
+def test_each_optimizer_and_launcher_brings_its_own_help_to_the_option_that_chooses_it():
+    """A new entry of OPTIMIZERS or METHODS is one line where the list is kept: its help reaches --help unedited."""
+    from imagenet_elastic.launch.launchers import METHODS
+    from imagenet_elastic.train.optimizer import OPTIMIZERS
+
+    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
+    for field, registry in (("opt", OPTIMIZERS), ("dist_init_method", METHODS)):
+        for name, entry in registry.items():
+            assert f"{name} ({entry.help})" in fields[field], (field, name)

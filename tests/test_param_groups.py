@@ -63,7 +63,7 @@ def legacy_optimizer(model: torch.nn.Module, name: str) -> torch.optim.Optimizer
     decay = [p for p in model.parameters() if p.ndim > 1]
     plain = [p for p in model.parameters() if p.ndim <= 1]
     groups = [{"params": decay, "weight_decay": 1e-4}, {"params": plain, "weight_decay": 0.0}]
-    maker, takes_momentum = OPTIMIZERS[name]
+    maker, takes_momentum, _ = OPTIMIZERS[name]
     extra = {"momentum": 0.9} if takes_momentum else {}
     if maker == "torch":
         return torch.optim.SGD(groups, lr=0.1, **extra)

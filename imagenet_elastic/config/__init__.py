@@ -127,8 +127,7 @@ class Config:
         shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
     lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
                        "start)", "model", "X", type=options.positive_float)
-    opt: str = option("sgd", "optimizer: sgd (torch's, fused on CUDA), nesterov, adamw, lamb, lars (timm's "
-                      "create_optimizer_v2)", "model", choices=list(OPTIMIZERS))
+    opt: str = option("sgd", "optimizer: " + options.described(OPTIMIZERS), "model", choices=list(OPTIMIZERS))
     momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
                              type=options.non_negative_float)
     weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
@@ -252,9 +251,8 @@ class Config:
         "(`sqlite:///PATH`); the experiment is `$MLFLOW_EXPERIMENT_NAME`, else imagenet_elastic (`pip install "
         "\"imagenet_elastic[mlflow]\"`)", "run", "URI")
     dist_init_method: str = option(
-        "env", "where ranks come from (see Launching): env (torchrun or torch.distributed.launch variables, or none "
-        "for one process), slurm (srun's `SLURM_*`), spawn (start --nproc-per-node local processes), mpi "
-        "(`OMPI_COMM_WORLD_*` or `PMI_*`)", "distributed", choices=list(LAUNCH_METHODS))
+        "env", "where ranks come from (see Launching): " + options.described(LAUNCH_METHODS), "distributed",
+        choices=list(LAUNCH_METHODS))
     nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
                                            "distributed", "N", shown_default="visible GPUs, else 1",
                                            type=options.positive_int)

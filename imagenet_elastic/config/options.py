@@ -4,7 +4,8 @@ that shows defaults only where they add something, and the value types that chec
 from __future__ import annotations
 
 import argparse
-from typing import Callable, NoReturn, Optional
+from collections.abc import Mapping
+from typing import Any, Callable, NoReturn, Optional
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.preemption import parse_signals
@@ -42,6 +43,12 @@ def shown(value: object) -> str:
     if isinstance(value, float):
         return f"{value:g}"
     return str(value)
+
+
+def described(registry: Mapping[str, Any]) -> str:
+    """A registry's names with each entry's own `help`, for the option that chooses among them: `a (its help), b
+    (its help)`; a new entry brings its help along."""
+    return ", ".join(f"{name} ({entry.help})" for name, entry in registry.items())
 
 
 def bounded(kind: type, low: float, high: Optional[float] = None, inclusive: bool = True) -> Callable[[str], object]:

@@ -11,7 +11,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, NamedTuple, Optional
 from urllib.parse import urlparse
 
 from imagenet_elastic.errors import UserError
@@ -289,10 +289,19 @@ def plan_mpi(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
     return LaunchPlan(env_from_mpi(environ, request.dist_url, request.master_port))
 
 
-# --dist-init-method: how each way of being started becomes this process's plan. Kept here once; config offers
-# these names.
-METHODS: dict[str, Callable[[Mapping[str, str], LaunchRequest], LaunchPlan]] = {
-    "env": plan_env, "slurm": plan_slurm, "spawn": plan_spawn, "mpi": plan_mpi}
+class LaunchMethod(NamedTuple):
+    plan: Callable[[Mapping[str, str], LaunchRequest], LaunchPlan]  # how this way of being started becomes a plan
+    help: str  # for --dist-init-method's help
+
+
+# --dist-init-method: kept here once; config offers these names with their help. A new launcher is a function and
+# a line here.
+METHODS: dict[str, LaunchMethod] = {
+    "env": LaunchMethod(plan_env, "torchrun or torch.distributed.launch variables, or none for one process"),
+    "slurm": LaunchMethod(plan_slurm, "srun's `SLURM_*`"),
+    "spawn": LaunchMethod(plan_spawn, "start --nproc-per-node local processes"),
+    "mpi": LaunchMethod(plan_mpi, "`OMPI_COMM_WORLD_*` or `PMI_*`"),
+}
 
 
 def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,
@@ -300,7 +309,7 @@ def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: O
                    dist_url: Optional[str] = None, visible_gpus: int = 0, uses_gpus: bool = False) -> LaunchPlan:
     if method not in METHODS:
         raise UserError(f"--dist-init-method {method!r} is not supported; choose {', '.join(METHODS)}")
-    return METHODS[method](environ, LaunchRequest(local_rank_arg, nproc_per_node, master_port, dist_url,
+    return METHODS[method].plan(environ, LaunchRequest(local_rank_arg, nproc_per_node, master_port, dist_url,
                                                   visible_gpus, uses_gpus))
 
 

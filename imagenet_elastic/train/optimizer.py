@@ -3,20 +3,27 @@ is loaded from a checkpoint (its own kernels, its parameters' memory layout, no 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, NamedTuple, Optional
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-# --opt: who builds each (torch's SGD, or timm's create_optimizer_v2 by that name) and whether it takes --momentum.
-# Kept here once; config offers these names. Nothing heavy is imported here: the command line reads this table.
-OPTIMIZERS: dict[str, tuple[str, bool]] = {
-    "sgd": ("torch", True),
-    "nesterov": ("timm", True),
-    "adamw": ("timm", False),
-    "lamb": ("timm", False),
-    "lars": ("timm", True),
+
+class OptimizerInfo(NamedTuple):
+    maker: str  # who builds it: torch's SGD, or timm's create_optimizer_v2 by this name
+    takes_momentum: bool  # whether --momentum applies
+    help: str  # for --opt's help
+
+
+# --opt: kept here once; config offers these names with their help. Nothing heavy is imported here: the command
+# line reads this table. A new optimizer is a line here.
+OPTIMIZERS: dict[str, OptimizerInfo] = {
+    "sgd": OptimizerInfo("torch", True, "torch's, fused on CUDA"),
+    "nesterov": OptimizerInfo("timm", True, "SGD with Nesterov momentum, timm's"),
+    "adamw": OptimizerInfo("timm", False, "timm's"),
+    "lamb": OptimizerInfo("timm", False, "timm's, for large batches"),
+    "lars": OptimizerInfo("timm", True, "timm's, for large batches"),
 }
 
 
@@ -97,7 +104,7 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
 
     import torch
 
-    maker, takes_momentum = OPTIMIZERS[name]
+    maker, takes_momentum, _ = OPTIMIZERS[name]
     extra = {"momentum": momentum} if takes_momentum else {}
     groups = param_groups(model, weight_decay, layer_decay)
     if maker == "torch":
