@@ -21,11 +21,11 @@ from timm.data import create_transform, resolve_data_config
 
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import eval_sizes
+from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.data.pipeline import EvalDataset
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.tools.export import export
 from imagenet_elastic.train.model import create_model
-from imagenet_elastic.train.step import IMAGENET_MEAN, IMAGENET_STD
 
 
 def main() -> None:

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 from imagenet_elastic.data.feed import step_groups
+from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
-from imagenet_elastic.train.step import ModelInput, StepContext, prepare_batch, train_step
+from imagenet_elastic.train.step import StepContext, train_step
 
 
 def make_ctx(seed: int = 0) -> StepContext:

@@ -35,6 +35,7 @@ from imagenet_elastic.checkpoint import share
 from imagenet_elastic.checkpoint.saving import HostCopy
 from imagenet_elastic.data import feed, gpu_decode, pipeline
 from imagenet_elastic.data.augment import POLICIES, Augment
+from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
@@ -43,7 +44,7 @@ from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.model import create_ema, create_model
 from imagenet_elastic.train.optimizer import create_optimizer
 from imagenet_elastic.train.state import PendingSteps, TrainState
-from imagenet_elastic.train.step import ModelInput, StepContext, train_step
+from imagenet_elastic.train.step import StepContext, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)

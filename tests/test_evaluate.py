@@ -8,9 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.launch import distributed
-from imagenet_elastic.train.step import ModelInput, evaluate, prepare_batch
+from imagenet_elastic.train.step import evaluate
 
 CPU = torch.device("cpu")
 

@@ -18,12 +18,12 @@ from timm.data import create_transform, resolve_data_config
 
 from imagenet_elastic import cli
 from imagenet_elastic.data import gpu_decode, pipeline
+from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.tools.export import crop_fraction, export
 from imagenet_elastic.train import startup
-from imagenet_elastic.train.step import IMAGENET_MEAN, IMAGENET_STD
 
 CPU = torch.device("cpu")
 

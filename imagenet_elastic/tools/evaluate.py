@@ -95,7 +95,7 @@ class Model:
 
 def ours(crop: int) -> Preprocessing:
     """The trainer's validation at this crop (config.eval_sizes' resize, bilinear, ImageNet's statistics)."""
-    from imagenet_elastic.train.step import IMAGENET_MEAN, IMAGENET_STD
+    from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
     return Preprocessing(crop, eval_sizes(crop, None, None)[1], "bilinear", tuple(m / 255 for m in IMAGENET_MEAN),
                          tuple(s / 255 for s in IMAGENET_STD))
 
@@ -306,11 +306,12 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.feed import device_batches
+    from imagenet_elastic.data.model_input import ModelInput
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train.model import place_model, resolve_precision
-    from imagenet_elastic.train.step import ModelInput, evaluate
+    from imagenet_elastic.train.step import evaluate
 
     env = resolve_launch("env", os.environ).env
     console = Console(env.is_main)

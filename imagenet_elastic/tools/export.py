@@ -25,8 +25,8 @@ from imagenet_elastic.checkpoint import store
 from imagenet_elastic.checkpoint.atomic import process_umask
 from imagenet_elastic.config import eval_sizes, saved_setting
 from imagenet_elastic.config.options import HelpFormatter, Parser
+from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
-from imagenet_elastic.train.step import IMAGENET_MEAN, IMAGENET_STD
 
 # What gives a model timm rebuilt from an export of a --blurpool run its blur back (model.blur_strided_convs)
 BLURPOOL_CALL = "from imagenet_elastic.train.model import blur_strided_convs; blur_strided_convs(model)"

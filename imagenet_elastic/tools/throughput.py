@@ -22,11 +22,12 @@ from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.augment import INCEPTION_CROP, Augment, make_policy
 from imagenet_elastic.data.decoding import Decoding
 from imagenet_elastic.data.feed import device_batches
+from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.launch.distributed import available_cores
-from imagenet_elastic.train.step import ModelInput, StepContext, train_step
+from imagenet_elastic.train.step import StepContext, train_step
 
 # ----------------------------------------------------------------------------- loader
 

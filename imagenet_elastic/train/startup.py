@@ -11,6 +11,7 @@ from typing import Optional
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.config import Config
+from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sources import Source
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
@@ -33,7 +34,7 @@ from imagenet_elastic.train.build import (
 )
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.step import ModelInput, StepContext
+from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.trainer import Trainer
 
 

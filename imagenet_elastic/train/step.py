@@ -12,33 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.train.mixing import Mixer
-
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
-
-
-@dataclass
-class ModelInput:
-    """How a batch of uint8 pixels becomes the model's input: on which device, in which precision (autocast), in
-    which memory layout, normalised with which mean and std (on 0-255 levels). A validation pass needs nothing
-    more; a training step needs this and the rest of StepContext."""
-
-    device: torch.device
-    amp_dtype: Optional[torch.dtype]
-    channels_last: bool
-    normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)
-
-    def __post_init__(self) -> None:
-        mean, std = self.normalisation
-        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
-
-    def autocast(self) -> torch.autocast:
-        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
-                              enabled=self.amp_dtype is not None)
 
 
 @dataclass
@@ -74,18 +51,6 @@ class Counts:
 
     names: tuple[str, ...]
     count: Callable[[torch.Tensor, Batch], torch.Tensor]
-
-
-def prepare_batch(images: torch.Tensor, labels: torch.Tensor, to: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
-
-    The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
-    other one is made while the pixels are uint8, a quarter of the bytes of float32.
-    """
-    images = images.permute(0, 3, 1, 2)
-    if not to.channels_last:
-        images = images.contiguous()
-    return images.float().sub_(to.mean).div_(to.std), labels
 
 
 def seed_micro_batch(seed: int, step: int, position: int) -> None:

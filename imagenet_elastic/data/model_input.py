@@ -1,0 +1,47 @@
+"""How a batch of uint8 pixels on the device becomes the model's input: its normalisation (mean and std on 0-255
+levels), memory layout and autocast precision. The data side owns it, next to the copy that brings the batch to
+the device (feed.py), as timm's PrefetchLoader keeps copy and normalisation together; the training step, validation
+and `evaluate` all take it from here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
+IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+
+
+@dataclass
+class ModelInput:
+    """How a batch of uint8 pixels becomes the model's input: on which device, in which precision (autocast), in
+    which memory layout, normalised with which mean and std (on 0-255 levels). A validation pass needs nothing
+    more; a training step needs this and the rest of StepContext."""
+
+    device: torch.device
+    amp_dtype: Optional[torch.dtype]
+    channels_last: bool
+    normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)
+
+    def __post_init__(self) -> None:
+        mean, std = self.normalisation
+        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
+        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+
+    def autocast(self) -> torch.autocast:
+        return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,
+                              enabled=self.amp_dtype is not None)
+
+
+def prepare_batch(images: torch.Tensor, labels: torch.Tensor, to: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
+    """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
+
+    The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
+    other one is made while the pixels are uint8, a quarter of the bytes of float32.
+    """
+    images = images.permute(0, 3, 1, 2)
+    if not to.channels_last:
+        images = images.contiguous()
+    return images.float().sub_(to.mean).div_(to.std), labels
