@@ -172,7 +172,7 @@ def program() -> NoReturn:
     """
     # timm imports the W&B client wherever it is installed (timm.utils.summary, for a logger we never call):
     # ~0.5 s of CPU in every rank's start. A None in sys.modules makes that import fail as if the package were
-    # absent; --wandb takes the None out again before it looks for the client (report.trackers.installed).
+    # absent; --wandb takes the None out again before it looks for the client (report.sinks.installed).
     sys.modules.setdefault("wandb", None)
     try:
         main()

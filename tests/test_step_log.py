@@ -1,7 +1,7 @@
-"""Curves (step_log.py) and what the progress line says: rows trimmed to the checkpoint on restart,
-TensorBoard continuing without duplicated or out-of-order steps (read back from the event files),
+"""Curves (report/sinks: steps.jsonl, TensorBoard) and what the progress line says: rows trimmed to the checkpoint
+on restart, TensorBoard continuing without duplicated or out-of-order steps (read back from the event files),
 ETAs, the best epoch, and plain lines in log files whatever FORCE_COLOR says. The same continuity
-through a real SIGKILL and resume is in test_training.py."""
+through a real SIGKILL and resume is in test_training.py; every sink getting every number, in test_sinks.py."""
 
 from __future__ import annotations
 
@@ -10,10 +10,13 @@ import json
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from imagenet_elastic import cli
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.report import step_log
 from imagenet_elastic.report.console import Console, clock
-from imagenet_elastic.report.step_log import FILENAME, TENSORBOARD_DIR, StepLog, kept_rows
+from imagenet_elastic.report.sinks import Sinks, chosen, tensorboard_events
+from imagenet_elastic.report.sinks.steps_file import FILENAME, StepsFile, kept_rows
+from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD_DIR
+from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
 from imagenet_elastic.train.trainer import best_epoch
 
 
@@ -27,14 +30,20 @@ def test_rows_beyond_the_checkpoint_and_a_torn_last_line_are_dropped():
     assert kept_rows(text, 0) == []
 
 
+def started(folder, start_step: int, tensorboard: bool = True) -> Sinks:
+    """Rank 0's steps.jsonl (and TensorBoard), started as a run from the checkpoint at `start_step` starts them."""
+    sinks = Sinks([StepsFile(str(folder)), *([TensorBoard(str(folder))] if tensorboard else [])], str(folder), print)
+    sinks.start(start_step, [], {}, continuing=True, started_from=None, name="run", settings={}, facts={})
+    return sinks
+
+
 def log_steps(folder, start_step: int, steps, loss: float, tensorboard: bool = True) -> None:
-    log = StepLog(str(folder), enabled=True, tensorboard=tensorboard, start_step=start_step, warn=print)
-    log.trim()
+    sinks = started(folder, start_step, tensorboard)
     for s in steps:
-        log.step(row(s, loss + s))
-    log.epoch(steps[-1], {"train_loss": 0.5, "images_per_sec": 40.0, "val_loss": 0.7, "val_top1": 60.0,
-                          "val_samples": 35})
-    log.close()
+        sinks.step(row(s, loss + s))
+    sinks.epoch({"step": steps[-1], "train_loss": 0.5, "images_per_sec": 40.0, "val_loss": 0.7, "val_top1": 60.0,
+                 "val_samples": 35})
+    sinks.close(finished=False)
 
 
 def test_a_restart_from_an_earlier_checkpoint_continues_both_curves_without_repeats(tmp_path):
@@ -48,35 +57,37 @@ def test_a_restart_from_an_earlier_checkpoint_continues_both_curves_without_repe
     loss = events.Scalars("train/loss")
     assert [e.step for e in loss] == list(range(1, 13))
     assert [e.value for e in loss] == [float(s) for s in range(1, 7)] + [100.0 + s for s in range(7, 13)]
-    assert {"train/lr", "train/images_per_sec", "train/data_wait", "train/epoch_loss", "val/loss",
-            "val/top1"} <= set(events.Tags()["scalars"])
-    assert [e.step for e in events.Scalars("val/top1")] == [12]  # the first run's epoch (step 10) was purged
+    assert {"train/lr", "train/images_per_sec", "train/data_wait", "epoch/train_loss", "epoch/val_loss",
+            "epoch/val_top1"} <= set(events.Tags()["scalars"])
+    assert [e.step for e in events.Scalars("epoch/val_top1")] == [12]  # the first run's epoch (step 10) was purged
 
 
 def test_a_run_that_logs_nothing_leaves_no_file(tmp_path):
     """A run that fails at its first batch (a corrupt image) changes nothing on disk."""
-    log = StepLog(str(tmp_path), enabled=True, tensorboard=True, start_step=0, warn=print)
-    log.trim()
-    log.flush()
-    log.close()
+    sinks = started(tmp_path, 0)
+    sinks.flush()
+    sinks.close(finished=False)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_only_rank_0_writes(tmp_path):
-    log = StepLog(str(tmp_path), enabled=False, tensorboard=True, start_step=0, warn=print)
-    log.trim()
-    log.step(row(1, 1.0))
-    log.close()
+    config, _ = cli.parse([str(tmp_path), "--checkpoints-path", str(tmp_path), "--tensorboard"])
+    assert chosen(config, is_main=False) == []
+    assert [type(sink) for sink in chosen(config, is_main=True)] == [StepsFile, TensorBoard]
+    sinks = Sinks(chosen(config, is_main=False), str(tmp_path), print)
+    sinks.start(0, [], {}, continuing=False, started_from=None, name="run", settings={}, facts={})
+    sinks.step(row(1, 1.0))
+    sinks.close(finished=True)
     assert list(tmp_path.iterdir()) == []
 
 
 def test_tensorboard_when_installed_unless_refused_and_a_clear_error_when_asked_for_but_missing(monkeypatch):
-    assert step_log.tensorboard_wanted(None) is True and step_log.tensorboard_wanted(False) is False
-    monkeypatch.setattr(step_log.importlib.util, "find_spec", lambda name: None)
-    assert step_log.tensorboard_wanted(None) is False
+    assert tensorboard_events.wanted(None) is True and tensorboard_events.wanted(False) is False
+    monkeypatch.setattr(tensorboard_events.importlib.util, "find_spec", lambda name: None)
+    assert tensorboard_events.wanted(None) is False
     with pytest.raises(UserError, match=r'--tensorboard needs the tensorboard package: pip install '
                                         r'"imagenet_elastic\[tensorboard\]"'):
-        step_log.tensorboard_wanted(True)
+        tensorboard_events.wanted(True)
 
 
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (59.6, "1:00"), (754, "12:34"), (3723, "1:02:03"),

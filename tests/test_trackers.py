@@ -1,8 +1,8 @@
-"""Experiment trackers (report/trackers.py): a run logged to MLflow (a local store, read back with MLflow's own
-client) and to W&B (offline: its transaction logs, read as `wandb sync` reads them) is one tracker run that holds
-every step once, in order, with steps.jsonl's values, whether it was stopped and resumed with --resume, restarted
-before its first checkpoint, or SIGKILLed after its last; a tracker that fails mid-run costs one warning; a store
-that cannot be written is one line at start-up."""
+"""Experiment trackers (report/sinks/tracker.py, a module per tracker): a run logged to MLflow (a local store, read
+back with MLflow's own client) and to W&B (offline: its transaction logs, read as `wandb sync` reads them) is one
+tracker run that holds every step once, in order, with steps.jsonl's values, whether it was stopped and resumed with
+--resume, restarted before its first checkpoint, or SIGKILLed after its last; a tracker that fails mid-run costs one
+warning; a store that cannot be written is one line at start-up."""
 
 from __future__ import annotations
 
@@ -18,8 +18,10 @@ import pytest
 from conftest import SMALL_RUN, python_cmd, run, run_and_kill
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.report import trackers, wandb_log
-from imagenet_elastic.report.step_log import FILENAME as STEPS
+from imagenet_elastic.report import sinks
+from imagenet_elastic.report.sinks import tracker as trackers
+from imagenet_elastic.report.sinks import wandb_log
+from imagenet_elastic.report.sinks.steps_file import FILENAME as STEPS
 
 EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
 
@@ -267,8 +269,8 @@ def test_wandb_online_without_an_account_is_one_line_before_training(tmp_path, m
 
 
 def test_a_missing_package_names_its_extra(tmp_path, image_folder, monkeypatch):
-    find_spec = trackers.importlib.util.find_spec
-    monkeypatch.setattr(trackers.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
+    find_spec = sinks.importlib.util.find_spec
+    monkeypatch.setattr(sinks.importlib.util, "find_spec", lambda name: None if name == "wandb" else find_spec(name))
     done = inprocess.command([str(image_folder), "--checkpoints-path", str(tmp_path), "--wandb", "tests"])
     assert done.returncode == 2
     assert done.stderr.strip().splitlines()[-1] == ('imagenet-elastic: error: --wandb needs the wandb package: '

@@ -132,7 +132,7 @@ def assert_same_curves(resumed: Path, clean: Path, steps: int) -> None:
         loss = events.Scalars("train/loss")
         assert [e.step for e in loss] == list(range(1, steps + 1))
         assert [e.value for e in loss] == pytest.approx([r["loss"] for r in expected], rel=1e-6)  # float32 there
-        assert [e.step for e in events.Scalars("val/top1")] == [steps // 2, steps]
+        assert [e.step for e in events.Scalars("epoch/val_top1")] == [steps // 2, steps]
 
 
 @pytest.mark.multiprocess

@@ -19,6 +19,7 @@ from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
 from imagenet_elastic.launch.preemption import DEFAULT_SIGNALS
+from imagenet_elastic.report.sinks import TRACKERS
 from imagenet_elastic.train.optimizer import OPTIMIZERS
 from imagenet_elastic.train.schedule import SCHEDULES
 
@@ -44,6 +45,12 @@ def option(default: Any, help: str, group: str, metavar: Optional[str] = None, s
     plus the default as README shows it where the value alone would not say it."""
     return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
                                             "shown_default": shown_default, "argparse": argparse_options})
+
+
+def tracker_setting(name: str) -> Any:
+    """The setting of experiment tracker `name` (report/sinks' TRACKERS), which its class describes: metavar, help."""
+    tracker = TRACKERS[name]
+    return option(None, tracker.help, "run", tracker.metavar)
 
 
 @dataclass(frozen=True)
@@ -241,15 +248,8 @@ class Config:
         None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
         "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
         shown_default="when installed", action=argparse.BooleanOptionalAction)
-    wandb: Optional[str] = option(
-        None, "rank 0 also logs steps.jsonl's and metrics.jsonl's rows, the settings and the start-up table to this "
-        "Weights & Biases project (`pip install \"imagenet_elastic[wandb]\"`; `WANDB_MODE=offline` keeps the run "
-        "on disk for `wandb sync`); a restart, requeue or --resume continues the same run, without a step twice",
-        "run", "PROJECT")
-    mlflow: Optional[str] = option(
-        None, "the same to MLflow at this tracking URI: a server (`http://HOST:5000`) or a local store "
-        "(`sqlite:///PATH`); the experiment is `$MLFLOW_EXPERIMENT_NAME`, else imagenet_elastic (`pip install "
-        "\"imagenet_elastic[mlflow]\"`)", "run", "URI")
+    wandb: Optional[str] = tracker_setting("wandb")
+    mlflow: Optional[str] = tracker_setting("mlflow")
     dist_init_method: str = option(
         "env", "where ranks come from (see Launching): " + options.described(LAUNCH_METHODS), "distributed",
         choices=list(LAUNCH_METHODS))

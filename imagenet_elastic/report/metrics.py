@@ -1,18 +1,80 @@
-"""metrics.jsonl: one JSON object per completed epoch, never duplicated across resumes."""
+"""A run's rows, built here and nowhere else: a step row at each log interval (steps.jsonl), an epoch row at each
+epoch's end (metrics.jsonl), and the scalars every sink (report/sinks) makes of them. A new metric is a line in
+`step_row` or `epoch_row`: steps.jsonl, metrics.jsonl, TensorBoard and the trackers all get it.
+
+metrics.jsonl: one JSON object per completed epoch, never duplicated across resumes (its one writer is the
+checkpointer, after each epoch's checkpoint: checkpoint/saving.py).
+"""
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import Any, Protocol
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
 
 FILENAME = "metrics.jsonl"
+TRAIN, EPOCH = "train", "epoch"  # the scalars' prefixes: `train/loss` of a step row, `epoch/val_top1` of an epoch's
+
+
+class Tally(Protocol):
+    """What training did over some steps (train/state.EpochTally): all ranks together."""
+
+    samples: int
+    steps: int
+    loss_sum: float  # sum over steps of the step's mean loss over all ranks
+    seconds: float
+
+
+def step_row(step: int, epoch: float, since: Tally, lr: float, waited: float) -> dict[str, Any]:
+    """steps.jsonl's row for the steps `since` the last one, which ended at optimizer step `step`, at `epoch`
+    (fractional); `waited`: the seconds of those steps spent waiting for the loader."""
+    seconds = max(since.seconds, 1e-9)
+    return {
+        "step": step,
+        "epoch": round(epoch, 4),
+        "loss": since.loss_sum / since.steps,  # the mean over these steps and all ranks
+        "lr": lr,
+        "images_per_sec": since.samples / seconds,
+        "data_wait": min(1.0, waited / seconds),  # the share of the time the loop waited for its next batch
+    }
+
+
+def epoch_row(*, epoch: int, step: int, tally: Tally, validated: dict[str, Any], lr: float, train_size: int,
+              world_size: int, global_batch: int, seconds: float, resumed: bool) -> dict[str, Any]:
+    """metrics.jsonl's row of a completed epoch (`epoch` counts completed epochs): its training `tally`, the
+    validation's results (`val_loss`, `val_top1`, ...), the LR of its last step; `resumed` marks an epoch that a
+    process resumed from a checkpoint finished."""
+    return {
+        "epoch": epoch,
+        "step": step,  # the optimizer step that ended it: where TensorBoard and the trackers put the row
+        "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
+        **validated,
+        "lr": lr,
+        "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
+        "train_size": train_size,
+        "world_size": world_size,
+        "global_batch": global_batch,
+        "epoch_seconds": seconds,
+        **({"resumed": True} if resumed else {}),
+    }
+
+
+def is_number(value: Any) -> bool:
+    """Whether a row's value is a scalar for the sinks and the plot. The one rule: JSON's numbers, and its
+    true/false too (as 1 and 0: the `resumed` mark becomes a point at 1 in every sink); never a string or null."""
+    return isinstance(value, (int, float))
+
+
+def scalars(kind: str, row: dict[str, Any]) -> dict[str, float]:
+    """A row as every sink but the JSON files gets it: each number under `kind/KEY` (`train/loss`, `epoch/val_top1`);
+    its `step` is the x axis, not a value."""
+    return {f"{kind}/{key}": float(value) for key, value in row.items() if key != "step" and is_number(value)}
 
 
 def write(folder: str, history: list[dict[str, Any]]) -> None:
-    """Rewrite the file from the checkpointed history (atomic; a few hundred bytes per epoch).
+    """Rewrite metrics.jsonl from the checkpointed history (atomic; a few hundred bytes per epoch).
 
     Deriving the file from the checkpoint means a run killed between the two writes, or resumed
     from an older checkpoint, never repeats or loses an epoch's row.

@@ -26,8 +26,9 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.errors import UserError, report
-from imagenet_elastic.report import metrics, step_log
-from imagenet_elastic.report.step_log import is_number
+from imagenet_elastic.report import metrics
+from imagenet_elastic.report.metrics import is_number
+from imagenet_elastic.report.sinks import steps_file
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -87,14 +88,14 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
 def read_steps(folder: str) -> list[dict[str, Any]]:
     """The per-step rows with the fields the plot uses; none when the file is absent or unreadable.
     Lines that are not such rows (a killed run's torn last line) are skipped rather than failing the picture."""
-    path = os.path.join(folder, step_log.FILENAME)
+    path = os.path.join(folder, steps_file.FILENAME)
     try:
         with open(path) as f:
             text = f.read()
     except (OSError, UnicodeDecodeError):
         return []
     used = ("epoch", "loss", "lr")
-    return [row for _, row in step_log.whole_rows(text) if all(is_number(row.get(key)) for key in used)]
+    return [row for _, row in steps_file.whole_rows(text) if all(is_number(row.get(key)) for key in used)]
 
 
 # ----------------------------------------------------------------------------- marks

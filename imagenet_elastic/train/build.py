@@ -35,7 +35,7 @@ from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import consistency, distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.report import step_log, trackers
+from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import mixing
 from imagenet_elastic.train.compile import Compilation, compile_choice
@@ -68,7 +68,7 @@ class Training:
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
     load_seconds: float
     resumed_at: Optional[float]  # the checkpoint's time stamp
-    tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/trackers.py)
+    tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
 
 
 @dataclass
@@ -99,8 +99,7 @@ class Inputs:
     load_seconds: float
     initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
     published: Optional[published.Published]  # --pretrained's weights, for a run that starts fresh
-    tensorboard: bool  # rank 0 writes TensorBoard events (see step_log.tensorboard_wanted)
-    trackers: tuple[trackers.Tracker, ...]  # rank 0's experiment trackers (--wandb, --mlflow), checked
+    sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
 
 
 def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextlib.ExitStack,
@@ -123,7 +122,6 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     else:
         sources.check_same_classes(*splits)
     train, val = splits
-    tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
     checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
@@ -134,7 +132,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
             lock.acquire(wait, lambda holder: console.warn(
                 f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
             stack.callback(lock.release)
-    chosen = trackers.chosen(config) if env.is_main and not config.evaluate else []
+    chosen = sinks.chosen(config, env.is_main)
     resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
     if config.evaluate and resume_from is None:
         raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
@@ -151,7 +149,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
         weights = published.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, weights, tensorboard, tuple(chosen))
+                    time.perf_counter() - start, initial, weights, tuple(chosen))
     return inputs, snapshot
 
 

@@ -21,8 +21,7 @@ from imagenet_elastic.report.console import Console
 from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
 from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.report.samplelog import SampleLog
-from imagenet_elastic.report.step_log import StepLog
-from imagenet_elastic.report.trackers import Tracking
+from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import (
     build_loaders,
     check_inputs,
@@ -63,19 +62,16 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
             if training.resumed_at is not None else None)
-    tracking = Tracking(list(inputs.trackers), config.checkpoints_path, console.warn)
-    curves = StepLog(config.checkpoints_path, env.is_main and not config.evaluate, inputs.tensorboard, state.step,
-                     console.warn, tracking)
-    distributed.rank_0_does(curves.trim)
-    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, curves,
+    sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
+    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, sinks,
                       compilation, cost)
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
     facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation)
-    distributed.rank_0_does(lambda: tracking.open(
-        training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
+    distributed.rank_0_does(lambda: sinks.start(
+        state.step, state.history, training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
         started_from=training.resumed_at, name=os.path.basename(os.path.abspath(config.checkpoints_path)),
-        settings=config.to_dict(), facts=dict(facts), rows=curves.kept, history=state.history))
-    checkpointer.after_first_save.append(tracking.forget_pending)  # that checkpoint holds the runs' ids
+        settings=config.to_dict(), facts=dict(facts)))
+    checkpointer.after_first_save.append(sinks.forget_pending)  # that checkpoint holds the trackers' runs
     return trainer
 
 

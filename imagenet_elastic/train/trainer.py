@@ -19,10 +19,11 @@ from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
+from imagenet_elastic.report import metrics
 from imagenet_elastic.report.console import Console, EpochProgress, clock
 from imagenet_elastic.report.restart_cost import RestartCost
 from imagenet_elastic.report.samplelog import SampleLog
-from imagenet_elastic.report.step_log import StepLog
+from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import Loaders, Training
 from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.state import EpochTally, PendingSteps
@@ -32,7 +33,7 @@ from imagenet_elastic.train.step import StepContext, evaluate, train_step
 class Trainer:
     def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, training: Training,
                  loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog,
-                 step_log: StepLog, compilation: Compilation, restart_cost: Optional[RestartCost] = None) -> None:
+                 sinks: Sinks, compilation: Compilation, restart_cost: Optional[RestartCost] = None) -> None:
         self.config, self.env, self.console, self.preempt = config, env, console, preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
         self.training, self.loaders, self.ctx = training, loaders, ctx
@@ -40,7 +41,7 @@ class Trainer:
         self.compilation = compilation
         self.restart_cost = restart_cost  # said after the first step of a resumed run, then dropped
         self.stepped = False  # this process trained a step
-        self.step_log = step_log
+        self.sinks = sinks  # steps.jsonl, TensorBoard, the trackers: rank 0's (report/sinks)
         self.waits = LoaderWaits()
         self.since_log = EpochTally()  # the steps since the last log line
         self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
@@ -61,7 +62,7 @@ class Trainer:
             is_best = top1 > state.best_top1
             state.best_top1 = max(state.best_top1, top1)
             state.history.append(row)
-            self.step_log.epoch(state.step, row)
+            self.sinks.epoch(row)
             self.save(epoch_end=True, is_best=is_best, best_of=best_of)
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             self.console.info(
@@ -106,19 +107,10 @@ class Trainer:
                 if stop:
                     self.stop()
         self.fold(pending)
-        return {
-            "epoch": epoch + 1,
-            "step": state.step,  # the optimizer step that ended it: where trackers and TensorBoard put the row
-            "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
-            **self.validate(),
-            "lr": r.schedule.at(state.step - 1),
-            "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,
-            "train_size": c.train_sizes(epoch),
-            "world_size": self.env.world_size,
-            "global_batch": plan.global_batch,
-            "epoch_seconds": time.perf_counter() - start,
-            **({"resumed": True} if epoch == self.resumed_into else {}),
-        }
+        return metrics.epoch_row(epoch=epoch + 1, step=state.step, tally=tally, validated=self.validate(),
+                                 lr=r.schedule.at(state.step - 1), train_size=c.train_sizes(epoch),
+                                 world_size=self.env.world_size, global_batch=plan.global_batch,
+                                 seconds=time.perf_counter() - start, resumed=epoch == self.resumed_into)
 
     def after_first_step(self) -> None:
         """Once per process, on every rank: what compiling did (compile.Compilation: its warning, its cache file),
@@ -138,17 +130,14 @@ class Trainer:
         """The steps since the last log line: their mean loss over all ranks, images/s, the share of the
         time spent waiting for the loader (the first thing to check when a GPU is starved), ETAs."""
         since, steps_per_epoch = self.since_log, self.sampler.steps
-        seconds = max(since.seconds, 1e-9)
-        row = {"step": self.state.step, "epoch": round(epoch + step_in_epoch / steps_per_epoch, 4),
-               "loss": since.loss_sum / since.steps, "lr": lr, "images_per_sec": since.samples / seconds,
-               "data_wait": min(1.0, self.waits.take() / seconds)}
-        per_step = seconds / since.steps
+        row = metrics.step_row(self.state.step, epoch + step_in_epoch / steps_per_epoch, since, lr, self.waits.take())
+        per_step = max(since.seconds, 1e-9) / since.steps
         left_in_epoch = (steps_per_epoch - step_in_epoch) * per_step
         left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * steps_per_epoch * per_step
         progress.update(step_in_epoch, f"loss {row['loss']:.4f} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
                                        f"data wait {row['data_wait']:.0%} | ETA epoch {clock(left_in_epoch)}, "
                                        f"run {clock(left_in_run)}")
-        self.step_log.step(row)
+        self.sinks.step(row)
         self.since_log = EpochTally()
 
     def validate(self) -> dict[str, Any]:
@@ -179,7 +168,7 @@ class Trainer:
         """`best_of`, at an epoch's end: which weights scored its top-1 (model or model_ema); mid-epoch
         checkpoints validated nothing."""
         state = self.state
-        self.step_log.flush()  # the curves up to this step are on disk with the checkpoint
+        self.sinks.flush()  # the curves up to this step are on disk with the checkpoint
         self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
                                epoch=state.epoch if epoch_end else None, is_best=is_best,
                                history=list(state.history) if epoch_end else None,
@@ -188,7 +177,7 @@ class Trainer:
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
-                "trackers": dict(self.step_log.tracking.runs)}
+                "trackers": self.sinks.tracker_runs}
 
     def stop(self) -> None:
         """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""
@@ -236,7 +225,7 @@ class Trainer:
             self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
                               f"{one_line(unreported)}")
         self.sample_log.close()
-        self.step_log.close(self.finished)
+        self.sinks.close(self.finished)
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
 
 

@@ -1,5 +1,5 @@
 """W&B's transaction log (run-ID.wandb), read as `wandb sync` reads it: the history rows an earlier start of a run
-already sent, which `trackers.WandbTracker.held` counts so that a resumed run sends no step twice."""
+already sent, which `wandb_tracker.WandbTracker.held` counts so that a resumed run sends no step twice."""
 
 from __future__ import annotations
 

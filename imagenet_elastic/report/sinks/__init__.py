@@ -1,0 +1,118 @@
+"""Where a run's rows go: steps.jsonl, TensorBoard and the experiment trackers, each a `Sink` (base.py) with
+`step(row)`, `epoch(row)`, `flush()` and `close()`, behind one container the trainer holds (`Sinks`). The rows are
+built once (report/metrics.py), so every sink gets every number; metrics.jsonl, the checkpoint's record of the
+epochs, is the checkpointer's to write (checkpoint/saving.py). A new tracker is a module and a line in TRACKERS.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from imagenet_elastic.errors import UserError, one_line
+from imagenet_elastic.report.sinks import steps_file, tensorboard_events
+from imagenet_elastic.report.sinks.base import Beginning, Sink
+from imagenet_elastic.report.sinks.mlflow_tracker import MlflowTracker
+from imagenet_elastic.report.sinks.steps_file import StepsFile
+from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
+from imagenet_elastic.report.sinks.tracker import Tracker, TrackerRuns
+from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
+
+if TYPE_CHECKING:
+    from imagenet_elastic.config import Config
+
+# The experiment trackers, each named by its setting (`option`), which its class describes (help, metavar).
+TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
+
+
+def installed(package: str) -> bool:
+    """Whether `package` can be imported; a None that cli.program left for it in sys.modules (so that timm's
+    import of the W&B client fails fast) is taken out first, so that the tracker imports the real one."""
+    if package in sys.modules and sys.modules[package] is None:
+        del sys.modules[package]
+    return importlib.util.find_spec(package) is not None
+
+
+def chosen(config: Config, is_main: bool) -> list[Sink]:
+    """The sinks the settings name, each checked before anything starts (no thread, no worker): rank 0's when it
+    trains (steps.jsonl always); none on the other ranks or under --evaluate. A setting a sink cannot use (a
+    package missing, a store that cannot be written) is a UserError."""
+    tensorboard = tensorboard_events.wanted(config.tensorboard)  # on every rank: each says the same line
+    if not is_main or config.evaluate:
+        return []
+    folder = config.checkpoints_path
+    sinks: list[Sink] = [StepsFile(folder), *([TensorBoard(folder)] if tensorboard else [])]
+    for option, cls in TRACKERS.items():
+        where = getattr(config, option)
+        if where is None:
+            continue
+        tracker = cls(where, folder)
+        if not installed(tracker.package):
+            raise UserError(f'{tracker.flag} needs the {tracker.package} package: pip install '
+                            f'"imagenet_elastic[{option}]"')
+        tracker.check()
+        sinks.append(tracker)
+    return sinks
+
+
+class Sinks:
+    """The sinks the trainer holds, called in turn: rank 0's (`chosen`); every call is nothing where there are none.
+
+    A sink that raises (a full disk, a tracker's server gone) is warned about once and left out, and training goes
+    on; a UserError (the settings' mistake, found at `start`) ends the run."""
+
+    def __init__(self, sinks: Sequence[Sink], folder: str, warn: Callable[[str], None]) -> None:
+        self.sinks, self.folder, self.warn = list(sinks), folder, warn
+        self.runs = TrackerRuns(folder, warn)
+
+    def start(self, step: int, history: list[dict[str, Any]], saved_runs: dict[str, str], continuing: bool,
+              started_from: Optional[float], name: str, settings: dict[str, Any], facts: dict[str, str]) -> None:
+        """Before the first step (rank 0; call it through distributed.rank_0_does, so that every rank says a
+        failure): steps.jsonl, the record, loses its rows beyond the checkpoint's `step`, and every sink continues
+        from there (the trackers: `saved_runs`, the checkpoint's, or the ones a start from this same checkpoint,
+        `started_from`, made when this start `continuing`ly resumes the folder; see tracker.py)."""
+        if not self.sinks:
+            return
+        self.runs.begin(saved_runs, continuing, started_from)
+        beginning = Beginning(step, steps_file.trim(self.folder, step), history, self.runs, name, settings, facts)
+        self.each(lambda sink: sink.start(beginning))
+
+    def step(self, row: dict[str, Any]) -> None:
+        self.each(lambda sink: sink.step(row))
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        self.each(lambda sink: sink.epoch(row))
+
+    def flush(self) -> None:
+        """Before each checkpoint: the curves up to its step are on disk with it."""
+        self.each(lambda sink: sink.flush())
+
+    def close(self, finished: bool) -> None:
+        """`finished`: the run trained its last epoch (the trackers mark their runs so)."""
+        self.each(lambda sink: sink.close(finished), closing=True)
+        self.sinks = []
+
+    @property
+    def tracker_runs(self) -> dict[str, str]:
+        """What checkpoints save: option -> the tracker run this training run is (also of a tracker that failed)."""
+        return dict(self.runs.ids)
+
+    def forget_pending(self) -> None:
+        """After the first checkpoint of this start, which holds `tracker_runs`."""
+        self.runs.forget_pending()
+
+    def each(self, action: Callable[[Sink], None], closing: bool = False) -> None:
+        for sink in list(self.sinks):
+            try:
+                action(sink)
+            except UserError:
+                raise
+            except Exception as error:  # the disk filled, the server went away: the run goes on without it
+                self.sinks.remove(sink)
+                self.warn(f"{sink.name} failed, training goes on without it: {one_line(error)}")
+                if not closing:
+                    with contextlib.suppress(Exception):  # it has failed once already, and said so
+                        sink.close(finished=False)

@@ -1,0 +1,81 @@
+"""steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from.
+
+It continues across kills, restarts and world-size changes without a duplicated or out-of-order step: at start
+every row beyond the checkpoint's step is dropped (`trim`, rewriting the file), and the resumed run logs those steps
+again, with the same values since it trains them again exactly. Each line is flushed as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from typing import IO, Any, Optional
+
+from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
+from imagenet_elastic.report.metrics import is_number
+from imagenet_elastic.report.sinks.base import Sink
+
+FILENAME = "steps.jsonl"
+
+
+def whole_rows(text: str) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(line, row) for each line of a steps.jsonl that is a whole JSON object. Each line is flushed as it is
+    written, so the last one of a killed run may be torn: it is left out, as is anything else unreadable."""
+    for line in text.splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict):
+            yield line, row
+
+
+def kept_rows(text: str, last_step: int) -> list[str]:
+    """The lines of a steps.jsonl whose step the checkpoint covers; a torn last line goes too."""
+    return [line for line, row in whole_rows(text) if is_number(row.get("step")) and row["step"] <= last_step]
+
+
+def trim(folder: str, last_step: int) -> list[dict[str, Any]]:
+    """Before the first step: the rows beyond the step the run starts from go (a run that died after its checkpoint
+    logged them); returns those that stay. A file it cannot read or write is a StorageError naming it."""
+    path = os.path.join(folder, FILENAME)
+    try:
+        with open(path) as f:
+            text = f.read()
+    except FileNotFoundError:
+        text = ""
+    except OSError as error:
+        raise storage_error(error, "reading", path) from None
+    kept = kept_rows(text, last_step)
+    if kept != text.splitlines():
+        try:
+            atomic_write_bytes("".join(line + "\n" for line in kept).encode(), path)
+        except OSError as error:
+            raise storage_error(error, "writing", path) from None
+    return [json.loads(line) for line in kept]
+
+
+class StepsFile(Sink):
+    """Appends each step row to steps.jsonl (trimmed first: see `trim`); the file opens at the first row, so a run
+    that fails before its first one changes nothing on disk. A write it cannot make (a full disk) ends this sink
+    with one warning: the checkpoints say what a full disk means."""
+
+    def __init__(self, folder: str) -> None:
+        self.path = os.path.join(folder, FILENAME)
+        self.name = self.path
+        self.file: Optional[IO[str]] = None
+
+    def step(self, row: dict[str, Any]) -> None:
+        if self.file is None:
+            self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed in close())
+        self.file.write(json.dumps(row) + "\n")
+        self.file.flush()
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        """metrics.jsonl holds the epochs (its writer: the checkpointer, after each epoch's checkpoint)."""
+
+    def close(self, finished: bool) -> None:
+        if self.file is not None:
+            self.file.close()
+            self.file = None

@@ -1,0 +1,69 @@
+"""TensorBoard (--tensorboard, on when the package is installed): every number of every row, as the trackers name
+them (`train/loss`, `epoch/val_top1`), in CHECKPOINTS/tensorboard.
+
+A resumed run continues the same curves: the writer's `purge_step` hides the events beyond the checkpoint's step,
+which the resumed run logs again. Events are flushed at every checkpoint, so what a checkpoint covers is on disk
+with it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from typing import Any, Optional
+
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.report import metrics
+from imagenet_elastic.report.sinks.base import Beginning, Sink
+
+FOLDER = "tensorboard"
+INSTALL = 'pip install "imagenet_elastic[tensorboard]"'
+
+
+def wanted(setting: Optional[bool]) -> bool:
+    """--tensorboard: always (an error when the package is missing); --no-tensorboard: never; neither: when the
+    package is installed."""
+    installed = importlib.util.find_spec("tensorboard") is not None
+    if setting and not installed:
+        raise UserError(f"--tensorboard needs the tensorboard package: {INSTALL}")
+    return installed if setting is None else setting
+
+
+class TensorBoard(Sink):
+    def __init__(self, folder: str) -> None:
+        self.folder = os.path.join(folder, FOLDER)
+        self.name = f"TensorBoard {self.folder}"
+        self.purge_step = 1  # the first step this start logs: the checkpoint's next
+        self.writer: Any = None
+
+    def start(self, beginning: Beginning) -> None:
+        self.purge_step = beginning.step + 1
+
+    def events(self) -> Any:
+        """The writer, made at the first event: a run that fails before it logged anything (a corrupt image at the
+        first batch) leaves no event file behind."""
+        if self.writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.writer = SummaryWriter(self.folder, purge_step=self.purge_step)
+        return self.writer
+
+    def add(self, kind: str, row: dict[str, Any]) -> None:
+        writer = self.events()
+        for tag, value in metrics.scalars(kind, row).items():
+            writer.add_scalar(tag, value, row["step"])
+
+    def step(self, row: dict[str, Any]) -> None:
+        self.add(metrics.TRAIN, row)
+
+    def epoch(self, row: dict[str, Any]) -> None:
+        self.add(metrics.EPOCH, row)
+
+    def flush(self) -> None:
+        if self.writer is not None:
+            self.writer.flush()
+
+    def close(self, finished: bool) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
