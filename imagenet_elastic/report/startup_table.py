@@ -72,7 +72,8 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("threads / loader workers", describe_loader_workers(inputs.threads, loaders)),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
-        ("curves", f"every {c.log_interval} steps: {'; '.join(sink.name for sink in inputs.sinks) or 'none'}"),
+        ("curves", f"every {c.log_interval} steps: {'; '.join(sink.name for sink in inputs.sinks)}" if inputs.sinks
+         else "none"),
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ]
