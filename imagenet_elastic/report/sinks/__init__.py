@@ -70,10 +70,11 @@ class Sinks:
 
     def start(self, step: int, history: list[dict[str, Any]], saved_runs: dict[str, str], continuing: bool,
               started_from: Optional[float], name: str, settings: dict[str, Any], facts: dict[str, str]) -> None:
-        """Before the first step (rank 0; call it through distributed.rank_0_does, so that every rank says a
-        failure): steps.jsonl, the record, loses its rows beyond the checkpoint's `step`, and every sink continues
-        from there (the trackers: `saved_runs`, the checkpoint's, or the ones a start from this same checkpoint,
-        `started_from`, made when this start `continuing`ly resumes the folder; see tracker.py)."""
+        """Before the first step (rank 0, through distributed.rank_0_does, so that every rank says a failure):
+        steps.jsonl, the record, loses its rows beyond the checkpoint's `step`, then each sink starts from there. The
+        trackers continue `saved_runs` (the checkpoint's), else, where this start is `continuing` the folder
+        (--resume, a torchrun restart), the runs a start from the same checkpoint (`started_from`, its time stamp)
+        made: see tracker.py."""
         if not self.sinks:
             return
         self.runs.begin(saved_runs, continuing, started_from)
