@@ -88,6 +88,17 @@ def test_a_model_that_cannot_compile_runs_eager_from_its_first_call(fresh_dynamo
     assert model[0].weight.grad is not None
 
 
+def test_with_dynamo_switched_off_the_model_runs_as_it_is(fresh_dynamo, monkeypatch):
+    """TORCHDYNAMO_DISABLE=1, a common debugging switch, makes torch.compile hand the model back unwrapped (no
+    `_orig_mod`): the compiled model's first call must not depend on the wrapper being there."""
+    monkeypatch.setenv("TORCHDYNAMO_DISABLE", "1")
+    model = nn.Linear(3, 4)
+    wrapped = CompiledOrEager(model, backend=cannot_compile)
+    x = torch.randn(5, 3)
+    torch.testing.assert_close(wrapped(x), model(x))
+    assert wrapped.eager is model and wrapped.failure is None
+
+
 @pytest.mark.skipif(not hasattr(importlib.import_module("torch._functorch.config"), "force_non_lazy_backward_lowering"),
                     reason="this torch compiles the backward at its first use only")
 def test_a_backward_that_cannot_compile_fails_the_first_call_not_the_backward(fresh_dynamo):

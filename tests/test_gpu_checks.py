@@ -103,6 +103,12 @@ def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     assert tests["exit"] == 0 and "skipped" in tests["tests"] and "failed" not in tests["tests"]
 
 
+def test_restart_compile_part_says_what_a_compiled_restart_on_empty_caches_cost(image_folder, tmp_path):
+    (line,) = figures("restart_compile", image_folder, tmp_path, **NOT_COMPILED)
+    assert "after the checkpoint was written" in line["restart_compile"] and "first step" in line["restart_compile"]
+    assert (tmp_path / "restart_compile" / "inductor2").parent.exists()
+
+
 def test_train_part_ends_with_the_epochs_metrics_row(image_folder, tmp_path):
     (row,) = figures("train", image_folder, tmp_path)
     assert (row["epoch"], row["world_size"], row["val_samples"]) == (1, 1, VAL_IMAGES)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -17,13 +18,13 @@ import threading
 import time
 
 import numpy as np
-import pyarrow as pa
-import pyarrow.parquet as pq
 import pytest
 import webdataset as wds
 from conftest import REPO, child_env, make_image_folder, python_cmd
 from PIL import Image
 from test_data import write_jpeg
+from test_parquet_source import hub_folder
+from test_tar_shards import relabel_in_place
 
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_shards
@@ -131,35 +132,20 @@ def test_a_flat_val_folder_with_its_labels_file_is_packed_as_a_split(image_folde
     assert_same_samples(val, labelled)
 
 
-def write_parquet(path, images: list[bytes], labels: list[int], names: tuple[str, ...], rows_per_group: int) -> None:
-    """A file as the `datasets` library writes imagenet-1k: image{bytes,path}, label, ClassLabel names."""
-    table = pa.table({"image": [{"bytes": b, "path": f"img{k}.JPEG"} for k, b in enumerate(images)],
-                      "label": pa.array(labels, type=pa.int64())})
-    features = {"image": {"_type": "Image"}, "label": {"names": list(names), "_type": "ClassLabel"}}
-    table = table.replace_schema_metadata({b"huggingface": json.dumps({"info": {"features": features}}).encode()})
-    pq.write_table(table, path, row_group_size=rows_per_group)
-
-
-def test_hugging_face_parquet_files_are_packed_with_their_class_names(image_folder, tmp_path):
-    train, val = sources.open_splits(str(image_folder), None, None, None)
-    hub = tmp_path / "imagenet-1k" / "data"
-    hub.mkdir(parents=True)
-    half = len(train) // 2
-    for k, part in enumerate((range(half), range(half, len(train)))):
-        write_parquet(hub / f"train-{k:05d}-of-00002.parquet", [train.read(i) for i in part],
-                      [train.label(i) for i in part], train.classes, rows_per_group=7)
-    write_parquet(hub / "validation-00000-of-00001.parquet", [val.read(i) for i in range(len(val))],
-                  val.labels.tolist(), val.classes, rows_per_group=10)
-    write_parquet(hub / "test-00000-of-00001.parquet", [val.read(0)], [-1], val.classes, rows_per_group=1)
-    run_pack(str(tmp_path / "imagenet-1k"), str(tmp_path / "out"), "--shard-size", "20", "--workers", "2")
+def test_hugging_face_parquet_files_are_packed_through_their_source_with_their_names(image_folder, tmp_path):
+    hub = hub_folder(image_folder, tmp_path / "imagenet-1k", rows_per_group=7)
+    run_pack(str(hub), str(tmp_path / "out"), "--shard-size", "20", "--workers", "2")
     packed_train, packed_val = sources.open_splits(str(tmp_path / "out"), None, None, None)
+    train, val = sources.open_splits(str(image_folder), None, None, None)
     assert_same_samples(packed_train, train)  # row groups of 7 across shards of 20 and two files
     assert_same_samples(packed_val, val)
+    assert packed_val.member(0) == "00000000_ILSVRC2012_val_00000001.jpg"  # keyed by the image's own name
 
 
 def test_parquet_without_pyarrow_names_the_extra_to_install(tmp_path, monkeypatch):
     (tmp_path / "src").mkdir()
-    (tmp_path / "src" / "train-00000-of-00001.parquet").write_bytes(b"PAR1")
+    for name in ("train-00000-of-00001.parquet", "validation-00000-of-00001.parquet"):
+        (tmp_path / "src" / name).write_bytes(b"PAR1")
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)
     with pytest.raises(UserError, match=r"needs pyarrow: pip install 'imagenet_elastic\[parquet\]'"):
@@ -178,6 +164,37 @@ def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(im
         said = refused(capsys, str(image_folder), str(target), "--shard-size", "16")
         assert said == f"imagenet-elastic: error: pack: {message}"
         assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
+
+
+def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the_pack_command(image_folder, packed,
+                                                                                              tmp_path, capsys):
+    out, _ = packed
+    copy = tmp_path / "pack"
+    shutil.copytree(out, copy)  # copy2: mtimes kept
+    shard = copy / "train" / "shard-000002.tar"
+    original = sources.open_source(str(copy / "train"), "train", None).label(35)  # the 4th sample of the 3rd shard
+    relabel_in_place(shard, 3, (original + 1) % 4)
+    with pytest.raises(UserError) as raised:
+        sources.open_splits(str(copy), None, None, None)
+    index = copy / "train" / tar_shards.INDEX_NAME
+    assert str(raised.value) == (
+        f"shard {shard} differs from its index {index} (its sample 3 has label {(original + 1) % 4}, the index "
+        f"{original}): it was changed after it was packed; pack again (imagenet-elastic pack {image_folder} NEW_OUT "
+        f"--shard-size 16), or remove {index} to index the shards at start")
+    said = refused(capsys, str(copy), str(tmp_path / "again"))  # pack of the changed pack: the same line
+    assert said == f"imagenet-elastic: error: {raised.value}"
+
+
+def test_a_copy_of_a_pack_that_lost_its_mtimes_is_checked_once_by_its_headers_and_kept(packed, tmp_path):
+    out, _ = packed
+    copy = tmp_path / "pack"
+    shutil.copytree(out, copy, copy_function=shutil.copyfile)  # as `cp -r`: new mtimes
+    train, val = sources.open_splits(str(copy), None, None, None)
+    original, _ = sources.open_splits(str(out), None, None, None)
+    assert train.packed and train.fingerprint() == original.fingerprint() and original.notes == ()
+    assert re.fullmatch(rf"6 shards of {copy / 'train'} have other mtimes than its index records, and the same "
+                        r"samples \(a copy that did not keep mtimes; `cp -a` or `rsync -a` keep them\): checking them "
+                        r"took \d+\.\d s", train.notes[0]), train.notes
 
 
 def test_the_pool_forks_before_the_progress_bar_starts_a_thread(image_folder, tmp_path, monkeypatch):
@@ -213,6 +230,21 @@ def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
     assert json.loads((tmp_path / "out" / "pack.json").read_text())["complete"] is False
 
 
+@pytest.mark.parametrize("options", [[], ["--max-side", "64"]], ids=["every byte kept", "smaller than max-side"])
+def test_an_image_cut_short_is_refused_by_name_though_its_header_reads(tmp_path, capsys, options):
+    """A JPEG whose header is whole but whose data ends early: copied as it is, training would meet it; the pack
+    decodes every image it keeps and refuses this one, naming it, with no index written."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=3, val_per_class=1)
+    bad = sorted((src / "train").rglob("*.jpg"))[4]
+    raw = bad.read_bytes()
+    bad.write_bytes(raw[:len(raw) // 2])
+    with Image.open(bad) as img:
+        assert img.size == (48, 40)  # the header still reads
+    said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "1", *options)
+    assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: image file is truncated"), said
+    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
+
+
 @pytest.mark.slow
 def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path):
     """SIGKILL once the first shards exist: the rerun keeps them, removes the temp file of the shard in flight,
@@ -242,3 +274,28 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
     index = np.load(tmp_path / "out" / "train" / tar_shards.INDEX_NAME)
     assert len(index["labels"]) == 240
     shutil.rmtree(tmp_path / "whole")
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it(tmp_path):
+    """SIGINT to the process group, as a terminal's Ctrl-C sends it to the parent and its pool's workers alike, once
+    the first shards exist: one line and exit 130 (no traceback from the parent or any worker), no index; the same
+    command then finishes the pack."""
+    src = make_image_folder(tmp_path / "src", classes=4, train_per_class=60, val_per_class=5)
+    args = ["pack", str(src), str(tmp_path / "out"), "--shard-size", "8", "--max-side", "32", "--workers", "2"]
+    proc = subprocess.Popen(python_cmd(*args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not (tmp_path / "out" / "train" / "shard-000003.tar").exists():
+        time.sleep(0.01)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    said = err.strip().splitlines()
+    assert proc.returncode == 130 and len(said) == 1, err
+    assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
+                       f"{tmp_path / 'out'} and writes the rest")
+    assert tar_shards.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")
+    result = run_pack(*args[1:])
+    assert result["images"] < 240 + 20  # the kept shards not again
+    train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)
+    assert len(train) == 240 and train.packed

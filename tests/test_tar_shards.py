@@ -4,6 +4,7 @@ incomplete input is one line naming the shard and the sample."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -109,6 +110,72 @@ def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_sha
     time.sleep(0.01)
     os.utime(folder / "part-0002.tar")  # rewritten in place, say
     assert not tar_shards.open_split(str(folder), "train", str(tmp_path)).cached
+
+
+def relabel_in_place(shard, sample: int, label: int) -> None:
+    """Change the label of the shard's sample-th sample (its .cls member's one digit) where it lies: the same size,
+    a new mtime."""
+    with tarfile.open(shard) as tar:
+        member = [m for m in tar.getmembers() if m.name.endswith(".cls")][sample]
+    assert member.size == 1
+    time.sleep(0.01)
+    with open(shard, "r+b") as f:
+        f.seek(member.offset_data)
+        f.write(str(label).encode())
+
+
+def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    tar_shards.open_split(str(folder), "train", str(tmp_path)).keep(str(tmp_path))
+    before = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert before.cached and before.notes == ()
+    relabel_in_place(folder / "part-0002.tar", 3, (before.label(43) + 1) % 4)  # sample #43: the 4th of the 3rd
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
+    assert not after.cached and after.label(43) == (before.label(43) + 1) % 4
+    assert after.labels.tolist() == tar_shards.walk(str(folder), "train").labels.tolist()
+    after.keep(str(tmp_path))
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.notes == () and again.fingerprint() == after.fingerprint()
+
+
+def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    time.sleep(0.01)
+    os.utime(folder / "part-0002.tar")
+    touched = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert touched.notes == () and touched.fingerprint() == walked.fingerprint()
+
+
+def test_the_trainer_warns_what_opening_its_data_noted(written, tmp_path, capsys):
+    from imagenet_elastic import cli
+    from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.report.console import Console
+    from imagenet_elastic.train import build
+
+    paths, _ = written
+    for split in ("train", "val"):
+        shutil.copytree(os.path.dirname(paths[0]), tmp_path / "data" / split)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    train, val = sources.open_splits(str(tmp_path / "data"), None, None, str(ckpt))
+    train.keep(str(ckpt))
+    val.keep(str(ckpt))
+    relabel_in_place(tmp_path / "data" / "val" / "part-0000.tar", 0, 3)
+    config, _ = cli.parse([str(tmp_path / "data"), "--model", "test_resnet", "--checkpoints-path", str(ckpt),
+                           "--device", "cpu"])
+    with contextlib.ExitStack() as stack:
+        inputs, _ = build.check_inputs(config, DistEnv(), Console(True), stack)
+    assert inputs.val.label(0) == 3
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"warning: shard {tmp_path / 'data' / 'val' / 'part-0000.tar'} changed since it was indexed: "
+                    "indexed again"]
 
 
 def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):

@@ -1,7 +1,7 @@
 """Training from each form ImageNet is held in: a pack (`imagenet-elastic pack`), shards written by the webdataset
-package's own writer, and class folders with a flat, labelled val folder. A run on any of them is bitwise the run on
-the class folders they hold; a SIGKILLed torchrun job restarts, resumes at another world size and evaluates from
-them exactly as from the folders."""
+package's own writer, Hugging Face parquet files read in place, and class folders with a flat, labelled val folder.
+A run on any of them is bitwise the run on the class folders they hold; a SIGKILLed torchrun job restarts, resumes
+at another world size and evaluates from them exactly as from the folders."""
 
 from __future__ import annotations
 
@@ -24,13 +24,14 @@ from conftest import (
 from inprocess import evaluate, train
 from test_labelled_folder import flatten
 from test_pack import run_pack
+from test_parquet_source import hub_folder
 from test_tar_shards import wds_shards
 
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.report.metrics import read as read_metrics
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--max-steps-per-epoch", "3", "--global-batch-size", "16"]
-FORMS = ("pack", "webdataset", "flat val")
+FORMS = ("pack", "webdataset", "parquet", "flat val")
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +43,10 @@ def forms(image_folder, tmp_path_factory) -> dict[str, list[str]]:
         wds_shards(image_folder / split, root / "wds" / split, per_shard=25)
     classes = scan_image_folder(str(image_folder / "train"), "train").classes
     (root / "wds" / "classes.txt").write_text("".join(f"{c}\n" for c in classes))
+    hub_folder(image_folder, root / "hub", rows_per_group=10)
     rows = flatten(image_folder, root / "flat")
     (root / "labels.csv").write_text("".join(f"{name},{cls}\n" for name, cls in rows))
-    return {"pack": [str(root / "pack")], "webdataset": [str(root / "wds")],
+    return {"pack": [str(root / "pack")], "webdataset": [str(root / "wds")], "parquet": [str(root / "hub")],
             "flat val": [str(image_folder), "--val-path", str(root / "flat"), "--val-labels", str(root / "labels.csv")]}
 
 

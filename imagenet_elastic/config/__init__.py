@@ -56,11 +56,13 @@ def tracker_setting(name: str) -> Any:
 @dataclass(frozen=True)
 class Config:
     data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
-                                        "shards (`imagenet-elastic pack`, WebDataset); or the train split itself: a "
-                                        "folder, a shard pattern (`shards-{0000..1023}.tar`) or a glob",
+                                        "shards (`imagenet-elastic pack`, WebDataset); a folder of Hugging Face "
+                                        "parquet files; or the train split itself: a folder, a shard pattern "
+                                        "(`shards-{0000..1023}.tar`) or a glob. A prefix (`folder:`, `wds:`, "
+                                        "`parquet:`) names the form",
                                 "metavar": "DATA", "positional": True})
     val_path: Optional[str] = option(None, "the validation split: class folders, tar shards (a folder or a pattern), "
-                                     "or a flat folder of images with --val-labels", "run", "PATH",
+                                     "parquet files, or a flat folder of images with --val-labels", "run", "PATH",
                                      shown_default="`DATA/val`")
     val_labels: Optional[str] = option(
         None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "

@@ -181,8 +181,9 @@ def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int =
         with open(paths[-1], "wb") as f:
             f.truncate(sizes[-1])
     labels = np.arange(entries, dtype=np.int64) * classes // entries
-    index = tar_shards.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64),
-                                 np.zeros(len(paths), dtype=np.int64), tuple(f"n{c:08d}" for c in range(classes)),
+    mtimes = np.array([os.stat(p).st_mtime_ns for p in paths], dtype=np.int64)
+    index = tar_shards.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64), mtimes,
+                                 tuple(f"n{c:08d}" for c in range(classes)),
                                  labels, shard, offsets.astype(np.int64), lengths)
     tar_shards.write_index(index, os.path.join(split, tar_shards.INDEX_NAME), relative_to=split)
     return split

@@ -93,13 +93,19 @@ class CompiledOrEager(nn.Module):
         self.failure: Optional[str] = None  # error_line of the failed compile
         self.compile_seconds: Optional[float] = None  # the first call: tracing and compiling, forward and backward
 
+    @property
+    def eager(self) -> nn.Module:
+        """The model itself: torch.compile's wrapper holds it as `_orig_mod`, unless dynamo is off
+        (TORCHDYNAMO_DISABLE=1), when torch.compile hands the model back as it is."""
+        return getattr(self.compiled, "_orig_mod", self.compiled)
+
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         if self.failure is not None:
-            return self.compiled._orig_mod(*args, **kwargs)
+            return self.eager(*args, **kwargs)
         if self.called:
             return self.compiled(*args, **kwargs)
         self.called = True
-        undo = undoer(self.compiled._orig_mod)
+        undo = undoer(self.eager)
         start = time.perf_counter()
         try:
             with backward_compiled_with_forward():
@@ -107,7 +113,7 @@ class CompiledOrEager(nn.Module):
         except Exception as error:
             self.compile_seconds, self.failure = time.perf_counter() - start, error_line(error)
             undo()
-            return self.compiled._orig_mod(*args, **kwargs)
+            return self.eager(*args, **kwargs)
         self.compile_seconds = time.perf_counter() - start
         return out
 

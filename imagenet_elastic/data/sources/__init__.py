@@ -1,66 +1,127 @@
 """Sources of samples: the forms a split of ImageNet is held in, behind one interface (base.Source).
 
-    image_folder.py     DIR/CLASS/**/IMAGE, torchvision's ImageFolder layout
+    image_folder.py     DIR/CLASS/**/IMAGE, torchvision's ImageFolder layout                    (prefix folder:)
     tar_shards.py       a folder, brace pattern or glob of WebDataset tar shards (KEY.jpg + KEY.cls), indexed once
-    labelled_folder.py  a flat folder of images with a labels file (ImageNet's original validation set)
+                                                                                                (prefix wds:)
+    parquet.py          Hugging Face's imagenet-1k parquet files, read in place by row group   (prefix parquet:)
+    labelled_folder.py  a flat folder of images with a labels file (ImageNet's original validation set; folder:)
 
 `open_splits` turns the command line's DATA, --val-path and --val-labels into the train and val sources.
-A new source is one module (a `Source` subclass, `claims` and `open_split`) and one entry in `KINDS`: nothing
-downstream changes.
+A location names its kind by a prefix (`wds:/data/shards`, `parquet:/data/hf`, `folder:/data/imagenet`), as timm's
+reader factory does, before any look at the file system; else the first kind in `KINDS` that claims it opens it.
+A new source (a remote store, LMDB) is one module and one entry in `KINDS`: nothing downstream changes. A kind's
+module has
+    PREFIX                                          the word before the colon that names it
+    claims(location, labels_file) -> bool           whether an unprefixed location is of this kind
+    open_split(location, role, cache_dir, classes, labels_file) -> Source
+and may have
+    is_pattern(location) -> bool                    a location of its files that is not a folder (a glob, a file)
+    split_folder(folder) -> (train, val) or None    a folder that holds both splits, told apart by file names
 """
 
 from __future__ import annotations
 
 import os
+import re
 from types import ModuleType
 from typing import Optional
 
-from imagenet_elastic.data.sources import image_folder, labelled_folder, tar_shards
+from imagenet_elastic.data.sources import image_folder, labelled_folder, parquet, tar_shards
 from imagenet_elastic.data.sources.base import FileList, Source
 from imagenet_elastic.errors import UserError
 
-# Each module has `claims(location, labels_file) -> bool` and `open_split(location, role, cache_dir, classes,
-# labels_file) -> Source`. In the order they are asked: the first that claims a location opens it.
-KINDS: tuple[ModuleType, ...] = (tar_shards, labelled_folder, image_folder)
+# In the order they are asked: the first that claims a location opens it (parquet before tar shards: a
+# `*.parquet` glob is a pattern to both; a labels file before class folders: a flat folder is a folder too).
+KINDS: tuple[ModuleType, ...] = (parquet, tar_shards, labelled_folder, image_folder)
+_PREFIXED = re.compile(r"([a-z][a-z0-9+.-]*):(?!//)(.*)", re.DOTALL)  # `wds:/data`, not `s3://bucket`
+_SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://")
+
+
+def prefixes() -> list[str]:
+    return sorted({kind.PREFIX for kind in KINDS})
+
+
+def kind_of(location: str) -> tuple[Optional[str], str]:
+    """(the prefix naming the location's kind, or None, and the location without it). A word and a colon that name
+    no kind are part of a path (`run:2/data`), unless nothing is there; a URL is refused."""
+    match = _PREFIXED.fullmatch(location)
+    if match and match.group(1) in prefixes():
+        return match.group(1), match.group(2)
+    if (match or _SCHEME.match(location)) and not os.path.exists(location):
+        known = ", ".join(f"{p}:" for p in prefixes())
+        raise UserError(f"no source reads {location}: a location is a path, or a path after one of {known}")
+    return None, location
+
+
+def prefixed(prefix: Optional[str], location: str) -> str:
+    return f"{prefix}:{location}" if prefix else location
+
+
+def candidates(prefix: Optional[str]) -> tuple[ModuleType, ...]:
+    return tuple(kind for kind in KINDS if prefix is None or prefix == kind.PREFIX)
+
+
+def is_pattern(location: str) -> bool:
+    """A location of files that is not a folder: a shard or parquet pattern, or one such file."""
+    prefix, path = kind_of(location)
+    return any(getattr(kind, "is_pattern", lambda _: False)(path) for kind in candidates(prefix))
+
+
+def both_splits(data: str) -> Optional[tuple[str, str]]:
+    """The train and val locations of a folder that holds both side by side, told apart by file names (timm's
+    imagenet-1k-wds, Hugging Face's parquet files), by the first kind that sees both there; None otherwise."""
+    prefix, path = kind_of(data)
+    for kind in candidates(prefix):
+        found = getattr(kind, "split_folder", lambda _: None)(path)
+        if found:
+            return prefixed(prefix, found[0]), prefixed(prefix, found[1])
+    return None
 
 
 def open_source(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                 labels_file: Optional[str] = None) -> Source:
-    """The source at `location`; `classes`: the training set's, for a split that names its labels by them (a
-    labels file) or by number alone (shards without a classes file)."""
-    for kind in KINDS:
-        if kind.claims(location, labels_file):
-            return kind.open_split(location, role, cache_dir, classes, labels_file)
+    """The source at `location`; `classes`: the training split's, for a split that names its labels by them (a
+    labels file) or by number alone (shards or parquet files without class names). A prefixed location is opened
+    by its kind, whatever is (or is not) there: that kind's own errors say what is wrong."""
+    prefix, path = kind_of(location)
+    kinds = candidates(prefix)
+    for kind in kinds:
+        if kind.claims(path, labels_file):
+            return kind.open_split(path, role, cache_dir, classes, labels_file)
+    if prefix is not None:  # none of the prefix's kinds claims it: the last (the most general) says why
+        return kinds[-1].open_split(path, role, cache_dir, classes, labels_file)
     if not os.path.exists(location):
         what = "data folder" if role == "train" else "validation folder"
         raise UserError(f"{what} {location} does not exist" + ("; pass --val-path" if role == "val" else ""))
-    raise UserError(f"{role} data {location} is neither a folder of class folders nor tar shards")
+    raise UserError(f"{role} data {location} is neither a folder of class folders, tar shards nor parquet files")
 
 
 def train_location(data: str) -> str:
-    """DATA/train, or the train shards of a folder of train and validation shards side by side (timm's
-    imagenet-1k-wds), or DATA itself (a folder or a shard pattern)."""
-    if tar_shards.is_pattern(data):
+    """DATA/train, or the train split of a folder of train and validation files side by side (timm's
+    imagenet-1k-wds, Hugging Face's parquet files), or DATA itself (a folder or a pattern)."""
+    if is_pattern(data):
         return data
-    if not os.path.isdir(data):
-        raise UserError(f"data folder {data} does not exist")
-    train = os.path.join(data, "train")
+    prefix, path = kind_of(data)
+    if not os.path.isdir(path):
+        raise UserError(f"data folder {path} does not exist")
+    train = os.path.join(path, "train")
     if os.path.isdir(train):
-        return train
-    both = tar_shards.split_patterns(data)
+        return prefixed(prefix, train)
+    both = both_splits(data)
     return both[0] if both else data
 
 
 def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
-    """DATA/train and DATA/val; DATA itself is the train split when it has no train/ (a folder or a shard
-    pattern), and then --val-path names the val split."""
+    """DATA/train and DATA/val; DATA itself is the train split when it has no train/ (a folder or a pattern), and
+    then --val-path names the val split."""
     train = train_location(data)
-    if tar_shards.is_pattern(data) and val_path is None:
-        raise UserError(f"DATA {data} is a shard pattern: pass --val-path for the validation split")
-    both = None if val_path or tar_shards.is_pattern(data) else tar_shards.split_patterns(data)
-    val = val_path or (both[1] if both else os.path.join(data, "val"))
-    if not tar_shards.is_pattern(val) and not os.path.isdir(val):
-        raise UserError(f"validation folder {val} does not exist" + ("" if val_path else "; pass --val-path"))
+    if is_pattern(data) and val_path is None:
+        raise UserError(f"DATA {data} is a pattern of files: pass --val-path for the validation split")
+    both = None if val_path or is_pattern(data) else both_splits(data)
+    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], os.path.join(kind_of(data)[1], "val")))
+    if not is_pattern(val) and not os.path.isdir(kind_of(val)[1]):
+        raise UserError(f"validation folder {kind_of(val)[1]} does not exist" + ("" if val_path else
+                                                                               "; pass --val-path"))
     return train, val
 
 
@@ -85,5 +146,5 @@ def check_same_classes(train: Source, val: Source) -> None:
     )
 
 
-__all__ = ["KINDS", "FileList", "Source", "check_same_classes", "open_source", "open_splits",
-           "split_locations", "train_location"]
+__all__ = ["KINDS", "FileList", "Source", "both_splits", "check_same_classes", "is_pattern", "kind_of",
+           "open_source", "open_splits", "split_locations", "train_location"]

@@ -35,6 +35,7 @@ class Source(abc.ABC):
     classes: tuple[str, ...]
     labels: np.ndarray  # int64, one class index per sample
     cached: bool = False  # its list came from a cache rather than a scan (said in the start-up table)
+    notes: tuple[str, ...] = ()  # what opening it found that the user should hear (a changed shard): warnings
 
     def __len__(self) -> int:
         return len(self.labels)

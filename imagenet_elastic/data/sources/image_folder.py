@@ -27,6 +27,7 @@ from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.data.sources.base import Source
 from imagenet_elastic.errors import CorruptImageError, UserError
 
+PREFIX = "folder"  # `folder:DIR` (sources.kind_of)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CACHE_VERSION = 2  # 2: the root folder's inode number
 

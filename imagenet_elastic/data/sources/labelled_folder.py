@@ -19,6 +19,7 @@ import numpy as np
 from imagenet_elastic.data.sources.image_folder import FilesUnder
 from imagenet_elastic.errors import UserError
 
+PREFIX = "folder"  # `folder:DIR` with --val-labels (sources.kind_of)
 HEADER_WORDS = {"filename", "file", "image", "imageid", "image_id", "path", "name"}
 
 

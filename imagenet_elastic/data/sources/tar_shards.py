@@ -7,8 +7,8 @@ A split is a folder of `*.tar` files (sorted by name), or a brace or glob patter
 an index: for each sample its shard, the offset and length of its image bytes, and its label, in numpy arrays
 (28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md).
 `imagenet-elastic pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are
-indexed at the first start and the index is kept in the checkpoints folder, re-used while every shard keeps its
-size and mtime.
+indexed at the first start and the index is kept in the checkpoints folder. Either is checked against its shards at
+every start (`check_shards`): a pack's shard changed since is refused, one from elsewhere is indexed again, said.
 
 Reading sample i maps its shard (once per process, lazily: a loader worker maps what it reads) and copies the
 sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any
@@ -28,6 +28,7 @@ import mmap
 import os
 import re
 import tarfile
+import time
 from dataclasses import dataclass, replace
 from typing import Optional
 
@@ -37,11 +38,13 @@ from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
 from imagenet_elastic.errors import CorruptImageError, UserError
 
+PREFIX = "wds"  # `wds:PATTERN` names shards whatever the file system says (sources.kind_of)
 IMAGE_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # in the order a sample's image is preferred
 LABEL_EXTENSION = "cls"
 CLASSES_FILE = "classes.txt"
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
+PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 _PATTERN_CHARS = "{*?["
 
 
@@ -113,6 +116,7 @@ class TarShards(Source):
     lengths: np.ndarray  # int64 per sample: how many
     cached: bool = False  # the index was read, not walked
     packed: bool = False  # the index is the one `pack` wrote beside the shards
+    notes: tuple[str, ...] = ()  # what opening it found worth a warning (Source.notes)
 
     def read(self, i: int) -> bytes:
         path = self.shards[int(self.shard[i])]
@@ -315,6 +319,9 @@ def split_patterns(folder: str) -> Optional[tuple[str, str]]:
     return None
 
 
+split_folder = split_patterns  # the name the registry asks every kind by (sources.both_splits)
+
+
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
     """Index the shards of `location` by walking their headers."""
     paths = shard_paths(location, role)
@@ -389,17 +396,94 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
             raise UserError(f"shard index {path} lists other shards than {location} holds ({missing[0]}): was the "
                             "pack changed after it was written?")
         return None
-    for shard, size, mtime in zip(current, sizes.tolist(), mtimes.tolist()):
-        stat = os.stat(shard)
-        if stat.st_size != size:
-            if packed:
-                raise UserError(f"shard {shard} has {stat.st_size} bytes but its index {path} says {size}: the shard "
-                                "was replaced or cut short after it was packed")
-            return None
-        if not packed and stat.st_mtime_ns != mtime:
-            return None
     return TarShards(location, role, tuple(shards), sizes, mtimes, classes, arrays["labels"], arrays["shard"],
                      arrays["offsets"], arrays["lengths"], cached=True, packed=packed)
+
+
+# ----------------------------------------------------------------------------- is the index still its shards'?
+
+def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """The index `source` (read from `index`) if its shards are still the ones it describes.
+
+    Each shard's size and st_mtime_ns, taken when it was indexed, against a `stat` of it now: one call a shard,
+    milliseconds for 1,024 shards, where a digest of their contents would read 140 GB and one of their
+    member headers 2.5 M scattered blocks at every start. Any write changes the mtime, so a shard changed in place
+    at its old size is seen, and a copy that keeps mtimes (`cp -a`, `rsync -a`, `tar x`) of a changed shard carries
+    the changed one's mtime, not the one recorded. What mtimes cannot tell is a faithful copy that does not keep
+    them (`cp -r`, most object-store downloads): a shard whose size is the same and mtime is not is therefore
+    walked again (its tar headers and labels, ~40 ms for 1,250 samples) and compared with the index: equal, it is
+    the same shard.
+
+    A pack's index (`source.packed`) is a promise about its shards: a shard of another size, or walked to other
+    samples, is refused, naming it and how to pack again; shards that only lost their mtimes are kept, with a note
+    of what that check cost. A cache of shards from elsewhere is the trainer's own: a changed shard is walked
+    again and the index rebuilt from its walk and the others' entries, with a note naming it."""
+    stats = [os.stat(p) for p in source.shards]
+    resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
+    touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
+    if source.packed and resized:
+        k = resized[0]
+        raise UserError(f"shard {source.shards[k]} has {stats[k].st_size} bytes but its index {index} says "
+                        f"{int(source.sizes[k])}: the shard was replaced or cut short after it was packed; "
+                        f"{pack_again(index)}")
+    if not resized and not touched:
+        return source
+    start = time.perf_counter()
+    walked = {k: walk_shard(source.shards[k], source.role) for k in (*resized, *touched)}
+    seconds = time.perf_counter() - start
+    changed = [k for k in sorted(walked) if walked[k] != indexed_samples(source, k)]
+    if source.packed:
+        if changed:
+            k = changed[0]
+            raise UserError(f"shard {source.shards[k]} differs from its index {index} "
+                            f"({first_difference(indexed_samples(source, k), walked[k])}): it was changed after it "
+                            f"was packed; {pack_again(index)}")
+        note = (f"{len(touched)} shards of {source.location} have other mtimes than its index records, and the same "
+                f"samples (a copy that did not keep mtimes; `cp -a` or `rsync -a` keep them): checking them took "
+                f"{seconds:.1f} s")
+        return replace(source, notes=(note,))
+    if not changed:  # touched alone: the index holds, with the shards' mtimes of now
+        return replace(source, sizes=np.array([stat.st_size for stat in stats], dtype=np.int64),
+                       mtimes=np.array([stat.st_mtime_ns for stat in stats], dtype=np.int64), cached=False)
+    k = changed[0]
+    others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
+    found = [walked.get(j) or indexed_samples(source, j) for j in range(len(source.shards))]
+    rebuilt = assemble(source.location, source.role, list(source.shards), found, classes)
+    return replace(rebuilt, notes=(f"shard {source.shards[k]}{others} changed since it was indexed: indexed again",))
+
+
+def indexed_samples(source: TarShards, k: int) -> Found:
+    """Shard k's samples as the index holds them."""
+    lo, hi = np.searchsorted(source.shard, [k, k + 1]).tolist()
+    return Found(source.offsets[lo:hi].tolist(), source.lengths[lo:hi].tolist(), source.labels[lo:hi].tolist())
+
+
+def first_difference(indexed: Found, walked: Found) -> str:
+    """What a shard's walk found that its index does not say, for the message."""
+    if len(walked.labels) != len(indexed.labels):
+        return f"{len(walked.labels)} samples, the index {len(indexed.labels)}"
+    j = next(j for j in range(len(walked.labels)) if (walked.offsets[j], walked.lengths[j], walked.labels[j])
+             != (indexed.offsets[j], indexed.lengths[j], indexed.labels[j]))
+    if walked.labels[j] != indexed.labels[j]:
+        return f"its sample {j} has label {walked.labels[j]}, the index {indexed.labels[j]}"
+    return f"its sample {j} lies at bytes {walked.offsets[j]}+{walked.lengths[j]}, the index says " \
+           f"{indexed.offsets[j]}+{indexed.lengths[j]}"
+
+
+def pack_again(index: str) -> str:
+    """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
+    command = "imagenet-elastic pack SRC NEW_OUT"
+    try:
+        with open(os.path.join(root, PACK_FILE)) as f:
+            record = json.load(f)
+        options = record["options"]
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
+                        if v is not None and (k != "quality" or options.get("max_side") is not None))
+        command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return f"pack again ({command}), or remove {index} to index the shards at start"
 
 
 def open_split(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
@@ -410,12 +494,11 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
                         f".{LABEL_EXTENSION} members are the labels)")
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
-    if os.path.isfile(beside):
-        source = read_index(beside, location, role, paths, packed=True)
-    else:
-        source = read_index(cache_path(cache_dir, role), location, role, paths, packed=False) if cache_dir else None
+    index = beside if os.path.isfile(beside) else cache_path(cache_dir, role) if cache_dir else None
+    source = read_index(index, location, role, paths, packed=index == beside) if index else None
     if source is None:
         return walk(location, role, classes)
+    source = check_shards(source, index, classes)
     numbered = source.classes == tuple(map(str, range(len(source.classes))))
     if classes is not None and source.classes != classes and numbered:
         source = _with_classes(source, classes)

@@ -1,0 +1,304 @@
+"""Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
+image{bytes,path} and label, ClassLabel names in the files' metadata), or any files with an `image` column (that
+struct, or plain bytes) and an integer `label` column. Needs pyarrow (the `parquet` extra).
+
+A split is one `.parquet` file, a glob or brace pattern of them, or a folder (or its `data/` subfolder, the Hub's
+layout) whose files are split by name as a folder of train and validation shards is: `train-*` for the training
+split, `validation-*` (or `val-*`) for validation; `test-*` (unlabelled) is never read. A folder whose files name
+no split is one split.
+
+Opening a split reads each file's footer and its label column (a few bytes a sample): the index is the labels and
+where each row group starts. Reading sample i reads its row group's image column (pyarrow, one thread), in the
+process that asks (a loader worker opens its own files after the fork) and keeps that one row group until a sample
+of another is asked for: at most one row group per process in memory, never a file. Sequential reads (validation,
+`pack`) read each row group once; a shuffled epoch reads a row group per sample, which is why `pack` is the form
+to train from at scale (docs/BENCHMARKS.md "Data sources").
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import numpy as np
+
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+PREFIX = "parquet"
+SUFFIX = ".parquet"
+SUBFOLDER = "data"  # the Hub's datasets keep their files in data/
+SPLIT_WORDS = {"train": ("train",), "val": ("validation", "val")}  # a file's name starts with one, then - or _
+INSTALL = "pip install 'imagenet_elastic[parquet]'"
+
+
+def pyarrow_parquet() -> Any:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise UserError(f"reading parquet files needs pyarrow: {INSTALL}") from None
+    return pq
+
+
+def is_pattern(location: str) -> bool:
+    """One parquet file, or a pattern of them."""
+    return location.endswith(SUFFIX)
+
+
+def folder_files(folder: str) -> list[str]:
+    """The .parquet files of a folder, else of its data/ subfolder: no deeper walk (a folder of class folders is
+    asked too, and listing its 1.28 M files would cost minutes)."""
+    for where in (folder, os.path.join(folder, SUBFOLDER)):
+        try:
+            names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
+        except OSError:
+            continue
+        if names:
+            return [os.path.join(where, n) for n in names]
+    return []
+
+
+def split_of(path: str) -> Optional[str]:
+    """"train", "val" or None, from a file's name (`train-00000-of-00294.parquet`, `validation-...`, `test-...`)."""
+    name = os.path.basename(path).lower()
+    for role, words in SPLIT_WORDS.items():
+        if any(name.startswith(word) and name[len(word):len(word) + 1] in ("-", "_", ".") for word in words):
+            return role
+    return None
+
+
+def claims(location: str, labels_file: Optional[str] = None) -> bool:
+    return is_pattern(location) or (os.path.isdir(location) and bool(folder_files(location)))
+
+
+def split_folder(folder: str) -> Optional[tuple[str, str]]:
+    """The folder as both splits when its files are named by split (each split takes its own files, `role_files`;
+    one that has none says so)."""
+    return (folder, folder) if any(split_of(p) for p in folder_files(folder)) else None
+
+
+def role_files(location: str, role: str) -> list[str]:
+    """The files of a split, in order: a pattern's (each brace part globbed), or the folder's files named for the
+    role (all of them when none is named for any split)."""
+    from imagenet_elastic.data.sources.tar_shards import expand_braces
+
+    if not os.path.isdir(location):
+        paths = []
+        for part in expand_braces(location):
+            found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+            missing = next((p for p in found if not os.path.isfile(p)), None) if found else part
+            if missing is not None:
+                raise UserError(f"{role} parquet file {missing} does not exist (from {location})")
+            paths.extend(found)
+        return paths
+    files = folder_files(location)
+    if not files:
+        raise UserError(f"{role} data {location} holds no .parquet files")
+    named = [p for p in files if split_of(p) == role]
+    if named or any(split_of(p) for p in files):
+        if not named:
+            words = " or ".join(f"{w}-*{SUFFIX}" for w in SPLIT_WORDS[role])
+            raise UserError(f"{location} holds no {role} parquet files (named {words})")
+        return named
+    return files
+
+
+@dataclass(frozen=True)
+class ParquetFiles(Source):
+    location: str  # as given: a folder, a file or a pattern
+    role: str
+    files: tuple[str, ...]  # paths, in order
+    sizes: np.ndarray  # int64 bytes of each file, for the start-up check across nodes
+    classes: tuple[str, ...]
+    labels: np.ndarray  # int64 per sample
+    starts: np.ndarray  # int64: the first sample of each row group, and the total at the end
+    group_file: np.ndarray  # int32 per row group: its file
+    group_number: np.ndarray  # int32 per row group: its number in that file
+    file_starts: np.ndarray  # int64: the first sample of each file
+    notes: tuple[str, ...] = ()  # what opening it found worth a warning (Source.notes)
+
+    def group(self, i: int) -> int:
+        return int(np.searchsorted(self.starts, i, side="right")) - 1
+
+    def read(self, i: int) -> bytes:
+        g = self.group(i)
+        images = _row_group(self, g, images=True).images
+        raw = images[i - int(self.starts[g])].as_py() if images is not None else None
+        if not raw:
+            raise CorruptImageError(f"{self.name(i)} has no image bytes")
+        return raw
+
+    def name(self, i: int) -> str:
+        """`FILE:ROW`, then the image's own path where the file keeps it (`...:ILSVRC2012_val_00000001.JPEG`)."""
+        g = self.group(i)
+        f = int(self.group_file[g])
+        where = f"{self.files[f]}:{i - int(self.file_starts[f])}"
+        paths = _row_group(self, g, images=False).paths
+        path = paths[i - int(self.starts[g])].as_py() if paths is not None else None
+        return f"{where}:{path}" if path else where
+
+    def where(self) -> str:
+        return f"{self.location} ({len(self.files)} parquet files)"
+
+    def entries(self) -> np.ndarray:
+        """`FILE.parquet:ROW` of each sample."""
+        names = [os.path.basename(p) for p in self.files]
+        counts = np.diff(np.append(self.file_starts, len(self)))
+        return np.array([f"{names[f]}:{row}".encode() for f, n in enumerate(counts.tolist()) for row in range(n)])
+
+    def fingerprint(self) -> FileList:
+        """The file names, sizes and row groups with the labels: no entry strings built at every start."""
+        names = np.array([os.path.basename(p).encode() for p in self.files])
+        return FileList(len(self), len(self.classes),
+                        digest_of(self.classes, names, self.sizes, self.starts, self.group_file, self.labels))
+
+
+@dataclass
+class _Group:
+    """One row group as this process last read it: its images' bytes (when read was asked) and their paths, as
+    pyarrow arrays (a sample's bytes become a Python object when it is read, not the whole group's)."""
+
+    key: tuple[str, int]  # (file, row group number)
+    paths: Any  # pyarrow StringArray, or None where the file keeps no paths
+    images: Any  # pyarrow BinaryArray, or None: only the paths were read
+
+
+_OPEN: dict[str, Any] = {}  # this process's ParquetFile of each file it read
+_LAST: list[Optional[_Group]] = [None]
+_PID = [0]
+
+
+def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
+    """Row group g of `source`, from this process's one kept group or read now (the image column whole when
+    `images`, else only the paths)."""
+    if _PID[0] != os.getpid():  # a forked worker opens its own files and keeps its own group
+        _OPEN.clear()
+        _LAST[0] = None
+        _PID[0] = os.getpid()
+    path, number = source.files[int(source.group_file[g])], int(source.group_number[g])
+    kept = _LAST[0]
+    if kept is not None and kept.key == (path, number) and (kept.images is not None or not images):
+        return kept
+    try:
+        file = _OPEN.get(path)
+        if file is None:
+            file = _OPEN[path] = pyarrow_parquet().ParquetFile(path)
+        if not images and not _keeps_paths(file.schema_arrow):
+            column = None
+        else:
+            column = file.read_row_group(number, columns=["image"] if images else ["image.path"],
+                                         use_threads=False).column("image").combine_chunks()
+    except (OSError, ValueError, KeyError) as error:  # pyarrow's ArrowInvalid is a ValueError
+        raise CorruptImageError(f"cannot read row group {number} of parquet file {path}: {error}") from None
+    if column is None:
+        return _Group((path, number), None, None)
+    kept = _Group((path, number), _paths(column), _images(column) if images else None)
+    _LAST[0] = kept
+    return kept
+
+
+def _keeps_paths(schema: Any) -> bool:
+    import pyarrow as pa
+
+    image = schema.field("image").type
+    return pa.types.is_struct(image) and image.get_field_index("path") >= 0
+
+
+def _paths(column: Any) -> Any:
+    import pyarrow as pa
+
+    if pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0:
+        return column.field("path")
+    return None
+
+
+def _images(column: Any) -> Any:
+    import pyarrow as pa
+
+    return column.field("bytes") if pa.types.is_struct(column.type) else column
+
+
+# ----------------------------------------------------------------------------- opening a split
+
+def label_names(schema: Any) -> Optional[tuple[str, ...]]:
+    """The ClassLabel names the `datasets` library writes into a parquet file's metadata, if it did."""
+    try:
+        info = json.loads(schema.metadata[b"huggingface"])
+        names = info["info"]["features"]["label"]["names"]
+        return tuple(str(n) for n in names) or None
+    except (TypeError, KeyError, ValueError):
+        return None
+
+
+def check_columns(schema: Any, path: str) -> None:
+    import pyarrow as pa
+
+    missing = {"image", "label"} - set(schema.names)
+    if missing:
+        raise UserError(f"parquet file {path} has no column {sorted(missing)[0]!r} (imagenet-1k's rows are "
+                        "image{bytes,path} and label)")
+    image, label = schema.field("image").type, schema.field("label").type
+    images = (pa.types.is_struct(image) and image.get_field_index("bytes") >= 0) or pa.types.is_binary(image) \
+        or pa.types.is_large_binary(image)
+    if not images or not pa.types.is_integer(label):
+        raise UserError(f"parquet file {path}: column image is {image} and label is {label}; expected image "
+                        "struct<bytes, path> (or binary) and an integer label")
+
+
+def open_split(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
+               labels_file: Optional[str] = None) -> ParquetFiles:
+    """The rows of the split's files: their footers and label columns read now (one thread: loader workers fork
+    after this), the images when asked for. `classes`: the training split's, for files that name none."""
+    if labels_file is not None:
+        raise UserError(f"--val-labels is for a flat folder of images, but {location} holds parquet files (their "
+                        "label column is the labels)")
+    pq = pyarrow_parquet()
+    paths = role_files(location, role)
+    named: Optional[tuple[str, ...]] = None
+    labels, starts, group_file, group_number, file_starts, sizes = [], [0], [], [], [], []
+    for f, path in enumerate(paths):
+        try:
+            file = pq.ParquetFile(path)
+            check_columns(file.schema_arrow, path)
+            read = file.read(columns=["label"], use_threads=False).column("label")
+            sizes.append(os.path.getsize(path))
+        except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
+            raise UserError(f"{role} parquet file {path} is not readable: {error}") from None
+        if read.null_count:
+            row = int(np.flatnonzero(read.is_null().to_numpy())[0])
+            raise UserError(f"{role} parquet file {path}: row {row} has no label")
+        named = named or label_names(file.schema_arrow)
+        file_starts.append(starts[-1])
+        for g in range(file.metadata.num_row_groups):
+            starts.append(starts[-1] + file.metadata.row_group(g).num_rows)
+            group_file.append(f)
+            group_number.append(g)
+        labels.append(read.to_numpy().astype(np.int64))
+    all_labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+    if not len(all_labels):
+        raise UserError(f"{role} data {location} holds no rows")
+    known = named or classes or tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1))
+    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(known), all_labels,
+                          np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
+                          np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
+    check_labels(source, "the files name" if named else "the training split has" if classes else "")
+    rows = len(all_labels) / max(1, len(group_file))
+    if role == "train" and rows > 1:
+        return replace(source, notes=(
+            f"training from parquet files in place reads a row group ({rows:.0f} images on average here) for each "
+            "shuffled sample: `imagenet-elastic pack` makes tar shards that train several times faster",))
+    return source
+
+
+def check_labels(source: ParquetFiles, named_by: str) -> None:
+    bad = np.flatnonzero((source.labels < 0) | (source.labels >= len(source.classes)))
+    if not len(bad):
+        return
+    i = int(bad[0])
+    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
+    bound = f": {named_by} {len(source.classes)} classes" if named_by else ""
+    raise UserError(f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
+                    f"{i - int(source.file_starts[f])} is out of range{bound}")
