@@ -111,6 +111,33 @@ def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_sha
     assert not tar_shards.open_split(str(folder), "train", str(tmp_path)).cached
 
 
+@pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
+def test_a_damaged_index_cache_is_walked_again_with_a_note_and_a_damaged_pack_index_is_named(written, tmp_path,
+                                                                                              how):
+    from test_image_folder_source import damage
+
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    cache = tar_shards.cache_path(str(tmp_path), "train")
+    said = damage(cache, how, array="offsets")
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert not again.cached and again.fingerprint() == walked.fingerprint()
+    assert again.notes == (f"the shard index cache {cache} {said}: the shards were indexed again",)
+    index = folder / tar_shards.INDEX_NAME  # as pack writes it, in OUT/train/ beside OUT/pack.json
+    tar_shards.write_index(walked, str(index), relative_to=str(folder))
+    (tmp_path / "pack.json").write_text(json.dumps({"source": "/data/imagenet", "options": {
+        "max_side": None, "quality": 90, "shard_size": 20}}))
+    damage(str(index), how, array="offsets")
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert str(caught.value) == (f"shard index {index} {said}: pack again (imagenet-elastic pack /data/imagenet "
+                                 "NEW_FOLDER --quality 90 --shard-size 20), or remove it to have the shards indexed "
+                                 "at each start")
+
+
 def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):
     paths, _ = written
     folder = tmp_path / "named" / "train"

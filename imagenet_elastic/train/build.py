@@ -123,6 +123,8 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     else:
         sources.check_same_classes(*splits)
     train, val = splits
+    for note in train.notes + val.notes:
+        console.warn(note)
     tensorboard = step_log.tensorboard_wanted(config.tensorboard) and not config.evaluate
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")

@@ -34,6 +34,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.data.sources import index_file
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
 from imagenet_elastic.errors import CorruptImageError, UserError
 
@@ -42,6 +43,8 @@ LABEL_EXTENSION = "cls"
 CLASSES_FILE = "classes.txt"
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
+INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
+PACK_RECORD = "pack.json"  # what pack writes in OUT beside train/ and val/ (tools/pack.py PACK_FILE): SRC, options
 _PATTERN_CHARS = "{*?["
 
 
@@ -113,6 +116,7 @@ class TarShards(Source):
     lengths: np.ndarray  # int64 per sample: how many
     cached: bool = False  # the index was read, not walked
     packed: bool = False  # the index is the one `pack` wrote beside the shards
+    notes: tuple[str, ...] = ()
 
     def read(self, i: int) -> bytes:
         path = self.shards[int(self.shard[i])]
@@ -350,6 +354,20 @@ def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[F
 
 # ----------------------------------------------------------------------------- the index on disk
 
+def repack_command(index: str) -> str:
+    """The `imagenet-elastic pack` command that packs again what a pack's index belongs to, from the SRC and options
+    its PACK_RECORD keeps (SRC itself where that cannot be read), into a new folder: pack leaves a complete pack
+    as it is."""
+    try:
+        with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(index))), PACK_RECORD)) as f:
+            record = json.load(f)
+        source, options = str(record["source"]), dict(record.get("options") or {})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        source, options = "SRC", {}
+    flags = "".join(f" --{key.replace('_', '-')} {value}" for key, value in options.items() if value is not None)
+    return f"imagenet-elastic pack {source} NEW_FOLDER{flags}"
+
+
 def cache_path(cache_dir: str, role: str) -> str:
     return os.path.join(cache_dir, f"index-{role}-shards.npz")
 
@@ -367,21 +385,16 @@ def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> Non
 
 def read_index(path: str, location: str, role: str, shards: list[str], packed: bool) -> Optional[TarShards]:
     """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
-    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard."""
-    try:
-        with np.load(path, allow_pickle=False) as saved:
-            if int(saved["version"]) != INDEX_VERSION:
-                return None
-            folder = os.path.dirname(path)
-            listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
-            sizes, mtimes = saved["sizes"], saved["mtimes"]
-            arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
-            classes = tuple(str(c) for c in saved["classes"])
-    except (OSError, ValueError, KeyError):
-        if packed:
-            raise UserError(f"shard index {path} is damaged: run imagenet-elastic pack again, or remove it to "
-                            "index the shards at start") from None
+    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard. A
+    damaged file is index_file.Unreadable."""
+    saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS)
+    if saved is None:
         return None
+    folder = os.path.dirname(path)
+    listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
+    sizes, mtimes = saved["sizes"], saved["mtimes"]
+    arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
+    classes = tuple(str(c) for c in saved["classes"])
     current = [os.path.normpath(os.path.abspath(p)) for p in shards]
     if [os.path.abspath(p) for p in listed] != current:
         if packed:
@@ -411,9 +424,18 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
     if os.path.isfile(beside):
-        source = read_index(beside, location, role, paths, packed=True)
+        try:
+            source = read_index(beside, location, role, paths, packed=True)
+        except index_file.Unreadable as error:
+            raise UserError(f"shard index {error}: pack again ({repack_command(beside)}), or remove it to have the "
+                            "shards indexed at each start") from None
     else:
-        source = read_index(cache_path(cache_dir, role), location, role, paths, packed=False) if cache_dir else None
+        try:
+            source = read_index(cache_path(cache_dir, role), location, role, paths, packed=False) if cache_dir \
+                else None
+        except index_file.Unreadable as error:
+            return replace(walk(location, role, classes),
+                           notes=(f"the shard index cache {error}: the shards were indexed again",))
     if source is None:
         return walk(location, role, classes)
     numbered = source.classes == tuple(map(str, range(len(source.classes))))
