@@ -182,7 +182,8 @@ def test_cache_of_another_root_is_not_used(cached_split, tmp_path):
 def damage(path: str, how: str, array: str = "paths") -> str:
     """The index file at `path` as a crash, a full disk or another program leaves it (or an older program, without
     `array`); what its note says."""
-    data = open(path, "rb").read()
+    with open(path, "rb") as f:
+        data = f.read()
     damaged, said = {"empty": (b"", "is empty"),
                      "cut short": (data[:len(data) // 2], "is damaged (File is not a zip file)"),
                      "not an npz": (b"not an npz file", "is not a numpy .npz file"),

@@ -253,15 +253,43 @@ def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(w
                                                          b"part-0003.tar:sample00060.jpg")
 
 
-def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(image_folder, tmp_path):
-    """timm's imagenet-1k-wds keeps imagenet1k-train-NNNN.tar and imagenet1k-validation-NN.tar in one folder, with
-    an _info.json; DATA is that folder."""
+@pytest.fixture
+def side_by_side(image_folder, tmp_path):
+    """timm's imagenet-1k-wds: imagenet1k-train-NNNN.tar and imagenet1k-validation-NNNN.tar in one folder, with an
+    _info.json; and the class names."""
     for split, word in (("train", "train"), ("val", "validation")):
         for k, path in enumerate(wds_shards(image_folder / split, tmp_path / "tmp" / split, per_shard=40)):
             shutil.move(path, tmp_path / f"imagenet1k-{word}-{k:04d}.tar")
     classes = scan_image_folder(str(image_folder / "train"), "train").classes
     (tmp_path / "_info.json").write_text(json.dumps({"name": "imagenet-1k", "class_names": list(classes)}))
     shutil.rmtree(tmp_path / "tmp")
-    train, val = sources.open_splits(str(tmp_path), None, None, None)
+    return tmp_path, classes
+
+
+def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(side_by_side, image_folder):
+    """As DATA; as --val-path beside another DATA; as a VAL of `evaluate` (which opens it as below)."""
+    folder, classes = side_by_side
+    train, val = sources.open_splits(str(folder), None, None, None)
     assert (len(train), len(val), train.classes) == (96, 35, classes)
     assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]
+    _, val = sources.open_splits(str(image_folder), str(folder), None, None)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"] and len(val) == 35
+    assert val.where() == f"{folder / '*validation*.tar'} (1 shards)"
+    evaluated = sources.open_source(str(folder), "val", None, classes)
+    assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
+
+
+@pytest.mark.parametrize("extra", ["imagenet1k-test-0000.tar", "imagenet1k-train-validation-0000.tar"])
+def test_a_folder_of_both_splits_whose_names_do_not_tell_every_shards_split_is_refused(side_by_side, image_folder,
+                                                                                        extra):
+    folder, classes = side_by_side
+    shutil.copy(folder / "imagenet1k-validation-0000.tar", folder / extra)
+    said = f"{folder} holds train shards (imagenet1k-train-0000.tar ...) and validation shards (imagenet1k-" \
+           f"validation-0000.tar ...), and {extra}, whose name says {'both' if 'train' in extra else 'neither'}: " \
+           f"name each split's shards with a pattern ({folder / '*train*.tar'}, {folder / '*validation*.tar'})"
+    for open_it in (lambda: sources.open_splits(str(folder), None, None, None),
+                    lambda: sources.open_splits(str(image_folder), str(folder), None, None),
+                    lambda: sources.open_source(str(folder), "val", None, classes)):
+        with pytest.raises(UserError) as caught:
+            open_it()
+        assert str(caught.value) == said

@@ -16,7 +16,8 @@ moment, so the world-size-invariant sampler, step-exact resume and --ra-reps wor
 Class names come from a `classes.txt` (one per line, in label order) in the shards' folder or the one above
 it, or a `class_names` list in an `_info.json` there; without either the labels are the names ("0", "1", ...),
 or the training split's classes for a val split. A folder that holds train and validation shards side by side
-(timm's imagenet-1k-wds) is split by their names (`split_patterns`).
+(timm's imagenet-1k-wds) is split by their names (`split_patterns`), whether it is DATA, --val-path or a VAL of
+`evaluate`.
 """
 
 from __future__ import annotations
@@ -306,17 +307,32 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
 
 def split_patterns(folder: str) -> Optional[tuple[str, str]]:
     """Patterns of the train and val shards of a folder that holds both side by side, as timm's imagenet-1k-wds
-    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None otherwise."""
+    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None for a folder of one
+    split's shards. A folder of both whose names do not tell every shard's split is refused."""
     try:
-        names = [n for n in os.listdir(folder) if n.endswith(".tar")]
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".tar"))
     except OSError:
         return None
-    train = [n for n in names if "train" in n]
+    train = {n for n in names if "train" in n}
     for word in ("validation", "val"):
-        val = [n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)]
-        if train and val and len(train) + len(val) == len(names):
-            return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
+        val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
+        if not (train and val):
+            continue
+        unclear = [n for n in names if (n in train) == (n in val)]
+        if unclear:
+            raise UserError(f"{folder} holds train shards ({min(train - val or train)} ...) and {word} shards "
+                            f"({min(val - train or val)} ...), and {unclear[0]}, whose name says "
+                            f"{'both' if unclear[0] in train else 'neither'}: name each split's shards with a pattern "
+                            f"({os.path.join(folder, '*train*.tar')}, {os.path.join(folder, f'*{word}*.tar')})")
+        return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
     return None
+
+
+def split_location(location: str, role: str) -> str:
+    """`location` itself, or this split's shards where it is a folder of train and validation shards side by side:
+    a folder given as --val-path, or to `evaluate`, scores its validation shards alone."""
+    both = None if is_pattern(location) else split_patterns(location)
+    return location if both is None else both[0] if role == "train" else both[1]
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
@@ -421,6 +437,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     if labels_file is not None:
         raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
                         f".{LABEL_EXTENSION} members are the labels)")
+    location = split_location(location, role)
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
     if os.path.isfile(beside):
