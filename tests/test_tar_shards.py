@@ -174,6 +174,15 @@ def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, m
     assert said.startswith(f"train shard {tmp_path / 's-0.tar'}") and said.endswith(message) or message in said, said
 
 
+@pytest.mark.parametrize("order", [("png", "jpg"), ("jpg", "png"), ("webp", "jpeg"), ("webp", "PNG")])
+def test_a_sample_with_several_images_takes_the_one_first_in_image_extensions_wherever_it_lies(tmp_path, order):
+    write_tar(tmp_path / "s-0.tar", [*((f"a.{ext}", ext.encode()) for ext in order), ("a.cls", b"0"),
+                                     ("b.jpg", b"jpg"), ("b.cls", b"1")])
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    best = min(order, key=lambda ext: tar_shards.IMAGE_EXTENSIONS.index(ext.lower()))
+    assert shards.read(0) == best.encode() and shards.member(0) == f"a.{best}"
+
+
 def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(written, tmp_path):
     paths, _ = written
     cut = tmp_path / "cut"
@@ -233,10 +242,12 @@ def test_a_val_split_of_numbered_shards_takes_the_training_splits_class_names(wr
     (root / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
     train, val = sources.open_splits(str(root), None, None, None)
     assert train.classes == val.classes == ("ant", "bee", "cat", "dog") and val.label(0) == 3
-    write_tar(root / "val" / "v.tar", [("a.jpg", folder.read(0)), ("a.cls", b"4")])
-    with pytest.raises(UserError, match=r"val shard .*v\.tar: label 4 of sample #0 is out of range: the classes file "
-                                        "lists 4 classes"):
+    write_tar(root / "val" / "w.tar", [("b.jpg", folder.read(1)), ("b.cls", b"4"), ("c.jpg", folder.read(2)),
+                                       ("c.cls", b"0")])  # the bad label is the first sample of the second shard
+    with pytest.raises(UserError) as caught:
         sources.open_splits(str(root), None, None, None)
+    assert str(caught.value) == f"val shard {root / 'val' / 'w.tar'}: label 4 of sample #1 is out of range: the " \
+                                "classes file lists 4 classes"
 
 
 def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(written, tmp_path):

@@ -250,7 +250,7 @@ def walk_shard(path: str, role: str) -> Found:
                 if member_key != key:
                     finish()
                     key, image, label = member_key, None, None
-                if extension in IMAGE_EXTENSIONS and image is None:
+                if extension in IMAGE_EXTENSIONS and (image is None or preferred(extension, image.name)):
                     image = member
                 elif extension == LABEL_EXTENSION:
                     label = _read_label(tar, member, path, key, role)
@@ -263,6 +263,12 @@ def walk_shard(path: str, role: str) -> Found:
     if not found.labels:
         raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
     return found
+
+
+def preferred(extension: str, than: str) -> bool:
+    """An image of this extension is preferred to the member `than` of the same sample (IMAGE_EXTENSIONS' order),
+    wherever the two lie in the shard."""
+    return IMAGE_EXTENSIONS.index(extension) < IMAGE_EXTENSIONS.index(split_name(than)[1])
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: Optional[str], role: str) -> int:
