@@ -32,7 +32,6 @@ stderr, after which that tracker is left out and training goes on.
 from __future__ import annotations
 
 import contextlib
-import glob
 import importlib.util
 import json
 import os
@@ -48,7 +47,7 @@ from typing import Any, Callable, ClassVar, Optional
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import UserError, one_line
-from imagenet_elastic.report.wandb_log import wandb_history
+from imagenet_elastic.report.wandb_log import transaction_logs, wandb_history
 
 PENDING = "trackers.json"
 TRAIN_KEY = "train/loss"  # in every step row: the step the tracker last holds of steps.jsonl
@@ -119,7 +118,6 @@ class WandbTracker(Tracker):
 
     option, package = "wandb", "wandb"
     NOT_IN_NAME = re.compile(r"[/\\#?%:]")  # W&B refuses these in a project's name
-    STARTED = re.compile(r"\d{8}_\d{6}")  # a run folder's start time, as wandb names it
 
     def __init__(self, where: str, folder: str) -> None:
         super().__init__(where, folder)
@@ -149,9 +147,8 @@ class WandbTracker(Tracker):
         return self.run.id
 
     def logs(self, run_id: str) -> list[str]:
-        """This run's transaction logs, one per start (offline-run-TIME-ID, or run-TIME-ID online), oldest first."""
-        found = glob.glob(os.path.join(self.dir, "wandb", f"*run-*-{run_id}", f"run-{run_id}.wandb"))
-        return sorted(found, key=lambda path: self.STARTED.findall(os.path.basename(os.path.dirname(path)))[:1])
+        """This run's transaction logs, one per start, oldest first."""
+        return transaction_logs(os.path.join(self.dir, "wandb"), run_id)
 
     def held(self) -> dict[str, int]:
         last = {TRAIN_KEY: 0, EPOCH_KEY: 0}
