@@ -117,6 +117,21 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, trained)
     expect_user_error(args, "is of model 'test_resnet', but --model is 'resnet18'", ckpt)
 
 
+def test_evaluate_takes_the_model_and_validation_sizes_from_its_checkpoint_and_refuses_another_model(tmp_path,
+                                                                                                     image_folder,
+                                                                                                     trained):
+    """README's `DATA --evaluate --resume CKPT`, with nothing of the run repeated: the scores of the run's own
+    settings, without a warning; another --model than the checkpoint's is one line."""
+    command = [str(image_folder), "--evaluate", "--resume", str(trained / "last.pt"), "--checkpoints-path",
+               str(tmp_path / "scratch"), "--amp", "none"]
+    alone = inprocess.command([*command, "--workers", "0"])
+    assert alone.returncode == 0 and "warning" not in alone.stderr, alone.stderr
+    repeated = inprocess.command([*command, *SMALL_RUN, "--workers", "0"])
+    assert alone.stdout.splitlines()[-1] == repeated.stdout.splitlines()[-1]
+    expect_user_error([*command, "--model", "resnet18"], f"checkpoint {trained / 'last.pt'} is of model "
+                      "'test_resnet', but --model is 'resnet18'", trained)
+
+
 def test_checkpoint_with_another_class_count_is_refused(tmp_path, trained):
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
     ckpt = copy_trained(trained, tmp_path)
