@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, Optional
 
-from imagenet_elastic.config import GROUPS, RESUME_AUTO, Config, add_setting, flag, setting_fields
+from imagenet_elastic.config import GROUPS, RESUME_AUTO, Config, add_setting, flag, saved_setting, setting_fields
 from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int, shown
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import PROG, UserError, report
@@ -63,18 +63,56 @@ def resume_takes_a_path(argv: Sequence[str]) -> list[str]:
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
-    """The command line over the --config file over the defaults, as a checked Config."""
+    """The command line over the --config file over the defaults, as a checked Config; for --evaluate, over what
+    its checkpoint says (FROM_CHECKPOINT) rather than the defaults."""
     argv = resume_takes_a_path(argv)
     parser = build_parser()
     first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
     first.add_argument("--config")
     found, _ = first.parse_known_args(argv)
-    if found.config:
-        parser.set_defaults(**read_settings(found.config, build_parser()))
+    from_file = read_settings(found.config, build_parser()) if found.config else {}
+    parser.set_defaults(**from_file)
     args = parser.parse_args(argv)
     if args.data is None and not args.print_config:
         parser.error("the following arguments are required: DATA")
-    return config_from_args(args), args
+    config = config_from_args(args)
+    if config.evaluate:
+        given = given_settings(argv, FROM_CHECKPOINT) | set(from_file)
+        config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
+    return config, args
+
+
+# What --evaluate takes from its checkpoint unless the command line or the --config file says it: what its weights
+# are (the model, its blur, and --pretrained, without which a model named `hf-hub:...` is refused) and how its run
+# validated them (the crop, and the short side it is cut from).
+FROM_CHECKPOINT = ("model", "pretrained", "blurpool", "image_size", "val_crop_size", "val_resize")
+_UNSET = object()
+
+
+def given_settings(argv: Sequence[str], names: Sequence[str]) -> set[str]:
+    """Which of the settings `names` the command line sets (argparse's result cannot tell a value given from its
+    default: a second parse, whose defaults are a marker, can). `argv` parsed once already: it has no error."""
+    probe = build_parser()
+    probe.set_defaults(**{name: _UNSET for name in names})
+    values = vars(probe.parse_args(argv))
+    return {name for name in names if values[name] is not _UNSET}
+
+
+def settings_from_checkpoint(config: Config, names: Sequence[str]) -> Config:
+    """--evaluate's settings `names` as the run of its checkpoint had them. The checkpoint is mapped, not read (a few
+    KB of it); where there is none to find, the build says so."""
+    if not names or config.resume is None:
+        return config
+    from imagenet_elastic.checkpoint import store
+
+    path = os.path.join(config.checkpoints_path, store.LAST) if config.resume == RESUME_AUTO else config.resume
+    if not os.path.isfile(path):
+        return config
+    snapshot = store.load(path, lazy=True)
+    saved = {name: saved_setting(snapshot.get("config", {}), name) for name in names}
+    if "model" in names:
+        saved["model"] = snapshot.get("model_name", config.model)
+    return dataclasses.replace(config, **saved)
 
 
 def config_from_args(args: argparse.Namespace) -> Config:

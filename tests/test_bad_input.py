@@ -117,6 +117,21 @@ def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, trained)
     expect_user_error(args, "is of model 'test_resnet', but --model is 'resnet18'", ckpt)
 
 
+def test_evaluate_takes_the_model_and_validation_sizes_from_its_checkpoint_and_refuses_another_model(tmp_path,
+                                                                                                     image_folder,
+                                                                                                     trained):
+    """README's `DATA --evaluate --resume CKPT`, with nothing of the run repeated: the scores of the run's own
+    settings, without a warning; another --model than the checkpoint's is one line."""
+    command = [str(image_folder), "--evaluate", "--resume", str(trained / "last.pt"), "--checkpoints-path",
+               str(tmp_path / "scratch"), "--amp", "none"]
+    alone = inprocess.command([*command, "--workers", "0"])
+    assert alone.returncode == 0 and "warning" not in alone.stderr, alone.stderr
+    repeated = inprocess.command([*command, *SMALL_RUN, "--workers", "0"])
+    assert alone.stdout.splitlines()[-1] == repeated.stdout.splitlines()[-1]
+    expect_user_error([*command, "--model", "resnet18"], f"checkpoint {trained / 'last.pt'} is of model "
+                      "'test_resnet', but --model is 'resnet18'", trained)
+
+
 def test_checkpoint_with_another_class_count_is_refused(tmp_path, trained):
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
     ckpt = copy_trained(trained, tmp_path)
@@ -195,6 +210,32 @@ def test_a_pack_shard_changed_after_packing_is_named_before_anything_starts(smal
     shard.write_bytes(shard.read_bytes()[:-1024])  # cut short, as an interrupted copy leaves it
     expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ck")],
                       f"shard {shard} has {shard.stat().st_size} bytes but its index", tmp_path)
+
+
+def test_a_damaged_pack_index_is_one_line_naming_it_and_the_pack_command_that_writes_it_again(small_pack, image_folder,
+                                                                                              tmp_path):
+    data = tmp_path / "pack"
+    shutil.copytree(small_pack, data)
+    index = data / "val" / "imagenet-elastic-index.npz"
+    index.write_bytes(index.read_bytes()[:100])
+    expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ck")],
+                      f"shard index {index} is damaged (File is not a zip file): pack again (imagenet-elastic pack "
+                      f"{image_folder} NEW_OUT --shard-size 32), or remove {index}", tmp_path)
+
+
+def test_a_damaged_file_list_cache_costs_one_warning_and_is_written_again(image_folder, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    (ckpt / "index-train.npz").write_bytes(b"")  # a disk that filled up as it was written, say
+    done = inprocess.command([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+                              "--max-steps-per-epoch", "1", "--checkpoints-path", str(ckpt)])
+    assert done.returncode == 0, done.stderr
+    warnings = [line for line in done.stderr.splitlines() if line.startswith("warning: ")]
+    assert warnings == [f"warning: the file-list cache {ckpt / 'index-train.npz'} is empty: {image_folder / 'train'} "
+                        "was scanned again"], done.stderr
+    from imagenet_elastic.data.sources.image_folder import read_cache
+
+    assert read_cache(str(ckpt / "index-train.npz"), str(image_folder / "train")) is not None
 
 
 def test_a_corrupt_image_inside_a_shard_is_named_by_shard_and_member(small_pack, tmp_path):

@@ -11,8 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser, config_from_args, options_table
-from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, Config
+from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
 from imagenet_elastic.config.options import checkpoint_interval
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -34,9 +35,15 @@ def test_config_differences_is_empty_for_the_same_settings_and_ignores_missing_k
     assert config.differences({"seed": 1, "unknown": 5}) == ["seed: checkpoint 1, now 0"]
 
 
+def test_evaluate_is_told_only_of_the_differences_that_change_validation():
+    saved = Config(data="/a", lr=0.1, batch_size=64, image_size=176, amp="bf16").to_dict()
+    now = Config(data="/a", evaluate=True, lr=0.2, batch_size=32, image_size=224, amp="none")
+    assert now.differences(saved) == ["image_size: checkpoint 176, now 224", "amp: checkpoint 'bf16', now 'none'"]
+
+
 def test_resume_sensitive_names_are_config_fields():
     names = {f.name for f in dataclasses.fields(Config)}
-    assert set(RESUME_SENSITIVE) <= names
+    assert set(RESUME_SENSITIVE) | set(VALIDATION_SENSITIVE) <= names
 
 
 def test_config_to_dict_round_trips_through_torch_save_weights_only():
@@ -95,6 +102,32 @@ def test_resume_without_a_value_means_auto():
     assert parse("/data", "--resume").resume == RESUME_AUTO == "auto"
     assert parse("/data", "--resume", "/ck/epoch_0003.pt").resume == "/ck/epoch_0003.pt"
     assert parse("/data").resume is None
+
+
+def saved_run(path: Path, **settings) -> Path:
+    """A checkpoint as far as --evaluate's parse reads it: the model's name and the run's settings."""
+    config = Config(data="/a", **settings)
+    torch.save({"model": {}, "epoch": 1, "model_name": config.model, "config": config.to_dict()}, path)
+    return path
+
+
+def test_evaluate_takes_the_model_its_blur_and_validation_sizes_from_the_checkpoint_unless_given(tmp_path):
+    checkpoint = saved_run(tmp_path / "best.pt", model="hf-hub:someone/net", pretrained=True, blurpool=True,
+                           image_size=176, val_crop_size=224, val_resize=256, lr=3.0)
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", str(checkpoint)])
+    assert (config.model, config.pretrained, config.blurpool, config.image_size, config.val_crop_size,
+            config.val_resize) == ("hf-hub:someone/net", True, True, 176, 224, 256)
+    assert config.lr == Config(data="/a").lr  # the training's settings stay as given: they do not validate
+    (tmp_path / "recipe.yaml").write_text("val-resize: 240\n")
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", str(checkpoint), "--model", "resnet18", "--image-size",
+                       "160", "--no-blurpool", "--config", str(tmp_path / "recipe.yaml")])
+    assert (config.model, config.blurpool, config.image_size, config.val_crop_size, config.val_resize) == (
+        "resnet18", False, 160, 224, 240)  # the build then refuses another model than the checkpoint's, in one line
+    (tmp_path / "ckpt").mkdir()
+    saved_run(tmp_path / "ckpt" / "last.pt", model="test_resnet")
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert config.model == "test_resnet"  # a bare --resume: CHECKPOINTS/last.pt
+    assert cli.parse(["/data", "--resume", str(checkpoint)])[0].model == "resnet50"  # training: as given
 
 
 def test_batch_size_zero_exits_2_with_one_line_naming_the_flag(capsys):

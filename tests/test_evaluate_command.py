@@ -112,6 +112,9 @@ def test_a_class_subset_scores_only_its_classes_logits(trained, tmp_path):
     assert row["images"] == int(kept.sum()) and row["classes"] == 2
     assert row["top1"] == pytest.approx(100 * right / int(kept.sum()))
     assert row["top5"] == 100.0  # two classes: both are in every top-5
+    # the loss too: with two classes a top-1 of 50% stays 50% when the columns are swapped, the loss does not
+    loss = float(torch.nn.functional.cross_entropy(pair, (labels[kept] == 2).long()))
+    assert row["loss"] == pytest.approx(loss, rel=1e-4)
     full = top1(logits[kept], labels[kept])
     print(f"subset top-1 {row['top1']:.2f} against {full:.2f} over all three classes")
 
@@ -223,7 +226,9 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     assert "line 2" in said and "'zebra'" in said
     (tmp_path / "ac.txt").write_text("a\nc\n")
     assert "outside --class-subset" in one_line_error(model, val, "--class-subset", str(tmp_path / "ac.txt"))
-    assert "does not exist" in one_line_error(model, str(tmp_path / "nowhere"))
+    assert one_line_error(model, str(tmp_path / "nowhere")).endswith(
+        f"VAL {tmp_path / 'nowhere'} does not exist: evaluate takes class folders, a flat folder of images with "
+        "--val-labels, or tar shards (a folder or a pattern)")
     assert "needs --pretrained" in one_line_error("resnet18", val)
     assert "has no weight average" in one_line_error(str(root / "run" / "last.pt"), val, "--ema")
     assert "--ema applies to our checkpoints only" in one_line_error(model, val, "--ema")
@@ -235,6 +240,14 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     assert "not a list of lists" in one_line_error(model, val, "--real-labels", str(tmp_path / "odd.json"))
     (tmp_path / "short.json").write_text(json.dumps([[0]]))
     assert "has 1 entries" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
+    (tmp_path / "outside.json").write_text(json.dumps([[0], [2, 1], [1, 3, 7], [9]] + [[]] * 30))
+    assert one_line_error(model, val, "--real-labels", str(tmp_path / "outside.json")).endswith(
+        f"--real-labels {tmp_path / 'outside.json'} entry 3 (ILSVRC2012_val_00000003): class 3 is out of range: the "
+        "model has 3 classes")
+    (tmp_path / "long.json").write_text(json.dumps([[0]] * 50_001))
+    assert one_line_error(model, val, "--real-labels", str(tmp_path / "long.json")).endswith(
+        f"--real-labels {tmp_path / 'long.json'} has 50001 entries, ReaL's real.json 50000 (one per image of "
+        "ImageNet's validation set): entry 50001 and on name no image")
 
 
 @pytest.mark.slow

@@ -172,14 +172,44 @@ def test_any_change_to_the_tree_makes_the_cache_stale(cached_split, change):
     assert_same_index(fresh, scan_image_folder(str(root), "train"))
 
 
-def test_cache_of_another_root_or_a_damaged_cache_is_not_used(cached_split, tmp_path):
+def test_cache_of_another_root_is_not_used(cached_split, tmp_path):
     root, cache, _ = cached_split
     other = tmp_path / "other"
     make_split(other, {"a": 3, "b": 2})
     assert read_cache(cache_path(cache, "train"), str(other)) is None
-    with open(cache_path(cache, "train"), "wb") as f:
-        f.write(b"not an npz file")
-    assert not load_index(str(root), "train", cache).cached
+
+
+def damage(path: str, how: str, array: str = "paths") -> str:
+    """The index file at `path` as a crash, a full disk or another program leaves it (or an older program, without
+    `array`); what its note says."""
+    with open(path, "rb") as f:
+        data = f.read()
+    damaged, said = {"empty": (b"", "is empty"),
+                     "cut short": (data[:len(data) // 2], "is damaged (File is not a zip file)"),
+                     "not an npz": (b"not an npz file", "is not a numpy .npz file"),
+                     "an array missing": (None, f"is damaged ({array} is not a file in the archive)")}[how]
+    if damaged is None:  # a whole .npz of this version, one array short
+        with np.load(path) as saved:
+            arrays = {k: saved[k] for k in saved.files if k != array}
+        with open(path, "wb") as f:
+            np.savez(f, **arrays)
+    else:
+        with open(path, "wb") as f:
+            f.write(damaged)
+    return said
+
+
+@pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
+def test_a_damaged_cache_is_scanned_again_with_a_note_naming_it(cached_split, how):
+    root, cache, scanned = cached_split
+    said = damage(cache_path(cache, "train"), how)
+    fresh = load_index(str(root), "train", cache)
+    assert not fresh.cached
+    assert_same_index(fresh, scanned)
+    assert fresh.notes == (f"the file-list cache {cache_path(cache, 'train')} {said}: {root} was scanned again",)
+    fresh.keep(cache)  # written again whole: the next start reads it, without a note
+    again = load_index(str(root), "train", cache)
+    assert again.cached and again.notes == ()
 
 
 def test_another_copy_at_the_same_path_with_the_same_mtimes_but_a_file_less_is_scanned(cached_split, tmp_path):

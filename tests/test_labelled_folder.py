@@ -70,6 +70,17 @@ def test_a_mistake_in_the_labels_file_is_named_by_its_line(image_folder, flat, t
     assert str(caught.value) == f"--val-labels {labels} {message.format(folder=folder)}"
 
 
+def test_a_labels_file_that_leaves_images_of_the_folder_out_names_the_first(image_folder, flat, tmp_path):
+    folder, rows = flat
+    (folder / "README.txt").write_text("not an image: not listed")
+    labels = tmp_path / "labels.csv"
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows if name != "ILSVRC2012_val_00000007.JPEG"))
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert str(caught.value) == f"--val-labels {labels} gives no class to 1 of the 35 images in {folder}, the first " \
+                                "ILSVRC2012_val_00000007.JPEG"
+
+
 def test_a_labels_file_that_does_not_exist_is_named(image_folder, flat, tmp_path):
     folder, _ = flat
     with pytest.raises(UserError, match=rf"^--val-labels {tmp_path / 'nope.csv'} does not exist$"):

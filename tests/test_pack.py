@@ -102,13 +102,14 @@ def test_the_same_input_packs_to_the_same_bytes_with_any_process_count(image_fol
 
 
 def test_max_side_resizes_only_the_larger_images_and_keeps_the_others_bytes(tmp_path):
+    """The longer side is capped, whichever it is: `portrait` is narrower than the cap, and taller."""
     src = tmp_path / "src"
-    sizes = {"wide": (120, 60), "tall": (50, 90), "small": (40, 30)}
+    sizes = {"wide": (120, 60), "tall": (50, 90), "portrait": (30, 90), "small": (40, 30)}
     for split in ("train", "val"):
         for k, (name, (w, h)) in enumerate(sizes.items()):
             write_jpeg(str(src / split / "only" / f"{name}.jpg"), w, h, seed=k)
     result = run_pack(str(src), str(tmp_path / "out"), "--max-side", "48", "--quality", "80")
-    assert result["resized"] == 4 and result["max_side"] == 48
+    assert result["resized"] == 6 and result["max_side"] == 48
     train = sources.open_source(str(tmp_path / "out" / "train"), "train", None)
     original = scan_image_folder(str(src / "train"), "train")
     for i in range(len(train)):

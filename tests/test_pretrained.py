@@ -104,6 +104,15 @@ def test_a_local_dir_export_folder_is_published_weights_too(hub, tmp_path):
     assert "6 classes there, 4 here" in start
 
 
+def test_a_headless_model_is_published_weights_with_a_new_classifier_not_a_re_initialised_one(hub, tmp_path):
+    published = publish(tmp_path / "export", timm_model("test_resnet", 0, seed=10))  # a feature extractor
+    weights, start = built_weights([*RUN, "--model", f"local-dir:{tmp_path / 'export'}", "--pretrained",
+                                    "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert_starts_from({k: v for k, v in weights.items() if k in published}, published, set())
+    assert sorted(set(weights) - set(published)) == ["fc.bias", "fc.weight"] and weights["fc.weight"].shape[0] == 4
+    assert start == f"published: {tmp_path / 'export'} (headless: a new classifier for 4 classes)"
+
+
 def test_a_resumed_run_continues_bitwise_from_its_checkpoint_without_the_published_weights(hub, tmp_path):
     cached(hub, "timm/test_resnet.r160_in1k", timm_model("test_resnet", 1000, seed=7))
     argv = [*RUN, "--model", "test_resnet", "--pretrained", "--epochs", "2"]

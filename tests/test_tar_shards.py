@@ -273,10 +273,12 @@ def test_a_val_split_of_numbered_shards_takes_the_training_splits_class_names(wr
     (root / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
     train, val = sources.open_splits(str(root), None, None, None)
     assert train.classes == val.classes == ("ant", "bee", "cat", "dog") and val.label(0) == 3
-    write_tar(root / "val" / "v.tar", [("a.jpg", folder.read(0)), ("a.cls", b"4")])
-    with pytest.raises(UserError, match=r"val shard .*v\.tar: label 4 of sample #0 is out of range: the classes file "
-                                        "lists 4 classes"):
+    write_tar(root / "val" / "w.tar", [("b.jpg", folder.read(1)), ("b.cls", b"4"), ("c.jpg", folder.read(2)),
+                                       ("c.cls", b"0")])  # the bad label is the first sample of the second shard
+    with pytest.raises(UserError) as caught:
         sources.open_splits(str(root), None, None, None)
+    assert str(caught.value) == f"val shard {root / 'val' / 'w.tar'}: label 4 of sample #1 is out of range: the " \
+                                "classes file lists 4 classes"
 
 
 def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(written, tmp_path):
@@ -293,15 +295,78 @@ def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(w
                                                          b"part-0003.tar:sample00060.jpg")
 
 
-def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(image_folder, tmp_path):
-    """timm's imagenet-1k-wds keeps imagenet1k-train-NNNN.tar and imagenet1k-validation-NN.tar in one folder, with
-    an _info.json; DATA is that folder."""
+def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(side_by_side, image_folder):
+    """As DATA; as --val-path beside another DATA; as a VAL of `evaluate` (which opens it as below)."""
+    folder, classes = side_by_side
+    train, val = sources.open_splits(str(folder), None, None, None)
+    assert (len(train), len(val), train.classes) == (96, 35, classes)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]
+    _, val = sources.open_splits(str(image_folder), str(folder), None, None)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"] and len(val) == 35
+    assert val.where() == f"{folder / '*validation*.tar'} (1 shards)"
+    evaluated = sources.open_source(str(folder), "val", None, classes)
+    assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
+
+
+@pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
+def test_a_damaged_index_cache_is_walked_again_with_a_note_and_a_damaged_pack_index_is_named(written, tmp_path,
+                                                                                              how):
+    from test_image_folder_source import damage
+
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    cache = tar_shards.cache_path(str(tmp_path), "train")
+    said = damage(cache, how, array="offsets")
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert not again.cached and again.fingerprint() == walked.fingerprint()
+    assert again.notes == (f"the shard index cache {cache} {said}: the shards were indexed again",)
+    index = folder / tar_shards.INDEX_NAME  # as pack writes it, in OUT/train/ beside OUT/pack.json
+    tar_shards.write_index(walked, str(index), relative_to=str(folder))
+    (tmp_path / "pack.json").write_text(json.dumps({"source": "/data/imagenet", "options": {
+        "max_side": None, "quality": 90, "shard_size": 20}}))
+    damage(str(index), how, array="offsets")
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert str(caught.value) == (f"shard index {index} {said}: pack again (imagenet-elastic pack /data/imagenet "
+                                 f"NEW_OUT --shard-size 20), or remove {index} to index the shards at start")
+
+
+@pytest.mark.parametrize("order", [("png", "jpg"), ("jpg", "png"), ("webp", "jpeg"), ("webp", "PNG")])
+def test_a_sample_with_several_images_takes_the_one_first_in_image_extensions_wherever_it_lies(tmp_path, order):
+    write_tar(tmp_path / "s-0.tar", [*((f"a.{ext}", ext.encode()) for ext in order), ("a.cls", b"0"),
+                                     ("b.jpg", b"jpg"), ("b.cls", b"1")])
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    best = min(order, key=lambda ext: tar_shards.IMAGE_EXTENSIONS.index(ext.lower()))
+    assert shards.read(0) == best.encode() and shards.member(0) == f"a.{best}"
+
+
+@pytest.fixture
+def side_by_side(image_folder, tmp_path):
+    """timm's imagenet-1k-wds: imagenet1k-train-NNNN.tar and imagenet1k-validation-NNNN.tar in one folder, with an
+    _info.json; and the class names."""
     for split, word in (("train", "train"), ("val", "validation")):
         for k, path in enumerate(wds_shards(image_folder / split, tmp_path / "tmp" / split, per_shard=40)):
             shutil.move(path, tmp_path / f"imagenet1k-{word}-{k:04d}.tar")
     classes = scan_image_folder(str(image_folder / "train"), "train").classes
     (tmp_path / "_info.json").write_text(json.dumps({"name": "imagenet-1k", "class_names": list(classes)}))
     shutil.rmtree(tmp_path / "tmp")
-    train, val = sources.open_splits(str(tmp_path), None, None, None)
-    assert (len(train), len(val), train.classes) == (96, 35, classes)
-    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]
+    return tmp_path, classes
+
+
+@pytest.mark.parametrize("extra", ["imagenet1k-test-0000.tar", "imagenet1k-train-validation-0000.tar"])
+def test_a_folder_of_both_splits_whose_names_do_not_tell_every_shards_split_is_refused(side_by_side, image_folder,
+                                                                                        extra):
+    folder, classes = side_by_side
+    shutil.copy(folder / "imagenet1k-validation-0000.tar", folder / extra)
+    said = f"{folder} holds train shards (imagenet1k-train-0000.tar ...) and validation shards (imagenet1k-" \
+           f"validation-0000.tar ...), and {extra}, whose name says {'both' if 'train' in extra else 'neither'}: " \
+           f"name each split's shards with a pattern ({folder / '*train*.tar'}, {folder / '*validation*.tar'})"
+    for open_it in (lambda: sources.open_splits(str(folder), None, None, None),
+                    lambda: sources.open_splits(str(image_folder), str(folder), None, None),
+                    lambda: sources.open_source(str(folder), "val", None, classes)):
+        with pytest.raises(UserError) as caught:
+            open_it()
+        assert str(caught.value) == said

@@ -22,6 +22,7 @@ from imagenet_elastic.report import sinks
 from imagenet_elastic.report.sinks import tracker as trackers
 from imagenet_elastic.report.sinks import wandb_log
 from imagenet_elastic.report.sinks.steps_file import FILENAME as STEPS
+from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
 EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
 
@@ -82,13 +83,13 @@ def assert_mlflow_holds(store: str, ckpt: Path) -> None:
 
 def wandb_history(run_id: str) -> list[tuple[int, dict]]:
     """Every history row of the run's transaction logs, in the order `wandb sync` uploads them (start time)."""
-    logs = sorted(glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", f"offline-run-*-{run_id}",
-                                         f"run-{run_id}.wandb")))
+    logs = wandb_log.transaction_logs(os.path.join(os.environ["WANDB_DIR"], "wandb"), run_id)
     return [row for path in logs for row in wandb_log.wandb_history(path)]
 
 
 def assert_wandb_holds(ckpt: Path) -> None:
-    ids = {Path(path).name.rsplit("-", 1)[-1]
+    """(A start within the same second as the one before it has its folder named `offline-run-TIME-ID-1`.)"""
+    ids = {Path(path).name.split("-")[3]
            for path in glob.glob(os.path.join(os.environ["WANDB_DIR"], "wandb", "offline-run-*"))}
     assert len(ids) == 1, ids
     history = wandb_history(ids.pop())
@@ -100,6 +101,24 @@ def assert_wandb_holds(ckpt: Path) -> None:
     assert [step for step, values in history if "epoch/val_top1" in values] == [12, 24]
     steps = [step for step, _ in history]
     assert steps == sorted(steps)
+
+
+def test_wandbs_logs_of_a_run_are_each_of_its_starts_oldest_first_those_in_the_same_second_too():
+    """W&B names a start's folder by its second; a start in the same second as the one before gets `-1` after it
+    (`-2`, ... `-10`): each is a start of the run, whose rows a restart must count (held)."""
+    wandb_dir = Path(os.environ["WANDB_DIR"]) / "wandb"
+    names = ["offline-run-20260102_030405-abcd1234-1", "run-20260102_030406-abcd1234",
+             "offline-run-20260102_030405-abcd1234", "offline-run-20260102_030405-abcd1234-10",
+             "offline-run-20260102_030405-abcd1234-2", "offline-run-20260101_000000-other123"]
+    for name in names:
+        (wandb_dir / name).mkdir(parents=True)
+        (wandb_dir / name / f"run-{'other123' if 'other123' in name else 'abcd1234'}.wandb").touch()
+    (wandb_dir / "offline-run-20260102_030407-abcd1234").mkdir()  # a start killed before its log was made
+    assert WandbTracker("tests", "unused").logs("abcd1234") == [
+        str(wandb_dir / name / "run-abcd1234.wandb") for name in (
+            "offline-run-20260102_030405-abcd1234", "offline-run-20260102_030405-abcd1234-1",
+            "offline-run-20260102_030405-abcd1234-2", "offline-run-20260102_030405-abcd1234-10",
+            "run-20260102_030406-abcd1234")]
 
 
 def test_a_run_stopped_and_resumed_is_one_run_in_each_tracker_with_every_step_once(tmp_path):

@@ -86,7 +86,9 @@ def timm_options(published: Published) -> dict[str, Any]:
 
 def describe(published: Published, classes: int) -> str:
     """What the start-up table says of a fresh run's weights."""
-    if published.classes in (0, classes):
+    if published.classes == classes:
         return f"published: {published.source}"
+    if published.classes == 0:  # a feature extractor: there was no classifier to re-initialise
+        return f"published: {published.source} (headless: a new classifier for {classes} classes)"
     return f"published: {published.source} (classifier re-initialised: {published.classes} classes there, " \
            f"{classes} here)"

@@ -34,6 +34,8 @@ RESUME_SENSITIVE = (
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
     "progressive_epochs", "ra_reps", "layer_decay",
 )
+# Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
+VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
 DECODE_MODES = ("auto", "cpu", "gpu")  # --decode: decoding.Decoding
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
           "checkpoints": "checkpoints", "distributed": "distributed"}
@@ -242,7 +244,9 @@ class Config:
     requeue_on_preempt: bool = option(
         False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
         "checkpoints", action=argparse.BooleanOptionalAction)
-    evaluate: bool = option(False, "validate the `--resume` checkpoint and exit", "run", action="store_true")
+    evaluate: bool = option(False, "validate the `--resume` checkpoint and exit; its model (--model, --pretrained, "
+                            "--blurpool) and validation sizes (--image-size, --val-crop-size, --val-resize) are the "
+                            "checkpoint's unless given", "run", action="store_true")
     max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
     log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
                                "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
@@ -314,10 +318,11 @@ class Config:
         return dataclasses.asdict(self)
 
     def differences(self, saved: dict[str, Any]) -> list[str]:
-        """Human-readable list of resume-sensitive settings that differ from a checkpoint's."""
+        """Human-readable list of the settings that differ from a checkpoint's and matter: to a resumed run the
+        resume-sensitive ones, to --evaluate those that change validation."""
         mine = self.to_dict()
-        return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}"
-                for k in RESUME_SENSITIVE if k in saved and saved[k] != mine[k]]
+        names = VALIDATION_SENSITIVE if self.evaluate else RESUME_SENSITIVE
+        return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
 
 
 def saved_setting(settings: dict[str, Any], name: str) -> Any:

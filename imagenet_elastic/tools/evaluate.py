@@ -41,6 +41,7 @@ from imagenet_elastic.errors import UserError, report
 
 PREPROCESSING = ("model", "ours")
 REAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})")
+REAL_ENTRIES = 50_000  # real.json's: one per image of ImageNet's validation set, in the order of their names
 
 
 def build_parser() -> Parser:
@@ -255,7 +256,19 @@ def read_real_labels(path: str) -> list[list[int]]:
     if not isinstance(real, list) or not all(isinstance(labels, list) and all(isinstance(k, int) for k in labels)
                                             for labels in real):
         raise UserError(f"--real-labels {path} is not a list of lists of class numbers (ReaL's real.json)")
+    if len(real) > REAL_ENTRIES:
+        raise UserError(f"--real-labels {path} has {len(real)} entries, ReaL's real.json {REAL_ENTRIES} (one per "
+                        f"image of ImageNet's validation set): entry {REAL_ENTRIES + 1} and on name no image")
     return real
+
+
+def check_real_classes(real: list[list[int]], path: str, classes: int) -> None:
+    """Every class number of real.json is one of the model's (a number beyond them would be dropped unseen)."""
+    for number, labels in enumerate(real, start=1):
+        outside = [k for k in labels if not 0 <= k < classes]
+        if outside:
+            raise UserError(f"--real-labels {path} entry {number} (ILSVRC2012_val_{number:08d}): class {outside[0]} "
+                            f"is out of range: the model has {classes} classes")
 
 
 def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarray) -> list[frozenset[int]]:
@@ -290,6 +303,17 @@ def real_counts(sets: list[frozenset[int]]) -> Any:
     return Counts(("real_right", "real_images"), count)
 
 
+def check_val_exists(locations: Sequence[str]) -> None:
+    """Each VAL names a folder or a shard pattern (said before the model is loaded; the trainer's message for a
+    missing folder would point at its --val-path)."""
+    from imagenet_elastic.data.sources import tar_shards
+
+    for location in locations:
+        if not os.path.exists(location) and not tar_shards.is_pattern(location):
+            raise UserError(f"VAL {location} does not exist: evaluate takes class folders, a flat folder of images "
+                            "with --val-labels, or tar shards (a folder or a pattern)")
+
+
 def labels_file(location: str, val_labels: str | None) -> str | None:
     """--val-labels names the classes of the flat folders among VAL (image files, no folders), not of the others."""
     from imagenet_elastic.data.sources import tar_shards
@@ -317,8 +341,11 @@ def run(args: Any) -> list[dict[str, Any]]:
     console = Console(env.is_main)
     distributed.configure_threads(None, env.local_world_size)
     device = distributed.select_device(args.device, env)
+    check_val_exists(args.val)
     real = read_real_labels(args.real_labels) if args.real_labels else None
     model = load_model(args.model, args.pretrained, args.ema)
+    if real is not None:
+        check_real_classes(real, args.real_labels, len(model.classes))
     prep = model.own if args.preprocessing == "model" else ours(model.input_size)
     scored = (read_subset(args.class_subset, model.classes) if args.class_subset
               else np.arange(len(model.classes), dtype=np.int64))

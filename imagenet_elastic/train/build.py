@@ -200,7 +200,7 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
         if not inputs.from_main:
             state.apply(snapshot)
         changes = config.differences(snapshot["config"])
-        if snapshot.get("global_batch") not in (None, plan.global_batch):
+        if snapshot.get("global_batch") not in (None, plan.global_batch) and not config.evaluate:
             changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
         saved_world = snapshot.get("world_size")
         if saved_world not in (None, env.world_size) and not config.evaluate and saved_batch == plan.global_batch:
@@ -208,8 +208,10 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
             if before.all_micro_slices() != plan.all_micro_slices():
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
+        what = "--evaluate differs from its checkpoint's run" if config.evaluate else \
+            "resumed run differs from its checkpoint"
         for change in changes:
-            console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
+            console.warn(f"{what}, results will not match exactly: {change}")
     return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None,

@@ -35,7 +35,8 @@ class Source(abc.ABC):
     classes: tuple[str, ...]
     labels: np.ndarray  # int64, one class index per sample
     cached: bool = False  # its list came from a cache rather than a scan (said in the start-up table)
-    notes: tuple[str, ...] = ()  # what opening it found that the user should hear (a changed shard): warnings
+    notes: tuple[str, ...] = ()  # what opening it found that the user should hear (a changed shard, a damaged cache
+    # rebuilt): the run warns of each (build.check_inputs); a source's module has no console of its own
 
     def __len__(self) -> int:
         return len(self.labels)

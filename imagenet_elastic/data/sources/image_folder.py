@@ -18,18 +18,20 @@ from __future__ import annotations
 
 import io
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.data.sources import index_file
 from imagenet_elastic.data.sources.base import Source
 from imagenet_elastic.errors import CorruptImageError, UserError
 
 PREFIX = "folder"  # `folder:DIR` (sources.kind_of)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CACHE_VERSION = 2  # 2: the root folder's inode number
+CACHE_ARRAYS = ("root", "root_inode", "classes", "paths", "targets", "folders", "mtimes")
 
 
 class FilesUnder(Source):
@@ -63,6 +65,7 @@ class ImageFolder(FilesUnder):
     folders: np.ndarray  # every folder the scan walked (bytes, relative to root; b"." is root)
     mtimes: np.ndarray  # their st_mtime_ns at scan time
     cached: bool = False  # read from the cache rather than scanned
+    notes: tuple[str, ...] = ()
 
     def where(self) -> str:
         return self.root
@@ -130,7 +133,11 @@ def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional
                labels_file: Optional[str] = None) -> ImageFolder:
     """The cached list of `root` when it is still current, else a fresh scan (its own class folders name the
     classes: `classes` is not needed)."""
-    cached = read_cache(cache_path(cache_dir, role), root, role) if cache_dir else None
+    try:
+        cached = read_cache(cache_path(cache_dir, role), root, role) if cache_dir else None
+    except index_file.Unreadable as error:
+        return replace(scan_image_folder(root, role), notes=(f"the file-list cache {error}: {root} was scanned "
+                                                             "again",))
     return cached if cached is not None else scan_image_folder(root, role)
 
 
@@ -143,17 +150,18 @@ def write_cache(index: ImageFolder, path: str) -> None:
 
 
 def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolder]:
-    """None when there is no cache, it is of another root, copy or version, unreadable, or any folder changed."""
-    try:
-        with np.load(path, allow_pickle=False) as saved:
-            if ("root_inode" not in saved or int(saved["version"]) != CACHE_VERSION
-                    or str(saved["root"]) != os.path.abspath(root) or int(saved["root_inode"]) != os.stat(root).st_ino):
-                return None
-            folders, mtimes = saved["folders"], saved["mtimes"]
-            for folder, mtime in zip(folders, mtimes):
-                if os.stat(os.path.join(root, folder.decode())).st_mtime_ns != mtime:
-                    return None
-            return ImageFolder(root, role, tuple(str(c) for c in saved["classes"]), saved["paths"], saved["targets"],
-                               folders, mtimes, cached=True)
-    except (OSError, ValueError, KeyError):  # missing or damaged file, a folder gone: scan again
+    """None when there is no cache, it is of another root, copy or version, or any folder changed (or is gone);
+    index_file.Unreadable when the file is damaged."""
+    saved = index_file.read(path, CACHE_VERSION, CACHE_ARRAYS)
+    if saved is None:
         return None
+    try:
+        if str(saved["root"]) != os.path.abspath(root) or int(saved["root_inode"]) != os.stat(root).st_ino:
+            return None
+        for folder, mtime in zip(saved["folders"], saved["mtimes"]):
+            if os.stat(os.path.join(root, folder.decode())).st_mtime_ns != mtime:
+                return None
+    except OSError:  # a folder gone: scan again
+        return None
+    return ImageFolder(root, role, tuple(str(c) for c in saved["classes"]), saved["paths"], saved["targets"],
+                       saved["folders"], saved["mtimes"], cached=True)

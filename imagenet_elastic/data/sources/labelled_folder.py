@@ -4,7 +4,8 @@
 FILE is a CSV of `filename,class` (a header line is allowed; the filename with or without its extension), or
 Kaggle's `LOC_val_solution.csv` (`ImageId,PredictionString`, whose first word is the class). Classes are named
 as the training split names them (its class folders, or its shards' classes.txt). The samples are the files the
-labels file lists, in the order of their names.
+labels file lists, in the order of their names; it must list every image of the folder (one left out would be
+scored by no one, silently).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.image_folder import FilesUnder
+from imagenet_elastic.data.sources.image_folder import IMAGE_EXTENSIONS, FilesUnder
 from imagenet_elastic.errors import UserError
 
 PREFIX = "folder"  # `folder:DIR` with --val-labels (sources.kind_of)
@@ -61,6 +62,15 @@ def read_rows(labels_file: str) -> list[tuple[int, str, str]]:
     return found
 
 
+def check_every_image_listed(files: set[str], listed: dict[str, int], location: str, labels_file: str) -> None:
+    """An image of the folder that the labels file leaves out would be left out of the scores without a word."""
+    images = sorted(name for name in files if name.lower().endswith(IMAGE_EXTENSIONS))
+    unlisted = [name for name in images if name not in listed]
+    if unlisted:
+        raise UserError(f"--val-labels {labels_file} gives no class to {len(unlisted)} of the {len(images)} images in "
+                        f"{location}, the first {unlisted[0]}")
+
+
 def claims(location: str, labels_file: Optional[str]) -> bool:
     return labels_file is not None
 
@@ -87,6 +97,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         if file in chosen:
             raise UserError(f"--val-labels {labels_file} line {line}: {name} is listed twice")
         chosen[file] = number[label]
+    check_every_image_listed(files, chosen, location, labels_file)
     names = sorted(chosen)
     return LabelledFolder(location, role, labels_file, classes, np.array([n.encode() for n in names]),
                           np.array([chosen[n] for n in names], dtype=np.int64))

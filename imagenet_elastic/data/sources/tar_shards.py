@@ -16,7 +16,8 @@ moment, so the world-size-invariant sampler, step-exact resume and --ra-reps wor
 Class names come from a `classes.txt` (one per line, in label order) in the shards' folder or the one above
 it, or a `class_names` list in an `_info.json` there; without either the labels are the names ("0", "1", ...),
 or the training split's classes for a val split. A folder that holds train and validation shards side by side
-(timm's imagenet-1k-wds) is split by their names (`split_patterns`).
+(timm's imagenet-1k-wds) is split by their names (`split_patterns`), whether it is DATA, --val-path or a VAL of
+`evaluate`.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.data.sources import index_file
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
 from imagenet_elastic.errors import CorruptImageError, UserError
 
@@ -44,6 +46,7 @@ LABEL_EXTENSION = "cls"
 CLASSES_FILE = "classes.txt"
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
+INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 _PATTERN_CHARS = "{*?["
 
@@ -249,7 +252,7 @@ def walk_shard(path: str, role: str) -> Found:
                 if member_key != key:
                     finish()
                     key, image, label = member_key, None, None
-                if extension in IMAGE_EXTENSIONS and image is None:
+                if extension in IMAGE_EXTENSIONS and (image is None or preferred(extension, image.name)):
                     image = member
                 elif extension == LABEL_EXTENSION:
                     label = _read_label(tar, member, path, key, role)
@@ -262,6 +265,12 @@ def walk_shard(path: str, role: str) -> Found:
     if not found.labels:
         raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
     return found
+
+
+def preferred(extension: str, than: str) -> bool:
+    """An image of this extension is preferred to the member `than` of the same sample (IMAGE_EXTENSIONS' order),
+    wherever the two lie in the shard."""
+    return IMAGE_EXTENSIONS.index(extension) < IMAGE_EXTENSIONS.index(split_name(than)[1])
 
 
 def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: Optional[str], role: str) -> int:
@@ -306,20 +315,35 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
 
 def split_patterns(folder: str) -> Optional[tuple[str, str]]:
     """Patterns of the train and val shards of a folder that holds both side by side, as timm's imagenet-1k-wds
-    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None otherwise."""
+    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None for a folder of one
+    split's shards. A folder of both whose names do not tell every shard's split is refused."""
     try:
-        names = [n for n in os.listdir(folder) if n.endswith(".tar")]
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".tar"))
     except OSError:
         return None
-    train = [n for n in names if "train" in n]
+    train = {n for n in names if "train" in n}
     for word in ("validation", "val"):
-        val = [n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)]
-        if train and val and len(train) + len(val) == len(names):
-            return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
+        val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
+        if not (train and val):
+            continue
+        unclear = [n for n in names if (n in train) == (n in val)]
+        if unclear:
+            raise UserError(f"{folder} holds train shards ({min(train - val or train)} ...) and {word} shards "
+                            f"({min(val - train or val)} ...), and {unclear[0]}, whose name says "
+                            f"{'both' if unclear[0] in train else 'neither'}: name each split's shards with a pattern "
+                            f"({os.path.join(folder, '*train*.tar')}, {os.path.join(folder, f'*{word}*.tar')})")
+        return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
     return None
 
 
 split_folder = split_patterns  # the name the registry asks every kind by (sources.both_splits)
+
+
+def split_location(location: str, role: str) -> str:
+    """`location` itself, or this split's shards where it is a folder of train and validation shards side by side:
+    a folder given as --val-path, or to `evaluate`, scores its validation shards alone."""
+    both = None if is_pattern(location) else split_patterns(location)
+    return location if both is None else both[0] if role == "train" else both[1]
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
@@ -374,21 +398,16 @@ def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> Non
 
 def read_index(path: str, location: str, role: str, shards: list[str], packed: bool) -> Optional[TarShards]:
     """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
-    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard."""
-    try:
-        with np.load(path, allow_pickle=False) as saved:
-            if int(saved["version"]) != INDEX_VERSION:
-                return None
-            folder = os.path.dirname(path)
-            listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
-            sizes, mtimes = saved["sizes"], saved["mtimes"]
-            arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
-            classes = tuple(str(c) for c in saved["classes"])
-    except (OSError, ValueError, KeyError):
-        if packed:
-            raise UserError(f"shard index {path} is damaged: run imagenet-elastic pack again, or remove it to "
-                            "index the shards at start") from None
+    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard. A
+    damaged file is index_file.Unreadable."""
+    saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS)
+    if saved is None:
         return None
+    folder = os.path.dirname(path)
+    listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
+    sizes, mtimes = saved["sizes"], saved["mtimes"]
+    arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
+    classes = tuple(str(c) for c in saved["classes"])
     current = [os.path.normpath(os.path.abspath(p)) for p in shards]
     if [os.path.abspath(p) for p in listed] != current:
         if packed:
@@ -492,10 +511,17 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     if labels_file is not None:
         raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
                         f".{LABEL_EXTENSION} members are the labels)")
+    location = split_location(location, role)
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
     index = beside if os.path.isfile(beside) else cache_path(cache_dir, role) if cache_dir else None
-    source = read_index(index, location, role, paths, packed=index == beside) if index else None
+    try:
+        source = read_index(index, location, role, paths, packed=index == beside) if index else None
+    except index_file.Unreadable as error:
+        if index == beside:
+            raise UserError(f"shard index {error}: {pack_again(beside)}") from None
+        return replace(walk(location, role, classes),
+                       notes=(f"the shard index cache {error}: the shards were indexed again",))
     if source is None:
         return walk(location, role, classes)
     source = check_shards(source, index, classes)

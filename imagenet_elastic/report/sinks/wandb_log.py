@@ -4,6 +4,8 @@ already sent, which `wandb_tracker.WandbTracker.held` counts so that a resumed r
 from __future__ import annotations
 
 import json
+import os
+import re
 import struct
 import zlib
 from collections.abc import Iterator
@@ -15,6 +17,20 @@ from typing import Any
 WANDB_HEADER = b":W&B\xe1\xbe\x00"
 BLOCK = 32768
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
+
+
+def transaction_logs(wandb_dir: str, run_id: str) -> list[str]:
+    """The transaction logs of run `run_id` in W&B's folder, one per start of the run, oldest first: each start's
+    folder is `offline-run-TIME-ID` (`run-TIME-ID` online), and a start within the same second as an earlier one
+    gets `-1`, `-2`, ... after it (wandb_init's set_sync_dir_suffix)."""
+    folder = re.compile(rf"(?:offline-)?run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for name in os.listdir(wandb_dir) if os.path.isdir(wandb_dir) else ():
+        started = folder.fullmatch(name)
+        log = os.path.join(wandb_dir, name, f"run-{run_id}.wandb")
+        if started and os.path.isfile(log):
+            found.append(((started.group(1), int(started.group(2) or 0)), log))
+    return [log for _, log in sorted(found)]
 
 
 def wandb_records(path: str) -> Iterator[Any]:

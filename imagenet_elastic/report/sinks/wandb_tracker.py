@@ -3,14 +3,13 @@ never holds the training loop up."""
 
 from __future__ import annotations
 
-import glob
 import os
 import re
 import secrets
 from typing import Any, Optional
 
 from imagenet_elastic.report.sinks.tracker import EPOCH_KEY, TRAIN_KEY, Tracker
-from imagenet_elastic.report.sinks.wandb_log import wandb_history
+from imagenet_elastic.report.sinks.wandb_log import transaction_logs, wandb_history
 
 
 class WandbTracker(Tracker):
@@ -23,7 +22,6 @@ class WandbTracker(Tracker):
             "Weights & Biases project (`pip install \"imagenet_elastic[wandb]\"`; `WANDB_MODE=offline` keeps the run "
             "on disk for `wandb sync`); a restart, requeue or --resume continues the same run, without a step twice")
     NOT_IN_NAME = re.compile(r"[/\\#?%:]")  # W&B refuses these in a project's name
-    STARTED = re.compile(r"\d{8}_\d{6}")  # a run folder's start time, as wandb names it
 
     def __init__(self, where: str, folder: str) -> None:
         super().__init__(where, folder)
@@ -53,9 +51,8 @@ class WandbTracker(Tracker):
         return self.run.id
 
     def logs(self, run_id: str) -> list[str]:
-        """This run's transaction logs, one per start (offline-run-TIME-ID, or run-TIME-ID online), oldest first."""
-        found = glob.glob(os.path.join(self.dir, "wandb", f"*run-*-{run_id}", f"run-{run_id}.wandb"))
-        return sorted(found, key=lambda path: self.STARTED.findall(os.path.basename(os.path.dirname(path)))[:1])
+        """This run's transaction logs, one per start, oldest first (wandb_log.transaction_logs)."""
+        return transaction_logs(os.path.join(self.dir, "wandb"), run_id)
 
     def held(self) -> dict[str, int]:
         last = {TRAIN_KEY: 0, EPOCH_KEY: 0}

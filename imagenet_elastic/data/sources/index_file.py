@@ -1,0 +1,52 @@
+"""The index files (.npz) sources keep of their samples, read back: the file-list cache of a folder, the index of
+tar shards (a cache in the checkpoints folder, or the one `pack` wrote beside its shards).
+
+Whatever a damaged, cut-short or empty file makes numpy raise (an end of file, a zip error, a pickle refused, an
+array that does not parse, a missing array) becomes one exception, `Unreadable`, naming the file: a cache is then
+rebuilt with a warning, a pack's own index refused with one line. A file that is absent or of another version is
+not an error: it is rebuilt without a word.
+"""
+
+from __future__ import annotations
+
+import os
+import zipfile
+from typing import Optional
+
+import numpy as np
+
+from imagenet_elastic.errors import first_line
+
+# What np.load and reading an array of the file it opened raise for a file that is not a whole .npz
+DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
+
+
+class Unreadable(Exception):
+    """An index file numpy cannot read; the message names it and says why."""
+
+
+def read(path: str, version: int, names: tuple[str, ...]) -> Optional[dict[str, np.ndarray]]:
+    """The arrays `names` of the index file at `path`, all read now; None when there is no file or it is of another
+    version; `Unreadable` when it is not a whole .npz with those arrays."""
+    if not os.path.isfile(path):
+        return None
+    try:
+        saved = np.load(path, allow_pickle=False)
+    except EOFError:
+        raise Unreadable(f"{path} is empty") from None
+    except zipfile.BadZipFile as error:  # cut short, or overwritten in part
+        raise Unreadable(f"{path} is damaged ({first_line(error)[:200]})") from None
+    except OSError as error:
+        raise Unreadable(f"{path} cannot be read ({error.strerror or error})") from None
+    except ValueError:  # neither a zip nor an array file: numpy took it for a pickle, which it refuses
+        raise Unreadable(f"{path} is not a numpy .npz file") from None
+    if not isinstance(saved, np.lib.npyio.NpzFile):
+        raise Unreadable(f"{path} is not a numpy .npz file")
+    with saved:
+        try:
+            if int(saved["version"]) != version:
+                return None
+            return {name: saved[name] for name in names}
+        except DAMAGED as error:
+            why = error.args[0] if isinstance(error, KeyError) and error.args else first_line(error)
+            raise Unreadable(f"{path} is damaged ({str(why)[:200]})") from None
