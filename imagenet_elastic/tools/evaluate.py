@@ -334,6 +334,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.report.console import Console
+    from imagenet_elastic.train import build
     from imagenet_elastic.train.model import place_model, resolve_precision
     from imagenet_elastic.train.step import evaluate
 
@@ -371,20 +372,15 @@ def run(args: Any) -> list[dict[str, Any]]:
     decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True))
     loaders = []
     pinned = device.type == "cuda"
-    prefetch = pipeline.prefetch_factor(workers, pipeline.batch_bytes(args.batch_size, prep.crop, args.decode == "gpu"),
-                                        pinned)  # the sets are read one after another: one budget
+    batch = pipeline.batch_bytes(args.batch_size, prep.crop, decoding.mode == "gpu")
+    prefetch = pipeline.prefetch_factor(workers, batch, pinned)  # the sets are read one after another: one budget
     with contextlib.ExitStack() as stack:
         for _, source, _ in sets:
             dataset = pipeline.EvalDataset(source, prep.crop, prep.resize, decoding.eval_load, prep.interpolation)
             loaders.append(pipeline.eval_loader(dataset, args.batch_size, env.rank, env.world_size, workers, pinned,
                                                 collate_fn=decoding.collate, prefetch=prefetch))
-        pipeline.share_heap_with_workers()  # workers fork before the process group's threads (build.py's order)
-        stack.callback(pipeline.stop_loader_workers)
-        for loader in loaders:
-            pipeline.start_workers(loader)
-        distributed.init_process_group(env, device, args.dist_timeout)
-        stack.callback(distributed.destroy_process_group)
-        stack.callback(pipeline.thaw_heap)
+        build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
+        build.join_process_group(env, device, args.dist_timeout, stack)
         module = place_model(model.module, device, args.channels_last)
         to = ModelInput(device, precision.dtype, args.channels_last,
                         normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))

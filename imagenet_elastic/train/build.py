@@ -240,11 +240,27 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     val_set = pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.eval_load)
     val = pipeline.eval_loader(val_set, config.batch_size, env.rank, env.world_size, workers, pin, ignored,
                                decoding.collate, prefetch)
+    start_loader_workers(([] if config.evaluate else [train]) + [val], stack)
+    return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
+
+
+def start_loader_workers(loaders: list[DataLoader], stack: contextlib.ExitStack) -> None:
+    """Fork the loaders' workers now, while this process has one thread (pipeline.start_workers), after freezing
+    what they will share (pipeline.share_heap_with_workers); the rank's end stops them. The trainer's order, which
+    `evaluate` follows too."""
     pipeline.share_heap_with_workers()
     stack.callback(pipeline.stop_loader_workers)
-    for loader in ([] if config.evaluate else [train]) + [val]:
+    for loader in loaders:
         pipeline.start_workers(loader)
-    return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
+
+
+def join_process_group(env: DistEnv, device: torch.device, timeout: float, stack: contextlib.ExitStack) -> None:
+    """The process group, after the loader workers forked (start_loader_workers); the rank's end destroys it."""
+    distributed.init_process_group(env, device, timeout)
+    stack.callback(distributed.destroy_process_group)
+    # Out before the group goes: what was frozen for the loader workers, DDP's objects among it, must be collectable
+    # when destroy_process_group collects (see there).
+    stack.callback(pipeline.thaw_heap)
 
 
 def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
@@ -252,11 +268,7 @@ def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
     """The process group, then the check that needs it: every rank has the same data, settings, code,
     checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the sources' lists
     (a folder's scan, shards' index) for the next start, now that they passed every check."""
-    distributed.init_process_group(env, inputs.device, config.dist_timeout)
-    stack.callback(distributed.destroy_process_group)
-    # Out before the group goes: what was frozen for the loader workers (build_loaders), DDP's objects among it,
-    # must be collectable when destroy_process_group collects (see there).
-    stack.callback(pipeline.thaw_heap)
+    join_process_group(env, inputs.device, config.dist_timeout, stack)
     checked = None
     if env.launched:
         start = time.perf_counter()
