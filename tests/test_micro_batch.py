@@ -10,7 +10,6 @@ import contextlib
 import copy
 import io
 import random
-from collections.abc import Callable
 from typing import Optional
 
 import numpy as np
@@ -24,9 +23,10 @@ from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.train import build, memory_probe, micro_batch
 from imagenet_elastic.train.compile import CompiledOrEager
-from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain, fitting_plan, regroup
+from imagenet_elastic.train.micro_batch import OutOfMemoryAgain, fitting_plan, regroup
 from imagenet_elastic.train.trainer import Trainer
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--epochs", "1", "--max-steps-per-epoch", "5",
@@ -286,12 +286,17 @@ def test_a_second_out_of_memory_error_of_a_kind_ends_the_run_in_one_line(tmp_pat
         run(tmp_path, "run", AUTO, oom, monkeypatch)
 
 
-def test_without_auto_an_out_of_memory_error_ends_the_run_as_before(tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["training", "validation"])
+def test_without_auto_an_out_of_memory_error_ends_the_run_as_before(tmp_path, monkeypatch, kind):
+    oom = OutOfMemoryAbove({1: 4}) if kind == "training" else OutOfMemoryAbove(val=4)
     with pytest.raises(OUT_OF_MEMORY):
-        run(tmp_path, "run", RUN, OutOfMemoryAbove({1: 4}), monkeypatch)
+        run(tmp_path, "run", RUN, oom, monkeypatch)
 
 
-def test_a_plan_of_the_same_size_regroups_nothing():
-    loader = BatchPlan(16, 2, 4)
-    fixed: Callable = MicroBatches(loader, 4, 1).plan.micro_slices
-    assert fixed(1) == loader.micro_slices(1)
+def test_a_device_that_fits_no_micro_batch_stops_the_run_in_one_line_before_the_first_step(tmp_path, monkeypatch):
+    probing_on_the_cpu(monkeypatch)
+    oom = OutOfMemoryAbove({-1: 0})
+    with pytest.raises(UserError, match=r"^--micro-batch auto: no micro-batch of 32 px images, however small, fits a "
+                                        r"training step of test_resnet on cpu$"):
+        run(tmp_path, "run", [*AUTO, "--mixup-alpha", "0.2"], oom, monkeypatch)
+    assert [size for _, size, _ in oom.seen] == [8, 4, 2]  # mixing's pairs: no micro-batch of one

@@ -311,8 +311,6 @@ def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device:
     return wrapped
 
 
-
-
 def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
                       ctx: StepContext) -> MicroBatches:
     """The micro-batches steps compute in: --batch-size's, or under --micro-batch auto the largest that fits this GPU
@@ -323,13 +321,14 @@ def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: In
     def probe(first: int, smaller: Any) -> int:
         found = memory_probe.probe(state.model, state.optimizer, ctx.criterion, ctx.input, size, first, smaller)
         if found is None:
-            raise UserError(f"--micro-batch auto: not even one image of {size} px fits a training step of "
-                            f"{config.model} on {inputs.device}")
+            raise UserError(f"--micro-batch auto: no micro-batch of {size} px images, however small, fits a training "
+                            f"step of {config.model} on {inputs.device}")
         return found
 
     settings = {"model": config.model, "blurpool": config.blurpool, "batch_size": config.batch_size,
                 "image_size": size, "precision": training.precision.name, "channels_last": config.channels_last,
-                "grad_checkpointing": config.grad_checkpointing, "opt": config.opt, "ddp": env.launched}
+                "grad_checkpointing": config.grad_checkpointing, "opt": config.opt, "model_ema": config.model_ema,
+                "ddp": env.launched}
     return micro_batch.choose(config.micro_batch == micro_batch.AUTO, training.plan, env.rank, config.mixes,
                               inputs.device, settings, training.saved_micro_batch, probe,
                               functools.partial(console.warn, every_rank=True), train=not config.evaluate)

@@ -3,10 +3,11 @@ step by trying it, and halving after each out-of-memory error.
 
 A trial is what a step of the run costs the device: the run's model (the EMA copy and DDP's buckets already
 allocated beside it), its precision and memory layout, an input of the largest training size, forward, backward
-and the optimizer's step, twice, so that the second forward and backward run beside the optimizer's state as every
-step after the first does. It runs eager, also under --compile: compiling each size tried would cost minutes, and
-a compiled step usually keeps fewer activations than the eager one, so the eager answer errs on the safe side.
-What a trial cannot see (--decode gpu's buffers, fragmentation later on) the step's own halving catches
+and the optimizer's step, twice, so that the second forward and backward run beside the optimizer's state (as in
+every step after the first) and the first's gradients (as a later micro-batch of an accumulating step). It runs
+eager, also under --compile: compiling each size tried would cost minutes, and a compiled step usually keeps fewer
+activations than the eager one, so the eager answer errs on the safe side. What a trial cannot see (--decode gpu's
+buffers, fragmentation later on, a compiled graph that needs more) the step's own halving catches
 (micro_batch.MicroBatches).
 
 The probe leaves no trace: weights, buffers (BatchNorm's statistics), gradients, the optimizer's state and settings,
@@ -61,9 +62,9 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Modu
     images = torch.zeros((size, image_size, image_size, 3), dtype=torch.uint8, device=to.device)
     labels = torch.zeros(size, dtype=torch.int64, device=to.device)
     model.train()
-    for _ in range(2):
-        optimizer.zero_grad(set_to_none=True)
-        inputs, targets = prepare_batch(images, labels, to)
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(2):  # the second forward and backward beside the optimizer's state and the first's gradients,
+        inputs, targets = prepare_batch(images, labels, to)  # as a later micro-batch of an accumulating step
         with to.autocast():
             loss = criterion(model(inputs), targets)
         loss.backward()

@@ -6,7 +6,7 @@ The loader keeps cutting each rank's share into --batch-size's micro-batches (it
 prefetch are sized for them); a step regroups them (`regroup`) into the micro-batches of the plan it computes in,
 at the positions in the global batch a run started with that micro-batch has. BatchNorm (the first micro-batch of
 each share updates the running statistics), dropout and drop path (drawn from the step and the position) and mixing
-(pairs at even positions) therefore see what that run sees, and the weights follow it bit for bit.
+(pairs at even positions) therefore see what that run sees, and the weights follow it (bit for bit on a CPU).
 
 A step that runs out of memory under --micro-batch auto is redone at once with micro-batches of half the size, for
 the rest of the run: its gradients are dropped and the buffers its forward passes updated (BatchNorm's statistics,
@@ -16,7 +16,9 @@ that rank makes the rest of the step's collectives (ddp_ledger.py), and every ra
 one all-reduce of a flag per step, on the CPU control group (no wait for the GPU), before the optimizer steps.
 Each kind of pass (training, validation) halves once per run: a second out-of-memory error of that kind ends the
 run, as one that keeps running out of memory has a cause that smaller micro-batches would only hide. A validation
-pass has no collective before its end: each rank halves its own validation batches.
+pass has no collective before its end: each rank halves its own validation batches. An out-of-memory error in the
+optimizer's step is not caught: the weights have changed by then, and smaller micro-batches would not help (the
+probe runs that step too).
 """
 
 from __future__ import annotations

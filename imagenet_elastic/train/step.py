@@ -136,7 +136,8 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
 class ValidationFit(Protocol):
     """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches)."""
 
-    validation_batch: Optional[int]  # the most images a forward pass takes; None: the loader's batch, whole
+    validation_batch: Optional[int]  # the most images a forward pass takes; None: the loader's batch, whole, and an
+    # out-of-memory error ends the run
 
     def validation_failed(self, size: int, error: str) -> None: ...
 
@@ -166,7 +167,7 @@ def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_ave
             try:
                 totals += batch_sums(to, model, batch.part(slice(start, stop)), flip_average, columns, counts)
             except OUT_OF_MEMORY as error:
-                if fit is None:
+                if fit is None or fit.validation_batch is None:
                     raise
                 fit.validation_failed(stop - start, one_line(error))
                 continue
