@@ -132,6 +132,12 @@ class Config:
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
         "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int)
+    micro_batch: Optional[str] = option(
+        None, "auto: before the first step, find the largest micro-batch (--batch-size, halved until it fits) that "
+        "a training step of this model, precision and image size fits on this GPU, and accumulate up to the "
+        "global batch; kept in the checkpoints, so a restart on the same kind of GPU does not search again. A step "
+        "or validation that still runs out of memory is redone in halves, once per run for each; on a CPU: "
+        "--batch-size's micro-batches", "model", shown_default="--batch-size", choices=["auto"])
     global_batch_size: Optional[int] = option(
         None, "samples per optimizer step over all processes; kept when the world size changes, so the "
         "optimisation does not (see Fault tolerance)", "model", "N",

@@ -54,6 +54,13 @@ class Batch:
     def __len__(self) -> int:
         return len(self.labels)
 
+    def part(self, where: slice) -> Batch:
+        """The images at `where` (a view), with their labels and indices; the whole batch is itself."""
+        if (where.start, where.stop) == (0, len(self)):
+            return self
+        return dataclasses.replace(self, images=self.images[where], labels=self.labels[where],
+                                   indices=None if self.indices is None else self.indices[where])
+
     def pin_memory(self) -> Batch:
         """What DataLoader's pin_memory thread calls on a batch type of its own."""
         return dataclasses.replace(self, images=self.images.pin_memory(), labels=self.labels.pin_memory())

@@ -42,7 +42,8 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                      f"{env.master_addr}:{env.master_port}; every rank has the same data, "
                      f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
          else "none (single process)"),
-        ("global batch", plan.describe()),
+        ("global batch", training.micro.plan.describe()),
+        ("micro-batch", training.micro.describe()),
         ("initial weights", training.start if not training.resume_from else f"from {training.resume_from}"),
         ("model EMA", f"decay {c.model_ema_decay:g} "
                       + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")

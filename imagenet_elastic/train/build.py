@@ -1,7 +1,7 @@
 """A run's parts, built in a fixed order of named steps (startup.py calls them, then trains):
 
     check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
-    -> wrap_model
+    -> wrap_model -> fit_micro_batches
 
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
@@ -37,8 +37,9 @@ from imagenet_elastic.launch import consistency, distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
-from imagenet_elastic.train import mixing
+from imagenet_elastic.train import memory_probe, micro_batch, mixing
 from imagenet_elastic.train.compile import Compilation, compile_choice
+from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.model import (
     Precision,
     check_model_name,
@@ -52,6 +53,7 @@ from imagenet_elastic.train.model import (
 from imagenet_elastic.train.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.train.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.train.state import TrainState, check_compatible
+from imagenet_elastic.train.step import StepContext
 
 
 @dataclass
@@ -69,6 +71,8 @@ class Training:
     load_seconds: float
     resumed_at: Optional[float]  # the checkpoint's time stamp
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
+    saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
+    micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (fit_micro_batches)
 
 
 @dataclass
@@ -215,7 +219,8 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
     return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None,
-                    tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {})
+                    tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {},
+                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None)
 
 
 def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
@@ -320,3 +325,24 @@ def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device:
     return wrapped
 
 
+def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
+                      ctx: StepContext) -> MicroBatches:
+    """The micro-batches steps compute in: --batch-size's, or under --micro-batch auto the largest that fits this GPU
+    (the checkpoint's choice for this kind of GPU, else probed now: memory_probe.py), before the first step and
+    after DDP's buckets and the EMA copy took their memory."""
+    state, size = training.state, config.train_sizes.largest
+
+    def probe(first: int, smaller: Any) -> int:
+        found = memory_probe.probe(state.model, state.optimizer, ctx.criterion, ctx.input, size, first, smaller)
+        if found is None:
+            raise UserError(f"--micro-batch auto: no micro-batch of {size} px images, however small, fits a training "
+                            f"step of {config.model} on {inputs.device}")
+        return found
+
+    settings = {"model": config.model, "blurpool": config.blurpool, "batch_size": config.batch_size,
+                "image_size": size, "precision": training.precision.name, "channels_last": config.channels_last,
+                "grad_checkpointing": config.grad_checkpointing, "opt": config.opt, "model_ema": config.model_ema,
+                "ddp": env.launched}
+    return micro_batch.choose(config.micro_batch == micro_batch.AUTO, training.plan, env.rank, config.mixes,
+                              inputs.device, settings, training.saved_micro_batch, probe,
+                              functools.partial(console.warn, every_rank=True), train=not config.evaluate)

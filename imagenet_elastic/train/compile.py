@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from imagenet_elastic.checkpoint.compile_cache import CompileCache
+from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.errors import first_line
 from imagenet_elastic.launch import distributed
 
@@ -84,7 +85,8 @@ class CompiledOrEager(nn.Module):
     the backend compiles at the first call, so that call retries eager (from the state it started from: see
     `undoer`), and every later one stays eager. Sits inside DDP, which then never sees the failure: its reducer
     waits for a backward only after a forward that returned. An error that is not the compiler's fails the eager
-    retry too, and goes on from there; so does a failed recompilation later (a new shape), of a model that compiled."""
+    retry too, and goes on from there; so does a failed recompilation later (a new shape), of a model that compiled.
+    An out-of-memory error is the device's: it goes on at once, and the next call compiles again."""
 
     def __init__(self, model: nn.Module, backend: Any = None) -> None:
         super().__init__()
@@ -110,6 +112,11 @@ class CompiledOrEager(nn.Module):
         try:
             with backward_compiled_with_forward():
                 out = self.compiled(*args, **kwargs)
+        except OUT_OF_MEMORY:
+            # the device's failure, not the compiler's: --micro-batch auto redoes the step with smaller micro-batches,
+            # whose first call compiles again
+            self.called = False
+            raise
         except Exception as error:
             self.compile_seconds, self.failure = time.perf_counter() - start, error_line(error)
             undo()

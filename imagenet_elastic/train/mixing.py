@@ -98,12 +98,16 @@ def cut_boxes(lam: np.ndarray, centre_y: np.ndarray, centre_x: np.ndarray, heigh
             np.clip(cx - half_w, 0, width), np.clip(cx + half_w, 0, width))
 
 
+def whole_pairs(part: slice) -> bool:
+    return not (part.start % 2 or (part.stop - part.start) % 2)
+
+
 def check_pairs(plan: BatchPlan) -> None:
     """Every micro-batch of every rank must hold whole pairs."""
     for rank in range(plan.world_size):
         slices = plan.micro_slices(rank)
         for part in slices:
-            if part.start % 2 or (part.stop - part.start) % 2:
+            if not whole_pairs(part):
                 sizes = "/".join(str(s.stop - s.start) for s in slices)
                 raise UserError(
                     f"--mixup-alpha/--cutmix-alpha mix the images of a global batch in pairs (positions 2k and "

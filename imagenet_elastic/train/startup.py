@@ -25,6 +25,7 @@ from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import (
     build_loaders,
     check_inputs,
+    fit_micro_batches,
     join_job,
     prepare_compile,
     prepare_training,
@@ -58,6 +59,7 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
                       ModelInput(inputs.device, training.precision.dtype, config.channels_last),
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
                       config.clip_grad_norm, config.grad_checkpointing)
+    training.micro = fit_micro_batches(config, env, console, inputs, training, ctx)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)

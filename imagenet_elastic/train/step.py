@@ -5,15 +5,17 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.errors import one_line
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.train.mixing import Mixer
 
@@ -82,14 +84,21 @@ def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
 
 def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, lr: float, seed: int,
                step: int) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device).
+    """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device)."""
+    total = accumulate(ctx, micro_batches, slices, share, seed, step)
+    apply_gradients(ctx, lr)
+    return total
+
+
+def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, seed: int,
+               step: int) -> torch.Tensor:
+    """The forward and backward passes of a step: the gradient of the rank's mean loss (all-reduced under DDP), and
+    that loss (on device).
 
     Each micro-batch's loss is weighted by its share of the rank's samples, so the accumulated
     gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
     global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
     """
-    for group in ctx.optimizer.param_groups:  # --layer-decay's groups take their share of the LR, as in timm
-        group["lr"] = lr * group.get("lr_scale", 1.0)  # x1.0 elsewhere: exact
     ctx.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros((), device=ctx.input.device)
     for j, (batch, part) in enumerate(zip(micro_batches, slices)):
@@ -110,46 +119,81 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
             ctx.scaler.scale(weighted).backward()
         total += weighted.detach().float()
+    return total
+
+
+def apply_gradients(ctx: StepContext, lr: float) -> None:
+    """The optimizer's step at `lr`, on the accumulated gradient (clipped first under --clip-grad-norm)."""
+    for group in ctx.optimizer.param_groups:  # --layer-decay's groups take their share of the LR, as in timm
+        group["lr"] = lr * group.get("lr_scale", 1.0)  # x1.0 elsewhere: exact
     if ctx.clip_grad_norm is not None:  # on the all-reduced gradient: every rank clips the same, at any world size
         ctx.scaler.unscale_(ctx.optimizer)  # the norm of the true gradient, not of the loss-scaled one
         torch.nn.utils.clip_grad_norm_(ctx.model.parameters(), ctx.clip_grad_norm)
     ctx.scaler.step(ctx.optimizer)
     ctx.scaler.update()
-    return total
+
+
+class ValidationFit(Protocol):
+    """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches)."""
+
+    validation_batch: Optional[int]  # the most images a forward pass takes; None: the loader's batch, whole, and an
+    # out-of-memory error ends the run
+
+    def validation_failed(self, size: int, error: str) -> None: ...
 
 
 @torch.no_grad()
 def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
-             columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None) -> EvalResult:
+             columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None,
+             fit: Optional[ValidationFit] = None) -> EvalResult:
     """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
     DDP's forward would then wait on a collective), then the sums are added up across ranks.
 
     `flip_average` (--val-flip-average): the logits are the mean of the image's and its mirror's.
     `columns`: score these classes of the model alone (a class subset: ImageNet-A and -R's 200); the batch's
     labels are then positions in `columns`. `counts`: further sums per batch, reduced with the others.
+    `fit` (--micro-batch auto): each batch in pieces of at most `fit.validation_batch` images; a piece that runs out
+    of memory is told to `fit` (which halves that size, or raises) and tried again.
     """
     model.eval()
     extra = len(counts.names) if counts is not None else 0
     totals = torch.zeros(3 + extra, dtype=torch.float64, device=to.device)  # loss sum, top-1, top-5, counts
     samples = 0  # counted on the host: a tensor made per batch would be a blocking copy to the device
     for batch in loader:
-        images, labels = prepare_batch(batch.images, batch.labels, to)
-        with to.autocast():
-            logits = model(images).float()
-            if flip_average:
-                logits = (logits + model(images.flip(3)).float()) / 2
-        if columns is not None:
-            logits = logits.index_select(1, columns)
-        loss = F.cross_entropy(logits, labels, reduction="sum")
-        top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
-        sums = [loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()]
-        if counts is not None:
-            sums.extend(counts.count(logits, batch).to(torch.float64).unbind())
-        totals += torch.stack(sums)
-        samples += len(labels)
+        start = 0
+        while start < len(batch):
+            stop = len(batch) if fit is None or fit.validation_batch is None else \
+                min(len(batch), start + fit.validation_batch)
+            try:
+                totals += batch_sums(to, model, batch.part(slice(start, stop)), flip_average, columns, counts)
+            except OUT_OF_MEMORY as error:
+                if fit is None or fit.validation_batch is None:
+                    raise
+                fit.validation_failed(stop - start, one_line(error))
+                continue
+            start = stop
+        samples += len(batch)
     totals = torch.cat([totals, torch.tensor([float(samples)], dtype=torch.float64).to(to.device)])
     distributed.all_reduce_sum(totals)
     loss_sum, top1, top5, *others, samples = totals.tolist()
     count = max(samples, 1.0)
     return EvalResult(loss=loss_sum / count, top1=100 * top1 / count, top5=100 * top5 / count, samples=int(samples),
                       counts=dict(zip(counts.names, others)) if counts is not None else {})
+
+
+def batch_sums(to: ModelInput, model: nn.Module, batch: Batch, flip_average: bool, columns: Optional[torch.Tensor],
+               counts: Optional[Counts]) -> torch.Tensor:
+    """One batch's loss sum, top-1 and top-5 counts and `counts`' sums, as float64 on the device."""
+    images, labels = prepare_batch(batch.images, batch.labels, to)
+    with to.autocast():
+        logits = model(images).float()
+        if flip_average:
+            logits = (logits + model(images.flip(3)).float()) / 2
+    if columns is not None:
+        logits = logits.index_select(1, columns)
+    loss = F.cross_entropy(logits, labels, reduction="sum")
+    top = logits.topk(min(5, logits.shape[1]), dim=1).indices.eq(labels[:, None])
+    sums = [loss.double(), top[:, 0].sum().double(), top.any(dim=1).sum().double()]
+    if counts is not None:
+        sums.extend(counts.count(logits, batch).to(torch.float64).unbind())
+    return torch.stack(sums)

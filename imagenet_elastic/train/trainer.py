@@ -27,7 +27,7 @@ from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import Loaders, Training
 from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.state import EpochTally, PendingSteps
-from imagenet_elastic.train.step import StepContext, evaluate, train_step
+from imagenet_elastic.train.step import StepContext, evaluate
 
 
 class Trainer:
@@ -80,13 +80,12 @@ class Trainer:
         c, state, plan, tally, r = self.config, self.state, self.plan, self.state.tally, self.training
         start = time.perf_counter()
         self.sampler.set_epoch(epoch, tally.samples)
-        slices = plan.micro_slices(self.env.rank)
         pending = PendingSteps(self.ctx.input.device)  # the steps' losses stay on the device until they are needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr = r.schedule.at(state.step)
-                loss = train_step(self.ctx, micro_batches, slices, plan.share, lr, c.seed, state.step)
+                loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
@@ -153,7 +152,8 @@ class Trainer:
         results: dict[str, Any] = {}
         for suffix, model in models.items():
             distributed.broadcast_buffers(model)
-            val = evaluate(self.ctx.input, model, self.on_device(self.loaders.val), self.config.val_flip_average)
+            val = evaluate(self.ctx.input, model, self.on_device(self.loaders.val), self.config.val_flip_average,
+                           fit=self.training.micro)
             results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
                             f"val_top5{suffix}": val.top5})
             results["val_samples"] = val.samples
@@ -177,7 +177,7 @@ class Trainer:
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
-                "trackers": self.sinks.tracker_runs}
+                "trackers": self.sinks.tracker_runs, **self.training.micro.saved()}
 
     def stop(self) -> None:
         """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""

@@ -1,0 +1,157 @@
+"""--micro-batch auto's probe: the largest micro-batch whose training step fits the device, found before the first
+step by trying it, and halving after each out-of-memory error.
+
+A trial is what a step of the run costs the device: the run's model (the EMA copy and DDP's buckets already
+allocated beside it), its precision and memory layout, an input of the largest training size, forward, backward
+and the optimizer's step, twice, so that the second forward and backward run beside the optimizer's state (as in
+every step after the first) and the first's gradients (as a later micro-batch of an accumulating step). It runs
+eager, also under --compile: compiling each size tried would cost minutes, and a compiled step usually keeps fewer
+activations than the eager one, so the eager answer errs on the safe side. What a trial cannot see (--decode gpu's
+buffers, fragmentation later on, a compiled graph that needs more) the step's own halving catches
+(micro_batch.MicroBatches).
+
+The probe leaves no trace: weights, buffers (BatchNorm's statistics), gradients, the optimizer's state and settings,
+the modules' train/eval flags and every random generator are put back exactly as they were (`untouched`), so a run
+that probed trains the same bits as one that did not.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Callable, Iterator
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
+from imagenet_elastic.data.model_input import ModelInput, prepare_batch
+from imagenet_elastic.train.state import apply_rng, capture_rng
+
+
+def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable[[int], Optional[int]]
+                      ) -> Optional[int]:
+    """The first size from `first` on (each next one `smaller(size)`, None: no smaller one) for which `fits` holds;
+    None when none does."""
+    size: Optional[int] = first
+    while size is not None:
+        if fits(size):
+            return size
+        size = smaller(size)
+    return None
+
+
+def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput,
+              size: int, image_size: int) -> bool:
+    """Whether two training steps of `size` images of `image_size` pixels run without an out-of-memory error. The
+    weights and the optimizer's state change: call it inside `untouched`."""
+    fitted = False
+    try:
+        trial(model, optimizer, criterion, to, size, image_size)
+        fitted = True
+    except OUT_OF_MEMORY:
+        pass  # the trial's tensors go with its frames, when this handler ends
+    optimizer.zero_grad(set_to_none=True)
+    release_cached_memory(to.device)
+    return fitted
+
+
+def trial(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, size: int,
+          image_size: int) -> None:
+    images = torch.zeros((size, image_size, image_size, 3), dtype=torch.uint8, device=to.device)
+    labels = torch.zeros(size, dtype=torch.int64, device=to.device)
+    model.train()
+    optimizer.zero_grad(set_to_none=True)
+    for _ in range(2):  # the second forward and backward beside the optimizer's state and the first's gradients,
+        inputs, targets = prepare_batch(images, labels, to)  # as a later micro-batch of an accumulating step
+        with to.autocast():
+            loss = criterion(model(inputs), targets)
+        loss.backward()
+        del inputs, loss
+        optimizer.step()
+
+
+def release_cached_memory(device: torch.device) -> None:
+    """What an out-of-memory error left cached goes back to the device, so the next, smaller try starts unfragmented."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Whatever runs inside changes nothing that outlives it: `model`'s parameters, buffers, gradients and train/eval
+    flags, `optimizer`'s state and group settings, and the random generators (torch's, CUDA's, Python's, NumPy's)
+    are put back, in place (DDP and the optimizer keep references to the tensors), from a copy in host memory."""
+    tensors = list(model.parameters()) + list(model.buffers())
+    kept = [t.detach().to("cpu", copy=True) for t in tensors]
+    grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
+    flags = [m.training for m in model.modules()]
+    state = optimizer_snapshot(optimizer)
+    rng = capture_rng()
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for tensor, value in zip(tensors, kept):
+                tensor.copy_(value)
+            for param, grad in zip(model.parameters(), grads):
+                param.grad = None if grad is None else grad.to(param.device)
+        for module, flag in zip(model.modules(), flags):
+            module.training = flag
+        optimizer_restore(optimizer, state)
+        apply_rng(rng)
+
+
+def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
+    """A host copy of the optimizer's per-parameter state and of its groups' settings (timm's LAMB counts its steps
+    in the group)."""
+    state = {param: {key: host_copy(value) for key, value in entries.items()}
+             for param, entries in optimizer.state.items()}  # each value with the device it was on
+    groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
+              for group in optimizer.param_groups]
+    return state, groups
+
+
+def optimizer_restore(optimizer: torch.optim.Optimizer, snapshot: tuple[dict, list[dict]]) -> None:
+    """The state `optimizer_snapshot` copied, written back into the tensors the optimizer holds (their memory layout
+    and device kept); what a step created since (a first step's momentum) is dropped."""
+    state, groups = snapshot
+    for param in list(optimizer.state):
+        if param not in state:
+            del optimizer.state[param]
+            continue
+        entries = optimizer.state[param]
+        for key in list(entries):
+            if key not in state[param]:
+                del entries[key]
+        for key, (value, device) in state[param].items():
+            current = entries.get(key)
+            if device is None:
+                entries[key] = copy.deepcopy(value)
+            elif isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype \
+                    and current.device == device:
+                with torch.no_grad():
+                    current.copy_(value)
+            else:
+                entries[key] = value.to(device, copy=True)
+    for group, saved in zip(optimizer.param_groups, groups):
+        for key in [k for k in group if k != "params" and k not in saved]:
+            del group[key]
+        group.update(saved)
+
+
+def host_copy(value: Any) -> tuple[Any, Optional[torch.device]]:
+    """A copy of `value` in host memory, and the device a tensor was on (None: not a tensor)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().to("cpu", copy=True), value.device
+    return copy.deepcopy(value), None
+
+
+def probe(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, image_size: int,
+          first: int, smaller: Callable[[int], Optional[int]]) -> Optional[int]:
+    """The largest micro-batch, from `first` down (`smaller`), whose training step fits; None when none does. Leaves
+    no trace (`untouched`)."""
+    with untouched(model, optimizer):
+        return largest_that_fits(lambda size: step_fits(model, optimizer, criterion, to, size, image_size), first,
+                                 smaller)

@@ -1,0 +1,194 @@
+"""--micro-batch auto under DDP, two gloo processes: an out-of-memory error on one rank only, before DDP's forward,
+inside a micro-batch's forward or in the middle of the synchronising backward (gradient buckets already all-reduced),
+deadlocks no rank; every rank redoes the step with half the micro-batch and ends with the bits of a run that used
+the smaller micro-batch from that step on, and a second error ends every rank with one line (the step's own pieces,
+spawned; then the whole program under torchrun, with the error injected by tests/oom_injected.py)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+import sys
+
+import fault_injection as fi
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from conftest import REPO, SHORT_RUN, assert_same_tensors, finish, load_checkpoint, several_at_once, start, torchrun_cmd
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
+from imagenet_elastic.data.model_input import ModelInput
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain
+from imagenet_elastic.train.step import StepContext
+
+STEPS, FAILING_STEP, GLOBAL, LOADER_MICRO = 4, 2, 16, 4  # two micro-batches of 4 per rank, then four of 2
+
+
+def model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
+                         nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                         nn.Linear(8, 5))
+
+
+def context(net: nn.Module) -> StepContext:
+    # tiny buckets: several all-reduces in the backward, so that one can fail between two of them
+    ddp = DistributedDataParallel(net, bucket_cap_mb=0.0005)
+    return StepContext(ddp, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                       torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
+                       ModelInput(torch.device("cpu"), None, False))
+
+
+def global_batch(step: int) -> Batch:
+    g = torch.Generator().manual_seed(100 + step)
+    return Batch(torch.randint(0, 256, (GLOBAL, 6, 6, 3), dtype=torch.uint8, generator=g),
+                 torch.randint(0, 5, (GLOBAL,), generator=g), torch.arange(GLOBAL))
+
+
+def train(micro: MicroBatches, ctx: StepContext, rank: int, steps: int = STEPS, before=None) -> None:
+    loader = BatchPlan(GLOBAL, 2, LOADER_MICRO)
+    for step in range(steps):
+        if before is not None:
+            before(step, micro)
+        data = global_batch(step)
+        micro.step(ctx, [data.part(part) for part in loader.micro_slices(rank)], 0.1, 0, step)
+
+
+class Failure:
+    """An out-of-memory error on rank 1, once, at FAILING_STEP: `where` says at which point of the step."""
+
+    def __init__(self, where: str, ctx: StepContext, rank: int) -> None:
+        self.where, self.rank, self.step, self.calls, self.armed = where, rank, -1, 0, True
+        self.micro = None
+        self.launched = None  # gradient buckets this rank had all-reduced when the backward failed
+        ddp = ctx.model
+        if where == "before DDP's forward":
+            ddp.register_forward_pre_hook(self.raise_in_forward)
+        elif where == "in the second micro-batch's forward":
+            ddp.module[3].register_forward_pre_hook(self.raise_in_forward)
+        else:  # when the first layer's gradient is computed, after the later layers': their buckets are under way
+            ddp.module[0].register_forward_hook(
+                lambda module, args, output: self.watch_backward(output, ddp.require_backward_grad_sync))
+
+    def due(self) -> bool:
+        return self.armed and self.rank == 1 and self.step == FAILING_STEP
+
+    def raise_in_forward(self, module, args) -> None:
+        self.calls += 1
+        if self.due() and (self.where == "before DDP's forward" or self.calls % 2 == 0):
+            self.armed = False
+            raise OUT_OF_MEMORY("CUDA out of memory (injected)")
+
+    def watch_backward(self, output: torch.Tensor, synchronising: bool) -> None:
+        if synchronising and self.due():
+            output.register_hook(self.raise_in_backward)
+
+    def raise_in_backward(self, grad: torch.Tensor) -> None:
+        self.armed = False
+        self.launched = self.micro.ledger.launched
+        raise OUT_OF_MEMORY("CUDA out of memory (injected, in the backward)")
+
+    def before(self, step: int, micro: MicroBatches) -> None:
+        self.step, self.micro = step, micro
+
+
+WHERE = ("before DDP's forward", "in the second micro-batch's forward", "in the synchronising backward")
+
+
+def worker(rank: int, port: int, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        results = {}
+        # the reference: micro-batches of 4 until FAILING_STEP, of 2 from there on
+        net = model()
+        ctx = context(net)
+        loader = BatchPlan(GLOBAL, 2, LOADER_MICRO)
+        fixed = {4: MicroBatches(loader, 4, rank), 2: MicroBatches(loader, 2, rank)}
+        for step in range(STEPS):
+            data = global_batch(step)
+            fixed[4 if step < FAILING_STEP else 2].step(ctx, [data.part(p) for p in loader.micro_slices(rank)], 0.1, 0,
+                                                         step)
+        results["reference"] = {k: v.clone() for k, v in net.state_dict().items()}
+        for where in WHERE:
+            net = model()
+            ctx = context(net)
+            micro = MicroBatches(loader, 4, rank, auto=True, warn=lambda line: results.setdefault("said", []).append(
+                line))
+            failure = Failure(where, ctx, rank)
+            train(micro, ctx, rank, before=failure.before)
+            results[where] = ({k: v.clone() for k, v in net.state_dict().items()}, micro.size, failure.armed,
+                              failure.launched, len(ctx.model.reducer._get_zeros_like_grad_buckets()))
+        net = model()  # a run that halved once already: the next error ends every rank
+        ctx = context(net)
+        micro = MicroBatches(loader, 4, rank, auto=True)
+        micro.halved["training"] = True
+        failure = Failure(WHERE[1], ctx, rank)
+        try:
+            train(micro, ctx, rank, before=failure.before)
+        except OutOfMemoryAgain as error:
+            results["again"] = str(error)
+        torch.save(results, os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_an_out_of_memory_error_on_one_rank_is_redone_by_every_rank_with_half_the_micro_batch(tmp_path):
+    mp.start_processes(worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    for rank, results in enumerate(ranks):
+        for where in WHERE:
+            state, size, armed, launched, buckets = results[where]
+            assert armed == (rank == 0), f"{where}: rank 1 alone runs out of memory, once"
+            assert size == 2, where
+            for key, value in results["reference"].items():
+                assert torch.equal(state[key], value), f"{where}: rank {rank}'s {key} differs from the reference"
+    launched, buckets = ranks[1][WHERE[2]][3:]
+    assert 0 < launched < buckets, f"the backward failed after {launched} of {buckets} buckets' all-reduces"
+    assert "said" not in ranks[0] and len(ranks[1]["said"]) == len(WHERE)
+    assert "redone with micro-batches of 2, on every rank" in ranks[1]["said"][0]
+    again = "out of memory again in training step 3 with micro-batches of 4 (halved once already in this run)"
+    assert ranks[1]["again"] == f"{again}: CUDA out of memory (injected); lower --batch-size"
+    assert ranks[0]["again"] == f"{again}, on another rank"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_two_ranks_under_torchrun_redo_the_step_one_of_them_could_not_fit(image_folder, tmp_path):
+    """The whole program: rank 1 runs out of memory with micro-batches of 8 from its first step (rank 0 does not);
+    both go on with micro-batches of 4, and end with the bits of a run set to 4 from the start."""
+    several_at_once()
+    args = [str(image_folder), *SHORT_RUN, "--workers", "0"]
+    reference = start(torchrun_cmd(2, *args, "--batch-size", "4", "--global-batch-size", "16", "--checkpoints-path",
+                                   str(tmp_path / "reference")))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           str(REPO / "tests" / "oom_injected.py"), *args, "--micro-batch", "auto", "--checkpoints-path",
+           str(tmp_path / "auto")]
+    result = subprocess.run(cmd, cwd=REPO, env=fi.clean_env(OOM_RANK="1", OOM_LIMIT="4"), capture_output=True,
+                            text=True, timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert finish(reference).returncode == 0
+    said = [line for line in result.stderr.splitlines() if "out of memory" in line]
+    assert len(said) == 1 and said[0].startswith("warning: rank 1: out of memory in training step 1 with "
+                                                 "micro-batches of 8") and said[0].endswith(
+        "redone with micro-batches of 4, on every rank, for the rest of the run"), result.stderr
+    auto, expected = (load_checkpoint(tmp_path / name / "last.pt") for name in ("auto", "reference"))
+    assert auto["micro_batch"]["size"] == 4
+    assert_same_tensors(auto["model"], expected["model"])
+    assert_same_tensors(auto["optimizer"], expected["optimizer"])
