@@ -251,7 +251,7 @@ def start_workers(loader: DataLoader) -> None:
     release the tensors of finished collectives through Python, taking the interpreter's lock on
     its list of threads without the GIL; a fork at that moment copies the lock held, and a CPython
     without the fix for gh-112275 then deadlocks the new worker inside os.fork: a rank whose
-    validation never began, its worker stuck in PyOS_AfterFork_Child (README, "What a run does").
+    validation never began, its worker stuck in PyOS_AfterFork_Child (docs/DESIGN.md).
     """
     if loader.num_workers == 0:
         return
