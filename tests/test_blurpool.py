@@ -83,9 +83,11 @@ def test_a_run_resumes_and_evaluates_only_as_the_model_it_trained_and_fine_tunin
     assert "BlurPool before 3 strided convolutions" in trained.stdout
     row = read_metrics(ckpt / "metrics.jsonl")[-1]
     assert_row_describes(row, evaluate_checkpoint(image_folder, ckpt / "last.pt", 1, tmp_path / "e", "--blurpool"))
-    # one line naming the flag, exit 2, and the checkpoints folder as it was (test_bad_input's check)
-    expect_user_error([str(image_folder), *SMALL_RUN, "--evaluate", "--resume", str(ckpt / "last.pt"),
-                       "--checkpoints-path", str(tmp_path / "e2")],
+    # --evaluate takes the blur from the checkpoint; said otherwise, one line naming the flag, exit 2, and the
+    # checkpoints folder as it was (test_bad_input's check)
+    assert_row_describes(row, evaluate_checkpoint(image_folder, ckpt / "last.pt", 1, tmp_path / "e1"))
+    expect_user_error([str(image_folder), *SMALL_RUN, "--evaluate", "--no-blurpool", "--resume",
+                       str(ckpt / "last.pt"), "--checkpoints-path", str(tmp_path / "e2")],
                       f"checkpoint {ckpt / 'last.pt'} was trained with --blurpool: pass --blurpool", ckpt)
     expect_user_error([str(image_folder), *SMALL_RUN, "--epochs", "3", "--max-steps-per-epoch", "2", "--resume",
                        "--checkpoints-path", str(ckpt)], "pass --blurpool", ckpt)
