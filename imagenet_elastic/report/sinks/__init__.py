@@ -10,19 +10,25 @@ import contextlib
 import importlib.util
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional, Protocol
 
 from imagenet_elastic.errors import UserError, one_line
 from imagenet_elastic.report.sinks import steps_file, tensorboard_events
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 from imagenet_elastic.report.sinks.mlflow_tracker import MlflowTracker
+from imagenet_elastic.report.sinks.runs import TrackerRuns
 from imagenet_elastic.report.sinks.steps_file import StepsFile
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
-from imagenet_elastic.report.sinks.tracker import Tracker, TrackerRuns
+from imagenet_elastic.report.sinks.tracker import Tracker
 from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
-if TYPE_CHECKING:
-    from imagenet_elastic.config import Config
+
+class SinkSettings(Protocol):
+    """What `chosen` reads of the run's settings (config.Config), and each tracker's own setting by its name."""
+
+    tensorboard: Optional[bool]
+    evaluate: bool
+    checkpoints_path: str
 
 # The experiment trackers, each named by its setting (`option`), which its class describes (help, metavar).
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
@@ -36,7 +42,7 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def chosen(config: Config, is_main: bool) -> list[Sink]:
+def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
     """The sinks the settings name, each checked before anything starts (no thread, no worker): rank 0's when it
     trains (steps.jsonl always); none on the other ranks or under --evaluate. A setting a sink cannot use (a
     package missing, a store that cannot be written) is a UserError."""

@@ -4,10 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from imagenet_elastic.report.sinks.tracker import TrackerRuns
+from imagenet_elastic.report.sinks.runs import TrackerRuns
 
 
 @dataclass(frozen=True)
