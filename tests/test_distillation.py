@@ -6,18 +6,20 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint
+from conftest import REPO, SMALL_RUN, assert_same_tensors, child_env, load_checkpoint, torchrun_cmd
 from inprocess import command, train
 
 from imagenet_elastic.checkpoint import teacher_weights
 from imagenet_elastic.checkpoint.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD, ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, loss_weights
 from imagenet_elastic.train.model import create_model
 from imagenet_elastic.train.state import EpochTally, PendingSteps
@@ -28,9 +30,11 @@ CPU = torch.device("cpu")
 QUICK = ["--workers", "0", "--threads", "1"]
 
 
-def run_args(image_folder: Path, folder: Path, *extra: str, epochs: int = 1, steps: int = 2) -> list[str]:
-    return [str(image_folder), *SMALL_RUN, *QUICK, "--epochs", str(epochs), "--max-steps-per-epoch", str(steps),
-            "--checkpoints-path", str(folder), *extra]
+def run_args(image_folder: Path, folder: Path, *extra: str, epochs: int = 1, steps: int = 2,
+             here: bool = True) -> list[str]:
+    """A short run; `here`: in this process (no loader worker, one thread), else as a process runs it."""
+    return [str(image_folder), *SMALL_RUN, *(QUICK if here else []), "--epochs", str(epochs),
+            "--max-steps-per-epoch", str(steps), "--checkpoints-path", str(folder), *extra]
 
 
 @pytest.fixture(scope="module")
@@ -252,6 +256,29 @@ def test_a_run_with_a_teacher_stopped_mid_epoch_resumes_bitwise(image_folder, tm
     assert_same_tensors(final["optimizer"]["state"], reference["optimizer"]["state"])
     assert [r["train_distill_loss"] for r in final["history"]] == [r["train_distill_loss"] for r in
                                                                     reference["history"]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_run_with_a_teacher_stopped_at_world_size_1_goes_on_under_torchrun_at_world_size_2(
+        image_folder, tmp_path, teachers, monkeypatch):
+    """Each rank holds its own teacher, outside DDP: the token-distilled student (both heads in every step) resumes
+    at another world size with the same global batch, the same teacher, and each sample once."""
+    def args(here: bool) -> list[str]:
+        return run_args(image_folder, tmp_path / "ckpt", "--teacher", str(teachers["wide"]), *KILLED["token"],
+                        "--global-batch-size", "16", epochs=2, steps=3, here=here)
+
+    monkeypatch.setenv(ENV_VAR, str(tmp_path / "samples"))
+    assert train(args(here=True), signal_during_step=2).stopped
+    result = subprocess.run(torchrun_cmd(2, *args(here=False), "--resume"), cwd=REPO, capture_output=True, text=True,
+                            env=child_env(**{ENV_VAR: str(tmp_path / "samples")}), timeout=240)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "train loss" in result.stdout and "distillation" in result.stdout
+    final = load_checkpoint(tmp_path / "ckpt" / "last.pt")
+    assert (final["world_size"], final["step"]) == (2, 6)
+    assert final["teacher"]["sha256"] == teacher_weights.read(str(teachers["wide"])).sha256
+    report = coverage(str(tmp_path / "samples"), 3 * 16, 16)
+    assert (report.samples_lost, report.samples_repeated, report.world_sizes) == (0, 0, (1, 2)), report
 
 
 # ----------------------------------------------------------------------------- a distilled student's validation
