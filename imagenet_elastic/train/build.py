@@ -294,7 +294,8 @@ def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
     if env.launched:
         start = time.perf_counter()
         token = None if config.evaluate else store.read_lock_token(config.checkpoints_path)
-        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot)
+        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot,
+                                   inputs.teacher.sha256 if inputs.teacher is not None else None)
         checked = time.perf_counter() - start
     if env.is_main and not config.evaluate:
         for source in (inputs.train, inputs.val):
