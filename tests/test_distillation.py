@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from conftest import REPO, SMALL_RUN, assert_same_tensors, child_env, load_checkpoint, torchrun_cmd
 from inprocess import command, train
+from test_pretrained import cached, timm_model
 
 from imagenet_elastic.checkpoint import teacher_weights
 from imagenet_elastic.checkpoint.teacher_weights import TeacherInput, TeacherWeights
@@ -231,6 +232,23 @@ def test_a_teacher_given_as_its_export_folder_is_the_same_teacher(image_folder, 
     resumed = train([*run_args(image_folder, tmp_path / "run", "--teacher", str(tmp_path / "export"), epochs=2),
                      "--resume"])
     assert resumed.final_step == 4
+
+
+def test_a_published_teacher_comes_from_the_hub_cache_offline_and_sees_the_batch_in_its_own_preprocessing(
+        hub, image_folder, tmp_path):
+    """timm's test_resnet normalises with mean and std 0.5 and takes 160 px: the student's 32 px batch is
+    renormalised and resized for it, as the start-up table says."""
+    published = cached(hub, "someone/teacher", timm_model("test_resnet", 4, seed=5))
+    weights = teacher_weights.read("hf-hub:someone/teacher")
+    assert weights.kind == teacher_weights.PUBLISHED and weights.classes == 4
+    assert weights.input == TeacherInput((160, 160), (127.5,) * 3, (127.5,) * 3)
+    assert_same_tensors(weights.model.state_dict(), published)
+    result = command(run_args(image_folder, tmp_path, "--teacher", "hf-hub:someone/teacher", steps=1))
+    assert result.returncode == 0, result.stderr
+    row = next(line for line in result.stdout.splitlines() if line.strip().startswith("teacher "))
+    assert f"sha256 {weights.sha256[:12]}" in row and "input 160 px, mean 0.500/0.500/0.500" in row
+    assert "the student's batch renormalised and resized on the device" in row
+    assert "logit distillation: KL at T=4 (x T^2); loss = 1 x task + 1 x distillation" in row
 
 
 KILLED = {"logit": ["--mixup-alpha", "0.4", "--cutmix-alpha", "1.0", "--drop-path", "0.1"],

@@ -75,13 +75,15 @@ def read(spec: str) -> TeacherWeights:
     else:
         kind = EXPORT if os.path.isdir(spec) else PUBLISHED
         model = published.create(f"local-dir:{spec}" if kind == EXPORT else spec, FLAG)
+        architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
         if kind == EXPORT or spec.startswith("local-dir:"):
             blur_if_exported_with_it(model, spec.removeprefix("local-dir:"))
+            source = f"a folder of {architecture} weights (an export, or timm's save_for_hf)"
+        else:
+            where = published.describe_source(model, spec)
+            source = f"published weights of {architecture}" + (f": {where}" if where != spec else "")
         head = model.get_classifier() if hasattr(model, "get_classifier") else None
         classes = getattr(model, "num_classes", 0) if head is not None else 0
-        where = published.describe_source(model, spec)
-        source = f"published weights of {model.pretrained_cfg.get('architecture', spec)}" + \
-            (f", {where}" if where != spec else "")
         names, wanted = None, timm_input(model)
     if not classes:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
