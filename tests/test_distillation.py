@@ -20,6 +20,7 @@ from imagenet_elastic.checkpoint import teacher_weights
 from imagenet_elastic.checkpoint.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD, ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, loss_weights
 from imagenet_elastic.train.model import create_model
@@ -216,6 +217,21 @@ def test_a_resume_with_another_teacher_is_refused_in_one_line_and_the_same_one_c
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 2  # nothing touched
     same = train([*run_args(image_folder, tmp_path, "--teacher", str(teachers["a"]), epochs=2), "--resume"])
     assert same.final_step == 4
+
+
+def test_a_teacher_added_or_dropped_at_resume_is_a_warning_and_another_input_a_refusal():
+    """Only another teacher is refused; a teacher added or dropped changes the loss, as other settings do (warned)."""
+    mine = TeacherWeights(Recording(), "t.pt", teacher_weights.CHECKPOINT, "", 4, None,
+                          TeacherInput((32, 32), IMAGENET_MEAN, IMAGENET_STD), "a" * 64)
+    assert teacher_weights.compare(None, None, "last.pt") is None
+    assert teacher_weights.compare(mine.identity(), mine, "last.pt") is None
+    moved = dict(mine.identity(), spec="/elsewhere/t.pt")  # the same weights and input under another path
+    assert teacher_weights.compare(moved, mine, "last.pt") is None
+    assert teacher_weights.compare(None, mine, "last.pt") == "teacher: checkpoint none, now t.pt"
+    assert teacher_weights.compare(mine.identity(), None, "last.pt") == "teacher: checkpoint t.pt, now none"
+    resized = dict(mine.identity(), input=dict(mine.input.saved(), size=[48, 48]))
+    with pytest.raises(UserError, match="distilled from --teacher t.pt .* another input"):
+        teacher_weights.compare(resized, mine, "last.pt")
 
 
 def test_a_teacher_given_as_its_export_folder_is_the_same_teacher(image_folder, tmp_path, teachers):
