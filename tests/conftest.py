@@ -132,6 +132,19 @@ def image_folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def hub(tmp_path, monkeypatch) -> Path:
+    """An empty hub cache that huggingface_hub reads, offline: the constants its functions read at each call
+    (HF_HOME and HF_HUB_OFFLINE are read once, when it is imported)."""
+    from huggingface_hub import constants
+
+    cache = tmp_path / "hf" / "hub"
+    cache.mkdir(parents=True)
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    return cache
+
+
 child_env = fi.clean_env  # this environment without launcher variables, so tests stay local
 
 

@@ -119,3 +119,15 @@ def test_an_unshared_checkpoints_folder_is_said_with_both_paths_and_why_it_matte
     assert said.startswith("the checkpoints folder is not shared: rank 1 (node-b) does not see the lock that "
                            "rank 0 (node-a) holds in /shared/ck (it looks in /local/ck)")
     assert "starts over from nothing" in said
+
+
+def test_ranks_that_read_other_teacher_weights_are_one_job_no_more():
+    """Each rank reads --teacher from its own node (a Hugging Face cache, a file): the weights' hashes must agree."""
+    prints = [fingerprint(teacher="a" * 64), fingerprint(teacher="a" * 64, host="node-b"),
+              fingerprint(teacher="b" * 64, host="node-c")]
+    name, ranks = first_difference(prints)
+    said = consistency.describe(name, ranks, prints, Config(data="d", teacher="resnet50.a1_in1k"), index(FILES),
+                                index(FILES))
+    assert said == ("ranks read different weights for --teacher resnet50.a1_in1k: rank 0 (node-a) sha256 aaaaaaaaaaaa, "
+                    "rank 2 (node-c) bbbbbbbbbbbb; every node's copy (its Hugging Face cache, its file) must hold the "
+                    "same weights")

@@ -19,19 +19,6 @@ RUN = ["unused", "--image-size", "32", "--batch-size", "8", "--workers", "0", "-
        "--warmup-epochs", "1", "--lr", "0.5", "--amp", "none", "--epochs", "1", "--max-steps-per-epoch", "1"]
 
 
-@pytest.fixture
-def hub(tmp_path, monkeypatch) -> Path:
-    """An empty hub cache that huggingface_hub reads, offline: the constants its functions read at each call
-    (HF_HOME and HF_HUB_OFFLINE are read once, when it is imported)."""
-    from huggingface_hub import constants
-
-    cache = tmp_path / "hf" / "hub"
-    cache.mkdir(parents=True)
-    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    return cache
-
-
 def publish(folder: Path, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """timm's save_for_hf (config.json + model.safetensors), as `imagenet-elastic export` writes it."""
     from timm.models import save_for_hf

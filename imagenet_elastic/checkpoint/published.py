@@ -19,6 +19,7 @@ from imagenet_elastic.errors import UserError, first_line
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
 # timm's model names that say where the weights are, not what the model is (config.json there says that)
 WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
@@ -38,6 +39,15 @@ def cache_folder() -> str:
 
 def fetch(model_name: str) -> Published:
     """The published weights of `model_name` as timm loads them, or a UserError naming the model and the cache."""
+    model = create(model_name)
+    head = model.get_classifier() if hasattr(model, "get_classifier") else None
+    classes = getattr(model, "num_classes", 0) if head is not None else 0
+    return Published(model.state_dict(), describe_source(model, model_name), classes)
+
+
+def create(model_name: str, flag: str = "--pretrained") -> nn.Module:
+    """timm's model `model_name` with its published weights (on the CPU), or a UserError naming `flag` (the option
+    that asked: --pretrained, --teacher), the model and the cache."""
     import timm
     from huggingface_hub import constants
     from huggingface_hub.errors import (
@@ -49,32 +59,39 @@ def fetch(model_name: str) -> Published:
         RepositoryNotFoundError,
     )
 
+    from imagenet_elastic.train import tiny_models
+
+    tiny_models.register()  # an export of a run that trained one names it in its config.json
     where = f"the Hugging Face cache {cache_folder()}"
+    named = f"--pretrained --model {model_name}" if flag == "--pretrained" else f"{flag} {model_name}"
     try:
-        model = timm.create_model(model_name, pretrained=True)
+        return timm.create_model(model_name, pretrained=True)
     except (LocalEntryNotFoundError, OfflineModeIsEnabled):
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached")
-        raise UserError(f"--pretrained: the weights of {model_name} are not in {where} and {why}: download them "
-                        "once where the hub can be reached (run with --pretrained, or `hf download`), or set "
+        raise UserError(f"{flag}: the weights of {model_name} are not in {where} and {why}: download them "
+                        f"once where the hub can be reached (run with {flag}, or `hf download`), or set "
                         "HF_HOME to the cache that holds them") from None
     except GatedRepoError:
-        raise UserError(f"--pretrained: the weights of {model_name} are gated on the hub: accept their terms and "
+        raise UserError(f"{flag}: the weights of {model_name} are gated on the hub: accept their terms and "
                         "log in (`hf auth login`) where the run downloads them") from None
     except (RepositoryNotFoundError, EntryNotFoundError):
-        raise UserError(f"--pretrained: the hub has no weights for {model_name}") from None
+        raise UserError(f"{flag}: the hub has no weights for {model_name}") from None
     except HfHubHTTPError as error:
-        raise UserError(f"--pretrained {model_name}: the hub answered {first_line(error)[:200]}") from None
+        raise UserError(f"{flag} {model_name}: the hub answered {first_line(error)[:200]}") from None
     except FileNotFoundError as error:  # local-dir: without config.json
-        raise UserError(f"--model {model_name}: {first_line(error)[:200]}") from None
+        where_named = f"--model {model_name}" if flag == "--pretrained" else named
+        raise UserError(f"{where_named}: {first_line(error)[:200]}") from None
     except RuntimeError as error:  # an unknown tag, an architecture without published weights, a file that misfits
-        raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
+        raise UserError(f"{named}: {first_line(error)[:300]}") from None
     except OSError as error:  # weights timm downloads from a URL (torch hub's cache), a file it cannot read
-        raise UserError(f"--pretrained --model {model_name}: {first_line(error)[:300]}") from None
-    head = model.get_classifier() if hasattr(model, "get_classifier") else None
-    classes = getattr(model, "num_classes", 0) if head is not None else 0
+        raise UserError(f"{named}: {first_line(error)[:300]}") from None
+
+
+def describe_source(model: nn.Module, model_name: str) -> str:
+    """Where timm took a model's published weights from: a hub repository (in the cache), a file, or the name."""
     cfg = getattr(model, "pretrained_cfg", {}) or {}
     source = cfg.get("hf_hub_id") or cfg.get("file") or model_name
-    return Published(model.state_dict(), f"{source} ({where})" if cfg.get("hf_hub_id") else source, classes)
+    return f"{source} (the Hugging Face cache {cache_folder()})" if cfg.get("hf_hub_id") else source
 
 
 def timm_options(published: Published) -> dict[str, Any]:

@@ -32,8 +32,9 @@ RESUME_SENSITIVE = (
     "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
     "model_ema_steps", "clip_grad_norm",
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
-    "progressive_epochs", "ra_reps", "layer_decay",
-)
+    "progressive_epochs", "ra_reps", "layer_decay", "kd_temperature", "task_loss_weight", "distill_loss_weight",
+    "kd_token_distill_type",
+)  # --teacher: the identity of its weights is compared instead (checkpoint/teacher_weights.compare)
 # Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
 VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
 DECODE_MODES = ("auto", "cpu", "gpu")  # --decode: decoding.Decoding
@@ -187,6 +188,27 @@ class Config:
     bce_target_thresh: Optional[float] = option(
         None, "with --bce-loss: targets above X become 1, the rest 0 (timm's --bce-target-thresh)", "model", "X",
         type=options.probability)
+    teacher: Optional[str] = option(
+        None, "distil from this model: a timm name with published weights, read as --pretrained reads them "
+        "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights) or an "
+        "export folder (`imagenet-elastic export`). It runs frozen, in eval mode, in the run's precision, on the "
+        "student's augmented and mixed batch, resized and renormalised to its own input. Any student learns its "
+        "logits (KL at --kd-temperature); a student with DeiT's distillation head (timm's `*_distilled_*`) learns "
+        "them with that head (--kd-token-distill-type) and validates on the average of its two heads. Checkpoints "
+        "keep its identity (a hash of its weights), not its weights: a resume with another teacher is refused",
+        "model", "MODEL")
+    kd_temperature: float = option(4.0, "--teacher: the temperature both distributions are softened at before their "
+                                   "KL divergence, which is then scaled by T^2 (timm's --kd-temperature)", "model", "T",
+                                   type=options.positive_float)
+    task_loss_weight: Optional[float] = option(
+        None, "--teacher: the task loss's weight; given alone, the distillation loss's is 1 - X (timm's weights)",
+        "model", "X", shown_default="1", type=options.non_negative_float)
+    distill_loss_weight: Optional[float] = option(
+        None, "--teacher: the distillation loss's weight", "model", "X", shown_default="1, or 1 - task-loss-weight",
+        type=options.non_negative_float)
+    kd_token_distill_type: str = option(
+        "soft", "--teacher, for a student with a distillation head: its loss, soft (KL at --kd-temperature, x T^2) "
+        "or hard (cross-entropy with the teacher's top class: DeiT's best)", "model", choices=["soft", "hard"])
     drop_path: float = option(
         0.0, "stochastic depth: the rate timm's model drops residual branches at (its drop_path_rate); drawn per "
         "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
@@ -285,6 +307,12 @@ class Config:
             raise UserError(f"{given} needs {missing} too")
         if self.bce_target_thresh is not None and not self.bce_loss:
             raise UserError("--bce-target-thresh applies to --bce-loss only")
+        for weight in ("task_loss_weight", "distill_loss_weight"):
+            if getattr(self, weight) is not None and not self.teacher:
+                raise UserError(f"--{weight.replace('_', '-')} weighs a distillation loss: it needs --teacher")
+        if self.teacher and self.distill_loss_weight is None and (self.task_loss_weight or 0.0) > 1.0:
+            raise UserError(f"--task-loss-weight {self.task_loss_weight:g} alone gives the distillation loss the "
+                            f"weight 1 - {self.task_loss_weight:g} < 0: set --distill-loss-weight too")
         if self.pretrained and self.initial_checkpoint:
             raise UserError("--pretrained and --initial-checkpoint both say where a fresh run's weights come from: "
                             "pass one")

@@ -56,6 +56,7 @@ class Fingerprint:
     val: FileList
     host: str  # not compared: named in messages
     folder: str  # idem: the checkpoints folder, as this rank names it
+    teacher: Optional[str] = None  # the SHA-256 of the --teacher weights this rank read (from its node's cache)
 
 
 def code_version() -> str:
@@ -76,14 +77,14 @@ def settings_digest(settings: dict[str, Any]) -> str:
 
 
 def fingerprint(config: Config, train: Source, val: Source, folder_token: Optional[str],
-                checkpoint: Optional[dict[str, Any]]) -> Fingerprint:
+                checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> Fingerprint:
     mark = None
     if checkpoint is not None:
         mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
                 float(checkpoint["saved_at"]))
     return Fingerprint(code_version(), settings_digest(shared_settings(config)), folder_token, mark,
                        train.fingerprint(), val.fingerprint(), socket.gethostname(),
-                       os.path.abspath(config.checkpoints_path))
+                       os.path.abspath(config.checkpoints_path), teacher)
 
 
 COMPARED = tuple(f.name for f in fields(Fingerprint) if f.name not in ("host", "folder"))
@@ -152,6 +153,10 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
                 f"{who(prints, 0)} holds in {main.folder} (it looks in {prints[first].folder}). --checkpoints-path "
                 "must be on storage that every node shares: otherwise only one node has the checkpoints, and a job "
                 "that re-forms with rank 0 on another node starts over from nothing")
+    if name == "teacher":
+        return (f"ranks read different weights for --teacher {config.teacher}: {who(prints, 0)} sha256 "
+                f"{str(main.teacher)[:12]}, {who(prints, first)}{also} {str(prints[first].teacher)[:12]}; every node's "
+                "copy (its Hugging Face cache, its file) must hold the same weights")
     if name == "checkpoint":
         def said(p: Fingerprint) -> str:
             return "no checkpoint" if p.checkpoint is None else f"the checkpoint of step {p.checkpoint[0]}"
@@ -167,9 +172,10 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
 
 
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
-                   checkpoint: Optional[dict[str, Any]]) -> None:
-    """One all-gather of every rank's fingerprint; JobMismatch on every rank when they differ."""
-    prints = distributed.all_gather_object(fingerprint(config, train, val, folder_token, checkpoint))
+                   checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> None:
+    """One all-gather of every rank's fingerprint; JobMismatch on every rank when they differ. `teacher`: the hash of
+    the --teacher weights this rank read."""
+    prints = distributed.all_gather_object(fingerprint(config, train, val, folder_token, checkpoint, teacher))
     found = first_difference(prints)
     if found is not None:
         raise JobMismatch(describe(*found, prints, config, train, val))

@@ -25,6 +25,7 @@ class Tally(Protocol):
     steps: int
     loss_sum: float  # sum over steps of the step's mean loss over all ranks
     seconds: float
+    parts: dict[str, float]  # the same sums of the loss's named parts (--teacher: task_loss, distill_loss)
 
 
 def step_row(step: int, epoch: float, since: Tally, lr: float, waited: float) -> dict[str, Any]:
@@ -35,6 +36,7 @@ def step_row(step: int, epoch: float, since: Tally, lr: float, waited: float) ->
         "step": step,
         "epoch": round(epoch, 4),
         "loss": since.loss_sum / since.steps,  # the mean over these steps and all ranks
+        **{name: value / since.steps for name, value in since.parts.items()},
         "lr": lr,
         "images_per_sec": since.samples / seconds,
         "data_wait": min(1.0, waited / seconds),  # the share of the time the loop waited for its next batch
@@ -50,6 +52,7 @@ def epoch_row(*, epoch: int, step: int, tally: Tally, validated: dict[str, Any],
         "epoch": epoch,
         "step": step,  # the optimizer step that ended it: where TensorBoard and the trackers put the row
         "train_loss": tally.loss_sum / tally.steps if tally.steps else float("nan"),
+        **{f"train_{name}": value / tally.steps for name, value in tally.parts.items() if tally.steps},
         **validated,
         "lr": lr,
         "images_per_sec": tally.samples / tally.seconds if tally.seconds else 0.0,

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from imagenet_elastic.checkpoint.teacher_weights import TeacherWeights
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.pipeline import PINNED_BUDGET
 from imagenet_elastic.errors import PREEMPTED_EXIT
@@ -13,21 +14,24 @@ from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train.build import Inputs, Loaders, Training
 from imagenet_elastic.train.compile import Compilation
+from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.model import blurred, count_parameters
 
 
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
-             loaders: Loaders, checked_s: Optional[float], compilation: Compilation) -> list[tuple[str, str]]:
+             loaders: Loaders, checked_s: Optional[float], compilation: Compilation,
+             distillation: Optional[Distillation] = None) -> list[tuple[str, str]]:
     """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
     comparing the ranks' data, settings, code and checkpoints folder took (None: one process). Returns its
     rows (the experiment trackers record them)."""
-    found = rows(c, env, inputs, training, loaders, checked_s, compilation)
+    found = rows(c, env, inputs, training, loaders, checked_s, compilation, distillation)
     console.table("imagenet_elastic", found)
     return found
 
 
 def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: Loaders,
-         checked_s: Optional[float], compilation: Compilation) -> list[tuple[str, str]]:
+         checked_s: Optional[float], compilation: Compilation,
+         distillation: Optional[Distillation] = None) -> list[tuple[str, str]]:
     plan = training.plan
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
@@ -55,6 +59,7 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
                                             is not None else "") if c.bce_loss else "cross-entropy")
          + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
+        ("teacher", describe_teacher(c, training.teacher, distillation)),
         ("image size", f"train {c.train_sizes.describe(c.epochs)}; val {c.eval_crop} px after a resize to "
                        f"{c.eval_resize}" + (", logits averaged with the mirror image's" if c.val_flip_average
                                              else "")),
@@ -78,6 +83,18 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
                        + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
     ]
+
+
+def describe_teacher(c: Config, teacher: Optional[TeacherWeights], distillation: Optional[Distillation]) -> str:
+    """What the student distils from (--teacher): the weights and their hash, the input the teacher gets, the loss."""
+    if teacher is None or distillation is None:
+        return "off"
+    changed = (["renormalised"] if distillation.teacher.scale is not None else []) + \
+              (["resized on the device"] if c.progressive_resize or teacher.input.size != (c.image_size,) * 2 else [])
+    seen = f"the student's batch {' and '.join(changed)}" if changed else "the student's batch as it is"
+    return (f"{teacher.spec}: {teacher.source}, {count_parameters(teacher.model) / 1e6:.2f} M parameters, sha256 "
+            f"{teacher.sha256[:12]}; input {teacher.input.describe()} ({seen}); frozen, eval mode; "
+            f"{distillation.describe()}")
 
 
 def describe_loader_workers(threads: int, loaders: Loaders) -> str:

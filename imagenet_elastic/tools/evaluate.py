@@ -124,8 +124,10 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
     """Our checkpoint, an export folder, or a timm name (--pretrained)."""
     import timm
 
+    from imagenet_elastic.train import tiny_models
     from imagenet_elastic.train.model import blur_strided_convs, create_model
 
+    tiny_models.register()  # an export of a run that trained one names it in its config.json
     if os.path.isfile(name):
         from imagenet_elastic.checkpoint import store
 

@@ -1,7 +1,7 @@
 """A run's parts, built in a fixed order of named steps (startup.py calls them, then trains):
 
     check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
-    -> wrap_model -> fit_micro_batches
+    -> prepare_distillation -> wrap_model -> fit_micro_batches
 
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
@@ -26,11 +26,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from imagenet_elastic.checkpoint import compile_cache, initial_weights, published, share, store
+from imagenet_elastic.checkpoint import compile_cache, initial_weights, published, share, store, teacher_weights
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
+from imagenet_elastic.checkpoint.teacher_weights import TeacherWeights
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import gpu_decode, pipeline, sources
 from imagenet_elastic.data.decoding import Decoding
+from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import consistency, distributed, preemption
@@ -39,6 +41,7 @@ from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import memory_probe, micro_batch, mixing
 from imagenet_elastic.train.compile import Compilation, compile_choice
+from imagenet_elastic.train.distillation import LOGIT, Distillation, has_distillation_head, loss_weights
 from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.model import (
     Precision,
@@ -54,6 +57,7 @@ from imagenet_elastic.train.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.train.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.train.state import TrainState, check_compatible
 from imagenet_elastic.train.step import StepContext
+from imagenet_elastic.train.teacher import Teacher
 
 
 @dataclass
@@ -73,6 +77,7 @@ class Training:
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
     micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (fit_micro_batches)
+    teacher: Optional[TeacherWeights] = None  # --teacher's, read by check_inputs; its identity goes in checkpoints
 
 
 @dataclass
@@ -103,6 +108,7 @@ class Inputs:
     load_seconds: float
     initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
     published: Optional[published.Published]  # --pretrained's weights, for a run that starts fresh
+    teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
 
 
@@ -120,12 +126,17 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     # data either), else once the checkpoint to resume from, if any, is known
     weights = published.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
         else None
-    check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing)
+    check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
+                        distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
+    # --teacher's weights are read now (a missing file or name costs no scan of the data), their hash taken once
+    teacher = teacher_weights.read(config.teacher) if config.teacher and not config.evaluate else None
     if splits is None:
         splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     else:
         sources.check_same_classes(*splits)
     train, val = splits
+    if teacher is not None:
+        teacher_weights.check_classes(teacher, train.classes)
     for note in (*train.notes, *val.notes):
         console.warn(note)
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
@@ -150,12 +161,15 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train.classes,
                          None if config.evaluate else config.opt, config.blurpool)
+        change = None if config.evaluate else teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
+        if change is not None:
+            console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
         weights = published.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, weights, tuple(chosen))
+                    time.perf_counter() - start, initial, weights, teacher, tuple(chosen))
     return inputs, snapshot
 
 
@@ -178,6 +192,8 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
     model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
                                      config.grad_checkpointing),
                         inputs.device, config.channels_last)
+    if inputs.teacher is not None and has_distillation_head(model):
+        model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average
     if inputs.published is not None:
         start = published.describe(inputs.published, classes)
     elif inputs.initial_state is not None:
@@ -220,7 +236,7 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None,
                     tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {},
-                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None)
+                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None, teacher=inputs.teacher)
 
 
 def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
@@ -278,7 +294,8 @@ def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
     if env.launched:
         start = time.perf_counter()
         token = None if config.evaluate else store.read_lock_token(config.checkpoints_path)
-        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot)
+        consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot,
+                                   inputs.teacher.sha256 if inputs.teacher is not None else None)
         checked = time.perf_counter() - start
     if env.is_main and not config.evaluate:
         for source in (inputs.train, inputs.val):
@@ -315,6 +332,16 @@ def prepare_compile(config: Config, env: DistEnv, console: Console, inputs: Inpu
     return compilation
 
 
+def prepare_distillation(config: Config, training: Training, student: ModelInput) -> Optional[Distillation]:
+    """--teacher's loss: the teacher on the device, beside the student (teacher.py), and timm's weights
+    (distillation.py); token distillation where the student has a distillation head, else logit distillation."""
+    if training.teacher is None:
+        return None
+    kind = config.kd_token_distill_type if has_distillation_head(training.state.model) else LOGIT
+    return Distillation(Teacher(training.teacher, student), kind, config.kd_temperature,
+                        *loss_weights(config.task_loss_weight, config.distill_loss_weight))
+
+
 def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device: torch.device) -> nn.Module:
     """The model as the training step calls it: compiled (or eager, if it cannot be: see compile.CompiledOrEager)
     before DDP wraps it. Checkpoints keep saving `model`, whose parameters the compiled module shares, so their
@@ -333,7 +360,8 @@ def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: In
     state, size = training.state, config.train_sizes.largest
 
     def probe(first: int, smaller: Any) -> int:
-        found = memory_probe.probe(state.model, state.optimizer, ctx.criterion, ctx.input, size, first, smaller)
+        found = memory_probe.probe(state.model, state.optimizer, ctx.criterion, ctx.input, size, first, smaller,
+                                   ctx.distillation)
         if found is None:
             raise UserError(f"--micro-batch auto: no micro-batch of {size} px images, however small, fits a training "
                             f"step of {config.model} on {inputs.device}")
@@ -342,7 +370,7 @@ def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: In
     settings = {"model": config.model, "blurpool": config.blurpool, "batch_size": config.batch_size,
                 "image_size": size, "precision": training.precision.name, "channels_last": config.channels_last,
                 "grad_checkpointing": config.grad_checkpointing, "opt": config.opt, "model_ema": config.model_ema,
-                "ddp": env.launched}
+                "ddp": env.launched, **({"teacher": training.teacher.sha256} if training.teacher is not None else {})}
     return micro_batch.choose(config.micro_batch == micro_batch.AUTO, training.plan, env.rank, config.mixes,
                               inputs.device, settings, training.saved_micro_batch, probe,
                               functools.partial(console.warn, every_rank=True), train=not config.evaluate)

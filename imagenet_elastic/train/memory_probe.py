@@ -27,7 +27,9 @@ from torch import nn
 
 from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput, prepare_batch
+from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.state import apply_rng, capture_rng
+from imagenet_elastic.train.step import micro_batch_loss
 
 
 def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable[[int], Optional[int]]
@@ -43,12 +45,13 @@ def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable
 
 
 def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput,
-              size: int, image_size: int) -> bool:
-    """Whether two training steps of `size` images of `image_size` pixels run without an out-of-memory error. The
-    weights and the optimizer's state change: call it inside `untouched`."""
+              size: int, image_size: int, distillation: Optional[Distillation] = None) -> bool:
+    """Whether two training steps of `size` images of `image_size` pixels run without an out-of-memory error (the
+    teacher's forward pass included, under --teacher). The weights and the optimizer's state change: call it inside
+    `untouched`."""
     fitted = False
     try:
-        trial(model, optimizer, criterion, to, size, image_size)
+        trial(model, optimizer, criterion, to, size, image_size, distillation)
         fitted = True
     except OUT_OF_MEMORY:
         pass  # the trial's tensors go with its frames, when this handler ends
@@ -58,7 +61,7 @@ def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.
 
 
 def trial(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, size: int,
-          image_size: int) -> None:
+          image_size: int, distillation: Optional[Distillation] = None) -> None:
     images = torch.zeros((size, image_size, image_size, 3), dtype=torch.uint8, device=to.device)
     labels = torch.zeros(size, dtype=torch.int64, device=to.device)
     model.train()
@@ -66,7 +69,7 @@ def trial(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Modu
     for _ in range(2):  # the second forward and backward beside the optimizer's state and the first's gradients,
         inputs, targets = prepare_batch(images, labels, to)  # as a later micro-batch of an accumulating step
         with to.autocast():
-            loss = criterion(model(inputs), targets)
+            loss, _ = micro_batch_loss(model, criterion, distillation, inputs, targets)
         loss.backward()
         del inputs, loss
         optimizer.step()
@@ -149,9 +152,10 @@ def host_copy(value: Any) -> tuple[Any, Optional[torch.device]]:
 
 
 def probe(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, image_size: int,
-          first: int, smaller: Callable[[int], Optional[int]]) -> Optional[int]:
+          first: int, smaller: Callable[[int], Optional[int]], distillation: Optional[Distillation] = None
+          ) -> Optional[int]:
     """The largest micro-batch, from `first` down (`smaller`), whose training step fits; None when none does. Leaves
     no trace (`untouched`)."""
     with untouched(model, optimizer):
-        return largest_that_fits(lambda size: step_fits(model, optimizer, criterion, to, size, image_size), first,
-                                 smaller)
+        return largest_that_fits(lambda size: step_fits(model, optimizer, criterion, to, size, image_size,
+                                                        distillation), first, smaller)

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.train import tiny_models
 
 if TYPE_CHECKING:
     from imagenet_elastic.checkpoint.published import Published
@@ -24,6 +25,7 @@ def check_model_name(name: str) -> None:
 
     from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 
+    tiny_models.register()
     if name.startswith(WEIGHT_SOURCES):  # the architecture is in the source's config.json: checked as it is read
         return
     if not timm.is_model(name):
@@ -58,19 +60,24 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: 
 
 
 def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay: Optional[float],
-                        grad_checkpointing: bool) -> None:
-    """--drop-path, --blurpool, --layer-decay and --grad-checkpointing ask for what a model may lack (stochastic
-    depth, a strided convolution to blur, numbered layers, checkpointed blocks): asked of a copy built on the meta
-    device (no memory, no initialisation) by the same code that builds the run's model, so that a refusal comes
-    before the data is scanned and leaves nothing on disk."""
+                        grad_checkpointing: bool, distillation_head: bool = False) -> None:
+    """--drop-path, --blurpool, --layer-decay, --grad-checkpointing and --kd-token-distill-type hard
+    (`distillation_head`) ask for what a model may lack (stochastic depth, a strided convolution to blur, numbered
+    layers, checkpointed blocks, DeiT's distillation head): asked of a copy built on the meta device (no memory, no
+    initialisation) by the same code that builds the run's model, so that a refusal comes before the data is scanned
+    and leaves nothing on disk."""
+    from imagenet_elastic.train.distillation import has_distillation_head
     from imagenet_elastic.train.optimizer import check_layer_decay
 
-    if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing):
+    if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing or distillation_head):
         return
     with torch.device("meta"):
         model = create_model(name, 1, drop_path, blurpool, grad_checkpointing=grad_checkpointing)
     if layer_decay is not None:
         check_layer_decay(model, name)
+    if distillation_head and not has_distillation_head(model):
+        raise UserError(f"--kd-token-distill-type hard: timm's {name} has no distillation head (DeiT's "
+                        "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
 def recompute_activations(model: nn.Module, name: str) -> None:

@@ -28,6 +28,7 @@ from imagenet_elastic.train.build import (
     fit_micro_batches,
     join_job,
     prepare_compile,
+    prepare_distillation,
     prepare_training,
     share_checkpoint,
     wrap_model,
@@ -54,11 +55,12 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     preempt.steps_done = state.step
     classes = len(inputs.train.classes)
     compilation = prepare_compile(config, env, console, inputs, training)
+    student = ModelInput(inputs.device, training.precision.dtype, config.channels_last)
+    distillation = prepare_distillation(config, training, student)
     ctx = StepContext(wrap_model(state.model, compilation, env, inputs.device), state.optimizer, state.scaler,
-                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh),
-                      ModelInput(inputs.device, training.precision.dtype, config.channels_last),
+                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), student,
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
-                      config.clip_grad_norm, config.grad_checkpointing)
+                      config.clip_grad_norm, config.grad_checkpointing, distillation)
     training.micro = fit_micro_batches(config, env, console, inputs, training, ctx)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
@@ -68,7 +70,7 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, sinks,
                       compilation, cost)
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
-    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation)
+    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation, distillation)
     distributed.rank_0_does(lambda: sinks.start(
         state.step, state.history, training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
         started_from=training.resumed_at, name=os.path.basename(os.path.abspath(config.checkpoints_path)),

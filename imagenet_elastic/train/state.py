@@ -51,19 +51,26 @@ class EpochTally:
     steps: int = 0
     loss_sum: float = 0.0  # sum over steps of the step's mean loss over all ranks
     seconds: float = 0.0  # training time, for the epoch's images/s
+    parts: dict[str, float] = field(default_factory=dict)  # the same sums of the loss's parts (--teacher: the task's
+    # and the distillation's), by name
 
-    def add(self, samples: int, steps: int, loss_sum: float, seconds: float) -> None:
+    def add(self, samples: int, steps: int, loss_sum: float, seconds: float,
+            parts: Optional[dict[str, float]] = None) -> None:
         self.samples += samples
         self.steps += steps
         self.loss_sum += loss_sum
         self.seconds += seconds
+        for name, value in (parts or {}).items():
+            self.parts[name] = self.parts.get(name, 0.0) + value
 
 
 class PendingSteps:
-    """Steps trained since the tally was last brought up to date; their loss stays on the device."""
+    """Steps trained since the tally was last brought up to date; their loss, and its `parts` (their names: the rest
+    of the vector a step returns, step.StepContext.parts), stay on the device."""
 
-    def __init__(self, device: torch.device) -> None:
-        self.loss = torch.zeros((), dtype=torch.float64, device=device)  # partial sums add up the same
+    def __init__(self, device: torch.device, parts: tuple[str, ...] = ()) -> None:
+        self.names = parts
+        self.loss = torch.zeros(1 + len(parts), dtype=torch.float64, device=device)  # partial sums add up the same
         self.steps = 0
         self.start = time.perf_counter()
 
@@ -72,15 +79,16 @@ class PendingSteps:
         self.steps += 1
 
     def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> EpochTally:
-        """One all-reduce: the mean over ranks of each step's loss, summed over the pending steps.
+        """One all-reduce: the mean over ranks of each step's loss (and of its parts), summed over the pending steps.
         Returns what was added (the progress line and steps.jsonl report it). With no step pending (the
         epoch's end right after its last log line, a checkpoint at a log step) nothing is sent: every rank
         has trained the same steps, so all skip it alike."""
         if not self.steps:
             return EpochTally()
-        loss_sum = distributed.all_reduce_sum(self.loss.clone()).item() / world_size
-        added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start)
-        tally.add(added.samples, added.steps, added.loss_sum, added.seconds)
+        loss_sum, *parts = (value / world_size for value in distributed.all_reduce_sum(self.loss.clone()).tolist())
+        added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start,
+                           dict(zip(self.names, parts)))
+        tally.add(added.samples, added.steps, added.loss_sum, added.seconds, added.parts)
         self.loss.zero_()
         self.steps = 0
         self.start = time.perf_counter()

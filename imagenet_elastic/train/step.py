@@ -17,6 +17,7 @@ from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import one_line
 from imagenet_elastic.launch import distributed
+from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.mixing import Mixer
 
 
@@ -32,9 +33,15 @@ class StepContext:
     mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
     clip_grad_norm: Optional[float] = None  # --clip-grad-norm
     recomputes: bool = False  # --grad-checkpointing: the backward pass runs the blocks' forward again
+    distillation: Optional[Distillation] = None  # --teacher
 
     def __post_init__(self) -> None:
         self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+
+    @property
+    def parts(self) -> tuple[str, ...]:
+        """What a step tallies beside its loss (the names of the rest of the vector `train_step` returns)."""
+        return self.distillation.parts if self.distillation is not None else ()
 
 
 @dataclass(frozen=True)
@@ -82,9 +89,21 @@ def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
                 m.num_batches_tracked.copy_(count)  # in place: DDP keeps references to the buffers
 
 
+def micro_batch_loss(model: nn.Module, criterion: nn.Module, distillation: Optional[Distillation], images: torch.Tensor,
+                     targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss a micro-batch's backward pass starts from, and what the step tallies of it (float32, detached): the
+    loss alone, or under --teacher [loss, task loss, distillation loss] (distillation.py)."""
+    outputs = model(images)
+    if distillation is not None:
+        return distillation(outputs, targets, images, criterion)
+    loss = criterion(outputs, targets)
+    return loss, loss.detach().float().reshape(1)
+
+
 def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, lr: float, seed: int,
                step: int) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns the rank's mean loss (on device)."""
+    """One optimizer step over this rank's micro-batches; returns the rank's mean loss and its parts (`ctx.parts`), a
+    vector on the device."""
     total = accumulate(ctx, micro_batches, slices, share, seed, step)
     apply_gradients(ctx, lr)
     return total
@@ -93,14 +112,14 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
 def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, seed: int,
                step: int) -> torch.Tensor:
     """The forward and backward passes of a step: the gradient of the rank's mean loss (all-reduced under DDP), and
-    that loss (on device).
+    that loss and its parts (`ctx.parts`), a vector on the device: nothing waits for the device here.
 
     Each micro-batch's loss is weighted by its share of the rank's samples, so the accumulated
     gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
     global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
     """
     ctx.optimizer.zero_grad(set_to_none=True)
-    total = torch.zeros((), device=ctx.input.device)
+    total = torch.zeros(1 + len(ctx.parts), device=ctx.input.device)
     for j, (batch, part) in enumerate(zip(micro_batches, slices)):
         images, targets = prepare_batch(batch.images, batch.labels, ctx.input)
         if ctx.mixer is not None:
@@ -113,12 +132,12 @@ def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
             if part.start % share:  # not the first micro-batch of the rank's share
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
             with ctx.input.autocast():
-                loss = ctx.criterion(ctx.model(images), targets)
+                loss, parts = micro_batch_loss(ctx.model, ctx.criterion, ctx.distillation, images, targets)
             weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
             if ctx.recomputes:  # the forward updated the running statistics; the recomputation must not again
                 stack.enter_context(running_stats_frozen(ctx.batch_norms))
             ctx.scaler.scale(weighted).backward()
-        total += weighted.detach().float()
+        total += parts * (len(batch) / share)
     return total
 
 

@@ -65,9 +65,12 @@ class Trainer:
             self.sinks.epoch(row)
             self.save(epoch_end=True, is_best=is_best, best_of=best_of)
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
+            taught = f" (task {row['train_task_loss']:.4f}, distillation {row['train_distill_loss']:.4f})" \
+                if "train_distill_loss" in row else ""
             self.console.info(
-                f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f} | val loss {row['val_loss']:.4f} "
-                f"top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% ({row['val_samples']} images){ema} | "
+                f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f}{taught} | "
+                f"val loss {row['val_loss']:.4f} top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% "
+                f"({row['val_samples']} images){ema} | "
                 f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
@@ -80,7 +83,8 @@ class Trainer:
         c, state, plan, tally, r = self.config, self.state, self.plan, self.state.tally, self.training
         start = time.perf_counter()
         self.sampler.set_epoch(epoch, tally.samples)
-        pending = PendingSteps(self.ctx.input.device)  # the steps' losses stay on the device until they are needed
+        pending = PendingSteps(self.ctx.input.device, self.ctx.parts)  # the steps' losses stay on the device until
+        # they are needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
@@ -123,7 +127,7 @@ class Trainer:
     def fold(self, pending: PendingSteps) -> None:
         """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
         added = pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size)
-        self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds)
+        self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds, added.parts)
 
     def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
         """The steps since the last log line: their mean loss over all ranks, images/s, the share of the
@@ -133,7 +137,8 @@ class Trainer:
         per_step = max(since.seconds, 1e-9) / since.steps
         left_in_epoch = (steps_per_epoch - step_in_epoch) * per_step
         left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * steps_per_epoch * per_step
-        progress.update(step_in_epoch, f"loss {row['loss']:.4f} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
+        taught = f" (distillation {row['distill_loss']:.4f})" if "distill_loss" in row else ""
+        progress.update(step_in_epoch, f"loss {row['loss']:.4f}{taught} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
                                        f"data wait {row['data_wait']:.0%} | ETA epoch {clock(left_in_epoch)}, "
                                        f"run {clock(left_in_run)}")
         self.sinks.step(row)
@@ -177,7 +182,8 @@ class Trainer:
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
-                "trackers": self.sinks.tracker_runs, **self.training.micro.saved()}
+                "trackers": self.sinks.tracker_runs, **self.training.micro.saved(),
+                "teacher": self.training.teacher.identity() if self.training.teacher is not None else None}
 
     def stop(self) -> None:
         """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""

@@ -1,0 +1,166 @@
+"""--teacher: the model a run distils from, read once at the start, before any data is scanned.
+
+Three sources, told apart as timm's reader factory tells datasets apart (by form first, then on disk): a file
+(`best.pt`) is one of our checkpoints, its raw weights; a folder is an export (`imagenet-elastic export`), read as
+timm's `local-dir:`; anything else a timm name with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`,
+`local-dir:FOLDER`), through the same Hugging Face cache and offline rules as --pretrained (published.py). What
+the teacher expects of its input comes with it: timm's pretrained_cfg (input size, mean, std) for published
+weights and exports, our validation's crop and normalisation for a checkpoint.
+
+The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
+of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+from imagenet_elastic.checkpoint import published, store
+from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
+from imagenet_elastic.errors import UserError
+
+CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
+FLAG = "--teacher"
+
+
+@dataclass(frozen=True)
+class TeacherInput:
+    """What the teacher's own preprocessing makes of an image: its side (height, width) in pixels, and the mean and
+    std it is normalised with, on 0-255 levels (as data/model_input.ModelInput has them)."""
+
+    size: tuple[int, int]
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def saved(self) -> dict[str, list]:
+        return {"size": list(self.size), "mean": list(self.mean), "std": list(self.std)}
+
+    def describe(self) -> str:
+        size = f"{self.size[0]} px" if self.size[0] == self.size[1] else f"{self.size[0]}x{self.size[1]} px"
+        return (f"{size}, mean {'/'.join(f'{m / 255:.3f}' for m in self.mean)}, std "
+                f"{'/'.join(f'{s / 255:.3f}' for s in self.std)}")
+
+
+@dataclass(frozen=True)
+class TeacherWeights:
+    """The teacher as read: its model on the CPU (train.teacher.Teacher freezes it), and what is known of it."""
+
+    model: nn.Module
+    spec: str  # what --teacher said
+    kind: str  # CHECKPOINT, EXPORT or PUBLISHED
+    source: str  # what its weights are and where they came from, for the start-up table
+    classes: int
+    class_names: Optional[tuple[str, ...]]  # a checkpoint's class folders; None where the source does not say them
+    input: TeacherInput
+    sha256: str  # of its weights (weights_hash)
+
+    def identity(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the teacher: enough to recognise it, nothing to rebuild it."""
+        return {"spec": self.spec, "sha256": self.sha256, "input": self.input.saved()}
+
+
+def read(spec: str) -> TeacherWeights:
+    """The teacher `spec` names, frozen, its identity computed; a UserError naming --teacher where it cannot be read."""
+    if spec.endswith(".pt") or os.path.isfile(spec):
+        model, source, classes, names, wanted = from_checkpoint(spec)
+        kind = CHECKPOINT
+    else:
+        kind = EXPORT if os.path.isdir(spec) else PUBLISHED
+        model = published.create(f"local-dir:{spec}" if kind == EXPORT else spec, FLAG)
+        architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
+        if kind == EXPORT or spec.startswith("local-dir:"):
+            blur_if_exported_with_it(model, spec.removeprefix("local-dir:"))
+            source = f"a folder of {architecture} weights (an export, or timm's save_for_hf)"
+        else:
+            where = published.describe_source(model, spec)
+            source = f"published weights of {architecture}" + (f": {where}" if where != spec else "")
+        head = model.get_classifier() if hasattr(model, "get_classifier") else None
+        classes = getattr(model, "num_classes", 0) if head is not None else 0
+        names, wanted = None, timm_input(model)
+    if not classes:
+        raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
+    return TeacherWeights(model, spec, kind, source, classes, names, wanted, weights_hash(model))
+
+
+def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], TeacherInput]:
+    """One of our checkpoints as a teacher: its model with its raw weights, and the input its validation used."""
+    from imagenet_elastic.train.model import create_model
+
+    try:
+        snapshot = store.load(path)
+    except UserError as error:
+        raise UserError(f"{FLAG}: {error}") from None
+    settings = snapshot.get("config", {})
+    names = tuple(snapshot["classes"])
+    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"))
+    model.load_state_dict(snapshot["model"])
+    crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
+                      settings.get("val_resize"))[0]
+    source = f"our checkpoint of {snapshot['model_name']}, its raw weights after step {snapshot['step']}"
+    return model, source, len(names), names, TeacherInput((crop, crop), IMAGENET_MEAN, IMAGENET_STD)
+
+
+def timm_input(model: nn.Module) -> TeacherInput:
+    """The input timm's pretrained_cfg says the model expects (its defaults where it says nothing)."""
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    _, height, width = cfg.get("input_size", (3, 224, 224))
+    return TeacherInput((int(height), int(width)), tuple(255 * m for m in cfg.get("mean", IMAGENET_DEFAULT_MEAN)),
+                        tuple(255 * s for s in cfg.get("std", IMAGENET_DEFAULT_STD)))
+
+
+def blur_if_exported_with_it(model: nn.Module, folder: str) -> None:
+    """An export of a --blurpool run says so in its config.json, and timm builds no blur: give it back."""
+    from imagenet_elastic.train.model import blur_strided_convs
+
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            extra = json.load(f).get("imagenet_elastic", {})
+    except (OSError, ValueError):
+        return
+    if isinstance(extra, dict) and extra.get("blurpool"):
+        blur_strided_convs(model)
+
+
+def weights_hash(model: nn.Module) -> str:
+    """SHA-256 of the model's state dict: each entry's name, dtype and shape, then its bytes, in name order."""
+    digest = hashlib.sha256()
+    for name, tensor in sorted(model.state_dict().items()):
+        flat = tensor.detach().to("cpu").contiguous().reshape(-1)
+        digest.update(f"{name}|{flat.dtype}|{tuple(tensor.shape)}\n".encode())
+        digest.update(flat.view(torch.uint8).numpy())
+    return digest.hexdigest()
+
+
+def check_classes(teacher: TeacherWeights, classes: tuple[str, ...]) -> None:
+    """Teacher and student predict the same classes: the count always, the names where the teacher's are known."""
+    if teacher.classes != len(classes):
+        raise UserError(f"{FLAG} {teacher.spec} predicts {teacher.classes} classes, the data has {len(classes)}: "
+                        "the teacher must predict the student's classes")
+    if teacher.class_names is not None and teacher.class_names != classes:
+        raise UserError(f"{FLAG} {teacher.spec} was trained on other class names than the data's folders")
+
+
+def compare(saved: Optional[dict[str, Any]], teacher: Optional[TeacherWeights], path: str) -> Optional[str]:
+    """A checkpoint's teacher (`saved`: its identity, None: none) against this run's: a UserError naming both when
+    they differ (other weights, or another input); a change to warn of when one of the two has none; else None."""
+    if saved is None and teacher is None:
+        return None
+    if saved is None:
+        return f"teacher: checkpoint none, now {teacher.spec}"
+    if teacher is None:
+        return f"teacher: checkpoint {saved['spec']}, now none"
+    if saved["sha256"] != teacher.sha256 or saved["input"] != teacher.input.saved():
+        was = "other weights" if saved["sha256"] != teacher.sha256 else "another input"
+        raise UserError(f"checkpoint {path} was distilled from {FLAG} {saved['spec']} (sha256 {saved['sha256'][:12]}), "
+                        f"not from {teacher.spec} (sha256 {teacher.sha256[:12]}, {was}): resume with the same teacher")
+    return None

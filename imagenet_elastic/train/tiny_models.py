@@ -1,0 +1,39 @@
+"""Tiny models timm lacks, registered in timm's model registry under their own names, for the tests and the CPU
+recipes: `test_vit_distilled` is timm's `test_vit` (patch 16, 64 wide, 6 blocks, 2 heads, any image size) with
+DeiT's distillation token and head (timm's VisionTransformerDistilled), the shape of `deit_tiny_distilled_patch16_224`
+at 0.3 M parameters. timm ships test-sized CNNs and ViTs but no distilled one.
+
+Registered on first use (`register`), before a model name is looked up; a timm that ships the name keeps its own.
+A model timm builds from an export of such a run (`timm.create_model("local-dir:...")`) needs the same call first.
+"""
+
+from __future__ import annotations
+
+import functools
+
+TEST_VIT_DISTILLED = "test_vit_distilled"
+TEST_VIT = dict(patch_size=16, embed_dim=64, depth=6, num_heads=2, mlp_ratio=3, dynamic_img_size=True)  # timm's
+
+
+@functools.cache
+def register() -> None:
+    """Put the tiny models in timm's registry (once per process; a name timm already has is left alone)."""
+    import timm
+    from timm.data import IMAGENET_DEFAULT_MEAN, IMAGENET_DEFAULT_STD
+    from timm.models import build_model_with_cfg, generate_default_cfgs, register_model
+    from timm.models.deit import VisionTransformerDistilled
+
+    if timm.is_model(TEST_VIT_DISTILLED):
+        return
+    global default_cfgs  # timm's register_model reads the entry point's module's `default_cfgs`
+    default_cfgs = generate_default_cfgs({f"{TEST_VIT_DISTILLED}.untrained": {
+        "num_classes": 1000, "input_size": (3, 160, 160), "crop_pct": 0.95, "interpolation": "bicubic",
+        "mean": IMAGENET_DEFAULT_MEAN, "std": IMAGENET_DEFAULT_STD, "first_conv": "patch_embed.proj",
+        "classifier": ("head", "head_dist")}})
+
+    def test_vit_distilled(pretrained: bool = False, **kwargs):  # the name timm registers it under
+        return build_model_with_cfg(VisionTransformerDistilled, TEST_VIT_DISTILLED, pretrained,
+                                    **dict(TEST_VIT, **kwargs))
+
+    test_vit_distilled.__module__ = __name__
+    register_model(test_vit_distilled)
