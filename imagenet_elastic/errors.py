@@ -1,6 +1,7 @@
 """Errors a user can fix: printed as one line, never as a traceback."""
 
 import sys
+from typing import Optional
 
 PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
@@ -19,6 +20,9 @@ class UserError(Exception):
     every_rank = False
     every_node = False
     exit_code = USER_ERROR_EXIT
+    # A stop signal the rank received while it was ending with this error (train/startup.run sets it): its launcher
+    # stopping it once rank 0 had reported (launch/processes.leave_the_report_to_rank_0).
+    stopped_by: Optional[str] = None
 
 
 class StorageError(UserError):

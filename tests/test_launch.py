@@ -35,3 +35,31 @@ def test_a_rank_nobody_stops_reports_the_error_as_its_own(capsys, monkeypatch, h
     monkeypatch.setattr(processes, "REPORT_GRACE_S", 0.2)
     processes.leave_the_report_to_rank_0(UserError("cannot read /data/shard3"), rank=3)
     assert capsys.readouterr().err == "imagenet-elastic: error: [rank 3] cannot read /data/shard3\n"
+
+
+def test_a_stop_that_came_while_the_rank_was_ending_counts_as_the_launchers(capsys, monkeypatch, handlers_restored):
+    """The rank's unwinding ends by ignoring the stop signals; a stop that came during it is the error's."""
+    monkeypatch.setattr(processes, "REPORT_GRACE_S", 30.0)
+    error = UserError("no space left on device writing /ckpt/epoch_0002.pt")
+    error.stopped_by = "SIGTERM"
+    start = time.monotonic()
+    processes.leave_the_report_to_rank_0(error, rank=1)
+    assert time.monotonic() - start < 1 and capsys.readouterr().err == ""
+
+
+def test_a_run_ending_with_an_error_keeps_a_stop_signal_that_came_as_it_unwound(monkeypatch, handlers_restored):
+    """What a full disk under torchrun showed: rank 1 raised the storage error, torchrun's SIGTERM came while its
+    ExitStack unwound (after rank 0 had reported), and the unwinding ended by ignoring SIGTERM; rank 1 then waited
+    out its grace and reported a second line."""
+    from imagenet_elastic.config import Config
+    from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.train import startup
+
+    def build(config, env, console, preempt, stack):
+        stack.callback(os.kill, os.getpid(), signal.SIGTERM)  # the launcher's stop, mid-unwinding
+        raise UserError("no space left on device")
+
+    monkeypatch.setattr(startup, "build", build)
+    with pytest.raises(UserError) as caught:
+        startup.run(Config(data="unused"), DistEnv())
+    assert caught.value.stopped_by == "SIGTERM"

@@ -67,7 +67,10 @@ def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
     says it once. A rank that gets there first must not exit first: its launcher would stop rank 0
     before rank 0 said anything. So it waits for the launcher's stop, which comes once rank 0 has
     reported and exited, and then goes quietly. If no stop comes within REPORT_GRACE_S, the error
-    was this rank's alone, and it says so itself."""
+    was this rank's alone, and it says so itself. A stop that came while the rank was ending (`error.stopped_by`)
+    counts as that stop."""
+    if error.stopped_by is not None:
+        return
     stops: list[int] = []
     for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(signum, lambda received, _frame: stops.append(received))

@@ -13,6 +13,7 @@ from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sources import Source
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -82,6 +83,16 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
 def run(config: Config, env: DistEnv) -> None:
     console = Console(env.is_main, config.log_interval, env.rank)
     preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
+    try:
+        run_with(config, env, console, preempt)
+    except UserError as error:
+        # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the SIG_IGN
+        # the unwinding ends with: the report then stays rank 0's (launch/processes.leave_the_report_to_rank_0)
+        error.stopped_by = preempt.received
+        raise
+
+
+def run_with(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag) -> None:
     with contextlib.ExitStack() as stack:
         # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
         # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
