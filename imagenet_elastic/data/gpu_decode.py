@@ -35,7 +35,7 @@ import torch
 from PIL import Image
 
 from imagenet_elastic.data import device_crops
-from imagenet_elastic.data.augment import Draws
+from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.pixels import (
@@ -98,12 +98,23 @@ def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
     return width, height, f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
 
 
-def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
-    """The worker's part: parse the header, draw the crop (a pipeline.Load, as pixels.decode_bytes is)."""
-    width, height, reason = read_header(raw, path)
-    box, flip = choose_crop(width, height)
-    image = EncodedImage(path, byte_tensor(raw), box, flip, size, width, height, reason)
-    return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+class EncodeBytes:
+    """The worker's part, a pipeline.Load as pixels.decode_bytes is: `encode_bytes(raw, path, choose_crop, size)`
+    parses the header and draws the crop; `augmented` then has what the policy and erasing drew travel with the
+    bytes, where decode_bytes's pixels get them applied (pipeline.TrainDataset asks the load which)."""
+
+    def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
+        width, height, reason = read_header(raw, path)
+        box, flip = choose_crop(width, height)
+        image = EncodedImage(path, byte_tensor(raw), box, flip, size, width, height, reason)
+        return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+
+    @staticmethod
+    def augmented(image: EncodedImage, augment: Augment, seed: Optional[int], size: int) -> EncodedImage:
+        return image if seed is None else replace(image, augment_seed=seed, draws=augment.draws(seed, size))
+
+
+encode_bytes = EncodeBytes()
 
 
 def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:

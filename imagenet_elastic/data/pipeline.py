@@ -41,6 +41,13 @@ from imagenet_elastic.data.sources import Source
 Load = Callable[[bytes, str, ChooseCrop, int], Any]
 # (encoded bytes, the sample's name, validation's view) -> what a worker hands over
 EvalLoad = Callable[[bytes, str, CentreCrop], Any]
+# (what a Load made, the augmentation, the sample's seed for the policy and erasing, its size) -> the sample
+Augmented = Callable[[Any, Augment, Optional[int], int], Any]
+
+
+def augment_pixels(pixels: torch.Tensor, augment: Augment, seed: Optional[int], size: int) -> torch.Tensor:
+    """A decoded crop's policy and erasing, applied in the worker (the CPU path's)."""
+    return augment.apply(pixels, seed)
 
 
 @dataclasses.dataclass
@@ -95,6 +102,9 @@ class TrainDataset(Dataset):
     def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
                  augment: Augment = INCEPTION_CROP) -> None:
         self.source, self.seed, self.load, self.augment = source, seed, load, augment
+        # how this load's samples take the policy and erasing: pixels get them applied; a load of its own kind
+        # says otherwise (gpu_decode.encode_bytes: the draws travel with the bytes)
+        self.augmented: Augmented = getattr(load, "augmented", augment_pixels)
         self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
 
     def __len__(self) -> int:
@@ -111,12 +121,7 @@ class TrainDataset(Dataset):
 
         size = self.sizes(epoch)
         image = self.load(self.source.read(i), self.source.name(i), choose_crop, size)
-        seed = augment.draw_seed(rng)
-        if isinstance(image, torch.Tensor):
-            image = augment.apply(image, seed)
-        elif seed is not None:  # --decode gpu: what the policy and erasing drew travels with the bytes
-            image = dataclasses.replace(image, augment_seed=seed, draws=augment.draws(seed, size))
-        return image, self.source.label(i), i
+        return self.augmented(image, augment, augment.draw_seed(rng), size), self.source.label(i), i
 
 
 class EvalDataset(Dataset):
