@@ -23,7 +23,9 @@
 # /etc/hosts so the node names resolve (e.g. for MASTER_ADDR).
 #
 # `start` is idempotent: it kills the daemons of a previous `start` for the same DIR and starts fresh ones
-# (the controller recovers its saved state from DIR/state; ReturnToService=2 brings the nodes back).
+# with an empty queue (slurmctld -c): a job recovered from the saved state of a machine that was stopped
+# mid-test stays RUNNING with no process behind it and holds its nodes and GPUs, so every later job of the
+# tests would wait for them until its time-out.
 # Packages slurm-wlm, munge and openmpi-bin are installed with apt-get only when srun, slurmctld, munged
 # or mpirun is missing. munged is started if `munge -n` fails; `stop` leaves munged running (shared).
 #
@@ -335,8 +337,9 @@ start_daemons() {
     local dir=$1 conf=$1/slurm.conf n
     log "starting slurmctld"
     : >"$dir/slurmctld.stdout"
-    # -i: ignore unreadable state files (e.g. left by another Slurm version) instead of refusing to start.
-    slurmctld -f "$conf" -i </dev/null >>"$dir/slurmctld.stdout" 2>&1 \
+    # -c: forget the jobs of the saved state (see the header); -i: ignore unreadable state files (e.g. left by
+    # another Slurm version) instead of refusing to start.
+    slurmctld -f "$conf" -c -i </dev/null >>"$dir/slurmctld.stdout" 2>&1 \
         || { log_tails "$dir"; die "slurmctld failed to start"; }
     for n in "${NODES[@]}"; do
         log "starting slurmd -N $n"
