@@ -16,11 +16,14 @@
 #
 # PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile
 #       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | device_ops | loader
-#       | checkpoint | tests | restart | restart_compile | train | all (every part in order; only where one call may
-#       run longer than 10 minutes).
+#       | gpu_decoders | checkpoint | tests | restart | restart_compile | train | all (every part in order; only where
+#       one call may run longer than 10 minutes).
 #       `tests` runs tests/test_cuda.py: among them the fused-SGD resume, the fp16 overflow step and the checks
 #       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
-#       loader workers a rank: what an 8-GPU node with few cores per GPU gives.
+#       loader workers a rank: what an 8-GPU node with few cores per GPU gives. The --decode gpu runs take
+#       --gpu-decoder auto (their JSON line names the library); `gpu_decoders` runs each library end to end.
+#       nvImageCodec is not on the GPU machines: its wheels travel (the `nvimgcodec` extra: nvidia-nvimgcodec-cu13
+#       and nvidia-nvjpeg, see the device tool's README) and go on PYTHONPATH before the call.
 #
 # A session's 30 minutes of device time hold about half the parts: issue 31's targets first (versions+data, tests,
 # synthetic, compile, end_to_end, end_to_end_compile, end_to_end_recipe, end_to_end_few_workers, restart_compile),
@@ -133,6 +136,24 @@ PY
             done
         done
         ;;
+    gpu_decoders)  # --decode gpu end to end with each JPEG library this machine has, plain and with the policy
+        need_data
+        local n lib; n=$(workers)
+        local libraries="torchvision"
+        if "$PY" -c "import sys, torch; from imagenet_elastic.data.jpeg_decoders import nvimgcodec_unavailable as u
+sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not None)"; then
+            libraries="nvimgcodec torchvision"
+        else
+            echo '{"gpu_decoders": "nvimgcodec is not installed here: torchvision alone"}'
+        fi
+        for lib in $libraries; do
+            bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --no-compile --workers "$n" \
+                --batches "$(batches 40)" --decode gpu --gpu-decoder "$lib"
+            bench --mode end_to_end --amp bf16 --channels-last --no-compile --workers "$n" --batches "$(batches 40)" \
+                --image-size $(( SIZE * 176 / 224 )) --auto-augment ta_wide --random-erase 0.1 --decode gpu \
+                --gpu-decoder "$lib"
+        done
+        ;;
     loader)
         need_data
         local n b; n=$(workers); b=$(batches 20)
@@ -223,8 +244,8 @@ PY
 
 if [ "$PART" = all ]; then
     for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile \
-            end_to_end_recipe_compile end_to_end_few_workers end_to_end_few_workers_compile device_ops loader \
-            checkpoint tests restart restart_compile train; do
+            end_to_end_recipe_compile end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders \
+            loader checkpoint tests restart restart_compile train; do
         run_part "$part"
     done
 else

@@ -24,14 +24,15 @@ PLAIN, POLICY, ERASING = Augment(), Augment(policy="ta_wide"), Augment(erase=0.1
 def test_auto_decodes_on_the_gpu_unless_the_cpu_has_cores_enough_and_no_policy(device, cores, augment, mode):
     chosen = Decoding.choose("auto", device, cores, augment)
     assert chosen.mode == mode and chosen.why.startswith("auto: ")
-    assert chosen.describe(device, augment).endswith(f"({chosen.why})")
+    assert f"({chosen.why})" in chosen.describe(device, augment)
 
 
 @pytest.mark.parametrize("asked", ["cpu", "gpu"])
 def test_an_explicit_decode_wins_everywhere(asked):
     for device in (CPU, CUDA):
         for cores, augment in ((1, POLICY), (256, PLAIN)):
-            assert Decoding.choose(asked, device, cores, augment) == Decoding(asked, f"--decode {asked}")
+            chosen = Decoding.choose(asked, device, cores, augment)
+            assert (chosen.mode, chosen.why) == (asked, f"--decode {asked}")
 
 
 def test_gpu_decoding_defaults_to_few_workers_per_process():

@@ -93,6 +93,12 @@ def test_device_ops_part_counts_the_device_paths_operators_at_three_batch_sizes_
     assert lines[3]["ops"] > lines[0]["ops"] and all(line["decoder_calls"] == 1 for line in lines)
 
 
+def test_gpu_decoders_part_runs_each_jpeg_library_end_to_end_plain_and_with_the_policy(image_folder, tmp_path):
+    lines = figures("gpu_decoders", image_folder, tmp_path)
+    assert settings(lines, "mode", "decode", "gpu_decoder", "auto_augment") == [
+        ("end_to_end", "gpu", lib, policy) for lib in ("nvimgcodec", "torchvision") for policy in ("none", "ta_wide")]
+
+
 def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     loader = figures("loader", image_folder, tmp_path, ROUNDS="1")
     assert settings(loader, "mode", "decode", "auto_augment") == [

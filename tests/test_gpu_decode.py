@@ -18,7 +18,7 @@ from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint, make_image
 from PIL import Image
 from test_data import write_jpeg
 
-from imagenet_elastic.data import feed, gpu_decode, pipeline, pixels
+from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline, pixels
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError
@@ -218,18 +218,18 @@ def test_one_decoder_gives_each_batch_the_size_its_worker_asked_for(mixed_folder
     assert train.shape == (2, 16, 16, 3) and val.images.shape == (2, 24, 24, 3)
 
 
-class RefusingDecoder(gpu_decode.BatchDecoder):
+class RefusingJpeg(jpeg_decoders.TorchvisionJpeg):
     """Rejects the images whose bytes are in `refused`, like nvJPEG with a JPEG feature it lacks."""
 
-    def __init__(self, refused: list[torch.Tensor], *args) -> None:
-        super().__init__(*args)
+    def __init__(self, refused: list[torch.Tensor]) -> None:
+        super().__init__(CPU)
         self.refused, self.calls = refused, 0
 
-    def device_decode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    def batch(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         self.calls += 1
         if any(torch.equal(im, bad) for im in images for bad in self.refused if len(im) == len(bad)):
             raise RuntimeError("nvjpeg: unsupported")
-        return super().device_decode(images)
+        return super().batch(images)
 
 
 def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mixed_folder):
@@ -239,9 +239,10 @@ def test_a_jpeg_the_device_decoder_rejects_is_decoded_on_the_cpu_and_reported(mi
     keys = [(0, i) for i in range(len(index))]
     batch = batch_of(dataset, keys)
     warnings: list[str] = []
-    decoder = RefusingDecoder([batch.images.pieces()[4]], CPU, warnings.append)
+    library = RefusingJpeg([batch.images.pieces()[4]])
+    decoder = gpu_decode.BatchDecoder(CPU, warnings.append, library)
     images = decoder(batch).images
-    assert decoder.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
+    assert library.calls == 1 + len(index)  # the batch, then each image alone to find the culprit
     worker_crop = pipeline.TrainDataset(index, 20, 3)[(0, 4)][0]  # the CPU path's crop, then the device's erasing
     assert torch.equal(images[4], augment.apply(worker_crop, dataset[(0, 4)][0].augment_seed, pil=False))
     others = [k for k in range(len(index)) if k != 4]
@@ -378,7 +379,7 @@ def test_training_with_decode_gpu_resumes_mid_epoch_to_the_uninterrupted_bits(im
     whole = inprocess.command(args(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     assert "--decode gpu without a CUDA device" in whole.stderr
-    assert "batched on cpu, then the policy and erasing there (--decode gpu)" in whole.stdout
+    assert "batched on cpu (--decode gpu) by nvimgcodec (auto), then the policy and erasing there" in whole.stdout
     stopped = inprocess.train(args(tmp_path / "part"), signal_during_step=2)
     assert stopped.stopped and stopped.saved_at_steps[-1] == 2
     resumed = inprocess.train(args(tmp_path / "part", "--resume"))
@@ -403,15 +404,15 @@ def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_p
     assert sorted(line.split(":")[1] for line in reports) == [" rank 0", " rank 1"], result.stderr
 
 
-class ExhaustedDecoder(gpu_decode.BatchDecoder):
+class ExhaustedJpeg(jpeg_decoders.TorchvisionJpeg):
     """A device decoder that fails the way torchvision's CUDA decoder does on a full GPU: `error` is a plain
     RuntimeError (torchvision re-throws whatever its decoder raised), or torch's own OutOfMemoryError."""
 
-    def __init__(self, error: Exception, *args) -> None:
-        super().__init__(*args)
+    def __init__(self, error: Exception) -> None:
+        super().__init__(CPU)
         self.error, self.calls = error, 0
 
-    def device_decode(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
+    def batch(self, images: list[torch.Tensor]) -> list[torch.Tensor]:
         self.calls += 1
         raise self.error
 
@@ -426,10 +427,11 @@ class ExhaustedDecoder(gpu_decode.BatchDecoder):
 def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_the_cpu_fallback(mixed_folder, error):
     index = scan_image_folder(str(mixed_folder), "train")
     warnings: list[str] = []
-    decoder = ExhaustedDecoder(error, CPU, warnings.append)
+    library = ExhaustedJpeg(error)
     with pytest.raises(gpu_decode.OUT_OF_MEMORY) as caught:
-        decoder(batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)]))
-    assert decoder.calls == 1 and warnings == []  # not image by image, not on the CPU under a warning
+        gpu_decode.BatchDecoder(CPU, warnings.append, library)(
+            batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)]))
+    assert library.calls == 1 and warnings == []  # not image by image, not on the CPU under a warning
     assert caught.value is error or caught.value.__cause__ is error
 
 
@@ -438,7 +440,7 @@ def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_
                                      "Error while decoding JPEG images: Failed to synchronize CUDA stream: 5",
                                      "nvjpeg: unsupported"])
 def test_other_device_decoder_failures_are_bad_images_not_out_of_memory(message):
-    assert not gpu_decode.device_out_of_memory(RuntimeError(message))
+    assert not jpeg_decoders.device_out_of_memory(RuntimeError(message))
 
 
 def test_the_feeding_stream_is_made_once_per_device_at_high_priority(monkeypatch):

@@ -17,7 +17,7 @@ from PIL import Image
 from timm.data import create_transform, resolve_data_config
 
 from imagenet_elastic import cli
-from imagenet_elastic.data import gpu_decode, pipeline
+from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -90,14 +90,14 @@ def test_decode_gpu_validates_on_the_worker_paths_pixels(monkeypatch):
     (PNG, CMYK) and a JPEG the device decoder rejects."""
     source = memory_split(IMAGES)
     rejected = gpu_decode.byte_tensor(IMAGES[2])
-    device_decode = gpu_decode.BatchDecoder.device_decode
+    batch_call = jpeg_decoders.TorchvisionJpeg.batch
 
     def refusing(self, data):
         if any(len(d) == len(rejected) and torch.equal(d, rejected) for d in data):
             raise RuntimeError("nvjpeg: unsupported")
-        return device_decode(self, data)
+        return batch_call(self, data)
 
-    monkeypatch.setattr(gpu_decode.BatchDecoder, "device_decode", refusing)
+    monkeypatch.setattr(jpeg_decoders.TorchvisionJpeg, "batch", refusing)
     warnings: list[str] = []
     encoded_set = pipeline.EvalDataset(source, 40, 46, gpu_decode.encode_centre_crop)
     batch = gpu_decode.BatchDecoder(CPU, warnings.append)(gpu_decode.collate([encoded_set[i]

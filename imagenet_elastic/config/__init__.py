@@ -15,6 +15,7 @@ from typing import Any, Optional
 from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 from imagenet_elastic.config import options
 from imagenet_elastic.data.augment import POLICIES, Augment, check_range
+from imagenet_elastic.data.jpeg_decoders import JPEG_DECODERS
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
@@ -240,11 +241,15 @@ class Config:
         action=argparse.BooleanOptionalAction)
     decode: str = option(
         "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "
-        "a thread of the training process decodes each batch with nvJPEG and crops, resizes, flips, runs the policy "
-        "and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall back to the CPU, each kind "
-        "reported once by each rank that meets it); auto: gpu on CUDA when there is a policy or erasing, or fewer "
-        "than 32 cores per process, else cpu (the start-up table says which and why)", "run",
-        choices=list(DECODE_MODES))
+        "a thread of the training process decodes each batch on the device (--gpu-decoder) and crops, resizes, "
+        "flips, runs the policy and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall "
+        "back to the CPU, each kind reported once by each rank that meets it); auto: gpu on CUDA when there is a "
+        "policy or erasing, or fewer than 32 cores per process, else cpu (the start-up table says which and why)",
+        "run", choices=list(DECODE_MODES))
+    gpu_decoder: str = option(
+        "auto", "the JPEG library --decode gpu decodes with: " + options.described(JPEG_DECODERS) + "; auto: the "
+        "first of these that decodes on this device (the start-up table says which and why)", "run",
+        choices=["auto", *JPEG_DECODERS])
     workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
                                     shown_default="cores per process - 1 (max 8; max 4 under --decode gpu)",
                                     type=options.non_negative_int)

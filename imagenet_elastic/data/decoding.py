@@ -4,7 +4,8 @@ both ways.
 cpu: loader workers decode, crop, resize and flip, then run the policy and erasing; batches of uint8 pixels
 cross to the training process. gpu: workers only parse each image's header and draw its crop, flip, policy and
 erasing; the bytes and those numbers cross (one EncodedBatch per batch), and the training process decodes whole
-batches with nvJPEG and crops and augments them there (gpu_decode.BatchDecoder). Validation takes the same two
+batches with the library --gpu-decoder picks (jpeg_decoders) and crops and augments them there
+(gpu_decode.BatchDecoder). Validation takes the same two
 ways with the reference's view of each image (pixels.CentreCrop) instead of a random crop.
 
 auto (the default) picks by a stated rule (`choose`): gpu on a CUDA device unless the process has cores enough
@@ -19,7 +20,7 @@ from typing import Optional
 
 import torch
 
-from imagenet_elastic.data import gpu_decode, pipeline, pixels
+from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline, pixels
 from imagenet_elastic.data.augment import Augment
 
 # Cores per training process from which --decode auto leaves decoding to CPU workers (when there is no policy).
@@ -37,21 +38,33 @@ GPU_DECODE_WORKERS = 4
 class Decoding:
     mode: str  # "cpu" or "gpu"
     why: str = ""  # how the mode was chosen, for the start-up table
+    library: str = "torchvision"  # gpu: the JPEG decoder of jpeg_decoders.JPEG_DECODERS
+    library_why: str = ""
+    cpu_threads: int = 0  # gpu: host threads the library may use (0: its default); fewer than the process's cores
 
     @classmethod
-    def choose(cls, requested: str, device: torch.device, cores_per_process: int, augment: Augment) -> Decoding:
+    def choose(cls, requested: str, device: torch.device, cores_per_process: int, augment: Augment,
+               gpu_decoder: str = "auto") -> Decoding:
         """--decode as asked; `auto`: gpu on CUDA when there is a policy or erasing to run (on the device they
         cost a few operators per batch, in the workers a pass over every image) or fewer than CPU_DECODE_CORES
-        cores per process; else cpu."""
+        cores per process; else cpu. Under gpu, the library as --gpu-decoder says (jpeg_decoders.choose)."""
+        mode, why = cls.mode_for(requested, device, cores_per_process, augment)
+        if mode == "cpu":
+            return cls(mode, why)
+        library, library_why = jpeg_decoders.choose(gpu_decoder, device)
+        return cls(mode, why, library, library_why, max(1, cores_per_process - 1))
+
+    @staticmethod
+    def mode_for(requested: str, device: torch.device, cores_per_process: int, augment: Augment) -> tuple[str, str]:
         if requested != "auto":
-            return cls(requested, f"--decode {requested}")
+            return requested, f"--decode {requested}"
         if device.type != "cuda":
-            return cls("cpu", "auto: no CUDA device")
+            return "cpu", "auto: no CUDA device"
         if augment.after_crop:
-            return cls("gpu", "auto: CUDA, with a policy or erasing to run")
+            return "gpu", "auto: CUDA, with a policy or erasing to run"
         if cores_per_process < CPU_DECODE_CORES:
-            return cls("gpu", f"auto: CUDA, {cores_per_process} cores per process (< {CPU_DECODE_CORES})")
-        return cls("cpu", f"auto: CUDA, {cores_per_process} cores per process (>= {CPU_DECODE_CORES}) and no policy")
+            return "gpu", f"auto: CUDA, {cores_per_process} cores per process (< {CPU_DECODE_CORES})"
+        return "cpu", f"auto: CUDA, {cores_per_process} cores per process (>= {CPU_DECODE_CORES}) and no policy"
 
     def default_workers(self, cores: int, local_world_size: int) -> int:
         """Loader workers per process when --workers does not say (pipeline.default_workers, fewer under gpu)."""
@@ -75,7 +88,10 @@ class Decoding:
 
     def finisher(self, device: torch.device, warn: Callable[[str], None]) -> Optional[gpu_decode.BatchDecoder]:
         """What the training process does with a batch before it trains on it (None: nothing)."""
-        return gpu_decode.BatchDecoder(device, warn) if self.mode == "gpu" else None
+        if self.mode != "gpu":
+            return None
+        return gpu_decode.BatchDecoder(device, warn, jpeg_decoders.JPEG_DECODERS[self.library].make(device,
+                                                                                                self.cpu_threads))
 
     def warning(self, device: torch.device) -> Optional[str]:
         """What to say at start about this mode on this device."""
@@ -89,5 +105,5 @@ class Decoding:
         chosen = f" ({self.why})" if self.why else ""
         if self.mode == "cpu":
             return "in loader workers" + chosen
-        return (f"batched on {device}" + (", then the policy and erasing there" if augment.after_crop else "")
-                + chosen)
+        return (f"batched on {device}{chosen} by {self.library} ({self.library_why})"
+                + (", then the policy and erasing there" if augment.after_crop else ""))

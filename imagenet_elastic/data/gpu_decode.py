@@ -18,7 +18,8 @@ agree (nvJPEG fills 4:2:0 chroma by nearest sample where libjpeg-turbo interpola
 Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
 PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
 decodes (and crops) them itself; a JPEG that the device decoder rejects is decoded in the training process. A
-device out of memory is not the images' fault and stays an out-of-memory error (`raise_if_out_of_memory`).
+device out of memory is not the images' fault and stays an out-of-memory error
+(jpeg_decoders.raise_if_out_of_memory).
 A file that neither can decode is a CorruptImageError naming it, as on the CPU path.
 """
 
@@ -26,7 +27,6 @@ from __future__ import annotations
 
 import collections
 import io
-import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, Optional
@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import device_crops
+from imagenet_elastic.data import device_crops, jpeg_decoders
 from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
@@ -47,11 +47,11 @@ from imagenet_elastic.data.pixels import (
     decode_bytes,
     decode_centre_crop,
 )
-from imagenet_elastic.errors import CorruptImageError, first_line
+from imagenet_elastic.errors import CorruptImageError
 
+OUT_OF_MEMORY = jpeg_decoders.out_of_memory_error()
 DEVICE_DECODABLE_MODES = DECODED_BY_TORCHVISION  # JPEG colour modes nvJPEG turns into RGB
 
-OUT_OF_MEMORY = getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)  # torch.OutOfMemoryError: 2.5+
 EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
@@ -188,33 +188,6 @@ def collate(samples: list[tuple]) -> Batch:
                  torch.tensor(indices[0], dtype=torch.int64) if indices else None)
 
 
-# How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
-# images: ...": torch's allocator ("CUDA out of memory. Tried to allocate ..."), nvJPEG's status 5
-# (NVJPEG_STATUS_ALLOCATOR_FAILURE) after one of its calls ("Failed to decode batch: 5"), or CUDA's 2
-# (cudaErrorMemoryAllocation) from its stream synchronisation. Corrupt images give other nvJPEG statuses.
-_ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 5\b"
-                                r"|Failed to synchronize CUDA stream: 2\b")
-
-
-def device_out_of_memory(error: BaseException) -> bool:
-    """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
-    decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
-    if isinstance(error, OUT_OF_MEMORY):
-        return True
-    text = str(error)
-    return "out of memory" in text.lower() or _ALLOCATION_FAILED.search(text) is not None
-
-
-def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
-    """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
-    a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
-    if device_out_of_memory(error):
-        if isinstance(error, OUT_OF_MEMORY):
-            raise error
-        raise OUT_OF_MEMORY(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) with nvJPEG "
-                            f"({first_line(error)}); try a smaller --batch-size") from error
-
-
 class BatchDecoder:
     """The training process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
     N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), cropped, augmented and erased
@@ -222,16 +195,12 @@ class BatchDecoder:
     so it runs in a thread of its own (feed.decoded_ahead), on that thread's stream. Works on CPU tensors too
     (`device` cpu), which is how the tests run it."""
 
-    def __init__(self, device: torch.device, warn: Callable[[str], None]) -> None:
+    def __init__(self, device: torch.device, warn: Callable[[str], None],
+                 jpeg: Optional[jpeg_decoders.JpegDecoder] = None) -> None:
         self.device, self.warn = device, warn
+        self.jpeg = jpeg if jpeg is not None else jpeg_decoders.TorchvisionJpeg(device)  # --gpu-decoder's library
         self.reported: set[str] = set()
-        self.held = Held()
-        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
-        # that does not wait for the current one (pytorch/vision#9606): memory freed on the current stream while
-        # kernels queued there still read it could be written over. Its outputs are therefore allocated on a
-        # stream of their own, where nothing else is allocated, and kept until the kernels that read them have
-        # run (`held`), instead of the host waiting for the stream before every decode.
-        self.alloc_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.held = Held()  # the decoded images, until the kernels that read them have run
 
     def __call__(self, batch: Batch) -> Batch:
         encoded: EncodedBatch = batch.images
@@ -272,8 +241,9 @@ class BatchDecoder:
         return out
 
     def hold(self, decoded: list[torch.Tensor]) -> None:
-        """On CUDA, keep nvJPEG's outputs until the kernels just queued to read them have run (see __init__); the
-        CPU runs each operator before the next, so nothing is left to read them there."""
+        """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner,
+        their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
+        each operator before the next, so nothing is left to read them there."""
         if self.device.type == "cuda":
             self.held.keep(decoded, torch.cuda.current_stream(self.device).record_event())
 
@@ -289,30 +259,7 @@ class BatchDecoder:
 
     def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """The decoded images (C x H x W uint8), one batched call; None for each image the decoder rejects."""
-        if not images:
-            return []
-        try:
-            return list(self.device_decode(images))
-        except RuntimeError as error:  # one bad image fails the whole call: find it, unless the device is full
-            raise_if_out_of_memory(error, len(images))
-        results: list[Optional[torch.Tensor]] = []
-        for data in images:
-            try:
-                results.append(self.device_decode([data])[0])
-            except RuntimeError as error:
-                raise_if_out_of_memory(error, 1)
-                results.append(None)
-        return results
-
-    def device_decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
-        from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see pipeline.share_heap_with_workers
-        if self.alloc_stream is None:
-            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        work = torch.cuda.current_stream(self.device)
-        with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
-            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        work.wait_stream(self.alloc_stream)
-        return decoded
+        return self.jpeg.decode(images) if images else []
 
     def report(self, path: str, reason: str) -> None:
         if reason not in self.reported:

@@ -14,7 +14,7 @@ import argparse
 import contextlib
 from collections import Counter
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -52,23 +52,24 @@ class OpCounter(TorchDispatchMode):
 
 
 def count_batch(decoder: gpu_decode.BatchDecoder, batch: pipeline.Batch) -> dict[str, Any]:
-    """Operators of one `decoder(batch)`, the device decoder's own calls apart."""
+    """Operators of one `decoder(batch)`, the JPEG library's own calls apart."""
     counter, calls = OpCounter(), [0]
-    decode = decoder.device_decode
+    library = decoder.jpeg
+    decode = library.decode
 
-    def counted_decode(data: list[torch.Tensor]) -> list[torch.Tensor]:
+    def counted_decode(data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         calls[0] += 1
         with counter.pause():
             return decode(data)
 
-    decoder.device_decode = counted_decode  # type: ignore[method-assign]
+    library.decode = counted_decode  # type: ignore[method-assign]
     try:
         with counter:
             out = decoder(batch)
         if out.images.is_cuda:
             torch.cuda.synchronize(out.images.device)
     finally:
-        del decoder.device_decode
+        del library.decode
     return {"ops": counter.count, "decoder_calls": calls[0], "top_ops": dict(counter.ops.most_common(6))}
 
 

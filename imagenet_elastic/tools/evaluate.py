@@ -69,6 +69,7 @@ def build_parser() -> Parser:
     add_setting(p, "device")
     add_setting(p, "channels_last")
     add_setting(p, "decode")
+    add_setting(p, "gpu_decoder")
     add_setting(p, "dist_timeout")
     return p
 
@@ -367,7 +368,8 @@ def run(args: Any) -> list[dict[str, Any]]:
     if precision.warning:
         console.warn(precision.warning)
     cores = distributed.available_cores()
-    decoding = Decoding.choose(args.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP)
+    decoding = Decoding.choose(args.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
+                               args.gpu_decoder)
     workers = args.workers if args.workers is not None else decoding.default_workers(cores, env.local_world_size)
     if decoding.warning(device):
         console.warn(decoding.warning(device))

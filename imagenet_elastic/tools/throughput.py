@@ -233,7 +233,7 @@ def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
 def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int) -> dict[str, Any]:
     ctx, settings = step_context(args, len(train.classes))
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment)
+    decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment, args.gpu_decoder)
     loader = ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment)
     decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr))
     batches = device_batches(endless(loader), ctx.input.device, decoder)
@@ -241,4 +241,5 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     return {"images_per_sec": round(rate, 1), "workers": workers,
             "prefetch": prefetch(args.batch_size, args.image_size, workers, decoding.mode), "images": len(train),
             "data": train.where(), "decode": decoding.mode, "decode_why": decoding.why,
+            "gpu_decoder": decoding.library if decoding.mode == "gpu" else None,
             "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}

@@ -245,7 +245,8 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     pipeline.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
     each batch on the device (data/decoding.py)."""
     cores = distributed.available_cores()
-    decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment)
+    decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment,
+                               config.gpu_decoder)
     workers = config.workers if config.workers is not None else decoding.default_workers(cores, env.local_world_size)
     pin = inputs.device.type == "cuda"
     ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see pipeline._worker_init

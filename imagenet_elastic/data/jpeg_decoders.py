@@ -1,0 +1,275 @@
+"""--gpu-decoder: the library that turns a batch of JPEG bytes into pixels on the device under --decode gpu. The
+one list of them (`JPEG_DECODERS`); a new library is a class here and a line in that list.
+
+nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as libjpeg-turbo, so as the CPU path
+(it upsamples 4:2:0 chroma as libjpeg-turbo does); 17,405 img/s on one H100 (docs/BENCHMARKS.md). torchvision
+(`decode_jpeg` on CUDA, always there): 19,668 img/s, but nvJPEG fills 4:2:0 chroma by nearest sample, ~0.7 level
+from the CPU path on photos. `auto` takes nvimgcodec where it is installed and decodes on this device, else
+torchvision, and the start-up table says which and why.
+
+Both decode on the calling thread's current stream (the decoding thread's, feed.feeding_stream) and run on CPU
+tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend: libjpeg-turbo), which is how the tests run
+them. Each returns C x H x W uint8 images, None for an image it rejects (the batch decoder then takes the CPU
+path for it), and raises an out-of-memory error when the device is full (gpu_decode.raise_if_out_of_memory).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
+
+from imagenet_elastic.errors import first_line
+
+if TYPE_CHECKING:  # torch is imported where it is used: the command line reads JPEG_DECODERS
+    import torch
+
+
+def out_of_memory_error() -> type:
+    """torch's out-of-memory error (torch.OutOfMemoryError from 2.5, torch.cuda's before)."""
+    import torch
+
+    return getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
+
+
+class JpegDecoder(Protocol):
+    name: str
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device, None where rejected."""
+
+
+class TorchvisionJpeg:
+    """torchvision's `decode_jpeg` (nvJPEG on CUDA, libjpeg-turbo on the CPU). One bad image fails its whole
+    batched call, so a failed batch is decoded again image by image to find which."""
+
+    name = "torchvision"
+
+    def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
+        import torch
+
+        self.device = device
+        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
+        # that does not wait for the current one (pytorch/vision#9606): memory freed on the current stream while
+        # kernels queued there still read it could be written over. Its outputs are therefore allocated on a
+        # stream of their own, where nothing else is allocated, and kept until the kernels that read them have
+        # run (gpu_decode.Held), instead of the host waiting for the stream before every decode.
+        self.alloc_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        try:
+            return list(self.batch(data))
+        except RuntimeError as error:  # one bad image fails the whole call: find it, unless the device is full
+            raise_if_out_of_memory(error, len(data))
+        results: list[Optional[torch.Tensor]] = []
+        for one in data:
+            try:
+                results.append(self.batch([one])[0])
+            except RuntimeError as error:
+                raise_if_out_of_memory(error, 1)
+                results.append(None)
+        return results
+
+    def batch(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One batched call; raises RuntimeError if any image fails."""
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see pipeline.share_heap_with_workers
+
+        if self.alloc_stream is None:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        work = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
+            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        work.wait_stream(self.alloc_stream)
+        return decoded
+
+
+class NvImageCodecJpeg:
+    """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling,
+    the hardware JPEG engines where the GPU has them), on the CPU its libjpeg-turbo backend. It reports a rejected
+    image as None in place, so one bad image costs no second pass."""
+
+    name = "nvimgcodec"
+
+    def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
+        self.device, self.cpu_threads = device, cpu_threads
+        self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
+
+    def make_decoder(self):
+        import torch
+
+        nvimgcodec = import_nvimgcodec()
+        if self.device.type == "cuda":
+            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
+            return nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=self.cpu_threads)
+        return nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=self.cpu_threads,
+                                  backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        import torch
+
+        if self.decoder is None:
+            self.decoder = self.make_decoder()
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
+        try:  # the images are ready on `stream`: its later kernels see them, the host waits for nothing
+            images = self.decoder.decode([d.numpy() for d in data], cuda_stream=stream)
+        except RuntimeError as error:
+            raise_if_out_of_memory(error, len(data))
+            raise
+        return [None if image is None else self.tensor(image).permute(2, 0, 1) for image in images]
+
+    def tensor(self, image) -> torch.Tensor:
+        """The decoded H x W x 3 image as a tensor over nvImageCodec's memory (kept alive by the tensor)."""
+        import torch
+
+        if self.device.type == "cuda":
+            return torch.from_dlpack(image)  # on the current stream, which the decode already made wait
+        import numpy as np
+
+        with warnings.catch_warnings():  # read-only: the image is only read (device_crops copies it)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.asarray(image))
+
+
+# How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
+# images: ...": torch's allocator ("CUDA out of memory. Tried to allocate ..."), nvJPEG's status 5
+# (NVJPEG_STATUS_ALLOCATOR_FAILURE) after one of its calls ("Failed to decode batch: 5"), or CUDA's 2
+# (cudaErrorMemoryAllocation) from its stream synchronisation. Corrupt images give other nvJPEG statuses.
+_ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 5\b"
+                                r"|Failed to synchronize CUDA stream: 2\b")
+
+
+def device_out_of_memory(error: BaseException) -> bool:
+    """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
+    decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
+    if isinstance(error, out_of_memory_error()):
+        return True
+    text = str(error)
+    return "out of memory" in text.lower() or _ALLOCATION_FAILED.search(text) is not None
+
+
+def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
+    """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
+    a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
+    if device_out_of_memory(error):
+        if isinstance(error, out_of_memory_error()):
+            raise error
+        raise out_of_memory_error()(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) "
+                            f"({first_line(error)}); try a smaller --batch-size") from error
+
+
+def import_nvimgcodec():
+    """`nvidia.nvimgcodec`, whose import prints a paragraph for each codec library it cannot load (JPEG 2000,
+    TIFF: not ours): that text is kept from the console and given back only if the import fails."""
+    import importlib
+    import sys
+
+    if sys.modules.get("nvidia.nvimgcodec") is not None:  # imported before: nothing to say, nothing to capture
+        return sys.modules["nvidia.nvimgcodec"]
+    with captured_output() as text:
+        try:
+            nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+        except ImportError as error:
+            raise ImportError(f"{error}{': ' + text() if text() else ''}") from None
+    return nvimgcodec
+
+
+@contextlib.contextmanager
+def captured_output() -> Iterator[Callable[[], str]]:
+    """What native code writes to file descriptors 1 and 2 meanwhile, as a function that returns it after."""
+    import sys
+
+    captured = ""
+    with tempfile.TemporaryFile() as sink:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield lambda: captured
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            captured = " ".join(sink.read().decode(errors="replace").split())
+
+
+def tiny_jpeg() -> bytes:
+    """A JPEG of 16 x 16 pixels, to check that a decoder works on this machine."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
+    """Why nvimgcodec cannot decode on `device` here (None: it can): not installed, or installed without the
+    libraries its GPU decoder needs, which it otherwise replaces by its CPU decoder without a word."""
+    try:
+        nvimgcodec = import_nvimgcodec()
+    except ImportError:
+        return "not installed (pip install 'imagenet-elastic[nvimgcodec]')"
+    except OSError as error:
+        return f"cannot be loaded: {error}"
+    if device.type != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"cannot decode on {device}: no CUDA device"
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    with captured_output() as said:
+        try:
+            gpu = nvimgcodec.Decoder(device_id=index, backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
+                                                                nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
+            decoded = gpu.decode(tiny_jpeg())
+        except RuntimeError as error:
+            return f"cannot decode on {device}: {error}"
+    if decoded is None:
+        return (f"cannot decode on {device} ({said() or 'no GPU JPEG decoder'}); pip install nvidia-nvjpeg-cu13 "
+                "(or -cu12, as torch's CUDA)")
+    return None
+
+
+class DecoderInfo(NamedTuple):
+    make: Callable[..., JpegDecoder]  # (device, cpu_threads) -> the decoder
+    unavailable: Callable[[torch.device], Optional[str]]  # why it cannot run on the device, or None
+    help: str  # for --gpu-decoder's help
+
+
+# --gpu-decoder: kept here once, in auto's order of preference; config offers these names with their help.
+JPEG_DECODERS: dict[str, DecoderInfo] = {
+    "nvimgcodec": DecoderInfo(NvImageCodecJpeg, nvimgcodec_unavailable,
+                              "NVIDIA's nvImageCodec, the `nvimgcodec` extra: the CPU path's very pixels"),
+    "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
+                               "torchvision's nvJPEG decode_jpeg: 4:2:0 chroma by nearest sample, ~0.7 level from "
+                               "the CPU path on photos"),
+}
+
+
+def choose(requested: str, device: torch.device) -> tuple[str, str]:
+    """The library --gpu-decoder names, and why (for the start-up table); `auto`: the first in JPEG_DECODERS that
+    runs on this device. A named library that cannot run here is a UserError naming why."""
+    if requested != "auto":
+        reason = JPEG_DECODERS[requested].unavailable(device)
+        if reason is not None:
+            from imagenet_elastic.errors import UserError
+
+            raise UserError(f"--gpu-decoder {requested}: {reason}")
+        return requested, f"--gpu-decoder {requested}"
+    passed = []
+    for name, info in JPEG_DECODERS.items():
+        reason = info.unavailable(device)
+        if reason is None:
+            return name, "auto" + (f"; {'; '.join(passed)}" if passed else "")
+        passed.append(f"{name} {reason}")
+    raise AssertionError("torchvision decodes everywhere")

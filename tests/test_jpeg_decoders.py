@@ -1,0 +1,115 @@
+"""--gpu-decoder: each JPEG library of jpeg_decoders.JPEG_DECODERS gives the batch decoder the pixels it expects, on
+CPU tensors (nvImageCodec's CPU backend, torchvision's CPU decoder); auto prefers nvImageCodec and says why it did
+not take it; a library that cannot run is one line. tests/test_cuda.py compares them on a GPU."""
+
+from __future__ import annotations
+
+import io
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from test_data import photo_like, save_jpeg, write_jpeg
+
+from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline
+from imagenet_elastic.data.augment import Augment
+from imagenet_elastic.data.decoding import Decoding
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+CPU = torch.device("cpu")
+LIBRARIES = list(jpeg_decoders.JPEG_DECODERS)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """Photo-like JPEGs with 4:2:0 chroma and noise with 4:4:4, of sizes that share no multiple."""
+    root = tmp_path_factory.mktemp("jpegs") / "train"
+    for i in range(6):
+        save_jpeg(str(root / "photo" / f"{i}.jpg"), photo_like(90 + 13 * i, 130 - 7 * i, seed=i))
+        write_jpeg(str(root / "noise" / f"{i}.jpg"), 70 + 11 * i, 60 + 5 * i, seed=10 + i, subsampling="4:4:4")
+    return scan_image_folder(str(root), "train")
+
+
+def as_tensor(raw: bytes) -> torch.Tensor:
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_each_library_decodes_pils_very_pixels_channels_first(folder, library):
+    jpeg = jpeg_decoders.JPEG_DECODERS[library].make(CPU, 1)
+    raws = [Path(folder.path(i)).read_bytes() for i in range(len(folder))]
+    decoded = jpeg.decode([as_tensor(raw) for raw in raws])
+    for raw, image in zip(raws, decoded):
+        pil = torch.from_numpy(np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))).permute(2, 0, 1)
+        assert image is not None and image.shape == pil.shape and torch.equal(image, pil)
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_each_library_gives_the_batch_decoder_the_worker_paths_crops_within_a_level(folder, library):
+    augment = Augment(erase=0.5)  # the policy's ops magnify a level (posterize, solarize): test_device_policy.py
+    keys = [(e, i) for e in range(2) for i in range(len(folder))]
+    size = 80  # the worker path scales the DCT for crops of 2 x size: none of these images has one
+    encoded = pipeline.TrainDataset(folder, size, 7, gpu_decode.encode_bytes, augment)
+    decoder = gpu_decode.BatchDecoder(CPU, print, jpeg_decoders.JPEG_DECODERS[library].make(CPU, 1))
+    images = decoder(gpu_decode.collate([encoded[key] for key in keys])).images
+    workers = torch.stack([pipeline.TrainDataset(folder, size, 7, augment=augment)[key][0] for key in keys])
+    assert (images.int() - workers.int()).abs().max() <= 1  # the float resize's rounding against the uint8 kernel
+
+
+@pytest.mark.parametrize("library", LIBRARIES)
+def test_a_jpeg_a_library_cannot_decode_is_a_corrupt_image_error_naming_the_file(tmp_path, library):
+    write_jpeg(str(tmp_path / "train" / "a" / "ok.jpg"), 40, 30, seed=1)
+    cut = tmp_path / "train" / "a" / "cut.jpg"
+    write_jpeg(str(cut), 64, 64, seed=3)
+    cut.write_bytes(cut.read_bytes()[:700])  # the header survives: the worker hands it over
+    index = scan_image_folder(str(tmp_path / "train"), "train")
+    dataset = pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes)
+    decoder = gpu_decode.BatchDecoder(CPU, print, jpeg_decoders.JPEG_DECODERS[library].make(CPU, 1))
+    with pytest.raises(CorruptImageError, match="cut.jpg"):
+        decoder(gpu_decode.collate([dataset[(0, i)] for i in range(len(index))]))
+
+
+def test_auto_takes_nvimgcodec_where_it_runs_and_says_why_it_took_torchvision_elsewhere(monkeypatch):
+    assert jpeg_decoders.choose("auto", CPU) == ("nvimgcodec", "auto")
+    missing = jpeg_decoders.JPEG_DECODERS["nvimgcodec"]._replace(unavailable=lambda device: "not installed (pip ...)")
+    monkeypatch.setitem(jpeg_decoders.JPEG_DECODERS, "nvimgcodec", missing)
+    assert jpeg_decoders.choose("auto", CPU) == ("torchvision", "auto; nvimgcodec not installed (pip ...)")
+    chosen = Decoding.choose("gpu", CPU, 2, Augment())
+    assert "by torchvision (auto; nvimgcodec not installed (pip ...))" in chosen.describe(CPU, Augment())
+
+
+def test_nvimgcodec_asked_for_where_it_cannot_run_is_one_line_saying_why(monkeypatch):
+    if not torch.cuda.is_available():  # every CI machine
+        with pytest.raises(UserError, match=r"^--gpu-decoder nvimgcodec: cannot decode on cuda:0: no CUDA device$"):
+            jpeg_decoders.choose("nvimgcodec", torch.device("cuda", 0))
+    monkeypatch.delitem(sys.modules, "nvidia.nvimgcodec", raising=False)
+    monkeypatch.setitem(sys.modules, "nvidia.nvimgcodec", None)  # as if not installed
+    with pytest.raises(UserError, match=r"^--gpu-decoder nvimgcodec: not installed \(pip install "
+                                        r"'imagenet-elastic\[nvimgcodec\]'\)$"):
+        jpeg_decoders.choose("nvimgcodec", CPU)
+    assert jpeg_decoders.choose("torchvision", CPU) == ("torchvision", "--gpu-decoder torchvision")
+
+
+def test_importing_nvimgcodec_keeps_its_paragraphs_about_codecs_we_do_not_use_off_the_console():
+    """Without its JPEG 2000, TIFF (and here nvJPEG) libraries, nvImageCodec's import prints a paragraph for each."""
+    result = subprocess.run([sys.executable, "-c", "from imagenet_elastic.data import jpeg_decoders; "
+                             "jpeg_decoders.import_nvimgcodec(); print('imported')"],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout == "imported\n" and result.stderr == "", result
+
+
+def test_the_command_line_offers_each_library_with_its_help(capsys):
+    from imagenet_elastic.cli import build_parser
+
+    parser = build_parser()
+    with pytest.raises(SystemExit):
+        parser.parse_args(["DATA", "--gpu-decoder", "pillow"])
+    assert "invalid choice: 'pillow'" in capsys.readouterr().err
+    assert parser.parse_args(["DATA", "--gpu-decoder", "torchvision"]).gpu_decoder == "torchvision"
+    shown = " ".join(parser.format_help().split())
+    assert all(f"{name} ({info.help})" in shown for name, info in jpeg_decoders.JPEG_DECODERS.items())
