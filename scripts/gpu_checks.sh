@@ -22,8 +22,11 @@
 #       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
 #       loader workers a rank: what an 8-GPU node with few cores per GPU gives. The --decode gpu runs take
 #       --gpu-decoder auto (their JSON line names the library); `gpu_decoders` runs each library end to end.
-#       nvImageCodec is not on the GPU machines: its wheels travel (the `nvimgcodec` extra: nvidia-nvimgcodec-cu13
-#       and nvidia-nvjpeg, see the device tool's README) and go on PYTHONPATH before the call.
+#       nvImageCodec is not on the GPU machines: its wheel travels (25 MB; the first run found nvJPEG beside torch)
+#         python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#           --platform manylinux_2_28_x86_64 -d .whl nvidia-nvimgcodec-cu13==0.9.0.20
+#       then the call carries `.whl` and starts with `python3 -m pip install -q --no-index --no-deps --target
+#       /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site` (the device tool's README).
 #
 # A session's 30 minutes of device time hold about half the parts: issue 31's targets first (versions+data, tests,
 # synthetic, compile, end_to_end, end_to_end_compile, end_to_end_recipe, end_to_end_few_workers, restart_compile),
