@@ -98,12 +98,20 @@ def test_a_members_key_ends_at_the_first_dot_of_its_last_part(member, key, exten
     assert tar_shards.split_name(member) == (key, extension)
 
 
-def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_shard_changes(written, tmp_path):
+@pytest.fixture
+def kept(written, tmp_path):
+    """A copy of the shards (tmp_path/shards), opened once and its index kept in the checkpoints folder (tmp_path):
+    the folder and what that first opening walked."""
     paths, _ = written
     folder = tmp_path / "shards"
     shutil.copytree(os.path.dirname(paths[0]), folder)
     walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
     walked.keep(str(tmp_path))
+    return folder, walked
+
+
+def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_shard_changes(kept, tmp_path):
+    folder, walked = kept
     again = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert again.cached and again.fingerprint() == walked.fingerprint()
     assert "index from the cache" in again.describe()
@@ -124,11 +132,8 @@ def relabel_in_place(shard, sample: int, label: int) -> None:
         f.write(str(label).encode())
 
 
-def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(written, tmp_path):
-    paths, _ = written
-    folder = tmp_path / "shards"
-    shutil.copytree(os.path.dirname(paths[0]), folder)
-    tar_shards.open_split(str(folder), "train", str(tmp_path)).keep(str(tmp_path))
+def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(kept, tmp_path):
+    folder, _ = kept
     before = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert before.cached and before.notes == ()
     relabel_in_place(folder / "part-0002.tar", 3, (before.label(43) + 1) % 4)  # sample #43: the 4th of the 3rd
@@ -141,12 +146,8 @@ def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_na
     assert again.cached and again.notes == () and again.fingerprint() == after.fingerprint()
 
 
-def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(written, tmp_path):
-    paths, _ = written
-    folder = tmp_path / "shards"
-    shutil.copytree(os.path.dirname(paths[0]), folder)
-    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
-    walked.keep(str(tmp_path))
+def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(kept, tmp_path):
+    folder, walked = kept
     time.sleep(0.01)
     os.utime(folder / "part-0002.tar")
     touched = tar_shards.open_split(str(folder), "train", str(tmp_path))
