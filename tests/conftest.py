@@ -61,14 +61,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     2. Every test that starts at most one process at a time, with its module (its fixtures are built once), on a
        core of its own (`share_cores`): the other worker takes these beside group 1, whose processes leave a
        core idle for part of their time (start-up, loader hand-offs, checkpoint writes).
-    3. The multiprocess tests marked `mostly_waiting` (a grace period, a time-out, a rendezvous), in a group of
-       their own, last: the worker that finished its modules runs them beside the end of group 1.
+    3. The multiprocess tests marked `mostly_waiting` (a grace period, a time-out, a rendezvous), last, a group
+       for each module: whichever worker is free takes the next, so both share the tail (as one group, one worker
+       ran all of them, ~80 s, while the other had finished).
     Before (the single-process tests first, then every multiprocess test on one worker) the suite took ~100 s
     longer on two cores; docs/BENCHMARKS.md has the figures."""
     items.sort(key=order)  # stable: file order kept within each part
     for item in items:
-        item.add_marker(pytest.mark.xdist_group(("multiprocess", item.nodeid.split("::")[0],
-                                                 "multiprocess-waiting")[order(item)]))
+        module = item.nodeid.split("::")[0]
+        group = ("multiprocess", module, f"multiprocess-waiting:{module}")[order(item)]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def order(item: pytest.Item) -> int:

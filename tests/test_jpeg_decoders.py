@@ -27,11 +27,21 @@ LIBRARIES = list(jpeg_decoders.JPEG_DECODERS)
 
 @pytest.fixture(scope="module")
 def folder(tmp_path_factory):
-    """Photo-like JPEGs with 4:2:0 chroma and noise with 4:4:4, of sizes that share no multiple."""
+    """Photo-like JPEGs with 4:2:0 chroma and noise with 4:4:4, of sizes that share no multiple; a portrait with an
+    EXIF orientation, a greyscale and a progressive JPEG."""
     root = tmp_path_factory.mktemp("jpegs") / "train"
     for i in range(6):
         save_jpeg(str(root / "photo" / f"{i}.jpg"), photo_like(90 + 13 * i, 130 - 7 * i, seed=i))
         write_jpeg(str(root / "noise" / f"{i}.jpg"), 70 + 11 * i, 60 + 5 * i, seed=10 + i, subsampling="4:4:4")
+    # a camera's portrait: stored 100 x 60, its EXIF orientation (6) says turn it; PIL, torchvision and the worker's
+    # crop box (from the header) take the pixels as stored, and so must every library
+    image = Image.fromarray(photo_like(100, 60, seed=20))
+    exif = image.getexif()
+    exif[0x0112] = 6
+    image.save(root / "photo" / "exif_rotated.jpg", format="JPEG", quality=90, exif=exif.tobytes())
+    Image.fromarray(photo_like(70, 90, seed=21)).convert("L").save(root / "photo" / "grey.jpg", format="JPEG")
+    Image.fromarray(photo_like(90, 70, seed=22)).save(root / "photo" / "progressive.jpg", format="JPEG",
+                                                      progressive=True)
     return scan_image_folder(str(root), "train")
 
 

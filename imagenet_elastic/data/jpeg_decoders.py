@@ -99,6 +99,8 @@ class NvImageCodecJpeg:
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         self.device, self.cpu_threads = device, cpu_threads
         self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
+        self.params = None  # the file's pixels as stored: it would turn them by their EXIF orientation, which the
+        # CPU path (PIL, libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
 
     def make_decoder(self):
         import torch
@@ -115,9 +117,10 @@ class NvImageCodecJpeg:
 
         if self.decoder is None:
             self.decoder = self.make_decoder()
+            self.params = import_nvimgcodec().DecodeParams(apply_exif_orientation=False)
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         try:  # the images are ready on `stream`: its later kernels see them, the host waits for nothing
-            images = self.decoder.decode([d.numpy() for d in data], cuda_stream=stream)
+            images = self.decoder.decode([d.numpy() for d in data], params=self.params, cuda_stream=stream)
         except RuntimeError as error:
             raise_if_out_of_memory(error, len(data))
             raise
