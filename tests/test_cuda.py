@@ -37,7 +37,7 @@ from torch.profiler import ProfilerActivity
 
 from imagenet_elastic.checkpoint import share
 from imagenet_elastic.checkpoint.saving import HostCopy
-from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline
+from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline, pixels
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
@@ -134,8 +134,7 @@ def test_nvimgcodec_decodes_4_2_0_photos_to_the_cpu_paths_very_pixels(photos, nv
     """It upsamples 4:2:0 chroma as libjpeg-turbo does: 0.0 level from PIL on 5,120 photos in the first GPU run,
     where torchvision's nvJPEG differs by 0.3-0.5 level per image on these (the test above)."""
     raws = [Path(photos.path(i)).read_bytes() for i in range(len(photos))]
-    decoded = jpeg_decoders.NvImageCodecJpeg(GPU, 2).decode([torch.frombuffer(bytearray(r), dtype=torch.uint8)
-                                                            for r in raws])
+    decoded = jpeg_decoders.NvImageCodecJpeg(GPU, 2).decode([pixels.byte_tensor(r) for r in raws])
     pil = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(r)).convert("RGB"))).permute(2, 0, 1) for r in raws]
     difference = torch.stack([level_difference(d.cpu()[None], p[None])[0] for d, p in zip(decoded, pil)])
     assert difference.max() < 0.05, difference

@@ -15,7 +15,7 @@ import torch
 from PIL import Image
 from test_data import photo_like, save_jpeg, write_jpeg
 
-from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline
+from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline, pixels
 from imagenet_elastic.data.augment import Augment
 from imagenet_elastic.data.decoding import Decoding
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
@@ -45,15 +45,11 @@ def folder(tmp_path_factory):
     return scan_image_folder(str(root), "train")
 
 
-def as_tensor(raw: bytes) -> torch.Tensor:
-    return torch.frombuffer(bytearray(raw), dtype=torch.uint8)
-
-
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_each_library_decodes_pils_very_pixels_channels_first(folder, library):
     jpeg = jpeg_decoders.JPEG_DECODERS[library].make(CPU, 1)
     raws = [Path(folder.path(i)).read_bytes() for i in range(len(folder))]
-    decoded = jpeg.decode([as_tensor(raw) for raw in raws])
+    decoded = jpeg.decode([pixels.byte_tensor(raw) for raw in raws])
     for raw, image in zip(raws, decoded):
         pil = torch.from_numpy(np.asarray(Image.open(io.BytesIO(raw)).convert("RGB"))).permute(2, 0, 1)
         assert image is not None and image.shape == pil.shape and torch.equal(image, pil)

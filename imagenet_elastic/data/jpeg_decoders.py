@@ -16,9 +16,11 @@ path for it), and raises an out-of-memory error when the device is full (gpu_dec
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import os
 import re
+import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
@@ -28,6 +30,13 @@ from imagenet_elastic.errors import first_line
 
 if TYPE_CHECKING:  # torch is imported where it is used: the command line reads JPEG_DECODERS
     import torch
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device's number (`cuda` alone: the current one)."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 def out_of_memory_error() -> type:
@@ -99,25 +108,26 @@ class NvImageCodecJpeg:
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         self.device, self.cpu_threads = device, cpu_threads
         self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
-        self.params = None  # the file's pixels as stored: it would turn them by their EXIF orientation, which the
-        # CPU path (PIL, libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
+        self.params = None  # its DecodeParams, made with it (make_decoder)
 
-    def make_decoder(self):
-        import torch
-
+    def make_decoder(self) -> None:
         nvimgcodec = import_nvimgcodec()
         if self.device.type == "cuda":
-            index = self.device.index if self.device.index is not None else torch.cuda.current_device()
-            return nvimgcodec.Decoder(device_id=index, max_num_cpu_threads=self.cpu_threads)
-        return nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY, max_num_cpu_threads=self.cpu_threads,
-                                  backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+            self.decoder = nvimgcodec.Decoder(device_id=device_index(self.device),
+                                              max_num_cpu_threads=self.cpu_threads)
+        else:
+            self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                              max_num_cpu_threads=self.cpu_threads,
+                                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+        # the file's pixels as stored: it would turn them by their EXIF orientation, which the CPU path (PIL,
+        # libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         import torch
 
         if self.decoder is None:
-            self.decoder = self.make_decoder()
-            self.params = import_nvimgcodec().DecodeParams(apply_exif_orientation=False)
+            self.make_decoder()
         stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         try:  # the images are ready on `stream`: its later kernels see them, the host waits for nothing
             images = self.decoder.decode([d.numpy() for d in data], params=self.params, cuda_stream=stream)
@@ -163,15 +173,12 @@ def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
         if isinstance(error, out_of_memory_error()):
             raise error
         raise out_of_memory_error()(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) "
-                            f"({first_line(error)}); try a smaller --batch-size") from error
+                                    f"({first_line(error)}); try a smaller --batch-size") from error
 
 
 def import_nvimgcodec():
     """`nvidia.nvimgcodec`, whose import prints a paragraph for each codec library it cannot load (JPEG 2000,
     TIFF: not ours): that text is kept from the console and given back only if the import fails."""
-    import importlib
-    import sys
-
     if sys.modules.get("nvidia.nvimgcodec") is not None:  # imported before: nothing to say, nothing to capture
         return sys.modules["nvidia.nvimgcodec"]
     with captured_output() as text:
@@ -185,8 +192,6 @@ def import_nvimgcodec():
 @contextlib.contextmanager
 def captured_output() -> Iterator[Callable[[], str]]:
     """What native code writes to file descriptors 1 and 2 meanwhile, as a function that returns it after."""
-    import sys
-
     captured = ""
     with tempfile.TemporaryFile() as sink:
         sys.stdout.flush()
@@ -229,11 +234,11 @@ def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
 
     if not torch.cuda.is_available():
         return f"cannot decode on {device}: no CUDA device"
-    index = device.index if device.index is not None else torch.cuda.current_device()
     with captured_output() as said:
         try:
-            gpu = nvimgcodec.Decoder(device_id=index, backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
-                                                                nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
+            gpu = nvimgcodec.Decoder(device_id=device_index(device),
+                                     backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
+                                               nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
             decoded = gpu.decode(tiny_jpeg())
         except RuntimeError as error:
             return f"cannot decode on {device}: {error}"
