@@ -13,9 +13,9 @@ import sys
 if __name__ == "__main__":  # started as a script (torchrun's way): the checkout's package, before it is imported
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY  # noqa: E402
 from imagenet_elastic.train import build  # noqa: E402
 
 RANK, LIMIT = "OOM_RANK", "OOM_LIMIT"
@@ -29,7 +29,7 @@ def install() -> None:
 
     def refuse(module: nn.Module, args: tuple) -> None:
         if module.training and args[0].shape[0] > limit:
-            raise OUT_OF_MEMORY(f"CUDA out of memory. Tried to allocate {args[0].shape[0]} images (injected)")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {args[0].shape[0]} images (injected)")
 
     def created(*args, **kwargs) -> nn.Module:
         model = create(*args, **kwargs)

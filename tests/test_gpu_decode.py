@@ -422,13 +422,13 @@ class ExhaustedJpeg(jpeg_decoders.TorchvisionJpeg):
                  "total capacity of 79.19 GiB of which 3.06 MiB is free."),
     RuntimeError("Error while decoding JPEG images: Failed to decode batch: 5"),  # NVJPEG_STATUS_ALLOCATOR_FAILURE
     RuntimeError("Error while decoding JPEG images: Failed to synchronize CUDA stream: 2"),  # cudaErrorMemoryAllocation
-    gpu_decode.OUT_OF_MEMORY("CUDA out of memory. Tried to allocate 2.00 GiB"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB"),
 ], ids=["allocator", "nvjpeg_status_5", "cuda_error_2", "torch_oom"])
 def test_out_of_memory_in_the_device_decoder_is_raised_not_retried_or_hidden_by_the_cpu_fallback(mixed_folder, error):
     index = scan_image_folder(str(mixed_folder), "train")
     warnings: list[str] = []
     library = ExhaustedJpeg(error)
-    with pytest.raises(gpu_decode.OUT_OF_MEMORY) as caught:
+    with pytest.raises(torch.OutOfMemoryError) as caught:
         gpu_decode.BatchDecoder(CPU, warnings.append, library)(
             batch_of(pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes), [(0, 0), (0, 1)]))
     assert library.calls == 1 and warnings == []  # not image by image, not on the CPU under a warning

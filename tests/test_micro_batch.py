@@ -19,7 +19,6 @@ from conftest import SMALL_RUN, load_checkpoint
 from inprocess import in_memory, train
 from torch import nn
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
@@ -63,7 +62,7 @@ class OutOfMemoryAbove:
         self.seen.append((self.step, size, module.training))
         limit = self.limit() if module.training else self.val
         if limit is not None and size > limit:
-            raise OUT_OF_MEMORY(f"CUDA out of memory. Tried to allocate {size} images (injected)")
+            raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {size} images (injected)")
 
     def count_steps(self, trainer: Trainer) -> None:
         """Tell the hook which optimizer step trains (a `before_fit` for inprocess.train)."""
@@ -185,7 +184,7 @@ def test_an_out_of_memory_error_in_a_first_compiled_call_is_no_compile_failure()
     oom = OutOfMemoryAbove({-1: 2})
     model.register_forward_pre_hook(oom.forward)
     compiled = CompiledOrEager(model, backend="eager")
-    with pytest.raises(OUT_OF_MEMORY):
+    with pytest.raises(torch.OutOfMemoryError):
         compiled(torch.randn(4, 3, 8, 8))
     assert compiled.failure is None and not compiled.called  # the next call compiles
     assert compiled(torch.randn(2, 3, 8, 8)).shape == (2, 4) and compiled.failure is None
@@ -289,7 +288,7 @@ def test_a_second_out_of_memory_error_of_a_kind_ends_the_run_in_one_line(tmp_pat
 @pytest.mark.parametrize("kind", ["training", "validation"])
 def test_without_auto_an_out_of_memory_error_ends_the_run_as_before(tmp_path, monkeypatch, kind):
     oom = OutOfMemoryAbove({1: 4}) if kind == "training" else OutOfMemoryAbove(val=4)
-    with pytest.raises(OUT_OF_MEMORY):
+    with pytest.raises(torch.OutOfMemoryError):
         run(tmp_path, "run", RUN, oom, monkeypatch)
 
 

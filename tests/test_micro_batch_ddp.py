@@ -21,7 +21,6 @@ from conftest import REPO, SHORT_RUN, assert_same_tensors, finish, load_checkpoi
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
@@ -84,7 +83,7 @@ class Failure:
         self.calls += 1
         if self.due() and (self.where == "before DDP's forward" or self.calls % 2 == 0):
             self.armed = False
-            raise OUT_OF_MEMORY("CUDA out of memory (injected)")
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
 
     def watch_backward(self, output: torch.Tensor, synchronising: bool) -> None:
         if synchronising and self.due():
@@ -93,7 +92,7 @@ class Failure:
     def raise_in_backward(self, grad: torch.Tensor) -> None:
         self.armed = False
         self.launched = self.micro.ledger.launched
-        raise OUT_OF_MEMORY("CUDA out of memory (injected, in the backward)")
+        raise torch.OutOfMemoryError("CUDA out of memory (injected, in the backward)")
 
     def before(self, step: int, micro: MicroBatches) -> None:
         self.step, self.micro = step, micro

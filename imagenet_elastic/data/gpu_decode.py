@@ -49,7 +49,6 @@ from imagenet_elastic.data.pixels import (
 )
 from imagenet_elastic.errors import CorruptImageError
 
-OUT_OF_MEMORY = jpeg_decoders.out_of_memory_error()
 DEVICE_DECODABLE_MODES = DECODED_BY_TORCHVISION  # JPEG colour modes nvJPEG turns into RGB
 
 EMPTY = torch.empty(0, dtype=torch.uint8)

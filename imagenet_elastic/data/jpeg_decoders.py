@@ -10,7 +10,7 @@ torchvision, and the start-up table says which and why.
 Both decode on the calling thread's current stream (the decoding thread's, feed.feeding_stream) and run on CPU
 tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend: libjpeg-turbo), which is how the tests run
 them. Each returns C x H x W uint8 images, None for an image it rejects (the batch decoder then takes the CPU
-path for it), and raises an out-of-memory error when the device is full (gpu_decode.raise_if_out_of_memory).
+path for it), and raises an out-of-memory error when the device is full (raise_if_out_of_memory).
 """
 
 from __future__ import annotations
@@ -37,13 +37,6 @@ def device_index(device: torch.device) -> int:
     import torch
 
     return device.index if device.index is not None else torch.cuda.current_device()
-
-
-def out_of_memory_error() -> type:
-    """torch's out-of-memory error (torch.OutOfMemoryError from 2.5, torch.cuda's before)."""
-    import torch
-
-    return getattr(torch, "OutOfMemoryError", torch.cuda.OutOfMemoryError)
 
 
 class JpegDecoder(Protocol):
@@ -160,7 +153,9 @@ _ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 
 def device_out_of_memory(error: BaseException) -> bool:
     """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
     decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
-    if isinstance(error, out_of_memory_error()):
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
     return "out of memory" in text.lower() or _ALLOCATION_FAILED.search(text) is not None
@@ -169,11 +164,13 @@ def device_out_of_memory(error: BaseException) -> bool:
 def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
     """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
     a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
+    import torch
+
     if device_out_of_memory(error):
-        if isinstance(error, out_of_memory_error()):
+        if isinstance(error, torch.OutOfMemoryError):
             raise error
-        raise out_of_memory_error()(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) "
-                                    f"({first_line(error)}); try a smaller --batch-size") from error
+        raise torch.OutOfMemoryError(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) "
+                                     f"({first_line(error)}); try a smaller --batch-size") from error
 
 
 def import_nvimgcodec():
@@ -236,7 +233,7 @@ def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
         return f"cannot decode on {device}: no CUDA device"
     with captured_output() as said:
         try:
-            gpu = nvimgcodec.Decoder(device_id=device_index(device),
+            gpu = nvimgcodec.Decoder(device_id=device_index(device), max_num_cpu_threads=1,  # a 16 x 16 image
                                      backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
                                                nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
             decoded = gpu.decode(tiny_jpeg())

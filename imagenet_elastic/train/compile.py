@@ -19,7 +19,6 @@ import torch
 from torch import nn
 
 from imagenet_elastic.checkpoint.compile_cache import CompileCache
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.errors import first_line
 from imagenet_elastic.launch import distributed
 
@@ -112,7 +111,7 @@ class CompiledOrEager(nn.Module):
         try:
             with backward_compiled_with_forward():
                 out = self.compiled(*args, **kwargs)
-        except OUT_OF_MEMORY:
+        except torch.OutOfMemoryError:
             # the device's failure, not the compiler's: --micro-batch auto redoes the step with smaller micro-batches,
             # whose first call compiles again
             self.called = False

@@ -25,7 +25,6 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.state import apply_rng, capture_rng
@@ -53,7 +52,7 @@ def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.
     try:
         trial(model, optimizer, criterion, to, size, image_size, distillation)
         fitted = True
-    except OUT_OF_MEMORY:
+    except torch.OutOfMemoryError:
         pass  # the trial's tensors go with its frames, when this handler ends
     optimizer.zero_grad(set_to_none=True)
     release_cached_memory(to.device)

@@ -31,7 +31,6 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.errors import UserError, one_line
@@ -150,7 +149,7 @@ class MicroBatches:
             self.ledger.start()
         try:
             return accumulate(ctx, micro_batches, self.slices, self.plan.share, seed, step), None
-        except OUT_OF_MEMORY as error:
+        except torch.OutOfMemoryError as error:
             failed = one_line(error)  # the attempt's tensors go with the traceback, when this handler ends
         ctx.optimizer.zero_grad(set_to_none=True)
         if self.ledger is not None:

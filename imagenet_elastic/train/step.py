@@ -12,7 +12,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from imagenet_elastic.data.gpu_decode import OUT_OF_MEMORY
 from imagenet_elastic.data.model_input import ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import one_line
@@ -185,7 +184,7 @@ def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_ave
                 min(len(batch), start + fit.validation_batch)
             try:
                 totals += batch_sums(to, model, batch.part(slice(start, stop)), flip_average, columns, counts)
-            except OUT_OF_MEMORY as error:
+            except torch.OutOfMemoryError as error:
                 if fit is None or fit.validation_batch is None:
                     raise
                 fit.validation_failed(stop - start, one_line(error))
