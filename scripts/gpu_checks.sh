@@ -7,7 +7,11 @@
 # the current folder). Every figure is one JSON line on stdout; paste them into docs/BENCHMARKS.md
 # with the command line, the GPU, the versions line and the date.
 #
-#   bash scripts/gpu_checks.sh PART [DATA] [WORKDIR]
+#   bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR]
+#
+# Several parts (a comma list, or `all`) run one after another, each in a process of its own: a part that fails
+# does not stop the ones after it, and each is followed by {"part", "exit", "seconds"}; one device call can
+# then run, say, `versions,data,tests,gpu_decoders` and come back with every figure it could take.
 #
 # MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own), FEW_WORKERS (the
 # few_workers parts' loader workers; default "4 2") and ROUNDS (the loader part's; default 3) may be set in the
@@ -30,9 +34,10 @@
 #
 # A session's 30 minutes of device time hold about half the parts: issue 31's targets first (versions+data, tests,
 # synthetic, compile, end_to_end, end_to_end_compile, end_to_end_recipe, end_to_end_few_workers, restart_compile),
-# then the rest.
+# then the rest, as comma lists of a few parts a call (each call under 10 minutes; a call on a machine that was
+# given back in between starts with `data` again).
 set -euo pipefail
-PART=${1:?usage: bash scripts/gpu_checks.sh PART [DATA] [WORKDIR], PART as in the header of the script}
+PART=${1:?usage: bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR], PART as in the header of the script}
 DATA=${2:-/tmp/gpu_data}
 WORK=${3:-/tmp/gpu_checks}
 PY=${PYTHON:-python3}
@@ -245,12 +250,29 @@ PY
     esac
 }
 
+EVERY_PART=(versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile end_to_end_recipe_compile
+            end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders loader checkpoint tests restart
+            restart_compile train)
 if [ "$PART" = all ]; then
-    for part in versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile \
-            end_to_end_recipe_compile end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders \
-            loader checkpoint tests restart restart_compile train; do
-        run_part "$part"
-    done
+    parts=("${EVERY_PART[@]}")
 else
-    run_part "$PART"
+    IFS=, read -r -a parts <<< "$PART"
 fi
+if (( ${#parts[@]} == 1 )); then
+    run_part "${parts[0]}"
+    exit 0
+fi
+# Several parts: every name is checked before any runs, and each part runs in a process of its own, so one that
+# fails (a CUDA test, a missing library) costs the device session that part, not the parts after it. After each,
+# a line says how it ended and how long it took; the exit status is 1 if any part failed.
+for part in "${parts[@]}"; do
+    [[ " ${EVERY_PART[*]} " == *" $part "* ]] || { echo "unknown part '$part' (see the script's header)" >&2; exit 2; }
+done
+failed=0
+for part in "${parts[@]}"; do
+    start=$SECONDS status=0
+    bash "$0" "$part" "$DATA" "$WORK" || status=$?
+    echo "{\"part\": \"$part\", \"exit\": $status, \"seconds\": $(( SECONDS - start ))}"
+    (( status == 0 )) || failed=1
+done
+exit "$failed"

@@ -129,3 +129,16 @@ def test_a_part_that_needs_data_it_does_not_have_or_an_unknown_part_is_one_line(
     unknown = gpu_checks("synthetics", tmp_path, tmp_path)
     assert unknown.returncode == 2 and unknown.stderr.strip() == "unknown part 'synthetics' (see the script's header)"
 
+
+
+def test_several_parts_run_on_past_a_failing_one_and_each_says_how_it_ended(tmp_path):
+    """One device call runs a list of parts: a failing part (here one without data) does not cost the parts after it."""
+    result = gpu_checks("synthetic,versions", tmp_path / "nowhere", tmp_path)
+    assert result.returncode == 1, result.stderr
+    failed, versions, done = (json.loads(line) for line in result.stdout.splitlines())
+    assert {k: failed[k] for k in ("part", "exit")} == {"part": "synthetic", "exit": 2}
+    assert "no data at" in result.stderr and versions["gpu"] is None
+    assert {k: done[k] for k in ("part", "exit")} == {"part": "versions", "exit": 0} and done["seconds"] >= 0
+    unknown = gpu_checks("versions,synthetics", tmp_path, tmp_path)  # refused before any part runs
+    assert (unknown.returncode, unknown.stdout) == (2, "")
+    assert unknown.stderr.strip() == "unknown part 'synthetics' (see the script's header)"
