@@ -137,7 +137,7 @@ class EvalDataset(Dataset):
         return len(self.source)
 
     def __getitem__(self, i: int) -> tuple[Any, int, int]:
-        """Pixels, class, and the sample's index (per-image scores: ReaL's labels, tools/evaluate.py)."""
+        """Pixels, class, and the sample's index (per-image scores: ReaL's labels, tools/eval_labels.py)."""
         return self.load(self.source.read(i), self.source.name(i), self.view), self.source.label(i), i
 
 

@@ -20,28 +20,29 @@ others are left out before the top-k and the loss.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
-import json
-import math
 import os
-import re
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-from imagenet_elastic.config import add_setting, eval_sizes, saved_setting
+from imagenet_elastic.config import add_setting
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
-from imagenet_elastic.data.pixels import INTERPOLATIONS
-from imagenet_elastic.data.sources.base import Source
 from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.tools.eval_labels import (
+    Relabelled,
+    check_real_classes,
+    model_index,
+    read_real_labels,
+    read_subset,
+    real_counts,
+    real_sets,
+)
+from imagenet_elastic.tools.eval_model import load_model, ours
 
 PREPROCESSING = ("model", "ours")
-REAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})")
-REAL_ENTRIES = 50_000  # real.json's: one per image of ImageNet's validation set, in the order of their names
 
 
 def build_parser() -> Parser:
@@ -72,238 +73,6 @@ def build_parser() -> Parser:
     add_setting(p, "gpu_decoder")
     add_setting(p, "dist_timeout")
     return p
-
-
-@dataclass(frozen=True)
-class Preprocessing:
-    crop: int
-    resize: int
-    interpolation: str
-    mean: tuple[float, ...]  # as timm gives them: on 0-1 values
-    std: tuple[float, ...]
-
-    def describe(self) -> dict[str, Any]:
-        return {"crop": self.crop, "resize": self.resize, "interpolation": self.interpolation,
-                "mean": [round(m, 4) for m in self.mean], "std": [round(s, 4) for s in self.std]}
-
-
-@dataclass
-class Model:
-    module: Any  # nn.Module
-    classes: tuple[str, ...]
-    own: Preprocessing  # the model's own
-    input_size: int
-
-
-def ours(crop: int) -> Preprocessing:
-    """The trainer's validation at this crop (config.eval_sizes' resize, bilinear, ImageNet's statistics)."""
-    from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
-    return Preprocessing(crop, eval_sizes(crop, None, None)[1], "bilinear", tuple(m / 255 for m in IMAGENET_MEAN),
-                         tuple(s / 255 for s in IMAGENET_STD))
-
-
-def timm_preprocessing(module: Any, what: str) -> Preprocessing:
-    """What timm's resolve_data_config gives the model, in our terms: its resize is floor(crop / crop_pct), as
-    timm's create_transform computes it."""
-    from timm.data import resolve_data_config
-
-    data = resolve_data_config({}, model=module)
-    _, height, width = data["input_size"]
-    if height != width:
-        raise UserError(f"{what} takes {height}x{width} images: evaluate takes square inputs only")
-    if data.get("crop_mode", "center") != "center":
-        raise UserError(f"{what} preprocesses with crop_mode {data['crop_mode']!r}: evaluate does the centre crop "
-                        "only; pass --preprocessing ours")
-    if data["interpolation"] not in INTERPOLATIONS:
-        raise UserError(f"{what} resizes with {data['interpolation']!r} interpolation: evaluate offers "
-                        f"{', '.join(INTERPOLATIONS)}; pass --preprocessing ours")
-    return Preprocessing(height, math.floor(height / data["crop_pct"]), data["interpolation"],
-                         tuple(data["mean"]), tuple(data["std"]))
-
-
-def load_model(name: str, pretrained: bool, ema: bool) -> Model:
-    """Our checkpoint, an export folder, or a timm name (--pretrained)."""
-    import timm
-
-    from imagenet_elastic.train import tiny_models
-    from imagenet_elastic.train.model import blur_strided_convs, create_model
-
-    tiny_models.register()  # an export of a run that trained one names it in its config.json
-    if os.path.isfile(name):
-        from imagenet_elastic.checkpoint import store
-
-        snapshot = store.load(name)
-        weights = snapshot.get("model_ema") if ema else snapshot.get("model")
-        if weights is None:
-            raise UserError(f"checkpoint {name} has no weight average (it was trained without --model-ema): "
-                            "evaluate it without --ema" if ema else f"checkpoint {name} holds no model weights")
-        classes = tuple(snapshot["classes"])
-        module = create_model(snapshot["model_name"], len(classes), blurpool=saved_setting(snapshot["config"],
-                                                                                              "blurpool"))
-        module.load_state_dict(weights)
-        settings = snapshot["config"]
-        crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
-        own = dataclasses.replace(ours(crop), resize=resize)
-        return Model(module, classes, own, crop)
-    if ema:
-        raise UserError("--ema applies to our checkpoints only")
-    if os.path.isdir(name):
-        config_file = os.path.join(name, "config.json")
-        if not os.path.isfile(config_file):
-            raise UserError(f"MODEL {name} is a folder without config.json: not an export (imagenet-elastic export)")
-        try:
-            with open(config_file) as f:
-                exported = json.load(f)
-            module = timm.create_model(f"local-dir:{name}", pretrained=True)
-        except (OSError, ValueError, KeyError, RuntimeError) as error:
-            raise UserError(f"MODEL {name}: timm cannot load it ({str(error).splitlines()[0][:200]})") from None
-        if exported.get("imagenet_elastic", {}).get("blurpool"):
-            blur_strided_convs(module)
-        classes = tuple(module.pretrained_cfg.get("label_names") or exported.get("label_names") or ())
-    else:
-        if not pretrained:
-            raise UserError(f"MODEL {name} is neither a checkpoint file nor an export folder; a timm model name "
-                            "needs --pretrained")
-        try:
-            module = timm.create_model(name, pretrained=True)
-        except (RuntimeError, OSError, ValueError) as error:  # an unknown name; weights not found or not fetched
-            raise UserError(f"MODEL {name}: timm cannot create it with --pretrained "
-                            f"({(str(error).splitlines() or [type(error).__name__])[0][:200]})") from None
-        classes = imagenet_classes(module)
-    if len(classes) != module.num_classes:
-        raise UserError(f"MODEL {name} names {len(classes)} classes for its {module.num_classes} outputs")
-    own = timm_preprocessing(module, f"MODEL {name}")
-    return Model(module, classes, own, own.crop)
-
-
-def imagenet_classes(module: Any) -> tuple[str, ...]:
-    """The wnids of a timm ImageNet model's outputs (n01440764, ...), as ImageNet's class folders name them."""
-    from timm.data import ImageNetInfo, infer_imagenet_subset
-
-    subset = infer_imagenet_subset(module)
-    if subset is None:
-        raise UserError(f"timm model {module.default_cfg.get('architecture')} was not trained on an ImageNet "
-                        f"subset timm knows: its {module.num_classes} classes have no names to match VAL's")
-    return tuple(ImageNetInfo(subset).label_names())
-
-
-class Relabelled(Source):
-    """A validation source whose labels are positions in the scored classes (the model's, or a subset of them)."""
-
-    def __init__(self, source: Source, labels: np.ndarray, classes: tuple[str, ...]) -> None:
-        self.source, self.labels, self.classes, self.role = source, labels, classes, "val"
-
-    def read(self, i: int) -> bytes:
-        return self.source.read(i)
-
-    def name(self, i: int) -> str:
-        return self.source.name(i)
-
-    def where(self) -> str:
-        return self.source.where()
-
-    def entries(self) -> np.ndarray:
-        return self.source.entries()
-
-
-def model_index(source: Source, classes: tuple[str, ...], where: str) -> np.ndarray:
-    """Each of the source's classes as the model's output index: by name, or by number for folders numbered 0..N-1
-    (ImageNet-V2's: folder 0 is the model's class 0)."""
-    index = {name: k for k, name in enumerate(classes)}
-    if all(name in index for name in source.classes):
-        return np.array([index[name] for name in source.classes], dtype=np.int64)
-    if all(name.isdigit() for name in source.classes):
-        numbers = np.array([int(name) for name in source.classes], dtype=np.int64)
-        if numbers.max() >= len(classes):
-            raise UserError(f"VAL {where}: class folder {numbers.max()} is beyond the model's {len(classes)} classes")
-        return numbers
-    unknown = [name for name in source.classes if name not in index]
-    raise UserError(f"VAL {where}: {len(unknown)} class(es) the model does not have, e.g. {unknown[:3]} (the model's "
-                    f"classes run from {classes[0]!r} to {classes[-1]!r})")
-
-
-def read_subset(path: str, classes: tuple[str, ...]) -> np.ndarray:
-    """--class-subset: the model's output indices of the names the file lists, in the model's order."""
-    index = {name: k for k, name in enumerate(classes)}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise UserError(f"--class-subset {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"--class-subset {path} cannot be read: {getattr(error, 'strerror', None) or error}") \
-            from None
-    chosen = set()
-    for number, line in enumerate(lines, start=1):
-        name = line.strip()
-        if not name:
-            continue
-        if name not in index:
-            raise UserError(f"--class-subset {path} line {number}: {name!r} is not a class of the model "
-                            f"({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
-        chosen.add(index[name])
-    if not chosen:
-        raise UserError(f"--class-subset {path} names no class")
-    return np.array(sorted(chosen), dtype=np.int64)
-
-
-def read_real_labels(path: str) -> list[list[int]]:
-    try:
-        with open(path) as f:
-            real = json.load(f)
-    except FileNotFoundError:
-        raise UserError(f"--real-labels {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise UserError(f"--real-labels {path} is not a JSON file: {getattr(error, 'strerror', None) or error}") \
-            from None
-    if not isinstance(real, list) or not all(isinstance(labels, list) and all(isinstance(k, int) for k in labels)
-                                            for labels in real):
-        raise UserError(f"--real-labels {path} is not a list of lists of class numbers (ReaL's real.json)")
-    if len(real) > REAL_ENTRIES:
-        raise UserError(f"--real-labels {path} has {len(real)} entries, ReaL's real.json {REAL_ENTRIES} (one per "
-                        f"image of ImageNet's validation set): entry {REAL_ENTRIES + 1} and on name no image")
-    return real
-
-
-def check_real_classes(real: list[list[int]], path: str, classes: int) -> None:
-    """Every class number of real.json is one of the model's (a number beyond them would be dropped unseen)."""
-    for number, labels in enumerate(real, start=1):
-        outside = [k for k in labels if not 0 <= k < classes]
-        if outside:
-            raise UserError(f"--real-labels {path} entry {number} (ILSVRC2012_val_{number:08d}): class {outside[0]} "
-                            f"is out of range: the model has {classes} classes")
-
-
-def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarray) -> list[frozenset[int]]:
-    """Each image's real labels, as positions among the scored classes (a label outside them cannot be
-    predicted)."""
-    position = {int(k): j for j, k in enumerate(scored)}
-    found = []
-    for i in range(len(source)):
-        match = REAL_NAME.search(os.path.basename(source.name(i)))
-        if match is None:
-            raise UserError(f"--real-labels: {source.name(i)} is not named as ImageNet's validation images "
-                            "(ILSVRC2012_val_NNNNNNNN), so it has no entry in " + path)
-        number = int(match.group(1))
-        if not 1 <= number <= len(real):
-            raise UserError(f"--real-labels {path} has {len(real)} entries: none for {source.name(i)}")
-        found.append(frozenset(position[k] for k in real[number - 1] if k in position))
-    return found
-
-
-def real_counts(sets: list[frozenset[int]]) -> Any:
-    """ReaL's sums per batch: images right, images counted (a non-empty list of real labels)."""
-    import torch
-
-    from imagenet_elastic.train.step import Counts
-
-    def count(logits: torch.Tensor, batch: Any) -> torch.Tensor:
-        top1 = logits.argmax(1).tolist()
-        rows = [sets[i] for i in batch.indices.tolist()]
-        right = sum(1 for guess, labels in zip(top1, rows) if labels and guess in labels)
-        return torch.tensor([right, sum(1 for labels in rows if labels)], dtype=torch.float64)
-
-    return Counts(("real_right", "real_images"), count)
 
 
 def check_val_exists(locations: Sequence[str]) -> None:

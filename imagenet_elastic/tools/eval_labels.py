@@ -1,0 +1,137 @@
+"""The labels `imagenet-elastic evaluate` scores against: each VAL's classes as the model's outputs (by name, or
+numbered folders), --class-subset's scored classes, and ReaL's labels (real.json read, checked, looked up by image
+name, counted per batch). Kept apart from the model (eval_model.py) and from the command's run (evaluate.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any
+
+import numpy as np
+
+from imagenet_elastic.data.sources.base import Source
+from imagenet_elastic.errors import UserError
+
+REAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})")
+REAL_ENTRIES = 50_000  # real.json's: one per image of ImageNet's validation set, in the order of their names
+
+
+class Relabelled(Source):
+    """A validation source whose labels are positions in the scored classes (the model's, or a subset of them)."""
+
+    def __init__(self, source: Source, labels: np.ndarray, classes: tuple[str, ...]) -> None:
+        self.source, self.labels, self.classes, self.role = source, labels, classes, "val"
+
+    def read(self, i: int) -> bytes:
+        return self.source.read(i)
+
+    def name(self, i: int) -> str:
+        return self.source.name(i)
+
+    def where(self) -> str:
+        return self.source.where()
+
+    def entries(self) -> np.ndarray:
+        return self.source.entries()
+
+
+def model_index(source: Source, classes: tuple[str, ...], where: str) -> np.ndarray:
+    """Each of the source's classes as the model's output index: by name, or by number for folders numbered 0..N-1
+    (ImageNet-V2's: folder 0 is the model's class 0)."""
+    index = {name: k for k, name in enumerate(classes)}
+    if all(name in index for name in source.classes):
+        return np.array([index[name] for name in source.classes], dtype=np.int64)
+    if all(name.isdigit() for name in source.classes):
+        numbers = np.array([int(name) for name in source.classes], dtype=np.int64)
+        if numbers.max() >= len(classes):
+            raise UserError(f"VAL {where}: class folder {numbers.max()} is beyond the model's {len(classes)} classes")
+        return numbers
+    unknown = [name for name in source.classes if name not in index]
+    raise UserError(f"VAL {where}: {len(unknown)} class(es) the model does not have, e.g. {unknown[:3]} (the model's "
+                    f"classes run from {classes[0]!r} to {classes[-1]!r})")
+
+
+def read_subset(path: str, classes: tuple[str, ...]) -> np.ndarray:
+    """--class-subset: the model's output indices of the names the file lists, in the model's order."""
+    index = {name: k for k, name in enumerate(classes)}
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise UserError(f"--class-subset {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as error:
+        raise UserError(f"--class-subset {path} cannot be read: {getattr(error, 'strerror', None) or error}") \
+            from None
+    chosen = set()
+    for number, line in enumerate(lines, start=1):
+        name = line.strip()
+        if not name:
+            continue
+        if name not in index:
+            raise UserError(f"--class-subset {path} line {number}: {name!r} is not a class of the model "
+                            f"({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
+        chosen.add(index[name])
+    if not chosen:
+        raise UserError(f"--class-subset {path} names no class")
+    return np.array(sorted(chosen), dtype=np.int64)
+
+
+def read_real_labels(path: str) -> list[list[int]]:
+    try:
+        with open(path) as f:
+            real = json.load(f)
+    except FileNotFoundError:
+        raise UserError(f"--real-labels {path} does not exist") from None
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise UserError(f"--real-labels {path} is not a JSON file: {getattr(error, 'strerror', None) or error}") \
+            from None
+    if not isinstance(real, list) or not all(isinstance(labels, list) and all(isinstance(k, int) for k in labels)
+                                            for labels in real):
+        raise UserError(f"--real-labels {path} is not a list of lists of class numbers (ReaL's real.json)")
+    if len(real) > REAL_ENTRIES:
+        raise UserError(f"--real-labels {path} has {len(real)} entries, ReaL's real.json {REAL_ENTRIES} (one per "
+                        f"image of ImageNet's validation set): entry {REAL_ENTRIES + 1} and on name no image")
+    return real
+
+
+def check_real_classes(real: list[list[int]], path: str, classes: int) -> None:
+    """Every class number of real.json is one of the model's (a number beyond them would be dropped unseen)."""
+    for number, labels in enumerate(real, start=1):
+        outside = [k for k in labels if not 0 <= k < classes]
+        if outside:
+            raise UserError(f"--real-labels {path} entry {number} (ILSVRC2012_val_{number:08d}): class {outside[0]} "
+                            f"is out of range: the model has {classes} classes")
+
+
+def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarray) -> list[frozenset[int]]:
+    """Each image's real labels, as positions among the scored classes (a label outside them cannot be
+    predicted)."""
+    position = {int(k): j for j, k in enumerate(scored)}
+    found = []
+    for i in range(len(source)):
+        match = REAL_NAME.search(os.path.basename(source.name(i)))
+        if match is None:
+            raise UserError(f"--real-labels: {source.name(i)} is not named as ImageNet's validation images "
+                            "(ILSVRC2012_val_NNNNNNNN), so it has no entry in " + path)
+        number = int(match.group(1))
+        if not 1 <= number <= len(real):
+            raise UserError(f"--real-labels {path} has {len(real)} entries: none for {source.name(i)}")
+        found.append(frozenset(position[k] for k in real[number - 1] if k in position))
+    return found
+
+
+def real_counts(sets: list[frozenset[int]]) -> Any:
+    """ReaL's sums per batch: images right, images counted (a non-empty list of real labels)."""
+    import torch
+
+    from imagenet_elastic.train.step import Counts
+
+    def count(logits: torch.Tensor, batch: Any) -> torch.Tensor:
+        top1 = logits.argmax(1).tolist()
+        rows = [sets[i] for i in batch.indices.tolist()]
+        right = sum(1 for guess, labels in zip(top1, rows) if labels and guess in labels)
+        return torch.tensor([right, sum(1 for labels in rows if labels)], dtype=torch.float64)
+
+    return Counts(("real_right", "real_images"), count)
