@@ -29,8 +29,9 @@
 #       nvImageCodec is not on the GPU machines: its wheel travels (25 MB; the first run found nvJPEG beside torch)
 #         python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #           --platform manylinux_2_28_x86_64 -d .whl nvidia-nvimgcodec-cu13==0.9.0.20
-#       then the call carries `.whl` (ignored by git: name it in the device call's carry) and starts with `python3 -m pip install -q --no-index --no-deps --target
-#       /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site` (the device tool's README).
+#       then the call carries `.whl` (ignored by git: name it in the device call's carry) and starts with
+#       `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`
+#       (the device tool's README).
 #
 # A session's 30 minutes of device time hold about half the parts: issue 31's targets first (versions+data, tests,
 # synthetic, compile, end_to_end, end_to_end_compile, end_to_end_recipe, end_to_end_few_workers, restart_compile),
