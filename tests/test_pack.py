@@ -27,7 +27,7 @@ from test_parquet_source import hub_folder
 from test_tar_shards import relabel_in_place
 
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources import tar_index
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.tools import pack
@@ -71,7 +71,7 @@ def test_a_pack_of_class_folders_holds_every_image_byte_for_byte_with_its_label(
     assert result["images"] == 96 + 35 and result["resized"] == 0
     assert sorted(os.listdir(out)) == ["classes.txt", "pack.json", "train", "val"]
     assert json.loads((out / "pack.json").read_text())["complete"] is True
-    assert sorted(os.listdir(out / "train")) == [tar_shards.INDEX_NAME, *(f"shard-{k:06d}.tar" for k in range(6))]
+    assert sorted(os.listdir(out / "train")) == [tar_index.INDEX_NAME, *(f"shard-{k:06d}.tar" for k in range(6))]
     train, val = sources.open_splits(str(out), None, None, None)
     assert train.packed and val.packed and "index written by pack" in train.describe()
     original_train, original_val = sources.open_splits(str(image_folder), None, None, None)
@@ -177,7 +177,7 @@ def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the
     relabel_in_place(shard, 3, (original + 1) % 4)
     with pytest.raises(UserError) as raised:
         sources.open_splits(str(copy), None, None, None)
-    index = copy / "train" / tar_shards.INDEX_NAME
+    index = copy / "train" / tar_index.INDEX_NAME
     assert str(raised.value) == (
         f"shard {shard} differs from its index {index} (its sample 3 has label {(original + 1) % 4}, the index "
         f"{original}): it was changed after it was packed; pack again (imagenet-elastic pack {image_folder} NEW_OUT "
@@ -227,7 +227,7 @@ def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
     bad.write_bytes(b"\xff\xd8\xff garbage")
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "2")
     assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
-    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
+    assert not (tmp_path / "out" / "train" / tar_index.INDEX_NAME).exists()
     assert json.loads((tmp_path / "out" / "pack.json").read_text())["complete"] is False
 
 
@@ -243,7 +243,7 @@ def test_an_image_cut_short_is_refused_by_name_though_its_header_reads(tmp_path,
         assert img.size == (48, 40)  # the header still reads
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "1", *options)
     assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: image file is truncated"), said
-    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
+    assert not (tmp_path / "out" / "train" / tar_index.INDEX_NAME).exists()
 
 
 @pytest.mark.slow
@@ -260,7 +260,7 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     left = sorted(os.listdir(tmp_path / "out" / "train"))
-    assert "shard-000003.tar" in left and tar_shards.INDEX_NAME not in left, left
+    assert "shard-000003.tar" in left and tar_index.INDEX_NAME not in left, left
     again = subprocess.run(python_cmd(*args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["images"] < 240 + 20  # the kept shards not again
@@ -272,7 +272,7 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
         assert names == sorted(n for n in os.listdir(tmp_path / "out" / split) if not n.endswith(".npz"))
         for name in names:
             assert (tmp_path / "out" / split / name).read_bytes() == (tmp_path / "whole" / split / name).read_bytes()
-    index = np.load(tmp_path / "out" / "train" / tar_shards.INDEX_NAME)
+    index = np.load(tmp_path / "out" / "train" / tar_index.INDEX_NAME)
     assert len(index["labels"]) == 240
     shutil.rmtree(tmp_path / "whole")
 
@@ -295,7 +295,7 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
     assert proc.returncode == 130 and len(said) == 1, err
     assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
                        f"{tmp_path / 'out'} and writes the rest")
-    assert tar_shards.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")
+    assert tar_index.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")
     result = run_pack(*args[1:])
     assert result["images"] < 240 + 20  # the kept shards not again
     train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)

@@ -4,7 +4,7 @@ SRC is anything the trainer reads, through the same sources (data/sources/): a r
 folders or shards), a flat val folder with --val-labels, or a folder of Hugging Face imagenet-1k parquet files
 (`train-*.parquet`, `validation-*.parquet`; pyarrow, the `parquet` extra). OUT gets `train/` and `val/` of
 WebDataset shards (`KEY.jpg` + `KEY.cls`, opening with Python's tarfile and the webdataset package), each with its
-index (sources/tar_shards.py) written last, a `classes.txt`, and `pack.json` saying what was packed how;
+index (sources/tar_index.py) written last, a `classes.txt`, and `pack.json` saying what was packed how;
 `imagenet-elastic OUT` then trains from it.
 
 --max-side N stores images at most N pixels on their longer side (FFCV's cap): those larger are resized
@@ -35,10 +35,10 @@ from typing import Any, Optional
 from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources import tar_check, tar_index, tar_walk
 from imagenet_elastic.errors import PROG, UserError, report
 
-PACK_FILE = tar_shards.PACK_FILE
+PACK_FILE = tar_check.PACK_FILE
 PACK_VERSION = 1
 
 
@@ -159,7 +159,7 @@ class Written:
 
     role: str
     k: int
-    found: tar_shards.Found
+    found: tar_walk.Found
     resized: int
 
 
@@ -179,11 +179,11 @@ def write_shard(folder: str, k: int, split: Split, options: Options) -> Written:
                 key = member_key(i, name)
                 tar.addfile(tar_member(f"{key}.{extension}", len(data)), io.BytesIO(data))
                 text = f"{label}".encode()
-                tar.addfile(tar_member(f"{key}.{tar_shards.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
+                tar.addfile(tar_member(f"{key}.{tar_walk.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
 
     path = os.path.join(folder, shard_name(k))
     commit(write_temp(folder, shard_name(k), write), path)
-    return Written(split.role, k, tar_shards.walk_shard(path, split.role), resized)
+    return Written(split.role, k, tar_walk.walk_shard(path, split.role), resized)
 
 
 def _write_shard_task(task: tuple[str, int, Split, Options]) -> Written:
@@ -221,9 +221,9 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     return True
 
 
-def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_shards.Found]:
+def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_walk.Found]:
     """The shards an interrupted pack completed (whole, by their walk); temp files it left are removed."""
-    done: dict[int, tar_shards.Found] = {}
+    done: dict[int, tar_walk.Found] = {}
     if not os.path.isdir(folder):
         return done
     for name in os.listdir(folder):
@@ -236,7 +236,7 @@ def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_sh
         k = int(name[len("shard-"):-len(".tar")])
         expected = min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
         try:
-            found = tar_shards.walk_shard(path, split.role)
+            found = tar_walk.walk_shard(path, split.role)
         except UserError:
             found = None
         if found is not None and len(found.labels) == expected:
@@ -284,7 +284,7 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     atomic_write_bytes(json.dumps(record, indent=1).encode(), os.path.join(out, PACK_FILE))
     tasks, total = [], 0
-    found: dict[str, dict[int, tar_shards.Found]] = {}
+    found: dict[str, dict[int, tar_walk.Found]] = {}
     for split in splits:
         folder = os.path.join(out, split.role)
         os.makedirs(folder, exist_ok=True)
@@ -309,13 +309,13 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
             progress.close()
     seconds = time.perf_counter() - began
     atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
-                       os.path.join(out, tar_shards.CLASSES_FILE))
+                       os.path.join(out, tar_walk.CLASSES_FILE))
     for split in splits:  # the index last: a pack without it is not complete
         folder = os.path.join(out, split.role)
-        index = tar_shards.assemble(folder, split.role, [os.path.join(folder, shard_name(k)) for k in
-                                                         sorted(found[split.role])],
-                                    [found[split.role][k] for k in sorted(found[split.role])], split.classes)
-        tar_shards.write_index(index, os.path.join(folder, tar_shards.INDEX_NAME), relative_to=folder)
+        index = tar_walk.assemble(folder, split.role, [os.path.join(folder, shard_name(k)) for k in
+                                                       sorted(found[split.role])],
+                                  [found[split.role][k] for k in sorted(found[split.role])], split.classes)
+        tar_index.write_index(index, os.path.join(folder, tar_index.INDEX_NAME), relative_to=folder)
     atomic_write_bytes(json.dumps({**record, "complete": True}, indent=1).encode(), os.path.join(out, PACK_FILE))
     return {"out": out, "images": total, "seconds": round(seconds, 1),
             "images_per_sec": round(total / seconds, 1) if seconds else None, "workers": workers,

@@ -83,7 +83,7 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
 def role_files(location: str, role: str) -> list[str]:
     """The files of a split, in order: a pattern's (each brace part globbed), or the folder's files named for the
     role (all of them when none is named for any split)."""
-    from imagenet_elastic.data.sources.tar_shards import expand_braces
+    from imagenet_elastic.data.sources.tar_names import expand_braces
 
     if not os.path.isdir(location):
         paths = []
