@@ -39,3 +39,13 @@ def test_gpu_decoding_defaults_to_few_workers_per_process():
     assert Decoding("gpu").default_workers(64, 1) == GPU_DECODE_WORKERS < pipeline.default_workers(64, 1)
     assert Decoding("gpu").default_workers(3, 1) == pipeline.default_workers(3, 1) == 2  # never more than the cpu's
     assert Decoding("cpu").default_workers(64, 8) == pipeline.default_workers(64, 8)
+
+
+def test_a_gpu_decoder_named_where_the_loader_workers_decode_is_said_to_be_unused():
+    """--gpu-decoder nvimgcodec where --decode auto picks the workers (no CUDA device, or cores enough) would
+    otherwise be dropped without a word; auto's own library choice is nothing to warn about."""
+    for asked, device in (("auto", CPU), ("cpu", CUDA)):
+        chosen = Decoding.choose(asked, device, 2, PLAIN, "nvimgcodec")
+        assert chosen.warning(device) == ("--gpu-decoder nvimgcodec is not used: images are decoded in the loader "
+                                          f"workers ({chosen.why})")
+    assert Decoding.choose("auto", CPU, 2, PLAIN, "auto").warning(CPU) is None

@@ -41,6 +41,7 @@ class Decoding:
     library: str = "torchvision"  # gpu: the JPEG decoder of jpeg_decoders.JPEG_DECODERS
     library_why: str = ""
     cpu_threads: int = 0  # gpu: host threads the library may use (0: its default); fewer than the process's cores
+    unused: str = ""  # cpu: a --gpu-decoder the command line named, which this mode leaves unused
 
     @classmethod
     def choose(cls, requested: str, device: torch.device, cores_per_process: int, augment: Augment,
@@ -50,7 +51,7 @@ class Decoding:
         cores per process; else cpu. Under gpu, the library as --gpu-decoder says (jpeg_decoders.choose)."""
         mode, why = cls.mode_for(requested, device, cores_per_process, augment)
         if mode == "cpu":
-            return cls(mode, why)
+            return cls(mode, why, unused=gpu_decoder if gpu_decoder != "auto" else "")
         library, library_why = jpeg_decoders.choose(gpu_decoder, device)
         return cls(mode, why, library, library_why, max(1, cores_per_process - 1))
 
@@ -95,6 +96,8 @@ class Decoding:
 
     def warning(self, device: torch.device) -> Optional[str]:
         """What to say at start about this mode on this device."""
+        if self.unused:
+            return f"--gpu-decoder {self.unused} is not used: images are decoded in the loader workers ({self.why})"
         if self.mode == "gpu" and device.type != "cuda":
             return ("--decode gpu without a CUDA device: the main process decodes each batch on the CPU (slower than "
                     "--decode cpu; meant for testing)")
