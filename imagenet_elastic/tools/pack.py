@@ -19,24 +19,22 @@ and writes the rest; anything else in OUT is refused rather than overwritten.
 from __future__ import annotations
 
 import argparse
-import io
 import json
 import math
 import multiprocessing
 import os
 import signal
 import sys
-import tarfile
 import time
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Optional
 
-from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
+from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, atomic_write_bytes
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_check, tar_index, tar_walk
 from imagenet_elastic.errors import PROG, UserError, report
+from imagenet_elastic.tools.pack_shard import Options, Split, Written, shard_name, write_shard
 
 PACK_FILE = tar_check.PACK_FILE
 PACK_VERSION = 1
@@ -60,17 +58,6 @@ def build_parser() -> Parser:
 
 # ----------------------------------------------------------------------------- what is packed
 
-@dataclass(frozen=True)
-class Split:
-    """One split to pack: how many samples, their classes, and the source that reads them."""
-
-    role: str
-    count: int
-    classes: tuple[str, ...]
-    where: str
-    source: sources.Source
-
-
 def source_splits(src: str, val_path: Optional[str], val_labels: Optional[str]) -> list[Split]:
     train, val = sources.open_splits(src, val_path, val_labels, cache_dir=None)
     for note in (*train.notes, *val.notes):
@@ -78,120 +65,12 @@ def source_splits(src: str, val_path: Optional[str], val_labels: Optional[str]) 
     return [Split(s.role, len(s), s.classes, s.where(), s) for s in (train, val)]
 
 
-def samples(split: Split, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
-    """(name, bytes, label) of samples [start, stop): the bytes first (a parquet source then names the sample from
-    the row group it has just read)."""
-    for i in range(start, stop):
-        raw = split.source.read(i)
-        yield split.source.name(i), raw, split.source.label(i)
-
-
-# ----------------------------------------------------------------------------- writing one shard
-
-@dataclass(frozen=True)
-class Options:
-    max_side: Optional[int]
-    quality: int
-    shard_size: int
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"max_side": self.max_side, "quality": self.quality, "shard_size": self.shard_size}
-
-
-def shard_name(k: int) -> str:
-    return f"shard-{k:06d}.tar"
-
-
-def member_key(i: int, name: str) -> str:
-    """A sample's key: its number, then what is left of its file name without dots (WebDataset's key ends at the
-    first dot of the name), so keys are unique and say where the sample came from."""
-    stem = os.path.splitext(os.path.basename(name.rsplit(":", 1)[-1]))[0]
-    readable = "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)[:80]
-    return f"{i:08d}_{readable}" if readable else f"{i:08d}"
-
-
-def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, int]:
-    """(bytes, extension, 1 if re-encoded) of one image: kept as it is once it decoded, or resized to --max-side
-    and encoded. A file that cannot be decoded is refused, named, so a pack holds no image that training would
-    meet as corrupt."""
-    from PIL import Image
-
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            kind, (width, height) = img.format, img.size
-            if options.max_side is None or max(width, height) <= options.max_side:
-                check_decodes(img)
-                return raw, EXTENSIONS.get(kind or "", "jpg"), 0
-            scale = options.max_side / max(width, height)
-            size = (max(1, round(width * scale)), max(1, round(height * scale)))
-            resized = img.convert("RGB").resize(size, Image.Resampling.LANCZOS)
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        raise UserError(f"pack: cannot decode image {name}: {error}") from None
-    out = io.BytesIO()
-    resized.save(out, format="JPEG", quality=options.quality)
-    return out.getvalue(), "jpg", 1
-
-
-EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
-
-
-def check_decodes(img: Any) -> None:
-    """Decode an image that is kept as it is, to the end of its data: a JPEG at 1/8 scale (Pillow's draft mode:
-    every entropy-coded block is read, only the inverse DCT is smaller), anything else whole. A truncated or
-    damaged file raises here as training's decode would. Its cost, per 500x375 JPEG photograph (41 kB) on one
-    core: 0.4 ms, against 0.6 ms for a full decode and 0.02 ms for the header, all that Pillow's `verify()` reads
-    of a JPEG (docs/BENCHMARKS.md "pack throughput")."""
-    if img.format == "JPEG":
-        img.draft(img.mode, (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
-    img.load()
-
-
-def tar_member(name: str, size: int) -> tarfile.TarInfo:
-    """A member header that depends on its name and size alone: no time, owner or mode of this machine."""
-    info = tarfile.TarInfo(name)
-    info.size, info.mtime, info.mode, info.uid, info.gid, info.uname, info.gname = size, 0, 0o644, 0, 0, "", ""
-    return info
-
-
-@dataclass(frozen=True)
-class Written:
-    """A shard on disk: its samples as its index holds them, and how many images were re-encoded."""
-
-    role: str
-    k: int
-    found: tar_walk.Found
-    resized: int
-
-
-def write_shard(folder: str, k: int, split: Split, options: Options) -> Written:
-    """Shard k of a split, under a temporary name until it is complete, then walked for its index."""
-    start, stop = k * options.shard_size, min(split.count, (k + 1) * options.shard_size)
-    resized = 0
-
-    def write(file: Any) -> None:
-        nonlocal resized
-        with tarfile.open(fileobj=file, mode="w", format=tarfile.USTAR_FORMAT) as tar:
-            for i, (name, raw, label) in enumerate(samples(split, start, stop), start=start):
-                if not 0 <= label < len(split.classes):
-                    raise UserError(f"pack: {name} has label {label}, out of range for {len(split.classes)} classes")
-                data, extension, changed = stored_image(raw, name, options)
-                resized += changed
-                key = member_key(i, name)
-                tar.addfile(tar_member(f"{key}.{extension}", len(data)), io.BytesIO(data))
-                text = f"{label}".encode()
-                tar.addfile(tar_member(f"{key}.{tar_walk.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
-
-    path = os.path.join(folder, shard_name(k))
-    commit(write_temp(folder, shard_name(k), write), path)
-    return Written(split.role, k, tar_walk.walk_shard(path, split.role), resized)
-
+# ----------------------------------------------------------------------------- the whole pack
 
 def _write_shard_task(task: tuple[str, int, Split, Options]) -> Written:
     """In a pool worker; its UserError reaches the parent, which reports it as one line."""
     return write_shard(*task)
 
-
-# ----------------------------------------------------------------------------- the whole pack
 
 def check_out(out: str, record: dict[str, Any]) -> bool:
     """Whether OUT may be written: new, empty, or an interrupted pack of the same source and options (True:
