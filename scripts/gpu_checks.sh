@@ -22,7 +22,8 @@
 #       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | device_ops | loader
 #       | gpu_decoders | checkpoint | tests | restart | restart_compile | train | all (every part in order; only where
 #       one call may run longer than 10 minutes).
-#       `tests` runs tests/test_cuda.py: among them the fused-SGD resume, the fp16 overflow step and the checks
+#       `tests` runs every test module marked cuda (tests/test_cuda.py, tests/test_micro_batch_cuda.py): among
+#       them the fused-SGD resume, the fp16 overflow step, --micro-batch auto against the allocator and the checks
 #       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
 #       loader workers a rank: what an 8-GPU node with few cores per GPU gives. The --decode gpu runs take
 #       --gpu-decoder auto (their JSON line names the library); `gpu_decoders` runs each library end to end.
@@ -178,16 +179,20 @@ sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not 
         need_data
         bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
         ;;
-    tests)  # tests/test_cuda.py: NCCL, nvJPEG against the CPU decoder, the policy on the GPU, AMP steps, pinned copies;
-            # in one process (-o addopts=""): the machine's python may have pytest but not pytest-xdist
+    tests)  # every test module marked cuda: tests/test_cuda.py (NCCL, the JPEG decoders against the CPU's, the policy
+            # on the GPU, AMP steps, pinned copies, host waits) and tests/test_micro_batch_cuda.py (--micro-batch
+            # auto against the allocator); in one process (-o addopts=""): the machine's python may have pytest but
+            # not pytest-xdist
         if ! "$PY" -c "import pytest" 2>/dev/null; then
             echo "{\"tests\": \"not run: $PY has no pytest (pip install pytest, or PYTHON=a python that has it)\"}"
             return 0
         fi
-        local status=0
-        "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda tests/test_cuda.py > "$WORK/cuda_tests.log" 2>&1 || status=$?
+        local status=0 modules
+        modules=$(grep -l "pytest.mark.cuda" tests/test_*.py | tr '\n' ' ')
+        # shellcheck disable=SC2086  # a list of paths without spaces
+        "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda $modules > "$WORK/cuda_tests.log" 2>&1 || status=$?
         cat "$WORK/cuda_tests.log" >&2
-        echo "{\"tests\": \"tests/test_cuda.py: $(tail -n 1 "$WORK/cuda_tests.log" | tr -d '"=')\", \"exit\": $status}"
+        echo "{\"tests\": \"${modules% }: $(tail -n 1 "$WORK/cuda_tests.log" | tr -d '"=')\", \"exit\": $status}"
         return "$status"
         ;;
     restart)  # the first multi-GPU restart, on one GPU: two ranks share it over gloo (NCCL refuses two ranks on
