@@ -22,7 +22,7 @@
 #       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | device_ops | loader
 #       | gpu_decoders | checkpoint | tests | restart | restart_compile | train | all (every part in order; only where
 #       one call may run longer than 10 minutes).
-#       `tests` runs every test module marked cuda (tests/test_cuda.py, tests/test_micro_batch_cuda.py): among
+#       `tests` runs every test marked cuda (tests/test_cuda.py, test_micro_batch_cuda.py, test_checkpointer.py): among
 #       them the fused-SGD resume, the fp16 overflow step, --micro-batch auto against the allocator and the checks
 #       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
 #       loader workers a rank: what an 8-GPU node with few cores per GPU gives. The --decode gpu runs take
@@ -180,8 +180,8 @@ sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not 
         bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
         ;;
     tests)  # every test module marked cuda: tests/test_cuda.py (NCCL, the JPEG decoders against the CPU's, the policy
-            # on the GPU, AMP steps, pinned copies, host waits) and tests/test_micro_batch_cuda.py (--micro-batch
-            # auto against the allocator); in one process (-o addopts=""): the machine's python may have pytest but
+            # on the GPU, AMP steps, pinned copies, host waits), tests/test_micro_batch_cuda.py (--micro-batch
+            # auto against the allocator) and the pinned host copy of tests/test_checkpointer.py; in one process (-o addopts=""): the machine's python may have pytest but
             # not pytest-xdist
         if ! "$PY" -c "import pytest" 2>/dev/null; then
             echo "{\"tests\": \"not run: $PY has no pytest (pip install pytest, or PYTHON=a python that has it)\"}"

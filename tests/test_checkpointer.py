@@ -137,6 +137,7 @@ def test_a_synchronous_writer_has_the_file_on_disk_when_submit_returns(tmp_path)
     assert writer.thread is None and saved(tmp_path / "best.pt")["model"]["w"][0] == 3.0
 
 
+@pytest.mark.cuda  # gpu_checks.sh's tests part runs it
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_the_host_copy_of_a_cuda_state_is_pinned_and_complete():
     state = {"w": torch.arange(1 << 20, device="cuda", dtype=torch.float32)}
