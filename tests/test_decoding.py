@@ -49,3 +49,15 @@ def test_a_gpu_decoder_named_where_the_loader_workers_decode_is_said_to_be_unuse
         assert chosen.warning(device) == ("--gpu-decoder nvimgcodec is not used: images are decoded in the loader "
                                           f"workers ({chosen.why})")
     assert Decoding.choose("auto", CPU, 2, PLAIN, "auto").warning(CPU) is None
+
+
+def test_a_resume_that_decodes_another_way_than_its_checkpoints_run_says_how_to_decode_as_it_did():
+    """The ways give pixels up to a level apart; auto's choice depends on the cores per process, which a requeue
+    onto another node may change. A checkpoint from before the way was kept (None) says nothing."""
+    cpu, gpu = Decoding.choose("cpu", CPU, 2, PLAIN), Decoding.choose("gpu", CPU, 2, PLAIN, "torchvision")
+    assert cpu.saved() == {"decode": "cpu"} and gpu.saved() == {"decode": "gpu", "gpu_decoder": "torchvision"}
+    assert cpu.change_from(cpu.saved()) is None and gpu.change_from(None) is None
+    assert cpu.change_from(gpu.saved()) == ("decoding: checkpoint gpu by torchvision, now cpu (pixels up to a level "
+                                            "apart; --decode gpu --gpu-decoder torchvision decodes as it did)")
+    assert gpu.change_from({"decode": "gpu", "gpu_decoder": "nvimgcodec"}).startswith(
+        "decoding: checkpoint gpu by nvimgcodec, now gpu by torchvision (")

@@ -389,6 +389,27 @@ def test_training_with_decode_gpu_resumes_mid_epoch_to_the_uninterrupted_bits(im
     assert final["history"][0]["val_top1"] == reference["history"][0]["val_top1"]
 
 
+def test_a_run_resumed_with_the_other_decode_warns_once_that_it_no_longer_matches(image_folder, tmp_path):
+    """The checkpoint keeps how its run decoded; a resume that decodes otherwise (here --decode cpu after gpu) is one
+    warning, as another changed setting is; one that decodes the same way says nothing of it."""
+    def args(*extra: str) -> list[str]:
+        return [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "1", "--threads", "1", "--workers", "0",
+                "--checkpoints-path", str(tmp_path), *extra]
+
+    first = inprocess.command(args("--epochs", "1", "--decode", "gpu", "--gpu-decoder", "torchvision"))
+    assert first.returncode == 0, first.stderr
+    assert load_checkpoint(tmp_path / "last.pt")["decoding"] == {"decode": "gpu", "gpu_decoder": "torchvision"}
+    same = inprocess.command(args("--epochs", "2", "--decode", "gpu", "--gpu-decoder", "torchvision", "--resume"))
+    assert same.returncode == 0 and "decoding:" not in same.stderr, same.stderr
+    other = inprocess.command(args("--epochs", "3", "--decode", "cpu", "--resume"))
+    assert other.returncode == 0, other.stderr
+    said = [line for line in other.stderr.splitlines() if "decoding:" in line]
+    assert said == ["warning: resumed run differs from its checkpoint, results will not match exactly: decoding: "
+                    "checkpoint gpu by torchvision, now cpu (pixels up to a level apart; --decode gpu --gpu-decoder "
+                    "torchvision decodes as it did)"]
+    assert load_checkpoint(tmp_path / "last.pt")["decoding"] == {"decode": "cpu"}
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_path):

@@ -103,6 +103,23 @@ class Decoding:
                     "--decode cpu; meant for testing)")
         return None
 
+    def saved(self) -> dict[str, str]:
+        """What a checkpoint keeps of it: the way its pixels were made. The two modes (and the two GPU libraries)
+        give pixels up to a level apart, so a run resumed on another way is no longer the uninterrupted run."""
+        return {"decode": self.mode, **({"gpu_decoder": self.library} if self.mode == "gpu" else {})}
+
+    def change_from(self, saved: Optional[dict[str, str]]) -> Optional[str]:
+        """How this run decodes differently from the checkpoint's run it resumes (`saved`: its `saved()`), or None:
+        the same way, or a checkpoint from before the way was kept. A requeue onto a node with another number of
+        cores per GPU may change --decode auto's choice."""
+        now = self.saved()
+        if not saved or saved == now:
+            return None
+        asked = f"--decode {saved['decode']}" + (f" --gpu-decoder {saved['gpu_decoder']}" if "gpu_decoder" in saved
+                                                 else "")
+        return (f"decoding: checkpoint {way(saved)}, now {way(now)} (pixels up to a level apart; {asked} decodes "
+                "as it did)")
+
     def describe(self, device: torch.device, augment: Augment) -> str:
         """The start-up table's line."""
         chosen = f" ({self.why})" if self.why else ""
@@ -110,3 +127,8 @@ class Decoding:
             return "in loader workers" + chosen
         return (f"batched on {device}{chosen} by {self.library} ({self.library_why})"
                 + (", then the policy and erasing there" if augment.after_crop else ""))
+
+
+def way(saved: dict[str, str]) -> str:
+    """A Decoding.saved() in words: `gpu by nvimgcodec`, `cpu`."""
+    return f"{saved['decode']} by {saved['gpu_decoder']}" if "gpu_decoder" in saved else saved["decode"]

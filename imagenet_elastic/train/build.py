@@ -76,6 +76,7 @@ class Training:
     resumed_at: Optional[float]  # the checkpoint's time stamp
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
+    saved_decoding: Optional[dict[str, str]] = None  # how the checkpoint's run decoded (decoding.Decoding.saved)
     micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (fit_micro_batches)
     teacher: Optional[TeacherWeights] = None  # --teacher's, read by check_inputs; its identity goes in checkpoints
 
@@ -163,7 +164,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
                          None if config.evaluate else config.opt, config.blurpool)
         change = None if config.evaluate else teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
         if change is not None:
-            console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
+            warn_differences(config, console, [change])
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
@@ -228,15 +229,13 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
             if before.all_micro_slices() != plan.all_micro_slices():
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
-        what = "--evaluate differs from its checkpoint's run" if config.evaluate else \
-            "resumed run differs from its checkpoint"
-        for change in changes:
-            console.warn(f"{what}, results will not match exactly: {change}")
+        warn_differences(config, console, changes)
     return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None,
                     tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {},
-                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None, teacher=inputs.teacher)
+                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None, teacher=inputs.teacher,
+                    saved_decoding=snapshot.get("decoding") if snapshot else None)
 
 
 def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
@@ -255,6 +254,9 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     prefetch = pipeline.prefetch_factor(workers, batch, pinned=pin)
     if decoding.warning(inputs.device):
         console.warn(decoding.warning(inputs.device))
+    change = decoding.change_from(training.saved_decoding)
+    if change is not None:
+        warn_differences(config, console, [change])
     decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True))
     train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
@@ -264,6 +266,14 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
                                decoding.collate, prefetch)
     start_loader_workers(([] if config.evaluate else [train]) + [val], stack)
     return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
+
+
+def warn_differences(config: Config, console: Console, changes: list[str]) -> None:
+    """One warning for each way a resumed run (or --evaluate) differs from its checkpoint's run."""
+    what = ("--evaluate differs from its checkpoint's run" if config.evaluate
+            else "resumed run differs from its checkpoint")
+    for change in changes:
+        console.warn(f"{what}, results will not match exactly: {change}")
 
 
 def start_loader_workers(loaders: list[DataLoader], stack: contextlib.ExitStack) -> None:
