@@ -9,8 +9,8 @@ import stat
 import pytest
 import torch
 
-from imagenet_elastic.checkpoint import atomic
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic import atomic_files
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint.store import CheckpointManager
 
 
@@ -37,7 +37,7 @@ def test_atomic_write_bytes_mode_respects_the_umask_not_0600(tmp_path):
 
 
 def test_atomic_write_bytes_mode_follows_a_group_readable_umask(tmp_path, monkeypatch):
-    monkeypatch.setattr(atomic, "process_umask", lambda: 0o022)
+    monkeypatch.setattr(atomic_files, "process_umask", lambda: 0o022)
     target = tmp_path / "file.bin"
     atomic_write_bytes(b"x", str(target))
     assert stat.S_IMODE(os.stat(target).st_mode) == 0o644
@@ -50,7 +50,7 @@ def test_atomic_write_bytes_failure_keeps_the_old_file_and_removes_the_temp(tmp_
     def broken_replace(src, dst):
         raise OSError("disk full")
 
-    monkeypatch.setattr(atomic.os, "replace", broken_replace)
+    monkeypatch.setattr(atomic_files.os, "replace", broken_replace)
     with pytest.raises(OSError, match="disk full"):
         atomic_write_bytes(b"new", str(target))
     assert target.read_bytes() == b"old"
@@ -59,7 +59,7 @@ def test_atomic_write_bytes_failure_keeps_the_old_file_and_removes_the_temp(tmp_
 
 def test_the_umask_is_read_without_being_changed():
     before = current_umask()
-    assert atomic.process_umask() == before == current_umask()
+    assert atomic_files.process_umask() == before == current_umask()
 
 
 def test_every_temp_file_is_made_beside_its_target_so_the_rename_never_crosses_file_systems(tmp_path, monkeypatch):

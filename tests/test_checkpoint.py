@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager, load, serialize
 from imagenet_elastic.errors import UserError
 

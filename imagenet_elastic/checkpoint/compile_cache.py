@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import first_line
 
 FILE_NAME = "compile_cache.bin"

@@ -1,7 +1,7 @@
 """Checkpoint files: one write per save, safe loads, the last/best/epoch_NNNN layout, the folder's lock.
 
 A save serializes the state once, straight into a new file committed atomically as `last.pt` (see
-atomic.py); `epoch_NNNN.pt` and `best.pt` are hard links to it, so three names cost one write.
+atomic_files.py); `epoch_NNNN.pt` and `best.pt` are hard links to it, so three names cost one write.
 Nothing ever writes into a committed file (every commit is a new file renamed over the name), so the
 names that share a file never change under each other. Checkpoints hold plain tensors, numbers,
 strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
@@ -27,7 +27,7 @@ from typing import Any, BinaryIO, Callable, Optional
 
 import torch
 
-from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, commit, storage_error, write_temp
+from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
 from imagenet_elastic.config import RESUME_AUTO
 from imagenet_elastic.errors import UserError, first_line
 

@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 import yaml
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
 from imagenet_elastic.config import Config, flag, setting_fields
 from imagenet_elastic.config.options import Parser
 from imagenet_elastic.errors import UserError

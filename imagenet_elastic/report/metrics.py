@@ -12,7 +12,7 @@ import json
 import os
 from typing import Any, Protocol
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
 
 FILENAME = "metrics.jsonl"
 TRAIN, EPOCH = "train", "epoch"  # the scalars' prefixes: `train/loss` of a step row, `epoch/val_top1` of an epoch's

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
 from imagenet_elastic.checkpoint.saving import CheckpointWriter
 from imagenet_elastic.checkpoint.store import CheckpointManager
 from imagenet_elastic.data import pipeline

@@ -21,8 +21,8 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
+from imagenet_elastic.atomic_files import process_umask
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.checkpoint.atomic import process_umask
 from imagenet_elastic.config import eval_sizes, saved_setting
 from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD

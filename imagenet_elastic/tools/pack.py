@@ -29,7 +29,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Optional
 
-from imagenet_elastic.checkpoint.atomic import TEMP_PREFIX, atomic_write_bytes
+from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_check, tar_index, tar_walk

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.checkpoint.atomic import commit, write_temp
+from imagenet_elastic.atomic_files import commit, write_temp
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_walk
 from imagenet_elastic.errors import UserError

@@ -14,7 +14,7 @@ from typing import Optional
 
 import numpy as np
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.data.sources import index_file
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
 from imagenet_elastic.errors import CorruptImageError, UserError

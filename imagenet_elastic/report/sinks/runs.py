@@ -7,7 +7,7 @@ import json
 import os
 from typing import Any, Callable, Optional
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes
 
 PENDING = "trackers.json"
 

@@ -12,7 +12,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
-from imagenet_elastic.checkpoint.atomic import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
 from imagenet_elastic.report.metrics import is_number
 from imagenet_elastic.report.sinks.base import Sink
 
