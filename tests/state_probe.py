@@ -22,7 +22,7 @@ import torch  # noqa: E402
 # At the top, not in share_one_gpu: a module that moved fails here, on every machine, not on a GPU's first rank
 from imagenet_elastic.launch import distributed  # noqa: E402
 from imagenet_elastic.launch.launchers import DistEnv  # noqa: E402
-from imagenet_elastic.report import startup_table  # noqa: E402
+from imagenet_elastic.train import startup_table  # noqa: E402
 
 PROBE_DIR = "STATE_PROBE_DIR"
 ONE_GPU = "STATE_PROBE_ONE_GPU"  # "1": every rank on CUDA device 0, over gloo (NCCL refuses two ranks on one GPU)

@@ -25,9 +25,8 @@ from torch.autograd import DeviceType
 from imagenet_elastic import cli
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.report import startup_table
 from imagenet_elastic.report.console import Console
-from imagenet_elastic.train import build
+from imagenet_elastic.train import build, startup_table
 
 
 def test_the_cuda_tests_import_here_and_are_all_marked_cuda():

@@ -13,8 +13,8 @@ from imagenet_elastic.data import pipeline
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report.console import Console
-from imagenet_elastic.report.startup_table import describe_loader_workers
 from imagenet_elastic.train import build
+from imagenet_elastic.train.startup_table import describe_loader_workers
 
 RESNET50_BATCH = 256 * 224 * 224 * 3  # 38.5 MB of uint8 pixels
 

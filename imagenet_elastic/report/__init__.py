@@ -1,3 +1,3 @@
-"""What a run says: the console (rank 0's output, warnings), the start-up table, the rows of steps and epochs
+"""What a run says: the console (rank 0's output, warnings), the rows of steps and epochs
 (metrics.py) and where they go (sinks/: steps.jsonl, TensorBoard, the experiment trackers), the sample log, and
 what a restart cost."""

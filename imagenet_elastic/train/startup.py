@@ -17,12 +17,12 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
-from imagenet_elastic.report import startup_table
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
 from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
 from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
+from imagenet_elastic.train import startup_table
 from imagenet_elastic.train.build import (
     build_loaders,
     check_inputs,
