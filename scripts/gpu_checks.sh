@@ -181,8 +181,8 @@ sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not 
         ;;
     tests)  # every test module marked cuda: tests/test_cuda.py (NCCL, the JPEG decoders against the CPU's, the policy
             # on the GPU, AMP steps, pinned copies, host waits), tests/test_micro_batch_cuda.py (--micro-batch
-            # auto against the allocator) and the pinned host copy of tests/test_checkpointer.py; in one process (-o addopts=""): the machine's python may have pytest but
-            # not pytest-xdist
+            # auto against the allocator) and the pinned host copy of tests/test_checkpointer.py; in one process
+            # (-o addopts=""): the machine's python may have pytest but not pytest-xdist
         if ! "$PY" -c "import pytest" 2>/dev/null; then
             echo "{\"tests\": \"not run: $PY has no pytest (pip install pytest, or PYTHON=a python that has it)\"}"
             return 0
@@ -257,8 +257,8 @@ PY
 }
 
 EVERY_PART=(versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile end_to_end_recipe_compile
-            end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders loader checkpoint tests restart
-            restart_compile train)
+            end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders loader checkpoint tests
+            restart restart_compile train)
 if [ "$PART" = all ]; then
     parts=("${EVERY_PART[@]}")
 else

@@ -132,7 +132,6 @@ def test_a_part_that_needs_data_it_does_not_have_or_an_unknown_part_is_one_line(
     assert unknown.returncode == 2 and unknown.stderr.strip() == "unknown part 'synthetics' (see the script's header)"
 
 
-
 def test_several_parts_run_on_past_a_failing_one_and_each_says_how_it_ended(tmp_path):
     """One device call runs a list of parts: a failing part (here one without data) does not cost the parts after it."""
     result = gpu_checks("synthetic,versions", tmp_path / "nowhere", tmp_path)
