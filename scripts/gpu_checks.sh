@@ -1,43 +1,43 @@
 #!/usr/bin/env bash
-# The GPU figures of docs/BENCHMARKS.md, in parts that each finish well inside a 10-minute device call
-# on one H100 (resnet50 at batch 256; a compile part's first run compiles cold, ~1.5 minutes, its later ones
-# find torch's compile cache warm). Every part says --compile or --no-compile: the benchmark and the trainer
-# take --compile's default, which may differ by device. Runs from the repository
-# root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the package in
-# the current folder). Every figure is one JSON line on stdout; paste them into docs/BENCHMARKS.md
-# with the command line, the GPU, the versions line and the date.
+# The GPU figures of docs/BENCHMARKS.md. Two entries answer every target on one H100:
+#
+#   bash scripts/gpu_checks.sh proof DATA OUT        at most 8 minutes (scripts/gpu_proof.py: what runs beside
+#                                                    what, and the time guard)
+#   EARLIER=DIR bash scripts/gpu_checks.sh proof_rest DATA OUT
+#                                                    at most 3 minutes, on another machine too: what `proof` skipped
+#                                                    or failed, from DIR's proof.jsonl and compile_cache.bin (DIR: an
+#                                                    earlier `proof`'s OUT)
+#
+# The other parts each finish well inside 10 minutes on one H100 (resnet50 at batch 256; a compile part's first run
+# compiles cold, ~1.5 minutes, its later ones find torch's compile cache warm). Every part says --compile or
+# --no-compile: the benchmark and the trainer take --compile's default, which may differ by device. Runs from the
+# repository root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the package in
+# the current folder). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the command
+# line, the GPU, the versions line and the date.
 #
 #   bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR]
 #
 # Several parts (a comma list, or `all`) run one after another, each in a process of its own: a part that fails
-# does not stop the ones after it, and each is followed by {"part", "exit", "seconds"}; one device call can
-# then run, say, `versions,data,tests,gpu_decoders` and come back with every figure it could take.
+# does not stop the ones after it, and each is followed by {"part", "exit", "seconds"}.
 #
 # MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own), FEW_WORKERS (the
 # few_workers parts' loader workers; default "4 2") and ROUNDS (the loader part's; default 3) may be set in the
-# environment: tests/test_gpu_checks.py runs the
-# parts on a CPU with a tiny model, so that the first GPU session does not spend its time on a broken flag.
+# environment: tests/test_gpu_checks.py and tests/test_gpu_proof.py run the parts and both entries on a CPU with a
+# tiny model, so that no GPU time goes to a flag the benchmark no longer takes.
 #
-# PART: versions | data | synthetic | compile | end_to_end | end_to_end_recipe | end_to_end_compile
-#       | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile | device_ops | loader
-#       | gpu_decoders | checkpoint | tests | restart | restart_compile | train | all (every part in order; only where
-#       one call may run longer than 10 minutes).
-#       `tests` runs every test marked cuda (tests/test_cuda.py, test_micro_batch_cuda.py, test_checkpointer.py): among
-#       them the fused-SGD resume, the fp16 overflow step, --micro-batch auto against the allocator and the checks
-#       that the training loop never makes the host wait. The few_workers parts run both decoders at 4 and 2
-#       loader workers a rank: what an 8-GPU node with few cores per GPU gives. The --decode gpu runs take
-#       --gpu-decoder auto (their JSON line names the library); `gpu_decoders` runs each library end to end.
-#       nvImageCodec is not on the GPU machines: its wheel travels (25 MB; the first run found nvJPEG beside torch)
+# PART: proof | proof_rest | versions | data | synthetic | compile | end_to_end | end_to_end_recipe
+#       | end_to_end_compile | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile
+#       | device_ops | loader | gpu_decoders | checkpoint | tests | restart | restart_compile | train
+#       | all (every part but the two entries, in order; longer than 10 minutes).
+#       `tests` runs every test marked cuda (the modules that hold one): among them the fused-SGD resume, the fp16
+#       overflow step, --micro-batch auto against the allocator and the checks that the training loop never makes
+#       the host wait. The few_workers parts run both decoders at 4 and 2 loader workers a rank: what an 8-GPU node
+#       with few cores per GPU gives. The --decode gpu runs take --gpu-decoder auto (their JSON line names the
+#       library); `gpu_decoders` runs each library end to end.
+#       Where nvImageCodec is not installed, its wheel can be installed from a folder of wheels:
 #         python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #           --platform manylinux_2_28_x86_64 -d .whl nvidia-nvimgcodec-cu13==0.9.0.20
-#       then the call carries `.whl` (ignored by git: name it in the device call's carry) and starts with
-#       `python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site`
-#       (the device tool's README).
-#
-# A session's 30 minutes of device time hold about half the parts: issue 31's targets first (versions+data, tests,
-# synthetic, compile, end_to_end, end_to_end_compile, end_to_end_recipe, end_to_end_few_workers, restart_compile),
-# then the rest, as comma lists of a few parts a call (each call under 10 minutes; a call on a machine that was
-# given back in between starts with `data` again).
+#         python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 set -euo pipefail
 PART=${1:?usage: bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR], PART as in the header of the script}
 DATA=${2:-/tmp/gpu_data}
@@ -74,6 +74,15 @@ need_data() {
 
 run_part() {
     case "$1" in
+    proof)  # the 8-minute entry; DATA is made when missing, WORKDIR gets its lines, logs and compile cache
+        "$PY" scripts/gpu_proof.py "$WORK" --data "$DATA" --budget "${BUDGET:-480}"
+        ;;
+    proof_rest)  # the 3-minute entry: what an earlier `proof` (its WORKDIR in EARLIER) skipped or failed
+        local earlier=${EARLIER:?EARLIER=the folder of an earlier proof (its proof.jsonl, compile_cache.bin)}
+        local cache=(); [ -f "$earlier/compile_cache.bin" ] && cache=(--compile-cache "$earlier/compile_cache.bin")
+        "$PY" scripts/gpu_proof.py "$WORK" --data "$DATA" --budget "${BUDGET:-180}" --redo "$earlier/proof.jsonl" \
+            "${cache[@]}"
+        ;;
     versions)
         "$PY" - <<'PY'
 import json, os, platform, torch, torchvision, timm
@@ -269,10 +278,11 @@ if (( ${#parts[@]} == 1 )); then
     exit 0
 fi
 # Several parts: every name is checked before any runs, and each part runs in a process of its own, so one that
-# fails (a CUDA test, a missing library) costs the device session that part, not the parts after it. After each,
+# fails (a CUDA test, a missing library) costs that part, not the parts after it. After each,
 # a line says how it ended and how long it took; the exit status is 1 if any part failed.
 for part in "${parts[@]}"; do
-    [[ " ${EVERY_PART[*]} " == *" $part "* ]] || { echo "unknown part '$part' (see the script's header)" >&2; exit 2; }
+    [[ " ${EVERY_PART[*]} proof proof_rest " == *" $part "* ]] ||
+        { echo "unknown part '$part' (see the script's header)" >&2; exit 2; }
 done
 failed=0
 for part in "${parts[@]}"; do

@@ -9,12 +9,20 @@ its mirror image, in the pair's hue), like letters or handwriting: there a flipp
 is a sample of the other class, which is what `--hflip 0` is for.
 
     python scripts/make_fake_imagenet.py demo_data --classes 10 --train-per-class 64 --val-per-class 16
+
+With --photos, every image is instead a crop of a photograph, resized to --size and saved at quality 90: natural
+image statistics, so decoding costs what ImageNet's JPEGs cost (the noise of the shapes' background decodes
+slower). Class k cuts its crops from photograph k (modulo their number): for timing loaders, not for accuracy.
+The photographs are those of a folder (`--photos DIR`), by default the ones scikit-image ships.
+
+    python scripts/make_fake_imagenet.py /tmp/photos --photos --classes 100 --train-per-class 128 --size 500x375
 """
 
 from __future__ import annotations
 
 import argparse
 import colorsys
+import concurrent.futures
 import os
 
 import numpy as np
@@ -79,6 +87,55 @@ def make_split(out: str, split: str, num_classes: int, per_class: int, size: tup
     return num_classes * per_class
 
 
+PHOTO_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
+def photo_folder(folder: str | None) -> list[str]:
+    """The photographs to cut from: a folder's, or scikit-image's sample photographs (colour ones only)."""
+    if folder is None:
+        try:
+            import skimage
+        except ImportError:
+            raise SystemExit("--photos: scikit-image is not installed; pip install scikit-image, or --photos DIR") \
+                from None
+        folder = os.path.join(os.path.dirname(skimage.__file__), "data")
+    paths = sorted(os.path.join(folder, name) for name in os.listdir(folder) if name.lower().endswith(PHOTO_SUFFIXES))
+    colour = [path for path in paths if Image.open(path).mode in ("RGB", "RGBA", "P")]
+    if not colour:
+        raise SystemExit(f"--photos: no colour photographs (.jpg, .png) in {folder}")
+    return colour
+
+
+def photo_class(photo: str, out: str, split: str, cls: int, count: int, size: tuple[int, int], seed: int) -> int:
+    """`count` crops of one photograph (between a third and all of its shorter side, aspect ratio of --size
+    within 25%), resized to `size`, each from its own (seed, split, class, index) stream."""
+    source = Image.open(photo).convert("RGB")
+    folder = os.path.join(out, split, f"class_{cls:03d}")
+    os.makedirs(folder, exist_ok=True)
+    width, height = size
+    for i in range(count):
+        rng = np.random.default_rng([seed, 0 if split == "train" else 1, cls, i])
+        aspect = width / height * rng.uniform(0.8, 1.25)
+        crop_h = int(min(source.height, source.width / aspect) * rng.uniform(0.35, 1.0))
+        crop_w = min(source.width, int(crop_h * aspect))
+        left = int(rng.integers(0, source.width - crop_w + 1))
+        top = int(rng.integers(0, source.height - crop_h + 1))
+        image = source.crop((left, top, left + crop_w, top + crop_h)).resize(size, Image.Resampling.BICUBIC)
+        if rng.random() < 0.5:
+            image = image.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+        image.save(os.path.join(folder, f"{split}_{cls:03d}_{i:05d}.jpg"), quality=90)
+    return count
+
+
+def make_photo_splits(out: str, photos: list[str], num_classes: int, per_split: dict[str, int],
+                      size: tuple[int, int], seed: int, jobs: int) -> dict[str, int]:
+    """Every class of every split, `jobs` processes at a time; the images do not depend on `jobs`."""
+    with concurrent.futures.ProcessPoolExecutor(max(1, jobs)) as pool:
+        futures = {split: [pool.submit(photo_class, photos[cls % len(photos)], out, split, cls, count, size, seed)
+                           for cls in range(num_classes)] for split, count in per_split.items()}
+        return {split: sum(f.result() for f in done) for split, done in futures.items()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
@@ -88,8 +145,16 @@ def main() -> None:
     p.add_argument("--size", default="80x64", help="WIDTHxHEIGHT of every image")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mirrored", action="store_true", help="classes in pairs that differ only by a mirror image")
+    p.add_argument("--photos", nargs="?", const="", metavar="DIR",
+                   help="crops of photographs (DIR's, else scikit-image's) instead of shapes on noise")
+    p.add_argument("--jobs", type=int, default=os.cpu_count(), help="--photos: processes writing images")
     a = p.parse_args()
     size = tuple(int(v) for v in a.size.lower().split("x"))
+    if a.photos is not None:
+        counts = make_photo_splits(a.out, photo_folder(a.photos or None), a.classes,
+                                   {"train": a.train_per_class, "val": a.val_per_class}, size, a.seed, a.jobs)
+        print(f"wrote {counts['train']} train and {counts['val']} val photo crops of {a.classes} classes to {a.out}")
+        return
     n_train = make_split(a.out, "train", a.classes, a.train_per_class, size, a.seed, a.mirrored)
     n_val = make_split(a.out, "val", a.classes, a.val_per_class, size, a.seed, a.mirrored)
     print(f"wrote {n_train} train and {n_val} val images of {a.classes} classes to {a.out}")

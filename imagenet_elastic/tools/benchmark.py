@@ -8,7 +8,7 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
   source (a folder, tar shards), the textbook one runs where it is a folder, and --against adds our loader on
   other sources of the same images (a pack against its folder); each says how many files its workers opened
   per sample;
-- synthetic: training steps on batches already on the device (the model's limit);
+- synthetic: training steps on batches already on the device (the model's limit), for DATA's classes;
 - end_to_end: training steps fed by our loader from the folder;
 - device_ops: the operators --decode gpu's device path dispatches per batch of 64, 128 and 256 images from DATA
   (on the CPU's tensors where there is no GPU): the same count at every batch size (tools/device_ops.py);
@@ -73,7 +73,7 @@ def main(argv: Sequence[str]) -> None:
     workers = args.workers if args.workers is not None else pipeline.default_workers(distributed.available_cores(), 1)
     try:
         modes = MODES if args.mode == "all" else (args.mode,)
-        needs_data = [mode for mode in modes if mode in ("loader", "end_to_end", "device_ops")]
+        needs_data = [mode for mode in modes if mode in ("loader", "synthetic", "end_to_end", "device_ops")]
         train = sources.open_source(sources.train_location(args.data), "train", None) if needs_data else None
         against = tuple(sources.open_source(sources.train_location(other), "train", None) for other in args.against)
         for mode in modes:
@@ -82,7 +82,7 @@ def main(argv: Sequence[str]) -> None:
             if mode == "loader":
                 emit(mode, **throughput.run_loader(args, train, workers, against))
             elif mode == "synthetic":
-                emit(mode, **throughput.run_synthetic(args))
+                emit(mode, **throughput.run_synthetic(args, len(train.classes)))
             elif mode == "end_to_end":
                 emit(mode, **throughput.run_end_to_end(args, train, workers))
             elif mode == "device_ops":

@@ -27,6 +27,7 @@ from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.launch.distributed import available_cores
+from imagenet_elastic.train.compile import CompiledOrEager
 from imagenet_elastic.train.step import StepContext, train_step
 
 # ----------------------------------------------------------------------------- loader
@@ -192,7 +193,9 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     channels_last = args.channels_last
     model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
-    compiled = torch.compile(model) if args.compile else model
+    # compiled as the trainer compiles (train.compile): the same graphs, so a benchmark finds the caches a training
+    # run filled (and the other way round), and a model that cannot compile is measured eager, as it would train
+    compiled = CompiledOrEager(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
                       nn.CrossEntropyLoss(), ModelInput(device, amp, channels_last))
     settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
@@ -220,26 +223,42 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_synthetic(args: argparse.Namespace) -> dict[str, Any]:
-    ctx, settings = step_context(args, 1000)
+def run_synthetic(args: argparse.Namespace, num_classes: int = 1000,
+                  context: Optional[tuple[StepContext, dict[str, Any]]] = None) -> dict[str, Any]:
+    """`num_classes`: the data's, where there is data, so that the model (and, compiled, its graphs) is the one
+    end_to_end and training run; `context`: a step_context to reuse (its model compiled once for several runs)."""
+    ctx, settings = context or step_context(args, num_classes)
     images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
                            device=ctx.input.device)
-    labels = torch.randint(0, 1000, (args.batch_size,), device=ctx.input.device)
+    labels = torch.randint(0, num_classes, (args.batch_size,), device=ctx.input.device)
     batch = Batch(images, labels)
     rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
-    return {"images_per_sec": round(rate, 1), **settings}
+    return {"images_per_sec": round(rate, 1), "num_classes": num_classes, **settings, **compiled_how(ctx)}
 
 
-def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int) -> dict[str, Any]:
-    ctx, settings = step_context(args, len(train.classes))
+def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int,
+                   context: Optional[tuple[StepContext, dict[str, Any]]] = None) -> dict[str, Any]:
+    """`context`: a step_context to reuse; the loader, its workers and the decoding thread end with the run."""
+    ctx, settings = context or step_context(args, len(train.classes))
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment, args.gpu_decoder)
     loader = ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment)
     decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr))
     batches = device_batches(endless(loader), ctx.input.device, decoder)
-    rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
+    try:
+        rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
+    finally:
+        batches.close()  # the decoding thread stops before the loader's workers go
     return {"images_per_sec": round(rate, 1), "workers": workers,
             "prefetch": prefetch(args.batch_size, args.image_size, workers, decoding.mode), "images": len(train),
             "data": train.where(), "decode": decoding.mode, "decode_why": decoding.why,
             "gpu_decoder": decoding.library if decoding.mode == "gpu" else None,
-            "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings}
+            "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings, **compiled_how(ctx)}
+
+
+def compiled_how(ctx: StepContext) -> dict[str, Any]:
+    """A compiled model's outcome: how long its first call took to compile, or why it runs eager."""
+    if not isinstance(ctx.model, CompiledOrEager):
+        return {}
+    seconds = ctx.model.compile_seconds
+    return {"compile_seconds": None if seconds is None else round(seconds, 1), "compile_failure": ctx.model.failure}
