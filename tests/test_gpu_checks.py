@@ -1,7 +1,6 @@
 """scripts/gpu_checks.sh runs as it is: every part, on a CPU with a tiny model (MODEL, BATCH, SIZE and BATCHES from
 the environment), prints the JSON lines it promises, and exits 0 (the `restart` part is tests/test_resume_layout.py's
-two-rank resume). A device session lasts 30 minutes; this is so that none of it goes to a flag the benchmark no longer
-takes. Every part says --compile or --no-compile, and each line says which it ran. The compile parts run with
+two-rank resume), so that no GPU time goes to a flag the benchmark no longer takes. Every part says --compile or --no-compile, and each line says which it ran. The compile parts run with
 TORCHDYNAMO_DISABLE=1: torch.compile then hands the model back as it is, so their commands and flags run here, not
 the compiler (compiling costs a minute a run here; tests/test_training.py compiles)."""
 
