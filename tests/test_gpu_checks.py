@@ -1,6 +1,7 @@
 """scripts/gpu_checks.sh runs as it is: every part, on a CPU with a tiny model (MODEL, BATCH, SIZE and BATCHES from
 the environment), prints the JSON lines it promises, and exits 0 (the `restart` part is tests/test_resume_layout.py's
-two-rank resume), so that no GPU time goes to a flag the benchmark no longer takes. Every part says --compile or --no-compile, and each line says which it ran. The compile parts run with
+two-rank resume), so that no GPU time goes to a flag the benchmark no longer takes. Every part says --compile or
+--no-compile, and each line says which it ran. The compile parts run with
 TORCHDYNAMO_DISABLE=1: torch.compile then hands the model back as it is, so their commands and flags run here, not
 the compiler (compiling costs a minute a run here; tests/test_training.py compiles)."""
 
@@ -107,7 +108,10 @@ def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     (tests,) = figures("tests", image_folder, tmp_path)  # no CUDA device here: every CUDA test skips
     assert tests["exit"] == 0 and "skipped" in tests["tests"] and "failed" not in tests["tests"]
     # every module with CUDA tests runs, --micro-batch auto's against the allocator too (the part once ran one file)
-    assert tests["tests"].startswith("tests/test_checkpointer.py tests/test_cuda.py tests/test_micro_batch_cuda.py: ")
+    marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
+                    if "pytest.mark.cuda" in p.read_text())
+    assert {"tests/test_checkpointer.py", "tests/test_cuda.py", "tests/test_micro_batch_cuda.py"} <= set(marked)
+    assert tests["tests"].split(": ")[0].split() == marked
 
 
 def test_restart_compile_part_says_what_a_compiled_restart_on_empty_caches_cost(image_folder, tmp_path):
