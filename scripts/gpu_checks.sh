@@ -197,7 +197,7 @@ sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not 
             return 0
         fi
         local status=0 modules
-        modules=$(grep -l "pytest.mark.cuda" tests/test_*.py | tr '\n' ' ')
+        modules=$(grep -lE '^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)' tests/test_*.py | tr '\n' ' ')
         # shellcheck disable=SC2086  # a list of paths without spaces
         "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda $modules > "$WORK/cuda_tests.log" 2>&1 || status=$?
         cat "$WORK/cuda_tests.log" >&2

@@ -47,6 +47,8 @@ SIZE = int(os.environ.get("SIZE", "224"))
 BATCHES = int(os.environ.get("BATCHES", "40"))
 FEW_WORKERS = int(os.environ.get("FEW_WORKERS", "4"))
 RECIPE_SIZE = SIZE * 176 // 224  # torchvision's v2 recipe trains at 176 px for 224 px validation
+# a test module that holds a test marked cuda (a decorator, or the whole module)
+CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)", re.MULTILINE)
 RECIPE = ["--auto-augment", "ta_wide", "--random-erase", "0.1"]
 
 # Seconds each part or case takes on one H100 (resnet50, batch 256; docs/BENCHMARKS.md): the time guard's estimates.
@@ -256,7 +258,7 @@ class Proof:
 
     def tests(self) -> None:
         modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
-                         if "pytest.mark.cuda" in p.read_text())
+                         if CUDA_MARK.search(p.read_text()))
         # a module a process: the host-wait checks of one module never share the device with its own other tests
         parallel = ["-n", str(min(3, len(modules))), "--dist", "loadfile"] if has("xdist") else []
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *parallel,

@@ -8,6 +8,7 @@ the compiler (compiling costs a minute a run here; tests/test_training.py compil
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -17,6 +18,7 @@ from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
 pytestmark = pytest.mark.slow  # each part starts its processes one after another
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
+CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)", re.MULTILINE)
 NOT_COMPILED = {"TORCHDYNAMO_DISABLE": "1"}  # --compile's commands without the compiler
 
 
@@ -108,8 +110,7 @@ def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     (tests,) = figures("tests", image_folder, tmp_path)  # no CUDA device here: every CUDA test skips
     assert tests["exit"] == 0 and "skipped" in tests["tests"] and "failed" not in tests["tests"]
     # every module with CUDA tests runs, --micro-batch auto's against the allocator too (the part once ran one file)
-    marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py")
-                    if "pytest.mark.cuda" in p.read_text())
+    marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if CUDA_MARK.search(p.read_text()))
     assert {"tests/test_checkpointer.py", "tests/test_cuda.py", "tests/test_micro_batch_cuda.py"} <= set(marked)
     assert tests["tests"].split(": ")[0].split() == marked
 
