@@ -5,7 +5,7 @@
 #                                                    what, and the time guard)
 #   EARLIER=DIR bash scripts/gpu_checks.sh proof_rest DATA OUT
 #                                                    at most 3 minutes, on another machine too: what `proof` skipped
-#                                                    or failed, from DIR's proof.jsonl and compile_cache.bin (DIR: an
+#                                                    or failed, from DIR's proof.jsonl and compile_cache.bin.gz (DIR: an
 #                                                    earlier `proof`'s OUT)
 #
 # The other parts each finish well inside 10 minutes on one H100 (resnet50 at batch 256; a compile part's first run
@@ -78,8 +78,9 @@ run_part() {
         "$PY" scripts/gpu_proof.py "$WORK" --data "$DATA" --budget "${BUDGET:-480}"
         ;;
     proof_rest)  # the 3-minute entry: what an earlier `proof` (its WORKDIR in EARLIER) skipped or failed
-        local earlier=${EARLIER:?EARLIER=the folder of an earlier proof (its proof.jsonl, compile_cache.bin)}
-        local cache=(); [ -f "$earlier/compile_cache.bin" ] && cache=(--compile-cache "$earlier/compile_cache.bin")
+        local earlier=${EARLIER:?EARLIER=the folder of an earlier proof (its proof.jsonl, compile_cache.bin.gz)}
+        local cache=()
+        [ -f "$earlier/compile_cache.bin.gz" ] && cache=(--compile-cache "$earlier/compile_cache.bin.gz")
         "$PY" scripts/gpu_proof.py "$WORK" --data "$DATA" --budget "${BUDGET:-180}" --redo "$earlier/proof.jsonl" \
             "${cache[@]}"
         ;;

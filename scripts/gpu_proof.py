@@ -2,7 +2,8 @@
 """The GPU proof: one run of at most 8 minutes on one H100 that answers every target of docs/BENCHMARKS.md.
 
     python3 scripts/gpu_proof.py OUT [--data DIR] [--scratch DIR] [--budget SECONDS]
-    python3 scripts/gpu_proof.py OUT --redo EARLIER/proof.jsonl --budget 180 [--compile-cache EARLIER/compile_cache.bin]
+    python3 scripts/gpu_proof.py OUT --redo EARLIER/proof.jsonl --budget 180 \
+        [--compile-cache EARLIER/compile_cache.bin.gz]
 
 What runs, and what runs beside what (the GPU's timings never share the device; the rest overlaps):
 - `versions`, then every test marked `cuda` (pytest, independent modules side by side where pytest-xdist is
@@ -18,7 +19,7 @@ What runs, and what runs beside what (the GPU's timings never share the device; 
 
 Time guard: before each part or case, its estimate (an H100's, below) is held against the time left; one that
 would not finish in time is skipped and says so, and a part that runs past the budget is stopped. Every line
-goes to OUT/proof.jsonl and stdout as it comes; logs to OUT/*.log; the compile cache to OUT/compile_cache.bin,
+goes to OUT/proof.jsonl and stdout as it comes; logs to OUT/*.log; the compile cache to OUT/compile_cache.bin.gz,
 so that `--redo` on a fresh machine, with that file, runs what was skipped or failed without a cold compile.
 
 MODEL, BATCH, SIZE, BATCHES and FEW_WORKERS from the environment make it small (tests/test_gpu_proof.py runs it on
@@ -28,6 +29,7 @@ a CPU with a tiny model); the defaults are resnet50, 256, 224, 40 measured batch
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import re
@@ -112,7 +114,8 @@ def load_compile_cache(path: Optional[str]) -> Optional[str]:
 
     if not compile_cache.supported():
         return f"unsupported by torch {torch.__version__}"
-    _, blob = compile_cache.decode(Path(path).read_bytes())
+    data = Path(path).read_bytes()
+    _, blob = compile_cache.decode(gzip.decompress(data) if path.endswith(".gz") else data)
     return "loaded" if torch.compiler.load_cache_artifacts(blob) is not None else "not loaded"
 
 
@@ -248,12 +251,15 @@ class Proof:
         if (self.data / "train").is_dir():
             self.record({"part": "data", "status": "ok", "data": str(self.data), "made": False})
             return True
-        photos = os.environ.get("PHOTOS")  # a folder of photographs; by default scikit-image's
-        command = [sys.executable, "scripts/make_fake_imagenet.py", str(self.data), "--photos", *([photos] if photos
-                   else []), "--classes", os.environ.get("CLASSES", "100"), "--train-per-class",
-                   os.environ.get("TRAIN_PER_CLASS", "128"), "--val-per-class", "2", "--size",
-                   os.environ.get("IMAGE", "500x375")]
+        photos = os.environ.get("PHOTOS")  # a folder of photographs; by default scikit-image's, else shapes on noise
+        kind = ["--photos", photos] if photos else ["--photos"] if has("skimage") else []
+        command = [sys.executable, "scripts/make_fake_imagenet.py", str(self.data), *kind,
+                   "--classes", os.environ.get("CLASSES", "100"),
+                   "--train-per-class", os.environ.get("TRAIN_PER_CLASS", "128"), "--val-per-class", "2",
+                   "--size", os.environ.get("IMAGE", "500x375")]
         done = self.run("data", command, "log.txt")
+        if not kind:
+            self.record({"data": "shapes on noise: no photographs (PHOTOS=DIR, or pip install scikit-image)"})
         return done is not None and done.returncode == 0
 
     def tests(self) -> None:
@@ -280,12 +286,15 @@ class Proof:
         shutil.rmtree(at, ignore_errors=True)
         (at / "ckpt").mkdir(parents=True)
         if self.compile_cache:  # an earlier run's: this round starts warm too
-            shutil.copy(self.compile_cache, at / "ckpt" / "compile_cache.bin")
+            data = Path(self.compile_cache).read_bytes()
+            unpacked = gzip.decompress(data) if self.compile_cache.endswith(".gz") else data
+            (at / "ckpt" / "compile_cache.bin").write_bytes(unpacked)
         done = self.run("restart", [sys.executable, "-m", "imagenet_elastic", *self.restart_args(), "--epochs", "1"],
                         "restart_round1.log", estimate=WARM_RESTART if self.compile_cache else None)
         self.restart_ok = done is not None and done.returncode == 0
-        if (at / "ckpt" / "compile_cache.bin").exists():
-            shutil.copy(at / "ckpt" / "compile_cache.bin", self.out / "compile_cache.bin")
+        if (at / "ckpt" / "compile_cache.bin").exists():  # compressed: Triton's kernels shrink several times
+            packed = gzip.compress((at / "ckpt" / "compile_cache.bin").read_bytes(), 6)
+            (self.out / "compile_cache.bin.gz").write_bytes(packed)
 
     def restart_args(self) -> list[str]:
         return [str(self.data), "--model", MODEL, "--batch-size", str(BATCH), "--image-size", str(SIZE), "--compile",
@@ -310,7 +319,7 @@ class Proof:
         if not self.data_ok:
             self.record({"part": "throughput", "status": "skipped", "why": "no data"})
             return
-        cache = self.out / "compile_cache.bin"
+        cache = self.out / "compile_cache.bin.gz"
         command = [sys.executable, str(Path(__file__).resolve()), str(self.out), "--data", str(self.data),
                    "--measure", ",".join(names), "--deadline", str(self.started + self.budget),
                    "--workers", str(workers()), *(["--compile-cache", str(cache)] if cache.exists() else [])]
@@ -394,7 +403,7 @@ def main() -> None:
     p.add_argument("--scratch", default="/tmp/gpu_proof", help="checkpoints and torch's caches")
     p.add_argument("--budget", type=float, default=480.0, help="seconds for the whole run")
     p.add_argument("--redo", metavar="PROOF_JSONL", help="only what that run skipped or failed")
-    p.add_argument("--compile-cache", metavar="FILE", help="a compile_cache.bin to start warm from")
+    p.add_argument("--compile-cache", metavar="FILE", help="a compile_cache.bin (.gz) to start warm from")
     p.add_argument("--measure", help=argparse.SUPPRESS)  # the throughput process: these cases
     p.add_argument("--deadline", type=float, help=argparse.SUPPRESS)
     p.add_argument("--workers", type=int, help=argparse.SUPPRESS)

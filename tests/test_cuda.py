@@ -435,3 +435,59 @@ def test_the_training_loop_never_synchronizes_the_host(amp):
     assert not main.query(), f"a training step waited for the GPU: its {launches} launches took the host " \
         f"{seconds:.2f} s, queued behind a kernel of ~2 s"
     torch.cuda.synchronize()
+
+
+@pytest.mark.parametrize("library", ["torchvision", "nvimgcodec"])
+@pytest.mark.parametrize("policy", ["none", "ta_wide"])
+def test_the_decode_gpu_feed_never_synchronizes_the_host_nor_copies_from_pageable_memory(jpegs, library, policy):
+    """--decode gpu's whole feed (the decoding thread: the library's decode, the canvas, the crops, the policy and
+    erasing; then the training stream's wait), under sync-debug mode, which turns every synchronizing call torch
+    makes into an error (the decoding thread's errors reach the taker), and under the profiler, which finds no
+    copy from pageable memory on any stream: such a copy makes the host wait for its stream without torch asking
+    (a nested tensor's padding copied its sizes that way once a batch). Batches of two sizes: a new batch size
+    must not change that."""
+    if library == "nvimgcodec" and jpeg_decoders.nvimgcodec_unavailable(GPU) is not None:
+        pytest.skip(f"nvimgcodec {jpeg_decoders.nvimgcodec_unavailable(GPU)}")
+    dataset = pipeline.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, Augment(policy=policy, erase=0.5))
+    batches = [gpu_decode.collate([dataset[(e, i)] for i in range(len(jpegs) - e)]).pin_memory() for e in range(3)]
+    decoder = gpu_decode.BatchDecoder(GPU, print, jpeg_decoders.JPEG_DECODERS[library].make(GPU, 2))
+    expected = [b.images.clone() for b in feed.device_batches(batches, GPU, decoder)]  # warms the library, kernels
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        images = [b.images for b in feed.device_batches(batches, GPU, decoder)]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert all(torch.equal(a, b) for a, b in zip(images, expected))
+    with profiling() as events:
+        images = [b.images for b in feed.device_batches(batches, GPU, decoder)]
+    pageable = [copy for copy in host_to_device_copies(events) if copy.pageable]
+    assert not pageable, f"{len(pageable)} copies from pageable memory in {len(batches)} batches: {pageable[:3]}"
+    assert all(torch.equal(a, b) for a, b in zip(images, expected))
+
+
+def test_a_compiled_training_loop_never_synchronizes_the_host():
+    """The hot loop as the trainer runs it by default on CUDA: the model compiled by inductor (the trainer's
+    CompiledOrEager), two micro-batches a step, bf16, under sync-debug mode; and no recompilation after the first
+    step (a recompile is a minute of a real model)."""
+    from imagenet_elastic.train.compile import CompiledOrEager
+
+    torch.manual_seed(0)
+    torch._dynamo.reset()
+    model = create_model("test_resnet", 10).to(GPU, memory_format=torch.channels_last)
+    compiled = CompiledOrEager(model)
+    ctx = StepContext(compiled, create_optimizer(model, 0.1, 0.9, 1e-4, GPU), torch.amp.GradScaler("cuda",
+                      enabled=False), TrainLoss(0.1), ModelInput(GPU, torch.bfloat16, channels_last=True))
+    plan = BatchPlan(16, 1, 8)
+    hot_loop(ctx, plan, hot_loop_batches(2, plan), first_step=0)  # compiles
+    assert compiled.failure is None, compiled.failure
+    frames = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        hot_loop(ctx, plan, hot_loop_batches(3, plan), first_step=2)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == frames, "a step after the first recompiled"
