@@ -256,9 +256,12 @@ class BatchDecoder:
     def hold(self, decoded: list[torch.Tensor]) -> None:
         """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner,
         their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
-        each operator before the next, so nothing is left to read them there."""
-        if self.device.type == "cuda":
-            self.held.keep(decoded, torch.cuda.current_stream(self.device).record_event())
+        each operator before the next, so nothing is left to read them there. The event blocks the thread that
+        waits for it (Held's limit) instead of spinning a core beside the loader workers."""
+        if feed.on_cuda(self.device):
+            read = torch.cuda.Event(blocking=True)
+            torch.cuda.current_stream(self.device).record_event(read)
+            self.held.keep(decoded, read)
 
     def index(self, rows: list[int]) -> torch.Tensor:
         return self.to_device(torch.tensor(rows, dtype=torch.int64))

@@ -55,13 +55,19 @@ class TorchvisionJpeg:
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         import torch
 
+        from imagenet_elastic.data import feed
+
         self.device = device
         # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
-        # that does not wait for the current one (pytorch/vision#9606): memory freed on the current stream while
-        # kernels queued there still read it could be written over. Its outputs are therefore allocated on a
-        # stream of their own, where nothing else is allocated, and kept until the kernels that read them have
-        # run (gpu_decode.Held), instead of the host waiting for the stream before every decode.
-        self.alloc_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # (one of the normal-priority pooled streams) that does not wait for the current one (pytorch/vision#9606):
+        # memory freed on the current stream while kernels queued there still read it could be written over. Its
+        # outputs are therefore allocated on a stream where only they are allocated, and kept until the kernels
+        # that read them have run (gpu_decode.Held). torch.cuda.Stream is not a stream of its own: torch hands
+        # out each priority's 32 pooled streams round robin to every caller in the process (NCCL's come from the
+        # normal-priority pool). This one comes from the high-priority pool, which the feeding and decoding
+        # streams alone draw on here, and before each decode the thread waits (blocking, not spinning) for what
+        # is queued on it: nothing, unless another part of the process was handed the same stream.
+        self.alloc_stream = torch.cuda.Stream(device, priority=-1) if feed.on_cuda(device) else None
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         try:
@@ -84,6 +90,9 @@ class TorchvisionJpeg:
 
         if self.alloc_stream is None:
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        drained = torch.cuda.Event(blocking=True)
+        self.alloc_stream.record_event(drained)
+        drained.synchronize()
         work = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
             decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
