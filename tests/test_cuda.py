@@ -122,12 +122,16 @@ def test_nvjpeg_crops_of_4_2_0_photos_are_the_cpu_paths_within_what_its_chroma_f
     assert other.min() > 4 * same.max(), other
 
 
+def skip_unless_here(library: str) -> None:
+    """--gpu-decoder nvimgcodec is an extra (scripts/gpu_checks.sh installs it where its wheels travelled)."""
+    reason = jpeg_decoders.JPEG_DECODERS[library].unavailable(GPU)
+    if reason is not None:
+        pytest.skip(f"{library} {reason}")
+
+
 @pytest.fixture
 def nvimgcodec():
-    """--gpu-decoder nvimgcodec is an extra (scripts/gpu_checks.sh installs it where its wheels travelled)."""
-    reason = jpeg_decoders.nvimgcodec_unavailable(GPU)
-    if reason is not None:
-        pytest.skip(f"nvimgcodec {reason}")
+    skip_unless_here("nvimgcodec")
 
 
 def test_nvimgcodec_decodes_4_2_0_photos_to_the_cpu_paths_very_pixels(photos, nvimgcodec):
@@ -152,6 +156,23 @@ def test_nvimgcodec_batches_of_4_2_0_photos_are_the_same_batches_on_cpu_tensors_
         gpu_decode.collate([dataset[key] for key in keys])).images
     difference = (decode_on_gpu(photos, PHOTO_CROPS, keys, "nvimgcodec").int() - on_cpu.int()).abs()
     assert difference.max() <= 1 and (difference > 0).float().mean() < 1e-3, (difference > 0).float().mean()
+
+
+def test_nvimgcodec_decodes_into_memory_that_torchs_allocator_counts(photos, nvimgcodec):
+    """Left to itself nvImageCodec takes its images from CUDA's default memory pool (~144 MB a batch of 256
+    ImageNet photos), which torch's counters, empty_cache and --micro-batch auto's out-of-memory handling cannot
+    see; it decodes into one tensor torch allocated instead, the CPU path's pixels still."""
+    raws = [Path(photos.path(i)).read_bytes() for i in range(len(photos))]
+    jpeg = jpeg_decoders.NvImageCodecJpeg(GPU, 2)
+    jpeg.decode([pixels.byte_tensor(raws[0])])  # the decoder and its own scratch buffers
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated(GPU)
+    decoded = jpeg.decode([pixels.byte_tensor(raw) for raw in raws])
+    grown = torch.cuda.memory_allocated(GPU) - before
+    assert grown >= sum(image.numel() for image in decoded) > 0, grown
+    assert len({image.untyped_storage().data_ptr() for image in decoded}) == 1
+    pil = [torch.from_numpy(np.asarray(Image.open(io.BytesIO(r)).convert("RGB"))).permute(2, 0, 1) for r in raws]
+    assert max(level_difference(d.cpu()[None], p[None])[0] for d, p in zip(decoded, pil)) < 0.05
 
 
 @pytest.mark.parametrize("policy", POLICIES[1:])
@@ -341,19 +362,21 @@ def mark_the_current_stream() -> None:
     torch.cuda.synchronize()
 
 
+@pytest.mark.parametrize("library", list(jpeg_decoders.JPEG_DECODERS))
 @pytest.mark.parametrize("policy", ["ta_wide", "imagenet"])
-def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(jpegs, policy):
+def test_the_policy_and_erasing_finish_while_the_training_stream_is_still_busy(jpegs, policy, library):
     """torchvision's tensor kernels copy small host tensors (affine matrices, erasing's fill) from pageable
     memory, and such a copy waits for its stream's queue; on the training stream that queue is the previous
     step's forward and backward. On their side stream they wait for the decode alone: the profiler finds no copy
     from pageable memory on the training stream, and a batch comes out while that stream is still busy. Only
-    the public decode path (TrainDataset, collate, BatchDecoder, device_batches) is used: any way of decoding
-    behind it must pass."""
+    the public decode path (TrainDataset, collate, BatchDecoder, device_batches) is used, with each JPEG library:
+    any way of decoding behind it must pass."""
+    skip_unless_here(library)
     augment = Augment(policy=policy, erase=1.0)
     dataset = pipeline.TrainDataset(jpegs, 120, 4, gpu_decode.encode_bytes, augment)
     batch = gpu_decode.collate([dataset[(0, i)] for i in range(len(jpegs))])
     batch = batch.pin_memory() if hasattr(batch, "pin_memory") else batch  # as the loader's pin thread hands it over
-    decoder = gpu_decode.BatchDecoder(GPU, print)
+    decoder = gpu_decode.BatchDecoder(GPU, print, jpeg_decoders.JPEG_DECODERS[library].make(GPU, 2))
     expected = next(feed.device_batches([batch], GPU, decoder)).images.clone()  # also warms nvJPEG, the kernels
     with profiling() as events:
         mark_the_current_stream()

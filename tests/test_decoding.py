@@ -41,6 +41,15 @@ def test_gpu_decoding_defaults_to_few_workers_per_process():
     assert Decoding("cpu").default_workers(64, 8) == pipeline.default_workers(64, 8)
 
 
+def test_the_jpeg_librarys_host_threads_are_the_cores_the_loader_workers_and_the_training_thread_leave():
+    """nvImageCodec's threads share the process's cores with its loader workers, which feed it: on a node with few
+    cores per GPU, a thread for every core but one would starve them."""
+    eight = Decoding.choose("gpu", CPU, 8, PLAIN, "nvimgcodec")
+    assert [eight.finisher(CPU, print, workers).jpeg.cpu_threads for workers in (0, 4, 6, 7, 12)] == [7, 3, 1, 1, 1]
+    assert Decoding.choose("gpu", CPU, 1, PLAIN, "nvimgcodec").finisher(CPU, print, 0).jpeg.cpu_threads == 1
+    assert Decoding.choose("cpu", CPU, 8, PLAIN).finisher(CPU, print, 4) is None
+
+
 def test_a_gpu_decoder_named_where_the_loader_workers_decode_is_said_to_be_unused():
     """--gpu-decoder nvimgcodec where --decode auto picks the workers (no CUDA device, or cores enough) would
     otherwise be dropped without a word; auto's own library choice is nothing to warn about."""

@@ -292,29 +292,36 @@ def test_the_device_path_dispatches_as_many_operators_for_32_images_as_for_128(m
     assert counts[1]["ops"] <= 1.2 * counts[0]["ops"], counts
 
 
-def test_the_training_thread_dispatches_nothing_per_batch_the_decoding_thread_does_it_all(mixed_folder):
-    """device_batches under --decode gpu: every operator of the decode, crops, policy and erasing runs in the
-    decoding thread; the thread that trains only takes the batches (on a GPU: one event wait and two stream
-    records each)."""
+def test_the_training_thread_dispatches_nothing_per_batch_the_two_decoding_threads_do_it_all(mixed_folder):
+    """device_batches under --decode gpu: every operator of the decode, crops, policy and erasing runs beside the
+    training thread, the decode in one thread and the crops, policy and erasing in another; the thread that
+    trains only takes the batches (on a GPU: one event wait and two stream records each)."""
     index = scan_image_folder(str(mixed_folder), "train")
     augment = Augment(policy="ta_wide", erase=0.5)
     dataset = pipeline.TrainDataset(index, 16, 0, gpu_decode.encode_bytes, augment)
     batches = [batch_of(dataset, [(e, i) for i in range(len(index))]) for e in range(3)]
     decoder, _ = decoder_and_warnings()
-    threads = []
-    call = decoder.__class__.__call__
+    threads: dict[str, list] = {"decoded": [], "finished": []}
+    decoded, finished = decoder.__class__.decoded, decoder.__class__.finished
 
     class Recording(gpu_decode.BatchDecoder):
-        def __call__(self, batch):
-            threads.append(threading.current_thread())
-            return call(self, batch)
+        def decoded(self, batch):
+            threads["decoded"].append(threading.current_thread())
+            return decoded(self, batch)
+
+        def finished(self, item):
+            threads["finished"].append(threading.current_thread())
+            return finished(self, item)
 
     decoder.__class__ = Recording
     with OpCounter() as counter:  # a dispatch mode sees the operators of its own thread
         out = list(feed.device_batches(batches, CPU, decoder))
     assert len(out) == 3 and all(batch.images.shape == (len(index), 16, 16, 3) for batch in out)
     assert counter.count == 0, counter.ops
-    assert len(threads) == 3 and threading.main_thread() not in threads
+    assert [len(set(threads[half])) for half in ("decoded", "finished")] == [1, 1]
+    assert [len(threads[half]) for half in ("decoded", "finished")] == [3, 3]
+    assert threads["decoded"][0] is not threads["finished"][0]
+    assert threading.main_thread() not in threads["decoded"] + threads["finished"]
 
 
 def test_a_loader_without_workers_is_decoded_in_the_training_thread(mixed_folder):
@@ -326,9 +333,9 @@ def test_a_loader_without_workers_is_decoded_in_the_training_thread(mixed_folder
     threads = []
 
     class Recording(gpu_decode.BatchDecoder):
-        def __call__(self, batch):
+        def decoded(self, batch):
             threads.append(threading.current_thread())
-            return super().__call__(batch)
+            return super().decoded(batch)
 
     for workers in (0, 1):
         loader = pipeline.train_loader(dataset, [[(0, i) for i in range(4)], [(0, i) for i in range(4, 8)]], workers,
@@ -464,8 +471,9 @@ def test_other_device_decoder_failures_are_bad_images_not_out_of_memory(message)
     assert not jpeg_decoders.device_out_of_memory(RuntimeError(message))
 
 
-def test_the_feeding_stream_is_made_once_per_device_at_high_priority(monkeypatch):
-    """The first GPU run found a stream made at every epoch and every validation pass; each device has one."""
+@pytest.mark.parametrize("name", ["feeding_stream", "decoding_stream"])
+def test_the_feeding_and_decoding_streams_are_made_once_per_device_at_high_priority(monkeypatch, name):
+    """The first GPU run found a stream made at every epoch and every validation pass; each device has one of each."""
     made = []
 
     class Stream:
@@ -473,11 +481,12 @@ def test_the_feeding_stream_is_made_once_per_device_at_high_priority(monkeypatch
             made.append((device, priority))
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    feed.feeding_stream.cache_clear()
+    streams = getattr(feed, name)
+    streams.cache_clear()
     try:
-        first = feed.feeding_stream(torch.device("cuda", 0))
-        assert feed.feeding_stream(torch.device("cuda", 0)) is first
-        feed.feeding_stream(torch.device("cuda", 1))
+        first = streams(torch.device("cuda", 0))
+        assert streams(torch.device("cuda", 0)) is first
+        streams(torch.device("cuda", 1))
         assert made == [(torch.device("cuda", 0), -1), (torch.device("cuda", 1), -1)]
     finally:
-        feed.feeding_stream.cache_clear()
+        streams.cache_clear()

@@ -55,6 +55,42 @@ def test_each_library_decodes_pils_very_pixels_channels_first(folder, library):
         assert image is not None and image.shape == pil.shape and torch.equal(image, pil)
 
 
+def test_nvimgcodec_decodes_a_batch_into_one_tensor_that_torch_allocated(folder):
+    """Left to itself nvImageCodec takes each image from CUDA's default memory pool, which torch's counters,
+    empty_cache and --micro-batch auto's out-of-memory handling do not see; the batch decoder has it decode
+    into views of one uint8 tensor of the batch's bytes (tests/test_cuda.py counts it on a GPU)."""
+    raws = [Path(folder.path(i)).read_bytes() for i in range(len(folder))]
+    decoded = jpeg_decoders.NvImageCodecJpeg(CPU, 1).decode([pixels.byte_tensor(raw) for raw in raws])
+    batch = decoded[0]._base
+    assert batch is not None and batch.dtype == torch.uint8 and batch.dim() == 1
+    assert all(image._base is batch for image in decoded)
+    assert batch.numel() == sum(image.numel() for image in decoded)
+    for raw, image in zip(raws, decoded):
+        pil = torch.from_numpy(np.array(Image.open(io.BytesIO(raw)).convert("RGB"))).permute(2, 0, 1)
+        assert torch.equal(image, pil)
+
+
+def test_nvimgcodec_upsamples_chroma_as_libjpeg_turbo_whatever_the_librarys_default(monkeypatch):
+    """nvImageCodec 0.8's Python decoder turned chroma upsampling off unless told (`:fancy_upsampling=0` as its
+    options' default), 0.9's extensions turn it on: the decoder says which, and 4:2:0 JPEGs keep PIL's pixels
+    under a library that defaults to off."""
+    nvimgcodec = jpeg_decoders.import_nvimgcodec()
+    made, decoder = [], nvimgcodec.Decoder
+
+    def defaulting_off(*args, options=":fancy_upsampling=0", **kwargs):
+        made.append(options)
+        return decoder(*args, options=options, **kwargs)
+
+    monkeypatch.setattr(nvimgcodec, "Decoder", defaulting_off)
+    noise = np.random.default_rng(3).integers(0, 256, (48, 64, 3), dtype=np.uint8)
+    raw = io.BytesIO()
+    Image.fromarray(noise).save(raw, format="JPEG", quality=90, subsampling="4:2:0")
+    image = jpeg_decoders.NvImageCodecJpeg(CPU, 1).decode([pixels.byte_tensor(raw.getvalue())])[0]
+    pil = torch.from_numpy(np.array(Image.open(io.BytesIO(raw.getvalue())).convert("RGB"))).permute(2, 0, 1)
+    assert (image.int() - pil.int()).abs().max() == 0
+    assert made == [":fancy_upsampling=1"]
+
+
 @pytest.mark.parametrize("library", LIBRARIES)
 def test_each_library_gives_the_batch_decoder_the_worker_paths_crops_within_a_level(folder, library):
     augment = Augment(erase=0.5)  # the policy's ops magnify a level (posterize, solarize): test_device_policy.py

@@ -40,7 +40,7 @@ class Decoding:
     why: str = ""  # how the mode was chosen, for the start-up table
     library: str = "torchvision"  # gpu: the JPEG decoder of jpeg_decoders.JPEG_DECODERS
     library_why: str = ""
-    cpu_threads: int = 0  # gpu: host threads the library may use (0: its default); fewer than the process's cores
+    cores_per_process: int = 0  # gpu: the library's host threads are what the loader workers leave of these
     unused: str = ""  # cpu: a --gpu-decoder the command line named, which this mode leaves unused
 
     @classmethod
@@ -53,7 +53,7 @@ class Decoding:
         if mode == "cpu":
             return cls(mode, why, unused=gpu_decoder if gpu_decoder != "auto" else "")
         library, library_why = jpeg_decoders.choose(gpu_decoder, device)
-        return cls(mode, why, library, library_why, max(1, cores_per_process - 1))
+        return cls(mode, why, library, library_why, cores_per_process)
 
     @staticmethod
     def mode_for(requested: str, device: torch.device, cores_per_process: int, augment: Augment) -> tuple[str, str]:
@@ -87,12 +87,20 @@ class Decoding:
         """How a worker's samples become one batch."""
         return gpu_decode.collate if self.mode == "gpu" else pipeline.collate
 
-    def finisher(self, device: torch.device, warn: Callable[[str], None]) -> Optional[gpu_decode.BatchDecoder]:
-        """What the training process does with a batch before it trains on it (None: nothing)."""
+    def finisher(self, device: torch.device, warn: Callable[[str], None], workers: int
+                 ) -> Optional[gpu_decode.BatchDecoder]:
+        """What the training process does with a batch before it trains on it (None: nothing), beside `workers`
+        loader workers."""
         if self.mode != "gpu":
             return None
-        return gpu_decode.BatchDecoder(device, warn, jpeg_decoders.JPEG_DECODERS[self.library].make(device,
-                                                                                                self.cpu_threads))
+        return gpu_decode.BatchDecoder(device, warn, jpeg_decoders.JPEG_DECODERS[self.library].make(
+            device, self.library_threads(workers)))
+
+    def library_threads(self, workers: int) -> int:
+        """Host threads the JPEG library may decode on: the process's cores less its loader workers and the
+        thread that trains, at least one. nvImageCodec decodes on its calling thread as well, and its threads
+        and the workers share the process's cores: more of them would starve the workers that feed it."""
+        return max(1, self.cores_per_process - workers - 1)
 
     def warning(self, device: torch.device) -> Optional[str]:
         """What to say at start about this mode on this device."""

@@ -1,10 +1,11 @@
-"""Batches from the loader onto the device: copies on a side stream, --decode gpu's decoding thread, the steps'
-groups of micro-batches, and the time the loop waited for them."""
+"""Batches from the loader onto the device: copies on a side stream, --decode gpu's two threads (one decodes, one
+crops and augments), the steps' groups of micro-batches, and the time the loop waited for them."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import queue
 import threading
 import time
@@ -26,16 +27,15 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
     --decode gpu).
 
     Batches travel as uint8, a quarter of the bytes of float32 (or, under --decode gpu, as the files' bytes). On
-    CUDA the next batch's copy, or its whole decoding (`decoded_ahead`: a thread of its own, on the feeding
-    stream), runs while the current one trains; the training stream waits for it only when it gets there, and
-    the training thread does nothing per image. Other entries (sample indices) stay on the host, so reading them
-    never waits for the device.
+    CUDA the next batch's copy, or its whole decoding (`decoded_in_two_threads`), runs while the current one
+    trains; the training stream waits for it only when it gets there, and the training thread does nothing per
+    image. Other entries (sample indices) stay on the host, so reading them never waits for the device.
     """
     if decoder is not None:
         if reads_in_this_thread(batches):
             yield from (decoder(batch) for batch in batches)
             return
-        for staged, ready in decoded_ahead(batches, decoder, device):
+        for staged, ready in decoded_in_two_threads(batches, decoder, device):
             take_on_current_stream(staged, ready, device)
             yield staged
         return
@@ -57,6 +57,31 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
         yield ahead
 
 
+def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, device: torch.device
+                           ) -> Iterator[tuple[Batch, Optional[torch.cuda.Event]]]:
+    """`(batch, ready)` for each of the loader's batches, decoded by one thread (on the decoding stream) while
+    another queues the previous batch's crops, policy and erasing (on the feeding stream): the JPEG libraries
+    hold their calling thread until a batch is decoded (torchvision's waits for its own stream's whole decode,
+    nvImageCodec for the host's share of it), so a single thread would queue no crops meanwhile. Two
+    `decoded_ahead`s in a chain: the first alone reads the loader; the second waits on the device for each
+    decoded batch's event, and its errors and the first's reach the taker in order; closing it closes both."""
+    decoding = decoding_stream(device) if on_cuda(device) else None
+    decoded = decoded_ahead(batches, decoder.decoded, device, ahead=1, stream=decoding)
+    return decoded_ahead(decoded, after_event(decoder.finished, device), device)
+
+
+def after_event(prepare: Callable[[Any], Any], device: torch.device) -> Callable[[tuple[Any, Any]], Any]:
+    """`prepare` for the `(staged, ready)` pairs of another `decoded_ahead`: its work is queued on the calling
+    thread's stream after that stream waits for `ready` (on the device: the host does not wait)."""
+    def run(item: tuple[Any, Any]) -> Any:
+        staged, ready = item
+        if ready is not None:
+            torch.cuda.current_stream(device).wait_event(ready)
+        return prepare(staged)
+
+    return run
+
+
 def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
     """A loader without workers (--workers 0) reads and draws each sample in the thread that iterates it, and the
     draws of --decode gpu's policy seed torch's global generator (augment.Augment.draws), which the training
@@ -64,12 +89,30 @@ def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
     return isinstance(batches, DataLoader) and batches.num_workers == 0
 
 
+def on_cuda(device: torch.device) -> bool:
+    """Whether work for `device` is queued on CUDA streams, whose order events must keep: the one question the
+    feeding and decoding code asks of a device for that, so that the stream-discipline audit (tests) can answer
+    it yes for CPU tensors and check the order with recording streams."""
+    return device.type == "cuda"
+
+
 @functools.cache
 def feeding_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that copies, decodes and augments batches for `device`: made once per process (not per epoch
+    """The stream that copies, crops and augments batches for `device`: made once per process (not per epoch
     or validation pass), at high priority, so that its short kernels are scheduled ahead of the training
     stream's queue instead of waiting behind a whole forward and backward."""
     return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into the device's range
+
+
+@functools.cache
+def decoding_stream(device: torch.device) -> torch.cuda.Stream:
+    """The stream --decode gpu's decoding thread decodes on (nvImageCodec's kernels, torchvision's wait for its
+    own stream), beside the feeding stream: the crops of one batch and the decode of the next are queued by two
+    threads, and the decoders' own host waits (nvImageCodec waits for its previous batch) see only decoding.
+    High priority as the feeding stream; once per process. torch hands out streams from a pool of 32 per
+    priority, round robin: this one is another than the feeding stream unless 31 more were made in between, and
+    the order of their work holds even then (events between them become no-ops)."""
+    return torch.cuda.Stream(device, priority=-1)
 
 
 def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
@@ -86,15 +129,17 @@ def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], dev
 _DONE = object()
 
 
-def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2
-                  ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
+def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2,
+                  stream: Optional[torch.cuda.Stream] = None) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
     """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
-    are taken; on CUDA on the feeding stream, whose event `ready` the taker waits for (None on a CPU). Its
-    errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
-    for it, so the loader is never read by two threads."""
+    are taken; on CUDA on `stream` (the feeding stream unless given), whose event `ready` the taker waits for
+    (None on a CPU). Its errors (a corrupt image) are raised here, in order; closing this generator stops the
+    thread and waits for it, so the loader is never read by two threads. A generator it reads (another
+    decoded_ahead) is closed by its thread when it stops."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
-    stream = feeding_stream(device) if device.type == "cuda" else None
+    if on_cuda(device) and stream is None:
+        stream = feeding_stream(device)
 
     def hand_over(item: Any) -> None:
         while not stop.is_set():
@@ -107,6 +152,8 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
     def work() -> None:
         try:
             with contextlib.ExitStack() as scope:
+                if inspect.isgenerator(batches):  # closed last, in the thread that iterated it
+                    scope.callback(batches.close)
                 if stream is not None:  # the current device and stream are per thread
                     scope.enter_context(torch.cuda.device(device))
                     scope.enter_context(torch.cuda.stream(stream))

@@ -5,11 +5,11 @@ A worker reads the file, parses its header for the size, and draws the crop, the
 and magnitudes and the erased box from the sample's own random stream, exactly as the CPU path draws them
 (pipeline.TrainDataset; augment.Augment.draws), so the augmentation contract holds: the same choices for the same
 (seed, epoch, index). It hands over the bytes and those choices as numbers (`EncodedBatch`: one tensor of
-bytes, one row of view numbers per image, the policy's tensors). The training process, in a thread of its own
-(feed.decoded_ahead), decodes the batch with one batched nvJPEG call (torchvision's `decode_jpeg`), then crops,
-resizes and flips every image at once (device_crops.py), then runs the policy and erasing on the sub-batches
-that drew each operation (device_policy.py): a fixed number of operators per batch, none per image, and no
-random draw in the training process.
+bytes, one row of view numbers per image, the policy's tensors). The training process decodes the batch with one
+batched call of the JPEG library (jpeg_decoders) in a thread of its own, while another thread crops, resizes and
+flips the previous batch's images at once (device_crops.py), then runs the policy and erasing on the sub-batches
+that drew each operation (device_policy.py) (feed.decoded_in_two_threads): a fixed number of operators per
+batch, none per image, and no random draw in the training process.
 
 Validation batches take the same way with the reference's view of each image (pixels.CentreCrop): the whole
 image resized and centre-cropped, in float32 and rounded: the CPU path's pixels within a level where the decoders
@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import device_crops, jpeg_decoders
+from imagenet_elastic.data import device_crops, feed, jpeg_decoders
 from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
@@ -191,8 +191,9 @@ class BatchDecoder:
     """The training process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
     N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), cropped, augmented and erased
     as the workers drew; labels on the device too, sample indices left on the host. It draws nothing at random,
-    so it runs in a thread of its own (feed.decoded_ahead), on that thread's stream. Works on CPU tensors too
-    (`device` cpu), which is how the tests run it."""
+    so it runs beside the training thread, in two halves (feed.decoded_in_two_threads): `decoded` in one thread,
+    `finished` in another, each on that thread's stream. Works on CPU tensors too (`device` cpu), which is how
+    the tests run it."""
 
     def __init__(self, device: torch.device, warn: Callable[[str], None],
                  jpeg: Optional[jpeg_decoders.JpegDecoder] = None) -> None:
@@ -202,19 +203,32 @@ class BatchDecoder:
         self.held = Held()  # the decoded images, until the kernels that read them have run
 
     def __call__(self, batch: Batch) -> Batch:
-        encoded: EncodedBatch = batch.images
-        images = self.crops(encoded)
-        if encoded.policy is not None:
-            encoded.policy.to(self.device).apply(images)
-        return Batch(images, batch.labels.to(self.device, non_blocking=True), batch.indices)
+        return self.finished(self.decoded(batch))
 
-    def crops(self, encoded: EncodedBatch) -> torch.Tensor:
+    def decoded(self, batch: Batch) -> tuple[Batch, list[Optional[torch.Tensor]]]:
+        """The first half: the batch, and the JPEGs the device decodes (in `device_decodable`'s order) decoded by
+        one call of the library. Touches nothing `finished` does, so the two run in two threads."""
+        encoded: EncodedBatch = batch.images
+        pieces = encoded.pieces()
+        return batch, self.decode_on_device([pieces[i] for i in device_decodable(encoded)])
+
+    def finished(self, decoded: tuple[Batch, list[Optional[torch.Tensor]]]) -> Batch:
+        """The second half: `decoded`'s images cropped, augmented and erased, the labels on the device."""
+        batch, images = decoded
+        encoded: EncodedBatch = batch.images
+        crops = self.crops(encoded, images)
+        if encoded.policy is not None:
+            encoded.policy.to(self.device).apply(crops)
+        return Batch(crops, batch.labels.to(self.device, non_blocking=True), batch.indices)
+
+    def crops(self, encoded: EncodedBatch, decoded: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
         """N x size x size x 3 uint8 on the device: every image decoded, cropped, resized and flipped, those the
-        device cannot decode by the CPU path."""
+        device cannot decode by the CPU path. `decoded`: `decoded`'s images, when already decoded."""
         self.held.release_finished()
         pieces, fallbacks = encoded.pieces(), dict(encoded.fallbacks)
-        wanted = [i for i in range(len(encoded)) if i not in fallbacks]
-        decoded = self.decode_on_device([pieces[i] for i in wanted])
+        wanted = device_decodable(encoded)
+        if decoded is None:
+            decoded = self.decode_on_device([pieces[i] for i in wanted])
         on_device = [(i, image) for i, image in zip(wanted, decoded) if image is not None]
         cpu: dict[int, torch.Tensor] = {i: encoded.pixels(i) for i in fallbacks}
         for i, image in zip(wanted, decoded):
@@ -242,9 +256,12 @@ class BatchDecoder:
     def hold(self, decoded: list[torch.Tensor]) -> None:
         """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner,
         their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
-        each operator before the next, so nothing is left to read them there."""
-        if self.device.type == "cuda":
-            self.held.keep(decoded, torch.cuda.current_stream(self.device).record_event())
+        each operator before the next, so nothing is left to read them there. The event blocks the thread that
+        waits for it (Held's limit) instead of spinning a core beside the loader workers."""
+        if feed.on_cuda(self.device):
+            read = torch.cuda.Event(blocking=True)
+            torch.cuda.current_stream(self.device).record_event(read)
+            self.held.keep(decoded, read)
 
     def index(self, rows: list[int]) -> torch.Tensor:
         return self.to_device(torch.tensor(rows, dtype=torch.int64))
@@ -267,10 +284,15 @@ class BatchDecoder:
                       "(said once for each kind of image)")
 
 
+def device_decodable(encoded: EncodedBatch) -> list[int]:
+    """The positions of the images the device decodes: those the worker did not decode itself."""
+    return [i for i in range(len(encoded)) if i not in encoded.fallbacks]
+
+
 class Held:
     """Device tensors kept alive until the kernels queued to read them have run: an event recorded after those
     kernels says when (`release_finished` asks without waiting). Past `limit` batches held, the oldest is waited
-    for: the decoding thread is then that far ahead of the device, and memory must not grow without bound."""
+    for: the thread that crops is then that far ahead of the device, and memory must not grow without bound."""
 
     def __init__(self, limit: int = 4) -> None:
         self.limit = limit

@@ -7,10 +7,13 @@ nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as l
 from the CPU path on photos. `auto` takes nvimgcodec where it is installed and decodes on this device, else
 torchvision, and the start-up table says which and why.
 
-Both decode on the calling thread's current stream (the decoding thread's, feed.feeding_stream) and run on CPU
-tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend: libjpeg-turbo), which is how the tests run
-them. Each returns C x H x W uint8 images, None for an image it rejects (the batch decoder then takes the CPU
-path for it), and raises an out-of-memory error when the device is full (raise_if_out_of_memory).
+Both leave their images ready on the calling thread's current stream (the decoding thread's,
+feed.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
+`empty_cache` see them), and run on CPU tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend:
+libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images, None for an image it rejects
+(the batch decoder then takes the CPU path for it), and raises an out-of-memory error when the device is full
+(raise_if_out_of_memory). Both hold the calling thread: torchvision until its whole decode has run on the device,
+nvImageCodec until its share on the host is done (the device's runs on after it returns).
 """
 
 from __future__ import annotations
@@ -55,13 +58,19 @@ class TorchvisionJpeg:
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         import torch
 
+        from imagenet_elastic.data import feed
+
         self.device = device
         # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
-        # that does not wait for the current one (pytorch/vision#9606): memory freed on the current stream while
-        # kernels queued there still read it could be written over. Its outputs are therefore allocated on a
-        # stream of their own, where nothing else is allocated, and kept until the kernels that read them have
-        # run (gpu_decode.Held), instead of the host waiting for the stream before every decode.
-        self.alloc_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        # (one of the normal-priority pooled streams) that does not wait for the current one (pytorch/vision#9606):
+        # memory freed on the current stream while kernels queued there still read it could be written over. Its
+        # outputs are therefore allocated on a stream where only they are allocated, and kept until the kernels
+        # that read them have run (gpu_decode.Held). torch.cuda.Stream is not a stream of its own: torch hands
+        # out each priority's 32 pooled streams round robin to every caller in the process (NCCL's come from the
+        # normal-priority pool). This one comes from the high-priority pool, which the feeding and decoding
+        # streams alone draw on here, and before each decode the thread waits (blocking, not spinning) for what
+        # is queued on it: nothing, unless another part of the process was handed the same stream.
+        self.alloc_stream = torch.cuda.Stream(device, priority=-1) if feed.on_cuda(device) else None
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         try:
@@ -84,6 +93,9 @@ class TorchvisionJpeg:
 
         if self.alloc_stream is None:
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        drained = torch.cuda.Event(blocking=True)
+        self.alloc_stream.record_event(drained)
+        drained.synchronize()
         work = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
             decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
@@ -94,7 +106,13 @@ class TorchvisionJpeg:
 class NvImageCodecJpeg:
     """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling,
     the hardware JPEG engines where the GPU has them), on the CPU its libjpeg-turbo backend. It reports a rejected
-    image as None in place, so one bad image costs no second pass."""
+    image as None in place, so one bad image costs no second pass.
+
+    It decodes into memory torch allocates: left to itself it takes each image from CUDA's default memory pool
+    (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
+    cannot see, and which gives memory back to the device at every synchronisation. Each batch is one uint8
+    tensor of the images' bytes back to back, allocated on the current stream (the one the decode runs on);
+    each image is an H x W x 3 view of it, handed to the library as the image to decode into."""
 
     name = "nvimgcodec"
 
@@ -105,13 +123,16 @@ class NvImageCodecJpeg:
 
     def make_decoder(self) -> None:
         nvimgcodec = import_nvimgcodec()
+        # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said rather than left to the library's
+        # default: nvImageCodec 0.8's Python decoder turned it off unless asked, 0.9's extensions turn it on
+        options = ":fancy_upsampling=1"
         if self.device.type == "cuda":
             self.decoder = nvimgcodec.Decoder(device_id=device_index(self.device),
-                                              max_num_cpu_threads=self.cpu_threads)
+                                              max_num_cpu_threads=self.cpu_threads, options=options)
         else:
             self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                               max_num_cpu_threads=self.cpu_threads,
-                                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)])
+                                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)], options=options)
         # the file's pixels as stored: it would turn them by their EXIF orientation, which the CPU path (PIL,
         # libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
@@ -121,13 +142,27 @@ class NvImageCodecJpeg:
 
         if self.decoder is None:
             self.make_decoder()
-        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
-        try:  # the images are ready on `stream`: its later kernels see them, the host waits for nothing
-            images = self.decoder.decode([d.numpy() for d in data], params=self.params, cuda_stream=stream)
+        nvimgcodec = import_nvimgcodec()
+        on_gpu = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device).cuda_stream if on_gpu else 0
+        headers = [parsed(nvimgcodec, d) for d in data]  # None: a header it cannot read
+        kept = [i for i, header in enumerate(headers) if header is not None]
+        sizes = [headers[i][1:] for i in kept]
+        try:
+            whole = torch.empty(sum(h * w * 3 for h, w in sizes), dtype=torch.uint8, device=self.device)
+            into = [view.view(h, w, 3) for view, (h, w) in zip(whole.split([h * w * 3 for h, w in sizes]), sizes)]
+            # the same stream as the decode's, or the library would make the host wait for the images' stream
+            targets = [nvimgcodec.as_image(t if on_gpu else t.numpy(), cuda_stream=stream) for t in into]
+            images = self.decoder.decode([headers[i][0] for i in kept], images=targets, params=self.params,
+                                         cuda_stream=stream) if kept else []
         except RuntimeError as error:
             raise_if_out_of_memory(error, len(data))
             raise
-        return [None if image is None else self.tensor(image).permute(2, 0, 1) for image in images]
+        results: list[Optional[torch.Tensor]] = [None] * len(data)
+        for i, target, image in zip(kept, into, images):
+            if image is not None:  # the library's own memory, should it not have decoded into ours
+                results[i] = target if image_address(image) == target.data_ptr() else self.tensor(image)
+        return [None if image is None else image.permute(2, 0, 1) for image in results]
 
     def tensor(self, image) -> torch.Tensor:
         """The decoded H x W x 3 image as a tensor over nvImageCodec's memory (kept alive by the tensor)."""
@@ -140,6 +175,23 @@ class NvImageCodecJpeg:
         with warnings.catch_warnings():  # read-only: the image is only read (device_crops copies it)
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.asarray(image))
+
+
+def parsed(nvimgcodec, data: torch.Tensor) -> Optional[tuple[object, int, int]]:
+    """nvImageCodec's code stream of one image's bytes, its height and width; None when it cannot read the header
+    (the batch decoder then tries the CPU path, which names a corrupt file)."""
+    try:
+        stream = nvimgcodec.CodeStream(data.numpy())
+        return stream, stream.height, stream.width
+    except (RuntimeError, ValueError):
+        return None
+
+
+def image_address(image) -> int:
+    """Where an nvImageCodec image's pixels are, on the device or the host."""
+    interface = image.__cuda_array_interface__ if image.buffer_kind.name == "STRIDED_DEVICE" else \
+        image.__array_interface__
+    return interface["data"][0]
 
 
 # How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG

@@ -142,7 +142,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     workers = args.workers if args.workers is not None else decoding.default_workers(cores, env.local_world_size)
     if decoding.warning(device):
         console.warn(decoding.warning(device))
-    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True))
+    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), workers)
     loaders = []
     pinned = device.type == "cuda"
     batch = pipeline.batch_bytes(args.batch_size, prep.crop, decoding.mode == "gpu")

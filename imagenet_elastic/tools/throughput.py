@@ -243,7 +243,7 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment, args.gpu_decoder)
     loader = ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment)
-    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr))
+    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr), workers)
     batches = device_batches(endless(loader), ctx.input.device, decoder)
     try:
         rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))

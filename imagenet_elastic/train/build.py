@@ -257,7 +257,7 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
     change = decoding.change_from(training.saved_decoding)
     if change is not None:
         warn_differences(config, console, [change])
-    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True))
+    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True), workers)
     train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
                                                 config.augment),
                               training.sampler, workers, pin, ignored, decoding.collate, prefetch)
