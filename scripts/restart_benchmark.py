@@ -25,7 +25,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RUN = ["--image-size", "32", "--batch-size", "2", "--global-batch-size", "8", "--workers", "1", "--amp", "none",
        "--max-steps-per-epoch", "1", "--log-interval", "1", "--threads", "1"]
 PARTS = re.compile(r"process started ([\d.]+) s after it, imports ([\d.]+) s, build steps ([\d.]+) s "
-                   r"\(checkpoint load ([\d.]+) s\), first step ([\d.]+) s")
+                   r"\(checkpoint load ([\d.]+) s[^)]*\), first step ([\d.]+) s")
 
 
 def train(args: list[str], procs: int, env: dict[str, str]) -> tuple[float, str]:

@@ -2,22 +2,25 @@
 after one warning, under DDP too; torch's compile caches kept beside the checkpoints, loaded only when they match,
 a damaged file one warning; what compiling cost, in the start-up table and the restart line.
 
-Real inductor compiles take 20-60 s on these CPUs (tests/test_training.py has the one real run): here dynamo traces
-for real, with the `eager` backend or one that fails, and torch's Mega-Cache calls are replaced by stand-ins that
-keep what they are given (a real save-and-load round trip compiles for 40 s, then again for 20 s)."""
+Real inductor compiles take 20-60 s on these CPUs: here dynamo traces for real, with the `eager` backend or one that
+fails, and torch's Mega-Cache calls are replaced by stand-ins that keep what they are given. The real round trip, a
+small model compiled by inductor in three processes with empty local caches, is the one `slow` test at the end
+(tests/test_training.py compiles test_resnet once)."""
 
 from __future__ import annotations
 
 import gc
 import importlib
 import re
+import subprocess
+import sys
 from collections import defaultdict
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.distributed as dist
-from conftest import SMALL_RUN, load_checkpoint
+from conftest import REPO, SMALL_RUN, child_env, load_checkpoint
 from inprocess import command
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -219,6 +222,7 @@ class FakeMegaCache:
 
     def load(self, blob: bytes):
         self.loaded.append(blob)
+        return SimpleNamespace(artifacts=defaultdict(list))  # torch's CacheInfo of what it loaded; None: nothing
 
 
 @pytest.fixture
@@ -277,12 +281,38 @@ def test_a_damaged_or_unreadable_cache_is_one_warning_and_a_cold_compile(tmp_pat
     cache = CompileCache(str(tmp_path), KEY, warned.append)
     cache.load()
     assert warned == [f"ignoring the compile cache {path} (its checksum does not match its contents): compiling "
-                      "from scratch"]
+                      "from scratch; rewritten once this run has compiled"]
     assert not cache.loaded and mega_cache.loaded == [] and "unreadable" in cache.state
     path.unlink()
     path.mkdir()  # a read the OS refuses
     CompileCache(str(tmp_path), KEY, warned.append).load()
     assert len(warned) == 2 and "Is a directory" in warned[1]
+
+
+def test_a_blob_torch_cannot_read_back_is_not_loaded_and_is_one_warning_without_torchs_traceback(tmp_path, capfd):
+    """A whole file (its checksum right) whose blob torch's own reader rejects: torch.compiler.load_cache_artifacts
+    logs a traceback and returns None (torch/compiler/_cache.py); that is no loaded cache, and one line."""
+    path = tmp_path / FILE_NAME
+    path.write_bytes(encode(KEY, b"not what torch.compiler.save_cache_artifacts wrote", ["inductor:a"]))
+    warned = []
+    cache = CompileCache(str(tmp_path), KEY, warned.append)
+    cache.load()
+    assert not cache.loaded and cache.state == f"{path} unreadable, ignored" and cache.known == frozenset()
+    assert len(warned) == 1 and warned[0].startswith(f"ignoring the compile cache {path} (torch could not read it: ")
+    assert warned[0].endswith("): compiling from scratch; rewritten once this run has compiled")
+    assert "Traceback" not in capfd.readouterr().err
+    compilation = Compilation(True, "--compile", "m", cache, pytest.fail, True)
+    compilation.module = SimpleNamespace(compile_seconds=3.0, failure=None, graphs_cached=(0, 2))
+    assert compilation.first_step().compiled == "cold cache: 0 of 2 Inductor graphs from the caches"
+
+
+def test_the_first_step_counts_no_cached_graphs_where_torch_counts_none(monkeypatch):
+    """Another backend, or a torch without Inductor's cache counters: the restart line leaves the count out."""
+    monkeypatch.setattr(torch._dynamo.utils, "counters", {})
+    assert compiling.graph_cache_counts() == (0, 0)
+    compilation = Compilation(True, "--compile", "m", None, pytest.fail, True)
+    compilation.module = SimpleNamespace(compile_seconds=3.0, failure=None, graphs_cached=(0, 0))
+    assert compilation.first_step().compiled == "cold cache"
 
 
 def test_a_refused_cache_write_is_one_warning_and_never_tried_again(tmp_path, mega_cache):
@@ -331,8 +361,9 @@ def test_a_compiled_run_keeps_its_caches_and_its_restart_loads_them_and_says_so(
     assert resumed.returncode == 0, resumed.stderr
     assert table_row(resumed.stdout) == f"True / on: --compile; compile cache loaded from {tmp_path / FILE_NAME}"
     assert mega_cache.loaded == [blob]
-    assert re.search(rf"first step [\d.]+ s after the checkpoint was written: .*, first step [\d.]+ s \(compile "
-                     rf"[\d.]+ s, cache loaded from {re.escape(str(tmp_path / FILE_NAME))}\)\n", resumed.stdout)
+    assert re.search(rf"first step [\d.]+ s after the checkpoint was written: .*\(checkpoint load [\d.]+ s, compile "
+                     rf"cache load [\d.]+ s\), first step [\d.]+ s \(compile [\d.]+ s, cache loaded from "
+                     rf"{re.escape(str(tmp_path / FILE_NAME))}; the step itself [\d.]+ s\)\n", resumed.stdout)
     assert "compile" not in first.stderr + resumed.stderr  # no warning of it (the one warning: epochs 1 -> 2)
 
 
@@ -374,8 +405,8 @@ def test_a_damaged_cache_file_costs_a_warning_not_the_run_nor_its_checkpoints(im
     assert resumed.returncode == 0, resumed.stderr
     assert [line for line in resumed.stderr.splitlines() if "compile" in line] == [
         f"warning: ignoring the compile cache {tmp_path / FILE_NAME} (not a compile cache of this program): "
-        "compiling from scratch"]
-    assert re.search(r"first step [\d.]+ s \(compile [\d.]+ s, cold cache\)", resumed.stdout)
+        "compiling from scratch; rewritten once this run has compiled"]
+    assert re.search(r"first step [\d.]+ s \(compile [\d.]+ s, cold cache; the step itself [\d.]+ s\)", resumed.stdout)
     assert (tmp_path / "epoch_0001.pt").read_bytes() == checkpoint and load_checkpoint(tmp_path / "last.pt")["step"]
 
 
@@ -393,3 +424,49 @@ def test_without_compile_nothing_compiles_and_no_cache_is_read_or_written(image_
     assert table_row(refused.stdout) == "True / off: --no-compile"
     assert "compile" not in re.search(r"first step .*", refused.stdout).group(0)
     assert not (tmp_path / FILE_NAME).exists()
+
+
+# ----------------------------------------------------------------------------- inductor, for real
+
+
+def compiled_run(args: list[str], caches) -> subprocess.CompletedProcess:
+    """The program with a small model (tests/compiled_small.py), compiled by inductor, in a process whose own compile
+    caches are in `caches` (a folder)."""
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "compiled_small.py"), *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not compile_cache.supported(), reason="this torch has no Mega-Cache")
+def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_file(image_folder, tmp_path):
+    """Inductor on the CPU, three processes one after another: the first compiles with empty local caches and writes
+    CHECKPOINTS/compile_cache.bin; the second resumes with new, empty local caches, and every graph Inductor would
+    compile comes from that file (its own count of FX graph cache hits, in the restart line); then a file whose blob
+    torch cannot read back is one warning, no traceback, a cold cache, and is rewritten."""
+    checkpoints = tmp_path / "ckpt"
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2", "--no-tensorboard",
+            "--compile", "--checkpoints-path", str(checkpoints), "--resume"]
+    compiled_run([*args, "--epochs", "1"], tmp_path / "first")
+    path = checkpoints / FILE_NAME
+    header, blob = decode(path.read_bytes())
+    assert any(a.startswith("inductor:") for a in header["artifacts"])
+
+    resumed = compiled_run([*args, "--epochs", "2"], tmp_path / "second")
+    restart = re.search(r"first step [\d.]+ s \(compile [\d.]+ s, (.*); the step itself", resumed.stdout).group(1)
+    served = re.fullmatch(rf"cache loaded from {re.escape(str(path))}: (\d+) of (\d+) Inductor graphs from the caches",
+                          restart)
+    assert served and int(served.group(1)) == int(served.group(2)) >= 2, restart  # forward and backward, at least
+    assert "compile" not in resumed.stderr
+
+    path.write_bytes(encode(header["key"], b"damaged" + blob[:64], header["artifacts"]))  # whole, but not torch's
+    damaged = compiled_run([*args, "--epochs", "3"], tmp_path / "second")  # the local caches the second one filled
+    warned = [line for line in damaged.stderr.splitlines() if "compile" in line]
+    assert len(warned) == 1 and warned[0].startswith(
+        f"warning: ignoring the compile cache {path} (torch could not read it: "), damaged.stderr
+    assert warned[0].endswith("): compiling from scratch; rewritten once this run has compiled")
+    assert "Traceback" not in damaged.stderr
+    assert re.search(r"\(compile [\d.]+ s, cold cache: \d+ of \d+ Inductor graphs from the caches; ", damaged.stdout)
+    assert decode(path.read_bytes())[1] != b"damaged" + blob[:64]  # rewritten, whole again

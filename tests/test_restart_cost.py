@@ -6,7 +6,7 @@ import subprocess
 import sys
 import time
 
-from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
+from imagenet_elastic.report.restart_cost import FirstStep, RestartCost, process_started_at
 
 
 def test_a_new_process_knows_when_it_started():
@@ -29,8 +29,20 @@ def test_the_report_splits_the_restart_into_its_parts():
     assert unknown.describe(108.75).startswith("first step 8.8 s after the checkpoint was written: build steps 1.5 s")
 
 
-def test_a_compiled_first_step_says_what_compiling_took_of_it_and_from_which_cache():
+def test_a_compiled_first_step_says_what_the_cache_load_and_compiling_took_and_what_the_step_itself_did():
     cost = RestartCost(resumed_at=100.0, started=103.0, began=106.5, built=108.0, load_seconds=0.25)
-    assert cost.describe(138.75, "compile 29.9 s, cache loaded from ckpt/compile_cache.bin").endswith(
-        "build steps 1.5 s (checkpoint load 0.25 s), first step 30.8 s (compile 29.9 s, cache loaded from "
-        "ckpt/compile_cache.bin)")
+    first = FirstStep(compile_seconds=29.9, compiled="cache loaded from ckpt/compile_cache.bin: 2 of 2 Inductor graphs "
+                      "from the caches", cache_load_seconds=0.4)
+    assert cost.describe(139.75, first).endswith(
+        "build steps 1.5 s (checkpoint load 0.25 s, compile cache load 0.40 s), first step 31.8 s (compile 29.9 s, "
+        "cache loaded from ckpt/compile_cache.bin: 2 of 2 Inductor graphs from the caches; the step itself 1.9 s)")
+
+
+def test_on_cuda_the_first_step_names_cudnns_autotuning_which_no_cache_keeps():
+    """The part a compile cache cannot remove: an eager ResNet-50's first step took 6.6 s on an H100."""
+    assert FirstStep(autotuned=True).describe(6.6) == "first step 6.6 s (eager, with cuDNN's autotuning, which no " \
+        "cache keeps)"
+    assert FirstStep(12.0, "cold cache", autotuned=True).describe(18.6) == (
+        "first step 18.6 s (compile 12.0 s, cold cache; the step itself 6.6 s, with cuDNN's autotuning, which no "
+        "cache keeps)")
+    assert FirstStep().describe(0.8) == "first step 0.8 s"  # eager on a CPU: nothing more to say

@@ -7,7 +7,9 @@ one blob, `torch.compiler.save_cache_artifacts()`, which `load_cache_artifacts` 
 where the next compile finds them. Rank 0 keeps that blob here, with the checkpoints every restart reads anyway;
 every rank loads it before its first compiled call.
 
-The file is only a cache: a missing, mismatched or unreadable one costs a cold compile, never the run. It is
+The file is only a cache: a missing, mismatched or unreadable one costs a cold compile, never the run (torch's
+`load_cache_artifacts` itself says a blob it cannot read by returning None, after logging its traceback: that is
+one warning line here, the file then rewritten once this run has compiled). It is
 keyed by what decides the graphs (torch and Triton versions, the device, the model and the settings that change
 its code); a file written under another key is left unread, and replaced once this run has compiled. Shapes are
 not in the key: torch's own keys tell a graph compiled for another batch or image size apart.
@@ -15,11 +17,14 @@ not in the key: torch's own keys tell a graph compiled for another batch or imag
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import importlib.metadata
 import json
+import logging
 import os
-from collections.abc import Iterable
+import time
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -90,6 +95,29 @@ def decode(data: bytes) -> tuple[dict[str, Any], bytes]:
     return header, blob
 
 
+@contextlib.contextmanager
+def torch_cache_log() -> Iterator[list[logging.LogRecord]]:
+    """What torch's Mega-Cache logs meanwhile (a failed load: a warning with its traceback), kept from the console."""
+    logger, records = logging.getLogger("torch.compiler._cache"), []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    propagate, logger.propagate = logger.propagate, False
+    logger.addHandler(handler)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = propagate
+
+
+def why_not_loaded(records: list[logging.LogRecord]) -> str:
+    """torch's reason for a blob it did not load, in a line: its exception's, else its message."""
+    for record in records:
+        if record.exc_info and record.exc_info[1] is not None:
+            return f"torch could not read it: {first_line(record.exc_info[1])}"
+    return f"torch could not read it: {records[0].getMessage()}" if records else "torch could not read it"
+
+
 def artifact_names(info: Any) -> frozenset[str]:
     """torch's CacheInfo as `type:key` names: what a blob holds, to tell whether a newer one holds more."""
     return frozenset(f"{kind}:{name}" for kind, names in getattr(info, "artifacts", {}).items() for name in names)
@@ -106,6 +134,7 @@ class CompileCache:
     warn: Callable[[str], None]
     state: str = "none yet"  # for the start-up table: loaded, none yet, ignored (why), unreadable, unsupported
     loaded: bool = False
+    load_seconds: Optional[float] = None  # reading a file that was there, and loading it into torch's caches
     known: frozenset[str] = field(default_factory=frozenset)  # the artifacts the file holds
     failed: bool = False  # a write failed: warned once, not tried again
 
@@ -119,29 +148,43 @@ class CompileCache:
         if not supported():
             self.state = f"unsupported by torch {torch.__version__} (no torch.compiler.save_cache_artifacts)"
             return
+        start = time.perf_counter()
         try:
             with open(self.path, "rb") as f:
-                header, blob = decode(f.read())
+                data = f.read()
         except FileNotFoundError:
             self.state = "none yet"
             return
-        except (OSError, ValueError) as error:
-            self.unreadable(error)
+        except OSError as error:
+            self.unreadable(error.strerror or first_line(error))
+            return
+        self.load_into_torch(data)
+        self.load_seconds = time.perf_counter() - start
+
+    def load_into_torch(self, data: bytes) -> None:
+        try:
+            header, blob = decode(data)
+        except ValueError as error:
+            self.unreadable(first_line(error))
             return
         if header["key"] != self.key:
             self.state = f"{self.path} ignored: written for {mismatch(header['key'], self.key)}"
             return
         try:
-            torch.compiler.load_cache_artifacts(blob)
-        except Exception as error:  # torch's own checks; a local cache folder it cannot write
-            self.unreadable(error)
+            with torch_cache_log() as records:
+                info = torch.compiler.load_cache_artifacts(blob)
+        except Exception as error:  # a local cache folder it cannot write
+            self.unreadable(first_line(error))
+            return
+        if info is None:  # torch/compiler/_cache.py: deserialize() logs the error and returns None
+            self.unreadable(why_not_loaded(records))
             return
         self.known = frozenset(header.get("artifacts", ()))
         self.state, self.loaded = f"loaded from {self.path}", True
 
-    def unreadable(self, error: BaseException) -> None:
-        text = error.strerror if isinstance(error, OSError) and error.strerror else first_line(error)
-        self.warn(f"ignoring the compile cache {self.path} ({text}): compiling from scratch")
+    def unreadable(self, why: str) -> None:
+        self.warn(f"ignoring the compile cache {self.path} ({why}): compiling from scratch; rewritten once this run "
+                  "has compiled")
         self.state = f"{self.path} unreadable, ignored"
 
     def collect(self) -> Optional[bytes]:

@@ -21,6 +21,7 @@ from torch import nn
 from imagenet_elastic.checkpoint.compile_cache import CompileCache
 from imagenet_elastic.errors import first_line
 from imagenet_elastic.launch import distributed
+from imagenet_elastic.report.restart_cost import FirstStep
 
 BACKEND: Any = "inductor"  # torch.compile's backend; tests put a stub here (inductor takes 20-60 s on their CPUs)
 TRITON_MIN_CAPABILITY = (7, 0)  # older GPUs: "Triton only supports devices of CUDA Capability >= 7.0"
@@ -61,6 +62,16 @@ def backward_compiled_with_forward() -> Any:
         yield
 
 
+def graph_cache_counts() -> tuple[int, int]:
+    """Inductor's FX graph cache hits and misses so far in this process (each compiled forward and backward graph is
+    one): how much of a compile its caches served. (0, 0) with another backend, or a torch that counts otherwise."""
+    try:
+        counted = importlib.import_module("torch._dynamo.utils").counters.get("inductor", {})
+    except (ImportError, AttributeError):
+        return 0, 0
+    return int(counted.get("fxgraph_cache_hit", 0)), int(counted.get("fxgraph_cache_miss", 0))
+
+
 def undoer(model: nn.Module) -> Callable[[], None]:
     """A call that puts back what a failed first compiled call may have changed: where the model's code has a graph
     break, the graph before it runs before the one after it compiles, updating batch norm's running statistics and
@@ -93,6 +104,7 @@ class CompiledOrEager(nn.Module):
         self.called = False
         self.failure: Optional[str] = None  # error_line of the failed compile
         self.compile_seconds: Optional[float] = None  # the first call: tracing and compiling, forward and backward
+        self.graphs_cached: tuple[int, int] = (0, 0)  # of the first call's graphs: from Inductor's cache, all of them
 
     @property
     def eager(self) -> nn.Module:
@@ -107,7 +119,7 @@ class CompiledOrEager(nn.Module):
             return self.compiled(*args, **kwargs)
         self.called = True
         undo = undoer(self.eager)
-        start = time.perf_counter()
+        start, (hits, misses) = time.perf_counter(), graph_cache_counts()
         try:
             with backward_compiled_with_forward():
                 out = self.compiled(*args, **kwargs)
@@ -121,6 +133,8 @@ class CompiledOrEager(nn.Module):
             undo()
             return self.eager(*args, **kwargs)
         self.compile_seconds = time.perf_counter() - start
+        now_hits, now_misses = graph_cache_counts()
+        self.graphs_cached = (now_hits - hits, now_hits - hits + now_misses - misses)
         return out
 
 
@@ -180,12 +194,19 @@ class Compilation:
         text = f"{'on' if self.enabled else 'off'}: {self.reason}"
         return text + (f"; compile cache {self.cache.state}" if self.cache is not None else "")
 
-    def first_step_cost(self) -> Optional[str]:
-        """The restart line's words for what compiling took of the first step, and whether the cache was warm."""
-        if self.module is None or self.module.compile_seconds is None:
-            return None
+    def first_step(self, autotuned: bool = False) -> FirstStep:
+        """The restart line's account of the first step: the compile cache's load (a build step), what compiling took
+        and how much Inductor's caches served of it, whether the cache was warm; `autotuned`: cuDNN timed its
+        algorithms in the step (cudnn.benchmark on CUDA), which no cache keeps."""
+        cache_load = self.cache.load_seconds if self.cache is not None else None
+        module = self.module
+        if module is None or module.compile_seconds is None:
+            return FirstStep(cache_load_seconds=cache_load, autotuned=autotuned)
         if self.fell_back:
-            return f"compile failed after {self.module.compile_seconds:.1f} s, eager"
-        warm = self.cache is not None and self.cache.loaded
-        return f"compile {self.module.compile_seconds:.1f} s, " + (
-            f"cache loaded from {self.cache.path}" if warm else "cold cache")
+            how = "failed, eager"
+        else:
+            hits, graphs = module.graphs_cached
+            warm = self.cache is not None and self.cache.loaded
+            how = (f"cache loaded from {self.cache.path}" if warm else "cold cache") + (
+                f": {hits} of {graphs} Inductor graphs from the caches" if graphs else "")
+        return FirstStep(module.compile_seconds, how, cache_load, autotuned)

@@ -28,7 +28,6 @@ import time
 from typing import Any, Callable, Optional
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_elastic.data.pipeline import Batch
@@ -38,7 +37,7 @@ from imagenet_elastic.launch import distributed
 from imagenet_elastic.train import memory_probe
 from imagenet_elastic.train.ddp_ledger import CollectiveLedger
 from imagenet_elastic.train.mixing import whole_pairs
-from imagenet_elastic.train.step import StepContext, accumulate, apply_gradients, train_step
+from imagenet_elastic.train.step import BufferCopy, StepContext, accumulate, apply_gradients, train_step
 
 AUTO = "auto"
 
@@ -136,7 +135,7 @@ class MicroBatches:
         """Before the first step: the copy of the buffers, and under DDP the ledger (ddp_ledger.py), whose hooks go
         in before DDP's first forward."""
         if self.buffers is None:
-            self.buffers = BufferCopy(ctx.model)
+            self.buffers = BufferCopy(ctx.model.buffers())
             if isinstance(ctx.model, DistributedDataParallel):
                 self.ledger = CollectiveLedger(ctx.model)
 
@@ -193,27 +192,6 @@ class MicroBatches:
         if self.slices != self.given:
             text += f"; the loader's micro-batches of {self.loader.micro_batch} regrouped"
         return text + "; a step or validation that runs out of memory is redone in halves (once per run each)"
-
-
-class BufferCopy:
-    """A copy of a model's buffers (BatchNorm's running statistics and counters), taken before every step and put
-    back when the step is redone: one multi-tensor copy per dtype, on the device, without waiting for it."""
-
-    def __init__(self, model: nn.Module) -> None:
-        self.groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
-        for buffer in model.buffers():
-            live, copies = self.groups.setdefault((buffer.device, buffer.dtype), ([], []))
-            live.append(buffer)
-            copies.append(torch.empty_like(buffer))
-
-    def keep(self) -> None:
-        for live, copies in self.groups.values():
-            torch._foreach_copy_(copies, live)
-
-    def restore(self) -> None:
-        with torch.no_grad():
-            for live, copies in self.groups.values():
-                torch._foreach_copy_(live, copies)
 
 
 # ------------------------------------------------------------------ the choice at start

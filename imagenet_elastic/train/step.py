@@ -35,7 +35,8 @@ class StepContext:
     distillation: Optional[Distillation] = None  # --teacher
 
     def __post_init__(self) -> None:
-        self.batch_norms = [m for m in self.model.modules() if isinstance(m, nn.modules.batchnorm._BatchNorm)]
+        self.running_stats = RunningStats([m for m in self.model.modules()
+                                           if isinstance(m, nn.modules.batchnorm._BatchNorm)])
 
     @property
     def parts(self) -> tuple[str, ...]:
@@ -66,26 +67,61 @@ def seed_micro_batch(seed: int, step: int, position: int) -> None:
     the global batch): a resumed step, or the same step at another world size, draws the same."""
     torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
 
-@contextlib.contextmanager
-def running_stats_frozen(batch_norms: list[nn.Module]) -> Iterator[None]:
-    """Batch norm normalises with the micro-batch's statistics but leaves its running averages alone.
+class BufferCopy:
+    """A copy of some buffers (BatchNorm's running statistics and counters), taken by `keep` and put back by
+    `restore`, in place (DDP keeps references to the buffers): one multi-tensor copy per device and dtype, on the
+    device, without waiting for it."""
 
-    Under DDP the running averages that survive are rank 0's (broadcast at every forward), i.e.
-    those of the global batch's first slice. Updating them from the first micro-batch only keeps
-    them the same at every world size, so an elastic run evaluates like an uninterrupted one. The
-    batch counter is put back too, or it would count micro-batches and differ between world sizes.
+    def __init__(self, buffers: Iterable[torch.Tensor]) -> None:
+        self.buffers = list(buffers)
+        self.groups: dict[tuple[torch.device, torch.dtype], tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        for buffer in self.buffers:
+            live, copies = self.groups.setdefault((buffer.device, buffer.dtype), ([], []))
+            live.append(buffer)
+            copies.append(torch.empty_like(buffer))
+
+    def keep(self) -> None:
+        for live, copies in self.groups.values():
+            torch._foreach_copy_(copies, live)
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for live, copies in self.groups.values():
+                torch._foreach_copy_(live, copies)
+
+
+class RunningStats:
+    """Batch norm normalises every micro-batch with that micro-batch's statistics, but only the first micro-batch of
+    each rank's share updates the running averages (`frozen` around the others).
+
+    Under DDP the running averages that survive are rank 0's (broadcast at a step's first forward), i.e. those of
+    the global batch's first slice. Updating them from the first micro-batch only keeps them the same at every world
+    size, so an elastic run evaluates like an uninterrupted one. The batch counter is put back too, or it would count
+    micro-batches and differ between world sizes.
+
+    Frozen means copied before and written back after, not the layers' momentum set to 0 meanwhile: a compiled
+    forward guards on the momentum, a float attribute (`fn._modules['1'].momentum == 0.1`), so every accumulating
+    run recompiled its model at the first step's second micro-batch (a minute on an H100, cold), and kept two graphs.
     """
-    saved = [(m.momentum, None if m.num_batches_tracked is None else m.num_batches_tracked.clone())
-             for m in batch_norms]
-    for m in batch_norms:
-        m.momentum = 0.0  # running = running * (1 - 0) + batch * 0: unchanged, exactly
-    try:
-        yield
-    finally:
-        for m, (momentum, count) in zip(batch_norms, saved):
-            m.momentum = momentum
-            if count is not None:
-                m.num_batches_tracked.copy_(count)  # in place: DDP keeps references to the buffers
+
+    def __init__(self, batch_norms: list[nn.Module]) -> None:
+        self.batch_norms = batch_norms
+        self.copy = BufferCopy(())
+
+    def buffers(self) -> list[torch.Tensor]:
+        return [b for m in self.batch_norms for b in (m.running_mean, m.running_var, m.num_batches_tracked)
+                if b is not None]
+
+    @contextlib.contextmanager
+    def frozen(self) -> Iterator[None]:
+        buffers = self.buffers()
+        if len(buffers) != len(self.copy.buffers) or any(a is not b for a, b in zip(buffers, self.copy.buffers)):
+            self.copy = BufferCopy(buffers)  # first use, or a module moved since (`.to()` makes new buffers)
+        self.copy.keep()
+        try:
+            yield
+        finally:
+            self.copy.restore()
 
 
 def micro_batch_loss(model: nn.Module, criterion: nn.Module, distillation: Optional[Distillation], images: torch.Tensor,
@@ -128,13 +164,14 @@ def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
         with contextlib.ExitStack() as stack:
             if not last and hasattr(ctx.model, "no_sync"):
                 stack.enter_context(ctx.model.no_sync())
-            if part.start % share:  # not the first micro-batch of the rank's share
-                stack.enter_context(running_stats_frozen(ctx.batch_norms))
+            frozen = part.start % share != 0  # not the first micro-batch of the rank's share
+            if frozen:
+                stack.enter_context(ctx.running_stats.frozen())
             with ctx.input.autocast():
                 loss, parts = micro_batch_loss(ctx.model, ctx.criterion, ctx.distillation, images, targets)
             weighted = loss * (len(batch) / share)  # x1.0 when there is one micro-batch: exact
-            if ctx.recomputes:  # the forward updated the running statistics; the recomputation must not again
-                stack.enter_context(running_stats_frozen(ctx.batch_norms))
+            if ctx.recomputes and not frozen:  # the forward updated the running statistics; the recomputation
+                stack.enter_context(ctx.running_stats.frozen())  # must not again
             ctx.scaler.scale(weighted).backward()
         total += parts * (len(batch) / share)
     return total

@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
+import torch
 from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
@@ -121,7 +122,8 @@ class Trainer:
         stepped, self.stepped = time.time(), True
         self.compilation.after_first_step()
         if self.restart_cost is not None:
-            self.console.info(self.restart_cost.describe(stepped, self.compilation.first_step_cost()))
+            autotuned = self.ctx.input.device.type == "cuda" and torch.backends.cudnn.benchmark
+            self.console.info(self.restart_cost.describe(stepped, self.compilation.first_step(autotuned)))
             self.restart_cost = None
 
     def fold(self, pending: PendingSteps) -> None:
