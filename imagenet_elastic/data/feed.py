@@ -9,19 +9,22 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
+from imagenet_elastic.data import jpeg_decoders
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.errors import one_line
 
 if TYPE_CHECKING:
     from imagenet_elastic.data.gpu_decode import BatchDecoder
 
 
-def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None
-                   ) -> Iterator[Batch]:
+def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None,
+                   out_of_memory: Optional[OutOfMemoryPolicy] = None) -> Iterator[Batch]:
     """The loader's batches with images and labels on `device` (decoded and augmented there first under
     --decode gpu).
 
@@ -29,13 +32,14 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
     CUDA the next batch's copy, or its whole decoding (`decoded_ahead`: a thread of its own, on the feeding
     stream), runs while the current one trains; the training stream waits for it only when it gets there, and
     the training thread does nothing per image. Other entries (sample indices) stay on the host, so reading them
-    never waits for the device.
+    never waits for the device. A decode that runs out of device memory is told to `out_of_memory` (see
+    `prepared`), which ends the run or has the same batch decoded again.
     """
     if decoder is not None:
         if reads_in_this_thread(batches):
-            yield from (decoder(batch) for batch in batches)
+            yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
             return
-        for staged, ready in decoded_ahead(batches, decoder, device):
+        for staged, ready in decoded_ahead(batches, decoder, device, out_of_memory=out_of_memory):
             take_on_current_stream(staged, ready, device)
             yield staged
         return
@@ -86,14 +90,17 @@ def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], dev
 _DONE = object()
 
 
-def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2
+def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2,
+                  out_of_memory: Optional[OutOfMemoryPolicy] = None
                   ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
     """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
     are taken; on CUDA on the feeding stream, whose event `ready` the taker waits for (None on a CPU). Its
     errors (a corrupt image) are raised here, in order; closing this generator stops the thread and waits
-    for it, so the loader is never read by two threads."""
+    for it, so the loader is never read by two threads. A batch that runs out of device memory is told to
+    `out_of_memory` here, in order, in the taking thread; the decoding thread waits for its answer, then
+    prepares the same batch again (see `prepared`)."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
-    stop = threading.Event()
+    stop, answered = threading.Event(), threading.Event()
     stream = feeding_stream(device) if device.type == "cuda" else None
 
     def hand_over(item: Any) -> None:
@@ -104,6 +111,15 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
             except queue.Full:
                 continue
 
+    def ask(batch: Any, line: str, again: bool) -> bool:
+        """The taking thread's answer to a batch that ran out of memory: False when it stopped instead."""
+        hand_over(OutOfMemoryMet(batch, line, again))
+        while not answered.wait(0.1):
+            if stop.is_set():
+                return False
+        answered.clear()
+        return True
+
     def work() -> None:
         try:
             with contextlib.ExitStack() as scope:
@@ -111,7 +127,9 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
                     scope.enter_context(torch.cuda.device(device))
                     scope.enter_context(torch.cuda.stream(stream))
                 for batch in batches:
-                    staged = prepare(batch)
+                    staged = prepared(prepare, batch, ask if out_of_memory is not None else None, device)
+                    if staged is _STOPPED:
+                        return
                     hand_over((staged, stream.record_event() if stream is not None else None))
                     if stop.is_set():  # closed: take no further batch from the loader
                         return
@@ -126,6 +144,10 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
             item = results.get()
             if item is _DONE:
                 return
+            if isinstance(item, OutOfMemoryMet):
+                out_of_memory(item.batch, item.line, item.again)  # raises, or the same batch is prepared again
+                answered.set()
+                continue
             if isinstance(item, BaseException):
                 raise item
             yield item
@@ -135,6 +157,42 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
             with contextlib.suppress(queue.Empty):
                 results.get(timeout=0.1)
         thread.join()
+
+
+OutOfMemoryPolicy = Callable[[Any, str, bool], Optional[bool]]  # (batch, the error's line, whether it failed before)
+_STOPPED = object()
+
+
+@dataclass(frozen=True)
+class OutOfMemoryMet:
+    """A batch the decoding thread ran out of device memory preparing, handed to the taking thread in order. It holds
+    the error's line, not the error: the failed attempt's tensors are freed with its traceback before the retry."""
+
+    batch: Any
+    line: str
+    again: bool  # the same batch ran out of memory before
+
+
+def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[OutOfMemoryPolicy],
+             device: torch.device) -> Any:
+    """`prepare(batch)`. A device out-of-memory error in it (torch's, or a JPEG decoder's, as
+    jpeg_decoders.device_out_of_memory tells them) goes to `out_of_memory(batch, line, again)`, which raises to end
+    the run, returns False to stop (`_STOPPED`), or else has the same batch prepared again, once the allocator has
+    returned what it caches to the device: no sample lost or repeated. Without `out_of_memory` the error is raised as
+    it came."""
+    again = False
+    while True:
+        try:
+            return prepare(batch)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if out_of_memory is None or not jpeg_decoders.device_out_of_memory(error):
+                raise
+            line = one_line(error)
+        if out_of_memory(batch, line, again) is False:
+            return _STOPPED
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        again = True
 
 
 class LoaderWaits:
