@@ -345,6 +345,22 @@ def test_a_decode_out_of_memory_under_auto_halves_that_step_as_its_own_error_wou
                     "run"]
 
 
+def test_a_validation_decode_out_of_memory_under_auto_halves_validations_batches_and_scores_every_image(
+        tmp_path, monkeypatch, capsys):
+    argv = [*AUTO, *DECODE_GPU, "--workers", "0"]  # decoded in the training thread: calls in the loaders' order
+    plain = run(tmp_path, "plain", argv)
+    capsys.readouterr()
+    DecodeRunsOutOfMemory(5).install(monkeypatch)  # the five training batches, then validation's first
+    failed = run(tmp_path, "failed", argv)
+    monkeypatch.undo()
+    assert_same_training(failed, plain)
+    assert failed["history"][0]["val_top1"] == plain["history"][0]["val_top1"]
+    assert failed["history"][0]["val_samples"] == plain["history"][0]["val_samples"] == 36
+    said = [line for line in capsys.readouterr().err.splitlines() if "out of memory" in line]
+    assert said == ["warning: rank 0: out of memory decoding a batch of 8 images for validation (CUDA out of memory. "
+                    "Tried to decode 8 images (injected)): validating in batches of 4 for the rest of the run"]
+
+
 def test_a_batch_whose_decode_runs_out_of_memory_again_alone_ends_the_run_in_one_line(tmp_path, monkeypatch):
     DecodeRunsOutOfMemory(2, 3).install(monkeypatch)  # the third step's batch, and its second decode
     with pytest.raises(OutOfMemoryAgain, match=r"^out of memory again decoding a batch of 8 images for training step "
