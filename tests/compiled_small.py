@@ -2,8 +2,8 @@
 for the test of torch's compile caches across processes (test_compile.py).
 
 `python tests/compiled_small.py ARGS` runs the program with ARGS (as `python -m imagenet_elastic ARGS`). Inductor
-then compiles the first step in ~20 s on two cores rather than test_resnet's ~90 s, 17 s of which were the probe (ten
-C++ builds into each empty cache folder, before any graph). Neither changes what the test shows: every process runs
+then compiles the first step several times faster than test_resnet's (docs/BENCHMARKS.md), the probe (C++ builds
+into each empty cache folder, before any graph) included. Neither changes what the test shows: every process runs
 this same model and code generation, and its graphs reach the next process through the checkpoints' cache file or not
 at all.
 """

@@ -1,12 +1,12 @@
 """What recompiles a compiled training run: the real training loop, its model compiled by AOTAutograd (the `aot_eager`
-backend: the graphs inductor would get, without its 20-60 s of C++ compiling on these CPUs), each graph counted as the
-backend receives it.
+backend: the graphs inductor would get, without its C++ compiling, slow on these CPUs), each compile counted by
+dynamo's compile id as the backend receives it.
 
-A recompile of a ResNet-50 costs about a minute on an H100 (cold): a run compiles one graph, and only a micro-batch of
-a new size makes another. The second size (micro-batches of unequal sizes in a step, or halved by --micro-batch auto)
-recompiles once, with the batch dimension symbolic (dynamo's automatic dynamic shapes), and that graph takes every
-later size: at most two graphs in any run. Marking the batch dynamic from the start would spare that one recompile at
-the cost of every run's graph being the general one."""
+A cold recompile costs as much as the first compile (docs/BENCHMARKS.md): a run compiles one graph, and only a
+micro-batch of a new size makes another. The second size (micro-batches of unequal sizes in a step, or halved by
+--micro-batch auto) recompiles once, with the batch dimension symbolic (dynamo's automatic dynamic shapes), and that
+graph takes every later size (but 1, which dynamo specializes): two graphs at most for one image size. Marking the
+batch dynamic from the start would spare that one recompile at the cost of every run's graph being the general one."""
 
 from __future__ import annotations
 

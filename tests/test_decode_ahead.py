@@ -1,5 +1,7 @@
 """`feed.decoded_ahead`: --decode gpu's thread that decodes ahead of the training thread; two of them in a chain
-(`feed.decoded_in_two_threads`): one decodes the next batch while the other queues the current one's crops."""
+(`feed.decoded_in_two_threads`): one decodes the next batch while the other queues the current one's crops; a
+batch that runs out of device memory in either (or in the training thread, `feed.prepared`), told to the
+training thread and decoded again."""
 
 from __future__ import annotations
 
@@ -9,8 +11,8 @@ import time
 import pytest
 import torch
 
-from imagenet_elastic.data.feed import decoded_ahead, decoded_in_two_threads
-from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.data.feed import decoded_ahead, decoded_in_two_threads, prepared
+from imagenet_elastic.errors import CorruptImageError, UserError
 
 CPU = torch.device("cpu")
 
@@ -147,3 +149,111 @@ def test_closing_the_two_threads_stops_both_and_takes_no_further_batch_from_the_
     batches.close()
     assert decode_threads() == []
     assert source.taken <= taken + 1
+
+
+class RunsOutOfMemory:
+    """A stand-in decoder: the device's out-of-memory error for the batches numbered in `failing`, as often as listed
+    there; every call recorded."""
+
+    def __init__(self, *failing: int) -> None:
+        self.failing, self.calls = list(failing), []
+
+    def __call__(self, batch: list) -> list:
+        number = batch[0].item()
+        self.calls.append(number)
+        if number in self.failing:
+            self.failing.remove(number)
+            raise torch.OutOfMemoryError(f"CUDA out of memory decoding batch {number} (injected)")
+        return batch
+
+
+@pytest.mark.parametrize("threaded", [True, False])
+def test_a_batch_that_ran_out_of_memory_is_told_in_order_and_decoded_again_none_lost_or_repeated(threaded):
+    told, decoder = [], RunsOutOfMemory(3)
+
+    def out_of_memory(batch: list, line: str, again: bool) -> None:
+        told.append((batch[0].item(), line, again, list(taken)))
+
+    taken: list[int] = []
+    if threaded:
+        batches = (staged for staged, _ in decoded_ahead(Source(6), decoder, CPU, out_of_memory=out_of_memory))
+    else:  # --workers 0: the training thread decodes (feed.device_batches)
+        batches = (prepared(decoder, batch, out_of_memory, CPU) for batch in Source(6))
+    for staged in batches:
+        taken.append(staged[0].item())
+    assert taken == [0, 1, 2, 3, 4, 5]
+    assert told == [(3, "CUDA out of memory decoding batch 3 (injected)", False, [0, 1, 2])]  # after the ones before
+    assert decoder.calls == [0, 1, 2, 3, 3, 4, 5]
+    assert decode_threads() == []
+
+
+def test_a_batch_that_runs_out_of_memory_again_is_told_so_and_what_the_taker_raises_ends_the_thread():
+    told = []
+
+    def out_of_memory(batch: list, line: str, again: bool) -> None:
+        told.append(again)
+        if again:
+            raise UserError("out of memory again")
+
+    with pytest.raises(UserError, match="^out of memory again$"):
+        for _ in decoded_ahead(Source(100), RunsOutOfMemory(1, 1), CPU, out_of_memory=out_of_memory):
+            pass
+    assert told == [False, True] and decode_threads() == []
+
+
+def test_without_a_policy_an_out_of_memory_error_is_raised_as_it_came():
+    with pytest.raises(torch.OutOfMemoryError, match="decoding batch 2"):
+        list(decoded_ahead(Source(5), RunsOutOfMemory(2), CPU))
+    with pytest.raises(torch.OutOfMemoryError, match="decoding batch 2"):
+        list(prepared(RunsOutOfMemory(2), batch, None, CPU) for batch in Source(5))
+
+
+def test_in_two_threads_either_halfs_out_of_memory_reaches_the_taker_in_order_and_that_half_runs_again():
+    """The decode (first thread) of batch 2 and the crops (second thread) of batch 4 run out of memory once each:
+    the training thread's policy hears of each after the batches before it, with the loader's batch, and each
+    half runs again on the same batch: none lost or repeated."""
+    told, taken, runs = [], [], {"decoded": [], "finished": []}
+
+    class OutOfMemoryOnce(Halves):
+        def run(self, half: str, k: int) -> None:
+            runs[half].append(k)
+            if (half, k) in (("decoded", 2), ("finished", 4)) and runs[half].count(k) == 1:
+                raise torch.OutOfMemoryError(f"CUDA out of memory in {half} of batch {k} (injected)")
+
+    def out_of_memory(batch, line: str, again: bool) -> None:
+        told.append((batch if isinstance(batch, int) else batch[0].item(), line, again, list(taken)))
+
+    for staged, _ in decoded_in_two_threads(Source(6), OutOfMemoryOnce(), CPU, out_of_memory):
+        taken.append(staged[0])
+    assert taken == [0, 1, 2, 3, 4, 5]
+    assert told == [(2, "CUDA out of memory in decoded of batch 2 (injected)", False, [0, 1]),
+                    (4, "CUDA out of memory in finished of batch 4 (injected)", False, [0, 1, 2, 3])]
+    assert runs == {"decoded": [0, 1, 2, 2, 3, 4, 5], "finished": [0, 1, 2, 3, 4, 4, 5]}
+    assert decode_threads() == []
+
+
+def test_in_two_threads_without_a_policy_an_out_of_memory_error_is_raised_as_it_came():
+    class OutOfMemory(Halves):
+        def run(self, half: str, k: int) -> None:
+            if (half, k) == ("decoded", 2):
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        list(decoded_in_two_threads(Source(5), OutOfMemory(), CPU))
+    assert decode_threads() == []
+
+
+def test_in_two_threads_a_policy_that_ends_the_run_ends_both_threads():
+    """The training thread's policy raises on the first thread's out-of-memory (the same batch failed again): the
+    error reaches the caller and both threads end, the first no longer waiting for an answer."""
+    class OutOfMemory(Halves):
+        def run(self, half: str, k: int) -> None:
+            if (half, k) == ("decoded", 1):
+                raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    def out_of_memory(batch, line: str, again: bool) -> None:
+        raise UserError("out of memory again")
+
+    with pytest.raises(UserError, match="^out of memory again$"):
+        list(decoded_in_two_threads(Source(100), OutOfMemory(), CPU, out_of_memory))
+    assert decode_threads() == []

@@ -2,7 +2,8 @@
 run here, where it does not by itself) and that it leaves no trace, the regrouping of the loader's micro-batches, a
 step redone in halves mid-run, validation in halves, the choice kept in the checkpoint and reused by a restart on
 the same kind of device (and probed again on another), exact kill-resume with a halved micro-batch, and the run's
-end, in one line, at a second out-of-memory error of a kind."""
+end, in one line, at a second out-of-memory error of a kind; --decode gpu's decode running out of memory (a stand-in
+decoder's error): a step's out-of-memory error under auto, one line without it."""
 
 from __future__ import annotations
 
@@ -16,9 +17,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_RUN, load_checkpoint
-from inprocess import in_memory, train
+from inprocess import command, in_memory, train
 from torch import nn
 
+from imagenet_elastic.data import gpu_decode
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
@@ -299,3 +301,81 @@ def test_a_device_that_fits_no_micro_batch_stops_the_run_in_one_line_before_the_
                                         r"training step of test_resnet on cpu$"):
         run(tmp_path, "run", [*AUTO, "--mixup-alpha", "0.2"], oom, monkeypatch)
     assert [size for _, size, _ in oom.seen] == [8, 4, 2]  # mixing's pairs: no micro-batch of one
+
+
+# ----------------------------------------------------------------------------- --decode gpu out of memory
+
+DECODE_GPU = ["--decode", "gpu", "--gpu-decoder", "torchvision"]  # on the CPU's tensors here
+
+
+class DecodeRunsOutOfMemory:
+    """--decode gpu's decoder (gpu_decode.BatchDecoder's device decode) raising the device's out-of-memory error at
+    the calls numbered `failing` (from 0: the training batches in order, then validation's)."""
+
+    def __init__(self, *failing: int) -> None:
+        self.failing, self.calls = set(failing), 0
+
+    def install(self, monkeypatch) -> None:
+        decode = gpu_decode.BatchDecoder.decode_on_device
+
+        def decode_on_device(decoder, images):
+            self.calls += 1
+            if self.calls - 1 in self.failing:
+                raise torch.OutOfMemoryError(f"CUDA out of memory. Tried to decode {len(images)} images (injected)")
+            return decode(decoder, images)
+        monkeypatch.setattr(gpu_decode.BatchDecoder, "decode_on_device", decode_on_device)
+
+
+@pytest.mark.parametrize("workers", ["1", "0"])  # decoded by a thread of its own; by the training thread
+def test_a_decode_out_of_memory_under_auto_halves_that_step_as_its_own_error_would_and_decodes_the_batch_again(
+        tmp_path, monkeypatch, capsys, workers):
+    argv = [*AUTO, *DECODE_GPU, "--workers", workers]
+    step_failed = run(tmp_path, "step", argv, OutOfMemoryAbove({2: 4}), monkeypatch)  # the third step's own error
+    capsys.readouterr()
+    decode = DecodeRunsOutOfMemory(2)  # the third step's batch
+    decode.install(monkeypatch)
+    decode_failed = run(tmp_path, "decode", argv)
+    monkeypatch.undo()
+    assert_same_training(decode_failed, step_failed)  # no sample lost or repeated, the step redone in halves
+    assert decode_failed["micro_batch"]["size"] == 4
+    assert decode_failed["history"][0]["val_samples"] == step_failed["history"][0]["val_samples"]
+    said = [line for line in capsys.readouterr().err.splitlines() if "out of memory" in line]
+    assert said == ["warning: rank 0: out of memory decoding a batch of 8 images for training step 3 (CUDA out of "
+                    "memory. Tried to decode 8 images (injected)): redone with micro-batches of 4, for the rest of the "
+                    "run"]
+
+
+def test_a_validation_decode_out_of_memory_under_auto_halves_validations_batches_and_scores_every_image(
+        tmp_path, monkeypatch, capsys):
+    argv = [*AUTO, *DECODE_GPU, "--workers", "0"]  # decoded in the training thread: calls in the loaders' order
+    plain = run(tmp_path, "plain", argv)
+    capsys.readouterr()
+    DecodeRunsOutOfMemory(5).install(monkeypatch)  # the five training batches, then validation's first
+    failed = run(tmp_path, "failed", argv)
+    monkeypatch.undo()
+    assert_same_training(failed, plain)
+    assert failed["history"][0]["val_top1"] == plain["history"][0]["val_top1"]
+    assert failed["history"][0]["val_samples"] == plain["history"][0]["val_samples"] == 36
+    said = [line for line in capsys.readouterr().err.splitlines() if "out of memory" in line]
+    assert said == ["warning: rank 0: out of memory decoding a batch of 8 images for validation (CUDA out of memory. "
+                    "Tried to decode 8 images (injected)): validating in batches of 4 for the rest of the run"]
+
+
+def test_a_batch_whose_decode_runs_out_of_memory_again_alone_ends_the_run_in_one_line(tmp_path, monkeypatch):
+    DecodeRunsOutOfMemory(2, 3).install(monkeypatch)  # the third step's batch, and its second decode
+    with pytest.raises(OutOfMemoryAgain, match=r"^out of memory again decoding a batch of 8 images for training step "
+                                               r"3, with no step beside it \(CUDA out of memory\. .*\); lower "
+                                               r"--batch-size, or decode in the loader workers \(--decode cpu\)$"):
+        run(tmp_path, "run", [*AUTO, *DECODE_GPU, "--workers", "1"])
+
+
+def test_without_auto_a_decode_out_of_memory_ends_the_run_in_one_line_naming_what_to_change(image_folder, tmp_path,
+                                                                                              monkeypatch):
+    DecodeRunsOutOfMemory(2).install(monkeypatch)
+    result = command([str(image_folder), *RUN, *DECODE_GPU, "--workers", "1", "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line]
+    assert errors == ["imagenet-elastic: error: out of device memory decoding a batch of 8 images for training "
+                      "step 3 (--decode gpu: CUDA out of memory. Tried to decode 8 images (injected)); lower "
+                      "--batch-size, or add --micro-batch auto to train in smaller micro-batches beside the decoding, "
+                      "or decode in the loader workers (--decode cpu)"], result.stderr

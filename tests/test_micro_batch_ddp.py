@@ -1,8 +1,9 @@
 """--micro-batch auto under DDP, two gloo processes: an out-of-memory error on one rank only, before DDP's forward,
-inside a micro-batch's forward or in the middle of the synchronising backward (gradient buckets already all-reduced),
-deadlocks no rank; every rank redoes the step with half the micro-batch and ends with the bits of a run that used
-the smaller micro-batch from that step on, and a second error ends every rank with one line (the step's own pieces,
-spawned; then the whole program under torchrun, with the error injected by tests/oom_injected.py)."""
+inside a micro-batch's forward, in the middle of the synchronising backward (gradient buckets already all-reduced),
+or in --decode gpu's decode of the step's batch (told before the step), deadlocks no rank; every rank redoes the
+step with half the micro-batch and ends with the bits of a run that used the smaller micro-batch from that step on,
+and a second error ends every rank with one line (the step's own pieces, spawned; then the whole program under
+torchrun, with the error injected by tests/oom_injected.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,9 @@ class Failure:
         self.micro = None
         self.launched = None  # gradient buckets this rank had all-reduced when the backward failed
         ddp = ctx.model
-        if where == "before DDP's forward":
+        if where == "decoding the step's batch":
+            pass  # told by `before`, as data/feed.py tells the decoder's error before the step that takes the batch
+        elif where == "before DDP's forward":
             ddp.register_forward_pre_hook(self.raise_in_forward)
         elif where == "in the second micro-batch's forward":
             ddp.module[3].register_forward_pre_hook(self.raise_in_forward)
@@ -96,9 +99,14 @@ class Failure:
 
     def before(self, step: int, micro: MicroBatches) -> None:
         self.step, self.micro = step, micro
+        if self.where == "decoding the step's batch" and self.due():
+            self.armed = False
+            micro.decode_failed("training", f"decoding a batch of 4 images for training step {step + 1}",
+                                "CUDA out of memory (injected, decoding)", again=False)
 
 
-WHERE = ("before DDP's forward", "in the second micro-batch's forward", "in the synchronising backward")
+WHERE = ("before DDP's forward", "in the second micro-batch's forward", "in the synchronising backward",
+         "decoding the step's batch")
 
 
 def worker(rank: int, port: int, out: str) -> None:
@@ -162,6 +170,9 @@ def test_an_out_of_memory_error_on_one_rank_is_redone_by_every_rank_with_half_th
     assert 0 < launched < buckets, f"the backward failed after {launched} of {buckets} buckets' all-reduces"
     assert "said" not in ranks[0] and len(ranks[1]["said"]) == len(WHERE)
     assert "redone with micro-batches of 2, on every rank" in ranks[1]["said"][0]
+    assert ranks[1]["said"][3] == ("out of memory decoding a batch of 4 images for training step 3 (CUDA out of memory "
+                                   "(injected, decoding)): redone with micro-batches of 2, on every rank, for the rest "
+                                   "of the run")
     again = "out of memory again in training step 3 with micro-batches of 4 (halved once already in this run)"
     assert ranks[1]["again"] == f"{again}: CUDA out of memory (injected); lower --batch-size"
     assert ranks[0]["again"] == f"{again}, on another rank"

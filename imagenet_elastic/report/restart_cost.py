@@ -1,8 +1,8 @@
 """What a restart cost, said once after its first step, part by part: the launcher noticing and
 starting the process, imports, the build steps (the checkpoint's load and the compile cache's among them), the first
 step: what compiling took of it and from which cache, and the rest, the step itself, which no cache shortens (on CUDA
-it includes cuDNN's autotuning: a 6.6 s first step of an eager ResNet-50 on an H100). A user whose restarts are slow
-sees which part to look at, and which part a cache could remove."""
+it includes cuDNN's autotuning, most of an eager restart's first step: docs/BENCHMARKS.md). A user whose restarts are
+slow sees which part to look at, and which part a cache could remove."""
 
 from __future__ import annotations
 

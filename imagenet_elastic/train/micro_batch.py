@@ -19,6 +19,12 @@ run, as one that keeps running out of memory has a cause that smaller micro-batc
 pass has no collective before its end: each rank halves its own validation batches. An out-of-memory error in the
 optimizer's step is not caught: the weights have changed by then, and smaller micro-batches would not help (the
 probe runs that step too).
+
+Under --decode gpu the decoding thread (data/feed.py) allocates beside the step it runs ahead of, and can run out of
+memory where the step alone fits. That error reaches the training thread with the batch, before the step that takes
+it: under --micro-batch auto it counts as that step's (`decode_failed`: the step halves its micro-batches, on every
+rank, and the batch is decoded again, nothing lost or repeated); without it the run ends in one line saying what to
+change.
 """
 
 from __future__ import annotations
@@ -44,6 +50,12 @@ AUTO = "auto"
 
 class OutOfMemoryAgain(UserError):
     """A second out-of-memory error of one kind of pass in a run (see the module's docstring)."""
+
+    every_rank = True
+
+
+class DecodeOutOfMemory(UserError):
+    """--decode gpu ran out of device memory decoding a batch, and nothing (no --micro-batch auto) makes room."""
 
     every_rank = True
 
@@ -104,6 +116,7 @@ class MicroBatches:
         self.validation_batch: Optional[int] = loader.micro_batch if auto else None  # None: the loader's, whole
         self.halved = {"training": False, "validation": False}
         self.buffers: Optional[BufferCopy] = None  # auto: made at the first step (`prepare`)
+        self.decoding: Optional[tuple[str, str]] = None  # a training batch's decode ran out of memory: (what, line)
         self.ledger: Optional[CollectiveLedger] = None
 
     def use(self, plan: BatchPlan) -> None:
@@ -122,9 +135,14 @@ class MicroBatches:
         self.prepare(ctx)
         while True:
             loss, error = self.attempt(ctx, regroup(batches, self.given, self.slices), seed, step)
-            if not distributed.agree([error is not None])[0]:  # under DDP: one flag, on the CPU control group
+            failed, decoding = distributed.agree([error is not None, self.decoding is not None])  # under DDP: on
+            if not (failed or decoding):  # the CPU control group
                 break
-            self.halve("training", f"in training step {step + 1} with micro-batches of {self.size}", error, self.size)
+            what = f"in training step {step + 1} with micro-batches of {self.size}"
+            if error is None and self.decoding is not None:
+                what, error = self.decoding
+            self.decoding = None
+            self.halve("training", what, error, self.size)
             self.buffers.restore()
             if self.ledger is not None:
                 self.ledger.reset()
@@ -155,6 +173,24 @@ class MicroBatches:
             self.ledger.settle()
         memory_probe.release_cached_memory(ctx.input.device)
         return None, failed
+
+    def decode_failed(self, kind: str, what: str, error: str, again: bool) -> None:
+        """--decode gpu ran out of device memory `what` (decoding a batch for `kind`: training or validation; `again`:
+        that batch did before); the batch is decoded again when this returns. Without --micro-batch auto the run ends
+        in one line. With it, the micro-batches halve to leave the decoding room, as after a step's out-of-memory
+        error: training's at the step that takes the batch (which every rank agrees on, then redoes in halves),
+        validation's at once. A batch that fails again, decoded with no step beside it, ends the run."""
+        if not self.auto:
+            raise DecodeOutOfMemory(f"out of device memory {what} (--decode gpu: {error}); lower --batch-size, or add "
+                                    "--micro-batch auto to train in smaller micro-batches beside the decoding, or "
+                                    "decode in the loader workers (--decode cpu)")
+        if again:
+            raise OutOfMemoryAgain(f"out of memory again {what}, with no step beside it ({error}); lower --batch-size, "
+                                   "or decode in the loader workers (--decode cpu)")
+        if kind == "validation":
+            self.halve("validation", what, error, self.validation_batch or 1)
+        elif self.decoding is None:  # another batch before that step: decoded again, the one halving to come
+            self.decoding = (what, error)
 
     def validation_failed(self, size: int, error: str) -> None:
         """Validation ran out of memory on a batch of `size`: its batches are halved for the rest of the run."""

@@ -101,7 +101,8 @@ class RunningStats:
 
     Frozen means copied before and written back after, not the layers' momentum set to 0 meanwhile: a compiled
     forward guards on the momentum, a float attribute (`fn._modules['1'].momentum == 0.1`), so every accumulating
-    run recompiled its model at the first step's second micro-batch (a minute on an H100, cold), and kept two graphs.
+    run recompiled its model at the first step's second micro-batch (as long as the first compile, cold:
+    docs/BENCHMARKS.md), and kept two graphs.
     """
 
     def __init__(self, batch_norms: list[nn.Module]) -> None:

@@ -3,6 +3,7 @@ the stop every rank agrees on."""
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Iterator
@@ -159,15 +160,23 @@ class Trainer:
         results: dict[str, Any] = {}
         for suffix, model in models.items():
             distributed.broadcast_buffers(model)
-            val = evaluate(self.ctx.input, model, self.on_device(self.loaders.val), self.config.val_flip_average,
-                           fit=self.training.micro)
+            val = evaluate(self.ctx.input, model, self.on_device(self.loaders.val, "validation"),
+                           self.config.val_flip_average, fit=self.training.micro)
             results.update({f"val_loss{suffix}": val.loss, f"val_top1{suffix}": val.top1,
                             f"val_top5{suffix}": val.top5})
             results["val_samples"] = val.samples
         return results
 
-    def on_device(self, loader: DataLoader) -> Iterator[Batch]:
-        return device_batches(loader, self.ctx.input.device, self.loaders.decoder)
+    def on_device(self, loader: DataLoader, kind: str = "training") -> Iterator[Batch]:
+        return device_batches(loader, self.ctx.input.device, self.loaders.decoder,
+                              functools.partial(self.decode_failed, kind))
+
+    def decode_failed(self, kind: str, batch: Batch, error: str, again: bool) -> None:
+        """--decode gpu ran out of device memory decoding `batch` for `kind` (the next training step, or validation):
+        micro_batch.MicroBatches.decode_failed ends the run, or makes room and has it decoded again."""
+        what = f"decoding a batch of {len(batch)} images for " + (
+            f"training step {self.state.step + 1}" if kind == "training" else "validation")
+        self.training.micro.decode_failed(kind, what, error, again)
 
     # ------------------------------------------------------------------ checkpoints and stopping
 
