@@ -9,7 +9,8 @@ torchvision, and the start-up table says which and why.
 
 Both decode on the calling thread's current stream (the decoding thread's, feed.feeding_stream) and run on CPU
 tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend: libjpeg-turbo), which is how the tests run
-them. Each returns C x H x W uint8 images, None for an image it rejects (the batch decoder then takes the CPU
+them. Each returns C x H x W uint8 images in any dense layout (nvImageCodec's H x W x C memory is permuted, a view:
+device_crops reads each image where it lies), None for an image it rejects (the batch decoder then takes the CPU
 path for it), and raises an out-of-memory error when the device is full (raise_if_out_of_memory).
 """
 
@@ -43,7 +44,8 @@ class JpegDecoder(Protocol):
     name: str
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device, None where rejected."""
+        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device (any dense layout), None where
+        rejected."""
 
 
 class TorchvisionJpeg:
@@ -127,6 +129,7 @@ class NvImageCodecJpeg:
         except RuntimeError as error:
             raise_if_out_of_memory(error, len(data))
             raise
+        # C x H x W over the H x W x C memory as it lies: a view (device_crops gathers any layout, copying nothing)
         return [None if image is None else self.tensor(image).permute(2, 0, 1) for image in images]
 
     def tensor(self, image) -> torch.Tensor:
