@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
@@ -111,3 +112,84 @@ def test_the_crops_of_32_images_take_as_many_operators_as_those_of_4():
             device_crops.crop_resize(decoded, views, 16)
         counts.append(counter.count)
     assert counts[0] == counts[1], counts
+
+
+FAR_APART = [(1200, 1600), (12, 9), (40, 500), (700, 30), (1, 1), (2, 3), (333, 444)]  # the last one small
+
+
+@pytest.mark.parametrize("interpolation", ["bilinear", "bicubic"])
+def test_images_of_very_different_sizes_are_cropped_as_each_alone(interpolation):
+    """Past each image's edge the canvas repeats that edge instead of zeros: the weights there are zero, so a small
+    image beside a large one has the crops it has alone, where its canvas is itself."""
+    decoded = images(5, FAR_APART)
+    _, _, views = train_views(decoded, 24, seed=5)
+    together = device_crops.crop_resize(decoded, views, 24, interpolation)
+    alone = [device_crops.crop_resize([image], views[i:i + 1], 24, interpolation) for i, image in enumerate(decoded)]
+    assert torch.equal(together, torch.cat(alone))
+
+
+def layouts(image: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One C x H x W image over memory in other orders (nvImageCodec's H x W x C, and H x C x W), and as a view with
+    gaps (a crop of a larger image)."""
+    larger = torch.zeros((3, image.shape[1] + 2, image.shape[2] + 5), dtype=torch.uint8)
+    larger[:, 1:-1, 3:-2] = image
+    return {"hwc": image.permute(1, 2, 0).contiguous().permute(2, 0, 1),
+            "hcw": image.permute(1, 0, 2).contiguous().permute(1, 0, 2), "gaps": larger[:, 1:-1, 3:-2]}
+
+
+@pytest.mark.parametrize("layout", ["hwc", "hcw", "gaps"])
+def test_an_image_in_any_layout_has_the_crops_of_its_c_h_w_copy(layout):
+    decoded = images(6)
+    _, _, views = train_views(decoded, 32, seed=6)
+    other = [layouts(image)[layout] for image in decoded]
+    assert not any(image.is_contiguous() for image in other)
+    assert torch.equal(device_crops.crop_resize(other, views, 32), device_crops.crop_resize(decoded, views, 32))
+
+
+def kernel_ops(decoded: list[torch.Tensor], views: torch.Tensor, size: int) -> int:
+    """The operators the profiler saw the crops dispatch, those inside others included, views apart (they launch
+    nothing)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        device_crops.crop_resize(decoded, views, size)
+    names = [event.name.split("::")[1] for event in profile.events() if event.name.startswith("aten::")]
+    return sum(1 for name in names if not any(getattr(getattr(torch.ops.aten, name), overload).is_view
+                                              for overload in getattr(torch.ops.aten, name).overloads()))
+
+
+def test_the_canvas_copies_no_image_on_its_own_whatever_their_count_or_layout():
+    """A nested tensor copied each image in an operator of its own, and an H x W x C one twice (made contiguous
+    first): a kernel per image on a GPU. Counted inside the operators, as the profiler sees them."""
+    counts = {}
+    for count, layout in ((4, "chw"), (32, "chw"), (32, "hwc")):
+        decoded = images(7, [SHAPES[k % len(SHAPES)] for k in range(count)])
+        decoded = decoded if layout == "chw" else [layouts(image)["hwc"] for image in decoded]
+        _, _, views = train_views(decoded, 16)
+        counts[count, layout] = kernel_ops(decoded, views, 16)
+    assert len(set(counts.values())) == 1, counts
+
+
+class IndexTypes(TorchDispatchMode):
+    """The dtypes of the positions index_select gathers by."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.index_select.default:
+            self.seen.append(args[2].dtype)
+        return func(*args, **(kwargs or {}))
+
+
+def test_the_canvas_positions_are_int32_unless_the_batch_holds_more_bytes_and_int64_gives_the_same_canvas(
+        monkeypatch):
+    decoded = images(8)
+    height, width = max(im.shape[1] for im in decoded), max(im.shape[2] for im in decoded)
+    with IndexTypes() as int32:
+        canvas = device_crops.padded_canvas(decoded, height, width)
+    monkeypatch.setattr(device_crops, "INT32_POSITIONS", sum(im.numel() for im in decoded) - 1)
+    with IndexTypes() as int64:
+        assert torch.equal(device_crops.padded_canvas(decoded, height, width), canvas)
+    assert int32.seen == [torch.int32] and int64.seen == [torch.int64]
+    for i, image in enumerate(decoded):
+        assert torch.equal(canvas[i, :, :image.shape[1], :image.shape[2]], image.float())

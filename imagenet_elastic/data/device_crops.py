@@ -16,7 +16,6 @@ crop of the resized image is the same computation with the whole image as the re
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -27,8 +26,10 @@ from imagenet_elastic.data.pixels import Box, CentreCrop, pixel_span
 # Half the filter's width at scale 1, as PyTorch's antialiased kernels have it (interp_size / 2).
 SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}
 CUBIC_A = -0.5  # PyTorch's antialiased bicubic filter (Pillow's), not the -0.75 of its plain bicubic
-# One canvas holds at most this many float32 pixels (1 GiB); a batch of larger images is resized in parts.
+# One canvas holds at most this many float32 pixels (1 GiB, and as much again for its int32 positions while it is
+# gathered); a batch of larger images is resized in parts.
 CANVAS_BUDGET = 1 << 28
+INT32_POSITIONS = (1 << 31) - 1  # the most image bytes a batch may hold for its canvas's positions to be int32
 
 
 @dataclass(frozen=True)
@@ -100,10 +101,11 @@ def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str)
 
 def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
                 interpolation: str = "bilinear") -> torch.Tensor:
-    """Decoded CHW uint8 images (any sizes, one device) and their (N, VIEW_FIELDS) float32 views (on that
-    device) -> N x size x size x 3 uint8, contiguous (channels_last as NCHW).
+    """Decoded C x H x W uint8 images (any sizes, one device, any dense layout: an H x W x C image permuted is
+    read where it lies) and their (N, VIEW_FIELDS) float32 views (on that device) -> N x size x size x 3 uint8,
+    contiguous (channels_last as NCHW).
 
-    The images are padded into one float32 canvas (torch.nested: one copy, one pad), then
+    The images are gathered into one padded float32 canvas (`padded_canvas`: one copy, no host wait), then
     out[n] = rows[n] @ image[n] @ columns[n]^T as two batched products whose operands are transposed views, so
     the result comes out in NHWC order with no copy in between. A batch whose canvas would exceed
     CANVAS_BUDGET is done in consecutive parts (a few images far larger than ImageNet's)."""
@@ -125,12 +127,42 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
 
 
 def padded_canvas(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
-    """The images as float32, zero-padded to height x width, in one tensor: N x C x height x width."""
-    with warnings.catch_warnings():  # "the PyTorch API of nested tensors is in prototype stage": this use is stable
-        warnings.simplefilter("ignore", UserWarning)
-        nested = torch.nested.as_nested_tensor(list(images))  # the images' bytes back to back: one copy
-    # converted as one buffer, then padded by one kernel (CUDA's own for float32; its generic one copies image by image)
-    return nested.to(torch.float32).to_padded_tensor(0.0, output_size=(len(images), images[0].shape[0], height, width))
+    """The images as float32 in one N x C x height x width tensor, each in its top-left corner.
+
+    One gather from all the images' bytes (one `cat` of each image's memory as it lies, whatever its layout), at
+    positions computed on the device from a small table of each image's offset, last row and column, and strides,
+    copied from pinned memory: the host waits for nothing and no image is copied on its own. (A nested tensor's
+    `to_padded_tensor` copies its sizes to the device from pageable memory, a host wait every batch, after a copy
+    per image to build it.) Past an image's last row or column the canvas repeats that edge: the resize weights
+    there are zero (`axis_weights`: none beyond the region, which lies inside the image), so the padding needs no
+    mask. Positions are int32 where the batch's bytes allow (`index_select` takes them as they are; half the
+    memory of int64)."""
+    device, channels = images[0].device, images[0].shape[0]
+    pieces, table, total = [], [], 0
+    for image in images:
+        memory = image.permute(sorted(range(3), key=image.stride, reverse=True))  # its dimensions in memory order
+        if not memory.is_contiguous():  # a view with gaps (no decoder's): copied on its own
+            image = memory = image.contiguous()
+        pieces.append(memory.view(-1))  # its bytes as they lie: a view
+        table.append([total, image.shape[1] - 1, image.shape[2] - 1, *image.stride()])
+        total += image.numel()
+    index_type = torch.int32 if total <= INT32_POSITIONS else torch.int64
+    start, last_row, last_column, channel, row, column = to_device(
+        torch.tensor(table, dtype=index_type), device).unbind(1)
+    rows = torch.arange(height, device=device, dtype=index_type).minimum(last_row[:, None]).mul_(row[:, None])
+    columns = torch.arange(width, device=device, dtype=index_type).minimum(last_column[:, None]).mul_(column[:, None])
+    planes = torch.arange(channels, device=device, dtype=index_type).mul(channel[:, None]).add_(start[:, None])
+    where = (planes[:, :, None] + rows[:, None, :])[..., None] + columns[:, None, None, :]  # N x C x H x W
+    flat = torch.cat(pieces).to(torch.float32)
+    return flat.index_select(0, where.view(-1)).view(len(images), channels, height, width)
+
+
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A small host tensor on `device` without the host waiting: on CUDA through pinned memory (a copy from
+    pageable memory waits for the stream)."""
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
 
 
 def canvas_parts(shapes: list[tuple[int, int]], budget: int = CANVAS_BUDGET) -> list[slice]:

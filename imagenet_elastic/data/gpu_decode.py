@@ -274,7 +274,8 @@ class BatchDecoder:
         return tensor.to(self.device, non_blocking=True)
 
     def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """The decoded images (C x H x W uint8), one batched call; None for each image the decoder rejects."""
+        """The decoded images (C x H x W uint8, in the library's layout), one batched call; None for each image the
+        decoder rejects."""
         return self.jpeg.decode(images) if images else []
 
     def report(self, path: str, reason: str) -> None:

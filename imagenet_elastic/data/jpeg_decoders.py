@@ -10,10 +10,11 @@ torchvision, and the start-up table says which and why.
 Both leave their images ready on the calling thread's current stream (the decoding thread's,
 feed.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
 `empty_cache` see them), and run on CPU tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend:
-libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images, None for an image it rejects
-(the batch decoder then takes the CPU path for it), and raises an out-of-memory error when the device is full
-(raise_if_out_of_memory). Both hold the calling thread: torchvision until its whole decode has run on the device,
-nvImageCodec until its share on the host is done (the device's runs on after it returns).
+libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images in any dense layout
+(nvImageCodec's H x W x C memory is permuted, a view: device_crops reads each image where it lies), None for an
+image it rejects (the batch decoder then takes the CPU path for it), and raises an out-of-memory error when the
+device is full (raise_if_out_of_memory). Both hold the calling thread: torchvision until its whole decode has run on
+the device, nvImageCodec until its share on the host is done (the device's runs on after it returns).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ class JpegDecoder(Protocol):
     name: str
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device, None where rejected."""
+        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device (any dense layout), None where
+        rejected."""
 
 
 class TorchvisionJpeg:
@@ -162,6 +164,7 @@ class NvImageCodecJpeg:
         for i, target, image in zip(kept, into, images):
             if image is not None:  # the library's own memory, should it not have decoded into ours
                 results[i] = target if image_address(image) == target.data_ptr() else self.tensor(image)
+        # C x H x W over the H x W x C memory as it lies: a view (device_crops gathers any layout, copying nothing)
         return [None if image is None else image.permute(2, 0, 1) for image in results]
 
     def tensor(self, image) -> torch.Tensor:

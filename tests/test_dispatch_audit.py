@@ -1,0 +1,328 @@
+"""The dispatch audit (tests/dispatch_audit.py) over the CUDA paths, on a CPU: --decode gpu's device path (the batch
+decoder with a stand-in JPEG library, the crops, the policy, device_batches in the decoding thread and in the
+training thread) and the training step (train_step, MicroBatches), with nothing the host waits for and as many
+operators at every batch size and decoder layout; and each rule failing on a defect of its kind."""
+
+from __future__ import annotations
+
+import random
+import warnings
+from dataclasses import replace
+from typing import Optional
+
+import pytest
+import torch
+from dispatch_audit import DEVICE, AuditFailure, FakeCuda, assert_counts_agree, fake_cuda
+
+from imagenet_elastic.data import device_crops, feed, gpu_decode, pixels
+from imagenet_elastic.data.augment import Draws
+from imagenet_elastic.data.device_policy import OPS
+from imagenet_elastic.data.model_input import ModelInput
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.train.loss import TrainLoss
+from imagenet_elastic.train.micro_batch import MicroBatches
+from imagenet_elastic.train.mixing import Mixer
+from imagenet_elastic.train.model import create_model
+from imagenet_elastic.train.optimizer import create_optimizer
+from imagenet_elastic.train.step import StepContext
+
+SHAPES = [(375, 500), (500, 333), (64, 120), (33, 33), (200, 150), (12, 300), (481, 640)]  # (height, width)
+MAGNITUDES = {"ShearX": 0.2, "ShearY": -0.2, "TranslateX": 5.0, "TranslateY": -3.0, "Rotate": 12.0, "Posterize": 4.0,
+              "Solarize": 0.5}
+SIZE = 32
+
+
+class StandInJpeg:
+    """A JPEG library on the fake device: each image of the batch as a decoder returns it, C x H x W over memory
+    in its own layout (`chw`: torchvision's; `hwc`: nvImageCodec's, permuted), made outside the audit as the
+    library's one call is."""
+
+    name = "stand-in"
+
+    def __init__(self, cuda: FakeCuda, layout: str) -> None:
+        self.cuda, self.layout, self.shapes = cuda, layout, []
+
+    def decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        shapes, self.shapes = self.shapes[:len(data)], self.shapes[len(data):]
+        with self.cuda.unaudited():
+            if self.layout == "chw":
+                return [torch.empty((3, h, w), dtype=torch.uint8, device=DEVICE) for h, w in shapes]
+            return [torch.empty((h, w, 3), dtype=torch.uint8, device=DEVICE).permute(2, 0, 1) for h, w in shapes]
+
+
+def encoded(count: int, seed: int = 0, fallback: bool = False) -> tuple[Batch, list[tuple[int, int]]]:
+    """A pinned batch of `count` encoded images of ImageNet's sizes and beyond, every operation of the policies
+    drawn at both stages whatever the count (it decides the operators), every other image erased; `fallback`:
+    the second one decoded by its worker (a PNG); and the shapes of those the device decodes."""
+    rng = random.Random(seed)
+    images, shapes = [], []
+    for i in range(count):
+        height, width = SHAPES[i % len(SHAPES)]
+        ops = tuple((OPS[(i + stage) % len(OPS)], MAGNITUDES.get(OPS[(i + stage) % len(OPS)], 0.3))
+                    for stage in range(2))
+        draws = Draws(ops, (2, 3, 10, 12) if i % 2 else None)
+        box = pixels.random_resized_crop_box(width, height, rng)
+        image = gpu_decode.EncodedImage(f"{i}.jpg", torch.zeros(64, dtype=torch.uint8), box, bool(i % 3), SIZE,
+                                        width, height, augment_seed=i, draws=draws)
+        if fallback and i == 1:
+            image = replace(image, data=torch.zeros((SIZE, SIZE, 3), dtype=torch.uint8), cpu_reason="a PNG file")
+        else:
+            shapes.append((height, width))
+        images.append(image)
+    batch = gpu_decode.collate([(image, i % 10, i) for i, image in enumerate(images)])
+    return batch.pin_memory(), shapes
+
+
+def decoder_on(cuda: FakeCuda, layout: str) -> gpu_decode.BatchDecoder:
+    return gpu_decode.BatchDecoder(DEVICE, lambda line: None, StandInJpeg(cuda, layout))
+
+
+def decode(decoder: gpu_decode.BatchDecoder, batch: Batch, shapes: list[tuple[int, int]]) -> Batch:
+    decoder.jpeg.shapes = list(shapes)
+    return decoder(batch)
+
+
+def audited_decoder_ops(count: int, layout: str, fallback: bool = False) -> int:
+    """The device operators of one batch through the batch decoder, after a first one that makes what later ones
+    reuse (device_policy's cached tensors)."""
+    with fake_cuda() as cuda:
+        decoder = decoder_on(cuda, layout)
+        with cuda.fake():
+            decode(decoder, *encoded(count, seed=1, fallback=fallback))
+        batch, shapes = encoded(count, fallback=fallback)
+        with cuda.audit() as audit:
+            out = decode(decoder, batch, shapes)
+        assert out.images.shape == (count, SIZE, SIZE, 3) and out.images.device.type == "cuda"
+    return audit.count
+
+
+def test_the_device_path_waits_for_nothing_in_as_many_operators_for_64_or_256_images_and_either_layout():
+    """The batch decoder's crops, policy (every operation at both stages) and erasing: no host wait, and one
+    count of device operators (the JPEG library's own call apart) whatever the batch size or the layout the
+    library decodes into (torchvision's C x H x W, nvImageCodec's H x W x C)."""
+    counts = {(count, layout): audited_decoder_ops(count, layout) for count in (64, 256) for layout in ("chw", "hwc")}
+    assert_counts_agree(counts)
+    assert 0 < counts[64, "chw"] < 500, counts  # 389 when written
+
+
+def test_a_batch_with_an_image_its_worker_decoded_waits_for_nothing_either():
+    """The fallback's way (pixels from the worker, copied in through pinned memory): a few more operators, as many
+    for 64 images as for 256."""
+    counts = {count: audited_decoder_ops(count, "hwc", fallback=True) for count in (64, 256)}
+    assert_counts_agree(counts)
+    assert counts[64] > audited_decoder_ops(64, "hwc"), counts
+
+
+@pytest.mark.parametrize("thread", ["decoding thread", "training thread"])
+def test_device_batches_wait_for_nothing_in_the_decoding_or_the_training_thread(monkeypatch, thread):
+    """feed.device_batches under --decode gpu, as loader workers feed it (a decoding thread of its own) and as a
+    loader without workers does (decoded in the training thread, where a wait stalls training itself)."""
+    monkeypatch.setattr(feed, "reads_in_this_thread", lambda batches: thread == "training thread")
+    with fake_cuda() as cuda:
+        decoder = decoder_on(cuda, "hwc")
+        with cuda.fake():
+            decode(decoder, *encoded(16, seed=1))
+        made = [encoded(16, seed) for seed in range(3)]
+        decoder.jpeg.shapes = [shape for _, shapes in made for shape in shapes]
+        with cuda.audit() as audit:
+            out = list(feed.device_batches([batch for batch, _ in made], DEVICE, decoder))
+    assert len(out) == 3 and all(batch.images.shape == (16, SIZE, SIZE, 3) for batch in out)
+    assert audit.count == 3 * audited_decoder_ops(16, "hwc"), audit.ops
+
+
+def step_batches(plan: BatchPlan, seed: int) -> list[Batch]:
+    """A step's micro-batches as the loader hands them over under --decode cpu: pinned uint8 images, labels."""
+    generator = torch.Generator().manual_seed(seed)
+    return [Batch(torch.randint(0, 256, (part.stop - part.start, SIZE, SIZE, 3), dtype=torch.uint8,
+                                generator=generator), torch.randint(0, 10, (part.stop - part.start,),
+                                                                    generator=generator)).pin_memory()
+            for part in plan.micro_slices(0)]
+
+
+def step_context(model: torch.nn.Module) -> StepContext:
+    """The hot loop's settings on the device (`model` made on the host): channels_last, float16 autocast and its
+    GradScaler, mixing, fused SGD, a clipped gradient."""
+    torch.__future__.set_overwrite_module_params_on_conversion(True)  # fake tensors are not swapped into parameters
+    try:
+        model = model.to(DEVICE, memory_format=torch.channels_last)
+    finally:
+        torch.__future__.set_overwrite_module_params_on_conversion(False)
+    optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, DEVICE)
+    return StepContext(model, optimizer, torch.amp.GradScaler("cuda"), TrainLoss(0.1),
+                       ModelInput(DEVICE, torch.float16, channels_last=True), mixer=Mixer(0.2, 1.0, 10),
+                       clip_grad_norm=1.0)
+
+
+def audited_step_ops(micro_batch: int, auto: bool = False, criterion: Optional[torch.nn.Module] = None) -> int:
+    """One step of two micro-batches, their copies to the device included (feed.device_batches); `auto`: as
+    --micro-batch auto runs it (MicroBatches.attempt, the buffers' copy)."""
+    plan = BatchPlan(2 * micro_batch, 1, micro_batch)
+    torch.manual_seed(0)
+    model = create_model("test_resnet", 10)
+    with fake_cuda() as cuda:
+        with cuda.fake():
+            ctx = step_context(model)
+            steps = MicroBatches(plan, micro_batch, 0, auto=auto)
+            steps.step(ctx, list(feed.device_batches(step_batches(plan, 0), DEVICE)), 0.1, seed=0, step=0)
+        batches = step_batches(plan, 1)
+        ctx.criterion = criterion or ctx.criterion
+        with cuda.audit() as audit:
+            loss = steps.step(ctx, list(feed.device_batches(batches, DEVICE)), 0.1, seed=0, step=1)
+    assert loss.device.type == "cuda" and loss.shape == (1,)
+    return audit.count
+
+
+def test_a_training_step_waits_for_nothing_in_as_many_operators_for_micro_batches_of_8_or_32():
+    """train_step and MicroBatches (plain and --micro-batch auto's attempt), as the hot loop runs them on a GPU:
+    no host wait in the copies, mixing, float16 autocast, GradScaler, clipping or fused SGD (the backward
+    pass's own kernels apart: see dispatch_audit.FakeCuda.backward), and one count at both sizes."""
+    counts = {(size, auto): audited_step_ops(size, auto) for size in (8, 32) for auto in (False, True)}
+    assert_counts_agree({size: counts[size, False] for size in (8, 32)})
+    assert_counts_agree({size: counts[size, True] for size in (8, 32)})
+    assert counts[8, True] > counts[8, False], counts  # the buffers' copy before the attempt
+
+
+# ---------------------------------------------------------------- each rule, on a defect of its kind
+
+
+def device_tensor() -> torch.Tensor:
+    return torch.linspace(-1.0, 1.0, 12, device=DEVICE)
+
+
+@pytest.mark.parametrize("read", ["item", "bool", "int", "tolist", "equal"])
+def test_reading_a_device_value_on_the_host_fails_the_audit(read):
+    with fake_cuda() as cuda, cuda.audit():
+        x = device_tensor()
+        with pytest.raises(AuditFailure, match="the host reads a device value"):
+            {"item": lambda: x.sum().item(), "bool": lambda: bool(x.sum() > 0), "int": lambda: int(x.sum()),
+             "tolist": x.tolist, "equal": lambda: torch.equal(x, x)}[read]()
+
+
+class LoggedLoss(torch.nn.Module):
+    """A loss that keeps its values on the host as it goes: the step's defect of old, .item() each micro-batch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.loss, self.values = TrainLoss(0.1), []
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        loss = self.loss(logits, targets)
+        self.values.append(loss.item())
+        return loss
+
+
+def test_a_step_that_reads_its_loss_on_the_host_fails_the_audit():
+    with pytest.raises(AuditFailure, match="_local_scalar_dense.*the host reads a device value"):
+        audited_step_ops(8, criterion=LoggedLoss())
+
+
+COPIES = {
+    "from pageable memory": lambda: torch.zeros(3).to(DEVICE, non_blocking=True),
+    "into a device tensor from pageable memory": lambda: torch.empty(3, device=DEVICE).copy_(torch.zeros(3), True),
+    "a list made on the device": lambda: torch.tensor([1.0, 2.0], device=DEVICE),
+    "pinned, but blocking": lambda: torch.zeros(3).pin_memory().to(DEVICE),
+    "to the host": lambda: device_tensor().cpu(),
+}
+
+
+@pytest.mark.parametrize("copy", COPIES)
+def test_a_copy_that_waits_fails_the_audit(copy):
+    with fake_cuda() as cuda, cuda.audit(), pytest.raises(AuditFailure, match="copy to the"):
+        COPIES[copy]()
+
+
+def test_copies_from_pinned_memory_and_its_views_without_blocking_pass_the_audit():
+    with fake_cuda() as cuda, cuda.audit() as audit:
+        pinned = torch.arange(12).pin_memory()
+        assert pinned.is_pinned() and not torch.arange(3).is_pinned()
+        pinned.to(DEVICE, non_blocking=True)
+        pinned[4:].view(2, 4).to(DEVICE, non_blocking=True)
+        torch.empty(12, device=DEVICE).copy_(pinned, non_blocking=True)
+        device_tensor().to("cpu", non_blocking=True)  # into memory torch pins for it
+    assert audit.count == 6, audit.ops  # three copies in, the linspace, its copy out, the empty
+
+
+SYNCHRONIZING = {
+    "nonzero": lambda x: x.nonzero(),
+    "a boolean mask": lambda x: x[x > 0],
+    "masked_select": lambda x: x.masked_select(x > 0),
+    "unique": lambda x: x.unique(),
+    "repeat_interleave without output_size": lambda x: x.repeat_interleave(torch.ones(12, device=DEVICE).long()),
+    "a boolean mask's put of a device tensor": lambda x: x.index_put_((x > 0,), x.flip(0)),
+    "bincount": lambda x: x.long().abs().bincount(),
+    "to_padded_tensor": lambda x: torch.ops.aten.to_padded_tensor(x, 0.0),
+}
+
+
+@pytest.mark.parametrize("op", SYNCHRONIZING)
+def test_an_operator_that_synchronizes_fails_the_audit(op):
+    with fake_cuda() as cuda, cuda.audit(), pytest.raises(AuditFailure):
+        SYNCHRONIZING[op](device_tensor())
+
+
+def test_their_waitless_forms_pass_the_audit():
+    with fake_cuda() as cuda, cuda.audit():
+        x = device_tensor()
+        x.repeat_interleave(torch.ones(12, device=DEVICE).long(), output_size=12)
+        x[x > 0] = 0.0  # masked_fill_
+        torch.where(x > 0, x, 0.0)
+
+
+@pytest.mark.parametrize("wait", ["torch.cuda.synchronize", "Stream.synchronize", "Event.synchronize"])
+def test_an_explicit_wait_fails_the_audit(wait):
+    with fake_cuda() as cuda, cuda.audit(), pytest.raises(AuditFailure, match=wait):
+        {"torch.cuda.synchronize": torch.cuda.synchronize,
+         "Stream.synchronize": lambda: torch.cuda.current_stream().synchronize(),
+         "Event.synchronize": lambda: torch.cuda.current_stream().record_event().synchronize()}[wait]()
+
+
+def nested_canvas(images, height, width):
+    """The canvas as it was built before: a nested tensor padded by to_padded_tensor."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        nested = torch.nested.as_nested_tensor(list(images))
+    return nested.to(torch.float32).to_padded_tensor(0.0, output_size=(len(images), 3, height, width))
+
+
+def audited_crops(layout: str = "chw") -> int:
+    """crop_resize alone, on images of ImageNet's sizes and beyond as the JPEG library leaves them."""
+    with fake_cuda() as cuda, cuda.audit() as audit:
+        jpeg = StandInJpeg(cuda, layout)
+        jpeg.shapes = SHAPES
+        views = torch.zeros(len(SHAPES), device_crops.VIEW_FIELDS, device=DEVICE)
+        assert device_crops.crop_resize(jpeg.decode([None] * len(SHAPES)), views, SIZE).shape == (7, SIZE, SIZE, 3)
+    return audit.count
+
+
+def test_the_crops_gather_their_canvas_without_a_host_wait_in_either_layout():
+    assert_counts_agree({layout: audited_crops(layout) for layout in ("chw", "hwc")})
+
+
+def test_the_nested_tensor_canvas_fails_the_audit(monkeypatch):
+    monkeypatch.setattr(device_crops, "padded_canvas", nested_canvas)
+    with pytest.raises(AuditFailure, match="nested tensor"):
+        audited_crops()
+
+
+def per_image_crops(crop_resize):
+    def crops(images, views, size, interpolation="bilinear"):
+        return torch.cat([crop_resize([image], views[i:i + 1], size, interpolation) for i, image in enumerate(images)])
+    return crops
+
+
+def each_made_contiguous(padded_canvas):
+    def canvas(images, height, width):
+        return padded_canvas([image.contiguous() for image in images], height, width)
+    return canvas
+
+
+@pytest.mark.parametrize("defect", ["crops image by image", "a copy of each image not in C x H x W"])
+def test_work_per_image_or_per_layout_fails_the_audits_count(monkeypatch, defect):
+    if defect == "crops image by image":
+        monkeypatch.setattr(device_crops, "crop_resize", per_image_crops(device_crops.crop_resize))
+    else:
+        monkeypatch.setattr(device_crops, "padded_canvas", each_made_contiguous(device_crops.padded_canvas))
+    counts = {(count, layout): audited_decoder_ops(count, layout) for count in (8, 16) for layout in ("chw", "hwc")}
+    with pytest.raises(AuditFailure, match="operators on the device differ"):
+        assert_counts_agree(counts)
