@@ -32,6 +32,8 @@ def model_and_optimizer():
 def test_the_probe_meets_the_allocators_refusals_and_leaves_the_device_as_it_was():
     model, optimizer = model_and_optimizer()
     weights = {k: v.clone() for k, v in model.state_dict().items()}
+    # fused SGD's momentum exists (as zeros) before its first step: optimizer.zero_momentum
+    momentum = {p: {k: v.clone() for k, v in entries.items()} for p, entries in optimizer.state.items()}
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated(GPU)
     tried = []
@@ -45,11 +47,13 @@ def test_the_probe_meets_the_allocators_refusals_and_leaves_the_device_as_it_was
                                halving)
     assert found is not None and found < first and tried, "the allocator never refused"
     assert all(torch.equal(v, weights[k]) for k, v in model.state_dict().items())
-    assert not optimizer.state and all(p.grad is None for p in model.parameters())
+    assert optimizer.state.keys() == momentum.keys() and all(p.grad is None for p in model.parameters())
+    assert all(torch.equal(v, momentum[p][k]) for p, entries in optimizer.state.items() for k, v in entries.items())
     assert torch.cuda.memory_allocated(GPU) <= allocated + 64 * 2**20, "the probe left tensors on the device"
 
 
 def batches(steps: int, size: int) -> list[Batch]:
+    """On the device already, as feed.device_batches hands them to the step."""
     g = torch.Generator().manual_seed(7)
     return [Batch(torch.randint(0, 256, (size, 32, 32, 3), dtype=torch.uint8, generator=g).to(GPU),
                   torch.randint(0, 10, (size,), generator=g).to(GPU), torch.arange(size)) for _ in range(steps)]
@@ -63,10 +67,11 @@ def test_an_auto_step_never_synchronizes_the_host_and_redoes_a_refused_one_in_ha
     micro = MicroBatches(BatchPlan(16, 1, 16), 8, 0, auto=True, mixes=True, warn=warnings.append)
     for step, batch in enumerate(batches(2, 16)):  # warm-up: cuDNN's choices, the allocator
         micro.step(ctx, [batch], 0.1, 0, step)
+    measured = batches(3, 16)  # made before: their copies from pageable memory are the test's, not the step's
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        for step, batch in enumerate(batches(3, 16), start=2):
+        for step, batch in enumerate(measured, start=2):
             micro.step(ctx, [batch], 0.1, 0, step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
