@@ -137,7 +137,7 @@ def test_a_part_that_needs_data_it_does_not_have_or_an_unknown_part_is_one_line(
 
 
 def test_several_parts_run_on_past_a_failing_one_and_each_says_how_it_ended(tmp_path):
-    """One device call runs a list of parts: a failing part (here one without data) does not cost the parts after it."""
+    """One command runs a list of parts: a failing part (here one without data) does not cost the parts after it."""
     result = gpu_checks("synthetic,versions", tmp_path / "nowhere", tmp_path)
     assert result.returncode == 1, result.stderr
     failed, versions, done = (json.loads(line) for line in result.stdout.splitlines())

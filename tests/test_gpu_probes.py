@@ -1,5 +1,5 @@
-"""What the GPU checks stand on, checked on a CPU: a device session is rare and lasts 30 minutes, and the first
-one lost a test to an import that only ran on CUDA. tests/test_cuda.py imports and its command lines parse; the
+"""What the GPU checks stand on, checked on a CPU: GPU time is short, and the first GPU run lost a test to an import
+that only ran on CUDA. tests/test_cuda.py imports and its command lines parse; the
 probe its two-rank test starts (tests/state_probe.py) patches the very functions the build steps call; the
 profiler helpers its sync checks use (tests/host_waits.py) read torch's events; and its photo-like JPEGs are
 photo-like where its bar assumes it (the decoders' chroma fill). scripts/gpu_checks.sh's parts run in
