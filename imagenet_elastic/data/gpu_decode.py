@@ -250,7 +250,8 @@ class BatchDecoder:
                                                               encoded.interpolation))
             self.hold(images)
         cpu_rows = sorted(cpu)
-        out.index_copy_(0, self.index(cpu_rows), self.to_device(torch.stack([cpu[i] for i in cpu_rows])))
+        worker_pixels = torch.stack([cpu[i] for i in cpu_rows])
+        out.index_copy_(0, self.index(cpu_rows), device_crops.to_device(worker_pixels, self.device))
         return out
 
     def hold(self, decoded: list[torch.Tensor]) -> None:
@@ -264,14 +265,7 @@ class BatchDecoder:
             self.held.keep(decoded, read)
 
     def index(self, rows: list[int]) -> torch.Tensor:
-        return self.to_device(torch.tensor(rows, dtype=torch.int64))
-
-    def to_device(self, tensor: torch.Tensor) -> torch.Tensor:
-        """A host tensor made here on the device, through pinned memory (from pageable memory the copy would make
-        the host wait for the stream)."""
-        if self.device.type == "cuda":
-            tensor = tensor.pin_memory()
-        return tensor.to(self.device, non_blocking=True)
+        return device_crops.to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """The decoded images (C x H x W uint8, in the library's layout), one batched call; None for each image the
