@@ -24,6 +24,27 @@ Each rule fails at the operator that breaks it (AuditFailure, naming it):
 And it counts the operators that touch a device tensor (views apart: they launch nothing), to compare runs of
 several batch sizes or decoder layouts (`Audit.ops`).
 
+Threads: --decode gpu's feed runs in two threads besides the training thread (feed.decoded_in_two_threads: one
+runs BatchDecoder.decoded, the other BatchDecoder.finished), and the audit runs that real feed: feed's threads are
+started under the modes of the thread that started them, the same FakeTensorMode and the same Audit. Per-thread
+fake modes are no way out: a FakeTensor belongs to the mode that made it and another mode refuses it ("Mixing fake
+modes NYI"), while the decoded images are made in one thread and cropped in the other; converting them at the
+crossing would audit copies, not the feed. One shared mode, then, made safe for threads in two ways
+(ThreadedFakeTensorMode):
+- one lock (reentrant) held across each whole fake dispatch, FakeTensorMode's own handling included (its caches,
+  its converter's memo of host tensors, its counters), and across the Audit's checks and counts around it (and
+  the mode's entries and exits: its dispatch enters it again): fake dispatches run one at a time, in whichever
+  thread, as if one thread ran them all;
+- the state FakeTensorMode keeps per mode but that is per thread in torch (its own comments say it is not thread
+  safe): `in_kernel_invocation`, which mirrors the thread's own dispatch keys (a thread inside a kernel sees its
+  tensors on `meta`) and `enter_stack`, which mirrors the thread's own mode stack, are kept per thread. A lock
+  alone would not do: a thread reading `tensor.device` outside any dispatch (the feed's own branches) while
+  another is inside a kernel would be told `meta`, and take the wrong branch.
+An Audit's pause (a library's own call, `unaudited`) is per thread too: the decoding thread inside the JPEG
+library's call leaves the other thread's crops audited (tests/test_dispatch_audit.py plants a host read in
+`finished` while the decoding thread is paused). A host wait fails in whichever thread makes it; feed hands the
+AuditFailure to the training thread, in order, as it does every error of its threads.
+
 What it cannot see: a wait inside an operator's CUDA code that SYNCHRONIZING does not name; the work inside an
 operator's own kernel (an explicit operator is one operator here, however many kernels it launches: the canvas's
 per-image copies are counted by tests/test_device_crops.py with the profiler); the backward pass's kernels (the
@@ -93,11 +114,21 @@ def storage_key(tensor: torch.Tensor) -> int:
 class Audit(TorchDispatchMode):
     """One audited region: the rules checked at every operator, the device operators counted by name."""
 
-    def __init__(self, pinned: dict[int, torch.Tensor]) -> None:
+    def __init__(self, pinned: dict[int, torch.Tensor], lock: threading.RLock, paused: bool = False) -> None:
         super().__init__()
-        self.pinned = pinned
+        self.pinned, self.lock = pinned, lock
         self.ops: Counter[str] = Counter()
-        self.paused = False
+        self.paused_by_default = paused
+        self.threads = threading.local()
+
+    @property
+    def paused(self) -> bool:
+        """Whether this thread's operators go unchecked and uncounted (per thread: see the module's Threads)."""
+        return getattr(self.threads, "paused", self.paused_by_default)
+
+    @paused.setter
+    def paused(self, paused: bool) -> None:
+        self.threads.paused = paused
 
     @property
     def count(self) -> int:
@@ -113,7 +144,10 @@ class Audit(TorchDispatchMode):
             self.paused = was
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        kwargs = kwargs or {}
+        with self.lock:  # the checks, FakeTensorMode's dispatch inside `func` and the count: one thread at a time
+            return self.dispatch(func, args, kwargs or {})
+
+    def dispatch(self, func: Any, args: Any, kwargs: dict) -> Any:
         if func.overloadpacket.__name__ in NO_FAKE_KERNEL:
             if not self.paused:
                 self.check(func, args, kwargs)
@@ -235,16 +269,63 @@ class StandInStream:
         self.cuda.host_waits("Stream.synchronize")
 
 
+class PerThread(threading.local):
+    """FakeTensorMode's state that is per thread in torch (see ThreadedFakeTensorMode), as a new thread starts."""
+
+    def __init__(self) -> None:
+        self.in_kernel_invocation = False
+        self.enter_stack: list[tuple[bool, Any, Any]] = []
+
+
+class ThreadedFakeTensorMode(FakeTensorMode):
+    """One FakeTensorMode for several threads (the module's Threads): each fake dispatch, whole, under `lock`, and
+    the state that mirrors a thread's own dispatch keys and mode stack kept per thread."""
+
+    def __init__(self, lock: threading.RLock, **kwargs: Any) -> None:
+        self.lock, self.per_thread = lock, PerThread()  # before FakeTensorMode.__init__ sets the two below
+        super().__init__(**kwargs)
+
+    @property  # type: ignore[override]
+    def in_kernel_invocation(self) -> bool:
+        return self.per_thread.in_kernel_invocation
+
+    @in_kernel_invocation.setter
+    def in_kernel_invocation(self, inside: bool) -> None:
+        self.per_thread.in_kernel_invocation = inside
+
+    @property  # type: ignore[override]
+    def enter_stack(self) -> list[tuple[bool, Any, Any]]:
+        return self.per_thread.enter_stack
+
+    @enter_stack.setter
+    def enter_stack(self, stack: list[tuple[bool, Any, Any]]) -> None:
+        self.per_thread.enter_stack = stack
+
+    def __torch_dispatch__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.lock:
+            return super().__torch_dispatch__(*args, **kwargs)
+
+    def __enter__(self) -> ThreadedFakeTensorMode:
+        with self.lock:
+            return super().__enter__()
+
+    def __exit__(self, *args: Any) -> None:
+        with self.lock:
+            super().__exit__(*args)
+
+
 class FakeCuda:
     """CUDA as the audited code sees it on a CPU: fake device tensors, pinning tagged, streams standing in.
 
     `fake()` makes tensors on the device (a model moved there, a warm-up batch) unaudited; `audit()` audits what
-    runs inside it. Threads started meanwhile by feed.py run under the same modes (feed's decoding thread)."""
+    runs inside it. Threads started meanwhile by feed.py run under the same modes (--decode gpu's two threads),
+    their fake dispatches one at a time (the module's Threads)."""
 
     def __init__(self) -> None:
         self.pinned: dict[int, torch.Tensor] = {}  # storage -> a tensor keeping it alive (the key is its address)
-        self.mode = FakeTensorMode(allow_non_fake_inputs=True)
-        self.current: Optional[Audit] = None
+        self.lock = threading.RLock()  # every fake dispatch, whole, in whichever thread
+        self.mode = ThreadedFakeTensorMode(self.lock, allow_non_fake_inputs=True)
+        self.current: Optional[Audit] = None  # the innermost fake() or audit() (the thread that runs the test's)
         self.streams: dict[Any, StandInStream] = {}
 
     def pin(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -287,37 +368,43 @@ class FakeCuda:
 
     @contextlib.contextmanager
     def fake(self) -> Iterator[None]:
-        """Fake device tensors, nothing audited (a paused audit still runs what fake tensors lack a kernel for)."""
-        unaudited = Audit(self.pinned)
-        unaudited.paused = True
-        with self.mode, unaudited:
+        """Fake device tensors, nothing audited (a paused audit still runs what fake tensors lack a kernel for,
+        and holds the lock)."""
+        with self.audited(Audit(self.pinned, self.lock, paused=True)):
             yield
 
     @contextlib.contextmanager
     def audit(self) -> Iterator[Audit]:
-        audit = Audit(self.pinned)
+        with self.audited(Audit(self.pinned, self.lock)) as audit:
+            yield audit
+
+    @contextlib.contextmanager
+    def audited(self, audit: Audit) -> Iterator[Audit]:
+        outer, self.current = self.current, audit
         try:
             with self.mode, audit:
-                self.current = audit
                 yield audit
         finally:
-            self.current = None
+            self.current = outer
 
     def thread_class(self) -> type[threading.Thread]:
         cuda = self
 
         class AuditedThread(threading.Thread):
-            """A thread that runs under the modes of the one that started it (they are per thread)."""
+            """A thread that runs under the modes of the one that started it (they are per thread), paused if
+            that one was when it started it."""
 
             def __init__(self, *args: Any, **kwargs: Any) -> None:
                 super().__init__(*args, **kwargs)
                 self.audit = cuda.current
+                self.paused = self.audit is not None and self.audit.paused
 
             def run(self) -> None:
                 with contextlib.ExitStack() as modes:
                     modes.enter_context(cuda.mode)
                     if self.audit is not None:
                         modes.enter_context(self.audit)
+                        self.audit.paused = self.paused  # this thread's
                     super().run()
 
         return AuditedThread

@@ -1,18 +1,23 @@
 """The dispatch audit (tests/dispatch_audit.py) over the CUDA paths, on a CPU: --decode gpu's device path (the batch
-decoder with a stand-in JPEG library, the crops, the policy, device_batches in the decoding thread and in the
-training thread) and the training step (train_step, MicroBatches), with nothing the host waits for and as many
-operators at every batch size and decoder layout; and each rule failing on a defect of its kind."""
+decoder with a stand-in JPEG library, the crops, the policy, device_batches in its two threads and in the training
+thread) and the training step (train_step, MicroBatches), with nothing the host waits for and as many operators at
+every batch size and decoder layout; each rule failing on a defect of its kind, a host read in either of the two
+threads' halves too; and the one fake mode those threads share kept sound (its dispatches one at a time, its
+kernel state per thread)."""
 
 from __future__ import annotations
 
 import random
+import threading
 import warnings
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Optional
 
 import pytest
 import torch
-from dispatch_audit import DEVICE, AuditFailure, FakeCuda, assert_counts_agree, fake_cuda
+from dispatch_audit import DEVICE, Audit, AuditFailure, FakeCuda, assert_counts_agree, fake_cuda
+from torch._subclasses.fake_tensor import in_kernel_invocation_manager
 
 from imagenet_elastic.data import device_crops, feed, gpu_decode, pixels
 from imagenet_elastic.data.augment import Draws
@@ -114,21 +119,164 @@ def test_a_batch_with_an_image_its_worker_decoded_waits_for_nothing_either():
     assert counts[64] > audited_decoder_ops(64, "hwc"), counts
 
 
+Plant = Callable[[str, object], None]  # (the half, what it returned): a defect planted after either half
+
+
+def halves_in_threads(monkeypatch, plant: Optional[Plant] = None) -> dict[str, set[threading.Thread]]:
+    """The threads each half of the batch decoder runs in (`decoded`, `finished`), from now on; `plant` runs after
+    each half, in its thread."""
+    threads: dict[str, set[threading.Thread]] = {"decoded": set(), "finished": set()}
+
+    def spy(half: str) -> Callable:
+        original = getattr(gpu_decode.BatchDecoder, half)
+
+        def spied(self: gpu_decode.BatchDecoder, batch: object) -> object:
+            threads[half].add(threading.current_thread())
+            out = original(self, batch)
+            if plant is not None:
+                plant(half, out)
+            return out
+        return spied
+
+    for half in threads:
+        monkeypatch.setattr(gpu_decode.BatchDecoder, half, spy(half))
+    return threads
+
+
+def audited_feed(monkeypatch, cuda: FakeCuda, decoder: gpu_decode.BatchDecoder, plant: Optional[Plant] = None
+                 ) -> tuple[list[Batch], dict[str, set[threading.Thread]], Audit]:
+    """Three batches of 16 through feed.device_batches, audited, after a batch that makes what later ones reuse;
+    the threads of each half (`plant` planted after each, from the audited batches on)."""
+    with cuda.fake():
+        decode(decoder, *encoded(16, seed=1))
+    threads = halves_in_threads(monkeypatch, plant)
+    made = [encoded(16, seed) for seed in range(3)]
+    decoder.jpeg.shapes = [shape for _, shapes in made for shape in shapes]
+    with cuda.audit() as audit:
+        out = list(feed.device_batches([batch for batch, _ in made], DEVICE, decoder))
+    return out, {half: set(ran_in) for half, ran_in in threads.items()}, audit
+
+
 @pytest.mark.parametrize("thread", ["decoding thread", "training thread"])
 def test_device_batches_wait_for_nothing_in_the_decoding_or_the_training_thread(monkeypatch, thread):
-    """feed.device_batches under --decode gpu, as loader workers feed it (a decoding thread of its own) and as a
-    loader without workers does (decoded in the training thread, where a wait stalls training itself)."""
+    """feed.device_batches under --decode gpu, as loader workers feed it (decoded in two threads of its own, one
+    half each: feed.decoded_in_two_threads, their fake dispatches interleaved) and as a loader without workers
+    does (decoded in the training thread, where a wait stalls training itself)."""
     monkeypatch.setattr(feed, "reads_in_this_thread", lambda batches: thread == "training thread")
     with fake_cuda() as cuda:
-        decoder = decoder_on(cuda, "hwc")
-        with cuda.fake():
-            decode(decoder, *encoded(16, seed=1))
-        made = [encoded(16, seed) for seed in range(3)]
-        decoder.jpeg.shapes = [shape for _, shapes in made for shape in shapes]
-        with cuda.audit() as audit:
-            out = list(feed.device_batches([batch for batch, _ in made], DEVICE, decoder))
+        out, threads, audit = audited_feed(monkeypatch, cuda, decoder_on(cuda, "hwc"))
     assert len(out) == 3 and all(batch.images.shape == (16, SIZE, SIZE, 3) for batch in out)
     assert audit.count == 3 * audited_decoder_ops(16, "hwc"), audit.ops
+    if thread == "training thread":
+        assert threads == {"decoded": {threading.main_thread()}, "finished": {threading.main_thread()}}
+    else:  # the real two-thread feed was audited: one thread per half, neither the training thread
+        (first,), (second,) = threads["decoded"], threads["finished"]
+        assert len({first, second, threading.main_thread()}) == 3, threads
+
+
+def first_half_reads_an_image(half: str, out: object) -> None:
+    """`decoded` reads its first image's brightness on the host (a log line): a wait for the decode."""
+    if half == "decoded":
+        out[1][0].float().mean().item()
+
+
+def test_a_host_read_in_the_first_threads_half_fails_the_audit(monkeypatch):
+    """The defect in feed's first thread (BatchDecoder.decoded, on the decoding stream): it fails there, at its
+    operator, and reaches the training thread through the second thread."""
+    failed_in: list[threading.Thread] = []
+
+    def plant(half: str, out: object) -> None:
+        try:
+            first_half_reads_an_image(half, out)
+        except AuditFailure:
+            failed_in.append(threading.current_thread())
+            raise
+
+    with fake_cuda() as cuda:
+        decoder = decoder_on(cuda, "hwc")
+        with pytest.raises(AuditFailure, match="_local_scalar_dense.*the host reads a device value"):
+            audited_feed(monkeypatch, cuda, decoder, plant)
+    assert failed_in and failed_in[0] is not threading.main_thread() and failed_in[0].name == "decode-ahead"
+
+
+class PausedJpeg(StandInJpeg):
+    """The stand-in library whose second call in a thread of feed's (the decoding thread's, for the second batch)
+    stays inside its unaudited call until the other thread has finished the first batch."""
+
+    def __init__(self, cuda: FakeCuda, layout: str) -> None:
+        super().__init__(cuda, layout)
+        self.calls, self.inside, self.finished = 0, threading.Event(), threading.Event()
+
+    def decode(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        self.calls += threading.current_thread() is not threading.main_thread()
+        with self.cuda.unaudited():
+            if self.calls == 2:
+                self.inside.set()
+                self.finished.wait(timeout=60)
+            return super().decode(data)
+
+
+def test_a_host_read_in_the_second_threads_half_fails_the_audit_while_the_first_thread_is_paused(monkeypatch):
+    """The defect in feed's second thread (BatchDecoder.finished reads the batch's brightness: `.item()`), made
+    while the first thread is inside the JPEG library's unaudited call: the pause is that thread's alone."""
+    failed_in: list[threading.Thread] = []
+    with fake_cuda() as cuda:
+        jpeg = PausedJpeg(cuda, "hwc")
+        decoder = gpu_decode.BatchDecoder(DEVICE, lambda line: None, jpeg)
+
+        def plant(half: str, out: object) -> None:
+            if half != "finished":
+                return
+            try:
+                assert jpeg.inside.wait(timeout=60), "the first thread never reached the library's second call"
+                out.images.float().mean().item()
+            except AuditFailure:
+                failed_in.append(threading.current_thread())
+                raise
+            finally:
+                jpeg.finished.set()
+
+        with pytest.raises(AuditFailure, match="_local_scalar_dense.*the host reads a device value"):
+            audited_feed(monkeypatch, cuda, decoder, plant)
+    assert failed_in and failed_in[0] is not threading.main_thread() and failed_in[0].name == "decode-ahead"
+    assert jpeg.inside.is_set() and jpeg.calls >= 2
+
+
+def test_a_thread_inside_a_fake_kernel_leaves_the_other_threads_tensors_on_the_device():
+    """FakeTensorMode's kernel state is per thread here: while one thread is inside a fake kernel (its tensors on
+    `meta`, as every fake dispatch puts them), another thread's `.device` and operators see the device."""
+    seen = []
+    with fake_cuda() as cuda, cuda.audit():
+        x = device_tensor()
+        with in_kernel_invocation_manager(cuda.mode):
+            assert x.device.type == "meta"
+            thread = feed.threading.Thread(target=lambda: seen.append((x.device.type, (x + 1).device.type)))
+            thread.start()
+            thread.join()
+    assert seen == [("cuda", "cuda")]
+
+
+def test_the_fake_dispatches_of_feeds_threads_run_one_at_a_time():
+    """A fake dispatch in another thread waits for the lock that one in progress holds (cuda.lock here)."""
+    ready, go, done = threading.Event(), threading.Event(), threading.Event()
+
+    def add() -> None:
+        ready.set()  # its modes entered
+        go.wait(60)
+        x + 1
+        done.set()
+
+    with fake_cuda() as cuda, cuda.audit() as audit:
+        x = device_tensor()
+        thread = feed.threading.Thread(target=add)
+        thread.start()
+        assert ready.wait(60)
+        with cuda.lock:
+            go.set()
+            assert not done.wait(0.5)
+        assert done.wait(60)
+        thread.join()
+    assert audit.ops["aten.add.Tensor"] == 1, audit.ops
 
 
 def step_batches(plan: BatchPlan, seed: int) -> list[Batch]:
