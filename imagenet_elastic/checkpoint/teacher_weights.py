@@ -96,7 +96,7 @@ def read(spec: str) -> TeacherWeights:
 
 def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], TeacherInput]:
     """One of our checkpoints as a teacher: its model with its raw weights, and the input its validation used."""
-    from imagenet_elastic.train.model import create_model
+    from imagenet_elastic.train.model import create_model, saved_sizes
 
     try:
         snapshot = store.load(path)
@@ -104,7 +104,8 @@ def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], Te
         raise UserError(f"{FLAG}: {error}") from None
     settings = snapshot.get("config", {})
     names = tuple(snapshot["classes"])
-    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"))
+    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"),
+                         sizes=saved_sizes(settings))
     model.load_state_dict(snapshot["model"])
     crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
                       settings.get("val_resize"))[0]
