@@ -11,12 +11,14 @@ rebuilds the model with these weights, and timm's `resolve_data_config` + `creat
 validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
 back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
 A model timm builds for one input size (ViT, DeiT) trained at another keeps it in config.json's `model_args`
-(`img_size`), which timm builds it with.
+(`img_size`), which timm builds it with; a tiny model of ours (train/tiny_models.py) is known to timm once
+`tiny_models.register()` ran. The line the command prints to load the export is whole Python that does that.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import sys
@@ -72,6 +74,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
                         "export it without --ema")
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
+    from imagenet_elastic.train import tiny_models
     from imagenet_elastic.train.model import create_model, input_options, saved_sizes
 
     classes = list(snapshot["classes"])
@@ -104,10 +107,14 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     which = "weight average" if ema else "raw weights"
     hint = ("; its weight average scored best: add --ema to export that" if not ema and
             snapshot.get("best_of") == "model_ema" else "")
+    # a tiny model of ours is in timm's registry only once registered (tiny_models.py): the line says so
+    register = ("from imagenet_elastic.train import tiny_models; tiny_models.register(); "
+                if snapshot["model_name"] in tiny_models.NAMES else "")
     return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "
             f"{which} of epoch {snapshot['epoch']}{hint}) and config.json (input {data_config['input_size'][1]} px, "
             f"crop fraction {data_config['crop_pct']:.4f}, bilinear)\n"
-            f"load it: model = timm.create_model(\"local-dir:{out_dir}\", pretrained=True)"
+            f"load it: import timm; {register}model = timm.create_model({json.dumps('local-dir:' + out_dir)}, "
+            "pretrained=True)"
             + (f"\ntrained with --blurpool, which timm does not build: then {BLURPOOL_CALL}" if blurpool else ""))
 
 
