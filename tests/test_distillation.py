@@ -365,3 +365,38 @@ def test_a_teacher_of_another_class_count_is_one_line(tmp_path, teachers):
     result = command(run_args(data, tmp_path / "run", "--teacher", str(teachers["a"])))
     assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "predicts 4 classes, the data has 5" in result.stderr
+
+
+@pytest.mark.parametrize("form", ["checkpoint", "export"])
+def test_a_teacher_trained_on_other_class_names_of_the_same_count_is_one_line(image_folder, tmp_path, teachers,
+                                                                              form):
+    """The same four classes in number, one renamed: output k of the teacher no longer means the data's class k,
+    whether the teacher is the checkpoint or its export (config.json's label_names)."""
+    import shutil
+
+    from imagenet_elastic.tools.export import export
+
+    data = tmp_path / "data"
+    shutil.copytree(image_folder, data)
+    first = sorted(p.name for p in (data / "train").iterdir())[1]
+    for split in ("train", "val"):
+        (data / split / first).rename(data / split / "renamed")  # still sorted last: class 1 onwards shift
+    teacher = teachers["a"]
+    if form == "export":
+        teacher = tmp_path / "export"
+        export(str(teachers["a"]), str(teacher), ema=False)
+    result = command(run_args(data, tmp_path / "run", "--teacher", str(teacher)))
+    assert result.returncode == 2 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert f"--teacher {teacher} was trained on other class names" in result.stderr
+    assert f"its class 1 is {first!r}" in result.stderr
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("config,names", [
+    ({"label_names": ["a", "b"]}, ("a", "b")),
+    ({"label_names": {"1": "b", "0": "a"}}, ("a", "b")),  # timm's other form: output index to name
+    ({"label_names": {"0": "a", "2": "b"}}, None),  # a gap: which output is which is not said
+    ({"num_classes": 2}, None),
+])
+def test_an_exports_class_names_are_read_from_its_label_names_in_either_of_timms_forms(config, names):
+    assert teacher_weights.exported_class_names(config) == names

@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import timm
 import torch
+from conftest import child_env
 from safetensors.torch import load_file
 from timm.data import create_transform, resolve_data_config
 from torchvision.datasets import ImageFolder
@@ -88,6 +91,24 @@ def test_user_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert "is not empty" in one_line_error(capsys, str(tmp_path / "plain.pt"), str(tmp_path / "full"))
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow  # a fresh interpreter, whose timm knows only its own models
+def test_the_load_line_printed_for_a_tiny_distilled_vit_runs_as_printed_in_plain_python_offline(tmp_path, capsys):
+    """test_vit_distilled is ours (tiny_models.py): timm alone does not know the name the export's config.json
+    gives."""
+    torch.manual_seed(0)
+    model = create_model("test_vit_distilled", 3)
+    torch.save({"model": model.state_dict(), "model_ema": None, "epoch": 1, "model_name": "test_vit_distilled",
+                "classes": CLASSES, "best_of": "model", "config": {"image_size": 32}, "optimizer": {}},
+               tmp_path / "best.pt")
+    main([str(tmp_path / "best.pt"), str(tmp_path / "export")])
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("load it: "))
+    code = printed.removeprefix("load it: ") + "\nprint(type(model).__name__, model.num_classes)"
+    ran = subprocess.run([sys.executable, "-c", code], env=child_env(HF_HUB_OFFLINE="1"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["VisionTransformerDistilled", "3"]
 
 
 @pytest.mark.slow  # takes the trained 2-process reference run

@@ -138,6 +138,35 @@ def test_a_damaged_file_is_one_line_naming_it(tmp_path):
         sources.open_source(str(tmp_path), "train", None)
 
 
+@pytest.mark.parametrize(("labels", "file", "row", "label"), [
+    ([[0, 1, 2, 3, 4, 5, 6, 7, 8, 9], [5, 99, 2]], 1, 1, 99),  # one stray label past 0..9
+    ([[1, 2, 3], [2, 1]], 0, 0, 1),  # numbered from 1
+    ([[0, 1, 3], [3, 0]], 0, 2, 3),  # a class in the middle with no row
+])
+def test_labels_without_class_names_that_skip_a_number_are_refused_naming_the_row(tmp_path, labels, file, row,
+                                                                                  label):
+    for k, part in enumerate(labels):
+        write_parquet(tmp_path / f"train-{k:05d}-of-00002.parquet", [b"x"] * len(part), part, None, 2)
+    with pytest.raises(UserError) as raised:
+        sources.open_source(str(tmp_path), "train", None)
+    line = str(raised.value)
+    assert line.startswith(f"train parquet file {tmp_path / f'train-{file:05d}-of-00002.parquet'}: label {label} of "
+                           f"row {row} leaves labels ") and "\n" not in line
+
+
+def test_a_stray_label_without_class_names_stops_the_run_before_it_writes(tmp_path):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_parquet(data / "train-00000-of-00001.parquet", [b"x"] * 11, [*range(10), 99], None, 4)
+    write_parquet(data / "validation-00000-of-00001.parquet", [b"x"] * 10, list(range(10)), None, 4)
+    finished = command([str(data), "--checkpoints-path", str(tmp_path / "ckpt"), "--device", "cpu",
+                        "--global-batch-size", "2", "--workers", "0"])
+    assert finished.returncode == 2
+    assert len(finished.stderr.strip().splitlines()) == 1 and "Traceback" not in finished.stderr
+    assert "train-00000-of-00001.parquet: label 99 of row 10 leaves labels 10..98 unused" in finished.stderr
+    assert not (tmp_path / "ckpt").exists()
+
+
 def test_files_without_class_names_take_the_training_splits(image_folder, tmp_path):
     _, val = sources.open_splits(str(image_folder), None, None, None)
     write_parquet(tmp_path / "val.parquet", [val.read(i) for i in range(len(val))], val.labels.tolist(), None, 10)

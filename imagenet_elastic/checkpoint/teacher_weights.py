@@ -5,7 +5,8 @@ Three sources, told apart as timm's reader factory tells datasets apart (by form
 timm's `local-dir:`; anything else a timm name with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`,
 `local-dir:FOLDER`), through the same Hugging Face cache and offline rules as --pretrained (published.py). What
 the teacher expects of its input comes with it: timm's pretrained_cfg (input size, mean, std) for published
-weights and exports, our validation's crop and normalisation for a checkpoint.
+weights and exports, our validation's crop and normalisation for a checkpoint. So do its classes: a checkpoint's, or
+an export's config.json `label_names`, must be the data's, in order (`check_classes`).
 
 The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
 of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
@@ -58,7 +59,7 @@ class TeacherWeights:
     kind: str  # CHECKPOINT, EXPORT or PUBLISHED
     source: str  # what its weights are and where they came from, for the start-up table
     classes: int
-    class_names: Optional[tuple[str, ...]]  # a checkpoint's class folders; None where the source does not say them
+    class_names: Optional[tuple[str, ...]]  # a checkpoint's classes, an export's label_names; None where unsaid
     input: TeacherInput
     sha256: str  # of its weights (weights_hash)
 
@@ -76,15 +77,18 @@ def read(spec: str) -> TeacherWeights:
         kind = EXPORT if os.path.isdir(spec) else PUBLISHED
         model = published.create(f"local-dir:{spec}" if kind == EXPORT else spec, FLAG)
         architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
+        names = None
         if kind == EXPORT or spec.startswith("local-dir:"):
-            blur_if_exported_with_it(model, spec.removeprefix("local-dir:"))
+            config = folder_config(spec.removeprefix("local-dir:"))
+            blur_if_exported_with_it(model, config)
+            names = exported_class_names(config)
             source = f"a folder of {architecture} weights (an export, or timm's save_for_hf)"
         else:
             where = published.describe_source(model, spec)
             source = f"published weights of {architecture}" + (f": {where}" if where != spec else "")
         head = model.get_classifier() if hasattr(model, "get_classifier") else None
         classes = getattr(model, "num_classes", 0) if head is not None else 0
-        names, wanted = None, timm_input(model)
+        wanted = timm_input(model)
     if not classes:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
     return TeacherWeights(model, spec, kind, source, classes, names, wanted, weights_hash(model))
@@ -92,7 +96,7 @@ def read(spec: str) -> TeacherWeights:
 
 def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], TeacherInput]:
     """One of our checkpoints as a teacher: its model with its raw weights, and the input its validation used."""
-    from imagenet_elastic.train.model import create_model
+    from imagenet_elastic.train.model import create_model, saved_sizes
 
     try:
         snapshot = store.load(path)
@@ -100,7 +104,8 @@ def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], Te
         raise UserError(f"{FLAG}: {error}") from None
     settings = snapshot.get("config", {})
     names = tuple(snapshot["classes"])
-    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"))
+    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"),
+                         sizes=saved_sizes(settings))
     model.load_state_dict(snapshot["model"])
     crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
                       settings.get("val_resize"))[0]
@@ -118,17 +123,34 @@ def timm_input(model: nn.Module) -> TeacherInput:
                         tuple(255 * s for s in cfg.get("std", IMAGENET_DEFAULT_STD)))
 
 
-def blur_if_exported_with_it(model: nn.Module, folder: str) -> None:
+def folder_config(folder: str) -> dict[str, Any]:
+    """A folder's config.json (an export's, or timm's save_for_hf's), or {} where it has none readable."""
+    try:
+        with open(os.path.join(folder, "config.json")) as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return config if isinstance(config, dict) else {}
+
+
+def blur_if_exported_with_it(model: nn.Module, config: dict[str, Any]) -> None:
     """An export of a --blurpool run says so in its config.json, and timm builds no blur: give it back."""
     from imagenet_elastic.train.model import blur_strided_convs
 
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            extra = json.load(f).get("imagenet_elastic", {})
-    except (OSError, ValueError):
-        return
+    extra = config.get("imagenet_elastic", {})
     if isinstance(extra, dict) and extra.get("blurpool"):
         blur_strided_convs(model)
+
+
+def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
+    """The class of each output, from config.json's `label_names` (an export writes the class folders there; timm
+    allows a list, or a dict from output index to name); None where it names none."""
+    names = config.get("label_names")
+    if isinstance(names, dict):
+        by_index = {str(k): v for k, v in names.items()}
+        names = [by_index[str(i)] for i in range(len(by_index))] if all(
+            str(i) in by_index for i in range(len(by_index))) else None
+    return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else None
 
 
 def weights_hash(model: nn.Module) -> str:
@@ -142,12 +164,15 @@ def weights_hash(model: nn.Module) -> str:
 
 
 def check_classes(teacher: TeacherWeights, classes: tuple[str, ...]) -> None:
-    """Teacher and student predict the same classes: the count always, the names where the teacher's are known."""
+    """Teacher and student predict the same classes: the count always, the names where the teacher's are known (a
+    checkpoint's, an export's label_names), in order, since output k of the one teaches output k of the other."""
     if teacher.classes != len(classes):
         raise UserError(f"{FLAG} {teacher.spec} predicts {teacher.classes} classes, the data has {len(classes)}: "
                         "the teacher must predict the student's classes")
     if teacher.class_names is not None and teacher.class_names != classes:
-        raise UserError(f"{FLAG} {teacher.spec} was trained on other class names than the data's folders")
+        k = next(i for i, (theirs, ours) in enumerate(zip(teacher.class_names, classes)) if theirs != ours)
+        raise UserError(f"{FLAG} {teacher.spec} was trained on other class names than the data's: its class {k} is "
+                        f"{teacher.class_names[k]!r}, the data's {classes[k]!r}")
 
 
 def compare(saved: Optional[dict[str, Any]], teacher: Optional[TeacherWeights], path: str) -> Optional[str]:

@@ -69,7 +69,7 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
     import timm
 
     from imagenet_elastic.train import tiny_models
-    from imagenet_elastic.train.model import blur_strided_convs, create_model
+    from imagenet_elastic.train.model import blur_strided_convs, create_model, saved_sizes
 
     tiny_models.register()  # an export of a run that trained one names it in its config.json
     if os.path.isfile(name):
@@ -82,7 +82,8 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
                             "evaluate it without --ema" if ema else f"checkpoint {name} holds no model weights")
         classes = tuple(snapshot["classes"])
         module = create_model(snapshot["model_name"], len(classes), blurpool=saved_setting(snapshot["config"],
-                                                                                              "blurpool"))
+                                                                                              "blurpool"),
+                              sizes=saved_sizes(snapshot["config"]))
         module.load_state_dict(weights)
         settings = snapshot["config"]
         crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))

@@ -10,11 +10,15 @@ run's validation used (input size, crop fraction, bilinear resize, mean and std)
 rebuilds the model with these weights, and timm's `resolve_data_config` + `create_transform` (or its
 validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
 back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
+A model timm builds for one input size (ViT, DeiT) trained at another keeps it in config.json's `model_args`
+(`img_size`), which timm builds it with; a tiny model of ours (train/tiny_models.py) is known to timm once
+`tiny_models.register()` ran. The line the command prints to load the export is whole Python that does that.
 """
 
 from __future__ import annotations
 
 import inspect
+import json
 import math
 import os
 import sys
@@ -70,19 +74,30 @@ def export(path: str, out_dir: str, ema: bool) -> str:
                         "export it without --ema")
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
-    from imagenet_elastic.train.model import create_model
+    from imagenet_elastic.train import tiny_models
+    from imagenet_elastic.train.model import create_model, input_options, saved_sizes
 
     classes = list(snapshot["classes"])
     blurpool = saved_setting(snapshot["config"], "blurpool")
-    model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool)
+    sizes = saved_sizes(snapshot["config"])
+    model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool, sizes=sizes)
     model.load_state_dict(weights)
+    # a model timm builds for one input size, made for the run's (img_size): config.json's model_args say so, and
+    # timm's local-dir: loader builds it so again
+    model_args = input_options(snapshot["model_name"], sizes)
     data_config = preprocessing(snapshot["config"])
     # tag and license would otherwise be those of timm's own pretrained weights for this architecture
     model_config = {"label_names": classes, "pretrained_cfg": {**data_config, "tag": "imagenet_elastic",
                                                                "license": None}}
     if blurpool:  # timm ignores keys it does not know; a reader of config.json learns what the model needs
         model_config["imagenet_elastic"] = {"blurpool": True, "after_loading": BLURPOOL_CALL}
-    extra = {"data_config": data_config} if "data_config" in inspect.signature(save_for_hf).parameters else {}
+    accepted = inspect.signature(save_for_hf).parameters
+    extra = {"data_config": data_config} if "data_config" in accepted else {}
+    if model_args:
+        if "model_args" not in accepted:
+            raise UserError(f"{snapshot['model_name']} was made for {sizes[0][0]} px images, which this timm cannot "
+                            "write in config.json (save_for_hf has no model_args): upgrade timm to export it")
+        extra["model_args"] = model_args
     try:
         save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
         for name in os.listdir(out_dir):  # safetensors writes 0600: a model to share is readable like our checkpoints
@@ -92,10 +107,14 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     which = "weight average" if ema else "raw weights"
     hint = ("; its weight average scored best: add --ema to export that" if not ema and
             snapshot.get("best_of") == "model_ema" else "")
+    # a tiny model of ours is in timm's registry only once registered (tiny_models.py): the line says so
+    register = ("from imagenet_elastic.train import tiny_models; tiny_models.register(); "
+                if snapshot["model_name"] in tiny_models.NAMES else "")
     return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "
             f"{which} of epoch {snapshot['epoch']}{hint}) and config.json (input {data_config['input_size'][1]} px, "
             f"crop fraction {data_config['crop_pct']:.4f}, bilinear)\n"
-            f"load it: model = timm.create_model(\"local-dir:{out_dir}\", pretrained=True)"
+            f"load it: import timm; {register}model = timm.create_model({json.dumps('local-dir:' + out_dir)}, "
+            "pretrained=True)"
             + (f"\ntrained with --blurpool, which timm does not build: then {BLURPOOL_CALL}" if blurpool else ""))
 
 

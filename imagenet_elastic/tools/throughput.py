@@ -191,7 +191,8 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
         print(f"warning: {precision.warning}", file=sys.stderr)
     amp = precision.dtype
     channels_last = args.channels_last
-    model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool), device, channels_last)
+    model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool,
+                                     sizes=((args.image_size, "--image-size"),)), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     # compiled as the trainer compiles (train.compile): the same graphs, so a benchmark finds the caches a training
     # run filled (and the other way round), and a model that cannot compile is measured eager, as it would train

@@ -49,8 +49,11 @@ from imagenet_elastic.train.model import (
     check_model_options,
     create_ema,
     create_model,
+    input_options,
     place_model,
     resolve_precision,
+    run_sizes,
+    saved_sizes,
     use_fastest_kernels,
 )
 from imagenet_elastic.train.optimizer import check_layer_decay, create_optimizer
@@ -129,6 +132,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
         else None
     check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
                         distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
+    input_options(config.model, run_sizes(config))  # a model of one input size that cannot take the run's says so
     # --teacher's weights are read now (a missing file or name costs no scan of the data), their hash taken once
     teacher = teacher_weights.read(config.teacher) if config.teacher and not config.evaluate else None
     if splits is None:
@@ -190,8 +194,9 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
     if config.mixes and not config.evaluate:
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
+    built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
     model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
-                                     config.grad_checkpointing),
+                                     config.grad_checkpointing, run_sizes(config, built_for)),
                         inputs.device, config.channels_last)
     if inputs.teacher is not None and has_distillation_head(model):
         model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average

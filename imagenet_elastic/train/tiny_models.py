@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 
 TEST_VIT_DISTILLED = "test_vit_distilled"
+NAMES = (TEST_VIT_DISTILLED,)
 TEST_VIT = dict(patch_size=16, embed_dim=64, depth=6, num_heads=2, mlp_ratio=3, dynamic_img_size=True)  # timm's
 
 

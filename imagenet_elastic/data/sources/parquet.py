@@ -1,6 +1,8 @@
 """Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
 image{bytes,path} and label, ClassLabel names in the files' metadata), or any files with an `image` column (that
-struct, or plain bytes) and an integer `label` column. Needs pyarrow (the `parquet` extra).
+struct, or plain bytes) and an integer `label` column. Needs pyarrow (the `parquet` extra). Files without ClassLabel
+names number their classes: the training split's labels are then 0..N-1 without gaps (a stray label is refused
+naming its row, not taken as the class count); a validation split takes the training split's classes.
 
 A split is one `.parquet` file, a glob or brace pattern of them, or a folder (or its `data/` subfolder, the Hub's
 layout) whose files are split by name as a folder of train and validation shards is: `train-*` for the training
@@ -285,6 +287,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
                           np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
     check_labels(source, "the files name" if named else "the training split has" if classes else "")
+    if not named and not classes:
+        check_numbered(source)
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(
@@ -302,3 +306,21 @@ def check_labels(source: ParquetFiles, named_by: str) -> None:
     bound = f": {named_by} {len(source.classes)} classes" if named_by else ""
     raise UserError(f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
                     f"{i - int(source.file_starts[f])} is out of range{bound}")
+
+
+def check_numbered(source: ParquetFiles) -> None:
+    """Labels no class name stands for are the classes themselves, so they must be 0..N-1 without gaps: one stray
+    label (99 among 0..9) would otherwise make a model of 100 classes, 90 of them with no sample. The
+    row named is the first of the label just past the first gap (the 99)."""
+    used = np.zeros(len(source.classes), dtype=bool)
+    used[source.labels] = True
+    if used.all():
+        return
+    gap = int(np.argmin(used))
+    after = gap + int(np.argmax(used[gap:]))  # the first label used past the gap
+    i = int(np.flatnonzero(source.labels == after)[0])
+    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
+    unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
+    raise UserError(f"{source.role} parquet file {source.files[f]}: label {after} of row "
+                    f"{i - int(source.file_starts[f])} leaves labels {unused} unused; files without class names "
+                    "(ClassLabel metadata) must number their classes 0..N-1 without gaps")
