@@ -106,9 +106,10 @@ def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int =
             f.truncate(sizes[-1])
     labels = np.arange(entries, dtype=np.int64) * classes // entries
     mtimes = np.array([os.stat(p).st_mtime_ns for p in paths], dtype=np.int64)
+    checksums = np.random.default_rng(0).integers(0, 2**32, entries, dtype=np.uint32)  # not of these bytes
     index = tar_index.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64), mtimes,
                                 tuple(f"n{c:08d}" for c in range(classes)),
-                                labels, shard, offsets.astype(np.int64), lengths)
+                                labels, shard, offsets.astype(np.int64), lengths, checksums=checksums)
     tar_index.write_index(index, os.path.join(split, tar_index.INDEX_NAME), relative_to=split)
     return split
 
@@ -132,8 +133,10 @@ def run_shard_index(entries: int, workers: int) -> None:
         source = tar_shards.open_split(split, "train", None)
         seconds = time.perf_counter() - start
         grown = resident_mb() - before
-        arrays = sum(a.nbytes for a in (source.labels, source.shard, source.offsets, source.lengths))
-        peak, private = worker_memory(lambda i: ("x" * int(source.offsets[i] % 5 + source.shard[i] % 3),
+        arrays = sum(a.nbytes for a in (source.labels, source.shard, source.offsets, source.lengths,
+                                        source.checksums))
+        peak, private = worker_memory(lambda i: ("x" * int(source.offsets[i] % 5 + source.shard[i] % 3
+                                                           + source.checksums[i] % 2),
                                                  source.label(i)), len(source), max(1, workers))
         emit("index", kind="tar shards", entries=len(source), shards=len(source.shards),
              index_file_mb=round(os.path.getsize(os.path.join(split, tar_index.INDEX_NAME)) / 2**20, 1),
