@@ -63,6 +63,7 @@ def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_t
     assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
     assert (shards["kind"], shards["entries"], shards["shards"]) == ("tar shards", 200000, 1024)
     assert shards["index_mb"] == round(200000 * 32 / 2**20, 1) and shards["open_seconds"] > 0  # checksums: 4 bytes
+    assert line["fingerprint_seconds"] > 0 and shards["fingerprint_seconds"] > 0
     assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
 
 

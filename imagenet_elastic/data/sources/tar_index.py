@@ -108,6 +108,11 @@ class TarShards(Source):
         names = [os.path.basename(p) for p in self.shards]
         return np.array([f"{names[int(self.shard[i])]}:{self.member(i)}".encode() for i in range(len(self))])
 
+    def sample_columns(self) -> tuple[np.ndarray, ...]:
+        """Each sample's shard (by name), where its image lies in it and how long it is, and its label."""
+        names = np.array([os.path.basename(p).encode() for p in self.shards])
+        return names[self.shard], self.offsets, self.lengths, self.labels
+
     def fingerprint(self) -> FileList:
         """The index's own arrays: no entry strings are built at every start."""
         names = np.array([os.path.basename(p).encode() for p in self.shards])
