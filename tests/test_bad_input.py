@@ -247,12 +247,35 @@ def test_a_corrupt_image_inside_a_shard_is_named_by_shard_and_member(small_pack,
     shard = data / "train" / "shard-000000.tar"
     from imagenet_elastic.data.sources import tar_shards
 
-    start = int(tar_shards.open_split(str(data / "train"), "train", None).offsets[1])  # the second sample's image
+    packed = tar_shards.open_split(str(data / "train"), "train", None)
+    start = int(packed.offsets[1])  # the second sample's image
     raw = bytearray(shard.read_bytes())
     raw[start:start + 400] = b"\0" * 400  # the JPEG's header is gone: nothing decodes it; the size is the same
     shard.write_bytes(bytes(raw))
     expect_user_error([str(data), *SMALL_RUN, "--epochs", "1", "--checkpoints-path", str(tmp_path / "ck")],
-                      f"cannot decode image file {shard}:", tmp_path / "pack")
+                      f"shard {shard} member {packed.member(1)} has other bytes than when it was packed",
+                      tmp_path / "pack")
+
+
+@pytest.mark.slow  # a process: the checksum is compared in the loader worker that reads the sample
+def test_one_byte_changed_inside_a_packed_image_stops_the_run_in_its_loader_worker_naming_shard_and_member(
+        small_pack, image_folder, tmp_path):
+    """The bytes a decoder would take with a warning naming nothing (libjpeg's "Corrupt JPEG data"), at the same
+    size, in place: refused at the sample, with the pack command."""
+    from test_tar_shards import flip_byte_in_place, middle_of_image
+
+    from imagenet_elastic.data.sources import tar_shards
+
+    data = tmp_path / "pack"
+    shutil.copytree(small_pack, data)
+    packed = tar_shards.open_split(str(data / "train"), "train", None)
+    i = 40  # the 9th sample of the second shard
+    shard = data / "train" / "shard-000001.tar"
+    flip_byte_in_place(shard, middle_of_image(packed, i))
+    line = expect_user_error([str(data), *SMALL_RUN, "--epochs", "1", "--checkpoints-path", str(tmp_path / "ck")],
+                             f"shard {shard} member {packed.member(i)} has other bytes", tmp_path / "pack",
+                             process=True)
+    assert f"pack again (imagenet-elastic pack {image_folder} NEW_OUT --shard-size 32)" in line, line
 
 
 def test_a_labels_file_naming_a_class_the_training_set_lacks_is_named_by_line(image_folder, tmp_path):

@@ -62,7 +62,8 @@ def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_t
     # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
     assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
     assert (shards["kind"], shards["entries"], shards["shards"]) == ("tar shards", 200000, 1024)
-    assert shards["index_mb"] == round(200000 * 28 / 2**20, 1) and shards["open_seconds"] > 0
+    assert shards["index_mb"] == round(200000 * 32 / 2**20, 1) and shards["open_seconds"] > 0  # checksums: 4 bytes
+    assert line["fingerprint_seconds"] > 0 and shards["fingerprint_seconds"] > 0
     assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
 
 
@@ -78,6 +79,7 @@ def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(im
     (folder,) = line["against"]
     assert folder["data"] == str(image_folder / "train") and folder["files_opened_per_sample"] == 1.0
     assert folder["ours_vs_this"] == pytest.approx(line["ours_images_per_sec"] / folder["images_per_sec"], abs=0.011)
+    assert line["unverified_images_per_sec"] > 0 and len(line["rounds"]["unverified"]) == 1  # the pack unchecked
 
 
 def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(image_folder, tmp_path):

@@ -5,6 +5,7 @@ that holds anything else is refused."""
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -16,6 +17,8 @@ import sys
 import tarfile
 import threading
 import time
+import zlib
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -24,12 +27,12 @@ from conftest import REPO, child_env, make_image_folder, python_cmd
 from PIL import Image
 from test_data import write_jpeg
 from test_parquet_source import hub_folder
-from test_tar_shards import relabel_in_place
+from test_tar_shards import flip_byte_in_place, middle_of_image, relabel_in_place
 
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_index
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import CorruptImageError, UserError
 from imagenet_elastic.tools import pack
 
 
@@ -193,9 +196,80 @@ def test_a_copy_of_a_pack_that_lost_its_mtimes_is_checked_once_by_its_headers_an
     train, val = sources.open_splits(str(copy), None, None, None)
     original, _ = sources.open_splits(str(out), None, None, None)
     assert train.packed and train.fingerprint() == original.fingerprint() and original.notes == ()
-    assert re.fullmatch(rf"6 shards of {copy / 'train'} have other mtimes than its index records, and the same "
-                        r"samples \(a copy that did not keep mtimes; `cp -a` or `rsync -a` keep them\): checking them "
-                        r"took \d+\.\d s", train.notes[0]), train.notes
+    assert train.notes[0].startswith(f"6 shards of {copy / 'train'} have other mtimes than its index records and the "
+                                     "same members"), train.notes
+    assert "checksum, compared as it is read" in train.notes[0], train.notes
+    assert re.search(r"took \d+\.\d s$", train.notes[0]), train.notes
+
+
+def test_a_packs_index_keeps_the_crc32_of_every_image_it_holds(image_folder, packed):
+    out, _ = packed
+    train = sources.open_source(str(out / "train"), "train", None)
+    folder = scan_image_folder(str(image_folder / "train"), "train")
+    assert train.checksums.tolist() == [zlib.crc32(folder.read(i)) for i in range(len(folder))]
+
+
+def test_a_byte_changed_in_place_inside_a_packed_image_stops_its_read_naming_shard_member_and_the_pack_command(
+        image_folder, packed, tmp_path):
+    """The issue's case: headers and sizes as packed, a new mtime; the start notes it without calling it a copy,
+    and the read of that sample, whoever reads it, is refused before its bytes go anywhere."""
+    out, _ = packed
+    copy = tmp_path / "pack"
+    shutil.copytree(out, copy)  # copy2: mtimes kept
+    clean = sources.open_source(str(copy / "train"), "train", None)
+    shard = copy / "train" / "shard-000002.tar"
+    flip_byte_in_place(shard, middle_of_image(clean, 35))  # the 4th sample of the 3rd shard
+    train, _ = sources.open_splits(str(copy), None, None, None)
+    assert len(train.notes) == 1 and train.notes[0].startswith(f"1 shards of {copy / 'train'} have other mtimes")
+    assert all(train.read(i) == clean.read(i) for i in range(len(train)) if i != 35)
+    with pytest.raises(CorruptImageError) as raised:
+        train.read(35)
+    said = str(raised.value)
+    assert f"shard {shard} member {train.member(35)} has other bytes" in said, said
+    assert f"pack again (imagenet-elastic pack {image_folder} NEW_OUT --shard-size 16)" in said, said
+    assert said == refused_pack_of(copy, tmp_path).removeprefix("imagenet-elastic: error: ")  # a pack of it too
+
+
+def refused_pack_of(src, tmp_path) -> str:
+    """The one line `pack SRC` ends with (exit 2)."""
+    with pytest.raises(SystemExit) as stopped, contextlib.redirect_stderr(io.StringIO()) as err:
+        pack.main([str(src), str(tmp_path / "again"), "--workers", "1"])
+    lines = [line for line in err.getvalue().splitlines() if not line.startswith("warning: ")]
+    assert stopped.value.code == 2 and len(lines) == 1, err.getvalue()
+    return lines[0]
+
+
+def test_a_pack_index_from_before_checksums_reads_as_it_is_and_says_what_it_cannot_tell(packed, tmp_path):
+    out, _ = packed
+    copy = tmp_path / "pack"
+    shutil.copytree(out, copy)
+    folder = copy / "train"
+    clean = sources.open_source(str(folder), "train", None)
+    tar_index.write_index(replace(clean, checksums=None), str(folder / tar_index.INDEX_NAME), relative_to=str(folder))
+    assert "checksums" not in np.load(folder / tar_index.INDEX_NAME).files
+    old = sources.open_source(str(folder), "train", None)
+    assert old.checksums is None and old.notes == ()
+    assert old.describe().endswith("(index written by pack, no checksums)")
+    packed_bytes = clean.read(3)
+    flip_byte_in_place(folder / "shard-000000.tar", middle_of_image(clean, 3), keep_mtime=True)
+    assert old.read(3) != packed_bytes and len(old.read(3)) == len(packed_bytes)  # unverified: read as it is
+    flip_byte_in_place(folder / "shard-000000.tar", middle_of_image(clean, 3))  # back, a new mtime
+    touched = sources.open_source(str(folder), "train", None)
+    assert touched.notes[0].startswith(f"1 shards of {folder} have other mtimes") and "no checksums" in touched.notes[0]
+
+
+def test_an_interrupted_packs_rerun_keeps_the_checksums_of_the_shards_it_kept(image_folder, packed, tmp_path):
+    out, _ = packed
+    copy = tmp_path / "pack"
+    shutil.copytree(out, copy)
+    for split in ("train", "val"):
+        (copy / split / tar_index.INDEX_NAME).unlink()  # as a pack killed after its last shard leaves it
+    record = json.loads((copy / pack.PACK_FILE).read_text())
+    (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    assert run_pack(str(image_folder), str(copy), "--shard-size", "16")["images"] == 0  # every shard kept
+    for split in ("train", "val"):
+        assert (sources.open_source(str(copy / split), split, None).checksums.tolist()
+                == sources.open_source(str(out / split), split, None).checksums.tolist())
 
 
 def test_the_pool_forks_before_the_progress_bar_starts_a_thread(image_folder, tmp_path, monkeypatch):

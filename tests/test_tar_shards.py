@@ -13,6 +13,7 @@ import shutil
 import sys
 import tarfile
 import time
+import zlib
 
 import numpy as np
 import pytest
@@ -130,6 +131,54 @@ def relabel_in_place(shard, sample: int, label: int) -> None:
     with open(shard, "r+b") as f:
         f.seek(member.offset_data)
         f.write(str(label).encode())
+
+
+def flip_byte_in_place(shard, offset: int, keep_mtime: bool = False) -> None:
+    """One bit of the byte at `offset` flipped where it lies (the same size), as storage that rots or a tool that
+    edits in place leaves it; the mtime a second later, or (`keep_mtime`) as it was."""
+    stat = os.stat(shard)
+    with open(shard, "r+b") as f:
+        f.seek(offset)
+        byte = f.read(1)[0]
+        f.seek(offset)
+        f.write(bytes([byte ^ 0x10]))
+    os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + (0 if keep_mtime else 10**9)))
+
+
+def middle_of_image(source: tar_index.TarShards, i: int) -> int:
+    """A byte inside sample i's image data, far from its JPEG header: a decoder at most warns of it."""
+    return int(source.offsets[i]) + int(source.lengths[i]) // 2
+
+
+def test_shards_from_elsewhere_get_the_checksum_of_every_image_at_their_first_indexing(kept, written, tmp_path):
+    folder, walked = kept
+    _, images = written
+    assert walked.checksums.tolist() == [zlib.crc32(images.read(i)) for i in range(len(images))]
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.checksums.tolist() == walked.checksums.tolist()
+
+
+@pytest.mark.parametrize("mtime", ["kept", "changed"])
+def test_a_byte_changed_in_place_in_a_shard_from_elsewhere_stops_its_read_naming_shard_member_and_the_cache(
+        kept, tmp_path, mtime):
+    folder, walked = kept
+    shard = folder / "part-0002.tar"
+    flip_byte_in_place(shard, middle_of_image(walked, 43), keep_mtime=mtime == "kept")  # the 4th of the 3rd shard
+    source = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert source.notes == () and source.read(42) == walked.read(42) and source.read(44) == walked.read(44)
+    with pytest.raises(CorruptImageError) as raised:
+        source.read(43)
+    said = str(raised.value)
+    assert f"shard {shard} member sample00043.jpg " in said, said
+    assert f"remove {tmp_path / 'index-train-shards.npz'} to index the shards again" in said, said
+
+
+def test_an_index_rebuilt_after_a_shard_from_elsewhere_changed_keeps_every_samples_checksum(kept, tmp_path):
+    folder, walked = kept
+    relabel_in_place(folder / "part-0002.tar", 3, (walked.label(43) + 1) % 4)
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes and after.checksums is not None
+    assert after.checksums.tolist() == tar_walk.walk(str(folder), "train").checksums.tolist()
 
 
 def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(kept, tmp_path):

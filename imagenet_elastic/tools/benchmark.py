@@ -7,7 +7,7 @@ Prints one JSON object per line and mode. A tool, not a test: numbers depend on 
   pytorch/examples), same folder, workers and batch, measured in alternating rounds in one run; DATA may be any
   source (a folder, tar shards), the textbook one runs where it is a folder, and --against adds our loader on
   other sources of the same images (a pack against its folder); each says how many files its workers opened
-  per sample;
+  per sample; where DATA's samples have checksums (a pack), also ours without comparing them;
 - synthetic: training steps on batches already on the device (the model's limit), for DATA's classes;
 - end_to_end: training steps fed by our loader from the folder;
 - device_ops: the operators --decode gpu's device path dispatches per batch of 64, 128 and 256 images from DATA

@@ -10,7 +10,7 @@ import json
 import math
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Optional
 
 from imagenet_elastic.config import eval_sizes, saved_setting
 from imagenet_elastic.data.pixels import INTERPOLATIONS
@@ -36,6 +36,7 @@ class Model:
     classes: tuple[str, ...]
     own: Preprocessing  # the model's own
     input_size: int
+    val_print: Optional[dict[str, Any]] = None  # our checkpoint's fingerprint of its run's validation split
 
 
 def ours(crop: int) -> Preprocessing:
@@ -88,7 +89,7 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
         settings = snapshot["config"]
         crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
         own = dataclasses.replace(ours(crop), resize=resize)
-        return Model(module, classes, own, crop)
+        return Model(module, classes, own, crop, (snapshot.get("data") or {}).get("val"))
     if ema:
         raise UserError("--ema applies to our checkpoints only")
     if os.path.isdir(name):

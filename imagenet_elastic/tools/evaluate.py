@@ -7,7 +7,9 @@ trainer reads: class folders (named by the model's classes, or numbered 0..N-1 a
 all ranks, whatever the world size; `torchrun ... -m imagenet_elastic evaluate ...`), with the model's own
 preprocessing (what timm's `resolve_data_config` gives it, as timm's validate.py) or ours (--preprocessing ours: the
 trainer's validation, bilinear, crop / 0.875, ImageNet's mean and std), computed as the reference computes it
-(data/pixels.py CentreCrop). Rank 0 prints one JSON line per VAL, and a table when there are several.
+(data/pixels.py CentreCrop). Rank 0 prints one JSON line per VAL, and a table when there are several. For our
+checkpoint (one that keeps its data's fingerprints) each line says whether VAL is the very split its run validated
+on (`val_as_trained`): then its top-1 is the run's; scoring other sets is this tool's purpose, so no warning.
 
 --real-labels real.json: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it: an image counts when
 its list of real labels is not empty, and is right when its top-1 class is in it. real.json lists the 50,000 images
@@ -103,6 +105,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.feed import device_batches
     from imagenet_elastic.data.model_input import ModelInput
+    from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.report.console import Console
@@ -159,7 +162,7 @@ def run(args: Any) -> list[dict[str, Any]]:
                         normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))
         columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
         rows = []
-        for (location, _, real_of), loader in zip(sets, loaders):
+        for (location, relabelled, real_of), loader in zip(sets, loaders):
             counts = real_counts(real_of) if real_of is not None else None
             result = evaluate(to, module, device_batches(loader, device, decoder), args.flip_average, columns, counts)
             row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
@@ -171,6 +174,8 @@ def run(args: Any) -> list[dict[str, Any]]:
                 row["classes"] = len(scored)
             if args.flip_average:
                 row["flip_average"] = True
+            if model.val_print is not None:
+                row["val_as_trained"] = fingerprints.difference(model.val_print, relabelled.source) is None
             row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision.name,
                        world_size=env.world_size)
             console.result(row)

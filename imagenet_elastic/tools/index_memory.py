@@ -2,7 +2,8 @@
 
 A worker reads every entry of a synthetic ImageNet-sized file index, ours (numpy arrays) against a Python list of
 (path, class) tuples, whose reference counts make each worker copy the pages it reads; then a pack's index of as
-many samples in 1,024 shards: how long it takes to open, what it holds, what the workers copy of it. Each
+many samples in 1,024 shards: how long it takes to open, what it holds, what the workers copy of it. Each also
+says how long the fingerprint a checkpoint keeps of the split takes (sources/fingerprints.py: at every start). Each
 measurement runs in a spawned process of its own, so that nothing measured before raises its peaks.
 """
 
@@ -20,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from imagenet_elastic.data import pipeline
+from imagenet_elastic.data.sources import Source, fingerprints
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.tools.benchmark_lines import emit
 
@@ -74,14 +76,26 @@ def worker_memory(lookup: Callable[[int], tuple[str, int]], size: int, workers: 
     return peak, private
 
 
+def fingerprint_seconds(source: Source) -> float:
+    """The best of three: what a start pays for the split's fingerprint, its arrays in memory."""
+    times = []
+    for _ in range(3):
+        start = time.perf_counter()
+        fingerprints.fingerprint(source)
+        times.append(time.perf_counter() - start)
+    return round(min(times), 3)
+
+
 def run_index(entries: int, workers: int) -> None:
     index = synthetic_index(entries)
     workers = max(1, workers)
+    fingerprinted = fingerprint_seconds(index)
     ours = worker_memory(lambda i: (index.path(i), index.label(i)), len(index), workers)
     tuples = [(index.path(i), index.label(i)) for i in range(len(index))]  # the textbook's samples list
     textbook = worker_memory(tuples.__getitem__, len(tuples), workers)
     emit("index", entries=len(index), index_mb=round((index.paths.nbytes + index.labels.nbytes) / 2**20, 1),
-         workers=workers, ours_worker_peak_rss_mb=ours[0], ours_worker_private_mb=ours[1],
+         fingerprint_seconds=fingerprinted, workers=workers, ours_worker_peak_rss_mb=ours[0],
+         ours_worker_private_mb=ours[1],
          list_of_tuples_worker_peak_rss_mb=textbook[0], list_of_tuples_worker_private_mb=textbook[1])
 
 
@@ -106,9 +120,10 @@ def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int =
             f.truncate(sizes[-1])
     labels = np.arange(entries, dtype=np.int64) * classes // entries
     mtimes = np.array([os.stat(p).st_mtime_ns for p in paths], dtype=np.int64)
+    checksums = np.random.default_rng(0).integers(0, 2**32, entries, dtype=np.uint32)  # not of these bytes
     index = tar_index.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64), mtimes,
                                 tuple(f"n{c:08d}" for c in range(classes)),
-                                labels, shard, offsets.astype(np.int64), lengths)
+                                labels, shard, offsets.astype(np.int64), lengths, checksums=checksums)
     tar_index.write_index(index, os.path.join(split, tar_index.INDEX_NAME), relative_to=split)
     return split
 
@@ -132,12 +147,16 @@ def run_shard_index(entries: int, workers: int) -> None:
         source = tar_shards.open_split(split, "train", None)
         seconds = time.perf_counter() - start
         grown = resident_mb() - before
-        arrays = sum(a.nbytes for a in (source.labels, source.shard, source.offsets, source.lengths))
-        peak, private = worker_memory(lambda i: ("x" * int(source.offsets[i] % 5 + source.shard[i] % 3),
+        fingerprinted = fingerprint_seconds(source)
+        arrays = sum(a.nbytes for a in (source.labels, source.shard, source.offsets, source.lengths,
+                                        source.checksums))
+        peak, private = worker_memory(lambda i: ("x" * int(source.offsets[i] % 5 + source.shard[i] % 3
+                                                           + source.checksums[i] % 2),
                                                  source.label(i)), len(source), max(1, workers))
         emit("index", kind="tar shards", entries=len(source), shards=len(source.shards),
              index_file_mb=round(os.path.getsize(os.path.join(split, tar_index.INDEX_NAME)) / 2**20, 1),
              open_seconds=round(seconds, 3), index_mb=round(arrays / 2**20, 1), open_rss_growth_mb=round(grown, 1),
+             fingerprint_seconds=fingerprinted,
              workers=max(1, workers), worker_peak_rss_mb=peak, worker_private_mb=private)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

@@ -32,11 +32,11 @@ from typing import Any, Optional
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_check, tar_index, tar_walk
+from imagenet_elastic.data.sources import tar_index, tar_walk
 from imagenet_elastic.errors import PROG, UserError, report
 from imagenet_elastic.tools.pack_shard import Options, Split, Written, shard_name, write_shard
 
-PACK_FILE = tar_check.PACK_FILE
+PACK_FILE = tar_index.PACK_FILE
 PACK_VERSION = 1
 
 
@@ -115,7 +115,7 @@ def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_wa
         k = int(name[len("shard-"):-len(".tar")])
         expected = min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
         try:
-            found = tar_walk.walk_shard(path, split.role)
+            found = tar_walk.walk_shard(path, split.role, checksums=True)
         except UserError:
             found = None
         if found is not None and len(found.labels) == expected:

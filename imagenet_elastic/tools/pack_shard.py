@@ -137,4 +137,4 @@ def write_shard(folder: str, k: int, split: Split, options: Options) -> Written:
 
     path = os.path.join(folder, shard_name(k))
     commit(write_temp(folder, shard_name(k), write), path)
-    return Written(split.role, k, tar_walk.walk_shard(path, split.role), resized)
+    return Written(split.role, k, tar_walk.walk_shard(path, split.role, checksums=True), resized)

@@ -4,6 +4,7 @@ steps on batches already on the device, and both together. Each mode returns its
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import multiprocessing
 import os
@@ -140,7 +141,8 @@ def textbook_loader(root: str, size: int, batch: int, workers: int,
 def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
                against: tuple[sources.Source, ...] = ()) -> dict[str, Any]:
     """Ours on DATA against the textbook loader on the same folder (where DATA is one), and ours on each of
-    `against` (another form of the same images: a pack against its folder), in alternating rounds."""
+    `against` (another form of the same images: a pack against its folder), in alternating rounds. DATA with
+    per-sample checksums (a pack) is also read without comparing them: what that check costs."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     decoding = Decoding.choose(args.decode, run_device(args), available_cores(), augment)  # gpu: the workers' part
@@ -152,6 +154,9 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
     for k, other in enumerate(against):
         contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, decoding, augment,
                                                  counter=counters[k + 1])
+    if getattr(train, "checksums", None) is not None:
+        contenders["unverified"] = ours_loader(dataclasses.replace(train, checksums=None), args.image_size,
+                                               args.batch_size, workers, decoding, augment)
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, make in contenders.items():
@@ -162,6 +167,9 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
     if "textbook" in rate:
         figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
                        ratio=round(rate["ours"] / rate["textbook"], 2))
+    if "unverified" in rate:
+        figures.update(unverified_images_per_sec=round(rate["unverified"], 1),
+                       verified_vs_unverified=round(rate["ours"] / rate["unverified"], 3))
     if against:
         figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
                                "files_opened_per_sample": counters[k + 1].per_sample(),

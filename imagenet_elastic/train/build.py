@@ -34,6 +34,7 @@ from imagenet_elastic.data import gpu_decode, pipeline, sources
 from imagenet_elastic.data.decoding import Decoding
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
+from imagenet_elastic.data.sources import fingerprints
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import consistency, distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
@@ -82,6 +83,7 @@ class Training:
     saved_decoding: Optional[dict[str, str]] = None  # how the checkpoint's run decoded (decoding.Decoding.saved)
     micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (fit_micro_batches)
     teacher: Optional[TeacherWeights] = None  # --teacher's, read by check_inputs; its identity goes in checkpoints
+    data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, kept in checkpoints (fingerprints.py)
 
 
 @dataclass
@@ -114,6 +116,7 @@ class Inputs:
     published: Optional[published.Published]  # --pretrained's weights, for a run that starts fresh
     teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
+    data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
 
 
 def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextlib.ExitStack,
@@ -169,13 +172,33 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
         change = None if config.evaluate else teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
         if change is not None:
             warn_differences(config, console, [change])
+    data = check_data(config, env, console, train, val, snapshot)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
         weights = published.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, weights, teacher, tuple(chosen))
+                    time.perf_counter() - start, initial, weights, teacher, tuple(chosen), data)
     return inputs, snapshot
+
+
+def check_data(config: Config, env: DistEnv, console: Console, train: sources.Source, val: sources.Source,
+               snapshot: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """Rank 0: a warning for each split that differs from the one the checkpoint's run had (--evaluate: the
+    validation split alone), and a training run's fingerprint of each split, for its checkpoints. The others see
+    the same data (the start-up check) and keep no checkpoint."""
+    if not env.is_main:
+        return None
+    saved = (snapshot.get("data") if snapshot is not None else None) or {}
+    if config.evaluate:
+        change = fingerprints.difference(saved.get("val"), val)
+        warn_differences(config, console, [change] if change else [])
+        return None
+    splits = {"train": train, "val": val}
+    taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
+    changes = [fingerprints.difference(saved.get(role), source, taken[role]) for role, source in splits.items()]
+    warn_differences(config, console, [change for change in changes if change])
+    return {role: taken[role].saved() for role in taken}
 
 
 def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inputs,
@@ -240,7 +263,7 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
                     resumed_at=snapshot["saved_at"] if snapshot else None,
                     tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {},
                     saved_micro_batch=snapshot.get("micro_batch") if snapshot else None, teacher=inputs.teacher,
-                    saved_decoding=snapshot.get("decoding") if snapshot else None)
+                    saved_decoding=snapshot.get("decoding") if snapshot else None, data=inputs.data)
 
 
 def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,

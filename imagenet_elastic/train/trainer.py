@@ -194,7 +194,7 @@ class Trainer:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
                 "trackers": self.sinks.tracker_runs, **self.training.micro.saved(),
-                "decoding": self.loaders.decoding.saved(),
+                "decoding": self.loaders.decoding.saved(), "data": self.training.data,
                 "teacher": self.training.teacher.identity() if self.training.teacher is not None else None}
 
     def stop(self) -> None:

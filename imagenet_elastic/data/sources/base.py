@@ -62,6 +62,12 @@ class Source(abc.ABC):
         a relative path, a shard's name and the member's place in it. The start-up check names the first entry
         in which a node's copy departs from rank 0's."""
 
+    def sample_columns(self) -> tuple[np.ndarray, ...]:
+        """Arrays of one entry per sample that together say what each sample is (its name, its size where the index
+        holds it, its label), wherever the data lies: what a checkpoint's fingerprint of the split is taken of
+        (fingerprints.py). Sources whose entries are built per call keep to their own arrays instead."""
+        return self.entries(), self.labels
+
     def fingerprint(self) -> FileList:
         """Equal data gives equal digests wherever it lies. Sources that can hash something cheaper than
         their entries (arrays they already hold) override this."""

@@ -25,9 +25,11 @@ class Unreadable(Exception):
     """An index file numpy cannot read; the message names it and says why."""
 
 
-def read(path: str, version: int, names: tuple[str, ...]) -> Optional[dict[str, np.ndarray]]:
-    """The arrays `names` of the index file at `path`, all read now; None when there is no file or it is of another
-    version; `Unreadable` when it is not a whole .npz with those arrays."""
+def read(path: str, version: int, names: tuple[str, ...],
+         optional: tuple[str, ...] = ()) -> Optional[dict[str, np.ndarray]]:
+    """The arrays `names` of the index file at `path`, all read now, and those of `optional` it holds (arrays a later
+    writer added: a file from before them reads as it is); None when there is no file or it is of another version;
+    `Unreadable` when it is not a whole .npz with those arrays."""
     if not os.path.isfile(path):
         return None
     try:
@@ -46,7 +48,7 @@ def read(path: str, version: int, names: tuple[str, ...]) -> Optional[dict[str, 
         try:
             if int(saved["version"]) != version:
                 return None
-            return {name: saved[name] for name in names}
+            return {name: saved[name] for name in (*names, *(n for n in optional if n in saved.files))}
         except DAMAGED as error:
             why = error.args[0] if isinstance(error, KeyError) and error.args else first_line(error)
             raise Unreadable(f"{path} is damaged ({str(why)[:200]})") from None

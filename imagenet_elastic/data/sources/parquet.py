@@ -151,6 +151,12 @@ class ParquetFiles(Source):
         counts = np.diff(np.append(self.file_starts, len(self)))
         return np.array([f"{names[f]}:{row}".encode() for f, n in enumerate(counts.tolist()) for row in range(n)])
 
+    def sample_columns(self) -> tuple[np.ndarray, ...]:
+        """Each sample's file (by name) and that file's size, and its label."""
+        names = np.array([os.path.basename(p).encode() for p in self.files])
+        file = np.repeat(np.arange(len(self.files)), np.diff(np.append(self.file_starts, len(self))))
+        return names[file], self.sizes[file], self.labels
+
     def fingerprint(self) -> FileList:
         """The file names, sizes and row groups with the labels: no entry strings built at every start."""
         names = np.array([os.path.basename(p).encode() for p in self.files])

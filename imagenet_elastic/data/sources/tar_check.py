@@ -5,7 +5,6 @@ cache of shards from elsewhere is rebuilt from the walk.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from dataclasses import replace
@@ -13,11 +12,9 @@ from typing import Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.tar_index import TarShards
+from imagenet_elastic.data.sources.tar_index import TarShards, pack_again
 from imagenet_elastic.data.sources.tar_walk import Found, assemble, walk_shard
 from imagenet_elastic.errors import UserError
-
-PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 
 
 def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
@@ -29,13 +26,15 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     at its old size is seen, and a copy that keeps mtimes (`cp -a`, `rsync -a`, `tar x`) of a changed shard carries
     the changed one's mtime, not the one recorded. What mtimes cannot tell is a faithful copy that does not keep
     them (`cp -r`, most object-store downloads): a shard whose size is the same and mtime is not is therefore
-    walked again (its tar headers and labels, ~40 ms for 1,250 samples) and compared with the index: equal, it is
-    the same shard.
+    walked again (its tar headers and labels, ~40 ms for 1,250 samples) and compared with the index. Equal headers
+    are a copy, or bytes changed in place at the same size: reading every byte to tell which would cost a copied
+    pack 140 GB at every start, so the samples' checksums (tar_index.py) tell it as each is read instead.
 
     A pack's index (`source.packed`) is a promise about its shards: a shard of another size, or walked to other
-    samples, is refused, naming it and how to pack again; shards that only lost their mtimes are kept, with a note
-    of what that check cost. A cache of shards from elsewhere is the trainer's own: a changed shard is walked
-    again and the index rebuilt from its walk and the others' entries, with a note naming it."""
+    samples, is refused, naming it and how to pack again; shards of other mtimes and the same headers are kept, with
+    a note of what that check cost. A cache of shards from elsewhere is the trainer's own: a changed shard is walked
+    again (with checksums, where the index has them) and the index rebuilt from its walk and the others' entries,
+    with a note naming it."""
     stats = [os.stat(p) for p in source.shards]
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
@@ -49,31 +48,42 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     start = time.perf_counter()
     walked = {k: walk_shard(source.shards[k], source.role) for k in (*resized, *touched)}
     seconds = time.perf_counter() - start
-    changed = [k for k in sorted(walked) if walked[k] != indexed_samples(source, k)]
+    changed = [k for k in sorted(walked) if not walked[k].same_members(indexed_samples(source, k))]
     if source.packed:
         if changed:
             k = changed[0]
             raise UserError(f"shard {source.shards[k]} differs from its index {index} "
                             f"({first_difference(indexed_samples(source, k), walked[k])}): it was changed after it "
                             f"was packed; {pack_again(index)}")
-        note = (f"{len(touched)} shards of {source.location} have other mtimes than its index records, and the same "
-                f"samples (a copy that did not keep mtimes; `cp -a` or `rsync -a` keep them): checking them took "
-                f"{seconds:.1f} s")
-        return replace(source, notes=(note,))
+        return replace(source, notes=(touched_note(source, len(touched), seconds),))
     if not changed:  # touched alone: the index holds, with the shards' mtimes of now
         return replace(source, sizes=np.array([stat.st_size for stat in stats], dtype=np.int64),
                        mtimes=np.array([stat.st_mtime_ns for stat in stats], dtype=np.int64), cached=False)
     k = changed[0]
     others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
-    found = [walked.get(j) or indexed_samples(source, j) for j in range(len(source.shards))]
+    if source.checksums is not None:  # the rebuilt index keeps them: the changed shards' bytes are read for theirs
+        walked = {j: walk_shard(source.shards[j], source.role, checksums=True) for j in changed}
+    found = [walked[j] if j in changed else indexed_samples(source, j) for j in range(len(source.shards))]
     rebuilt = assemble(source.location, source.role, list(source.shards), found, classes)
-    return replace(rebuilt, notes=(f"shard {source.shards[k]}{others} changed since it was indexed: indexed again",))
+    return replace(rebuilt, index=source.index,
+                   notes=(f"shard {source.shards[k]}{others} changed since it was indexed: indexed again",))
+
+
+def touched_note(source: TarShards, touched: int, seconds: float) -> str:
+    """What a pack's shards of other mtimes and the same headers are, and what will tell."""
+    tells = ("; each sample's checksum, compared as it is read, stops the run at a changed one"
+             if source.checksums is not None else
+             ", which this index cannot tell apart (it has no checksums: pack again to have them)")
+    return (f"{touched} shards of {source.location} have other mtimes than its index records and the same members: a "
+            f"copy that did not keep mtimes (`cp -a` or `rsync -a` keep them), or bytes changed in place{tells}; "
+            f"checking their headers took {seconds:.1f} s")
 
 
 def indexed_samples(source: TarShards, k: int) -> Found:
     """Shard k's samples as the index holds them."""
     lo, hi = np.searchsorted(source.shard, [k, k + 1]).tolist()
-    return Found(source.offsets[lo:hi].tolist(), source.lengths[lo:hi].tolist(), source.labels[lo:hi].tolist())
+    return Found(source.offsets[lo:hi].tolist(), source.lengths[lo:hi].tolist(), source.labels[lo:hi].tolist(),
+                 None if source.checksums is None else source.checksums[lo:hi].tolist())
 
 
 def first_difference(indexed: Found, walked: Found) -> str:
@@ -87,18 +97,3 @@ def first_difference(indexed: Found, walked: Found) -> str:
     return f"its sample {j} lies at bytes {walked.offsets[j]}+{walked.lengths[j]}, the index says " \
            f"{indexed.offsets[j]}+{indexed.lengths[j]}"
 
-
-def pack_again(index: str) -> str:
-    """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
-    command = "imagenet-elastic pack SRC NEW_OUT"
-    try:
-        with open(os.path.join(root, PACK_FILE)) as f:
-            record = json.load(f)
-        options = record["options"]
-        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
-                        if v is not None and (k != "quality" or options.get("max_side") is not None))
-        command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
-    return f"pack again ({command}), or remove {index} to index the shards at start"

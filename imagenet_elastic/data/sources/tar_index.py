@@ -1,14 +1,23 @@
 """The index of a split's shards: `TarShards`, the Source whose arrays say for each sample its shard, the offset
-and length of its image bytes and its label, and which reads a sample by them out of this process's mmap of its
-shard; and the same index as one .npz (pack's beside its shards, or a cache in the checkpoints folder), written and
-read back. One module, because the Source keeps itself (`keep` writes the cache) and the file reads back into it.
+and length of its image bytes, its label and a checksum of those bytes, and which reads a sample by them out of
+this process's mmap of its shard; and the same index as one .npz (pack's beside its shards, or a cache in the
+checkpoints folder), written and read back. One module, because the Source keeps itself (`keep` writes the cache)
+and the file reads back into it.
+
+The checksum (zlib's CRC-32: in the standard library, and cheap beside a decode, docs/BENCHMARKS.md) is of each
+image's bytes as they were packed or first indexed, and every read compares it: a byte changed since (in place, at
+the same size, even under the same mtime: rot, a faulty copy) stops the run at that sample, named, before it reaches
+a batch. Sizes, mtimes and tar headers (tar_check.py) cannot see such a byte. An index from before checksums were
+kept has none and is read as it is, unverified.
 """
 
 from __future__ import annotations
 
 import io
+import json
 import mmap
 import os
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -22,6 +31,8 @@ from imagenet_elastic.errors import CorruptImageError, UserError
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
+OPTIONAL_ARRAYS = ("checksums",)  # added to version 1 later: its first files read without them
+PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 
 
 @dataclass(frozen=True)
@@ -39,6 +50,8 @@ class TarShards(Source):
     cached: bool = False  # the index was read, not walked
     packed: bool = False  # the index is the one `pack` wrote beside the shards
     notes: tuple[str, ...] = ()  # what opening it found worth a warning (Source.notes)
+    checksums: Optional[np.ndarray] = None  # uint32 per sample: CRC-32 of its image's bytes; None: an older index
+    index: Optional[str] = None  # the index file it was read from or is kept in, for messages
 
     def read(self, i: int) -> bytes:
         path = self.shards[int(self.shard[i])]
@@ -54,7 +67,20 @@ class TarShards(Source):
         if _header_size(mapped, start) != length:
             raise CorruptImageError(f"shard {path} does not match its index at sample #{i} (byte {start}): was the "
                                     "shard replaced after it was indexed?")
-        return mapped[start:start + length]
+        data = mapped[start:start + length]
+        if self.checksums is not None and zlib.crc32(data) != int(self.checksums[i]):
+            raise CorruptImageError(self.changed_bytes(i))
+        return data
+
+    def changed_bytes(self, i: int) -> str:
+        """The line for sample i, whose bytes are not those its checksum was taken of, and what to do about it."""
+        path, index = self.shards[int(self.shard[i])], self.index or "its index"
+        if self.packed:
+            return (f"shard {path} member {self.member(i)} has other bytes than when it was packed (its checksum in "
+                    f"{index} differs): the shard changed after it was packed; {pack_again(index)}")
+        again = f"remove {self.index} to index the shards again" if self.index else "start again to index them again"
+        return (f"shard {path} member {self.member(i)} has other bytes than when it was indexed (its checksum in "
+                f"{index} differs): the shard changed since; restore it, or {again}")
 
     def name(self, i: int) -> str:
         return f"{self.shards[int(self.shard[i])]}:{self.member(i)}"
@@ -82,6 +108,11 @@ class TarShards(Source):
         names = [os.path.basename(p) for p in self.shards]
         return np.array([f"{names[int(self.shard[i])]}:{self.member(i)}".encode() for i in range(len(self))])
 
+    def sample_columns(self) -> tuple[np.ndarray, ...]:
+        """Each sample's shard (by name), where its image lies in it and how long it is, and its label."""
+        names = np.array([os.path.basename(p).encode() for p in self.shards])
+        return names[self.shard], self.offsets, self.lengths, self.labels
+
     def fingerprint(self) -> FileList:
         """The index's own arrays: no entry strings are built at every start."""
         names = np.array([os.path.basename(p).encode() for p in self.shards])
@@ -89,8 +120,9 @@ class TarShards(Source):
                                                                 self.offsets, self.lengths, self.labels))
 
     def describe(self) -> str:
-        how = " (index written by pack)" if self.packed else " (index from the cache)" if self.cached else ""
-        return f"{len(self)} in {self.where()}{how}"
+        how = "index written by pack" if self.packed else "index from the cache" if self.cached else ""
+        unverified = ", no checksums" if how and self.checksums is None else ""
+        return f"{len(self)} in {self.where()}" + (f" ({how}{unverified})" if how else "")
 
     def keep(self, cache_dir: str) -> None:
         if not self.cached and not self.packed:
@@ -139,7 +171,8 @@ def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> Non
     buffer = io.BytesIO()
     np.savez(buffer, version=np.int64(INDEX_VERSION), location=np.array(os.path.abspath(source.location)),
              shards=np.array(names), sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes),
-             labels=source.labels, shard=source.shard, offsets=source.offsets, lengths=source.lengths)
+             labels=source.labels, shard=source.shard, offsets=source.offsets, lengths=source.lengths,
+             **({} if source.checksums is None else {"checksums": source.checksums}))
     atomic_write_bytes(buffer.getvalue(), path)
 
 
@@ -147,7 +180,7 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
     they are walked again. Pack's own index that no longer matches its shards is an error naming the shard. A
     damaged file is index_file.Unreadable."""
-    saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS)
+    saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
     folder = os.path.dirname(path)
@@ -163,4 +196,21 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
                             "pack changed after it was written?")
         return None
     return TarShards(location, role, tuple(shards), sizes, mtimes, classes, arrays["labels"], arrays["shard"],
-                     arrays["offsets"], arrays["lengths"], cached=True, packed=packed)
+                     arrays["offsets"], arrays["lengths"], cached=True, packed=packed, checksums=saved.get("checksums"),
+                     index=path)
+
+
+def pack_again(index: str) -> str:
+    """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
+    command = "imagenet-elastic pack SRC NEW_OUT"
+    try:
+        with open(os.path.join(root, PACK_FILE)) as f:
+            record = json.load(f)
+        options = record["options"]
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
+                        if v is not None and (k != "quality" or options.get("max_side") is not None))
+        command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        pass
+    return f"pack again ({command}), or remove {index} to index the shards at start"

@@ -3,13 +3,14 @@
 part, as WebDataset and timm's imagenet-1k-wds shards have them.
 
 A split is a folder of `*.tar` files (sorted by name), or a brace or glob pattern
-(`/data/imagenet-train-{000000..001023}.tar`). The first start walks every shard's tar headers once and keeps
-an index: for each sample its shard, the offset and length of its image bytes, and its label, in numpy arrays
-(28 bytes a sample: 34 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md).
+(`/data/imagenet-train-{000000..001023}.tar`). The first start walks every shard once and keeps an index: for
+each sample its shard, the offset and length of its image bytes, its label and a CRC-32 of its image bytes, in numpy
+arrays (32 bytes a sample: 39 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md).
 `imagenet-elastic pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are
 indexed at the first start and the index is kept in the checkpoints folder. Either is checked against its shards at
 every start (`tar_check.check_shards`): a pack's shard changed since is refused, one from elsewhere is indexed again,
-said.
+said; and every read checks its sample's checksum (tar_index.py), which sees the bytes changed in place that sizes,
+mtimes and headers cannot.
 
 Reading sample i maps its shard (once per process, lazily: a loader worker maps what it reads) and copies the
 sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any
@@ -35,8 +36,8 @@ from dataclasses import replace
 from typing import Optional
 
 from imagenet_elastic.data.sources import index_file
-from imagenet_elastic.data.sources.tar_check import check_shards, pack_again
-from imagenet_elastic.data.sources.tar_index import INDEX_NAME, TarShards, cache_path, read_index
+from imagenet_elastic.data.sources.tar_check import check_shards
+from imagenet_elastic.data.sources.tar_index import INDEX_NAME, TarShards, cache_path, pack_again, read_index
 from imagenet_elastic.data.sources.tar_names import is_pattern, shard_paths, split_location, split_patterns
 from imagenet_elastic.data.sources.tar_walk import LABEL_EXTENSION, walk
 from imagenet_elastic.errors import UserError
@@ -65,16 +66,17 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     location = split_location(location, role)
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
-    index = beside if os.path.isfile(beside) else cache_path(cache_dir, role) if cache_dir else None
+    kept = cache_path(cache_dir, role) if cache_dir else None  # where a walk's index is kept (`keep`)
+    index = beside if os.path.isfile(beside) else kept
     try:
         source = read_index(index, location, role, paths, packed=index == beside) if index else None
     except index_file.Unreadable as error:
         if index == beside:
             raise UserError(f"shard index {error}: {pack_again(beside)}") from None
-        return replace(walk(location, role, classes),
+        return replace(walk(location, role, classes), index=kept,
                        notes=(f"the shard index cache {error}: the shards were indexed again",))
     if source is None:
-        return walk(location, role, classes)
+        return replace(walk(location, role, classes), index=kept)
     source = check_shards(source, index, classes)
     numbered = source.classes == tuple(map(str, range(len(source.classes))))
     if classes is not None and source.classes != classes and numbered:

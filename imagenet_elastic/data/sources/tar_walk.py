@@ -1,7 +1,8 @@
 """Walking the tar headers of shards into their index (a `TarShards`): each sample's `KEY.jpg` (or another
 image) and `KEY.cls` found in order, its label read, its class names from a `classes.txt` or an `_info.json`. Every
 wrong sample is one UserError naming its shard. `pack` walks each shard as it writes it; a start walks shards that
-have no index, or whose index no longer holds (tar_check.py).
+have no index, or whose index no longer holds (tar_check.py). A walk that indexes (pack's, a first start's) also
+reads each image's bytes for its checksum (tar_index.py); one that only compares headers with an index does not.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import tarfile
+import zlib
 from dataclasses import dataclass
 from typing import Optional
 
@@ -37,11 +39,17 @@ class Found:
     offsets: list[int]
     lengths: list[int]
     labels: list[int]
+    checksums: Optional[list[int]] = None  # CRC-32 of each image's bytes, where the walk read them
+
+    def same_members(self, other: Found) -> bool:
+        """The same samples by their tar headers and labels (what a walk without checksums can tell)."""
+        return (self.offsets, self.lengths, self.labels) == (other.offsets, other.lengths, other.labels)
 
 
-def walk_shard(path: str, role: str) -> Found:
-    """Every sample of one shard, in order; a UserError naming the shard and the sample for anything wrong."""
-    found = Found([], [], [])
+def walk_shard(path: str, role: str, checksums: bool = False) -> Found:
+    """Every sample of one shard, in order; a UserError naming the shard and the sample for anything wrong.
+    `checksums`: also read each image's bytes for its CRC-32 (the whole shard read, where headers are a few blocks)."""
+    found = Found([], [], [], [] if checksums else None)
     size = os.stat(path).st_size
     key: Optional[str] = None
     image: Optional[tarfile.TarInfo] = None
@@ -61,6 +69,8 @@ def walk_shard(path: str, role: str) -> Found:
         found.offsets.append(image.offset_data)
         found.lengths.append(image.size)
         found.labels.append(label)
+        if found.checksums is not None:
+            found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
 
     try:
         with tarfile.open(path, "r:") as tar:
@@ -132,14 +142,15 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     return None
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """Index the shards of `location` by walking their headers."""
+    """Index the shards of `location` by walking their headers, each image's checksum taken."""
     paths = shard_paths(location, role)
-    return assemble(location, role, paths, [walk_shard(p, role) for p in paths], classes)
+    return assemble(location, role, paths, [walk_shard(p, role, checksums=True) for p in paths], classes)
 
 
 def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
              classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """The index of shards whose walks are done (`pack` walks each shard as it writes it)."""
+    """The index of shards whose walks are done (`pack` walks each shard as it writes it); with checksums where every
+    walk took them."""
     named = class_names(location, paths)
     stats = [os.stat(p) for p in paths]
     labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
@@ -149,7 +160,9 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
                      np.array([s.st_mtime_ns for s in stats], dtype=np.int64), tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
                      np.concatenate([np.array(f.offsets, dtype=np.int64) for f in per_shard]),
-                     np.concatenate([np.array(f.lengths, dtype=np.int64) for f in per_shard]))
+                     np.concatenate([np.array(f.lengths, dtype=np.int64) for f in per_shard]),
+                     checksums=None if any(f.checksums is None for f in per_shard) else
+                     np.concatenate([np.array(f.checksums, dtype=np.uint32) for f in per_shard]))
 
 
 def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
