@@ -365,3 +365,16 @@ def test_a_teacher_of_another_class_count_is_one_line(tmp_path, teachers):
     result = command(run_args(data, tmp_path / "run", "--teacher", str(teachers["a"])))
     assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "predicts 4 classes, the data has 5" in result.stderr
+
+
+def test_a_teacher_checkpoint_of_as_many_classes_with_other_names_is_one_line(tmp_path, teachers):
+    """The teacher's logits follow its class folders: a class of the data by another name is another class."""
+    from conftest import make_image_folder
+
+    data = make_image_folder(tmp_path / "renamed", classes=4, train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        (data / split / "class_002").rename(data / split / "class_00x")  # 4 classes, the third not the teacher's
+    result = command(run_args(data, tmp_path / "run", "--teacher", str(teachers["a"])))
+    assert result.returncode != 0 and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert str(teachers["a"]) in result.stderr and "other class names" in result.stderr, result.stderr
+    assert not (tmp_path / "run").exists()
