@@ -19,7 +19,9 @@ from test_reference_pixels import training_images
 from timm.data import create_transform, resolve_data_config
 
 from imagenet_elastic.data import pipeline
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.tools.eval_labels import read_real_labels
 from imagenet_elastic.tools.export import export
 
 CLASSES = ("a", "b", "c")
@@ -248,6 +250,17 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     assert one_line_error(model, val, "--real-labels", str(tmp_path / "long.json")).endswith(
         f"--real-labels {tmp_path / 'long.json'} has 50001 entries, ReaL's real.json 50000 (one per image of "
         "ImageNet's validation set): entry 50001 and on name no image")
+
+
+def test_real_labels_of_exactly_imagenets_50000_validation_images_are_read_and_one_more_refused(tmp_path):
+    """ReaL's own real.json has an entry per validation image, 50,000: all of them are read."""
+    entries = [[k % 3] if k % 7 else [] for k in range(50_000)]
+    (tmp_path / "real.json").write_text(json.dumps(entries))
+    assert read_real_labels(str(tmp_path / "real.json")) == entries
+    (tmp_path / "long.json").write_text(json.dumps([*entries, [0]]))
+    with pytest.raises(UserError, match=r"has 50001 entries, ReaL's real.json 50000 .*: entry 50001 and on name no "
+                                        r"image$"):
+        read_real_labels(str(tmp_path / "long.json"))
 
 
 @pytest.mark.slow

@@ -70,15 +70,27 @@ def test_a_mistake_in_the_labels_file_is_named_by_its_line(image_folder, flat, t
     assert str(caught.value) == f"--val-labels {labels} {message.format(folder=folder)}"
 
 
-def test_a_labels_file_that_leaves_images_of_the_folder_out_names_the_first(image_folder, flat, tmp_path):
+@pytest.mark.parametrize("left_out", [1, 7, 35], ids=["the first image", "one in the middle", "the last image"])
+def test_a_labels_file_that_leaves_an_image_of_the_folder_out_names_it(image_folder, flat, tmp_path, left_out):
     folder, rows = flat
     (folder / "README.txt").write_text("not an image: not listed")
+    unlisted = f"ILSVRC2012_val_{left_out:08d}.JPEG"
     labels = tmp_path / "labels.csv"
-    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows if name != "ILSVRC2012_val_00000007.JPEG"))
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows if name != unlisted))
     with pytest.raises(UserError) as caught:
         sources.open_splits(str(image_folder), str(folder), str(labels), None)
     assert str(caught.value) == f"--val-labels {labels} gives no class to 1 of the 35 images in {folder}, the first " \
-                                "ILSVRC2012_val_00000007.JPEG"
+                                f"{unlisted}"
+
+
+def test_a_labels_file_that_leaves_several_images_out_names_the_first_and_counts_them(image_folder, flat, tmp_path):
+    folder, rows = flat
+    labels = tmp_path / "labels.csv"
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows[3:-2]))
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert str(caught.value) == f"--val-labels {labels} gives no class to 5 of the 35 images in {folder}, the first " \
+                                "ILSVRC2012_val_00000001.JPEG"
 
 
 def test_a_labels_file_that_does_not_exist_is_named(image_folder, flat, tmp_path):

@@ -1,9 +1,10 @@
 """--micro-batch auto on the CPU, out-of-memory errors injected by a hook on the model: the probe's choice (forced to
 run here, where it does not by itself) and that it leaves no trace, the regrouping of the loader's micro-batches, a
-step redone in halves mid-run, validation in halves, the choice kept in the checkpoint and reused by a restart on
-the same kind of device (and probed again on another), exact kill-resume with a halved micro-batch, and the run's
-end, in one line, at a second out-of-memory error of a kind; --decode gpu's decode running out of memory (a stand-in
-decoder's error): a step's out-of-memory error under auto, one line without it."""
+step redone in halves mid-run, validation in halves, the choice kept in the checkpoint and reused by a restart on the
+same kind of device with the same settings, no larger than the run's share (and probed again on another), exact
+kill-resume with a halved micro-batch, and the run's end, in one line, at a second out-of-memory error of a kind;
+--decode gpu's decode running out of memory (a stand-in decoder's error): a step's out-of-memory error under auto,
+one line without it."""
 
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.train import build, memory_probe, micro_batch
 from imagenet_elastic.train.compile import CompiledOrEager
 from imagenet_elastic.train.micro_batch import OutOfMemoryAgain, fitting_plan, regroup
+from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.trainer import Trainer
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--epochs", "1", "--max-steps-per-epoch", "5",
@@ -192,6 +194,52 @@ def test_an_out_of_memory_error_in_a_first_compiled_call_is_no_compile_failure()
     assert compiled(torch.randn(2, 3, 8, 8)).shape == (2, 4) and compiled.failure is None
 
 
+# ----------------------------------------------------------------------------- the choice at start
+
+SETTINGS = {"model": "test_resnet", "blurpool": False, "batch_size": 8, "image_size": 32, "precision": "fp32",
+            "channels_last": False, "grad_checkpointing": False, "opt": "sgd", "model_ema": False, "ddp": False}
+
+
+def choose(loader: BatchPlan, saved: Optional[dict], settings: dict = SETTINGS) -> micro_batch.MicroBatches:
+    """--micro-batch auto's choice on this CPU (nothing to probe), for rank 0 of `loader`."""
+    def probe(first, smaller):
+        raise AssertionError("no probe on a CPU")
+    return micro_batch.choose(True, loader, 0, False, torch.device("cpu"), settings, saved, probe, print)
+
+
+def saved_choice(size: int, settings: dict = SETTINGS) -> dict:
+    """What a checkpoint made on this CPU keeps of the choice (MicroBatches.saved)."""
+    return {"size": size, "device": "cpu", "memory": 0, "settings": dict(settings)}
+
+
+@pytest.mark.parametrize("now", [{}, {"image_size": 48}, {"model_ema": True}, {"teacher": "0f" * 32}],
+                         ids=["same settings", "another --image-size", "--model-ema", "a teacher"])
+def test_a_saved_choice_is_reused_only_under_the_settings_it_was_made_with(now):
+    micro = choose(BatchPlan(8, 1, 8), saved_choice(4), {**SETTINGS, **now})
+    if now:  # probed again where it can be; on a CPU, --batch-size's
+        assert micro.size == 8 and "--batch-size's" in micro.describe()
+    else:
+        assert micro.size == 4 and "the checkpoint's for this GPU (cpu)" in micro.describe()
+    assert micro.saved()["micro_batch"]["settings"] == {**SETTINGS, **now}
+
+
+def test_a_saved_choice_larger_than_this_runs_share_takes_the_share_and_halves_from_it():
+    """Saved with micro-batches of 8, resumed with shares of 4 (another --global-batch-size or world size): 4, saved
+    as 4, and an out-of-memory error halves to 2."""
+    micro = choose(BatchPlan(4, 1, 4), saved_choice(8))
+    assert micro.size == 4 and micro.saved()["micro_batch"]["size"] == 4
+    model, to = probe_model()
+    oom = OutOfMemoryAbove({0: 2})
+    oom.step = 0
+    model[-1].register_forward_pre_hook(oom.forward)
+    ctx = StepContext(model, torch.optim.SGD(model.parameters(), lr=0.1), torch.amp.GradScaler("cpu", enabled=False),
+                      nn.CrossEntropyLoss(), to)
+    batch = Batch(torch.randint(0, 256, (4, 8, 8, 3), dtype=torch.uint8), torch.tensor([0, 1, 2, 3]))
+    micro.step(ctx, [batch], 0.1, 0, 0)
+    assert micro.size == 2 and [size for _, size, _ in oom.seen] == [4, 2, 2]
+    assert micro.saved()["micro_batch"]["size"] == 2
+
+
 # ----------------------------------------------------------------------------- runs
 
 
@@ -215,7 +263,9 @@ def test_the_probe_takes_the_largest_micro_batch_that_fits_and_trains_as_a_run_s
     assert [size for step, size, _ in oom.seen if step == -1] == [8, 4, 4]
     assert_same_training(set_to_it, probed)
     assert probed["micro_batch"] == {"size": 4, "device": "cpu", "memory": 0, "settings": probed["micro_batch"][
-        "settings"]} and probed["micro_batch"]["settings"]["batch_size"] == 8
+        "settings"]}
+    assert {k: probed["micro_batch"]["settings"].get(k) for k in ("batch_size", "image_size", "model_ema", "teacher")} \
+        == {"batch_size": 8, "image_size": 32, "model_ema": False, "teacher": None}  # what the choice holds for
     table = capsys.readouterr().out
     assert "8 = 1 process x 8, in 2 micro-batches of 4" in table
     assert "auto: at most 4 images a forward pass, the largest that fits cpu (probed in" in table

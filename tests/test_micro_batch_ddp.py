@@ -1,9 +1,9 @@
 """--micro-batch auto under DDP, two gloo processes: an out-of-memory error on one rank only, before DDP's forward,
 inside a micro-batch's forward, in the middle of the synchronising backward (gradient buckets already all-reduced),
-or in --decode gpu's decode of the step's batch (told before the step), deadlocks no rank; every rank redoes the
-step with half the micro-batch and ends with the bits of a run that used the smaller micro-batch from that step on,
-and a second error ends every rank with one line (the step's own pieces, spawned; then the whole program under
-torchrun, with the error injected by tests/oom_injected.py)."""
+or in --decode gpu's decode of the step's batch (told before the step), deadlocks no rank; every rank redoes the step
+with half the micro-batch and ends with the bits of a run that used the smaller micro-batch from that step on, a
+second error ends every rank with one line, and ranks resuming from other choices take the smallest (the step's own
+pieces, spawned; then the whole program under torchrun, with the error injected by tests/oom_injected.py)."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.train import micro_batch
 from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain
 from imagenet_elastic.train.step import StepContext
 
@@ -176,6 +177,37 @@ def test_an_out_of_memory_error_on_one_rank_is_redone_by_every_rank_with_half_th
     again = "out of memory again in training step 3 with micro-batches of 4 (halved once already in this run)"
     assert ranks[1]["again"] == f"{again}: CUDA out of memory (injected); lower --batch-size"
     assert ranks[0]["again"] == f"{again}, on another rank"
+
+
+def choice_worker(rank: int, port: int, out: str) -> None:
+    """--micro-batch auto's choice at start on a rank whose checkpoint says 8 (rank 0) or 4 (rank 1): ranks on
+    different GPUs, each resuming from its own choice."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=datetime.timedelta(seconds=60))
+    try:
+        settings = {"model": "test_resnet", "image_size": 32}
+        saved = {"size": (8, 4)[rank], "device": "cpu", "memory": 0, "settings": settings}
+
+        def probe(first, smaller):
+            raise AssertionError("no probe: the checkpoint's choice holds")
+        micro = micro_batch.choose(True, BatchPlan(16, 2, 8), rank, False, torch.device("cpu"), settings, saved, probe,
+                                   print)
+        torch.save({"size": micro.size, "saved": micro.saved()["micro_batch"]["size"], "said": micro.describe()},
+                   os.path.join(out, f"rank{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_ranks_with_other_choices_all_take_the_smallest_and_the_larger_one_says_so(tmp_path):
+    mp.start_processes(choice_worker, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(2)]
+    assert [(r["size"], r["saved"]) for r in ranks] == [(4, 4), (4, 4)]
+    said = [r["said"].split(";")[0] for r in ranks]
+    assert said == ["auto: at most 4 images a forward pass, the checkpoint's for this GPU (cpu), 4 on another rank",
+                    "auto: at most 4 images a forward pass, the checkpoint's for this GPU (cpu)"], said
 
 
 @pytest.mark.slow

@@ -353,24 +353,37 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
 
 @pytest.mark.slow
 def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it(tmp_path):
-    """SIGINT to the process group, as a terminal's Ctrl-C sends it to the parent and its pool's workers alike, once
-    the first shards exist: one line and exit 130 (no traceback from the parent or any worker), no index; the same
-    command then finishes the pack."""
+    """SIGINT to the process group, as a terminal's Ctrl-C sends it to the parent and its pool's workers alike, while
+    both workers are writing a shard (held there by tests/pack_held.py until the signal, the first four shards
+    complete): one line and exit 130 (no traceback from the parent or any worker), the two shards in flight left as
+    temporary files, no index; the same command then writes every shard but the first four."""
     src = make_image_folder(tmp_path / "src", classes=4, train_per_class=60, val_per_class=5)
     args = ["pack", str(src), str(tmp_path / "out"), "--shard-size", "8", "--max-side", "32", "--workers", "2"]
-    proc = subprocess.Popen(python_cmd(*args), cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
+    holding = tmp_path / "holding"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pack_held.py"), *args], cwd=REPO,
+                            env=child_env(PACK_HOLD_FROM="32", PACK_HOLDING=str(holding)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and not (tmp_path / "out" / "train" / "shard-000003.tar").exists():
-        time.sleep(0.01)
-    os.killpg(proc.pid, signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
+    try:
+        deadline = time.monotonic() + 120
+        while (time.monotonic() < deadline and proc.poll() is None
+               and len(holding.read_text().splitlines() if holding.exists() else []) < 2):
+            time.sleep(0.01)
+        assert len(holding.read_text().splitlines()) == 2, (proc.poll(), holding.read_text())
+        os.killpg(proc.pid, signal.SIGINT)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):  # the pack, and any worker it left
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
     said = err.strip().splitlines()
     assert proc.returncode == 130 and len(said) == 1, err
     assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
                        f"{tmp_path / 'out'} and writes the rest")
-    assert tar_index.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")
+    left = sorted(os.listdir(tmp_path / "out" / "train"))
+    assert [name.split(".tar")[0] for name in left] == [".tmp-shard-000004", ".tmp-shard-000005", *(
+        f"shard-{k:06d}" for k in range(4))], left
     result = run_pack(*args[1:])
-    assert result["images"] < 240 + 20  # the kept shards not again
+    assert result["images"] == 240 + 20 - 4 * 8  # the four complete shards kept
     train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)
     assert len(train) == 240 and train.packed
+    assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]

@@ -132,6 +132,23 @@ def test_a_file_that_is_not_imagenets_rows_is_one_line_naming_it(tmp_path, colum
     assert str(path) in str(raised.value) and "\n" not in str(raised.value)
 
 
+@pytest.mark.parametrize("named", [True, False], ids=["named in the file", "the training split's"])
+def test_a_label_equal_to_the_class_count_is_one_line_naming_its_row(image_folder, tmp_path, named):
+    """Labels 0..3 of 4 classes are read; a 4 (the first past the end) is refused, by its file and row."""
+    train, _ = sources.open_splits(str(image_folder), None, None, None)
+    path = tmp_path / "train-00000-of-00001.parquet"
+    labels = [0, 1, 2, 3, 3, 2]
+    write_parquet(path, [train.read(i) for i in range(len(labels))], labels, train.classes if named else None, 2)
+    classes = None if named else train.classes
+    assert sources.open_source(str(tmp_path), "train", None, classes=classes).labels.tolist() == labels
+    write_parquet(path, [train.read(i) for i in range(len(labels))], [*labels[:4], 4, 2],
+                  train.classes if named else None, 2)
+    bound = "the files name 4 classes" if named else "the training split has 4 classes"
+    with pytest.raises(UserError) as raised:
+        sources.open_source(str(tmp_path), "train", None, classes=classes)
+    assert str(raised.value) == f"train parquet file {path}: label 4 of row 4 is out of range: {bound}"
+
+
 def test_a_damaged_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "train-00000-of-00001.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(UserError, match=r"^train parquet file \S*train-00000-of-00001\.parquet is not readable: "):

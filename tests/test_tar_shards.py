@@ -195,6 +195,30 @@ def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_na
     assert again.cached and again.notes == () and again.fingerprint() == after.fingerprint()
 
 
+def drop_last_sample(shard) -> None:
+    """Write the shard again without its last sample's members: a shard of another size."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    last = members[-1][0].name.split(".")[0]
+    time.sleep(0.01)
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            if member.name.split(".")[0] != last:
+                tar.addfile(member, io.BytesIO(data))
+
+
+def test_a_cached_index_of_shards_from_elsewhere_one_of_which_changed_size_is_made_again_with_a_note(kept, tmp_path):
+    """Only a pack's index is a promise: a cache of shards from elsewhere follows a shard written again shorter."""
+    folder, walked = kept
+    size = os.path.getsize(folder / "part-0002.tar")
+    drop_last_sample(folder / "part-0002.tar")
+    assert os.path.getsize(folder / "part-0002.tar") != size
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
+    assert not after.cached and len(after) == len(walked) - 1
+    assert after.labels.tolist() == tar_walk.walk(str(folder), "train").labels.tolist()
+
+
 def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(kept, tmp_path):
     folder, walked = kept
     time.sleep(0.01)

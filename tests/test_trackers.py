@@ -21,6 +21,7 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.sinks import tracker as trackers
 from imagenet_elastic.report.sinks import wandb_log
+from imagenet_elastic.report.sinks.runs import TrackerRuns
 from imagenet_elastic.report.sinks.steps_file import FILENAME as STEPS
 from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
@@ -188,6 +189,25 @@ def test_a_run_killed_before_its_first_checkpoint_restarts_into_the_same_tracker
     assert_mlflow_holds(store, ckpt)
     assert_wandb_holds(ckpt)
     assert not (ckpt / trackers.PENDING).exists()  # the checkpoints hold the runs now
+
+
+def test_a_pending_tracker_run_is_continued_only_by_a_start_from_the_checkpoint_it_was_made_from(tmp_path):
+    """trackers.json keeps a new run's id with the time stamp of the checkpoint its start resumed from (None: none)."""
+    checkpoint, other = 1_700_000_000.25, 1_700_000_600.5
+    first = TrackerRuns(str(tmp_path), print)
+    first.begin({}, continuing=True, started_from=checkpoint)
+    first.made("mlflow", "run-a")
+    assert json.loads((tmp_path / trackers.PENDING).read_text()) == {"mlflow": {"id": "run-a", "from": checkpoint}}
+
+    def continued(saved: dict, continuing: bool, started_from) -> object:
+        runs = TrackerRuns(str(tmp_path), print)
+        runs.begin(saved, continuing, started_from)
+        return runs.earlier("mlflow")
+    assert continued({}, True, checkpoint) == "run-a"
+    assert continued({}, True, other) is None  # a start from a later checkpoint
+    assert continued({}, True, None) is None  # a start from no checkpoint
+    assert continued({}, False, checkpoint) is None  # a new run in the folder
+    assert continued({"mlflow": "run-b"}, True, checkpoint) == "run-b"  # a checkpoint's run wins
 
 
 def test_a_new_run_in_the_same_folder_is_a_new_tracker_run(tmp_path):
