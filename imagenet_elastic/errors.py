@@ -79,6 +79,11 @@ def first_line(error: BaseException) -> str:
     return lines[0].strip() if lines else type(error).__name__
 
 
+def counted(number: int, noun: str) -> str:
+    """`1 parquet file`, `2 parquet files`: a count and its noun as a sentence says them (nouns that add an s)."""
+    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+
+
 def report(error: UserError, rank: int, own: bool = False) -> None:
     """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`, or
     `own`: see launch.leave_the_report_to_rank_0)."""

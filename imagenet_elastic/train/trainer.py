@@ -17,7 +17,7 @@ from imagenet_elastic.checkpoint.store import BEST
 from imagenet_elastic.config import RESUME_AUTO, Config
 from imagenet_elastic.data.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
-from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
+from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, counted, one_line
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -53,7 +53,7 @@ class Trainer:
         c, state = self.config, self.state
         self.say_where_it_starts()
         if state.epoch >= c.epochs:
-            self.console.info(f"nothing to do: the checkpoint already completed {state.epoch} of {c.epochs} epochs")
+            self.console.info(nothing_to_do(state.epoch, c.epochs))
             self.finished = True
             return
         for epoch in range(state.epoch, c.epochs):
@@ -218,8 +218,8 @@ class Trainer:
         c, state, resume_from = self.config, self.state, self.training.resume_from
         if resume_from:
             where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
-            self.console.info(f"resuming from {resume_from}: {state.epoch} epochs done{where}, "
-                              f"best val top-1 {state.best_top1:.2f}%")
+            best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
+            self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
             self.checkpointer.resume_metrics(state.history)
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
@@ -245,6 +245,15 @@ class Trainer:
         self.sample_log.close()
         self.sinks.close(self.finished)
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
+
+
+def nothing_to_do(done: int, epochs: int) -> str:
+    """What a run whose checkpoint already trained --epochs epochs, or more (a run resumed with a smaller --epochs),
+    says before it ends."""
+    if done == epochs:
+        return f"nothing to do: the checkpoint already completed all {counted(epochs, 'epoch')} of --epochs {epochs}"
+    return (f"nothing to do: the checkpoint already completed {counted(done, 'epoch')}, more than --epochs {epochs}; "
+            "a larger --epochs trains on")
 
 
 def scored(row: dict[str, Any]) -> tuple[float, bool]:

@@ -26,7 +26,7 @@ from typing import Any, Optional
 import numpy as np
 
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
-from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
 SUFFIX = ".parquet"
@@ -141,7 +141,7 @@ class ParquetFiles(Source):
         return f"{where}:{path}" if path else where
 
     def where(self) -> str:
-        return f"{self.location} ({len(self.files)} parquet files)"
+        return f"{self.location} ({counted(len(self.files), 'parquet file')})"
 
     def entries(self) -> np.ndarray:
         """`FILE.parquet:ROW` of each sample."""
