@@ -38,6 +38,17 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
     assert fewer.returncode == 0 and "completed 2 epochs, more than --epochs 1" in fewer.stdout
 
 
+def test_resume_of_a_checkpoints_folder_continues_the_run_in_that_folder(image_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default --checkpoints-path would be
+    folder = tmp_path / "run1"
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2"]
+    assert inprocess.command([*args, "--epochs", "1", "--checkpoints-path", str(folder)]).returncode == 0
+    resumed = inprocess.command(["--resume", str(folder), *args, "--epochs", "2"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {folder / 'last.pt'}: 1 epoch done" in resumed.stdout
+    assert load_checkpoint(folder / "last.pt")["epoch"] == 2 and not (tmp_path / "checkpoints").exists()
+
+
 def test_a_resume_before_any_validation_says_so_not_a_negative_top1(image_folder, tmp_path):
     args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "3",
             "--checkpoints-path", str(tmp_path)]

@@ -28,10 +28,10 @@ from typing import Any, BinaryIO, Callable, Optional
 import torch
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
-from imagenet_elastic.config import RESUME_AUTO
+from imagenet_elastic.config import LAST_FILE, RESUME_AUTO
 from imagenet_elastic.errors import UserError, first_line
 
-LAST = "last.pt"
+LAST = LAST_FILE
 LOCK = ".lock"
 LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
 BEST = "best.pt"
@@ -107,6 +107,11 @@ def load(path: str, lazy: bool = False) -> dict[str, Any]:
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"checkpoint {path} is not an imagenet_elastic checkpoint")
     return state
+
+
+def resume_file(resume: str) -> str:
+    """The checkpoint `--resume PATH` names: PATH, or PATH/last.pt where PATH is a folder (a run's checkpoints)."""
+    return os.path.join(resume, LAST) if os.path.isdir(resume) else resume
 
 
 def check_writable(folder: str) -> None:
@@ -271,9 +276,11 @@ class CheckpointManager:
         if restarted and os.path.isfile(self.last_path):
             return self.last_path
         if resume not in (None, RESUME_AUTO):
-            if not os.path.isfile(resume):
-                raise UserError(f"--resume {resume}: no such checkpoint file")
-            return resume
+            path = resume_file(resume)
+            if not os.path.isfile(path):
+                raise UserError(f"--resume {resume}: " + (f"a folder without {LAST}" if os.path.isdir(resume)
+                                                           else "no such checkpoint file or folder"))
+            return path
         if os.path.exists(self.last_path):
             if resume == RESUME_AUTO:
                 return self.last_path
