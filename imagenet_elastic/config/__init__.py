@@ -192,12 +192,13 @@ class Config:
         type=options.probability)
     teacher: Optional[str] = option(
         None, "distil from this model: a timm name with published weights, read as --pretrained reads them "
-        "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights) or an "
-        "export folder (`imagenet-elastic export`). It runs frozen, in eval mode, in the run's precision, on the "
-        "student's augmented and mixed batch, resized and renormalised to its own input. Any student learns its "
-        "logits (KL at --kd-temperature); a student with DeiT's distillation head (timm's `*_distilled_*`) learns "
-        "them with that head (--kd-token-distill-type) and validates on the average of its two heads. Checkpoints "
-        "keep its identity (a hash of its weights), not its weights: a resume with another teacher is refused",
+        "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights; a "
+        "run's checkpoints folder: its best.pt) or an export folder (`imagenet-elastic export`). It runs frozen, in "
+        "eval mode, in the run's precision, on the student's augmented and mixed batch, resized and renormalised to "
+        "its own input. Any student learns its logits (KL at --kd-temperature); a student with DeiT's distillation "
+        "head (timm's `*_distilled_*`) learns them with that head (--kd-token-distill-type) and validates on the "
+        "average of its two heads. Checkpoints keep its identity (a hash of its weights), not its weights: a resume "
+        "with another teacher is refused",
         "model", "MODEL")
     kd_temperature: float = option(4.0, "--teacher: the temperature both distributions are softened at before their "
                                    "KL divergence, which is then scaled by T^2 (timm's --kd-temperature)", "model", "T",
