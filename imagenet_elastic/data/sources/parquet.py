@@ -25,7 +25,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
@@ -284,7 +284,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(known), all_labels,
                           np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
-    check_labels(source, "the files name" if named else "the training split has" if classes else "")
+    check_labels(source, "the files name" if named else f"{whose(classes)} has" if classes else "")
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(
