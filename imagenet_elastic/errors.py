@@ -79,9 +79,10 @@ def first_line(error: BaseException) -> str:
     return lines[0].strip() if lines else type(error).__name__
 
 
-def counted(number: int, noun: str) -> str:
-    """`1 parquet file`, `2 parquet files`: a count and its noun as a sentence says them (nouns that add an s)."""
-    return f"{number} {noun}" if number == 1 else f"{number} {noun}s"
+def counted(number: int, noun: str, plural: Optional[str] = None) -> str:
+    """`1 parquet file`, `2 parquet files`: a count and its noun as a sentence says them (`plural` where it is not
+    the noun and an s: entry, entries)."""
+    return f"{number} {noun}" if number == 1 else f"{number} {plural or noun + 's'}"
 
 
 def report(error: UserError, rank: int, own: bool = False) -> None:

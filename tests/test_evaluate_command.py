@@ -274,7 +274,7 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     (tmp_path / "odd.json").write_text(json.dumps({"not": "a list"}))
     assert "not a list of lists" in one_line_error(model, val, "--real-labels", str(tmp_path / "odd.json"))
     (tmp_path / "short.json").write_text(json.dumps([[0]]))
-    assert "has 1 entries" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
+    assert "has 1 entry: none for" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
     (tmp_path / "outside.json").write_text(json.dumps([[0], [2, 1], [1, 3, 7], [9]] + [[]] * 30))
     assert one_line_error(model, val, "--real-labels", str(tmp_path / "outside.json")).endswith(
         f"--real-labels {tmp_path / 'outside.json'} entry 3 (ILSVRC2012_val_00000003): class 3 is out of range: the "
