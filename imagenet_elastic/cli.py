@@ -24,7 +24,7 @@ from imagenet_elastic.config import (
 )
 from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int, shown
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
-from imagenet_elastic.errors import PROG, UserError, report
+from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
 
 
 def build_parser() -> Parser:
@@ -228,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         else:
             run_worker(config, plan.env)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 def program() -> NoReturn:
