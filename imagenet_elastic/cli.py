@@ -12,10 +12,19 @@ import sys
 from collections.abc import Sequence
 from typing import NoReturn, Optional
 
-from imagenet_elastic.config import GROUPS, RESUME_AUTO, Config, add_setting, flag, saved_setting, setting_fields
+from imagenet_elastic.config import (
+    GROUPS,
+    LAST_FILE,
+    RESUME_AUTO,
+    Config,
+    add_setting,
+    flag,
+    saved_setting,
+    setting_fields,
+)
 from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int, shown
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
-from imagenet_elastic.errors import PROG, UserError, report
+from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
 
 
 def build_parser() -> Parser:
@@ -43,39 +52,62 @@ def build_parser() -> Parser:
 NOT_SETTINGS = ("local_rank", "config", "print_config")
 
 
-def resume_takes_a_path(argv: Sequence[str]) -> list[str]:
-    """`--resume` takes the word after it only when that names a checkpoint (an existing file, or a `.pt` path);
-    else it is the bare flag and the word stays where it was: `--resume /data/imagenet` resumes and trains
-    /data/imagenet, where argparse's optional value would have taken the data folder for the checkpoint.
-    `--resume=PATH` always takes PATH."""
-    out, words = [], list(argv)
+def names_a_checkpoint(word: str) -> bool:
+    """Whether the word after `--resume` is its PATH: a file, a `.pt` path, or a folder holding last.pt."""
+    return not word.startswith("-") and (word.endswith(".pt") or os.path.isfile(word)
+                                         or os.path.isfile(os.path.join(word, LAST_FILE)))
+
+
+def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
+    """`--resume` takes the word after it only when that names a checkpoint (names_a_checkpoint); else it is the
+    bare flag and the word stays where it was: `--resume /data/imagenet` resumes and trains /data/imagenet, where
+    argparse's optional value would have taken the data folder for the checkpoint. `--resume=PATH` always takes
+    PATH. Also returns the word a bare `--resume` left, if any: when the command line then has a word too many,
+    that word was meant as the checkpoint (see `parse`)."""
+    out, words, left = [], list(argv), None
     for i, word in enumerate(words):
         if word == "--":
-            return out + words[i:]
+            return out + words[i:], left
         if word == "--resume":
             following = words[i + 1] if i + 1 < len(words) else None
-            path = following is not None and not following.startswith("-") and (
-                following.endswith(".pt") or os.path.isfile(following))
+            path = following is not None and names_a_checkpoint(following)
             out.append("--resume" if path else f"--resume={RESUME_AUTO}")
+            if following is not None and not path and not following.startswith("-"):
+                left = following
             continue
         out.append(word)
-    return out
+    return out, left
+
+
+def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
+    """The line for `--resume WORD DATA` (or `DATA --resume WORD`) where WORD names no checkpoint: a second DATA."""
+    why = f"a folder without {LAST_FILE}" if os.path.isdir(word) else "no such checkpoint file or folder"
+    return UserError(f"--resume {word}: {why}, so it was read as a second DATA beside {' '.join(others)}; --resume "
+                     f"takes a checkpoint file, a folder holding {LAST_FILE} or, bare, CHECKPOINTS/{LAST_FILE}")
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     """The command line over the --config file over the defaults, as a checked Config; for --evaluate, over what
-    its checkpoint says (FROM_CHECKPOINT) rather than the defaults."""
-    argv = resume_takes_a_path(argv)
+    its checkpoint says (FROM_CHECKPOINT) rather than the defaults. `--resume FOLDER` makes FOLDER the checkpoints
+    path too, unless it is given: the run goes on where it was saved."""
+    argv, left = resume_takes_a_path(argv)
     parser = build_parser()
     first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
     first.add_argument("--config")
     found, _ = first.parse_known_args(argv)
     from_file = read_settings(found.config, build_parser()) if found.config else {}
     parser.set_defaults(**from_file)
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra and left is not None and left in (args.data, *extra):
+        raise not_a_checkpoint(left, [word for word in (args.data, *extra) if word != left])
+    if extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:
         parser.error("the following arguments are required: DATA")
     config = config_from_args(args)
+    if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
+            and "checkpoints_path" not in given_settings(argv, ["checkpoints_path"]) | set(from_file):
+        config = dataclasses.replace(config, checkpoints_path=config.resume)
     if config.evaluate:
         given = given_settings(argv, FROM_CHECKPOINT) | set(from_file)
         config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
@@ -105,7 +137,8 @@ def settings_from_checkpoint(config: Config, names: Sequence[str]) -> Config:
         return config
     from imagenet_elastic.checkpoint import store
 
-    path = os.path.join(config.checkpoints_path, store.LAST) if config.resume == RESUME_AUTO else config.resume
+    path = (os.path.join(config.checkpoints_path, store.LAST) if config.resume == RESUME_AUTO
+            else store.resume_file(config.resume))
     if not os.path.isfile(path):
         return config
     snapshot = store.load(path, lazy=True)
@@ -195,7 +228,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         else:
             run_worker(config, plan.env)
     except KeyboardInterrupt:
-        sys.exit(130)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 def program() -> NoReturn:

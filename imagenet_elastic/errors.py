@@ -7,6 +7,7 @@ PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
 STORAGE_ERROR_EXIT = 74  # EX_IOERR: a checkpoint could not be written (no space, I/O error, quota)
 PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped by a preemption signal after a checkpoint; run again to continue
+INTERRUPTED_EXIT = 130  # Ctrl-C (128 + SIGINT), with a checkpoint at the step (the first) or at once (the second)
 
 
 class UserError(Exception):
@@ -54,7 +55,12 @@ class FailedOnRank0(UserError):
 
 
 class Preempted(Exception):
-    """Every rank stops at the same step boundary after a preemption signal; the checkpoint is safe."""
+    """Every rank stops at the same step boundary after a preemption signal or a Ctrl-C; the checkpoint is safe.
+    `exit_code`: PREEMPTED_EXIT, or INTERRUPTED_EXIT for a Ctrl-C."""
+
+    def __init__(self, exit_code: int = PREEMPTED_EXIT) -> None:
+        super().__init__(exit_code)
+        self.exit_code = exit_code
 
 
 def one_line(error: BaseException) -> str:
@@ -77,6 +83,12 @@ def first_line(error: BaseException) -> str:
     """An error's first non-empty line, or its class name when it has no message."""
     lines = [line for line in str(error).splitlines() if line.strip()]
     return lines[0].strip() if lines else type(error).__name__
+
+
+def counted(number: int, noun: str, plural: Optional[str] = None) -> str:
+    """`1 parquet file`, `2 parquet files`: a count and its noun as a sentence says them (`plural` where it is not
+    the noun and an s: entry, entries)."""
+    return f"{number} {noun}" if number == 1 else f"{number} {plural or noun + 's'}"
 
 
 def report(error: UserError, rank: int, own: bool = False) -> None:

@@ -286,4 +286,4 @@ def test_a_labels_file_naming_a_class_the_training_set_lacks_is_named_by_line(im
     expect_user_error([str(image_folder), "--val-path", str(tmp_path / "flat"), "--val-labels",
                        str(tmp_path / "labels.csv"), "--checkpoints-path", str(tmp_path / "ck")],
                       f"--val-labels {tmp_path / 'labels.csv'} line 1: class 'n01440764' of a.JPEG is not a class of "
-                      "the training set", tmp_path)
+                      "the training split", tmp_path)

@@ -216,6 +216,58 @@ def test_lock_of_a_killed_holder_is_free_again(tmp_path):
     lock.release()
 
 
+HOLDER_WITH_A_CHILD = r"""
+import multiprocessing, subprocess, sys, time
+from imagenet_elastic.checkpoint.store import CheckpointLock
+lock = CheckpointLock(sys.argv[1])
+lock.acquire(0, print)
+if sys.argv[2] == "forked":  # as a loader worker is
+    child = multiprocessing.get_context("fork").Process(target=time.sleep, args=(30,), daemon=True)
+    child.start()
+    pid = child.pid
+else:  # a child that keeps the lock's descriptor, as forked loader workers did
+    pid = subprocess.Popen(["sleep", "30"], pass_fds=[lock.fd]).pid
+print(pid, flush=True)
+time.sleep(30)
+"""
+
+
+def killed_holder_and_its_child(folder, how: str) -> int:
+    """A lock holder that started a child (`how`), killed with SIGKILL: the child's pid, the child still alive."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER_WITH_A_CHILD, str(folder), how], stdout=subprocess.PIPE,
+                              text=True)
+    child = int(holder.stdout.readline())
+    holder.kill()
+    holder.wait()
+    assert os.path.exists(f"/proc/{child}")
+    return child
+
+
+@pytest.mark.slow
+def test_the_lock_is_free_once_its_holder_is_killed_though_its_forked_children_live_on(tmp_path):
+    child = killed_holder_and_its_child(tmp_path, "forked")
+    try:
+        lock = CheckpointLock(str(tmp_path))
+        lock.acquire(0, lambda _: None)  # no wait: the loader workers of a `kill -9`ed run do not hold the folder
+        assert os.path.exists(f"/proc/{child}")
+        lock.release()
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
+@pytest.mark.slow
+def test_a_lock_whose_holder_has_ended_names_the_processes_that_still_hold_it(tmp_path):
+    child = killed_holder_and_its_child(tmp_path, "kept")
+    try:
+        waits = []
+        with pytest.raises(UserError) as caught:
+            CheckpointLock(str(tmp_path)).acquire(0.5, waits.append)
+        assert "which has ended" in waits[0] and f"but pid {child} still hold the lock" in str(caught.value)
+        assert f"kill {child}" in str(caught.value)
+    finally:
+        os.kill(child, signal.SIGKILL)
+
+
 @pytest.mark.slow
 def test_waiting_writer_gets_the_lock_when_the_holder_ends(tmp_path):
     holder = hold_lock(tmp_path, 1.0)

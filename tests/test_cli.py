@@ -12,9 +12,11 @@ import pytest
 import torch
 
 from imagenet_elastic import cli
+from imagenet_elastic.checkpoint.store import CheckpointManager
 from imagenet_elastic.cli import build_parser, config_from_args, options_table
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
 from imagenet_elastic.config.options import checkpoint_interval
+from imagenet_elastic.errors import UserError
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -209,6 +211,40 @@ def test_a_bare_resume_never_takes_the_data_folder(tmp_path):
     assert cli.parse(["--resume", str(checkpoint), "/data/imagenet"])[0].resume == str(checkpoint)  # a file
     assert cli.parse(["/data", "--resume", "/runs/a/last.pt"])[0].resume == "/runs/a/last.pt"  # a .pt path
     assert cli.parse(["/data", "--resume=/runs/a/last"])[0].resume == "/runs/a/last"  # the explicit form, always
+
+
+def test_resume_of_a_checkpoints_folder_takes_its_last_pt_and_goes_on_saving_there(tmp_path):
+    """`--resume FOLDER` (FOLDER holding last.pt), in every order and form users write: FOLDER is the checkpoint's
+    folder and, unless --checkpoints-path (or the --config file) says otherwise, the run's."""
+    folder = tmp_path / "run1"
+    folder.mkdir()
+    (folder / "last.pt").write_bytes(b"")
+    for argv in (["--resume", str(folder), "/data"], ["/data", "--resume", str(folder)],
+                 ["/data", f"--resume={folder}"]):
+        config = cli.parse(argv)[0]
+        assert (config.data, config.resume, config.checkpoints_path) == ("/data", str(folder), str(folder)), argv
+        manager = CheckpointManager(config.checkpoints_path, 1)
+        assert manager.resume_path(config.resume, restarted=False) == str(folder / "last.pt")
+    config = cli.parse(["/data", "--resume", str(folder), "--checkpoints-path", str(tmp_path / "run2")])[0]
+    assert (config.resume, config.checkpoints_path) == (str(folder), str(tmp_path / "run2"))
+    (tmp_path / "run.yaml").write_text(f"checkpoints-path: {tmp_path / 'run3'}\n")
+    config = cli.parse(["/data", "--resume", str(folder), "--config", str(tmp_path / "run.yaml")])[0]
+    assert config.checkpoints_path == str(tmp_path / "run3")
+
+
+@pytest.mark.parametrize("order", ["resume first", "data first"])
+@pytest.mark.parametrize("made", ["empty folder", "nothing"])
+def test_resume_of_a_word_that_is_no_checkpoint_beside_data_names_that_word(tmp_path, order, made):
+    word = tmp_path / "run1"
+    if made == "empty folder":
+        word.mkdir()
+    argv = ["--resume", str(word), "/data"] if order == "resume first" else ["/data", "--resume", str(word)]
+    with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")) as caught:
+        cli.parse(argv)
+    said = str(caught.value)
+    assert ("without last.pt" if made == "empty folder" else "no such") in said and "beside /data" in said
+    with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")):
+        CheckpointManager(str(tmp_path / "ckpt"), 1).resume_path(str(word), restarted=False)  # `--resume=WORD`
 
 
 def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_other_commands(capsys):

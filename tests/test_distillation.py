@@ -358,6 +358,31 @@ def test_a_teacher_that_cannot_be_used_is_one_line(image_folder, tmp_path, teach
     assert not (tmp_path / "run").exists()
 
 
+def test_a_checkpoints_folder_as_teacher_is_its_best_checkpoint(teachers):
+    folder = teachers["a"].parent
+    teacher = teacher_weights.read(str(folder))
+    assert (teacher.kind, teacher.spec) == (teacher_weights.CHECKPOINT, str(folder))
+    assert teacher.sha256 == teacher_weights.read(str(folder / "best.pt")).sha256
+    assert teacher.source.endswith(f"({folder / 'best.pt'})")
+
+
+@pytest.mark.parametrize("made,said", [
+    ("nope_dir", "nope_dir: no such file or folder, and no model timm knows by that name"),
+    ("runs/nope", "runs/nope: no such file or folder"),
+    ("empty folder", ": a folder with neither config.json (an export: imagenet-elastic export) nor best.pt"),
+])
+def test_a_teacher_that_is_no_file_folder_or_timm_name_says_what_was_tried(tmp_path, monkeypatch, made, said):
+    monkeypatch.chdir(tmp_path)
+    spec = made
+    if made == "empty folder":
+        spec = str(tmp_path / "checkpoints")
+        (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(UserError) as caught:
+        teacher_weights.read(spec)
+    assert str(caught.value).startswith(f"--teacher {spec}") and said in str(caught.value)
+    assert "local-dir:" not in str(caught.value) and "Unknown model" not in str(caught.value)
+
+
 def test_a_teacher_of_another_class_count_is_one_line(tmp_path, teachers):
     from conftest import make_image_folder
 

@@ -153,6 +153,37 @@ def test_several_val_sets_of_any_source_give_a_line_each_and_a_table(trained, tm
     assert done.stdout.count(f"ReaL {real:.2f}%") == 3
 
 
+def test_prefixed_locations_parquet_files_and_a_data_root_are_read_as_training_reads_them(trained, tmp_path):
+    """`folder:DIR`, `parquet:DIR` (HF-style files, without class names) and a data root (a pack's output, the
+    README's DATA: its val split): the same images, the same scores."""
+    from test_parquet_source import write_parquet
+
+    root, logits, labels = trained
+    (tmp_path / "src").mkdir()
+    for split in ("train", "val"):
+        os.symlink(root / "val", tmp_path / "src" / split)
+    assert command(["pack", str(tmp_path / "src"), str(tmp_path / "packed"), "--workers", "1"]).returncode == 0
+    images = sorted((root / "val").rglob("*.JPEG"))
+    (tmp_path / "hf").mkdir()
+    write_parquet(tmp_path / "hf" / "validation-00000-of-00001.parquet", [p.read_bytes() for p in images],
+                  [CLASSES.index(p.parent.name) for p in images], None, 8)
+    places = [f"folder:{root / 'val'}", f"parquet:{tmp_path / 'hf'}", str(tmp_path / "packed")]
+    rows = evaluated(str(root / "export"), *places)
+    assert [row["val"] for row in rows] == [places[0], places[1], str(tmp_path / "packed" / "val")]
+    for row in rows:
+        assert row["images"] == VAL_IMAGES and row["top1"] == pytest.approx(top1(logits, labels))
+
+
+def test_a_label_beyond_the_models_classes_speaks_of_the_model_not_the_training_split(trained, tmp_path):
+    from test_parquet_source import write_parquet
+
+    root, _, _ = trained
+    image = next((root / "val").rglob("*.JPEG")).read_bytes()
+    write_parquet(tmp_path / "validation.parquet", [image] * 3, [0, 1, 3], None, 8)  # the model has 3 classes
+    said = one_line_error(str(root / "export"), str(tmp_path / "validation.parquet"))
+    assert "label 3 of row 2 is out of range: the model has 3 classes" in said and "training" not in said
+
+
 def test_a_timm_model_name_takes_its_own_preprocessing_and_imagenets_class_names(trained, tmp_path, monkeypatch):
     """--pretrained with a timm name (its download stood in for by a seeded 1000-class model with a bicubic, 0.9
     crop config of its own). VAL's folders are ImageNet wnids, each image put in the folder of the class timm's own
@@ -228,9 +259,13 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     assert "line 2" in said and "'zebra'" in said
     (tmp_path / "ac.txt").write_text("a\nc\n")
     assert "outside --class-subset" in one_line_error(model, val, "--class-subset", str(tmp_path / "ac.txt"))
-    assert one_line_error(model, str(tmp_path / "nowhere")).endswith(
-        f"VAL {tmp_path / 'nowhere'} does not exist: evaluate takes class folders, a flat folder of images with "
-        "--val-labels, or tar shards (a folder or a pattern)")
+    for missing in (str(tmp_path / "nowhere"), f"parquet:{tmp_path / 'nowhere'}"):
+        said = one_line_error(model, missing)
+        assert f"VAL {missing} does not exist: evaluate takes " in said and "parquet files" in said
+        assert "(folder:, parquet:, wds:)" in said
+    (tmp_path / "root" / "train").mkdir(parents=True)
+    assert f"VAL {tmp_path / 'root'} is a data root (it holds train/) without val/" in one_line_error(
+        model, str(tmp_path / "root"))
     assert "needs --pretrained" in one_line_error("resnet18", val)
     assert "has no weight average" in one_line_error(str(root / "run" / "last.pt"), val, "--ema")
     assert "--ema applies to our checkpoints only" in one_line_error(model, val, "--ema")
@@ -241,7 +276,7 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     (tmp_path / "odd.json").write_text(json.dumps({"not": "a list"}))
     assert "not a list of lists" in one_line_error(model, val, "--real-labels", str(tmp_path / "odd.json"))
     (tmp_path / "short.json").write_text(json.dumps([[0]]))
-    assert "has 1 entries" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
+    assert "has 1 entry: none for" in one_line_error(model, val, "--real-labels", str(tmp_path / "short.json"))
     (tmp_path / "outside.json").write_text(json.dumps([[0], [2, 1], [1, 3, 7], [9]] + [[]] * 30))
     assert one_line_error(model, val, "--real-labels", str(tmp_path / "outside.json")).endswith(
         f"--real-labels {tmp_path / 'outside.json'} entry 3 (ILSVRC2012_val_00000003): class 3 is out of range: the "

@@ -103,7 +103,7 @@ def test_sigkill_of_a_random_worker_at_a_random_step_resumes_bitwise(image_folde
                                 env=child_env(**{ENV_VAR: str(tmp_path / "samples")}))
     assert code == 0, f"{replay}\n{output}"
     # Killed after step k's log line, the run has step k-1's checkpoint at least (k = 1: the previous epoch's end)
-    resumed = re.search(r"resuming from .*last\.pt: \d epochs done(, \d+ samples into epoch \d)?", output)
+    resumed = re.search(r"resuming from .*last\.pt: \d epochs? done(, \d+ samples into epoch \d)?", output)
     if (epoch, step) == (1, 1):  # the first step's checkpoint may still have been in the writer's hands
         assert resumed or "no checkpoint at" in output, f"{replay}\n{output}"
     else:

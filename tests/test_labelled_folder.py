@@ -54,7 +54,7 @@ def test_imagenets_loc_val_solution_names_files_without_their_extension(image_fo
 @pytest.mark.parametrize(("text", "message"), [
     ("ILSVRC2012_val_00000001.JPEG,class_000\nmissing.JPEG,class_001\n", "line 2: missing.JPEG is not in {folder}"),
     ("ILSVRC2012_val_00000001.JPEG,n99999999\n",
-     "line 1: class 'n99999999' of ILSVRC2012_val_00000001.JPEG is not a class of the training set (4 classes, from "
+     "line 1: class 'n99999999' of ILSVRC2012_val_00000001.JPEG is not a class of the training split (4 classes, from "
      "'class_000' to 'class_003')"),
     ("a.JPEG\n", "line 1: expected `filename,class`, got 'a.JPEG'"),
     ("ILSVRC2012_val_00000001,class_000\nILSVRC2012_val_00000001.JPEG,class_000\n",

@@ -63,3 +63,69 @@ def test_a_run_ending_with_an_error_keeps_a_stop_signal_that_came_as_it_unwound(
     with pytest.raises(UserError) as caught:
         startup.run(Config(data="unused"), DistEnv())
     assert caught.value.stopped_by == "SIGTERM"
+
+
+def test_a_rank_stopped_at_once_by_ctrl_c_exits_130_not_0(monkeypatch, handlers_restored):
+    """torch.multiprocessing takes a spawned rank's KeyboardInterrupt for its parent's stop and exits 0: the rank
+    says 130 itself, so no interrupted rank passes for a finished one."""
+    from imagenet_elastic.config import Config
+    from imagenet_elastic.errors import INTERRUPTED_EXIT
+    from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.train import startup
+
+    def interrupted(config, env):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(startup, "run", interrupted)
+    try:
+        processes._run_to_exit_code(Config(data="unused"), DistEnv())
+        ended = "returned"
+    except SystemExit as stop:
+        ended = stop.code
+    except KeyboardInterrupt:  # what torch.multiprocessing would take for exit 0
+        ended = "KeyboardInterrupt"
+    assert ended == INTERRUPTED_EXIT
+
+
+class RanksThatStop:
+    """torch.multiprocessing's context for spawn_workers: a Ctrl-C comes (to the parent, as to every process of the
+    terminal's group) while the parent waits, then the ranks end as `ended` says."""
+
+    def __init__(self, ended: BaseException | None) -> None:
+        self.ended = ended
+
+    def pids(self) -> list[int]:
+        return []
+
+    def join(self) -> bool:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.1)  # the handler runs
+        if self.ended is not None:
+            raise self.ended
+        return True
+
+
+@pytest.mark.parametrize("ended", ["finished", "interrupted"])
+def test_a_spawn_parent_leaves_ctrl_c_to_its_ranks_and_exits_with_them_without_a_line(capsys, monkeypatch,
+                                                                                       handlers_restored, ended):
+    import torch.multiprocessing as mp
+
+    from imagenet_elastic.config import Config
+    from imagenet_elastic.errors import INTERRUPTED_EXIT
+    from imagenet_elastic.launch.launchers import DistEnv
+
+    came: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, _frame: came.append(signum))  # the caller's handler
+    failure = mp.ProcessExitedException("rank 0 exited", 0, 1, INTERRUPTED_EXIT, None) if ended == "interrupted" \
+        else None
+    monkeypatch.setattr(processes.mp, "start_processes", lambda *args, **kwargs: RanksThatStop(failure))
+    if failure is None:
+        processes.spawn_workers(Config(data="unused"), DistEnv(), 2)
+    else:
+        with pytest.raises(SystemExit) as caught:
+            processes.spawn_workers(Config(data="unused"), DistEnv(), 2)
+        assert caught.value.code == INTERRUPTED_EXIT
+    assert came == [] and capsys.readouterr().err == ""  # the parent took it, and said nothing
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)
+    assert came == [signal.SIGINT]  # the caller's handler is back

@@ -94,3 +94,22 @@ def test_stopping_the_workers_of_a_live_loader_raises_nothing_when_their_deaths_
     finally:
         signal.signal(signal.SIGCHLD, previous)
         del batches
+
+
+def test_a_loader_worker_lives_through_ctrl_c_which_the_training_process_decides(tmp_path):
+    """A terminal's Ctrl-C reaches the whole process group: a worker that died of it would take the checkpoint the
+    first Ctrl-C asks for (launch/preemption.py) down with it."""
+    import signal
+
+    from imagenet_elastic.launch.preemption import worker_ignored
+
+    loader = pipeline.eval_loader(IndexAndPid(str(tmp_path / "reads")), 2, rank=0, world_size=1, workers=1,
+                                  pin_memory=False, ignored_signals=worker_ignored(("SIGTERM",)),
+                                  collate_fn=default_collate)
+    [worker] = {int(pid) for _, pids in loader for pid in pids}  # a first pass: the worker has started
+    os.kill(worker, signal.SIGINT)
+    assert [i for indices, _ in loader for i in indices.tolist()] == list(range(6))
+    assert worker in {p.pid for p in multiprocessing.active_children()}
+    previous = signal.getsignal(signal.SIGCHLD)
+    pipeline.stop_loader_workers()
+    signal.signal(signal.SIGCHLD, previous)

@@ -192,6 +192,12 @@ def test_files_without_class_names_take_the_training_splits(image_folder, tmp_pa
     assert sources.open_source(str(tmp_path / "val.parquet"), "val", None).classes == ("0", "1", "2", "3")
 
 
+def test_where_counts_one_file_in_the_singular(image_folder, hub):
+    one = sources.open_source(str(hub / "data" / "validation-*.parquet"), "val", None)
+    two = sources.open_source(str(hub / "data" / "train-*.parquet"), "train", None)
+    assert one.where().endswith("(1 parquet file)") and two.where().endswith("(2 parquet files)")
+
+
 # ----------------------------------------------------------------------------- a kind named by its prefix
 
 def test_a_prefix_names_the_kind_and_every_unprefixed_form_still_opens(image_folder, hub, tmp_path):

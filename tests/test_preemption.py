@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 
@@ -39,6 +40,46 @@ def test_flag_records_the_first_signal_and_the_previous_handler_comes_back():
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def interrupt_self(flag: PreemptionFlag) -> None:
+    """Ctrl-C to this process, and time for its handler to run: until the flag is raised (or a KeyboardInterrupt)."""
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 2
+    while flag.received is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_ctrl_c_while_training_is_a_checkpointed_stop_said_at_once_and_a_second_stops_at_once(capfd):
+    before = signal.getsignal(signal.SIGINT)
+    flag = PreemptionFlag(("SIGTERM",), interrupts=True, speaks=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):  # before training: at once, nothing to lose
+            interrupt_self(flag)
+        assert flag.received is None
+        flag.checkpoint_on_interrupt, flag.steps_done = True, 7
+        interrupt_self(flag)  # the process is still alive: a stop at the step, like a preemption signal's
+        assert (flag.received, flag.received_after, flag.interrupted) == ("SIGINT", 7, True)
+        assert "Ctrl-C again stops at once" in capfd.readouterr().err
+        with pytest.raises(KeyboardInterrupt):
+            interrupt_self(flag)
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_ctrl_c_named_in_the_preemption_signals_stays_one_and_a_test_flag_leaves_it_alone():
+    before = signal.getsignal(signal.SIGINT)
+    plain = PreemptionFlag(("SIGTERM",))  # interrupts=False
+    plain.restore()
+    assert plain._previous.keys() == {signal.SIGTERM}
+    flag = PreemptionFlag(("SIGINT",), interrupts=True)
+    try:
+        interrupt_self(flag)
+        assert (flag.received, flag.interrupted) == ("SIGINT", False)  # exit 75 as asked, not 130
+    finally:
+        flag.restore()
+    assert signal.getsignal(signal.SIGINT) == before
 
 
 @pytest.mark.parametrize("environ,job", [

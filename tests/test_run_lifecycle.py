@@ -25,7 +25,7 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
         f.write(json.dumps({"epoch": 2, "val_top1": -1.0}) + "\n")
     second = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
     assert second.returncode == 0, second.stderr
-    assert "resuming from" in second.stdout and "1 epochs done" in second.stdout
+    assert "resuming from" in second.stdout and "1 epoch done" in second.stdout
     assert second.stdout.count("(file list from the cache)") == 2  # train and val: not scanned again
     assert "epochs: checkpoint 1, now 2" in second.stderr  # a changed schedule is pointed out
     rows = read_metrics(tmp_path / "metrics.jsonl")
@@ -33,7 +33,30 @@ def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image
     best = max(r["val_top1"] for r in rows)
     assert load_checkpoint(tmp_path / "last.pt")["best_top1"] == best
     done = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
-    assert done.returncode == 0 and "nothing to do" in done.stdout
+    assert done.returncode == 0 and "completed all 2 epochs of --epochs 2" in done.stdout
+    fewer = inprocess.command([*args, "--workers", "0", "--epochs", "1"])  # a run that asks for fewer: said as it is
+    assert fewer.returncode == 0 and "completed 2 epochs, more than --epochs 1" in fewer.stdout
+
+
+def test_resume_of_a_checkpoints_folder_continues_the_run_in_that_folder(image_folder, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # where the default --checkpoints-path would be
+    folder = tmp_path / "run1"
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2"]
+    assert inprocess.command([*args, "--epochs", "1", "--checkpoints-path", str(folder)]).returncode == 0
+    resumed = inprocess.command(["--resume", str(folder), *args, "--epochs", "2"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resuming from {folder / 'last.pt'}: 1 epoch done" in resumed.stdout
+    assert load_checkpoint(folder / "last.pt")["epoch"] == 2 and not (tmp_path / "checkpoints").exists()
+
+
+def test_a_resume_before_any_validation_says_so_not_a_negative_top1(image_folder, tmp_path):
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "3",
+            "--checkpoints-path", str(tmp_path)]
+    assert inprocess.train(args, signal_during_step=2).stopped  # a checkpoint after step 2 of epoch 1's 3
+    resumed = inprocess.command([*args, "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "0 epochs done, 16 samples into epoch 1, no validation yet" in resumed.stdout
+    assert "-1.00%" not in resumed.stdout
 
 
 def test_training_set_size_global_batch_and_precision_are_reported(image_folder, tmp_path):

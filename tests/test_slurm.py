@@ -189,7 +189,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     output = log.read_text()  # --open-mode=append (in the script): both runs' output
     assert job_field(job, "Restarts", slurm_env) == "1"
     assert f"requeued Slurm job {job}" in output and "SIGUSR1 came after step" in output
-    assert re.search(r"resuming from .*: \d epochs done", output), output  # mid-epoch or at an epoch's end
+    assert re.search(r"resuming from .*: \d epochs? done", output), output  # mid-epoch or at an epoch's end
     assert "epoch 6/6: train loss" in output
     assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"],
                         load_checkpoint(tmp_path / "clean" / "last.pt")["model"])

@@ -377,7 +377,7 @@ def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(sid
     assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]
     _, val = sources.open_splits(str(image_folder), str(folder), None, None)
     assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"] and len(val) == 35
-    assert val.where() == f"{folder / '*validation*.tar'} (1 shards)"
+    assert val.where() == f"{folder / '*validation*.tar'} (1 shard)"
     evaluated = sources.open_source(str(folder), "val", None, classes)
     assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
 

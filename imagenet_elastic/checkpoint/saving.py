@@ -91,6 +91,7 @@ class CheckpointWriter:
         self.error: Optional[Exception] = None
         self.stall_seconds = 0.0  # what the last save cost its caller
         self.write_seconds = 0.0  # how long the last save took to reach the disk
+        self.on_disk: Optional[tuple[int, int, int]] = None  # the last save written: its step, epochs, samples
 
     def submit(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
                after: Optional[Callable[[], None]] = None) -> None:
@@ -116,6 +117,8 @@ class CheckpointWriter:
             if copied is not None:
                 copied()  # the host copy's bytes have landed
             self.manager.save(state, epoch, is_best)
+            self.on_disk = (state.get("step", 0), state.get("epoch", 0),
+                            state.get("epoch_progress", {}).get("samples", 0))
             if after is not None:
                 after()
         except Exception as error:  # kept for the training thread: see `failed`

@@ -28,10 +28,10 @@ from typing import Any, BinaryIO, Callable, Optional
 import torch
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
-from imagenet_elastic.config import RESUME_AUTO
+from imagenet_elastic.config import LAST_FILE, RESUME_AUTO
 from imagenet_elastic.errors import UserError, first_line
 
-LAST = "last.pt"
+LAST = LAST_FILE
 LOCK = ".lock"
 LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
 BEST = "best.pt"
@@ -109,6 +109,11 @@ def load(path: str, lazy: bool = False) -> dict[str, Any]:
     return state
 
 
+def resume_file(resume: str) -> str:
+    """The checkpoint `--resume PATH` names: PATH, or PATH/last.pt where PATH is a folder (a run's checkpoints)."""
+    return os.path.join(resume, LAST) if os.path.isdir(resume) else resume
+
+
 def check_writable(folder: str) -> None:
     """Fail at start, not after the first epoch, when checkpoints cannot be written."""
     try:
@@ -119,12 +124,31 @@ def check_writable(folder: str) -> None:
         raise UserError(f"checkpoints path {folder} is not writable: {error.strerror or error}") from None
 
 
+_HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this process holds
+
+
+def _drop_locks_in_child() -> None:
+    """A forked child (a loader worker) closes its copies of the held locks' descriptors at once. A flock belongs to
+    the open file, which a copy shares: a worker would hold the folder's lock for as long as it lived, and after a
+    `kill -9` of its training process a worker lives on for seconds (until its next look at its parent), so that a
+    `--resume` right away found the folder "locked by" a process that was gone."""
+    for fd in _HELD_LOCKS:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    _HELD_LOCKS.clear()
+
+
+os.register_at_fork(after_in_child=_drop_locks_in_child)
+
+
 class CheckpointLock:
     """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs.
 
     A second run started against the same folder (or a leftover rank 0 of an elastic round that has
     not died yet) is waited for, then refused, instead of interleaving its checkpoints with ours or
-    deleting our temp files as stale. The kernel drops the lock when its holder dies, however it dies.
+    deleting our temp files as stale. The kernel drops the lock when its holder dies, however it dies: its forked
+    children (loader workers) do not hold it (`_drop_locks_in_child`). A lock whose recorded holder is gone while
+    other processes still hold it is said as such, naming them (`holders_beyond`).
     """
 
     def __init__(self, folder: str) -> None:
@@ -141,6 +165,7 @@ class CheckpointLock:
                 break
             except BlockingIOError:
                 holder = parse_lock(os.pread(fd, LOCK_LINE_MAX, 0))[0]
+                holder += holders_beyond(holder, fd) if not told or time.monotonic() >= deadline else ""
                 if time.monotonic() >= deadline:
                     os.close(fd)
                     raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
@@ -153,11 +178,39 @@ class CheckpointLock:
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {secrets.token_hex(8)}\n".encode(), 0)
         os.fsync(fd)  # on NFS, other nodes see the token only once it reached the server
         self.fd = fd
+        _HELD_LOCKS.add(fd)
 
     def release(self) -> None:
         if self.fd is not None:
+            _HELD_LOCKS.discard(self.fd)
             os.close(self.fd)  # closing the last descriptor drops the flock
             self.fd = None
+
+
+def holders_beyond(holder: str, fd: int) -> str:
+    """Where the lock's recorded holder (`pid P on HOST`) is a process of this host that has ended, who holds the lock
+    instead, for the message: the processes that have the lock file open (its children, inherited from an older
+    version or a fork of the user's), and what to do. "" when the holder lives, is elsewhere, or cannot be told."""
+    words = holder.split()
+    if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname() \
+            or os.path.exists(f"/proc/{words[1]}") or not os.path.isdir("/proc"):
+        return ""
+    lock = os.fstat(fd)
+    others = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        if int(pid) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(f"/proc/{pid}/fd"):
+                with contextlib.suppress(OSError):
+                    found = os.stat(entry.path)
+                    if (found.st_dev, found.st_ino) == (lock.st_dev, lock.st_ino):
+                        others.append(pid)
+                        break
+    if not others:
+        return ", which has ended"
+    return (f", which has ended, but pid {', '.join(others)} still hold the lock (processes it started, which end on "
+            f"their own within seconds; or end them: kill {' '.join(others)})")
 
 
 def parse_lock(line: bytes) -> tuple[str, Optional[str]]:
@@ -271,9 +324,11 @@ class CheckpointManager:
         if restarted and os.path.isfile(self.last_path):
             return self.last_path
         if resume not in (None, RESUME_AUTO):
-            if not os.path.isfile(resume):
-                raise UserError(f"--resume {resume}: no such checkpoint file")
-            return resume
+            path = resume_file(resume)
+            if not os.path.isfile(path):
+                raise UserError(f"--resume {resume}: " + (f"a folder without {LAST}" if os.path.isdir(resume)
+                                                           else "no such checkpoint file or folder"))
+            return path
         if os.path.exists(self.last_path):
             if resume == RESUME_AUTO:
                 return self.last_path

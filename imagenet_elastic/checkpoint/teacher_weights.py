@@ -1,12 +1,13 @@
 """--teacher: the model a run distils from, read once at the start, before any data is scanned.
 
 Three sources, told apart as timm's reader factory tells datasets apart (by form first, then on disk): a file
-(`best.pt`) is one of our checkpoints, its raw weights; a folder is an export (`imagenet-elastic export`), read as
-timm's `local-dir:`; anything else a timm name with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`,
-`local-dir:FOLDER`), through the same Hugging Face cache and offline rules as --pretrained (published.py). What
-the teacher expects of its input comes with it: timm's pretrained_cfg (input size, mean, std) for published
-weights and exports, our validation's crop and normalisation for a checkpoint. So do its classes: a checkpoint's, or
-an export's config.json `label_names`, must be the data's, in order (`check_classes`).
+(`best.pt`) is one of our checkpoints, its raw weights, and so is a run's checkpoints folder (its best.pt); a folder
+with config.json is an export (`imagenet-elastic export`), read as timm's `local-dir:`; anything else a timm name
+with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), through the same Hugging Face
+cache and offline rules as --pretrained (published.py). What the teacher expects of its input comes with it: timm's
+pretrained_cfg (input size, mean, std) for published weights and exports, our validation's crop and normalisation
+for a checkpoint. So do its classes: a checkpoint's, or an export's config.json `label_names`, must be the data's, in
+order (`check_classes`).
 
 The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
 of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
@@ -68,14 +69,40 @@ class TeacherWeights:
         return {"spec": self.spec, "sha256": self.sha256, "input": self.input.saved()}
 
 
+def resolve(spec: str) -> tuple[str, str]:
+    """What --teacher `spec` is, and the file, folder or timm name to read: a checkpoint (a file, a `.pt` path, or
+    a run's checkpoints folder: its best.pt), an export (a folder with config.json), else a timm name. What is none
+    of these is one line saying every reading that was tried, in the words the user wrote (not timm's
+    `local-dir:...` or "Unknown model")."""
+    if spec.endswith(".pt") or os.path.isfile(spec):
+        return CHECKPOINT, spec
+    if os.path.isdir(spec):
+        if os.path.isfile(os.path.join(spec, "config.json")):
+            return EXPORT, spec
+        if os.path.isfile(os.path.join(spec, store.BEST)):
+            return CHECKPOINT, os.path.join(spec, store.BEST)
+        raise UserError(f"{FLAG} {spec}: a folder with neither config.json (an export: imagenet-elastic export) nor "
+                        f"{store.BEST} (a run's checkpoints folder)")
+    if not spec.startswith(published.WEIGHT_SOURCES):
+        import timm
+
+        from imagenet_elastic.train import tiny_models
+
+        tiny_models.register()
+        if os.sep in spec or not timm.is_model(spec):
+            where = "no such file or folder" + ("" if os.sep in spec else ", and no model timm knows by that name")
+            raise UserError(f"{FLAG} {spec}: {where}")
+    return PUBLISHED, spec
+
+
 def read(spec: str) -> TeacherWeights:
     """The teacher `spec` names, frozen, its identity computed; a UserError naming --teacher where it cannot be read."""
-    if spec.endswith(".pt") or os.path.isfile(spec):
-        model, source, classes, names, wanted = from_checkpoint(spec)
-        kind = CHECKPOINT
+    kind, target = resolve(spec)
+    if kind == CHECKPOINT:
+        model, source, classes, names, wanted = from_checkpoint(target)
+        source += f" ({target})" if target != spec else ""
     else:
-        kind = EXPORT if os.path.isdir(spec) else PUBLISHED
-        model = published.create(f"local-dir:{spec}" if kind == EXPORT else spec, FLAG)
+        model = published.create(f"local-dir:{target}" if kind == EXPORT else target, FLAG)
         architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
         names = None
         if kind == EXPORT or spec.startswith("local-dir:"):

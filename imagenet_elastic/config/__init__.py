@@ -25,6 +25,7 @@ from imagenet_elastic.train.optimizer import OPTIMIZERS
 from imagenet_elastic.train.schedule import SCHEDULES
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
+LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resume` and `--resume FOLDER` take
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.
 RESUME_SENSITIVE = (
@@ -191,12 +192,13 @@ class Config:
         type=options.probability)
     teacher: Optional[str] = option(
         None, "distil from this model: a timm name with published weights, read as --pretrained reads them "
-        "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights) or an "
-        "export folder (`imagenet-elastic export`). It runs frozen, in eval mode, in the run's precision, on the "
-        "student's augmented and mixed batch, resized and renormalised to its own input. Any student learns its "
-        "logits (KL at --kd-temperature); a student with DeiT's distillation head (timm's `*_distilled_*`) learns "
-        "them with that head (--kd-token-distill-type) and validates on the average of its two heads. Checkpoints "
-        "keep its identity (a hash of its weights), not its weights: a resume with another teacher is refused",
+        "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights; a "
+        "run's checkpoints folder: its best.pt) or an export folder (`imagenet-elastic export`). It runs frozen, in "
+        "eval mode, in the run's precision, on the student's augmented and mixed batch, resized and renormalised to "
+        "its own input. Any student learns its logits (KL at --kd-temperature); a student with DeiT's distillation "
+        "head (timm's `*_distilled_*`) learns them with that head (--kd-token-distill-type) and validates on the "
+        "average of its two heads. Checkpoints keep its identity (a hash of its weights), not its weights: a resume "
+        "with another teacher is refused",
         "model", "MODEL")
     kd_temperature: float = option(4.0, "--teacher: the temperature both distributions are softened at before their "
                                    "KL divergence, which is then scaled by T^2 (timm's --kd-temperature)", "model", "T",
@@ -264,9 +266,11 @@ class Config:
         "memory; a stop, the end of the run and errors wait for the write in flight (see Checkpoints)",
         "checkpoints", action=argparse.BooleanOptionalAction)
     resume: Optional[str] = option(
-        None, "continue from the checkpoint PATH (`--resume=PATH`, or `--resume PATH` where PATH is a file or ends "
-        "in .pt); bare `--resume`: from `DIR/last.pt` when it exists, else start fresh (saying so). The bare form "
-        "never takes the next word: `--resume /data/imagenet` resumes and trains /data/imagenet",
+        None, "continue from the checkpoint PATH, or from FOLDER/last.pt where PATH is a run's checkpoints folder "
+        "(which then also takes this run's checkpoints, unless --checkpoints-path says otherwise). `--resume PATH` "
+        "takes the next word when it is a file, ends in .pt or is a folder holding last.pt; `--resume=PATH` always. "
+        "Bare `--resume`: from `DIR/last.pt` when it exists, else start fresh (saying so); it never takes the next "
+        "word otherwise: `--resume /data/imagenet` resumes and trains /data/imagenet",
         "checkpoints", "PATH", nargs="?", const=RESUME_AUTO)
     checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
         (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "

@@ -3,10 +3,17 @@
 A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a
 collective. Setting a flag is all a handler may safely do; `Trainer` turns the flag into an agreed,
 collective stop (see `distributed.agree`).
+
+Ctrl-C (SIGINT) asks for the same stop while the run trains, and exits 130: the steps since the last checkpoint
+(an epoch, by default) are worth the one step and one write the stop costs, and someone at a terminal who stops a
+run means to continue it or to change it, either of which wants the checkpoint. It says so at once, for a stop is
+not instant. A second Ctrl-C stops at once, as does a first one before training begins or after it ends (nothing
+is then lost): the trainer then says which checkpoint was kept and how many steps were lost.
 """
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 from collections.abc import Mapping
@@ -36,23 +43,51 @@ def signal_numbers(names: tuple[str, ...]) -> tuple[int, ...]:
     return tuple(int(signal.Signals[name]) for name in names)
 
 
+def worker_ignored(names: tuple[str, ...]) -> tuple[int, ...]:
+    """The signals loader workers ignore: the preemption signals, and Ctrl-C, which a terminal sends to the whole
+    process group; the training process decides what each means (a worker that died of one would end the run)."""
+    return tuple(dict.fromkeys((*signal_numbers(names), int(signal.SIGINT))))
+
+
+INTERRUPT_NOTE = (b"Ctrl-C: stopping after the step in flight (after validation, if it runs), with a checkpoint; "
+                  b"Ctrl-C again stops at once, keeping only the last checkpoint\n")
+
+
 class PreemptionFlag:
     """Installs the handlers; `received` names the first signal that came, None until then.
 
     The training loop keeps `steps_done` current, so the message at the stop can say how many
     steps the run went on after the signal (at most one: the step in flight).
+
+    `interrupts`: Ctrl-C too (a program's flag; a test's leaves SIGINT alone), unless SIGINT is one of `names`. While
+    `checkpoint_on_interrupt` (the training loop sets it), the first Ctrl-C is a stop like the others (`interrupted`
+    says it was one), said at once where `speaks` (rank 0); otherwise, and for a second, it is a KeyboardInterrupt.
     """
 
-    def __init__(self, names: tuple[str, ...]) -> None:
+    def __init__(self, names: tuple[str, ...], interrupts: bool = False, speaks: bool = True) -> None:
         self.received: Optional[str] = None
         self.steps_done = 0
         self.received_after: Optional[int] = None  # steps_done when the signal came
+        self.interrupted = False  # the stop is a Ctrl-C's
+        self.checkpoint_on_interrupt = False
+        self.training_began = False  # from then on the trainer says what a Ctrl-C kept (before, startup.run does)
+        self.speaks = speaks
         self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
+        if interrupts and signal.SIGINT not in self._previous:
+            self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._interrupt)
 
     def _handle(self, signum: int, _frame: Optional[FrameType]) -> None:
         if self.received is None:
             self.received = signal.Signals(signum).name
             self.received_after = self.steps_done
+
+    def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
+        if self.received is not None or not self.checkpoint_on_interrupt:
+            raise KeyboardInterrupt
+        self._handle(signum, frame)
+        self.interrupted = True
+        if self.speaks:  # os.write: a handler's print could re-enter a write the signal interrupted
+            os.write(2, INTERRUPT_NOTE)
 
     def restore(self) -> None:
         for signum, handler in self._previous.items():

@@ -21,6 +21,7 @@ import torch.multiprocessing as mp
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import (
+    INTERRUPTED_EXIT,
     PREEMPTED_EXIT,
     PROG,
     STORAGE_ERROR_EXIT,
@@ -55,8 +56,10 @@ def _run_to_exit_code(config: Config, env: DistEnv) -> None:
         else:
             leave_the_report_to_rank_0(error, env.rank)
         sys.exit(error.exit_code)
-    except Preempted:
-        sys.exit(PREEMPTED_EXIT)
+    except Preempted as stop:
+        sys.exit(stop.exit_code)
+    except KeyboardInterrupt:  # a spawned rank would exit 0 (torch.multiprocessing takes it for its parent's stop)
+        sys.exit(INTERRUPTED_EXIT)
 
 
 REPORT_GRACE_S = 10.0
@@ -93,11 +96,14 @@ def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
     context = mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
     forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
+    # A terminal's Ctrl-C reaches the ranks themselves (one process group), and each stops as it asks (with a
+    # checkpoint, or at once the second time): the parent waits for them, and forwards none (a second one each).
+    forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     try:
         while not context.join():
             pass
     except mp.ProcessExitedException as failed:
-        if failed.exit_code not in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT, PREEMPTED_EXIT):  # reported by the child
+        if failed.exit_code not in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT, PREEMPTED_EXIT, INTERRUPTED_EXIT):  # said
             print(f"{PROG}: error: local process {failed.error_index} (rank "
                   f"{task_env.rank * procs + failed.error_index}) exited with code {failed.exit_code}; "
                   "the others were stopped", file=sys.stderr)

@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from imagenet_elastic.data.sources.base import Source
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, counted
 
 REAL_NAME = re.compile(r"ILSVRC2012_val_(\d{8})")
 REAL_ENTRIES = 50_000  # real.json's: one per image of ImageNet's validation set, in the order of their names
@@ -117,7 +117,8 @@ def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarr
                             "(ILSVRC2012_val_NNNNNNNN), so it has no entry in " + path)
         number = int(match.group(1))
         if not 1 <= number <= len(real):
-            raise UserError(f"--real-labels {path} has {len(real)} entries: none for {source.name(i)}")
+            raise UserError(f"--real-labels {path} has {counted(len(real), 'entry', 'entries')}: none for "
+                            f"{source.name(i)}")
         found.append(frozenset(position[k] for k in real[number - 1] if k in position))
     return found
 

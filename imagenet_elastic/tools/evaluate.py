@@ -3,7 +3,8 @@
 MODEL is a checkpoint of ours (best.pt, last.pt; --ema for its weight average), a folder `imagenet-elastic export`
 wrote, or a timm model name with --pretrained (its weights as timm fetches them). VAL is any validation split the
 trainer reads: class folders (named by the model's classes, or numbered 0..N-1 as ImageNet-V2's), a flat folder with
---val-labels, tar shards. Each VAL is scored by our exact validation (train/step.py evaluate: every image once over
+--val-labels, tar shards, parquet files, each with or without its prefix (`parquet:DIR`), or a data root as training
+takes it (its val split). Each VAL is scored by our exact validation (train/step.py evaluate: every image once over
 all ranks, whatever the world size; `torchrun ... -m imagenet_elastic evaluate ...`), with the model's own
 preprocessing (what timm's `resolve_data_config` gives it, as timm's validate.py) or ours (--preprocessing ours: the
 trainer's validation, bilinear, crop / 0.875, ImageNet's mean and std), computed as the reference computes it
@@ -32,6 +33,7 @@ import numpy as np
 
 from imagenet_elastic.config import add_setting
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
+from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.tools.eval_labels import (
     Relabelled,
@@ -51,8 +53,7 @@ def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic evaluate", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
     p.add_argument("model", metavar="MODEL", help="our checkpoint (.pt), an export folder, or a timm model name "
                    "with --pretrained")
-    p.add_argument("val", metavar="VAL", nargs="+", help="validation sets: class folders, a flat folder with "
-                   "--val-labels, tar shards (a folder or a pattern)")
+    p.add_argument("val", metavar="VAL", nargs="+", help=f"validation sets: {FORMS}")
     p.add_argument("--pretrained", action="store_true", help="MODEL is a timm model name: its pretrained weights")
     p.add_argument("--ema", action="store_true", help="our checkpoint's weight average (--model-ema)")
     p.add_argument("--preprocessing", choices=PREPROCESSING, default="model",
@@ -77,24 +78,32 @@ def build_parser() -> Parser:
     return p
 
 
+FORMS = ("class folders, a flat folder of images with --val-labels, tar shards or parquet files (a folder or a "
+         "pattern), or a data root (its val split), each with or without its prefix")
+
+
 def check_val_exists(locations: Sequence[str]) -> None:
-    """Each VAL names a folder or a shard pattern (said before the model is loaded; the trainer's message for a
-    missing folder would point at its --val-path)."""
-    from imagenet_elastic.data.sources import tar_shards
+    """Each VAL names a folder or a pattern of files, after its prefix if it has one (`parquet:DIR`, as training
+    takes them); said before the model is loaded (the trainer's message for a missing folder would point at its
+    --val-path)."""
+    from imagenet_elastic.data import sources
 
     for location in locations:
-        if not os.path.exists(location) and not tar_shards.is_pattern(location):
-            raise UserError(f"VAL {location} does not exist: evaluate takes class folders, a flat folder of images "
-                            "with --val-labels, or tar shards (a folder or a pattern)")
+        prefix, path = sources.kind_of(location)  # an unknown prefix or a URL: one line naming the known ones
+        if not os.path.exists(path) and not sources.is_pattern(location):
+            known = ", ".join(f"{p}:" for p in sources.prefixes())
+            raise UserError(f"VAL {location} does not exist: evaluate takes {FORMS} ({known})")
 
 
 def labels_file(location: str, val_labels: str | None) -> str | None:
     """--val-labels names the classes of the flat folders among VAL (image files, no folders), not of the others."""
-    from imagenet_elastic.data.sources import tar_shards
+    from imagenet_elastic.data import sources
+    from imagenet_elastic.data.sources import parquet, tar_shards
 
-    if val_labels is None or not os.path.isdir(location) or tar_shards.claims(location):
+    path = sources.kind_of(location)[1]
+    if val_labels is None or not os.path.isdir(path) or tar_shards.claims(path) or parquet.claims(path):
         return None
-    return None if any(entry.is_dir() for entry in os.scandir(location)) else val_labels
+    return None if any(entry.is_dir() for entry in os.scandir(path)) else val_labels
 
 
 def run(args: Any) -> list[dict[str, Any]]:
@@ -128,8 +137,9 @@ def run(args: Any) -> list[dict[str, Any]]:
     position = np.full(len(model.classes), -1, dtype=np.int64)
     position[scored] = np.arange(len(scored))
     sets = []
-    for location in args.val:
-        source = sources.open_source(location, "val", None, model.classes, labels_file(location, args.val_labels))
+    for location in map(sources.evaluated_split, args.val):
+        source = sources.open_source(location, "val", None, Classes(model.classes, "the model"),
+                                     labels_file(location, args.val_labels))
         labels = position[model_index(source, model.classes, location)[source.labels]]
         if (labels < 0).any():
             outside = source.name(int(np.flatnonzero(labels < 0)[0]))

@@ -276,7 +276,7 @@ def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs
                                config.gpu_decoder)
     workers = config.workers if config.workers is not None else decoding.default_workers(cores, env.local_world_size)
     pin = inputs.device.type == "cuda"
-    ignored = preemption.signal_numbers(config.preempt_signals)  # by loader workers: see pipeline._worker_init
+    ignored = preemption.worker_ignored(config.preempt_signals)  # by loader workers: see pipeline._worker_init
     largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
     batch = pipeline.batch_bytes(config.batch_size, largest, encoded=decoding.mode == "gpu")
     prefetch = pipeline.prefetch_factor(workers, batch, pinned=pin)

@@ -82,13 +82,19 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
 
 def run(config: Config, env: DistEnv) -> None:
     console = Console(env.is_main, config.log_interval, env.rank)
-    preempt = PreemptionFlag(config.preempt_signals)  # first: a signal during start-up is not lost
+    # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
+    preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:
         run_with(config, env, console, preempt)
     except UserError as error:
         # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the SIG_IGN
         # the unwinding ends with: the report then stays rank 0's (launch/processes.leave_the_report_to_rank_0)
         error.stopped_by = preempt.received
+        raise
+    except KeyboardInterrupt:
+        if not preempt.training_began:  # once it began, the trainer said what was kept (or the stop's line did)
+            console.info("Ctrl-C: --evaluate stopped, nothing written" if config.evaluate else
+                         "Ctrl-C: stopped before training began: nothing trained, no checkpoint written")
         raise
 
 

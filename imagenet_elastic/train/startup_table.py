@@ -8,7 +8,7 @@ from typing import Any, Optional
 from imagenet_elastic.checkpoint.teacher_weights import TeacherWeights
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.pipeline import PINNED_BUDGET
-from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT
 from imagenet_elastic.launch.distributed import group_options
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.report.console import Console
@@ -81,7 +81,9 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("curves", f"every {c.log_interval} steps: {'; '.join(sink.name for sink in inputs.sinks)}" if inputs.sinks
          else "none"),
         ("preemption", f"{', '.join(c.preempt_signals) or 'no signals'}: checkpoint and exit {PREEMPTED_EXIT}"
-                       + (", then requeue the Slurm job" if c.requeue_on_preempt else "")),
+                       + (", then requeue the Slurm job" if c.requeue_on_preempt else "")
+                       + ("" if "SIGINT" in c.preempt_signals else f"; Ctrl-C: checkpoint and exit {INTERRUPTED_EXIT} "
+                          "(twice: at once)")),
     ]
 
 

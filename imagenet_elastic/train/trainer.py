@@ -17,7 +17,7 @@ from imagenet_elastic.checkpoint.store import BEST
 from imagenet_elastic.config import RESUME_AUTO, Config
 from imagenet_elastic.data.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
-from imagenet_elastic.errors import PREEMPTED_EXIT, Preempted, one_line
+from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, counted, one_line
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -47,13 +47,29 @@ class Trainer:
         self.waits = LoaderWaits()
         self.since_log = EpochTally()  # the steps since the last log line
         self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
+        state = training.state  # where the run starts: the checkpoint kept until this run saves one
+        self.started_from = (training.resume_from, (state.step, state.epoch, state.tally.samples)) \
+            if training.resume_from else None
         self.finished = False
 
     def fit(self) -> None:
+        """Train the epochs left, with Ctrl-C a stop like a preemption signal's while they train (launch/
+        preemption.py); one that stops at once (a second) says what was kept and lost first."""
+        try:
+            self.preempt.training_began = self.preempt.checkpoint_on_interrupt = True
+            self.train_epochs()
+        except KeyboardInterrupt:
+            self.preempt.checkpoint_on_interrupt = False
+            self.say_what_an_interrupt_kept()
+            raise
+        finally:
+            self.preempt.checkpoint_on_interrupt = False
+
+    def train_epochs(self) -> None:
         c, state = self.config, self.state
         self.say_where_it_starts()
         if state.epoch >= c.epochs:
-            self.console.info(f"nothing to do: the checkpoint already completed {state.epoch} of {c.epochs} epochs")
+            self.console.info(nothing_to_do(state.epoch, c.epochs))
             self.finished = True
             return
         for epoch in range(state.epoch, c.epochs):
@@ -76,6 +92,7 @@ class Trainer:
                 f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
+        self.preempt.checkpoint_on_interrupt = False  # trained: a Ctrl-C now loses nothing by stopping at once
         self.checkpointer.settle()  # the run succeeded only once its last checkpoint is on disk
         self.finished = True
         self.say_where_the_best_is()
@@ -198,18 +215,38 @@ class Trainer:
                 "teacher": self.training.teacher.identity() if self.training.teacher is not None else None}
 
     def stop(self) -> None:
-        """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over."""
+        """Called on every rank at the agreed step boundary, after the stop's checkpoint was handed over. A Ctrl-C's
+        stop exits 130 and requeues nothing: someone asked for it."""
         c, flag = self.config, self.preempt
         self.checkpointer.settle()
-        came = (f"{flag.received} came after step {flag.received_after}" if flag.received
-                else "a preemption signal came to another rank")
+        code = INTERRUPTED_EXIT if flag.interrupted else PREEMPTED_EXIT
+        came = (f"{'Ctrl-C' if flag.interrupted else flag.received} came after step {flag.received_after}"
+                if flag.received else "a preemption signal came to another rank")
         self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
-                          f"{self.checkpointer.manager.last_path}; exiting with code {PREEMPTED_EXIT}")
-        if c.requeue_on_preempt and self.env.is_main:
+                          f"{self.checkpointer.manager.last_path}; exiting with code {code}")
+        if c.requeue_on_preempt and self.env.is_main and not flag.interrupted:
             job = preemption.slurm_job_to_requeue(os.environ)
             problem = preemption.requeue_slurm_job(job)
             self.console.info(f"requeued Slurm job {job}" if not problem else f"could not requeue {job}: {problem}")
-        raise Preempted()
+        raise Preempted(code)
+
+    def say_what_an_interrupt_kept(self) -> None:
+        """After a Ctrl-C that stopped at once: the checkpoint on disk (the write in flight ends first, and counts)
+        and the steps trained since, which are lost."""
+        self.checkpointer.writer.wait()
+        path, saved = self.checkpointer.manager.last_path, self.checkpointer.writer.on_disk
+        if saved is None and self.started_from is not None:
+            path, saved = self.started_from
+        step = self.state.step
+        if saved is None:
+            self.console.info(f"Ctrl-C: stopped at once after step {step}, before the run's first checkpoint: "
+                              + (f"lost: {counted(step, 'step')} trained" if step else "nothing trained, none lost"))
+            return
+        at, epochs, samples = saved
+        where = f"{samples} samples into epoch {epochs + 1}" if samples else f"{counted(epochs, 'epoch')} done"
+        lost = f"lost: {counted(step - at, 'step')} trained since" if step > at else "nothing lost"
+        again = "; --resume continues from it" if path == self.checkpointer.manager.last_path else ""
+        self.console.info(f"Ctrl-C: stopped at once after step {step}; kept {path} (step {at}, {where}); {lost}{again}")
 
     # ------------------------------------------------------------------ reporting
 
@@ -218,8 +255,8 @@ class Trainer:
         c, state, resume_from = self.config, self.state, self.training.resume_from
         if resume_from:
             where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
-            self.console.info(f"resuming from {resume_from}: {state.epoch} epochs done{where}, "
-                              f"best val top-1 {state.best_top1:.2f}%")
+            best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
+            self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
             self.checkpointer.resume_metrics(state.history)
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
@@ -245,6 +282,15 @@ class Trainer:
         self.sample_log.close()
         self.sinks.close(self.finished)
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
+
+
+def nothing_to_do(done: int, epochs: int) -> str:
+    """What a run whose checkpoint already trained --epochs epochs, or more (a run resumed with a smaller --epochs),
+    says before it ends."""
+    if done == epochs:
+        return f"nothing to do: the checkpoint already completed all {counted(epochs, 'epoch')} of --epochs {epochs}"
+    return (f"nothing to do: the checkpoint already completed {counted(done, 'epoch')}, more than --epochs {epochs}; "
+            "a larger --epochs trains on")
 
 
 def scored(row: dict[str, Any]) -> tuple[float, bool]:

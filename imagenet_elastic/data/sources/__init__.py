@@ -125,6 +125,18 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     return train, val
 
 
+def evaluated_split(location: str) -> str:
+    """The split `imagenet-elastic evaluate` scores for VAL `location`: a data root's val split, as training takes it
+    (DATA/val, where DATA/train is beside it: the README's DATA, a pack's output), else the location itself (a split;
+    a folder of both splits side by side gives its validation files to the kind that reads it)."""
+    prefix, path = kind_of(location)
+    if not os.path.isdir(os.path.join(path, "train")):
+        return location
+    if not os.path.isdir(os.path.join(path, "val")):
+        raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
+    return prefixed(prefix, os.path.join(path, "val"))
+
+
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
                 cache_dir: Optional[str]) -> tuple[Source, Source]:
     """The train and val sources of a run, with the same classes (checked)."""
@@ -146,5 +158,5 @@ def check_same_classes(train: Source, val: Source) -> None:
     )
 
 
-__all__ = ["KINDS", "FileList", "Source", "both_splits", "check_same_classes", "is_pattern", "kind_of",
-           "open_source", "open_splits", "split_locations", "train_location"]
+__all__ = ["KINDS", "FileList", "Source", "both_splits", "check_same_classes", "evaluated_split", "is_pattern",
+           "kind_of", "open_source", "open_splits", "split_locations", "train_location"]

@@ -28,6 +28,26 @@ class FileList:
     digest: str
 
 
+TRAINING_CLASSES = "the training split"
+
+
+class Classes(tuple):
+    """Class names that say whose they are, for the line that finds a split's label beyond them: a validation split
+    takes the training split's classes when training, the model's under `imagenet-elastic evaluate`."""
+
+    whose = TRAINING_CLASSES
+
+    def __new__(cls, names: tuple[str, ...] = (), whose: str = TRAINING_CLASSES) -> Classes:
+        made = super().__new__(cls, names)
+        made.whose = whose
+        return made
+
+
+def whose(classes: tuple[str, ...]) -> str:
+    """Whose `classes` are, as a line names them: "the model", or (plain class names) "the training split"."""
+    return getattr(classes, "whose", TRAINING_CLASSES)
+
+
 class Source(abc.ABC):
     """The samples of one split. Subclasses set `role`, `classes` and `labels`."""
 

@@ -17,6 +17,7 @@ from typing import Optional
 
 import numpy as np
 
+from imagenet_elastic.data.sources.base import whose
 from imagenet_elastic.data.sources.image_folder import IMAGE_EXTENSIONS, FilesUnder
 from imagenet_elastic.errors import UserError
 
@@ -92,8 +93,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         if file is None:
             raise UserError(f"--val-labels {labels_file} line {line}: {name} is not in {location}")
         if label not in number:
-            raise UserError(f"--val-labels {labels_file} line {line}: class {label!r} of {name} is not a class of the "
-                            f"training set ({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
+            raise UserError(f"--val-labels {labels_file} line {line}: class {label!r} of {name} is not a class of "
+                            f"{whose(classes)} ({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
         if file in chosen:
             raise UserError(f"--val-labels {labels_file} line {line}: {name} is listed twice")
         chosen[file] = number[label]

@@ -27,8 +27,8 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of
-from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
+from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
 SUFFIX = ".parquet"
@@ -143,7 +143,7 @@ class ParquetFiles(Source):
         return f"{where}:{path}" if path else where
 
     def where(self) -> str:
-        return f"{self.location} ({len(self.files)} parquet files)"
+        return f"{self.location} ({counted(len(self.files), 'parquet file')})"
 
     def entries(self) -> np.ndarray:
         """`FILE.parquet:ROW` of each sample."""
@@ -292,7 +292,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(known), all_labels,
                           np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
-    check_labels(source, "the files name" if named else "the training split has" if classes else "")
+    check_labels(source, "the files name" if named else f"{whose(classes)} has" if classes else "")
     if not named and not classes:
         check_numbered(source)
     rows = len(all_labels) / max(1, len(group_file))

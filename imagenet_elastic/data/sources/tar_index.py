@@ -26,7 +26,7 @@ import numpy as np
 from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.data.sources import index_file
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of
-from imagenet_elastic.errors import CorruptImageError, UserError
+from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
@@ -101,7 +101,7 @@ class TarShards(Source):
         return name.decode("utf-8", "surrogateescape")
 
     def where(self) -> str:
-        return f"{self.location} ({len(self.shards)} shards)"
+        return f"{self.location} ({counted(len(self.shards), 'shard')})"
 
     def entries(self) -> np.ndarray:
         """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""

@@ -36,6 +36,7 @@ from dataclasses import replace
 from typing import Optional
 
 from imagenet_elastic.data.sources import index_file
+from imagenet_elastic.data.sources.base import whose
 from imagenet_elastic.data.sources.tar_check import check_shards
 from imagenet_elastic.data.sources.tar_index import INDEX_NAME, TarShards, cache_path, pack_again, read_index
 from imagenet_elastic.data.sources.tar_names import is_pattern, shard_paths, split_location, split_patterns
@@ -88,5 +89,5 @@ def _with_classes(source: TarShards, classes: tuple[str, ...]) -> TarShards:
     """A split that numbers its labels takes the training split's names for them."""
     if int(source.labels.max()) >= len(classes):
         raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
-                        f"the training split has {len(classes)} classes")
+                        f"{whose(classes)} has {len(classes)} classes")
     return replace(source, classes=classes)

@@ -16,6 +16,7 @@ from typing import Optional
 
 import numpy as np
 
+from imagenet_elastic.data.sources.base import whose
 from imagenet_elastic.data.sources.tar_index import TarShards
 from imagenet_elastic.data.sources.tar_names import is_pattern, shard_paths
 from imagenet_elastic.errors import UserError
@@ -155,7 +156,8 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
     stats = [os.stat(p) for p in paths]
     labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
     known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
-    check_labels(labels, known, per_shard, paths, role, named is not None or classes is not None)
+    check_labels(labels, known, per_shard, paths, role,
+                 "the classes file lists" if named else f"{whose(classes)} has" if classes else "")
     return TarShards(location, role, tuple(paths), np.array([s.st_size for s in stats], dtype=np.int64),
                      np.array([s.st_mtime_ns for s in stats], dtype=np.int64), tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
@@ -166,12 +168,13 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
 
 
 def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
-                 named: bool) -> None:
+                 named_by: str) -> None:
+    """Every label is one of `classes`, which `named_by` says whose they are ("the classes file lists"), or "" where
+    the labels themselves numbered them."""
     bad = np.flatnonzero((labels < 0) | (labels >= len(classes)))
     if not len(bad):
         return
     i = int(bad[0])
     shard = int(np.searchsorted(np.cumsum([len(f.labels) for f in per_shard]), i, side="right"))
-    source = "the classes file lists" if named else "the training split has"
-    raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range: {source} "
-                    f"{len(classes)} classes")
+    bound = f": {named_by} {len(classes)} classes" if named_by else ""
+    raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range{bound}")
