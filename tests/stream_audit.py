@@ -2,7 +2,7 @@
 data/gpu_decode.py, data/jpeg_decoders.py) runs on CPU tensors as it runs on CUDA, and the order CUDA would keep
 between its threads' and streams' work is checked (tests/test_stream_audit.py).
 
-The seam: `feed.on_cuda` answers yes for the CPU device, so the code takes its CUDA branches (streams, events,
+The seam: `streams.on_cuda` answers yes for the CPU device, so the code takes its CUDA branches (streams, events,
 record_stream, Held) while its tensors stay on the CPU; `torch.cuda.Stream`, `Event`, `current_stream`,
 `stream(...)`, `device(...)`, `synchronize` and `Tensor.record_stream` are replaced by the recorders here; and
 every thread started meanwhile runs its operators under a dispatch mode that puts each one on its thread's
@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from imagenet_elastic.data import feed
+from imagenet_elastic.data import streams
 
 FINISHED = "finished-before-handover"
 RECORDED = "recorded-on-training-stream"
@@ -165,7 +165,7 @@ class StreamAudit:
             with audit.recording():
                 original_run(thread)
 
-        monkeypatch.setattr(feed, "on_cuda", lambda device: True)
+        monkeypatch.setattr(streams, "on_cuda", lambda device: True)
         monkeypatch.setattr(torch.cuda, "Stream", make_stream)
         monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False, blocking=False, interprocess=False:
                             Event(audit, blocking))
@@ -175,8 +175,8 @@ class StreamAudit:
         monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: self.default.synchronize())
         monkeypatch.setattr(torch.Tensor, "record_stream", record_stream)
         monkeypatch.setattr(threading.Thread, "run", run)
-        feed.feeding_stream.cache_clear()
-        feed.decoding_stream.cache_clear()
+        streams.feeding_stream.cache_clear()
+        streams.decoding_stream.cache_clear()
 
     def current(self) -> Stream:
         return getattr(self.local, "stream", None) or self.default

@@ -19,6 +19,7 @@ from PIL import Image
 from test_data import write_jpeg
 
 from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline, pixels
+from imagenet_elastic.data import streams as stream_factories
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError
@@ -481,7 +482,7 @@ def test_the_feeding_and_decoding_streams_are_made_once_per_device_at_high_prior
             made.append((device, priority))
 
     monkeypatch.setattr(torch.cuda, "Stream", Stream)
-    streams = getattr(feed, name)
+    streams = getattr(stream_factories, name)
     streams.cache_clear()
     try:
         first = streams(torch.device("cuda", 0))

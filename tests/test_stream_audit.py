@@ -11,7 +11,7 @@ from PIL import Image
 from stream_audit import BLOCKS, FINISHED, HELD, RECORDED, StreamAudit
 from test_data import write_jpeg
 
-from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline
+from imagenet_elastic.data import feed, gpu_decode, jpeg_decoders, pipeline, streams
 from imagenet_elastic.data.augment import Augment
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 
@@ -109,7 +109,7 @@ def held_until_the_wrong_event(monkeypatch, audit):
     """The decoded images are held until an event of the decoding stream, which says nothing of the crops."""
     def hold(self, decoded):
         event = torch.cuda.Event(blocking=True)
-        feed.decoding_stream(self.device).record_event(event)
+        streams.decoding_stream(self.device).record_event(event)
         self.held.keep(decoded, event)
 
     monkeypatch.setattr(gpu_decode.BatchDecoder, "hold", hold)

@@ -4,7 +4,6 @@ crops and augments), the steps' groups of micro-batches, and the time the loop w
 from __future__ import annotations
 
 import contextlib
-import functools
 import inspect
 import queue
 import threading
@@ -16,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from imagenet_elastic.data import jpeg_decoders
+from imagenet_elastic.data import jpeg_decoders, streams
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import one_line
 
@@ -47,7 +46,7 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
     if device.type != "cuda":
         yield from (batch.to(device) for batch in batches)
         return
-    side, main = feeding_stream(device), torch.cuda.current_stream(device)
+    side, main = streams.feeding_stream(device), torch.cuda.current_stream(device)
     ahead = None
     for batch in batches:
         with torch.cuda.stream(side):
@@ -72,7 +71,7 @@ def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, devi
     `decoded_ahead`s in a chain: the first alone reads the loader; the second waits on the device for each
     decoded batch's event, and its errors and the first's reach the taker in order; closing it closes both. Either
     thread's out-of-memory error reaches `out_of_memory` in the taker's thread (the first's through the second)."""
-    decoding = decoding_stream(device) if on_cuda(device) else None
+    decoding = streams.decoding_stream(device) if streams.on_cuda(device) else None
     decoded = decoded_ahead(batches, decoder.decoded, device, ahead=1, stream=decoding,
                             out_of_memory=pass_on if out_of_memory is not None else None)
     return decoded_ahead(decoded, after_event(decoder.finished, device), device, out_of_memory=out_of_memory)
@@ -95,32 +94,6 @@ def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
     draws of --decode gpu's policy seed torch's global generator (augment.Augment.draws), which the training
     thread seeds and draws from too: such a loader is decoded in the training thread, not beside it."""
     return isinstance(batches, DataLoader) and batches.num_workers == 0
-
-
-def on_cuda(device: torch.device) -> bool:
-    """Whether work for `device` is queued on CUDA streams, whose order events must keep: the one question the
-    feeding and decoding code asks of a device for that, so that the stream-discipline audit (tests) can answer
-    it yes for CPU tensors and check the order with recording streams."""
-    return device.type == "cuda"
-
-
-@functools.cache
-def feeding_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream that copies, crops and augments batches for `device`: made once per process (not per epoch
-    or validation pass), at high priority, so that its short kernels are scheduled ahead of the training
-    stream's queue instead of waiting behind a whole forward and backward."""
-    return torch.cuda.Stream(device, priority=-1)  # lower is higher; torch maps it into the device's range
-
-
-@functools.cache
-def decoding_stream(device: torch.device) -> torch.cuda.Stream:
-    """The stream --decode gpu's decoding thread decodes on (nvImageCodec's kernels, torchvision's wait for its
-    own stream), beside the feeding stream: the crops of one batch and the decode of the next are queued by two
-    threads, and the decoders' own host waits (nvImageCodec waits for its previous batch) see only decoding.
-    High priority as the feeding stream; once per process. torch hands out streams from a pool of 32 per
-    priority, round robin: this one is another than the feeding stream unless 31 more were made in between, and
-    the order of their work holds even then (events between them become no-ops)."""
-    return torch.cuda.Stream(device, priority=-1)
 
 
 def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
@@ -151,8 +124,8 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
     thread waits for the answer, then prepares the same batch again (see `prepared`)."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
-    if on_cuda(device) and stream is None:
-        stream = feeding_stream(device)
+    if streams.on_cuda(device) and stream is None:
+        stream = streams.feeding_stream(device)
 
     def hand_over(item: Any) -> None:
         while not stop.is_set():
@@ -275,7 +248,7 @@ def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[
             line = one_line(error)
         if out_of_memory(loader_batch(batch), line, again) is False:
             return _STOPPED
-        if on_cuda(device):
+        if streams.on_cuda(device):
             torch.cuda.empty_cache()
         again = True
 

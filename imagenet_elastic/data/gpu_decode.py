@@ -34,7 +34,7 @@ from typing import Any, Optional
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import device_crops, feed, jpeg_decoders
+from imagenet_elastic.data import device_crops, jpeg_decoders, streams
 from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
@@ -259,7 +259,7 @@ class BatchDecoder:
         their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
         each operator before the next, so nothing is left to read them there. The event blocks the thread that
         waits for it (Held's limit) instead of spinning a core beside the loader workers."""
-        if feed.on_cuda(self.device):
+        if streams.on_cuda(self.device):
             read = torch.cuda.Event(blocking=True)
             torch.cuda.current_stream(self.device).record_event(read)
             self.held.keep(decoded, read)

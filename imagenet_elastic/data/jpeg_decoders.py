@@ -8,7 +8,7 @@ from the CPU path on photos. `auto` takes nvimgcodec where it is installed and d
 torchvision, and the start-up table says which and why.
 
 Both leave their images ready on the calling thread's current stream (the decoding thread's,
-feed.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
+streams.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
 `empty_cache` see them), and run on CPU tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend:
 libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images in any dense layout
 (nvImageCodec's H x W x C memory is permuted, a view: device_crops reads each image where it lies), None for an
@@ -60,7 +60,7 @@ class TorchvisionJpeg:
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         import torch
 
-        from imagenet_elastic.data import feed
+        from imagenet_elastic.data import streams
 
         self.device = device
         # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
@@ -72,7 +72,7 @@ class TorchvisionJpeg:
         # normal-priority pool). This one comes from the high-priority pool, which the feeding and decoding
         # streams alone draw on here, and before each decode the thread waits (blocking, not spinning) for what
         # is queued on it: nothing, unless another part of the process was handed the same stream.
-        self.alloc_stream = torch.cuda.Stream(device, priority=-1) if feed.on_cuda(device) else None
+        self.alloc_stream = torch.cuda.Stream(device, priority=-1) if streams.on_cuda(device) else None
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         try:
