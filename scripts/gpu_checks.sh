@@ -8,32 +8,27 @@
 #                                                    or failed, from DIR's proof.jsonl and compile_cache.bin.gz (DIR: an
 #                                                    earlier `proof`'s OUT)
 #
-# The other parts each finish well inside 10 minutes on one H100 (resnet50 at batch 256; a compile part's first run
-# compiles cold, ~1.5 minutes, its later ones find torch's compile cache warm). Every part says --compile or
-# --no-compile: the benchmark and the trainer take --compile's default, which may differ by device. Runs from the
-# repository root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the package in
-# the current folder). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the command
-# line, the GPU, the versions line and the date.
+# The other parts measure what the entries leave out, each well inside 10 minutes on one H100 (resnet50 at batch
+# 256): the model's precisions and layouts, the device path's operators, the loader against the textbook one, a
+# checkpoint's cost, the CUDA tests alone, a two-rank restart on one GPU and an epoch under torchrun with NCCL. Runs
+# from the repository root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the
+# package in the current folder). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the
+# command line, the GPU, the versions line and the date.
 #
 #   bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR]
 #
 # Several parts (a comma list, or `all`) run one after another, each in a process of its own: a part that fails
 # does not stop the ones after it, and each is followed by {"part", "exit", "seconds"}.
 #
-# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own), FEW_WORKERS (the
-# few_workers parts' loader workers; default "4 2") and ROUNDS (the loader part's; default 3) may be set in the
-# environment: tests/test_gpu_checks.py and tests/test_gpu_proof.py run the parts and both entries on a CPU with a
-# tiny model, so that no GPU time goes to a flag the benchmark no longer takes.
+# MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own) and ROUNDS (the loader
+# part's; default 3) may be set in the environment: tests/test_gpu_checks.py and tests/test_gpu_proof.py run the
+# parts and both entries on a CPU with a tiny model, so that no GPU time goes to a flag the benchmark no longer takes.
 #
-# PART: proof | proof_rest | versions | data | synthetic | compile | end_to_end | end_to_end_recipe
-#       | end_to_end_compile | end_to_end_recipe_compile | end_to_end_few_workers | end_to_end_few_workers_compile
-#       | device_ops | loader | gpu_decoders | checkpoint | tests | restart | restart_compile | train
-#       | all (every part but the two entries, in order; longer than 10 minutes).
+# PART: proof | proof_rest | versions | data | synthetic | device_ops | loader | checkpoint | tests | restart | train
+#       | all (every part but the two entries, in order).
 #       `tests` runs every test marked cuda (the modules that hold one): among them the fused-SGD resume, the fp16
 #       overflow step, --micro-batch auto against the allocator and the checks that the training loop never makes
-#       the host wait. The few_workers parts run both decoders at 4 and 2 loader workers a rank: what an 8-GPU node
-#       with few cores per GPU gives. The --decode gpu runs take --gpu-decoder auto (their JSON line names the
-#       library); `gpu_decoders` runs each library end to end.
+#       the host wait.
 #       Where nvImageCodec is not installed, its wheel can be installed from a folder of wheels:
 #         python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #           --platform manylinux_2_28_x86_64 -d .whl nvidia-nvimgcodec-cu13==0.9.0.20
@@ -47,7 +42,6 @@ MODEL=${MODEL:-resnet50}
 BATCH=${BATCH:-256}
 SIZE=${SIZE:-224}
 BATCHES=${BATCHES:-}
-FEW_WORKERS=${FEW_WORKERS:-4 2}
 ROUNDS=${ROUNDS:-3}
 mkdir -p "$WORK"
 
@@ -110,69 +104,10 @@ PY
         # FFCV's recipes: what the blur costs
         bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --blurpool --no-compile --batches "$b"
         ;;
-    compile)
-        need_data
-        bench --mode synthetic --image-size "$SIZE" --amp bf16 --channels-last --compile --batches "$(batches 50)"
-        ;;
-    end_to_end)
-        need_data
-        local n b; n=$(workers); b=$(batches 40)
-        local e2e=(--mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --no-compile
-                   --batches "$b")
-        bench "${e2e[@]}" --decode cpu
-        bench "${e2e[@]}" --decode gpu
-        ;;
-    end_to_end_recipe | end_to_end_recipe_compile)  # torchvision's v2 recipe's augmentation at its train size: the
-        need_data                                   # policy's cost on each path, eager or compiled
-        local n; n=$(workers)
-        local compile=--no-compile; if [ "$1" = end_to_end_recipe_compile ]; then compile=--compile; fi
-        local recipe=(--mode end_to_end --amp bf16 --channels-last "$compile" --workers "$n" --batches "$(batches 40)"
-                      --image-size $(( SIZE * 176 / 224 )) --auto-augment ta_wide --random-erase 0.1)
-        bench "${recipe[@]}" --decode cpu
-        bench "${recipe[@]}" --decode gpu
-        ;;
-    end_to_end_compile)
-        need_data
-        local n; n=$(workers)
-        local e2e=(--mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --workers "$n" --compile
-                   --batches "$(batches 40)")
-        bench "${e2e[@]}" --decode cpu
-        bench "${e2e[@]}" --decode gpu
-        ;;
     device_ops)  # the operators --decode gpu's device path dispatches per batch of 64, 128, 256 on this GPU
         need_data
         bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu
         bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu --auto-augment ta_wide --random-erase 0.1
-        ;;
-    end_to_end_few_workers | end_to_end_few_workers_compile)  # 4 and 2 loader workers a rank, both decoders
-        need_data
-        local compile=--no-compile; if [ "$1" = end_to_end_few_workers_compile ]; then compile=--compile; fi
-        local n decode
-        # shellcheck disable=SC2086  # a list of numbers
-        for n in $FEW_WORKERS; do
-            for decode in cpu gpu; do
-                bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last "$compile" --workers "$n" \
-                    --decode "$decode" --batches "$(batches 40)"
-            done
-        done
-        ;;
-    gpu_decoders)  # --decode gpu end to end with each JPEG library this machine has, plain and with the policy
-        need_data
-        local n lib; n=$(workers)
-        local libraries="torchvision"
-        if "$PY" -c "import sys, torch; from imagenet_elastic.data.jpeg_decoders import nvimgcodec_unavailable as u
-sys.exit(u(torch.device('cuda' if torch.cuda.is_available() else 'cpu')) is not None)"; then
-            libraries="nvimgcodec torchvision"
-        else
-            echo '{"gpu_decoders": "nvimgcodec is not installed here: torchvision alone"}'
-        fi
-        for lib in $libraries; do
-            bench --mode end_to_end --image-size "$SIZE" --amp bf16 --channels-last --no-compile --workers "$n" \
-                --batches "$(batches 40)" --decode gpu --gpu-decoder "$lib"
-            bench --mode end_to_end --amp bf16 --channels-last --no-compile --workers "$n" --batches "$(batches 40)" \
-                --image-size $(( SIZE * 176 / 224 )) --auto-augment ta_wide --random-erase 0.1 --decode gpu \
-                --gpu-decoder "$lib"
-        done
         ;;
     loader)
         need_data
@@ -227,30 +162,6 @@ last = torch.load(folder / "ckpt" / "last.pt", map_location="cpu", weights_only=
 print(json.dumps({"restart": "2 ranks, one device, resumed", "step": last["step"], "ranks": ranks}))
 PY
         ;;
-    restart_compile)  # a compiled run restarted where torch's own compile caches are empty (another node): what the
-                      # first step costs with CHECKPOINTS/compile_cache.bin alone (issue 31's target: <= 10 s)
-        need_data
-        local at="$WORK/restart_compile"
-        rm -rf "$at"
-        mkdir -p "$at"
-        local args=("$DATA" --model "$MODEL" --batch-size "$BATCH" --image-size "$SIZE" --compile
-                    --max-steps-per-epoch "$(batches 10)" --log-interval 5 --checkpoints-path "$at/ckpt")
-        local round
-        for round in 1 2; do  # each round's process finds its own empty inductor and Triton caches
-            # shellcheck disable=SC2046  # the resume round's word
-            TORCHINDUCTOR_CACHE_DIR="$at/inductor$round" TRITON_CACHE_DIR="$at/triton$round" "$PY" -m imagenet_elastic \
-                "${args[@]}" --epochs "$round" $( [ "$round" = 2 ] && echo --resume ) > "$at/round$round.log" 2>&1 \
-                || { cat "$at/round$round.log" >&2; return 1; }
-        done
-        "$PY" - "$at" <<'PY'
-import json, pathlib, sys
-at = pathlib.Path(sys.argv[1])
-said = [line.strip() for line in (at / "round2.log").read_text().splitlines() if "after the checkpoint was written" in line]
-print(json.dumps({"restart_compile": said[-1] if said else None,
-                  "cache_file_bytes": (at / "ckpt" / "compile_cache.bin").stat().st_size
-                  if (at / "ckpt" / "compile_cache.bin").exists() else None}))
-PY
-        ;;
     train)  # NCCL at one rank, --decode gpu, a background checkpoint; the last line is the epoch's row
         need_data
         rm -rf "$WORK/ckpt"
@@ -266,9 +177,7 @@ PY
     esac
 }
 
-EVERY_PART=(versions data synthetic compile end_to_end end_to_end_recipe end_to_end_compile end_to_end_recipe_compile
-            end_to_end_few_workers end_to_end_few_workers_compile device_ops gpu_decoders loader checkpoint tests
-            restart restart_compile train)
+EVERY_PART=(versions data synthetic device_ops loader checkpoint tests restart train)
 if [ "$PART" = all ]; then
     parts=("${EVERY_PART[@]}")
 else

@@ -1,9 +1,7 @@
 """scripts/gpu_checks.sh runs as it is: every part, on a CPU with a tiny model (MODEL, BATCH, SIZE and BATCHES from
 the environment), prints the JSON lines it promises, and exits 0 (the `restart` part is tests/test_resume_layout.py's
-two-rank resume), so that no GPU time goes to a flag the benchmark no longer takes. Every part says --compile or
---no-compile, and each line says which it ran. The compile parts run with
-TORCHDYNAMO_DISABLE=1: torch.compile then hands the model back as it is, so their commands and flags run here, not
-the compiler (compiling costs a minute a run here; tests/test_training.py compiles)."""
+two-rank resume), so that no GPU time goes to a flag the benchmark no longer takes. The two entries, `proof` and
+`proof_rest`, are tests/test_gpu_proof.py's."""
 
 from __future__ import annotations
 
@@ -19,7 +17,6 @@ pytestmark = pytest.mark.slow  # each part starts its processes one after anothe
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
 CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)", re.MULTILINE)
-NOT_COMPILED = {"TORCHDYNAMO_DISABLE": "1"}  # --compile's commands without the compiler
 
 
 def gpu_checks(part: str, data, work, **env: str) -> subprocess.CompletedProcess:
@@ -55,36 +52,6 @@ def test_synthetic_part_measures_both_layouts_both_precisions_and_the_blur(image
     assert all(line["images_per_sec"] > 0 for line in lines)
 
 
-def test_end_to_end_parts_measure_both_decoders_plain_and_with_the_v2_recipes_augmentation(image_folder, tmp_path):
-    plain = figures("end_to_end", image_folder, tmp_path)
-    recipe = figures("end_to_end_recipe", image_folder, tmp_path)
-    assert settings(plain + recipe, "decode", "auto_augment", "random_erase", "image_size") == [
-        ("cpu", "none", 0.0, 32), ("gpu", "none", 0.0, 32), ("cpu", "ta_wide", 0.1, 25), ("gpu", "ta_wide", 0.1, 25)]
-    assert all(line["images_per_sec"] > 0 and line["workers"] >= 1 and not line["compile"] for line in plain + recipe)
-
-
-def test_compile_parts_measure_the_model_end_to_end_and_the_recipe_on_both_decoders_compiled(image_folder, tmp_path):
-    lines = [*figures("compile", image_folder, tmp_path, **NOT_COMPILED),
-             *figures("end_to_end_compile", image_folder, tmp_path, **NOT_COMPILED),
-             *figures("end_to_end_recipe_compile", image_folder, tmp_path, **NOT_COMPILED)]
-    assert [(line["mode"], line.get("decode"), line.get("auto_augment"), line["image_size"]) for line in lines] == [
-        ("synthetic", None, None, 32), ("end_to_end", "cpu", "none", 32), ("end_to_end", "gpu", "none", 32),
-        ("end_to_end", "cpu", "ta_wide", 25), ("end_to_end", "gpu", "ta_wide", 25)]
-    assert all(line["compile"] and line["images_per_sec"] > 0 for line in lines)
-
-
-def test_few_workers_parts_measure_both_decoders_at_4_and_2_workers_eager_and_compiled(image_folder, tmp_path):
-    """What an 8-GPU node with few cores per GPU gives each rank: both decoders at each of FEW_WORKERS (by default
-    4 and 2; here 4 eager and 2 compiled, the same commands: each run is a process, ~5 s of CI's cores)."""
-    eager = figures("end_to_end_few_workers", image_folder, tmp_path, FEW_WORKERS="4")
-    compiled = figures("end_to_end_few_workers_compile", image_folder, tmp_path, FEW_WORKERS="2", **NOT_COMPILED)
-    runs = [(4, "cpu", 32), (4, "gpu", 32), (2, "cpu", 32), (2, "gpu", 32)]
-    assert settings(eager, "workers", "decode", "image_size", "compile") == [(*run, False) for run in runs[:2]]
-    assert settings(compiled, "workers", "decode", "image_size", "compile") == [(*run, True) for run in runs[2:]]
-    assert all(line["mode"] == "end_to_end" and line["images_per_sec"] > 0 for line in eager + compiled)
-    assert all(line["prefetch"] == 4 for line in eager + compiled)  # batches ahead a worker: nothing pinned here
-
-
 def test_device_ops_part_counts_the_device_paths_operators_at_three_batch_sizes_plain_and_with_the_policy(
         image_folder, tmp_path):
     lines = figures("device_ops", image_folder, tmp_path)
@@ -93,12 +60,6 @@ def test_device_ops_part_counts_the_device_paths_operators_at_three_batch_sizes_
     for plain_or_policy in (lines[:3], lines[3:]):  # constant in the batch size (on the CPU's tensors here)
         assert len({line["ops"] for line in plain_or_policy}) == 1 and plain_or_policy[0]["ops"] > 0
     assert lines[3]["ops"] > lines[0]["ops"] and all(line["decoder_calls"] == 1 for line in lines)
-
-
-def test_gpu_decoders_part_runs_each_jpeg_library_end_to_end_plain_and_with_the_policy(image_folder, tmp_path):
-    lines = figures("gpu_decoders", image_folder, tmp_path)
-    assert settings(lines, "mode", "decode", "gpu_decoder", "auto_augment") == [
-        ("end_to_end", "gpu", lib, policy) for lib in ("nvimgcodec", "torchvision") for policy in ("none", "ta_wide")]
 
 
 def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
@@ -113,12 +74,6 @@ def test_loader_checkpoint_and_tests_parts(image_folder, tmp_path):
     marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if CUDA_MARK.search(p.read_text()))
     assert {"tests/test_checkpointer.py", "tests/test_cuda.py", "tests/test_micro_batch_cuda.py"} <= set(marked)
     assert tests["tests"].split(": ")[0].split() == marked
-
-
-def test_restart_compile_part_says_what_a_compiled_restart_on_empty_caches_cost(image_folder, tmp_path):
-    (line,) = figures("restart_compile", image_folder, tmp_path, **NOT_COMPILED)
-    assert "after the checkpoint was written" in line["restart_compile"] and "first step" in line["restart_compile"]
-    assert (tmp_path / "restart_compile" / "inductor2").parent.exists()
 
 
 def test_train_part_ends_with_the_epochs_metrics_row(image_folder, tmp_path):
