@@ -10,7 +10,7 @@
 #
 # The other parts measure what the entries leave out, each well inside 10 minutes on one H100 (resnet50 at batch
 # 256): the model's precisions and layouts, the device path's operators, the loader against the textbook one, a
-# checkpoint's cost, the CUDA tests alone, a two-rank restart on one GPU and an epoch under torchrun with NCCL. Runs
+# checkpoint's cost, a two-rank restart on one GPU and an epoch under torchrun with NCCL. Runs
 # from the repository root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the
 # package in the current folder). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the
 # command line, the GPU, the versions line and the date.
@@ -24,11 +24,8 @@
 # part's; default 3) may be set in the environment: tests/test_gpu_checks.py and tests/test_gpu_proof.py run the
 # parts and both entries on a CPU with a tiny model, so that no GPU time goes to a flag the benchmark no longer takes.
 #
-# PART: proof | proof_rest | versions | data | synthetic | device_ops | loader | checkpoint | tests | restart | train
-#       | all (every part but the two entries, in order).
-#       `tests` runs every test marked cuda (the modules that hold one): among them the fused-SGD resume, the fp16
-#       overflow step, --micro-batch auto against the allocator and the checks that the training loop never makes
-#       the host wait.
+# PART: proof | proof_rest | versions | data | synthetic | device_ops | loader | checkpoint | restart | train
+#       | all (every part but the two entries, in order). The CUDA tests (every test marked cuda) run in `proof`.
 #       Where nvImageCodec is not installed, its wheel can be installed from a folder of wheels:
 #         python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #           --platform manylinux_2_28_x86_64 -d .whl nvidia-nvimgcodec-cu13==0.9.0.20
@@ -124,22 +121,6 @@ PY
         need_data
         bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
         ;;
-    tests)  # every test module marked cuda: tests/test_cuda.py (NCCL, the JPEG decoders against the CPU's, the policy
-            # on the GPU, AMP steps, pinned copies, host waits), tests/test_micro_batch_cuda.py (--micro-batch
-            # auto against the allocator) and the pinned host copy of tests/test_checkpointer.py; in one process
-            # (-o addopts=""): the machine's python may have pytest but not pytest-xdist
-        if ! "$PY" -c "import pytest" 2>/dev/null; then
-            echo "{\"tests\": \"not run: $PY has no pytest (pip install pytest, or PYTHON=a python that has it)\"}"
-            return 0
-        fi
-        local status=0 modules
-        modules=$(grep -lE '^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)' tests/test_*.py | tr '\n' ' ')
-        # shellcheck disable=SC2086  # a list of paths without spaces
-        "$PY" -m pytest -q -p no:cacheprovider -o addopts="" -m cuda $modules > "$WORK/cuda_tests.log" 2>&1 || status=$?
-        cat "$WORK/cuda_tests.log" >&2
-        echo "{\"tests\": \"${modules% }: $(tail -n 1 "$WORK/cuda_tests.log" | tr -d '"=')\", \"exit\": $status}"
-        return "$status"
-        ;;
     restart)  # the first multi-GPU restart, on one GPU: two ranks share it over gloo (NCCL refuses two ranks on
               # one device), train, are restarted with --resume (rank 1 receives rank 0's checkpoint: load-once)
               # and train on with fused SGD; tests/state_probe.py has each rank report its restored state's layout
@@ -177,7 +158,7 @@ PY
     esac
 }
 
-EVERY_PART=(versions data synthetic device_ops loader checkpoint tests restart train)
+EVERY_PART=(versions data synthetic device_ops loader checkpoint restart train)
 if [ "$PART" = all ]; then
     parts=("${EVERY_PART[@]}")
 else

@@ -5,6 +5,7 @@ what would not fit and `proof_rest` runs exactly that. On a GPU the same command
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ pytestmark = pytest.mark.slow  # each entry starts a dozen processes
 TINY = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2",
         "CLASSES": "4", "TRAIN_PER_CLASS": "8", "IMAGE": "100x75", "RESTART_STEPS": "2",
         "TORCHDYNAMO_DISABLE": "1"}  # --compile's commands without the compiler (a minute a model on these CPUs)
+CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)", re.MULTILINE)
 CASES = ["limit", "cpu_N", "gpu_N", "cpu_4", "gpu_4", "recipe_gpu", "plain_gpu", "recipe_cpu", "plain_cpu",
          "gpu_N_torchvision", "gpu_4_torchvision"]
 
@@ -85,3 +87,6 @@ def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(tmp_path
     assert restart["first_step_s"] is not None and restart["first_step_s"] <= restart["after_checkpoint_s"]
     (tests,) = [line for line in redo if "tests" in line]
     assert tests["failed"] == [] and "skipped" in tests["summary"]  # no CUDA device here: every CUDA test skips
+    marked = sorted(f"tests/{p.name}" for p in (REPO / "tests").glob("test_*.py") if CUDA_MARK.search(p.read_text()))
+    assert {"tests/test_checkpointer.py", "tests/test_cuda.py", "tests/test_micro_batch_cuda.py"} <= set(marked)
+    assert tests["tests"].split() == marked  # every module that holds a CUDA test, whichever they are
