@@ -9,6 +9,7 @@ import contextlib
 import io
 import json
 import os
+import pathlib
 import re
 import shutil
 import signal
@@ -272,27 +273,29 @@ def test_an_interrupted_packs_rerun_keeps_the_checksums_of_the_shards_it_kept(im
                 == sources.open_source(str(out / split), split, None).checksums.tolist())
 
 
+# os.register_at_fork cannot be undone: the hook records only while a test holds this list
+_threads_at_fork: list[list[int]] = []
+os.register_at_fork(before=lambda: [seen.append(threading.active_count()) for seen in _threads_at_fork])
+
+
 def test_the_pool_forks_before_the_progress_bar_starts_a_thread(image_folder, tmp_path, monkeypatch):
-    """On a terminal the bar is rich's, which refreshes from a thread of its own; a fork while that thread runs
-    Python can leave its locks (stdout's) held for ever in the pool's processes (CPython gh-112275)."""
+    """On a terminal the bar is rich's, which refreshes from a thread of its own; a fork while that thread (or the
+    pool's own) runs Python can leave its locks (stdout's) held for ever in the pool's processes (CPython
+    gh-112275)."""
 
     class Terminal(io.StringIO):
         def isatty(self) -> bool:
             return True
 
-    threads_at_fork = []
-    pool = pack.contextlib_pool
-
-    def counted_pool(workers: int):
-        threads_at_fork.append(threading.active_count())
-        return pool(workers)
-
-    monkeypatch.setattr(pack, "contextlib_pool", counted_pool)
     monkeypatch.setattr(sys, "stdout", Terminal())
-    before = threading.active_count()
-    pack.main([str(image_folder), str(tmp_path / "out"), "--shard-size", "16", "--workers", "2"])
+    before, seen = threading.active_count(), []
+    _threads_at_fork.append(seen)
+    try:
+        pack.main([str(image_folder), str(tmp_path / "out"), "--shard-size", "16", "--workers", "2"])
+    finally:
+        _threads_at_fork.remove(seen)
     assert "packing" in sys.stdout.getvalue()  # the bar was drawn
-    assert threads_at_fork == [before]
+    assert seen == [before, before]  # two workers, each forked with no thread of the pack's running
 
 
 def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
@@ -387,3 +390,81 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
     train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)
     assert len(train) == 240 and train.packed
     assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]
+
+
+def held_pack(tmp_path, src, *options: str, hold_from: int) -> tuple[subprocess.Popen, pathlib.Path]:
+    """`imagenet-elastic pack SRC OUT --workers 2 OPTIONS` in its own process group, its workers held in each training
+    shard from sample `hold_from` on (tests/pack_held.py) for ten minutes."""
+    holding = tmp_path / "holding"
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pack_held.py"), "pack", str(src),
+                             str(tmp_path / "out"), "--workers", "2", *options], cwd=REPO,
+                            env=child_env(PACK_HOLD_FROM=str(hold_from), PACK_HOLDING=str(holding), PACK_HOLD_S="600"),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    return proc, holding
+
+
+def holders(holding: pathlib.Path, count: int, proc: subprocess.Popen) -> list[int]:
+    """The pids of the first `count` workers that hold, once they do."""
+    deadline = time.monotonic() + 120
+    while (time.monotonic() < deadline and proc.poll() is None
+           and len(holding.read_text().splitlines() if holding.exists() else []) < count):
+        time.sleep(0.01)
+    lines = holding.read_text().splitlines() if holding.exists() else []
+    assert len(lines) >= count, (proc.poll(), lines)
+    return [int(line.split()[0]) for line in lines[:count]]
+
+
+def alive(pid: int) -> bool:
+    """Whether `pid` runs (a zombie, dead but not yet reaped by its parent, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+def test_an_error_in_one_worker_kills_the_other_midway_and_ends_the_pack_at_once(tmp_path):
+    """One worker holds in shard 1 (ten minutes) while the other meets a corrupt image at the start of shard 2: the
+    pack stops with the one line naming it, without waiting for the held worker, which it kills (its shard stays a
+    temporary file). multiprocessing.Pool's terminate() could hang for ever here (CPython gh-96995)."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=12, val_per_class=1)
+    bad = sorted((src / "train").rglob("*.jpg"))[16]
+    bad.write_bytes(b"\xff\xd8\xff garbage")
+    proc, holding = held_pack(tmp_path, src, "--shard-size", "8", hold_from=8)
+    try:
+        held = holders(holding, 1, proc)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    said = err.strip().splitlines()
+    assert proc.returncode == 2 and len(said) == 1, err
+    assert said[0].startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
+    assert not alive(held[0])
+    left = sorted(os.listdir(tmp_path / "out" / "train"))
+    assert [name.split(".tar")[0] for name in left] == [".tmp-shard-000001", "shard-000000"], left
+
+
+@pytest.mark.slow
+def test_a_worker_killed_midway_ends_the_pack_with_one_line_not_a_hang(tmp_path):
+    """The out-of-memory killer's SIGKILL to one worker while both hold in a shard: the pack says so in one line and
+    exits 1, kills the other, and leaves no index (multiprocessing.Pool replaced the dead worker and waited for its
+    shard for ever)."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=12, val_per_class=1)
+    proc, holding = held_pack(tmp_path, src, "--shard-size", "8", hold_from=0)
+    try:
+        held = holders(holding, 2, proc)
+        os.kill(held[0], signal.SIGKILL)
+        out, err = proc.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    said = err.strip().splitlines()
+    assert proc.returncode == 1 and len(said) == 1, err
+    assert said[0] == (f"imagenet-elastic: error: pack: a process writing shards died (killed, or out of memory): "
+                       f"the same command keeps the complete shards in {tmp_path / 'out'} and writes the rest")
+    assert not alive(held[1])
+    assert tar_index.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")

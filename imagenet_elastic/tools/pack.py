@@ -19,6 +19,7 @@ and writes the rest; anything else in OUT is refused rather than overwritten.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
 import math
 import multiprocessing
@@ -26,7 +27,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
@@ -177,10 +178,10 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     resized = 0
     # the pool forks before the progress bar starts its refresh thread: a fork while another thread runs Python
     # can leave a lock that thread held (stdout's, rich's) held for ever in the child (CPython gh-112275)
-    with contextlib_pool(workers) as pool:
+    with ShardPool(workers, tasks) as written_shards:
         progress = Progress(total)
         try:
-            for written in (pool.imap_unordered(_write_shard_task, tasks) if pool else map(_write_shard_task, tasks)):
+            for written in written_shards:
                 found[written.role][written.k] = written.found
                 resized += written.resized
                 progress.add(len(written.found.labels))
@@ -203,20 +204,54 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
                          for n in os.listdir(os.path.join(out, s.role)) if n.endswith(".tar"))}
 
 
-def contextlib_pool(workers: int) -> Any:
-    """A pool of forked processes that leave Ctrl-C to this one, or None (as a context) for one: no process to
-    start. A terminal's Ctrl-C reaches every process of its group: the workers ignore it (each would print its own
-    traceback), the parent stops on it and leaving the pool's `with` terminates them. SIGINT is blocked while they
-    fork, so none is forked before it ignores the signal, and one pressed meanwhile reaches the parent after."""
-    import contextlib
+class ShardPool:
+    """The shards written by `workers` forked processes, as they complete (in this process for one worker).
 
-    if workers <= 1:
-        return contextlib.nullcontext(None)
-    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-    try:
-        return multiprocessing.get_context("fork").Pool(workers, initializer=_leave_interrupts_to_the_parent)
-    finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+    A terminal's Ctrl-C reaches every process of its group: the workers ignore it (each would print its own
+    traceback) and the parent stops on it. SIGINT is blocked while they fork, so none is forked before it ignores
+    the signal, and one pressed meanwhile reaches the parent after. Leaving the `with` on an error or Ctrl-C kills
+    the workers (their shards in flight stay temporary files) and waits for them: concurrent.futures' pool
+    survives killed workers, where multiprocessing.Pool.terminate() can hang for ever on a lock a killed worker
+    held (CPython gh-96995). A worker that dies by itself (the out-of-memory killer) ends the pack with
+    BrokenProcessPool rather than a hang."""
+
+    def __init__(self, workers: int, tasks: list[tuple[str, int, Split, Options]]) -> None:
+        self.workers, self.tasks = workers, tasks
+        self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
+        self.futures: list[concurrent.futures.Future[Written]] = []
+
+    def __enter__(self) -> ShardPool:
+        if self.workers > 1:
+            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:  # the first submit forks every worker, before the pool's own thread starts
+                self.executor = concurrent.futures.ProcessPoolExecutor(
+                    self.workers, mp_context=multiprocessing.get_context("fork"),
+                    initializer=_leave_interrupts_to_the_parent)
+                self.futures = [self.executor.submit(_write_shard_task, task) for task in self.tasks]
+            finally:
+                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
+        return self
+
+    def __iter__(self) -> Iterator[Written]:
+        if self.executor is None:
+            yield from map(_write_shard_task, self.tasks)
+            return
+        for future in concurrent.futures.as_completed(self.futures):
+            yield future.result()
+
+    def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
+        if self.executor is None:
+            return
+        if kind is not None:
+            for future in self.futures:
+                future.cancel()
+            kill = getattr(self.executor, "kill_workers", None)  # Python 3.14
+            if kill is not None:
+                kill()
+            else:
+                for process in list(self.executor._processes.values()):
+                    process.kill()
+        self.executor.shutdown(wait=True, cancel_futures=True)
 
 
 def _leave_interrupts_to_the_parent() -> None:
@@ -235,6 +270,10 @@ def main(argv: Sequence[str]) -> None:
     except UserError as error:
         report(error, rank=0)
         sys.exit(error.exit_code)
+    except concurrent.futures.BrokenExecutor:
+        report(UserError(f"pack: a process writing shards died (killed, or out of memory): the same command keeps "
+                         f"the complete shards in {args.out} and writes the rest"), rank=0)
+        sys.exit(1)
     except OSError as error:
         report(UserError(f"pack: {error.strerror or error} ({error.filename or args.out})"), rank=0)
         sys.exit(74)
