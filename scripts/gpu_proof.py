@@ -265,8 +265,9 @@ class Proof:
     def tests(self) -> None:
         modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
                          if CUDA_MARK.search(p.read_text()))
-        # a module a process: the host-wait checks of one module never share the device with its own other tests
-        parallel = ["-n", str(min(3, len(modules))), "--dist", "loadfile"] if has("xdist") else []
+        # a module a process: the host-wait checks of one module never share the device with its own other tests;
+        # where no GPU is visible every one skips, in one process
+        parallel = ["-n", str(min(3, len(modules))), "--dist", "loadfile"] if has("xdist") and gpu_visible() else []
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-o", "addopts=", *parallel,
                    "-m", "cuda", "-rfE", *modules]
         done = self.run("tests", command, "cuda_tests.log")
@@ -334,6 +335,12 @@ class Proof:
 
 def read_lines(path: Path) -> list[dict[str, Any]]:
     return [json.loads(text) for text in path.read_text().splitlines() if text.strip()] if path.exists() else []
+
+
+def gpu_visible() -> bool:
+    """Whether an NVIDIA device node exists and CUDA_VISIBLE_DEVICES does not hide every device (without importing
+    torch in this driver)."""
+    return os.path.exists("/dev/nvidiactl") and os.environ.get("CUDA_VISIBLE_DEVICES", "0").strip() not in ("", "-1")
 
 
 def has(module: str) -> bool:

@@ -442,16 +442,18 @@ def compiled_run(args: list[str], caches) -> subprocess.CompletedProcess:
 @pytest.mark.slow
 @pytest.mark.skipif(not compile_cache.supported(), reason="this torch has no Mega-Cache")
 def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_file(image_folder, tmp_path):
-    """Inductor on the CPU, three processes one after another: the first compiles with empty local caches and writes
+    """Inductor on the CPU, two processes one after another: the first compiles with empty local caches and writes
     CHECKPOINTS/compile_cache.bin; the second resumes with new, empty local caches, and every graph Inductor would
-    compile comes from that file (its own count of FX graph cache hits, in the restart line); then a file whose blob
-    torch cannot read back is one warning, no traceback, a cold cache, and is rewritten."""
+    compile comes from that file (its own count of FX graph cache hits, in the restart line). A file whose blob
+    torch cannot read back: test_a_blob_torch_cannot_read_back_is_not_loaded_and_is_one_warning_without_torchs_traceback
+    (torch's own reader, in this process) and test_a_damaged_cache_file_costs_a_warning_not_the_run_nor_its_checkpoints
+    (a run that meets one and rewrites it)."""
     checkpoints = tmp_path / "ckpt"
     args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2", "--no-tensorboard",
             "--compile", "--checkpoints-path", str(checkpoints), "--resume"]
     compiled_run([*args, "--epochs", "1"], tmp_path / "first")
     path = checkpoints / FILE_NAME
-    header, blob = decode(path.read_bytes())
+    header, _ = decode(path.read_bytes())
     assert any(a.startswith("inductor:") for a in header["artifacts"])
 
     resumed = compiled_run([*args, "--epochs", "2"], tmp_path / "second")
@@ -461,12 +463,3 @@ def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_f
     assert served and int(served.group(1)) == int(served.group(2)) >= 2, restart  # forward and backward, at least
     assert "compile" not in resumed.stderr
 
-    path.write_bytes(encode(header["key"], b"damaged" + blob[:64], header["artifacts"]))  # whole, but not torch's
-    damaged = compiled_run([*args, "--epochs", "3"], tmp_path / "second")  # the local caches the second one filled
-    warned = [line for line in damaged.stderr.splitlines() if "compile" in line]
-    assert len(warned) == 1 and warned[0].startswith(
-        f"warning: ignoring the compile cache {path} (torch could not read it: "), damaged.stderr
-    assert warned[0].endswith("): compiling from scratch; rewritten once this run has compiled")
-    assert "Traceback" not in damaged.stderr
-    assert re.search(r"\(compile [\d.]+ s, cold cache: \d+ of \d+ Inductor graphs from the caches; ", damaged.stdout)
-    assert decode(path.read_bytes())[1] != b"damaged" + blob[:64]  # rewritten, whole again
