@@ -155,7 +155,7 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def options_table() -> str:
-    """README's option table, from the same fields as the parser (scripts/options_table.py prints it)."""
+    """docs/OPTIONS.md's option table, from the same fields as the parser (scripts/options_table.py prints it)."""
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for f in setting_fields():
         meta = f.metadata
@@ -176,7 +176,7 @@ def options_table() -> str:
 
 
 def shown_default(f: dataclasses.Field) -> str:
-    """README's default column: what --help says (options.shown), as code where it is a value."""
+    """The option table's default column: what --help says (options.shown), as code where it is a value."""
     if f.metadata.get("shown_default") is not None:
         return f.metadata["shown_default"]
     value = f.default

@@ -2,7 +2,7 @@
 preemption signals, then measure what each fault cost from the sample log and the timestamped output.
 
 A test harness, outside the installed package: used by the tests and by scripts/fault_injection_demo.py
-(which prints the table in README's "Fault tolerance"). Each torchrun agent stands for one node.
+(which prints the table in docs/LAUNCHING.md's "Fault tolerance"). Each torchrun agent stands for one node.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ Each run is resumed to its end and compared with a run whose saves were all sync
 
 resnet18 makes each save ~90 MB, so a write stays in flight long enough to be caught: the test waits
 for its temp file and strikes while it exists. --threads 1 everywhere, so a single process and two
-torchrun ranks train the same bits (see README, Fault tolerance).
+torchrun ranks train the same bits (see docs/LAUNCHING.md, Fault tolerance).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The frozen Config, the command line built from its fields, and README's option table made from them."""
+"""The frozen Config, the command line built from its fields, and docs/OPTIONS.md's option table made from them."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SE
 from imagenet_elastic.config.options import checkpoint_interval
 from imagenet_elastic.errors import UserError
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+OPTIONS = Path(__file__).resolve().parents[1] / "docs" / "OPTIONS.md"
 
 
 # ----------------------------------------------------------------------------- Config
@@ -177,11 +177,12 @@ def test_checkpoint_interval_reaches_the_config():
     assert (plain.checkpoint_every_steps, plain.checkpoint_every_seconds) == (None, None)
 
 
-def test_readme_option_table_is_the_one_the_parser_is_built_from():
-    text = README.read_text()
+def test_the_option_table_is_the_one_the_parser_is_built_from():
+    text = OPTIONS.read_text()
     table = re.search(r"<!-- options table: .*? -->\n(.*?)\n<!-- end of options table -->", text, re.DOTALL)
-    assert table, "README lost its option table markers"
-    assert table.group(1) == options_table(), "README's table is stale: python scripts/options_table.py --write"
+    assert table, "docs/OPTIONS.md lost its option table markers"
+    stale = "docs/OPTIONS.md's table is stale: python scripts/options_table.py --write"
+    assert table.group(1) == options_table(), stale
 
 
 def test_every_setting_has_exactly_one_option_and_help_shows_them_all(capsys):

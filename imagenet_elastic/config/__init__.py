@@ -1,7 +1,7 @@
 """The run's settings: built once from the command line, frozen, and saved in every checkpoint.
 
 Each field says everything about its setting: default, flag, help text. The command line is built
-from these fields (cli.build_parser) and so is README's option table (scripts/options_table.py; a test
+from these fields (cli.build_parser) and so is docs/OPTIONS.md's option table (scripts/options_table.py; a test
 checks that the two agree), so a setting is described in one place only.
 """
 
@@ -47,7 +47,7 @@ GROUPS = {"model": "model and optimisation", "augment": "training augmentation",
 def option(default: Any, help: str, group: str, metavar: Optional[str] = None, shown_default: Optional[str] = None,
            **argparse_options: Any) -> Any:
     """A setting's field: its default and what its command-line option needs (argparse's keywords),
-    plus the default as README shows it where the value alone would not say it."""
+    plus the default as docs/OPTIONS.md shows it where the value alone would not say it."""
     return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
                                             "shown_default": shown_default, "argparse": argparse_options})
 
@@ -143,7 +143,7 @@ class Config:
         "--batch-size's micro-batches", "model", shown_default="--batch-size", choices=["auto"])
     global_batch_size: Optional[int] = option(
         None, "samples per optimizer step over all processes; kept when the world size changes, so the "
-        "optimisation does not (see Fault tolerance)", "model", "N",
+        "optimisation does not (docs/LAUNCHING.md, Fault tolerance)", "model", "N",
         shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
     lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
                        "start)", "model", "X", type=options.positive_float)
@@ -263,7 +263,7 @@ class Config:
                                    "checkpoints", "K", type=options.non_negative_int)
     async_checkpoint: bool = option(
         True, "write checkpoints in a background thread: training waits only for a copy of the state in host "
-        "memory; a stop, the end of the run and errors wait for the write in flight (see Checkpoints)",
+        "memory; a stop, the end of the run and errors wait for the write in flight (docs/OUTPUTS.md, Checkpoints)",
         "checkpoints", action=argparse.BooleanOptionalAction)
     resume: Optional[str] = option(
         None, "continue from the checkpoint PATH, or from FOLDER/last.pt where PATH is a run's checkpoints folder "
@@ -294,7 +294,7 @@ class Config:
     wandb: Optional[str] = tracker_setting("wandb")
     mlflow: Optional[str] = tracker_setting("mlflow")
     dist_init_method: str = option(
-        "env", "where ranks come from (see Launching): " + options.described(LAUNCH_METHODS), "distributed",
+        "env", "where ranks come from (docs/LAUNCHING.md): " + options.described(LAUNCH_METHODS), "distributed",
         choices=list(LAUNCH_METHODS))
     nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
                                            "distributed", "N", shown_default="visible GPUs, else 1",

@@ -49,7 +49,7 @@ class Tracker(Sink):
 
     option: ClassVar[str]  # the setting's name, and the key of its run id in checkpoints
     package: ClassVar[str]  # the module the extra installs
-    metavar: ClassVar[str]  # for --help and README's option table
+    metavar: ClassVar[str]  # for --help and docs/OPTIONS.md's option table
     help: ClassVar[str]  # ditto
 
     def __init__(self, where: str, folder: str) -> None:
