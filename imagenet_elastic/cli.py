@@ -189,7 +189,7 @@ def shown_default(f: dataclasses.Field) -> str:
 
 # Tools beside training, each a module with `main(argv)`: imported only when asked for.
 SUBCOMMANDS = {
-    "benchmark": ("imagenet_elastic.tools.benchmark", "measure the loader, the model, both, memory, checkpoint cost"),
+    "benchmark": ("imagenet_elastic.tools.benchmark", "measure the loader, the model and both together"),
     "evaluate": ("imagenet_elastic.tools.evaluate", "a checkpoint's, export's or timm model's scores on val sets"),
     "export": ("imagenet_elastic.tools.export", "a checkpoint's weights and preprocessing for timm / Hugging Face"),
     "pack": ("imagenet_elastic.tools.pack", "ImageNet (folders or parquet) as indexed tar shards"),

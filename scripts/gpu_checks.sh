@@ -12,7 +12,8 @@
 # 256): the model's precisions and layouts, the device path's operators, the loader against the textbook one, a
 # checkpoint's cost, a two-rank restart on one GPU and an epoch under torchrun with NCCL. Runs
 # from the repository root with the machine's own python3 (no install: `python3 -m imagenet_elastic` finds the
-# package in the current folder). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the
+# package in the current folder, and so does bench/benchmark.py, which counts the device path's operators and
+# measures the checkpoint). Every figure is one JSON line on stdout; docs/BENCHMARKS.md keeps them with the
 # command line, the GPU, the versions line and the date.
 #
 #   bash scripts/gpu_checks.sh PART[,PART...] [DATA] [WORKDIR]
@@ -54,6 +55,8 @@ workers() {
 }
 
 bench() { "$PY" -m imagenet_elastic benchmark "$DATA" --model "$MODEL" --batch-size "$BATCH" "$@"; }
+# the modes that are not installed (device_ops, index, checkpoint), with the same settings
+dev_bench() { "$PY" bench/benchmark.py "$DATA" --model "$MODEL" --batch-size "$BATCH" "$@"; }
 batches() { echo "${BATCHES:-$1}"; }  # a part's own count unless BATCHES is set
 
 need_data() {
@@ -103,8 +106,9 @@ PY
         ;;
     device_ops)  # the operators --decode gpu's device path dispatches per batch of 64, 128, 256 on this GPU
         need_data
-        bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu
-        bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu --auto-augment ta_wide --random-erase 0.1
+        dev_bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu
+        dev_bench --mode device_ops --image-size "$SIZE" --no-compile --decode gpu --auto-augment ta_wide \
+            --random-erase 0.1
         ;;
     loader)
         need_data
@@ -119,7 +123,7 @@ PY
         ;;
     checkpoint)
         need_data
-        bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # the stall of a background save
+        dev_bench --mode checkpoint --no-compile --rounds 5 --checkpoints-path "$WORK"  # a background save's stall
         ;;
     restart)  # the first multi-GPU restart, on one GPU: two ranks share it over gloo (NCCL refuses two ranks on
               # one device), train, are restarted with --resume (rank 1 receives rank 0's checkpoint: load-once)

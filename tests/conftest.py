@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the harness the demo script uses too
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # its modules (OpCounter, synthetic_index)
 import fault_injection as fi  # noqa: E402
 import inprocess
 import pytest

@@ -138,10 +138,10 @@ class Finished:
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT, signal.SIGHUP)
 
 
-def command(argv: Sequence[str]) -> Finished:
+def command(argv: Sequence[str], main: Callable[[list[str]], None] = cli.main) -> Finished:
     """`imagenet-elastic ARGV` as a whole (cli.main: parse, launch plan, the run, its exit code) in this process,
-    with its output captured. The run's signal handlers, and the ignoring of signals it sets as it ends, are undone
-    afterwards; so are its thread count."""
+    with its output captured; or another command line's `main` (bench/benchmark.py's). The run's signal handlers,
+    and the ignoring of signals it sets as it ends, are undone afterwards; so are its thread count."""
     handlers = {signum: signal.getsignal(signum) for signum in SIGNALS}
     threads = torch.get_num_threads()
     out, err = io.StringIO(), io.StringIO()
@@ -150,7 +150,7 @@ def command(argv: Sequence[str]) -> Finished:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), warnings.catch_warnings():
             # torch's @record would point faulthandler at stderr, which has no file descriptor here
             warnings.filterwarnings("ignore", message="Unable to enable fault handler")
-            cli.main(list(argv))
+            main(list(argv))
     except SystemExit as stop:
         code = stop.code if isinstance(stop.code, int) else (0 if stop.code is None else 1)
     finally:

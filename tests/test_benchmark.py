@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 
 import inprocess
 import pytest
@@ -54,19 +53,6 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
     assert [line["decode"] for line in lines[1:]] == ["cpu", "gpu"]
 
 
-@pytest.mark.slow  # spawns the workers' processes
-def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_tuples(image_folder):
-    line, shards = benchmark(image_folder, "--mode", "index", "--index-entries", "200000")
-    assert line["entries"] == 200000
-    assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
-    # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
-    assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
-    assert (shards["kind"], shards["entries"], shards["shards"]) == ("tar shards", 200000, 1024)
-    assert shards["index_mb"] == round(200000 * 32 / 2**20, 1) and shards["open_seconds"] > 0  # checksums: 4 bytes
-    assert line["fingerprint_seconds"] > 0 and shards["fingerprint_seconds"] > 0
-    assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
-
-
 @pytest.mark.slow  # a process: its loader workers fork
 def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(image_folder, tmp_path):
     from test_pack import run_pack
@@ -82,18 +68,13 @@ def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(im
     assert line["unverified_images_per_sec"] > 0 and len(line["rounds"]["unverified"]) == 1  # the pack unchecked
 
 
-def test_checkpoint_mode_compares_three_writes_one_write_and_a_background_save(image_folder, tmp_path):
-    (line,) = json_lines(inprocess.command(benchmark_args(image_folder, "--mode", "checkpoint", "--model", "resnet18",
-                                                          "--rounds", "2", "--checkpoints-path", str(tmp_path))))
-    assert line["mode"] == "checkpoint" and line["model"] == "resnet18" and line["filesystem"] != "unknown"
-    assert 80 < line["state_mb"] < 100  # resnet18's weights, momentum and BatchNorm statistics
-    for key in ("sync", "one_write", "stall", "write"):
-        assert len(line["rounds"][key]) == 2 and min(line["rounds"][key]) > 0
-    assert line["stall_vs_sync"] == pytest.approx(line["stall_seconds"] / line["sync_save_seconds"], rel=0.05, abs=1e-3)
-    assert os.listdir(tmp_path) == []  # its temporary folder is gone
-
-
 def test_missing_data_folder_is_one_line(tmp_path):
     result = inprocess.command(["benchmark", str(tmp_path / "nope")])
     assert result.returncode == 2
     assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
+
+
+@pytest.mark.parametrize("mode", ["device_ops", "index", "checkpoint"])
+def test_the_modes_of_bench_benchmark_are_not_installed_ones(mode, tmp_path):
+    result = inprocess.command(["benchmark", str(tmp_path), "--mode", mode])
+    assert result.returncode == 2 and "invalid choice" in result.stderr and repr(mode) in result.stderr

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import signal
 import subprocess
@@ -11,12 +12,19 @@ import pytest
 import torch
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager, load, serialize
+from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager, load
 from imagenet_elastic.errors import UserError
 
 
 def fake_state(epoch: int) -> dict:
     return {"model": {"w": torch.full((2,), float(epoch))}, "epoch": epoch}
+
+
+def serialize(state: dict) -> bytes:
+    """A checkpoint's bytes, for files written by hand."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
 
 
 def saved_epoch(path) -> int:

@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 import torch
 from conftest import SMALL_RUN, load_checkpoint, make_image_folder
+from index_memory import synthetic_index
 
 from imagenet_elastic.data.sources import fingerprints, tar_shards
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
-from imagenet_elastic.tools.index_memory import synthetic_index
 
 DIFFERS = "resumed run differs from its checkpoint, results will not match exactly: "
 

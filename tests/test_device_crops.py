@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from device_ops import OpCounter
 from torch.utils._python_dispatch import TorchDispatchMode
 from torchvision.transforms.v2 import InterpolationMode
 from torchvision.transforms.v2 import functional as TF
 
 from imagenet_elastic.data import device_crops, pixels
-from imagenet_elastic.tools.device_ops import OpCounter
 
 SHAPES = [(90, 70), (64, 120), (33, 33), (200, 150), (48, 40), (375, 500), (12, 300)]  # (height, width)
 

@@ -6,10 +6,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from device_ops import OpCounter
 
 from imagenet_elastic.data import device_policy
 from imagenet_elastic.data.augment import MEAN_PIXEL, POLICIES, Augment, Draws
-from imagenet_elastic.tools.device_ops import OpCounter
 
 SIZE = 40
 

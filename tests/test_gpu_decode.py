@@ -10,11 +10,13 @@ from __future__ import annotations
 import io
 import threading
 
+import device_ops
 import inprocess
 import numpy as np
 import pytest
 import torch
 from conftest import SMALL_RUN, assert_same_tensors, load_checkpoint, make_image_folder, run, torchrun_cmd
+from device_ops import OpCounter
 from PIL import Image
 from test_data import write_jpeg
 
@@ -23,8 +25,6 @@ from imagenet_elastic.data import streams as stream_factories
 from imagenet_elastic.data.augment import POLICIES, Augment
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError
-from imagenet_elastic.tools import device_ops
-from imagenet_elastic.tools.device_ops import OpCounter
 
 CPU = torch.device("cpu")
 
@@ -277,8 +277,8 @@ def test_off_the_cpu_the_float_resize_is_within_one_level_of_the_uint8_kernel():
 
 @pytest.mark.parametrize("policy,erase", [("none", 0.0), ("ta_wide", 0.5), ("imagenet", 0.5)])
 def test_the_device_path_dispatches_as_many_operators_for_32_images_as_for_128(mixed_folder, policy, erase):
-    """What `benchmark --mode device_ops` counts (the decoder's own call apart), constant in the batch size; before,
-    it was ~2 operators per image without a policy and ~25 with TrivialAugmentWide (docs/BENCHMARKS.md)."""
+    """What `bench/benchmark.py --mode device_ops` counts (the decoder's own call apart), constant in the batch size;
+    before, it was ~2 operators per image without a policy and ~25 with TrivialAugmentWide (docs/BENCHMARKS.md)."""
     index = scan_image_folder(str(mixed_folder), "train")
     augment = Augment(policy=policy, erase=erase)
     dataset = pipeline.TrainDataset(index, 24, 0, gpu_decode.encode_bytes, augment)

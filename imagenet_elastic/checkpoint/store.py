@@ -14,7 +14,6 @@ import errno
 import fcntl
 import functools
 import glob
-import io
 import os
 import re
 import secrets
@@ -68,13 +67,6 @@ def save_to(state: dict[str, Any], file: BinaryIO) -> None:
         if recording.error is not None:
             raise recording.error from None
         raise
-
-
-def serialize(state: dict[str, Any]) -> bytes:
-    """The state as bytes (the old three-write save, kept for `benchmark --mode checkpoint`)."""
-    buffer = io.BytesIO()
-    torch.save(state, buffer)
-    return buffer.getvalue()
 
 
 def tensors_in(value: Any) -> Iterator[torch.Tensor]:

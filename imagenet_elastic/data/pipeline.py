@@ -161,7 +161,7 @@ def share_heap_with_workers() -> None:
     A forked worker shares its parent's memory until it writes to a page, and each garbage
     collection in the worker writes to every object it examines: the modules of torch, timm and
     torchvision, the model's Python objects. Frozen objects are left out of every later collection,
-    the parent's and the workers', so their pages stay shared (`benchmark --mode index` measures
+    the parent's and the workers', so their pages stay shared (`bench/benchmark.py --mode index` measures
     what a worker copies; docs/BENCHMARKS.md).
 
     torchvision's decoders and transforms are imported here, not with this module: importing torchvision takes

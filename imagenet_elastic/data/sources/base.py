@@ -6,7 +6,7 @@ label, each sample's encoded bytes, a name for errors, and a fingerprint. How th
 image, tar shards, ...) stays inside the source's own module.
 
 Sources keep their per-sample data in numpy arrays, not Python objects: forked loader workers then share the
-parent's pages instead of copying them (`benchmark --mode index`). Files are opened in the process that reads
+parent's pages instead of copying them (`bench/benchmark.py --mode index`). Files are opened in the process that reads
 them, when it first does (a loader worker after the fork).
 """
 

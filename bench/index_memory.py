@@ -1,4 +1,5 @@
-"""`benchmark --mode index`: the memory an index of the training samples costs each forked DataLoader worker.
+"""`python bench/benchmark.py DATA --mode index`: the memory an index of the training samples costs each forked
+DataLoader worker.
 
 A worker reads every entry of a synthetic ImageNet-sized file index, ours (numpy arrays) against a Python list of
 (path, class) tuples, whose reference counts make each worker copy the pages it reads; then a pack's index of as
@@ -23,7 +24,7 @@ from torch.utils.data import DataLoader, Dataset
 from imagenet_elastic.data import pipeline
 from imagenet_elastic.data.sources import Source, fingerprints
 from imagenet_elastic.data.sources.image_folder import ImageFolder
-from imagenet_elastic.tools.benchmark_lines import emit
+from imagenet_elastic.tools.benchmark import emit
 
 IMAGENET_TRAIN_IMAGES = 1_281_167
 

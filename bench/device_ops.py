@@ -1,11 +1,11 @@
-"""`benchmark --mode device_ops`: the operators `--decode gpu`'s device path dispatches per batch.
+"""`python bench/benchmark.py DATA --mode device_ops`: the operators `--decode gpu`'s device path dispatches per batch.
 
 On a GPU each operator is a kernel launch from the decoding thread, with its Python and dispatch cost on the host;
 the path is meant to dispatch a fixed number per batch, whatever the batch size, so this counts them for batches of
 64, 128 and 256 real images from DATA (each sample's choices drawn as a loader worker draws them), with the
 run's --auto-augment and --random-erase. The device is the run's (`--device`): on a CPU the same path runs on CPU
 tensors, which is how it is measured without a GPU. The decoder call itself (nvJPEG's one batched call on a GPU,
-one call per image on the CPU) is counted apart, as `decoder_calls`.
+one call per image on the CPU) is counted apart, as `decoder_calls`. The tests count operators with `OpCounter` too.
 """
 
 from __future__ import annotations

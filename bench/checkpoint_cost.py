@@ -1,8 +1,9 @@
-"""`benchmark --mode checkpoint`: what saving the model's training state costs, each way this project has saved it.
+"""`python bench/benchmark.py DATA --mode checkpoint`: what saving the model's training state costs the training
+loop.
 
-The old synchronous save (serialize to bytes, then three atomic writes), today's synchronous save (one write and
-two hard links) and the background save (the training loop's stall, and how long the write then takes), on the
-file system of --checkpoints-path, in a temporary folder there.
+The synchronous save (`--no-async-checkpoint`: one write and two hard links) against the background save (the
+training loop's stall, and how long the write then takes), on the file system of --checkpoints-path, in a
+temporary folder there.
 """
 
 from __future__ import annotations
@@ -15,26 +16,17 @@ import statistics
 import sys
 import tempfile
 import time
-from typing import Any
 
 import torch
 
-from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.checkpoint.saving import CheckpointWriter
 from imagenet_elastic.checkpoint.store import CheckpointManager
 from imagenet_elastic.data import pipeline
 from imagenet_elastic.tools import throughput
-from imagenet_elastic.tools.benchmark_lines import emit
+from imagenet_elastic.tools.benchmark import emit
 from imagenet_elastic.train.state import TrainState
 from imagenet_elastic.train.step import train_step
-
-
-def three_write_save(state: dict[str, Any], folder: str, epoch: int) -> None:
-    """The save this project made before hard links: serialize to bytes, then write them three times."""
-    data = store.serialize(state)
-    for name in (f"epoch_{epoch:04d}.pt", store.LAST, store.BEST):
-        atomic_write_bytes(data, os.path.join(folder, name))
 
 
 def filesystem_of(path: str) -> str:
@@ -60,23 +52,20 @@ def run_checkpoint(args: argparse.Namespace) -> None:
     model = getattr(ctx.model, "_orig_mod", ctx.model)
     state = TrainState(model, ctx.optimizer, ctx.scaler).capture({}, {})
     folder = tempfile.mkdtemp(prefix="checkpoint-benchmark-", dir=args.checkpoints_path)
-    times: dict[str, list[float]] = {"sync": [], "one_write": [], "stall": [], "write": []}
+    times: dict[str, list[float]] = {"sync": [], "stall": [], "write": []}
     try:
         # One folder per way of saving: each replaces (and so frees) only its own previous files, as in a run.
-        old, new, background = (os.path.join(folder, name) for name in ("old", "new", "background"))
+        sync, background = (os.path.join(folder, name) for name in ("sync", "background"))
         warn = functools.partial(print, "warning:", file=sys.stderr)
-        manager = CheckpointManager(new, keep=1, warn=warn)
+        manager = CheckpointManager(sync, keep=1, warn=warn)
         writer = CheckpointWriter(CheckpointManager(background, keep=1, warn=warn), background=True,
                                   device=ctx.input.device)
-        for path in (old, new, background):
+        for path in (sync, background):
             os.mkdir(path)
         for epoch in range(1, args.rounds + 1):
             start = time.perf_counter()
-            three_write_save(state, old, epoch)
-            times["sync"].append(time.perf_counter() - start)
-            start = time.perf_counter()
             manager.save(state, epoch, is_best=True)
-            times["one_write"].append(time.perf_counter() - start)
+            times["sync"].append(time.perf_counter() - start)
             writer.submit(state, epoch, is_best=True)
             times["stall"].append(writer.stall_seconds)
             if writer.wait() is not None:
@@ -87,8 +76,8 @@ def run_checkpoint(args: argparse.Namespace) -> None:
         shutil.rmtree(folder, ignore_errors=True)
     median = {key: statistics.median(values) for key, values in times.items()}
     emit("checkpoint", state_mb=round(store.state_bytes(state) / 1e6, 1),
-         sync_save_seconds=round(median["sync"], 3), one_write_save_seconds=round(median["one_write"], 3),
-         stall_seconds=round(median["stall"], 4), write_seconds=round(median["write"], 3),
+         sync_save_seconds=round(median["sync"], 3), stall_seconds=round(median["stall"], 4),
+         write_seconds=round(median["write"], 3),
          stall_vs_sync=round(median["stall"] / median["sync"], 3),
          rounds={key: [round(v, 4) for v in values] for key, values in times.items()},
          filesystem=filesystem_of(folder), model=settings["model"], device=settings["device"])

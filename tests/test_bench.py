@@ -1,0 +1,50 @@
+"""bench/benchmark.py, the modes that are not installed: one JSON object per mode with the fields the docs promise
+(not timings). Its device_ops mode is tests/test_gpu_checks.py's `device_ops` part."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import benchmark as bench
+import inprocess
+import pytest
+from conftest import REPO, run
+from test_benchmark import json_lines
+
+
+def bench_args(image_folder, *args: str) -> list[str]:
+    return [str(image_folder), "--image-size", "32", "--batch-size", "8", "--workers", "1", *args]
+
+
+@pytest.mark.slow  # spawns the workers' processes
+def test_index_mode_shows_workers_copy_far_less_of_our_index_than_of_a_list_of_tuples(image_folder):
+    line, shards = json_lines(run([sys.executable, str(REPO / "bench" / "benchmark.py"),
+                                   *bench_args(image_folder, "--mode", "index", "--index-entries", "200000")]))
+    assert line["entries"] == 200000
+    assert 0 < line["ours_worker_private_mb"] <= line["ours_worker_peak_rss_mb"]
+    # reading a tuple writes its reference count, so its page is copied; measured 15 MB against 48 MB
+    assert 2 * line["ours_worker_private_mb"] < line["list_of_tuples_worker_private_mb"], line
+    assert (shards["kind"], shards["entries"], shards["shards"]) == ("tar shards", 200000, 1024)
+    assert shards["index_mb"] == round(200000 * 32 / 2**20, 1) and shards["open_seconds"] > 0  # checksums: 4 bytes
+    assert line["fingerprint_seconds"] > 0 and shards["fingerprint_seconds"] > 0
+    assert 0 < shards["worker_private_mb"] < line["list_of_tuples_worker_private_mb"], shards
+
+
+def test_checkpoint_mode_compares_a_synchronous_save_and_a_background_save(image_folder, tmp_path):
+    (line,) = json_lines(inprocess.command(bench_args(image_folder, "--mode", "checkpoint", "--model", "resnet18",
+                                                      "--rounds", "2", "--checkpoints-path", str(tmp_path)),
+                                           main=bench.main))
+    assert line["mode"] == "checkpoint" and line["model"] == "resnet18" and line["filesystem"] != "unknown"
+    assert 80 < line["state_mb"] < 100  # resnet18's weights, momentum and BatchNorm statistics
+    assert sorted(line["rounds"]) == ["stall", "sync", "write"]
+    for key in ("sync", "stall", "write"):
+        assert len(line["rounds"][key]) == 2 and min(line["rounds"][key]) > 0
+    assert line["stall_vs_sync"] == pytest.approx(line["stall_seconds"] / line["sync_save_seconds"], rel=0.05, abs=1e-3)
+    assert os.listdir(tmp_path) == []  # its temporary folder is gone
+
+
+def test_missing_data_folder_is_one_line_where_a_mode_reads_it(tmp_path):
+    result = inprocess.command([str(tmp_path / "nope"), "--mode", "device_ops"], main=bench.main)
+    assert result.returncode == 2
+    assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
