@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from pathlib import Path
 
 import inprocess
 import numpy as np
@@ -160,10 +161,16 @@ def test_a_mid_epoch_resume_on_a_train_folder_with_five_images_added_warns_once_
     assert again.returncode == 0 and data_warnings(again.stderr) == [], again.stderr
 
 
-def test_evaluate_on_other_validation_data_warns_once_and_on_other_training_data_says_nothing(tmp_path):
+def one_epoch(tmp_path) -> Path:
+    """A data root of 4 classes (4 training and 2 validation images each) and one epoch on it, in tmp_path/ck."""
     root = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=2)
     done = inprocess.command(run_args(root, tmp_path / "ck", "--epochs", "1"))
     assert done.returncode == 0, done.stderr
+    return root
+
+
+def test_evaluate_on_other_validation_data_warns_once_and_on_other_training_data_says_nothing(tmp_path):
+    root = one_epoch(tmp_path)
     add_images(root / "train", ["class_000/more.jpg"])  # --evaluate scores val: the train split is not its data
     evaluate = ["--evaluate", "--resume", str(tmp_path / "ck" / "last.pt")]
     same = inprocess.command(run_args(root, tmp_path / "scratch", *evaluate))
@@ -177,9 +184,7 @@ def test_evaluate_on_other_validation_data_warns_once_and_on_other_training_data
 
 
 def test_a_checkpoint_from_before_fingerprints_resumes_on_changed_data_without_a_word_of_it(tmp_path):
-    root = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=2)
-    done = inprocess.command(run_args(root, tmp_path / "ck", "--epochs", "1"))
-    assert done.returncode == 0, done.stderr
+    root = one_epoch(tmp_path)
     old = load_checkpoint(tmp_path / "ck" / "last.pt")
     del old["data"]
     torch.save(old, tmp_path / "ck" / "last.pt")
@@ -194,9 +199,7 @@ def test_the_evaluate_tool_says_which_val_set_is_the_one_the_checkpoints_run_val
 
     from imagenet_elastic.tools.export import export
 
-    root = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=2)
-    done = inprocess.command(run_args(root, tmp_path / "ck", "--epochs", "1"))
-    assert done.returncode == 0, done.stderr
+    root = one_epoch(tmp_path)
     other = tmp_path / "other_val"
     shutil.copytree(root / "val", other)
     add_images(other, ["class_000/more.jpg"])

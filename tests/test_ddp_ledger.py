@@ -13,10 +13,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
+from test_micro_batch_ddp import Failure, context, model
 from torch.nn.parallel import DistributedDataParallel
 
-from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.train import ddp_ledger
@@ -37,20 +36,6 @@ def one_rank(tmp_path):
         dist.destroy_process_group()
 
 
-def model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 8, 3, padding=1),
-                         nn.BatchNorm2d(8), nn.ReLU(), nn.Dropout(0.2), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
-                         nn.Linear(8, 5))
-
-
-def context(net: nn.Module) -> StepContext:
-    ddp = DistributedDataParallel(net, bucket_cap_mb=0.0005)  # tiny buckets: several all-reduces in the backward
-    return StepContext(ddp, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
-                       torch.amp.GradScaler("cpu", enabled=False), nn.CrossEntropyLoss(),
-                       ModelInput(torch.device("cpu"), None, False))
-
-
 def batch(step: int) -> Batch:
     g = torch.Generator().manual_seed(100 + step)
     return Batch(torch.randint(0, 256, (SHARE, 6, 6, 3), dtype=torch.uint8, generator=g),
@@ -62,7 +47,7 @@ def train(micro: dict[int, MicroBatches], ctx: StepContext, before=None) -> None
     loader = BatchPlan(SHARE, 1, LOADER_MICRO)
     for step in range(STEPS):
         if before is not None:
-            before(step)
+            before(step, micro.get(step, micro[-1]))
         data = batch(step)
         micro.get(step, micro[-1]).step(ctx, [data.part(p) for p in loader.micro_slices(0)], 0.1, 0, step)
 
@@ -91,43 +76,6 @@ class Collectives:
         monkeypatch.setattr(ddp_ledger, "count_and_all_reduce", all_reduce)  # before a ledger registers it
 
 
-class Failure:
-    """One out-of-memory error, in the first attempt at FAILING_STEP, at the point `where` names."""
-
-    def __init__(self, where: str, ctx: StepContext, micro: MicroBatches) -> None:
-        self.where, self.micro, self.step, self.armed, self.forwards = where, micro, -1, True, 0
-        self.launched = None  # gradient buckets all-reduced when the backward failed
-        ddp = ctx.model
-        if where == "before DDP's forward":
-            ddp.register_forward_pre_hook(self.raise_in_forward)
-        elif where == "in the second micro-batch's forward":
-            ddp.module[3].register_forward_pre_hook(self.raise_in_forward)
-        else:  # when the first layer's gradient is computed, after the later layers': their buckets are under way
-            ddp.module[0].register_forward_hook(
-                lambda module, args, output: self.watch_backward(output, ddp.require_backward_grad_sync))
-
-    def due(self) -> bool:
-        return self.armed and self.step == FAILING_STEP
-
-    def raise_in_forward(self, module, args) -> None:
-        self.forwards += 1
-        if self.due() and (self.where == "before DDP's forward" or self.forwards % 2 == 0):
-            self.armed = False
-            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
-
-    def watch_backward(self, output: torch.Tensor, synchronising: bool) -> None:
-        if synchronising and self.due():
-            output.register_hook(self.raise_in_backward)
-
-    def raise_in_backward(self, grad: torch.Tensor) -> None:
-        self.armed = False
-        self.launched = self.micro.ledger.launched
-        raise torch.OutOfMemoryError("CUDA out of memory (injected, in the backward)")
-
-    def before(self, step: int) -> None:
-        self.step = step
-
-
 WHERE = ("before DDP's forward", "in the second micro-batch's forward", "in the synchronising backward")
 
 
@@ -144,7 +92,7 @@ def test_a_failed_step_makes_every_collective_of_a_step_once_and_is_redone_as_a_
     ctx = context(net)
     collectives = Collectives(ctx.model, monkeypatch)
     micro = MicroBatches(loader, 4, 0, auto=True, warn=lambda line: None)
-    failure = Failure(where, ctx, micro)
+    failure = Failure(where, ctx, rank=0, failing_rank=0, failing_step=FAILING_STEP)
     train({-1: micro}, ctx, before=failure.before)
     assert not failure.armed and micro.size == 2
     buckets = len(ctx.model.reducer._get_zeros_like_grad_buckets())

@@ -63,10 +63,13 @@ def train(micro: MicroBatches, ctx: StepContext, rank: int, steps: int = STEPS, 
 
 
 class Failure:
-    """An out-of-memory error on rank 1, once, at FAILING_STEP: `where` says at which point of the step."""
+    """An out-of-memory error on `failing_rank`, once, at `failing_step`: `where` says at which point of the step
+    (tests/test_ddp_ledger.py's one rank fails so too)."""
 
-    def __init__(self, where: str, ctx: StepContext, rank: int) -> None:
+    def __init__(self, where: str, ctx: StepContext, rank: int, failing_rank: int = 1,
+                 failing_step: int = FAILING_STEP) -> None:
         self.where, self.rank, self.step, self.calls, self.armed = where, rank, -1, 0, True
+        self.failing_rank, self.failing_step = failing_rank, failing_step
         self.micro = None
         self.launched = None  # gradient buckets this rank had all-reduced when the backward failed
         ddp = ctx.model
@@ -81,7 +84,7 @@ class Failure:
                 lambda module, args, output: self.watch_backward(output, ddp.require_backward_grad_sync))
 
     def due(self) -> bool:
-        return self.armed and self.rank == 1 and self.step == FAILING_STEP
+        return self.armed and self.rank == self.failing_rank and self.step == self.failing_step
 
     def raise_in_forward(self, module, args) -> None:
         self.calls += 1

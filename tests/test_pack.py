@@ -19,6 +19,7 @@ import tarfile
 import threading
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -354,53 +355,21 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
     shutil.rmtree(tmp_path / "whole")
 
 
-@pytest.mark.slow
-def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it(tmp_path):
-    """SIGINT to the process group, as a terminal's Ctrl-C sends it to the parent and its pool's workers alike, while
-    both workers are writing a shard (held there by tests/pack_held.py until the signal, the first four shards
-    complete): one line and exit 130 (no traceback from the parent or any worker), the two shards in flight left as
-    temporary files, no index; the same command then writes every shard but the first four."""
-    src = make_image_folder(tmp_path / "src", classes=4, train_per_class=60, val_per_class=5)
-    args = ["pack", str(src), str(tmp_path / "out"), "--shard-size", "8", "--max-side", "32", "--workers", "2"]
-    holding = tmp_path / "holding"
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pack_held.py"), *args], cwd=REPO,
-                            env=child_env(PACK_HOLD_FROM="32", PACK_HOLDING=str(holding)), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 120
-        while (time.monotonic() < deadline and proc.poll() is None
-               and len(holding.read_text().splitlines() if holding.exists() else []) < 2):
-            time.sleep(0.01)
-        assert len(holding.read_text().splitlines()) == 2, (proc.poll(), holding.read_text())
-        os.killpg(proc.pid, signal.SIGINT)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):  # the pack, and any worker it left
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
-    said = err.strip().splitlines()
-    assert proc.returncode == 130 and len(said) == 1, err
-    assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
-                       f"{tmp_path / 'out'} and writes the rest")
-    left = sorted(os.listdir(tmp_path / "out" / "train"))
-    assert [name.split(".tar")[0] for name in left] == [".tmp-shard-000004", ".tmp-shard-000005", *(
-        f"shard-{k:06d}" for k in range(4))], left
-    result = run_pack(*args[1:])
-    assert result["images"] == 240 + 20 - 4 * 8  # the four complete shards kept
-    train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)
-    assert len(train) == 240 and train.packed
-    assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]
-
-
-def held_pack(tmp_path, src, *options: str, hold_from: int) -> tuple[subprocess.Popen, pathlib.Path]:
+@contextlib.contextmanager
+def held_pack(tmp_path, src, *options: str, hold_from: int) -> Iterator[tuple[subprocess.Popen, pathlib.Path]]:
     """`imagenet-elastic pack SRC OUT --workers 2 OPTIONS` in its own process group, its workers held in each training
-    shard from sample `hold_from` on (tests/pack_held.py) for ten minutes."""
+    shard from sample `hold_from` on (tests/pack_held.py) for ten minutes; the group killed on the way out."""
     holding = tmp_path / "holding"
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pack_held.py"), "pack", str(src),
                              str(tmp_path / "out"), "--workers", "2", *options], cwd=REPO,
                             env=child_env(PACK_HOLD_FROM=str(hold_from), PACK_HOLDING=str(holding), PACK_HOLD_S="600"),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    return proc, holding
+    try:
+        yield proc, holding
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def holders(holding: pathlib.Path, count: int, proc: subprocess.Popen) -> list[int]:
@@ -424,6 +393,32 @@ def alive(pid: int) -> bool:
 
 
 @pytest.mark.slow
+def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it(tmp_path):
+    """SIGINT to the process group, as a terminal's Ctrl-C sends it to the parent and its pool's workers alike, while
+    both workers are writing a shard (held there by tests/pack_held.py until the signal, the first four shards
+    complete): one line and exit 130 (no traceback from the parent or any worker), the two shards in flight left as
+    temporary files, no index; the same command then writes every shard but the first four."""
+    src = make_image_folder(tmp_path / "src", classes=4, train_per_class=60, val_per_class=5)
+    options = ["--shard-size", "8", "--max-side", "32"]
+    with held_pack(tmp_path, src, *options, hold_from=32) as (proc, holding):
+        holders(holding, 2, proc)
+        os.killpg(proc.pid, signal.SIGINT)
+        err = proc.communicate(timeout=60)[1]
+    said = err.strip().splitlines()
+    assert proc.returncode == 130 and len(said) == 1, err
+    assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
+                       f"{tmp_path / 'out'} and writes the rest")
+    left = sorted(os.listdir(tmp_path / "out" / "train"))
+    assert [name.split(".tar")[0] for name in left] == [".tmp-shard-000004", ".tmp-shard-000005", *(
+        f"shard-{k:06d}" for k in range(4))], left
+    result = run_pack(str(src), str(tmp_path / "out"), *options, "--workers", "2")
+    assert result["images"] == 240 + 20 - 4 * 8  # the four complete shards kept
+    train, _ = sources.open_splits(str(tmp_path / "out"), None, None, None)
+    assert len(train) == 240 and train.packed
+    assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]
+
+
+@pytest.mark.slow
 def test_an_error_in_one_worker_kills_the_other_midway_and_ends_the_pack_at_once(tmp_path):
     """One worker holds in shard 1 (ten minutes) while the other meets a corrupt image at the start of shard 2: the
     pack stops with the one line naming it, without waiting for the held worker, which it kills (its shard stays a
@@ -431,14 +426,9 @@ def test_an_error_in_one_worker_kills_the_other_midway_and_ends_the_pack_at_once
     src = make_image_folder(tmp_path / "src", classes=2, train_per_class=12, val_per_class=1)
     bad = sorted((src / "train").rglob("*.jpg"))[16]
     bad.write_bytes(b"\xff\xd8\xff garbage")
-    proc, holding = held_pack(tmp_path, src, "--shard-size", "8", hold_from=8)
-    try:
+    with held_pack(tmp_path, src, "--shard-size", "8", hold_from=8) as (proc, holding):
         held = holders(holding, 1, proc)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        err = proc.communicate(timeout=60)[1]
     said = err.strip().splitlines()
     assert proc.returncode == 2 and len(said) == 1, err
     assert said[0].startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
@@ -453,15 +443,10 @@ def test_a_worker_killed_midway_ends_the_pack_with_one_line_not_a_hang(tmp_path)
     exits 1, kills the other, and leaves no index (multiprocessing.Pool replaced the dead worker and waited for its
     shard for ever)."""
     src = make_image_folder(tmp_path / "src", classes=2, train_per_class=12, val_per_class=1)
-    proc, holding = held_pack(tmp_path, src, "--shard-size", "8", hold_from=0)
-    try:
+    with held_pack(tmp_path, src, "--shard-size", "8", hold_from=0) as (proc, holding):
         held = holders(holding, 2, proc)
         os.kill(held[0], signal.SIGKILL)
-        out, err = proc.communicate(timeout=60)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        err = proc.communicate(timeout=60)[1]
     said = err.strip().splitlines()
     assert proc.returncode == 1 and len(said) == 1, err
     assert said[0] == (f"imagenet-elastic: error: pack: a process writing shards died (killed, or out of memory): "
