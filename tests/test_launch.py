@@ -71,14 +71,12 @@ def test_a_rank_stopped_at_once_by_ctrl_c_exits_130_not_0(monkeypatch, handlers_
     from imagenet_elastic.config import Config
     from imagenet_elastic.errors import INTERRUPTED_EXIT
     from imagenet_elastic.launch.launchers import DistEnv
-    from imagenet_elastic.train import startup
 
     def interrupted(config, env):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(startup, "run", interrupted)
     try:
-        processes._run_to_exit_code(Config(data="unused"), DistEnv())
+        processes._run_to_exit_code(interrupted, Config(data="unused"), DistEnv())
         ended = "returned"
     except SystemExit as stop:
         ended = stop.code
@@ -120,10 +118,10 @@ def test_a_spawn_parent_leaves_ctrl_c_to_its_ranks_and_exits_with_them_without_a
         else None
     monkeypatch.setattr(processes.mp, "start_processes", lambda *args, **kwargs: RanksThatStop(failure))
     if failure is None:
-        processes.spawn_workers(Config(data="unused"), DistEnv(), 2)
+        processes.spawn_workers(print, Config(data="unused"), DistEnv(), 2)
     else:
         with pytest.raises(SystemExit) as caught:
-            processes.spawn_workers(Config(data="unused"), DistEnv(), 2)
+            processes.spawn_workers(print, Config(data="unused"), DistEnv(), 2)
         assert caught.value.code == INTERRUPTED_EXIT
     assert came == [] and capsys.readouterr().err == ""  # the parent took it, and said nothing
     os.kill(os.getpid(), signal.SIGINT)

@@ -1,5 +1,8 @@
 """Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
 
+The worker is the entry point the caller hands in (cli.py: the training's `run(config, env)`), so this folder
+starts processes without knowing what they run.
+
 For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
 port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
 the others; the parent reports the failing rank's traceback (user errors were already printed by
@@ -14,6 +17,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -33,8 +37,10 @@ from imagenet_elastic.errors import (
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import signal_numbers
 
+Entry = Callable[[Config, DistEnv], None]  # a module-level function: spawn pickles it by name
 
-def run_worker(config: Config, env: DistEnv) -> None:
+
+def run_worker(entry: Entry, config: Config, env: DistEnv) -> None:
     """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary.
 
     User errors and preemption end inside the wrapper as plain exit codes, so torchrun's summary
@@ -42,14 +48,12 @@ def run_worker(config: Config, env: DistEnv) -> None:
     """
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    record(_run_to_exit_code)(config, env)
+    record(_run_to_exit_code)(entry, config, env)
 
 
-def _run_to_exit_code(config: Config, env: DistEnv) -> None:
-    from imagenet_elastic.train.startup import run
-
+def _run_to_exit_code(entry: Entry, config: Config, env: DistEnv) -> None:
     try:
-        run(config, env)
+        entry(config, env)
     except UserError as error:
         if env.rank == 0 or error.every_rank or (error.every_node and env.local_rank == 0):
             report(error, env.rank, own=True)
@@ -84,16 +88,16 @@ def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
         report(error, rank, own=True)
 
 
-def _child(index: int, config: Config, task_env: DistEnv, procs: int) -> None:
-    run_worker(config, task_env.child(index, procs))
+def _child(index: int, entry: Entry, config: Config, task_env: DistEnv, procs: int) -> None:
+    run_worker(entry, config, task_env.child(index, procs))
 
 
-def spawn_workers(config: Config, task_env: DistEnv, procs: int) -> None:
+def spawn_workers(entry: Entry, config: Config, task_env: DistEnv, procs: int) -> None:
     if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)
-    context = mp.start_processes(_child, args=(config, task_env, procs), nprocs=procs, join=False,
+    context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
     forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
     # A terminal's Ctrl-C reaches the ranks themselves (one process group), and each stops as it asks (with a
