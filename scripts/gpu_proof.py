@@ -97,10 +97,10 @@ def cases(many: int) -> list[Case]:
             Case("plain_gpu", (*eager_recipe, "--decode", "gpu", "--workers", str(many))),
             Case("recipe_cpu", (*eager_recipe, *RECIPE, "--decode", "cpu", "--workers", str(many))),
             Case("plain_cpu", (*eager_recipe, "--decode", "cpu", "--workers", str(many))),
-            Case(f"gpu_{many}_torchvision", (*compiled, "--decode", "gpu", "--gpu-decoder", "torchvision", "--workers",
+            Case(f"gpu_{many}_nvimgcodec", (*compiled, "--decode", "gpu", "--gpu-decoder", "nvimgcodec", "--workers",
                                             str(many))),
-            Case(f"gpu_{FEW_WORKERS}_torchvision", (*compiled, "--decode", "gpu", "--gpu-decoder", "torchvision",
-                                                    "--workers", str(FEW_WORKERS)))]
+            Case(f"gpu_{FEW_WORKERS}_nvimgcodec", (*compiled, "--decode", "gpu", "--gpu-decoder", "nvimgcodec",
+                                                   "--workers", str(FEW_WORKERS)))]
 
 
 def load_compile_cache(path: Optional[str]) -> Optional[str]:

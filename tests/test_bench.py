@@ -4,12 +4,13 @@
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 
 import benchmark as bench
 import inprocess
 import pytest
-from conftest import REPO, run
+from conftest import REPO, child_env, run
 from test_benchmark import json_lines
 
 
@@ -48,3 +49,25 @@ def test_missing_data_folder_is_one_line_where_a_mode_reads_it(tmp_path):
     result = inprocess.command([str(tmp_path / "nope"), "--mode", "device_ops"], main=bench.main)
     assert result.returncode == 2
     assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
+
+
+@pytest.mark.slow  # spawns the loader's workers, twice a case
+def test_gpu_decoder_settings_measures_each_setting_alone_and_beside_training_with_its_references(image_folder):
+    """bench/gpu_decoder_settings.py on CPU tensors (nvImageCodec's CPU backend under every setting): a flag or a
+    field the script no longer has fails here, not on a GPU."""
+    env = {**child_env(), "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32"}
+    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_decoder_settings.py"), str(image_folder),
+                           "--settings", "default,hw_only", "--batches", "1", "--few", "1"], cwd=REPO, env=env,
+                          capture_output=True, text=True, timeout=180)
+    lines = json_lines(done)
+    alone = {line["setting"]: line for line in lines if "alone_images_per_sec" in line}
+    assert sorted(alone) == ["default", "hw_only"]
+    assert all(line["decoded"] == line["of"] == 8 and line["alone_images_per_sec"] > 0 for line in alone.values())
+    cases = {line["case"]: line for line in lines if "case" in line}
+    many = max(1, (os.cpu_count() or 2) - 2)
+    named = ["limit"] + [f"{what}_{n}" for n in dict.fromkeys([many, 1])
+                         for what in ("cpu", "torchvision", "default", "hw_only")]
+    assert sorted(cases) == sorted(named) and all(line["images_per_sec"] > 0 for line in cases.values())
+    assert [cases[f"{what}_1"]["gpu_decoder"] for what in ("cpu", "torchvision", "default", "hw_only")] == [
+        None, "torchvision", "nvimgcodec", "nvimgcodec"]
+    assert cases["hw_only_1"]["setting"] == "hw_only" and cases["torchvision_1"]["setting"] is None

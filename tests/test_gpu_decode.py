@@ -387,7 +387,7 @@ def test_training_with_decode_gpu_resumes_mid_epoch_to_the_uninterrupted_bits(im
     whole = inprocess.command(args(tmp_path / "whole"))
     assert whole.returncode == 0, whole.stderr
     assert "--decode gpu without a CUDA device" in whole.stderr
-    assert "batched on cpu (--decode gpu) by nvimgcodec (auto), then the policy and erasing there" in whole.stdout
+    assert "batched on cpu (--decode gpu) by torchvision (auto), then the policy and erasing there" in whole.stdout
     stopped = inprocess.train(args(tmp_path / "part"), signal_during_step=2)
     assert stopped.stopped and stopped.saved_at_steps[-1] == 2
     resumed = inprocess.train(args(tmp_path / "part", "--resume"))

@@ -22,7 +22,7 @@ TINY = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": 
         "TORCHDYNAMO_DISABLE": "1"}  # --compile's commands without the compiler (a minute a model on these CPUs)
 CUDA_MARK = re.compile(r"^(@pytest\.mark\.cuda|pytestmark = .*pytest\.mark\.cuda)", re.MULTILINE)
 CASES = ["limit", "cpu_N", "gpu_N", "cpu_4", "gpu_4", "recipe_gpu", "plain_gpu", "recipe_cpu", "plain_cpu",
-         "gpu_N_torchvision", "gpu_4_torchvision"]
+         "gpu_N_nvimgcodec", "gpu_4_nvimgcodec"]
 
 
 def photos(folder: Path) -> Path:
@@ -79,7 +79,7 @@ def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(tmp_path
     rates = {line["case"]: line for line in redo if "case" in line}
     assert (rates["limit"]["mode"], rates["limit"]["num_classes"], rates["limit"]["compile"]) == ("synthetic", 4, True)
     assert [rates[f"gpu_{workers}"][k] for k in ("decode", "workers", "compile", "gpu_decoder")] == [
-        "gpu", workers, True, "nvimgcodec"]
+        "gpu", workers, True, "torchvision"]
     targets = {t["target"]: t for t in redo[-2]["targets"]}
     assert targets[f"gpu_{workers} compiled >= 0.95 of the compiled limit"]["figure"] == round(
         rates[f"gpu_{workers}"]["images_per_sec"] / rates["limit"]["images_per_sec"], 3)

@@ -116,13 +116,14 @@ def test_a_jpeg_a_library_cannot_decode_is_a_corrupt_image_error_naming_the_file
         decoder(gpu_decode.collate([dataset[(0, i)] for i in range(len(index))]))
 
 
-def test_auto_takes_nvimgcodec_where_it_runs_and_says_why_it_took_torchvision_elsewhere(monkeypatch):
-    assert jpeg_decoders.choose("auto", CPU) == ("nvimgcodec", "auto")
-    missing = jpeg_decoders.JPEG_DECODERS["nvimgcodec"]._replace(unavailable=lambda device: "not installed (pip ...)")
-    monkeypatch.setitem(jpeg_decoders.JPEG_DECODERS, "nvimgcodec", missing)
-    assert jpeg_decoders.choose("auto", CPU) == ("torchvision", "auto; nvimgcodec not installed (pip ...)")
+def test_auto_takes_torchvision_the_faster_and_says_why_it_took_the_next_where_one_cannot_run(monkeypatch):
+    assert jpeg_decoders.choose("auto", CPU) == ("torchvision", "auto")  # nvimgcodec is installed here too
+    assert jpeg_decoders.choose("nvimgcodec", CPU) == ("nvimgcodec", "--gpu-decoder nvimgcodec")
+    missing = jpeg_decoders.JPEG_DECODERS["torchvision"]._replace(unavailable=lambda device: "cannot (a stand-in)")
+    monkeypatch.setitem(jpeg_decoders.JPEG_DECODERS, "torchvision", missing)
+    assert jpeg_decoders.choose("auto", CPU) == ("nvimgcodec", "auto; torchvision cannot (a stand-in)")
     chosen = Decoding.choose("gpu", CPU, 2, Augment())
-    assert "by torchvision (auto; nvimgcodec not installed (pip ...))" in chosen.describe(CPU, Augment())
+    assert "by nvimgcodec (auto; torchvision cannot (a stand-in))" in chosen.describe(CPU, Augment())
 
 
 def test_nvimgcodec_asked_for_where_it_cannot_run_is_one_line_saying_why(monkeypatch):

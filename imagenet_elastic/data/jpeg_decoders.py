@@ -1,11 +1,12 @@
 """--gpu-decoder: the library that turns a batch of JPEG bytes into pixels on the device under --decode gpu. The
 one list of them (`JPEG_DECODERS`); a new library is a class here and a line in that list.
 
-nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as libjpeg-turbo, so as the CPU path
-(it upsamples 4:2:0 chroma as libjpeg-turbo does); 17,405 img/s on one H100 (docs/BENCHMARKS.md). torchvision
-(`decode_jpeg` on CUDA, always there): 19,668 img/s, but nvJPEG fills 4:2:0 chroma by nearest sample, ~0.7 level
-from the CPU path on photos. `auto` takes nvimgcodec where it is installed and decodes on this device, else
-torchvision, and the start-up table says which and why.
+torchvision (`decode_jpeg` on CUDA, always there): nvJPEG fills 4:2:0 chroma by nearest sample, ~0.7 level from
+the CPU path on photos. nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as libjpeg-turbo,
+so as the CPU path (it upsamples 4:2:0 chroma as libjpeg-turbo does). Alone, each decodes several times what a step
+trains; beside a compiled ResNet-50 step torchvision supplies more on an H100 and an H200 with any loader workers and
+any of nvImageCodec's backends and thread counts (docs/BENCHMARKS.md, 2026-11-27), so `auto` takes torchvision and
+nvimgcodec is there for its pixels, when asked. The start-up table says which and why.
 
 Both leave their images ready on the calling thread's current stream (the decoding thread's,
 streams.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
@@ -308,11 +309,11 @@ class DecoderInfo(NamedTuple):
 
 # --gpu-decoder: kept here once, in auto's order of preference; config offers these names with their help.
 JPEG_DECODERS: dict[str, DecoderInfo] = {
+    "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
+                               "torchvision's nvJPEG decode_jpeg, the faster beside training: 4:2:0 chroma by nearest "
+                               "sample, ~0.7 level from the CPU path on photos"),
     "nvimgcodec": DecoderInfo(NvImageCodecJpeg, nvimgcodec_unavailable,
                               "NVIDIA's nvImageCodec, the `nvimgcodec` extra: the CPU path's very pixels"),
-    "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
-                               "torchvision's nvJPEG decode_jpeg: 4:2:0 chroma by nearest sample, ~0.7 level from "
-                               "the CPU path on photos"),
 }
 
 
