@@ -266,7 +266,7 @@ def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_ot
 
 
 def test_the_weight_decay_help_says_the_rule_the_optimizer_applies():
-    from imagenet_elastic.train.optimizer import param_groups
+    from imagenet_elastic.optim.optimizer import param_groups
 
     field = next(f for f in dataclasses.fields(Config) if f.name == "weight_decay")
     assert "1-D parameters" in field.metadata["help"]
@@ -293,7 +293,7 @@ def test_the_package_imports_no_private_name_of_timm():
 def test_each_optimizer_and_launcher_brings_its_own_help_to_the_option_that_chooses_it():
     """A new entry of OPTIMIZERS or METHODS is one line where the list is kept: its help reaches --help unedited."""
     from imagenet_elastic.launch.launchers import METHODS
-    from imagenet_elastic.train.optimizer import OPTIMIZERS
+    from imagenet_elastic.optim.optimizer import OPTIMIZERS
 
     fields = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
     for field, registry in (("opt", OPTIMIZERS), ("dist_init_method", METHODS)):

@@ -10,8 +10,8 @@ import numpy as np
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.sources.image_folder import ImageFolder
-from imagenet_elastic.launch import consistency
-from imagenet_elastic.launch.consistency import (
+from imagenet_elastic.train import consistency
+from imagenet_elastic.train.consistency import (
     Fingerprint,
     first_difference,
     first_file_difference,

@@ -43,10 +43,10 @@ from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
+from imagenet_elastic.optim.optimizer import create_optimizer
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.model import create_ema, create_model
-from imagenet_elastic.train.optimizer import create_optimizer
 from imagenet_elastic.train.state import PendingSteps, TrainState
 from imagenet_elastic.train.step import StepContext, train_step
 

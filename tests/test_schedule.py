@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from imagenet_elastic.train.schedule import REFERENCE_BATCH, LRSchedule, scaled_lr
+from imagenet_elastic.optim.schedule import REFERENCE_BATCH, LRSchedule, scaled_lr
 
 PEAK = 0.4
 WARMUP = 10

@@ -213,7 +213,7 @@ def parse_lock(line: bytes) -> tuple[str, Optional[str]]:
 
 def read_lock_token(folder: str) -> Optional[str]:
     """The token of the run that holds FOLDER's lock, as this process sees the folder: the other ranks
-    compare it with rank 0's to prove that they reach the same folder (see launch/consistency.py)."""
+    compare it with rank 0's to prove that they reach the same folder (see train/consistency.py)."""
     try:
         with open(os.path.join(folder, LOCK), "rb") as f:
             return parse_lock(f.read(LOCK_LINE_MAX))[1]

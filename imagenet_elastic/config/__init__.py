@@ -20,9 +20,9 @@ from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
 from imagenet_elastic.launch.preemption import DEFAULT_SIGNALS
+from imagenet_elastic.optim.optimizer import OPTIMIZERS
+from imagenet_elastic.optim.schedule import SCHEDULES
 from imagenet_elastic.report.sinks import TRACKERS
-from imagenet_elastic.train.optimizer import OPTIMIZERS
-from imagenet_elastic.train.schedule import SCHEDULES
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resume` and `--resume FOLDER` take

@@ -1,7 +1,8 @@
 """Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
 
 The worker is the entry point the caller hands in (cli.py: the training's `run(config, env)`), so this folder
-starts processes without knowing what they run.
+starts processes without knowing what they run, nor what the run's settings are: the config is passed on as it
+came, and only the two settings that starting the ranks needs are read from it (LaunchSettings).
 
 For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
 port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
@@ -19,11 +20,11 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
+from typing import Protocol, TypeVar
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from imagenet_elastic.config import Config
 from imagenet_elastic.errors import (
     INTERRUPTED_EXIT,
     PREEMPTED_EXIT,
@@ -37,10 +38,22 @@ from imagenet_elastic.errors import (
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import signal_numbers
 
-Entry = Callable[[Config, DistEnv], None]  # a module-level function: spawn pickles it by name
+
+class LaunchSettings(Protocol):
+    """What starting the ranks reads of the run's settings (config.Config has these fields)."""
+
+    @property
+    def dist_timeout(self) -> float: ...
+
+    @property
+    def preempt_signals(self) -> tuple[str, ...]: ...
 
 
-def run_worker(entry: Entry, config: Config, env: DistEnv) -> None:
+Settings = TypeVar("Settings", bound=LaunchSettings)  # the entry point's config: whatever the caller's is
+Entry = Callable[[Settings, DistEnv], None]  # a module-level function: spawn pickles it by name
+
+
+def run_worker(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
     """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary.
 
     User errors and preemption end inside the wrapper as plain exit codes, so torchrun's summary
@@ -51,7 +64,7 @@ def run_worker(entry: Entry, config: Config, env: DistEnv) -> None:
     record(_run_to_exit_code)(entry, config, env)
 
 
-def _run_to_exit_code(entry: Entry, config: Config, env: DistEnv) -> None:
+def _run_to_exit_code(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
     try:
         entry(config, env)
     except UserError as error:
@@ -88,11 +101,11 @@ def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
         report(error, rank, own=True)
 
 
-def _child(index: int, entry: Entry, config: Config, task_env: DistEnv, procs: int) -> None:
+def _child(index: int, entry: Entry[Settings], config: Settings, task_env: DistEnv, procs: int) -> None:
     run_worker(entry, config, task_env.child(index, procs))
 
 
-def spawn_workers(entry: Entry, config: Config, task_env: DistEnv, procs: int) -> None:
+def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, procs: int) -> None:
     if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)

@@ -189,8 +189,8 @@ def run_device(args: argparse.Namespace) -> torch.device:
 
 
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
+    from imagenet_elastic.optim.optimizer import create_optimizer
     from imagenet_elastic.train.model import create_model, place_model, resolve_precision, use_fastest_kernels
-    from imagenet_elastic.train.optimizer import create_optimizer
 
     device = run_device(args)
     use_fastest_kernels(device)

@@ -6,7 +6,7 @@
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
 workers fork before the process group's threads exist (see pipeline.start_workers). Ranks compare what
-they were given (launch/consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
+they were given (consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
 step that takes something (the checkpoints folder's lock, loader workers, the process group)
 registers its release on the run's ExitStack, so a failure at any later step, and the end of the
 run, release them in reverse order.
@@ -36,11 +36,13 @@ from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.data.sources import fingerprints
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.launch import consistency, distributed, preemption
+from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
+from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
-from imagenet_elastic.train import memory_probe, micro_batch, mixing
+from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
 from imagenet_elastic.train.compile import Compilation, compile_choice
 from imagenet_elastic.train.distillation import LOGIT, Distillation, has_distillation_head, loss_weights
 from imagenet_elastic.train.micro_batch import MicroBatches
@@ -57,8 +59,6 @@ from imagenet_elastic.train.model import (
     saved_sizes,
     use_fastest_kernels,
 )
-from imagenet_elastic.train.optimizer import check_layer_decay, create_optimizer
-from imagenet_elastic.train.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.train.state import TrainState, check_compatible
 from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.teacher import Teacher

@@ -166,8 +166,8 @@ def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay
     layers, checkpointed blocks, DeiT's distillation head): asked of a copy built on the meta device (no memory, no
     initialisation) by the same code that builds the run's model, so that a refusal comes before the data is scanned
     and leaves nothing on disk."""
+    from imagenet_elastic.optim.optimizer import check_layer_decay
     from imagenet_elastic.train.distillation import has_distillation_head
-    from imagenet_elastic.train.optimizer import check_layer_decay
 
     if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing or distillation_head):
         return

@@ -8,6 +8,9 @@ right after the process group forms, each rank sends a fingerprint of a few hund
 all-gather); any difference ends every rank with one line that names it, before any work is done
 and before anything is written. Only when something differs do the ranks exchange more, to name the
 first differing setting or file.
+
+It is a step of the run's build (build.join_job), which holds everything compared here (the settings, the data,
+the checkpoints folder and checkpoint, the teacher's hash); launch/ below only supplies the collectives.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ NODE_LOCAL = frozenset({"data", "val_path", "val_labels", "checkpoints_path", "w
 
 
 class JobMismatch(UserError):
-    """Ranks that differ in what they must share. Every node's log says it (see processes.py)."""
+    """Ranks that differ in what they must share. Every node's log says it (see launch/processes.py)."""
 
     every_node = True
 
