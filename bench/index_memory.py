@@ -103,7 +103,7 @@ def run_index(entries: int, workers: int) -> None:
 def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int = 1000) -> str:
     """A pack's train split of `entries` samples in `shards` shards, as `pack` indexes it: ImageNet's mean JPEG
     size (110 kB) a sample, the shards sparse files of the right sizes (nothing is read from them here)."""
-    from imagenet_elastic.data.sources import tar_index
+    from imagenet_elastic.data.sources import tar_shards
 
     split = os.path.join(folder, "train")
     os.makedirs(split)
@@ -122,10 +122,10 @@ def synthetic_pack(folder: str, entries: int, shards: int = 1024, classes: int =
     labels = np.arange(entries, dtype=np.int64) * classes // entries
     mtimes = np.array([os.stat(p).st_mtime_ns for p in paths], dtype=np.int64)
     checksums = np.random.default_rng(0).integers(0, 2**32, entries, dtype=np.uint32)  # not of these bytes
-    index = tar_index.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64), mtimes,
-                                tuple(f"n{c:08d}" for c in range(classes)),
-                                labels, shard, offsets.astype(np.int64), lengths, checksums=checksums)
-    tar_index.write_index(index, os.path.join(split, tar_index.INDEX_NAME), relative_to=split)
+    index = tar_shards.TarShards(split, "train", tuple(paths), np.array(sizes, dtype=np.int64), mtimes,
+                                 tuple(f"n{c:08d}" for c in range(classes)),
+                                 labels, shard, offsets.astype(np.int64), lengths, checksums=checksums)
+    tar_shards.write_index(index, os.path.join(split, tar_shards.INDEX_NAME), relative_to=split)
     return split
 
 
@@ -138,7 +138,7 @@ def resident_mb() -> float:
 def run_shard_index(entries: int, workers: int) -> None:
     """A pack's index: how long a start takes to open it (read it, stat every shard), the memory it holds, and
     what forked loader workers that read every entry copy of it."""
-    from imagenet_elastic.data.sources import tar_index, tar_shards
+    from imagenet_elastic.data.sources import tar_shards
 
     folder = tempfile.mkdtemp(prefix="shard-index-benchmark-")
     try:
@@ -155,7 +155,7 @@ def run_shard_index(entries: int, workers: int) -> None:
                                                            + source.checksums[i] % 2),
                                                  source.label(i)), len(source), max(1, workers))
         emit("index", kind="tar shards", entries=len(source), shards=len(source.shards),
-             index_file_mb=round(os.path.getsize(os.path.join(split, tar_index.INDEX_NAME)) / 2**20, 1),
+             index_file_mb=round(os.path.getsize(os.path.join(split, tar_shards.INDEX_NAME)) / 2**20, 1),
              open_seconds=round(seconds, 3), index_mb=round(arrays / 2**20, 1), open_rss_growth_mb=round(grown, 1),
              fingerprint_seconds=fingerprinted,
              workers=max(1, workers), worker_peak_rss_mb=peak, worker_private_mb=private)

@@ -32,7 +32,7 @@ from test_parquet_source import hub_folder
 from test_tar_shards import flip_byte_in_place, middle_of_image, relabel_in_place
 
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_index
+from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
 from imagenet_elastic.tools import pack
@@ -76,7 +76,7 @@ def test_a_pack_of_class_folders_holds_every_image_byte_for_byte_with_its_label(
     assert result["images"] == 96 + 35 and result["resized"] == 0
     assert sorted(os.listdir(out)) == ["classes.txt", "pack.json", "train", "val"]
     assert json.loads((out / "pack.json").read_text())["complete"] is True
-    assert sorted(os.listdir(out / "train")) == [tar_index.INDEX_NAME, *(f"shard-{k:06d}.tar" for k in range(6))]
+    assert sorted(os.listdir(out / "train")) == [tar_shards.INDEX_NAME, *(f"shard-{k:06d}.tar" for k in range(6))]
     train, val = sources.open_splits(str(out), None, None, None)
     assert train.packed and val.packed and "index written by pack" in train.describe()
     original_train, original_val = sources.open_splits(str(image_folder), None, None, None)
@@ -182,7 +182,7 @@ def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the
     relabel_in_place(shard, 3, (original + 1) % 4)
     with pytest.raises(UserError) as raised:
         sources.open_splits(str(copy), None, None, None)
-    index = copy / "train" / tar_index.INDEX_NAME
+    index = copy / "train" / tar_shards.INDEX_NAME
     assert str(raised.value) == (
         f"shard {shard} differs from its index {index} (its sample 3 has label {(original + 1) % 4}, the index "
         f"{original}): it was changed after it was packed; pack again (imagenet-elastic pack {image_folder} NEW_OUT "
@@ -247,8 +247,8 @@ def test_a_pack_index_from_before_checksums_reads_as_it_is_and_says_what_it_cann
     shutil.copytree(out, copy)
     folder = copy / "train"
     clean = sources.open_source(str(folder), "train", None)
-    tar_index.write_index(replace(clean, checksums=None), str(folder / tar_index.INDEX_NAME), relative_to=str(folder))
-    assert "checksums" not in np.load(folder / tar_index.INDEX_NAME).files
+    tar_shards.write_index(replace(clean, checksums=None), str(folder / tar_shards.INDEX_NAME), relative_to=str(folder))
+    assert "checksums" not in np.load(folder / tar_shards.INDEX_NAME).files
     old = sources.open_source(str(folder), "train", None)
     assert old.checksums is None and old.notes == ()
     assert old.describe().endswith("(index written by pack, no checksums)")
@@ -265,7 +265,7 @@ def test_an_interrupted_packs_rerun_keeps_the_checksums_of_the_shards_it_kept(im
     copy = tmp_path / "pack"
     shutil.copytree(out, copy)
     for split in ("train", "val"):
-        (copy / split / tar_index.INDEX_NAME).unlink()  # as a pack killed after its last shard leaves it
+        (copy / split / tar_shards.INDEX_NAME).unlink()  # as a pack killed after its last shard leaves it
     record = json.loads((copy / pack.PACK_FILE).read_text())
     (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
     assert run_pack(str(image_folder), str(copy), "--shard-size", "16")["images"] == 0  # every shard kept
@@ -305,7 +305,7 @@ def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
     bad.write_bytes(b"\xff\xd8\xff garbage")
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "2")
     assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
-    assert not (tmp_path / "out" / "train" / tar_index.INDEX_NAME).exists()
+    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
     assert json.loads((tmp_path / "out" / "pack.json").read_text())["complete"] is False
 
 
@@ -321,7 +321,7 @@ def test_an_image_cut_short_is_refused_by_name_though_its_header_reads(tmp_path,
         assert img.size == (48, 40)  # the header still reads
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "1", *options)
     assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: image file is truncated"), said
-    assert not (tmp_path / "out" / "train" / tar_index.INDEX_NAME).exists()
+    assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
 
 
 @pytest.mark.slow
@@ -338,7 +338,7 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     left = sorted(os.listdir(tmp_path / "out" / "train"))
-    assert "shard-000003.tar" in left and tar_index.INDEX_NAME not in left, left
+    assert "shard-000003.tar" in left and tar_shards.INDEX_NAME not in left, left
     again = subprocess.run(python_cmd(*args), cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=300)
     assert again.returncode == 0, again.stderr
     assert json.loads(again.stdout.strip().splitlines()[-1])["images"] < 240 + 20  # the kept shards not again
@@ -350,7 +350,7 @@ def test_a_pack_killed_midway_is_completed_by_a_rerun_to_the_same_bytes(tmp_path
         assert names == sorted(n for n in os.listdir(tmp_path / "out" / split) if not n.endswith(".npz"))
         for name in names:
             assert (tmp_path / "out" / split / name).read_bytes() == (tmp_path / "whole" / split / name).read_bytes()
-    index = np.load(tmp_path / "out" / "train" / tar_index.INDEX_NAME)
+    index = np.load(tmp_path / "out" / "train" / tar_shards.INDEX_NAME)
     assert len(index["labels"]) == 240
     shutil.rmtree(tmp_path / "whole")
 
@@ -452,4 +452,4 @@ def test_a_worker_killed_midway_ends_the_pack_with_one_line_not_a_hang(tmp_path)
     assert said[0] == (f"imagenet-elastic: error: pack: a process writing shards died (killed, or out of memory): "
                        f"the same command keeps the complete shards in {tmp_path / 'out'} and writes the rest")
     assert not alive(held[1])
-    assert tar_index.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")
+    assert tar_shards.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")

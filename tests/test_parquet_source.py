@@ -17,7 +17,7 @@ from inprocess import command
 from test_tar_shards import wds_shards
 
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import parquet, tar_index
+from imagenet_elastic.data.sources import parquet, tar_shards
 from imagenet_elastic.errors import UserError
 
 
@@ -203,7 +203,7 @@ def test_where_counts_one_file_in_the_singular(image_folder, hub):
 def test_a_prefix_names_the_kind_and_every_unprefixed_form_still_opens(image_folder, hub, tmp_path):
     shards = tmp_path / "shards"
     wds_shards(image_folder / "train", shards, per_shard=25)
-    for plain, kind in ((str(hub), parquet.ParquetFiles), (str(shards), tar_index.TarShards),
+    for plain, kind in ((str(hub), parquet.ParquetFiles), (str(shards), tar_shards.TarShards),
                         (str(image_folder / "train"), sources.image_folder.ImageFolder)):
         prefixed = sources.open_source(f"{kind_name(kind)}:{plain}", "train", None)
         unprefixed = sources.open_source(plain, "train", None)
@@ -216,7 +216,7 @@ def test_a_prefix_names_the_kind_and_every_unprefixed_form_still_opens(image_fol
 
 
 def kind_name(kind: type) -> str:
-    return {parquet.ParquetFiles: "parquet", tar_index.TarShards: "wds"}.get(kind, "folder")
+    return {parquet.ParquetFiles: "parquet", tar_shards.TarShards: "wds"}.get(kind, "folder")
 
 
 def test_a_prefix_wins_over_what_the_file_system_shows(image_folder, tmp_path):

@@ -1,6 +1,6 @@
-"""Tar shards as a source (sources/tar_shards.py and its tar_*.py): shards written by the `webdataset` package's
-own writer are read sample by sample at any index, with no open per sample; the index is kept and re-used; every
-damaged or incomplete input is one line naming the shard and the sample."""
+"""Tar shards as a source (sources/tar_shards.py): shards written by the `webdataset` package's own writer are
+read sample by sample at any index, with no open per sample; the index is kept and re-used; every damaged or
+incomplete input is one line naming the shard and the sample."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ import pytest
 import webdataset as wds
 
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_index, tar_names, tar_shards, tar_walk
+from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
 
@@ -57,7 +57,7 @@ def test_shards_from_webdatasets_writer_give_every_sample_at_any_index(written):
 def test_reading_opens_each_shard_once_per_process_not_once_per_sample(written):
     paths, _ = written
     shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
-    tar_index._MAPS.clear()
+    tar_shards._MAPS.clear()
     opened: list[str] = []
 
     def hook(event, args):
@@ -89,14 +89,14 @@ def test_a_brace_pattern_or_a_glob_names_the_same_shards_in_order(written):
     ("plain.tar", ["plain.tar"]),
 ])
 def test_braces_expand_as_webdatasets_do(pattern, expanded):
-    assert tar_names.expand_braces(pattern) == expanded
+    assert tar_shards.expand_braces(pattern) == expanded
 
 
 @pytest.mark.parametrize(("member", "key", "extension"), [
     ("n01440764_10026.JPEG", "n01440764_10026", "jpeg"), ("dir/k.seg.png", "dir/k", "seg.png"),
     ("a.b/c.cls", "a.b/c", "cls"), ("noext", "noext", "")])
 def test_a_members_key_ends_at_the_first_dot_of_its_last_part(member, key, extension):
-    assert tar_walk.split_name(member) == (key, extension)
+    assert tar_shards.split_name(member) == (key, extension)
 
 
 @pytest.fixture
@@ -145,7 +145,7 @@ def flip_byte_in_place(shard, offset: int, keep_mtime: bool = False) -> None:
     os.utime(shard, ns=(stat.st_atime_ns, stat.st_mtime_ns + (0 if keep_mtime else 10**9)))
 
 
-def middle_of_image(source: tar_index.TarShards, i: int) -> int:
+def middle_of_image(source: tar_shards.TarShards, i: int) -> int:
     """A byte inside sample i's image data, far from its JPEG header: a decoder at most warns of it."""
     return int(source.offsets[i]) + int(source.lengths[i]) // 2
 
@@ -178,7 +178,7 @@ def test_an_index_rebuilt_after_a_shard_from_elsewhere_changed_keeps_every_sampl
     relabel_in_place(folder / "part-0002.tar", 3, (walked.label(43) + 1) % 4)
     after = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert after.notes and after.checksums is not None
-    assert after.checksums.tolist() == tar_walk.walk(str(folder), "train").checksums.tolist()
+    assert after.checksums.tolist() == tar_shards.walk(str(folder), "train").checksums.tolist()
 
 
 def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(kept, tmp_path):
@@ -189,7 +189,7 @@ def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_na
     after = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
     assert not after.cached and after.label(43) == (before.label(43) + 1) % 4
-    assert after.labels.tolist() == tar_walk.walk(str(folder), "train").labels.tolist()
+    assert after.labels.tolist() == tar_shards.walk(str(folder), "train").labels.tolist()
     after.keep(str(tmp_path))
     again = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert again.cached and again.notes == () and again.fingerprint() == after.fingerprint()
@@ -216,7 +216,7 @@ def test_a_cached_index_of_shards_from_elsewhere_one_of_which_changed_size_is_ma
     after = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
     assert not after.cached and len(after) == len(walked) - 1
-    assert after.labels.tolist() == tar_walk.walk(str(folder), "train").labels.tolist()
+    assert after.labels.tolist() == tar_shards.walk(str(folder), "train").labels.tolist()
 
 
 def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(kept, tmp_path):
@@ -311,7 +311,7 @@ def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_cras
     folder = tmp_path / "s"
     shutil.copytree(os.path.dirname(paths[0]), folder)
     shards = tar_shards.open_split(str(folder), "train", None)
-    tar_index._MAPS.clear()
+    tar_shards._MAPS.clear()
     last = len(shards) - 1
     with open(folder / "part-0004.tar", "r+b") as f:
         f.truncate(int(shards.offsets[last]) + 10)
@@ -324,7 +324,7 @@ def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shar
     folder = tmp_path / "packed"
     shutil.copytree(os.path.dirname(paths[0]), folder)
     indexed = tar_shards.open_split(str(folder), "train", None)
-    tar_index.write_index(indexed, str(folder / tar_index.INDEX_NAME), relative_to=str(folder))
+    tar_shards.write_index(indexed, str(folder / tar_shards.INDEX_NAME), relative_to=str(folder))
     assert tar_shards.open_split(str(folder), "train", None).packed
     with open(folder / "part-0001.tar", "ab") as f:
         f.write(b"\0" * 512)
@@ -392,13 +392,13 @@ def test_a_damaged_index_cache_is_walked_again_with_a_note_and_a_damaged_pack_in
     shutil.copytree(os.path.dirname(paths[0]), folder)
     walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
     walked.keep(str(tmp_path))
-    cache = tar_index.cache_path(str(tmp_path), "train")
+    cache = tar_shards.cache_path(str(tmp_path), "train")
     said = damage(cache, how, array="offsets")
     again = tar_shards.open_split(str(folder), "train", str(tmp_path))
     assert not again.cached and again.fingerprint() == walked.fingerprint()
     assert again.notes == (f"the shard index cache {cache} {said}: the shards were indexed again",)
-    index = folder / tar_index.INDEX_NAME  # as pack writes it, in OUT/train/ beside OUT/pack.json
-    tar_index.write_index(walked, str(index), relative_to=str(folder))
+    index = folder / tar_shards.INDEX_NAME  # as pack writes it, in OUT/train/ beside OUT/pack.json
+    tar_shards.write_index(walked, str(index), relative_to=str(folder))
     (tmp_path / "pack.json").write_text(json.dumps({"source": "/data/imagenet", "options": {
         "max_side": None, "quality": 90, "shard_size": 20}}))
     damage(str(index), how, array="offsets")
@@ -413,7 +413,7 @@ def test_a_sample_with_several_images_takes_the_one_first_in_image_extensions_wh
     write_tar(tmp_path / "s-0.tar", [*((f"a.{ext}", ext.encode()) for ext in order), ("a.cls", b"0"),
                                      ("b.jpg", b"jpg"), ("b.cls", b"1")])
     shards = tar_shards.open_split(str(tmp_path), "train", None)
-    best = min(order, key=lambda ext: tar_walk.IMAGE_EXTENSIONS.index(ext.lower()))
+    best = min(order, key=lambda ext: tar_shards.IMAGE_EXTENSIONS.index(ext.lower()))
     assert shards.read(0) == best.encode() and shards.member(0) == f"a.{best}"
 
 

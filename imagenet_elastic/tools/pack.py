@@ -4,7 +4,7 @@ SRC is anything the trainer reads, through the same sources (data/sources/): a r
 folders or shards), a flat val folder with --val-labels, or a folder of Hugging Face imagenet-1k parquet files
 (`train-*.parquet`, `validation-*.parquet`; pyarrow, the `parquet` extra). OUT gets `train/` and `val/` of
 WebDataset shards (`KEY.jpg` + `KEY.cls`, opening with Python's tarfile and the webdataset package), each with its
-index (sources/tar_index.py) written last, a `classes.txt`, and `pack.json` saying what was packed how;
+index (sources/tar_shards.py) written last, a `classes.txt`, and `pack.json` saying what was packed how;
 `imagenet-elastic OUT` then trains from it.
 
 --max-side N stores images at most N pixels on their longer side (FFCV's cap): those larger are resized
@@ -33,11 +33,11 @@ from typing import Any, Optional
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_index, tar_walk
+from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.errors import PROG, UserError, report
 from imagenet_elastic.tools.pack_shard import Options, Split, Written, shard_name, write_shard
 
-PACK_FILE = tar_index.PACK_FILE
+PACK_FILE = tar_shards.PACK_FILE
 PACK_VERSION = 1
 
 
@@ -101,9 +101,9 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     return True
 
 
-def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_walk.Found]:
+def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_shards.Found]:
     """The shards an interrupted pack completed (whole, by their walk); temp files it left are removed."""
-    done: dict[int, tar_walk.Found] = {}
+    done: dict[int, tar_shards.Found] = {}
     if not os.path.isdir(folder):
         return done
     for name in os.listdir(folder):
@@ -116,7 +116,7 @@ def done_shards(folder: str, split: Split, options: Options) -> dict[int, tar_wa
         k = int(name[len("shard-"):-len(".tar")])
         expected = min(split.count, (k + 1) * options.shard_size) - k * options.shard_size
         try:
-            found = tar_walk.walk_shard(path, split.role, checksums=True)
+            found = tar_shards.walk_shard(path, split.role, checksums=True)
         except UserError:
             found = None
         if found is not None and len(found.labels) == expected:
@@ -164,7 +164,7 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(out, exist_ok=True)
     atomic_write_bytes(json.dumps(record, indent=1).encode(), os.path.join(out, PACK_FILE))
     tasks, total = [], 0
-    found: dict[str, dict[int, tar_walk.Found]] = {}
+    found: dict[str, dict[int, tar_shards.Found]] = {}
     for split in splits:
         folder = os.path.join(out, split.role)
         os.makedirs(folder, exist_ok=True)
@@ -189,13 +189,13 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
             progress.close()
     seconds = time.perf_counter() - began
     atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
-                       os.path.join(out, tar_walk.CLASSES_FILE))
+                       os.path.join(out, tar_shards.CLASSES_FILE))
     for split in splits:  # the index last: a pack without it is not complete
         folder = os.path.join(out, split.role)
-        index = tar_walk.assemble(folder, split.role, [os.path.join(folder, shard_name(k)) for k in
-                                                       sorted(found[split.role])],
-                                  [found[split.role][k] for k in sorted(found[split.role])], split.classes)
-        tar_index.write_index(index, os.path.join(folder, tar_index.INDEX_NAME), relative_to=folder)
+        index = tar_shards.assemble(folder, split.role, [os.path.join(folder, shard_name(k)) for k in
+                                                         sorted(found[split.role])],
+                                    [found[split.role][k] for k in sorted(found[split.role])], split.classes)
+        tar_shards.write_index(index, os.path.join(folder, tar_shards.INDEX_NAME), relative_to=folder)
     atomic_write_bytes(json.dumps({**record, "complete": True}, indent=1).encode(), os.path.join(out, PACK_FILE))
     return {"out": out, "images": total, "seconds": round(seconds, 1),
             "images_per_sec": round(total / seconds, 1) if seconds else None, "workers": workers,

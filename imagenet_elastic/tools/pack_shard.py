@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from imagenet_elastic.atomic_files import commit, write_temp
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_walk
+from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.errors import UserError
 
 # ----------------------------------------------------------------------------- what a shard is written from
@@ -113,7 +113,7 @@ class Written:
 
     role: str
     k: int
-    found: tar_walk.Found
+    found: tar_shards.Found
     resized: int
 
 
@@ -133,8 +133,8 @@ def write_shard(folder: str, k: int, split: Split, options: Options) -> Written:
                 key = member_key(i, name)
                 tar.addfile(tar_member(f"{key}.{extension}", len(data)), io.BytesIO(data))
                 text = f"{label}".encode()
-                tar.addfile(tar_member(f"{key}.{tar_walk.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
+                tar.addfile(tar_member(f"{key}.{tar_shards.LABEL_EXTENSION}", len(text)), io.BytesIO(text))
 
     path = os.path.join(folder, shard_name(k))
     commit(write_temp(folder, shard_name(k), write), path)
-    return Written(split.role, k, tar_walk.walk_shard(path, split.role, checksums=True), resized)
+    return Written(split.role, k, tar_shards.walk_shard(path, split.role, checksums=True), resized)

@@ -19,7 +19,6 @@ to train from at scale (docs/BENCHMARKS.md "Data sources").
 
 from __future__ import annotations
 
-import glob
 import json
 import os
 from dataclasses import dataclass, replace
@@ -85,17 +84,10 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
 def role_files(location: str, role: str) -> list[str]:
     """The files of a split, in order: a pattern's (each brace part globbed), or the folder's files named for the
     role (all of them when none is named for any split)."""
-    from imagenet_elastic.data.sources.tar_names import expand_braces
+    from imagenet_elastic.data.sources.tar_shards import pattern_files
 
     if not os.path.isdir(location):
-        paths = []
-        for part in expand_braces(location):
-            found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
-            missing = next((p for p in found if not os.path.isfile(p)), None) if found else part
-            if missing is not None:
-                raise UserError(f"{role} parquet file {missing} does not exist (from {location})")
-            paths.extend(found)
-        return paths
+        return pattern_files(location, role, "parquet file")
     files = folder_files(location)
     if not files:
         raise UserError(f"{role} data {location} holds no .parquet files")
