@@ -8,7 +8,7 @@ import pytest
 import torch
 from test_state import make_state
 
-from imagenet_elastic.train.model import create_ema
+from imagenet_elastic.models.create import create_ema
 from imagenet_elastic.train.optimizer import OPTIMIZERS, create_optimizer
 from imagenet_elastic.train.state import TrainState
 
