@@ -104,7 +104,7 @@ def main() -> None:
     names = a.settings.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if a.compile_cache and os.path.exists(a.compile_cache):
-        from imagenet_elastic.checkpoint import compile_cache
+        from imagenet_elastic.models import compile_cache
 
         raw = Path(a.compile_cache).read_bytes()
         _, blob = compile_cache.decode(gzip.decompress(raw) if a.compile_cache.endswith(".gz") else raw)

@@ -110,7 +110,7 @@ def load_compile_cache(path: Optional[str]) -> Optional[str]:
         return None
     import torch
 
-    from imagenet_elastic.checkpoint import compile_cache
+    from imagenet_elastic.models import compile_cache
 
     if not compile_cache.supported():
         return f"unsupported by torch {torch.__version__}"

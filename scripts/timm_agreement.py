@@ -24,8 +24,8 @@ from imagenet_elastic.config import eval_sizes
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.data.pipeline import EvalDataset
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.tools.export import export
-from imagenet_elastic.train.model import create_model
 
 
 def main() -> None:

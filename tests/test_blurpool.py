@@ -15,10 +15,11 @@ from test_bad_input import expect_user_error
 from torch import nn
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models.blurpool import blur_strided_convs
+from imagenet_elastic.models.create import create_ema, create_model
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.tools.export import BLURPOOL_CALL
 from imagenet_elastic.tools.export import main as export_main
-from imagenet_elastic.train.model import blur_strided_convs, create_ema, create_model
 
 
 def test_blur_goes_before_each_strided_convolution_of_16_or_more_input_channels():

@@ -26,12 +26,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from imagenet_elastic import cli
-from imagenet_elastic.checkpoint import compile_cache
-from imagenet_elastic.checkpoint.compile_cache import FILE_NAME, CompileCache, decode, encode
 from imagenet_elastic.config import Config
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
-from imagenet_elastic.train import compile as compiling
-from imagenet_elastic.train.compile import Compilation, CompiledOrEager, compile_choice
+from imagenet_elastic.models import compile as compiling
+from imagenet_elastic.models import compile_cache
+from imagenet_elastic.models.compile import Compilation, CompiledOrEager, compile_choice
+from imagenet_elastic.models.compile_cache import FILE_NAME, CompileCache, decode, encode
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--epochs", "1", "--max-steps-per-epoch", "2"]
 

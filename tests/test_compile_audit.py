@@ -21,9 +21,9 @@ from inprocess import in_memory, train
 from torch import nn
 from torch._dynamo.backends.debugging import aot_eager
 
-from imagenet_elastic.train import compile as compiling
+from imagenet_elastic.models import compile as compiling
+from imagenet_elastic.models.compile import CompiledOrEager
 from imagenet_elastic.train import step as step_module
-from imagenet_elastic.train.compile import CompiledOrEager
 
 RUN = [*SMALL_RUN, "--workers", "0", "--threads", "1", "--max-steps-per-epoch", "3", "--no-tensorboard", "--compile"]
 ACCUMULATING = ["--global-batch-size", "8", "--batch-size", "4"]  # two micro-batches a step

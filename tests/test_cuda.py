@@ -43,10 +43,10 @@ from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
+from imagenet_elastic.models.create import create_ema, create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.model import create_ema, create_model
 from imagenet_elastic.train.state import PendingSteps, TrainState
 from imagenet_elastic.train.step import StepContext, train_step
 
@@ -494,7 +494,7 @@ def test_a_compiled_training_loop_never_synchronizes_the_host():
     """The hot loop as the trainer runs it by default on CUDA: the model compiled by inductor (the trainer's
     CompiledOrEager), two micro-batches a step, bf16, under sync-debug mode; and no recompilation after the first
     step (a recompile is a minute of a real model)."""
-    from imagenet_elastic.train.compile import CompiledOrEager
+    from imagenet_elastic.models.compile import CompiledOrEager
 
     torch.manual_seed(0)
     torch._dynamo.reset()

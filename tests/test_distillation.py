@@ -16,14 +16,14 @@ from conftest import REPO, SMALL_RUN, assert_same_tensors, child_env, load_check
 from inprocess import command, train
 from test_pretrained import cached, timm_model
 
-from imagenet_elastic.checkpoint import teacher_weights
-from imagenet_elastic.checkpoint.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD, ModelInput, prepare_batch
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models import teacher_weights
+from imagenet_elastic.models.create import create_model
+from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, loss_weights
-from imagenet_elastic.train.model import create_model
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import evaluate
 from imagenet_elastic.train.teacher import Teacher

@@ -16,9 +16,9 @@ from safetensors.torch import load_file
 from timm.data import create_transform, resolve_data_config
 from torchvision.datasets import ImageFolder
 
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.tools.export import crop_fraction, main
-from imagenet_elastic.train.model import create_model
 
 CLASSES = ["cat", "dog", "eel"]
 

@@ -7,9 +7,9 @@ import timm
 import torch
 from safetensors.torch import save_file
 
-from imagenet_elastic.checkpoint import initial_weights
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.train.model import create_model
+from imagenet_elastic.models import initial_weights
+from imagenet_elastic.models.create import create_model
 
 
 def source_model(classes: int = 10) -> torch.nn.Module:

@@ -8,8 +8,8 @@ import torch
 import torch.nn.functional as F
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.train.loss import TrainLoss
-from imagenet_elastic.train.model import create_model
 
 
 @pytest.mark.parametrize("bce", [False, True])

@@ -26,8 +26,8 @@ from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models.compile import CompiledOrEager
 from imagenet_elastic.train import build, memory_probe, micro_batch
-from imagenet_elastic.train.compile import CompiledOrEager
 from imagenet_elastic.train.micro_batch import OutOfMemoryAgain, fitting_plan, regroup
 from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.trainer import Trainer

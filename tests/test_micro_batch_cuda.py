@@ -11,12 +11,12 @@ import torch
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
 from imagenet_elastic.train import memory_probe
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.model import create_model
 from imagenet_elastic.train.step import StepContext
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]

@@ -13,7 +13,7 @@ from conftest import load_checkpoint
 from inprocess import command, in_memory, train
 from test_pretrained import cached, timm_model
 
-from imagenet_elastic.checkpoint import teacher_weights
+from imagenet_elastic.models import teacher_weights
 from imagenet_elastic.tools.eval_model import load_model
 from imagenet_elastic.tools.export import export
 

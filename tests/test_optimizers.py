@@ -8,8 +8,8 @@ import pytest
 import torch
 from test_state import make_state
 
+from imagenet_elastic.models.create import create_ema
 from imagenet_elastic.optim.optimizer import OPTIMIZERS, create_optimizer
-from imagenet_elastic.train.model import create_ema
 from imagenet_elastic.train.state import TrainState
 
 EXPECTED = {"sgd": "SGD", "nesterov": "SGD", "adamw": "AdamW", "lamb": "Lamb", "lars": "Lars"}

@@ -12,8 +12,8 @@ from test_optimizers import steps
 from test_state import make_state
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.optim.optimizer import OPTIMIZERS, check_layer_decay, create_optimizer
-from imagenet_elastic.train.model import create_model
 from imagenet_elastic.train.state import TrainState
 
 CPU = torch.device("cpu")

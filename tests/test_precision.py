@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import SMALL_RUN
 
-from imagenet_elastic.train.model import choose_precision, native_low_precision
+from imagenet_elastic.models.device import choose_precision, native_low_precision
 
 NATIVE = {"bf16": True, "fp16": True}
 NO_BF16 = {"bf16": False, "fp16": False}

@@ -158,7 +158,7 @@ def test_weights_asked_for_in_a_way_that_cannot_work_are_one_line(hub, tmp_path,
 
 def test_grad_checkpointing_refuses_a_model_timm_cannot_checkpoint():
     from imagenet_elastic.errors import UserError
-    from imagenet_elastic.train.model import recompute_activations
+    from imagenet_elastic.models.create import recompute_activations
 
     with pytest.raises(UserError, match="--grad-checkpointing: timm's plain does not support"):
         recompute_activations(torch.nn.Linear(2, 2), "plain")

@@ -17,8 +17,8 @@ from conftest import REPO, child_env, several_at_once
 from state_probe import layout_mismatches
 
 from imagenet_elastic.checkpoint import share
+from imagenet_elastic.models.create import create_ema, create_model
 from imagenet_elastic.optim.optimizer import OPTIMIZERS, create_optimizer
-from imagenet_elastic.train.model import create_ema, create_model
 from imagenet_elastic.train.state import TrainState
 
 

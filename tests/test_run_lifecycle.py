@@ -10,8 +10,8 @@ import inprocess
 import torch
 from conftest import SMALL_RUN, TRAIN_IMAGES, VAL_IMAGES, load_checkpoint
 
+from imagenet_elastic.models.device import native_low_precision
 from imagenet_elastic.report.metrics import read as read_metrics
-from imagenet_elastic.train.model import native_low_precision
 
 
 def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):

@@ -11,8 +11,8 @@ import torch
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
+from imagenet_elastic.models.create import create_ema, create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
-from imagenet_elastic.train.model import create_ema, create_model
 from imagenet_elastic.train.state import EpochTally, PendingSteps, TrainState, check_compatible
 
 CLASSES = ("ant", "bee", "cat")

@@ -32,10 +32,10 @@ from conftest import (
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imagenet_elastic import cli
-from imagenet_elastic.checkpoint import compile_cache
 from imagenet_elastic.cli import build_parser
+from imagenet_elastic.models import compile_cache
+from imagenet_elastic.models.create import create_model
 from imagenet_elastic.report.metrics import read as read_metrics
-from imagenet_elastic.train.model import create_model
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 

@@ -12,7 +12,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from imagenet_elastic.checkpoint.published import WEIGHT_SOURCES
 from imagenet_elastic.config import options
 from imagenet_elastic.data.augment import POLICIES, Augment, check_range
 from imagenet_elastic.data.jpeg_decoders import JPEG_DECODERS
@@ -26,6 +25,9 @@ from imagenet_elastic.report.sinks import TRACKERS
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resume` and `--resume FOLDER` take
+# timm's model names that say where the weights are, not what the model is (config.json there says that): --model's
+# and --teacher's (models/published_weights.py reads them)
+WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.
 RESUME_SENSITIVE = (
@@ -36,7 +38,7 @@ RESUME_SENSITIVE = (
     "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
     "progressive_epochs", "ra_reps", "layer_decay", "kd_temperature", "task_loss_weight", "distill_loss_weight",
     "kd_token_distill_type",
-)  # --teacher: the identity of its weights is compared instead (checkpoint/teacher_weights.compare)
+)  # --teacher: the identity of its weights is compared instead (models/teacher_weights.compare)
 # Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
 VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
 DECODE_MODES = ("auto", "cpu", "gpu")  # --decode: decoding.Decoding

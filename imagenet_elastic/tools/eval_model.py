@@ -69,8 +69,10 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
     """Our checkpoint, an export folder, or a timm name (--pretrained)."""
     import timm
 
-    from imagenet_elastic.train import tiny_models
-    from imagenet_elastic.train.model import blur_strided_convs, create_model, saved_sizes
+    from imagenet_elastic.models import tiny_models
+    from imagenet_elastic.models.blurpool import blur_strided_convs
+    from imagenet_elastic.models.create import create_model
+    from imagenet_elastic.models.input_size import saved_sizes
 
     tiny_models.register()  # an export of a run that trained one names it in its config.json
     if os.path.isfile(name):

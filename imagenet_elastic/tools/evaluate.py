@@ -117,9 +117,9 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
+    from imagenet_elastic.models.device import place_model, resolve_precision
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train import build
-    from imagenet_elastic.train.model import place_model, resolve_precision
     from imagenet_elastic.train.step import evaluate
 
     env = resolve_launch("env", os.environ).env

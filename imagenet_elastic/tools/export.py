@@ -11,7 +11,7 @@ rebuilds the model with these weights, and timm's `resolve_data_config` + `creat
 validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
 back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
 A model timm builds for one input size (ViT, DeiT) trained at another keeps it in config.json's `model_args`
-(`img_size`), which timm builds it with; a tiny model of ours (train/tiny_models.py) is known to timm once
+(`img_size`), which timm builds it with; a tiny model of ours (models/tiny_models.py) is known to timm once
 `tiny_models.register()` ran. The line the command prints to load the export is whole Python that does that.
 """
 
@@ -32,8 +32,8 @@ from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
 
-# What gives a model timm rebuilt from an export of a --blurpool run its blur back (model.blur_strided_convs)
-BLURPOOL_CALL = "from imagenet_elastic.train.model import blur_strided_convs; blur_strided_convs(model)"
+# What gives a model timm rebuilt from an export of a --blurpool run its blur back (models/blurpool.py)
+BLURPOOL_CALL = "from imagenet_elastic.models.blurpool import blur_strided_convs; blur_strided_convs(model)"
 
 
 def build_parser() -> Parser:
@@ -74,8 +74,9 @@ def export(path: str, out_dir: str, ema: bool) -> str:
                         "export it without --ema")
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
-    from imagenet_elastic.train import tiny_models
-    from imagenet_elastic.train.model import create_model, input_options, saved_sizes
+    from imagenet_elastic.models import tiny_models
+    from imagenet_elastic.models.create import create_model
+    from imagenet_elastic.models.input_size import input_options, saved_sizes
 
     classes = list(snapshot["classes"])
     blurpool = saved_setting(snapshot["config"], "blurpool")
@@ -108,7 +109,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     hint = ("; its weight average scored best: add --ema to export that" if not ema and
             snapshot.get("best_of") == "model_ema" else "")
     # a tiny model of ours is in timm's registry only once registered (tiny_models.py): the line says so
-    register = ("from imagenet_elastic.train import tiny_models; tiny_models.register(); "
+    register = ("from imagenet_elastic.models import tiny_models; tiny_models.register(); "
                 if snapshot["model_name"] in tiny_models.NAMES else "")
     return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "
             f"{which} of epoch {snapshot['epoch']}{hint}) and config.json (input {data_config['input_size'][1]} px, "

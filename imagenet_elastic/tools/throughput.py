@@ -28,7 +28,7 @@ from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.launch.distributed import available_cores
-from imagenet_elastic.train.compile import CompiledOrEager
+from imagenet_elastic.models.compile import CompiledOrEager
 from imagenet_elastic.train.step import StepContext, train_step
 
 # ----------------------------------------------------------------------------- loader
@@ -189,8 +189,9 @@ def run_device(args: argparse.Namespace) -> torch.device:
 
 
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:
+    from imagenet_elastic.models.create import create_model
+    from imagenet_elastic.models.device import place_model, resolve_precision, use_fastest_kernels
     from imagenet_elastic.optim.optimizer import create_optimizer
-    from imagenet_elastic.train.model import create_model, place_model, resolve_precision, use_fastest_kernels
 
     device = run_device(args)
     use_fastest_kernels(device)
@@ -202,7 +203,7 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool,
                                      sizes=((args.image_size, "--image-size"),)), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
-    # compiled as the trainer compiles (train.compile): the same graphs, so a benchmark finds the caches a training
+    # compiled as the trainer compiles (models/compile.py): the same graphs, so a benchmark finds the caches a training
     # run filled (and the other way round), and a model that cannot compile is measured eager, as it would train
     compiled = CompiledOrEager(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),

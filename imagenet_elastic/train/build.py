@@ -6,7 +6,7 @@
 The order is the point. Everything that can fail on the user's input fails in the first step, before
 any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
 workers fork before the process group's threads exist (see pipeline.start_workers). Ranks compare what
-they were given (consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
+they were given (train/consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
 step that takes something (the checkpoints folder's lock, loader workers, the process group)
 registers its release on the run's ExitStack, so a failure at any later step, and the end of the
 run, release them in reverse order.
@@ -26,9 +26,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
-from imagenet_elastic.checkpoint import compile_cache, initial_weights, published, share, store, teacher_weights
+from imagenet_elastic.checkpoint import share, store
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
-from imagenet_elastic.checkpoint.teacher_weights import TeacherWeights
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import gpu_decode, pipeline, sources
 from imagenet_elastic.data.decoding import Decoding
@@ -38,27 +37,19 @@ from imagenet_elastic.data.sources import fingerprints
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.models import compile_cache, initial_weights, published_weights, teacher_weights
+from imagenet_elastic.models.compile import Compilation, compile_choice
+from imagenet_elastic.models.create import check_model_name, create_ema, create_model
+from imagenet_elastic.models.device import Precision, place_model, resolve_precision, use_fastest_kernels
+from imagenet_elastic.models.input_size import input_options, run_sizes, saved_sizes
+from imagenet_elastic.models.teacher_weights import TeacherWeights
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
-from imagenet_elastic.train.compile import Compilation, compile_choice
 from imagenet_elastic.train.distillation import LOGIT, Distillation, has_distillation_head, loss_weights
 from imagenet_elastic.train.micro_batch import MicroBatches
-from imagenet_elastic.train.model import (
-    Precision,
-    check_model_name,
-    check_model_options,
-    create_ema,
-    create_model,
-    input_options,
-    place_model,
-    resolve_precision,
-    run_sizes,
-    saved_sizes,
-    use_fastest_kernels,
-)
 from imagenet_elastic.train.state import TrainState, check_compatible
 from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.teacher import Teacher
@@ -113,7 +104,7 @@ class Inputs:
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
     initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
-    published: Optional[published.Published]  # --pretrained's weights, for a run that starts fresh
+    published: Optional[published_weights.Published]  # --pretrained's weights, for a run that starts fresh
     teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
@@ -131,7 +122,7 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
     # --pretrained's weights are read now when the run surely starts fresh (a missing file costs no scan of the
     # data either), else once the checkpoint to resume from, if any, is known
-    weights = published.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
+    weights = published_weights.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
         else None
     check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
                         distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
@@ -176,10 +167,28 @@ def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextl
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
-        weights = published.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
+        weights = published_weights.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
                     time.perf_counter() - start, initial, weights, teacher, tuple(chosen), data)
     return inputs, snapshot
+
+
+def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay: Optional[float],
+                        grad_checkpointing: bool, distillation_head: bool = False) -> None:
+    """--drop-path, --blurpool, --layer-decay, --grad-checkpointing and --kd-token-distill-type hard
+    (`distillation_head`) ask for what a model may lack (stochastic depth, a strided convolution to blur, numbered
+    layers, checkpointed blocks, DeiT's distillation head): asked of a copy built on the meta device (no memory, no
+    initialisation) by the same code that builds the run's model, so that a refusal comes before the data is scanned
+    and leaves nothing on disk."""
+    if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing or distillation_head):
+        return
+    with torch.device("meta"):
+        model = create_model(name, 1, drop_path, blurpool, grad_checkpointing=grad_checkpointing)
+    if layer_decay is not None:
+        check_layer_decay(model, name)
+    if distillation_head and not has_distillation_head(model):
+        raise UserError(f"--kd-token-distill-type hard: timm's {name} has no distillation head (DeiT's "
+                        "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
 def check_data(config: Config, env: DistEnv, console: Console, train: sources.Source, val: sources.Source,
@@ -224,7 +233,7 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
     if inputs.teacher is not None and has_distillation_head(model):
         model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average
     if inputs.published is not None:
-        start = published.describe(inputs.published, classes)
+        start = published_weights.describe(inputs.published, classes)
     elif inputs.initial_state is not None:
         start = initial_weights.load(model, inputs.initial_state, config.initial_checkpoint, config.model)
     else:
@@ -355,8 +364,9 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
 
 
 def prepare_compile(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training) -> Compilation:
-    """Whether the training step compiles (compile.compile_choice), and on every rank the compile caches an earlier
-    run left beside the checkpoints, loaded before anything compiles. --evaluate validates eager: nothing compiles."""
+    """Whether the training step compiles (models/compile.py's compile_choice), and on every rank the compile caches
+    an earlier run left beside the checkpoints, loaded before anything compiles. --evaluate validates eager: nothing
+    compiles."""
     device = inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     enabled, reason = (False, "--evaluate validates eager") if config.evaluate else compile_choice(

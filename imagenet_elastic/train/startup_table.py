@@ -5,17 +5,18 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from imagenet_elastic.checkpoint.teacher_weights import TeacherWeights
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.pipeline import PINNED_BUDGET
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT
 from imagenet_elastic.launch.distributed import group_options
 from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.models.blurpool import blurred
+from imagenet_elastic.models.compile import Compilation
+from imagenet_elastic.models.create import count_parameters
+from imagenet_elastic.models.teacher_weights import TeacherWeights
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train.build import Inputs, Loaders, Training
-from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.distillation import Distillation
-from imagenet_elastic.train.model import blurred, count_parameters
 
 
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,

@@ -15,9 +15,9 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from imagenet_elastic.checkpoint.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.data.model_input import ModelInput
-from imagenet_elastic.train.model import place_model
+from imagenet_elastic.models.device import place_model
+from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
 
 
 class Teacher:

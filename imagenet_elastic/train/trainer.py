@@ -21,13 +21,13 @@ from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted,
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
+from imagenet_elastic.models.compile import Compilation
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.console import Console, EpochProgress, clock
 from imagenet_elastic.report.restart_cost import RestartCost
 from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import Loaders, Training
-from imagenet_elastic.train.compile import Compilation
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import StepContext, evaluate
 
@@ -135,8 +135,8 @@ class Trainer:
                                  seconds=time.perf_counter() - start, resumed=epoch == self.resumed_into)
 
     def after_first_step(self) -> None:
-        """Once per process, on every rank: what compiling did (compile.Compilation: its warning, its cache file),
-        and what the restart cost, up to this step's end."""
+        """Once per process, on every rank: what compiling did (models/compile.py's Compilation: its warning, its cache
+        file), and what the restart cost, up to this step's end."""
         stepped, self.stepped = time.time(), True
         self.compilation.after_first_step()
         if self.restart_cost is not None:

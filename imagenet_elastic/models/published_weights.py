@@ -16,13 +16,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from imagenet_elastic.errors import UserError, first_line
+from imagenet_elastic.models import tiny_models
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
-
-# timm's model names that say where the weights are, not what the model is (config.json there says that)
-WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
 
 class Published(NamedTuple):
@@ -58,8 +56,6 @@ def create(model_name: str, flag: str = "--pretrained") -> nn.Module:
         OfflineModeIsEnabled,
         RepositoryNotFoundError,
     )
-
-    from imagenet_elastic.train import tiny_models
 
     tiny_models.register()  # an export of a run that trained one names it in its config.json
     where = f"the Hugging Face cache {cache_folder()}"

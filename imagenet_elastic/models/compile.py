@@ -1,5 +1,5 @@
 """torch.compile for the training step: whether it runs (on CUDA unless told otherwise), what happens when the
-model cannot compile (eager, with one warning), and its caches beside the checkpoints (checkpoint/compile_cache.py).
+model cannot compile (eager, with one warning), and its caches beside the checkpoints (compile_cache.py).
 
 Issue 31's first H100 run: compiling gave ResNet-50 1.40x the eager model throughput, for 57 s of compiling at each
 start with a cold cache (a restart's first step 81 s after the checkpoint, 21 s eager, 29 s with a warm cache);
@@ -18,9 +18,9 @@ from typing import Any, Callable, Optional
 import torch
 from torch import nn
 
-from imagenet_elastic.checkpoint.compile_cache import CompileCache
 from imagenet_elastic.errors import first_line
 from imagenet_elastic.launch import distributed
+from imagenet_elastic.models.compile_cache import CompileCache
 from imagenet_elastic.report.restart_cost import FirstStep
 
 BACKEND: Any = "inductor"  # torch.compile's backend; tests put a stub here (inductor takes 20-60 s on their CPUs)

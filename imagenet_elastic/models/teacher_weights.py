@@ -4,10 +4,10 @@ Three sources, told apart as timm's reader factory tells datasets apart (by form
 (`best.pt`) is one of our checkpoints, its raw weights, and so is a run's checkpoints folder (its best.pt); a folder
 with config.json is an export (`imagenet-elastic export`), read as timm's `local-dir:`; anything else a timm name
 with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), through the same Hugging Face
-cache and offline rules as --pretrained (published.py). What the teacher expects of its input comes with it: timm's
-pretrained_cfg (input size, mean, std) for published weights and exports, our validation's crop and normalisation
-for a checkpoint. So do its classes: a checkpoint's, or an export's config.json `label_names`, must be the data's, in
-order (`check_classes`).
+cache and offline rules as --pretrained (published_weights.py). What the teacher expects of its input comes with it:
+timm's pretrained_cfg (input size, mean, std) for published weights and exports, our validation's crop and
+normalisation for a checkpoint. So do its classes: a checkpoint's, or an export's config.json `label_names`, must be
+the data's, in order (`check_classes`).
 
 The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
 of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
@@ -24,10 +24,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from imagenet_elastic.checkpoint import published, store
-from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.checkpoint import store
+from imagenet_elastic.config import WEIGHT_SOURCES, eval_sizes, saved_setting
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.models import published_weights, tiny_models
+from imagenet_elastic.models.blurpool import blur_strided_convs
+from imagenet_elastic.models.create import create_model
+from imagenet_elastic.models.input_size import saved_sizes
 
 CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
 FLAG = "--teacher"
@@ -83,10 +87,8 @@ def resolve(spec: str) -> tuple[str, str]:
             return CHECKPOINT, os.path.join(spec, store.BEST)
         raise UserError(f"{FLAG} {spec}: a folder with neither config.json (an export: imagenet-elastic export) nor "
                         f"{store.BEST} (a run's checkpoints folder)")
-    if not spec.startswith(published.WEIGHT_SOURCES):
+    if not spec.startswith(WEIGHT_SOURCES):
         import timm
-
-        from imagenet_elastic.train import tiny_models
 
         tiny_models.register()
         if os.sep in spec or not timm.is_model(spec):
@@ -102,7 +104,7 @@ def read(spec: str) -> TeacherWeights:
         model, source, classes, names, wanted = from_checkpoint(target)
         source += f" ({target})" if target != spec else ""
     else:
-        model = published.create(f"local-dir:{target}" if kind == EXPORT else target, FLAG)
+        model = published_weights.create(f"local-dir:{target}" if kind == EXPORT else target, FLAG)
         architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
         names = None
         if kind == EXPORT or spec.startswith("local-dir:"):
@@ -111,7 +113,7 @@ def read(spec: str) -> TeacherWeights:
             names = exported_class_names(config)
             source = f"a folder of {architecture} weights (an export, or timm's save_for_hf)"
         else:
-            where = published.describe_source(model, spec)
+            where = published_weights.describe_source(model, spec)
             source = f"published weights of {architecture}" + (f": {where}" if where != spec else "")
         head = model.get_classifier() if hasattr(model, "get_classifier") else None
         classes = getattr(model, "num_classes", 0) if head is not None else 0
@@ -123,8 +125,6 @@ def read(spec: str) -> TeacherWeights:
 
 def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], TeacherInput]:
     """One of our checkpoints as a teacher: its model with its raw weights, and the input its validation used."""
-    from imagenet_elastic.train.model import create_model, saved_sizes
-
     try:
         snapshot = store.load(path)
     except UserError as error:
@@ -162,8 +162,6 @@ def folder_config(folder: str) -> dict[str, Any]:
 
 def blur_if_exported_with_it(model: nn.Module, config: dict[str, Any]) -> None:
     """An export of a --blurpool run says so in its config.json, and timm builds no blur: give it back."""
-    from imagenet_elastic.train.model import blur_strided_convs
-
     extra = config.get("imagenet_elastic", {})
     if isinstance(extra, dict) and extra.get("blurpool"):
         blur_strided_convs(model)

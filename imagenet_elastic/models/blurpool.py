@@ -1,0 +1,58 @@
+"""--blurpool: FFCV's BlurPool, a binomial blur before each strided convolution, given to a model timm built (a run's,
+a checkpoint's or an export's, which timm rebuilds without it)."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import nn
+
+BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its input as it is
+
+
+def blur_strided_convs(model: nn.Module) -> list[str]:
+    """FFCV's BlurPool (--blurpool): every convolution with a stride above 1 and at least 16 input channels
+    sees its input blurred first by a 3x3 binomial filter (timm's BlurPool2d at stride 1, zero padding), so
+    that downsampling does not alias. Returns the names of those convolutions.
+
+    Each such convolution keeps its weights and becomes an instance of a subclass of its own class that
+    blurs first; the filter is a buffer that is not saved. So the state dict stays the plain model's
+    (checkpoints, --initial-checkpoint and exports keep timm's names, and a model timm rebuilds from them
+    gets its blur back from this function), and torch.compile sees another class, not a forward hook, which
+    dynamo does not guard on: it ran a blurred model with the graph of a plain one compiled before it
+    (tests/test_blurpool.py).
+    """
+    from timm.layers import BlurPool2d
+
+    names = []
+    for name, conv in list(model.named_modules()):  # listed first: the loop adds modules
+        if (isinstance(conv, nn.Conv2d) and not isinstance(conv, _BlurFirst) and max(conv.stride) > 1
+                and conv.in_channels >= BLUR_MIN_CHANNELS):
+            conv.blur = BlurPool2d(conv.in_channels, filt_size=3, stride=1, pad_mode="constant").to(
+                device=conv.weight.device, dtype=conv.weight.dtype)
+            conv.__class__ = _blurred_class(type(conv))
+            names.append(name)
+    return names
+
+
+def blurred(model: nn.Module) -> int:
+    """How many convolutions blur_strided_convs gave a blur."""
+    return sum(isinstance(m, _BlurFirst) for m in model.modules())
+
+
+class _BlurFirst:
+    """Put before a convolution class among its bases: its forward blurs the input, then convolves."""
+
+    blur: nn.Module
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(self.blur(x))  # type: ignore[misc]
+
+
+@functools.cache
+def _blurred_class(conv_class: type) -> type:
+    return type(f"Blurred{conv_class.__name__}", (_BlurFirst, conv_class), {"__module__": __name__})
+
+
+BlurredConv2d = _blurred_class(nn.Conv2d)  # found by name: a whole pickled model (torch.save(model)) loads again

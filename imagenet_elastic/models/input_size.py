@@ -1,0 +1,110 @@
+"""The image sizes a model must take (a run's validation crop and training sizes, a checkpoint's crop), and timm's
+options that make a model built for one input size (ViT, DeiT, Swin, ...) take them."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch import nn
+
+from imagenet_elastic.config import WEIGHT_SOURCES, eval_sizes, saved_setting
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.models import tiny_models
+
+if TYPE_CHECKING:
+    from imagenet_elastic.config import Config
+
+
+Sizes = Sequence[tuple[int, str]]  # image sizes in pixels, each with the flag that asks for it
+
+
+def run_sizes(config: Config, built_for: Optional[int] = None) -> tuple[tuple[int, str], ...]:
+    """The sizes a run's model takes: validation's crop first (the size its weights are made for, unless
+    `built_for`: a checkpoint's crop, at resume), then each epoch's training size."""
+    crop = (config.eval_crop, "--val-crop-size" if config.val_crop_size else "--image-size")
+    train = sorted({config.train_sizes(epoch) for epoch in range(config.epochs)})
+    flag = "--progressive-resize" if config.progressive_resize else "--image-size"
+    made = ((built_for, "the checkpoint's --val-crop-size"),) if built_for not in (None, config.eval_crop) else ()
+    return (*made, crop, *((size, flag) for size in train))
+
+
+def saved_sizes(settings: dict[str, Any]) -> tuple[tuple[int, str], ...]:
+    """The size a checkpoint's model was made for (its run's validation crop), from its saved settings."""
+    crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
+                      settings.get("val_resize"))[0]
+    return ((crop, "the checkpoint's --val-crop-size"),)
+
+
+def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
+    """timm's `img_size` and `dynamic_img_size` that make model `name` take images of every size in `sizes` (the
+    first: the size its weights are made for), for a model timm builds for one input size (ViT, DeiT, Swin, MLP-Mixer
+    ...: its pretrained_cfg says fixed_input_size), where that size is not the run's; {} where none is needed. With
+    `img_size` timm sizes the position embeddings for it (and resamples published ones to it); `dynamic_img_size`
+    resamples them at each forward, for a model that takes several sizes (a validation crop or a progressive
+    resize other than the training size). Which of the two a model takes is asked of copies built on the meta
+    device (no memory, no initialisation) and given an image of each size there. A model that takes none of them
+    is a UserError naming it, its size and the flag, before anything is read: else its first step would end in a
+    traceback."""
+    import timm
+
+    wanted = list(dict.fromkeys(size for size, _ in sizes))
+    if not wanted:
+        return {}
+    tiny_models.register()
+    cfg = _pretrained_cfg(name)
+    native = tuple(cfg.get("input_size", (3, 224, 224))[-2:])
+    if not cfg.get("fixed_input_size") or all((size, size) == native for size in wanted):
+        return {}
+    built = wanted[0]
+    made = {} if (built, built) == native else {"img_size": built}
+    others: list[int] = []  # sizes refused by a model that took the first
+    as_timm_builds = None
+    for options in ({}, *([made] if made else []), {**made, "dynamic_img_size": True}):
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name, num_classes=1, pretrained=False, **options)
+        except (TypeError, ValueError, AssertionError):  # an argument this architecture lacks, or a size it refuses
+            continue
+        as_timm_builds = as_timm_builds or model
+        refused = next((size for size in wanted if not _takes(model, (size, size))), None)
+        if refused is None:
+            return options
+        if refused != built:
+            others.append(refused)
+    if as_timm_builds is None or not _takes(as_timm_builds, native):
+        return {}  # a forward the meta device cannot run tells nothing: the model is built as timm builds it
+    flag = dict(reversed(sizes))  # the first flag that asks for each size
+    side = f"{native[0]}" if native[0] == native[1] else f"{native[0]}x{native[1]}"
+    if others:
+        raise UserError(f"--model {name} takes one image size (timm builds it for {side} px, or for another): it "
+                        f"can be made for {flag[built]} {built} but then not for {flag[others[-1]]} {others[-1]}; "
+                        "train and validate at one size, or choose a model that takes any size")
+    raise UserError(f"--model {name} takes {side} px images only: timm cannot build it for {flag[built]} {built}; "
+                    f"pass {flag[built]} {native[0]}, or choose a model that takes any size")
+
+
+def _pretrained_cfg(name: str) -> dict[str, Any]:
+    """timm's pretrained_cfg of a model name (its default tag's where it names none); for `hf-hub:` and
+    `local-dir:` names that of a copy built on the meta device from their config.json."""
+    import timm
+
+    if not name.startswith(WEIGHT_SOURCES):
+        try:
+            return timm.models.get_pretrained_cfg(name).to_dict()
+        except (RuntimeError, AttributeError):  # a name timm knows without a pretrained_cfg
+            pass
+    with torch.device("meta"):
+        return dict(getattr(timm.create_model(name, num_classes=1, pretrained=False), "pretrained_cfg", {}) or {})
+
+
+def _takes(model: nn.Module, size: tuple[int, int]) -> bool:
+    """Whether a model built on the meta device runs an image of `size` (height, width) pixels (in eval mode, as
+    validation runs it; a shape check fails there as it would in a real step)."""
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model.eval()(torch.empty(1, 3, *size))
+    except (AssertionError, RuntimeError, ValueError):
+        return False
+    return True
