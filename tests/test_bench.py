@@ -3,14 +3,14 @@
 
 from __future__ import annotations
 
+import json
 import os
-import subprocess
 import sys
 
 import benchmark as bench
 import inprocess
 import pytest
-from conftest import REPO, child_env, run
+from conftest import REPO, run
 from test_benchmark import json_lines
 
 
@@ -51,15 +51,22 @@ def test_missing_data_folder_is_one_line_where_a_mode_reads_it(tmp_path):
     assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
 
 
-@pytest.mark.slow  # spawns the loader's workers, twice a case
-def test_gpu_decoder_settings_measures_each_setting_alone_and_beside_training_with_its_references(image_folder):
+def test_gpu_decoder_settings_measures_each_setting_alone_and_beside_training_with_its_references(
+        image_folder, monkeypatch, capsys):
     """bench/gpu_decoder_settings.py on CPU tensors (nvImageCodec's CPU backend under every setting): a flag or a
     field the script no longer has fails here, not on a GPU."""
-    env = {**child_env(), "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32"}
-    done = subprocess.run([sys.executable, str(REPO / "bench" / "gpu_decoder_settings.py"), str(image_folder),
-                           "--settings", "default,hw_only", "--batches", "1", "--few", "1"], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=180)
-    lines = json_lines(done)
+    import gpu_decoder_settings as settings
+
+    from imagenet_elastic.data import jpeg_decoders
+
+    monkeypatch.setattr(settings, "MODEL", "test_resnet")
+    monkeypatch.setattr(settings, "BATCH", 8)
+    monkeypatch.setattr(settings, "SIZE", 32)
+    monkeypatch.setattr(jpeg_decoders.NvImageCodecJpeg, "make_decoder", jpeg_decoders.NvImageCodecJpeg.make_decoder)
+    monkeypatch.setattr(sys, "argv", ["gpu_decoder_settings.py", str(image_folder), "--settings", "default,hw_only",
+                                      "--batches", "1", "--few", "1"])
+    settings.main()
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     alone = {line["setting"]: line for line in lines if "alone_images_per_sec" in line}
     assert sorted(alone) == ["default", "hw_only"]
     assert all(line["decoded"] == line["of"] == 8 and line["alone_images_per_sec"] > 0 for line in alone.values())
