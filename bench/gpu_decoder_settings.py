@@ -1,33 +1,36 @@
 #!/usr/bin/env python
 """Which settings of `--decode gpu`'s JPEG libraries keep up beside a compiled training step; not installed.
 
-    python bench/gpu_decoder_settings.py DATA [--compile-cache FILE] [--batches N] [--few 4]
+    python bench/gpu_decoder_settings.py DATA [--compile-cache FILE] [--batches N] [--few 4] [--settings A,B]
 
 For each of nvImageCodec's settings below (its backends, its CPU threads, nvJPEG's Huffman threshold), first the
 library alone (batches of DATA's JPEGs decoded back to back, the device otherwise idle: what it can supply), then
 compiled end to end beside training at the node's loader workers and at --few, with torchvision's decoder and
 `--decode cpu` as references, and the compiled model alone (the limit) measured in the same process. One JSON line
-each. The settings are tried by replacing NvImageCodecJpeg.make_decoder in this process, so the product's own
-choice is the `default` line. MODEL, BATCH and SIZE from the environment make it small: on a CPU the library runs
-its CPU backend, which every setting below then shares.
+each. A setting replaces the nvimgcodec line of jpeg_decoders.JPEG_DECODERS in this process; `product` is the
+line as training has it (every backend, the CPU threads decoding.Decoding.library_threads leaves beside the loader
+workers; alone, a thread per core). MODEL, BATCH and SIZE from the environment make it small: on a CPU the library
+runs its CPU backend, which every setting below then shares.
 """
 
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Optional
 
 REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
+for folder in (REPO, REPO / "scripts"):
+    if str(folder) not in sys.path:
+        sys.path.insert(0, str(folder))
 
 import torch  # noqa: E402
+from gpu_proof import load_compile_cache  # noqa: E402
 
 from imagenet_elastic.data import jpeg_decoders, sources  # noqa: E402
 from imagenet_elastic.tools import benchmark, throughput  # noqa: E402
@@ -36,38 +39,34 @@ MODEL = os.environ.get("MODEL", "resnet50")
 BATCH = int(os.environ.get("BATCH", "256"))
 SIZE = int(os.environ.get("SIZE", "224"))
 
-# name: (backend kinds, None: the library's choice of all; CPU threads, 0: one per core; extra options)
-SETTINGS: dict[str, tuple[Optional[tuple[str, ...]], int, str]] = {
-    "default": (None, 0, ""),
+# name: (backend kinds, None: every one the library has; CPU threads, None: the product's, 0: one per core; more
+# of its decoder options)
+SETTINGS: dict[str, tuple[Optional[tuple[str, ...]], Optional[int], str]] = {
+    "product": (None, None, ""),
+    "threads_per_core": (None, 0, ""),
     "threads_2": (None, 2, ""),
     "gpu_hw_threads_2": (("HW_GPU_ONLY", "GPU_ONLY"), 2, "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"),
     "gpu_only_threads_2": (("GPU_ONLY",), 2, "nvjpeg_cuda_decoder:hybrid_huffman_threshold=0"),
     "hw_only": (("HW_GPU_ONLY",), 2, ""),
 }
+PRODUCT = jpeg_decoders.JPEG_DECODERS["nvimgcodec"]
 
 
 def emit(line: dict[str, Any]) -> None:
     print(json.dumps(line), flush=True)
 
 
-def use_setting(name: str) -> None:
-    """NvImageCodecJpeg's decoder made with setting `name` (on CUDA; a CPU keeps its CPU backend)."""
-    kinds, threads, extra = SETTINGS[name]
-    original = jpeg_decoders.NvImageCodecJpeg.__dict__.get("original_make_decoder") or \
-        jpeg_decoders.NvImageCodecJpeg.make_decoder
-    jpeg_decoders.NvImageCodecJpeg.original_make_decoder = original
+def use_setting(name: str) -> Callable[[torch.device, int], jpeg_decoders.NvImageCodecJpeg]:
+    """--gpu-decoder nvimgcodec made with setting `name` from here on (on a CPU its CPU backend, whatever the
+    setting); its maker, (device, the product's threads) -> the decoder."""
+    backends, threads, options = SETTINGS[name]
 
-    def make_decoder(self) -> None:
-        if self.device.type != "cuda":
-            return original(self)
-        nvimgcodec = jpeg_decoders.import_nvimgcodec()
-        backends = None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in kinds]
-        self.decoder = nvimgcodec.Decoder(device_id=jpeg_decoders.device_index(self.device),
-                                          max_num_cpu_threads=threads, backends=backends,
-                                          options=" ".join([":fancy_upsampling=1", extra]).strip())
-        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+    def make(device: torch.device, product_threads: int) -> jpeg_decoders.NvImageCodecJpeg:
+        return jpeg_decoders.NvImageCodecJpeg(device, product_threads if threads is None else threads, backends,
+                                              options)
 
-    jpeg_decoders.NvImageCodecJpeg.make_decoder = make_decoder
+    jpeg_decoders.JPEG_DECODERS["nvimgcodec"] = PRODUCT._replace(make=make)
+    return make
 
 
 def jpeg_batches(data: str, count: int) -> list[list[torch.Tensor]]:
@@ -78,9 +77,9 @@ def jpeg_batches(data: str, count: int) -> list[list[torch.Tensor]]:
     return [raw[i:i + BATCH] for i in range(0, len(raw) - BATCH + 1, BATCH)]
 
 
-def alone(device: torch.device, batches: list[list[torch.Tensor]]) -> dict[str, Any]:
+def alone(decoder: jpeg_decoders.NvImageCodecJpeg, batches: list[list[torch.Tensor]]) -> dict[str, Any]:
     """The library by itself: images per second, and how many of a batch it decoded (the rest None)."""
-    decoder = jpeg_decoders.NvImageCodecJpeg(device)
+    device = decoder.device
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     decoded = decoder.decode(batches[0])
     sync()
@@ -103,17 +102,13 @@ def main() -> None:
     a = p.parse_args()
     names = a.settings.split(",")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if a.compile_cache and os.path.exists(a.compile_cache):
-        from imagenet_elastic.models import compile_cache
-
-        raw = Path(a.compile_cache).read_bytes()
-        _, blob = compile_cache.decode(gzip.decompress(raw) if a.compile_cache.endswith(".gz") else raw)
-        emit({"compile_cache": "loaded" if torch.compiler.load_cache_artifacts(blob) is not None else "not loaded"})
+    if a.compile_cache:
+        emit({"compile_cache": load_compile_cache(a.compile_cache)})
     batches = jpeg_batches(a.data, 6)
     for name in names:
-        use_setting(name)
+        make = use_setting(name)
         try:
-            emit({"setting": name, "device": device.type, **alone(device, batches)})
+            emit({"setting": name, "device": device.type, **alone(make(device, 0), batches)})
         except Exception as error:  # a backend this GPU lacks costs its line
             emit({"setting": name, "failed": f"{type(error).__name__}: {error}"[:300]})
     many = max(1, (os.cpu_count() or 2) - 2)

@@ -62,19 +62,19 @@ def test_gpu_decoder_settings_measures_each_setting_alone_and_beside_training_wi
     monkeypatch.setattr(settings, "MODEL", "test_resnet")
     monkeypatch.setattr(settings, "BATCH", 8)
     monkeypatch.setattr(settings, "SIZE", 32)
-    monkeypatch.setattr(jpeg_decoders.NvImageCodecJpeg, "make_decoder", jpeg_decoders.NvImageCodecJpeg.make_decoder)
-    monkeypatch.setattr(sys, "argv", ["gpu_decoder_settings.py", str(image_folder), "--settings", "default,hw_only",
+    monkeypatch.setitem(jpeg_decoders.JPEG_DECODERS, "nvimgcodec", jpeg_decoders.JPEG_DECODERS["nvimgcodec"])
+    monkeypatch.setattr(sys, "argv", ["gpu_decoder_settings.py", str(image_folder), "--settings", "product,hw_only",
                                       "--batches", "1", "--few", "1"])
     settings.main()
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
     alone = {line["setting"]: line for line in lines if "alone_images_per_sec" in line}
-    assert sorted(alone) == ["default", "hw_only"]
+    assert sorted(alone) == ["hw_only", "product"]
     assert all(line["decoded"] == line["of"] == 8 and line["alone_images_per_sec"] > 0 for line in alone.values())
     cases = {line["case"]: line for line in lines if "case" in line}
     many = max(1, (os.cpu_count() or 2) - 2)
     named = ["limit"] + [f"{what}_{n}" for n in dict.fromkeys([many, 1])
-                         for what in ("cpu", "torchvision", "default", "hw_only")]
+                         for what in ("cpu", "torchvision", "product", "hw_only")]
     assert sorted(cases) == sorted(named) and all(line["images_per_sec"] > 0 for line in cases.values())
-    assert [cases[f"{what}_1"]["gpu_decoder"] for what in ("cpu", "torchvision", "default", "hw_only")] == [
+    assert [cases[f"{what}_1"]["gpu_decoder"] for what in ("cpu", "torchvision", "product", "hw_only")] == [
         None, "torchvision", "nvimgcodec", "nvimgcodec"]
     assert cases["hw_only_1"]["setting"] == "hw_only" and cases["torchvision_1"]["setting"] is None

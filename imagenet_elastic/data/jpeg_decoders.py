@@ -119,8 +119,12 @@ class NvImageCodecJpeg:
 
     name = "nvimgcodec"
 
-    def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
-        self.device, self.cpu_threads = device, cpu_threads
+    def __init__(self, device: torch.device, cpu_threads: int = 0, backends: Optional[tuple[str, ...]] = None,
+                 options: str = "") -> None:
+        """`backends`: on CUDA, the library's backend kinds by name (HW_GPU_ONLY, GPU_ONLY, ...; None: every one it
+        has); `options`: more of its decoder options. Both are left to the library in training; the GPU
+        measurements try others (bench/gpu_decoder_settings.py)."""
+        self.device, self.cpu_threads, self.backends, self.options = device, cpu_threads, backends, options
         self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
         self.params = None  # its DecodeParams, made with it (make_decoder)
 
@@ -128,10 +132,12 @@ class NvImageCodecJpeg:
         nvimgcodec = import_nvimgcodec()
         # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said rather than left to the library's
         # default: nvImageCodec 0.8's Python decoder turned it off unless asked, 0.9's extensions turn it on
-        options = ":fancy_upsampling=1"
+        options = " ".join([":fancy_upsampling=1", self.options]).strip()
         if self.device.type == "cuda":
+            backends = None if self.backends is None else \
+                [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in self.backends]
             self.decoder = nvimgcodec.Decoder(device_id=device_index(self.device),
-                                              max_num_cpu_threads=self.cpu_threads, options=options)
+                                              max_num_cpu_threads=self.cpu_threads, backends=backends, options=options)
         else:
             self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                               max_num_cpu_threads=self.cpu_threads,
