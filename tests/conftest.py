@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -17,6 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # its modules (OpCounter, synthetic_index)
 import fault_injection as fi  # noqa: E402
 import inprocess
+import object_store
 import pytest
 import torch
 from packaging.version import Version  # pytest's own dependency
@@ -311,3 +313,32 @@ def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:
     state = load_checkpoint(ckpt_dir / "last.pt")
     assert state["world_size"] == reference["world_size"]
     assert_same_tensors(state["model"], reference["model"])
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """moto's S3 server, shared by the session: tests use buckets of their own (or reset() it)."""
+    with object_store.S3Server(log_dir=tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@pytest.fixture
+def fresh_s3_server(tmp_path):
+    """An S3 server of this test's own, to stop, kill and restart."""
+    with object_store.S3Server(log_dir=tmp_path / "logs") as server:
+        yield server
+
+
+@pytest.fixture
+def range_http_server(tmp_path):
+    """range_http_server(folder) -> a started RangeHTTPServer of `folder`, stopped after the test."""
+    with contextlib.ExitStack() as started:
+        yield lambda folder: started.enter_context(object_store.RangeHTTPServer(folder, log_dir=tmp_path / "logs"))
+
+
+@pytest.fixture
+def fault_proxy(tmp_path):
+    """fault_proxy(upstream) -> a started FaultProxy in front of a server (or "host:port"), stopped after the
+    test."""
+    with contextlib.ExitStack() as started:
+        yield lambda upstream: started.enter_context(object_store.FaultProxy(upstream, log_dir=tmp_path / "logs"))
