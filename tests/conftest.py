@@ -18,8 +18,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))  # the 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # its modules (OpCounter, synthetic_index)
 import fault_injection as fi  # noqa: E402
 import inprocess
-import object_store
 import pytest
+import store_servers
 import torch
 from packaging.version import Version  # pytest's own dependency
 
@@ -318,14 +318,14 @@ def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """moto's S3 server, shared by the session: tests use buckets of their own (or reset() it)."""
-    with object_store.S3Server(log_dir=tmp_path_factory.mktemp("moto")) as server:
+    with store_servers.S3Server(log_dir=tmp_path_factory.mktemp("moto")) as server:
         yield server
 
 
 @pytest.fixture
 def fresh_s3_server(tmp_path):
     """An S3 server of this test's own, to stop, kill and restart."""
-    with object_store.S3Server(log_dir=tmp_path / "logs") as server:
+    with store_servers.S3Server(log_dir=tmp_path / "logs") as server:
         yield server
 
 
@@ -333,7 +333,7 @@ def fresh_s3_server(tmp_path):
 def range_http_server(tmp_path):
     """range_http_server(folder) -> a started RangeHTTPServer of `folder`, stopped after the test."""
     with contextlib.ExitStack() as started:
-        yield lambda folder: started.enter_context(object_store.RangeHTTPServer(folder, log_dir=tmp_path / "logs"))
+        yield lambda folder: started.enter_context(store_servers.RangeHTTPServer(folder, log_dir=tmp_path / "logs"))
 
 
 @pytest.fixture
@@ -341,4 +341,4 @@ def fault_proxy(tmp_path):
     """fault_proxy(upstream) -> a started FaultProxy in front of a server (or "host:port"), stopped after the
     test."""
     with contextlib.ExitStack() as started:
-        yield lambda upstream: started.enter_context(object_store.FaultProxy(upstream, log_dir=tmp_path / "logs"))
+        yield lambda upstream: started.enter_context(store_servers.FaultProxy(upstream, log_dir=tmp_path / "logs"))

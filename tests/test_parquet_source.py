@@ -229,9 +229,10 @@ def test_a_prefix_wins_over_what_the_file_system_shows(image_folder, tmp_path):
 
 
 def test_an_unknown_prefix_or_a_url_is_one_line_naming_the_known_ones(tmp_path, monkeypatch):
-    for location in ("hf:ILSVRC/imagenet-1k", "s3://bucket/imagenet"):
-        with pytest.raises(UserError, match=rf"^no source reads {location}: a location is a path, or a path after "
-                                            r"one of folder:, parquet:, wds:$"):
+    for location in ("hf:ILSVRC/imagenet-1k", "hdfs://namenode/imagenet"):
+        with pytest.raises(UserError, match=rf"^no source reads {location}: a location is a path, a path after one of "
+                                            r"folder:, parquet:, wds:, or a store's URL \(s3://, gs://, gcs://, "
+                                            r"http://, https://\)$"):
             sources.open_source(location, "train", None)
     monkeypatch.chdir(tmp_path)
     (tmp_path / "run:2" / "train" / "a").mkdir(parents=True)  # a word and a colon that name no kind: a path

@@ -1,15 +1,16 @@
 """Sources of samples: the forms a split of ImageNet is held in, behind one interface (base.Source).
 
     image_folder.py     DIR/CLASS/**/IMAGE, torchvision's ImageFolder layout                    (prefix folder:)
-    tar_shards.py       a folder, brace pattern or glob of WebDataset tar shards (KEY.jpg + KEY.cls), indexed once
-                                                                                                (prefix wds:)
+    tar_shards.py       a folder, brace pattern or glob of WebDataset tar shards (KEY.jpg + KEY.cls), indexed once,
+                        on disk or in an object store (object_store.py)                         (prefix wds:)
     parquet.py          Hugging Face's imagenet-1k parquet files, read in place by row group   (prefix parquet:)
     labelled_folder.py  a flat folder of images with a labels file (ImageNet's original validation set; folder:)
 
 `open_splits` turns the command line's DATA, --val-path and --val-labels into the train and val sources.
 A location names its kind by a prefix (`wds:/data/shards`, `parquet:/data/hf`, `folder:/data/imagenet`), as timm's
 reader factory does, before any look at the file system; else the first kind in `KINDS` that claims it opens it.
-A new source (a remote store, LMDB) is one module and one entry in `KINDS`: nothing downstream changes. A kind's
+A store's URL (`s3://`, `gs://`, `https://`; object_store.py) is read by tar_shards.py, through a node-local cache
+of whole shards. A new source (LMDB, ...) is one module and one entry in `KINDS`: nothing downstream changes. A kind's
 module has
     PREFIX                                          the word before the colon that names it
     claims(location, labels_file) -> bool           whether an unprefixed location is of this kind
@@ -26,7 +27,7 @@ import re
 from types import ModuleType
 from typing import Optional
 
-from imagenet_elastic.data.sources import image_folder, labelled_folder, parquet, tar_shards
+from imagenet_elastic.data.sources import image_folder, labelled_folder, object_store, parquet, tar_shards
 from imagenet_elastic.data.sources.base import FileList, Source
 from imagenet_elastic.errors import UserError
 
@@ -47,10 +48,29 @@ def kind_of(location: str) -> tuple[Optional[str], str]:
     match = _PREFIXED.fullmatch(location)
     if match and match.group(1) in prefixes():
         return match.group(1), match.group(2)
+    if object_store.is_url(location):
+        return None, location
     if (match or _SCHEME.match(location)) and not os.path.exists(location):
         known = ", ".join(f"{p}:" for p in prefixes())
-        raise UserError(f"no source reads {location}: a location is a path, or a path after one of {known}")
+        schemes = ", ".join(f"{s}://" for s in object_store.SCHEMES)
+        raise UserError(f"no source reads {location}: a location is a path, a path after one of {known}, or a "
+                        f"store's URL ({schemes})")
     return None, location
+
+
+def _isdir(path: str) -> bool:
+    """A folder on disk, or a prefix with objects under it in a store."""
+    if not object_store.is_url(path):
+        return os.path.isdir(path)
+    timeout = object_store.settings().timeout
+    if object_store.scheme(path) in ("http", "https"):  # nothing to list: a folder there is a pack's, or a split of it
+        return any(object_store.exists(object_store.join(path, *parts), timeout)
+                   for parts in ((tar_shards.INDEX_NAME,), ("train", tar_shards.INDEX_NAME)))
+    return object_store.isdir(path, timeout)
+
+
+def _join(folder: str, name: str) -> str:
+    return object_store.join(folder, name) if object_store.is_url(folder) else os.path.join(folder, name)
 
 
 def prefixed(prefix: Optional[str], location: str) -> str:
@@ -85,6 +105,9 @@ def open_source(location: str, role: str, cache_dir: Optional[str], classes: Opt
     by its kind, whatever is (or is not) there: that kind's own errors say what is wrong."""
     prefix, path = kind_of(location)
     kinds = candidates(prefix)
+    if object_store.is_url(path) and tar_shards not in kinds:
+        raise UserError(f"{location}: a store holds tar shards (a pack, or WebDataset shards) for training here; "
+                        f"no {prefix}: source reads a store")
     for kind in kinds:
         if kind.claims(path, labels_file):
             return kind.open_split(path, role, cache_dir, classes, labels_file)
@@ -102,10 +125,10 @@ def train_location(data: str) -> str:
     if is_pattern(data):
         return data
     prefix, path = kind_of(data)
-    if not os.path.isdir(path):
+    if not _isdir(path):
         raise UserError(f"data folder {path} does not exist")
-    train = os.path.join(path, "train")
-    if os.path.isdir(train):
+    train = _join(path, "train")
+    if _isdir(train):
         return prefixed(prefix, train)
     both = both_splits(data)
     return both[0] if both else data
@@ -118,8 +141,8 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     if is_pattern(data) and val_path is None:
         raise UserError(f"DATA {data} is a pattern of files: pass --val-path for the validation split")
     both = None if val_path or is_pattern(data) else both_splits(data)
-    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], os.path.join(kind_of(data)[1], "val")))
-    if not is_pattern(val) and not os.path.isdir(kind_of(val)[1]):
+    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], _join(kind_of(data)[1], "val")))
+    if not is_pattern(val) and not _isdir(kind_of(val)[1]):
         raise UserError(f"validation folder {kind_of(val)[1]} does not exist" + ("" if val_path else
                                                                                "; pass --val-path"))
     return train, val
@@ -130,11 +153,11 @@ def evaluated_split(location: str) -> str:
     (DATA/val, where DATA/train is beside it: the README's DATA, a pack's output), else the location itself (a split;
     a folder of both splits side by side gives its validation files to the kind that reads it)."""
     prefix, path = kind_of(location)
-    if not os.path.isdir(os.path.join(path, "train")):
+    if not _isdir(_join(path, "train")):
         return location
-    if not os.path.isdir(os.path.join(path, "val")):
+    if not _isdir(_join(path, "val")):
         raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
-    return prefixed(prefix, os.path.join(path, "val"))
+    return prefixed(prefix, _join(path, "val"))
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],

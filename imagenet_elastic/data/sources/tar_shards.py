@@ -29,22 +29,26 @@ so the world-size-invariant sampler, step-exact resume and --ra-reps work as wit
 
 from __future__ import annotations
 
+import fnmatch
 import glob
 import io
 import json
 import mmap
 import os
+import posixpath
 import re
 import tarfile
 import time
 import zlib
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.data.sources import index_file
+from imagenet_elastic.data.sources import index_file, object_store
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
@@ -57,7 +61,7 @@ INFO_NAME_KEYS = ("class_names", "classes", "label_names")
 INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shards, last
 INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
-OPTIONAL_ARRAYS = ("checksums",)  # added to version 1 later: its first files read without them
+OPTIONAL_ARRAYS = ("checksums", "etags")  # added to version 1 later: its first files read without them
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 _PATTERN_CHARS = "{*?["
 
@@ -70,7 +74,7 @@ def is_pattern(location: str) -> bool:
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
-    if is_pattern(location):
+    if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
     try:
         return os.path.isdir(location) and any(name.endswith(".tar") for name in os.listdir(location))
@@ -109,6 +113,8 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
 
 def shard_paths(location: str, role: str) -> list[str]:
     """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
+    if object_store.is_url(location):
+        return [entry.url for entry in store_shards(location, role)]
     if not is_pattern(location):
         paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
     else:
@@ -123,7 +129,7 @@ def split_patterns(folder: str) -> Optional[tuple[str, str]]:
     does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None for a folder of one
     split's shards. A folder of both whose names do not tell every shard's split is refused."""
     try:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".tar"))
+        names = sorted(n for n in _names(folder) if n.endswith(".tar"))
     except OSError:
         return None
     train = {n for n in names if "train" in n}
@@ -136,9 +142,69 @@ def split_patterns(folder: str) -> Optional[tuple[str, str]]:
             raise UserError(f"{folder} holds train shards ({min(train - val or train)} ...) and {word} shards "
                             f"({min(val - train or val)} ...), and {unclear[0]}, whose name says "
                             f"{'both' if unclear[0] in train else 'neither'}: name each split's shards with a pattern "
-                            f"({os.path.join(folder, '*train*.tar')}, {os.path.join(folder, f'*{word}*.tar')})")
-        return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
+                            f"({_join(folder, '*train*.tar')}, {_join(folder, f'*{word}*.tar')})")
+        return _join(folder, "*train*.tar"), _join(folder, f"*{word}*.tar")
     return None
+
+
+def _names(folder: str) -> list[str]:
+    """The names of the files right in a folder, on disk or in a store (an https:// URL has none to list)."""
+    if not object_store.is_url(folder):
+        return os.listdir(folder)
+    if object_store.scheme(folder) in ("http", "https"):
+        return []
+    return [posixpath.basename(e.url) for e in object_store.listing(folder, object_store.settings().timeout)]
+
+
+def _join(folder: str, name: str) -> str:
+    return object_store.join(folder, name) if object_store.is_url(folder) else os.path.join(folder, name)
+
+
+def store_shards(location: str, role: str) -> list[object_store.Entry]:
+    """The shards of a split in a store, in order, each with its size and ETag: a folder's `*.tar` from one listing,
+    or a pattern's parts, each folder listed once (http(s), which cannot list, asks each named shard instead)."""
+    timeout = object_store.settings().timeout
+    if not is_pattern(location) and object_store.scheme(location) in ("http", "https"):
+        return _indexed_shards(location, role, timeout)
+    if not is_pattern(location):
+        found = [e for e in object_store.listing(location, timeout) if e.url.endswith(".tar")]
+        if not found:
+            raise UserError(f"{role} data {location} holds no .tar shards")
+        return found
+    folders: dict[str, dict[str, object_store.Entry]] = {}
+    found = []
+    for part in expand_braces(location):
+        folder = posixpath.dirname(part)
+        if object_store.scheme(part) in ("http", "https") and not any(c in part for c in "*?["):
+            found.append(object_store.info(part, timeout))
+            continue
+        if folder not in folders:
+            folders[folder] = {e.url: e for e in object_store.listing(folder, timeout)}
+        matched = sorted(url for url in folders[folder] if fnmatch.fnmatchcase(url, part))
+        if not matched:
+            raise UserError(f"{role} shard {part} does not exist (from {location})")
+        found.extend(folders[folder][url] for url in matched)
+    return found
+
+
+def _indexed_shards(folder: str, role: str, timeout: float) -> list[object_store.Entry]:
+    """The shards a pack's index names, of a folder that cannot be listed (https://), each asked for its size and
+    ETag (eight at a time)."""
+    beside = object_store.join(folder, INDEX_NAME)
+    found = object_store.find(beside, timeout)
+    if found is None:
+        raise UserError(f"{role} data {folder} has no {INDEX_NAME} (an https:// folder cannot be listed): give a "
+                        "pack's folder, or name the shards with a brace pattern (https://host/train-{0000..1023}.tar)")
+    local = object_store.cache().local_copy(found)
+    try:
+        saved = index_file.read(local, INDEX_VERSION, ("shards",))
+    except index_file.Unreadable as error:
+        raise UserError(f"shard index {str(error).replace(local, beside)}: {pack_again(beside)}") from None
+    if saved is None:
+        raise UserError(f"shard index {beside} is of another version: {pack_again(beside)}")
+    urls = [str(s) if object_store.is_url(str(s)) else object_store.join(folder, str(s)) for s in saved["shards"]]
+    with ThreadPoolExecutor(8) as pool:
+        return list(pool.map(lambda url: object_store.info(url, timeout), urls))
 
 
 split_folder = split_patterns  # the name the registry asks every kind by (sources.both_splits)
@@ -170,12 +236,13 @@ class TarShards(Source):
     notes: tuple[str, ...] = ()  # what opening it found worth a warning (Source.notes)
     checksums: Optional[np.ndarray] = None  # uint32 per sample: CRC-32 of its image's bytes; None: an older index
     index: Optional[str] = None  # the index file it was read from or is kept in, for messages
+    etags: Optional[tuple[str, ...]] = None  # shards in a store: each object's ETag as listed at start
 
     def read(self, i: int) -> bytes:
         path = self.shards[int(self.shard[i])]
         start, length = int(self.offsets[i]), int(self.lengths[i])
         try:
-            mapped, fd = _mapped(path)
+            mapped, fd = self.mapped(int(self.shard[i]))
             size = os.fstat(fd).st_size  # a shard cut short while mapped would raise SIGBUS, not an error
         except OSError as error:
             raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
@@ -189,6 +256,21 @@ class TarShards(Source):
         if self.checksums is not None and zlib.crc32(data) != int(self.checksums[i]):
             raise CorruptImageError(self.changed_bytes(i))
         return data
+
+    def mapped(self, k: int) -> tuple[mmap.mmap, int]:
+        """Shard k mapped in this process: the file itself, or for a store's shard the node's whole copy of it
+        (object_store.ShardCache), fetched again if the cache let it go between the look and the open."""
+        path = self.shards[k]
+        if not object_store.is_url(path):
+            return _mapped(path)
+        entry = object_store.Entry(path, int(self.sizes[k]), self.etags[k] if self.etags else "")
+        for attempt in (0, 1):
+            try:
+                return _mapped(object_store.cache().local_copy(entry), store=True)
+            except FileNotFoundError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def changed_bytes(self, i: int) -> str:
         """The line for sample i, whose bytes are not those its checksum was taken of, and what to do about it."""
@@ -207,10 +289,10 @@ class TarShards(Source):
         """Sample i's image member's name, from the ustar header before its bytes: its name and prefix fields
         alone (a loader asks it for every sample it reads, for its errors; parsing the whole header cost ~4% of
         a worker's time)."""
-        path, offset = self.shards[int(self.shard[i])], int(self.offsets[i])
+        offset = int(self.offsets[i])
         try:
-            mapped, _ = _mapped(path)
-        except OSError:
+            mapped, _ = self.mapped(int(self.shard[i]))
+        except (OSError, UserError):
             return f"sample #{i} at byte {offset}"
         header = mapped[offset - 512:offset]
         name = header[:100].split(b"\0", 1)[0]
@@ -234,8 +316,9 @@ class TarShards(Source):
     def fingerprint(self) -> FileList:
         """The index's own arrays: no entry strings are built at every start."""
         names = np.array([os.path.basename(p).encode() for p in self.shards])
+        versions = () if self.etags is None else (np.array([e.encode() for e in self.etags]),)
         return FileList(len(self), len(self.classes), digest_of(self.classes, names, self.sizes, self.shard,
-                                                                self.offsets, self.lengths, self.labels))
+                                                                self.offsets, self.lengths, self.labels, *versions))
 
     def describe(self) -> str:
         how = "index written by pack" if self.packed else "index from the cache" if self.cached else ""
@@ -248,25 +331,43 @@ class TarShards(Source):
 
 
 _MAPS: dict[str, tuple[mmap.mmap, int]] = {}
+_STORE_MAPS: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # a store's shards, most recently used last
+STORE_MAPS = 8  # of those a process keeps mapped: one the cache evicted frees its disk once unmapped
 _MAPS_PID = [0]
 
 
-def _mapped(path: str) -> tuple[mmap.mmap, int]:
+def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
     """This process's read-only mapping of a shard and its descriptor, made on first use. A forked worker makes
-    its own (the parent's, inherited, stay as they are)."""
+    its own (the parent's, inherited, stay as they are). `store`: a node cache's copy of a store's shard, of which
+    a process keeps the STORE_MAPS last used."""
     if _MAPS_PID[0] != os.getpid():
         _MAPS.clear()
+        _STORE_MAPS.clear()
         _MAPS_PID[0] = os.getpid()
+    if store:
+        found = _STORE_MAPS.get(path)
+        if found is not None:
+            _STORE_MAPS.move_to_end(path)
+            return found
+        found = _STORE_MAPS[path] = _map(path)
+        while len(_STORE_MAPS) > STORE_MAPS:
+            mapped, fd = _STORE_MAPS.popitem(last=False)[1]
+            mapped.close()
+            os.close(fd)
+        return found
     found = _MAPS.get(path)
     if found is None:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            found = mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
-        except BaseException:
-            os.close(fd)
-            raise
-        _MAPS[path] = found
+        found = _MAPS[path] = _map(path)
     return found
+
+
+def _map(path: str) -> tuple[mmap.mmap, int]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def _header_size(mapped: mmap.mmap, data_offset: int) -> Optional[int]:
@@ -287,37 +388,53 @@ def cache_path(cache_dir: str, role: str) -> str:
 def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> None:
     """The index as one .npz, written atomically; `relative_to`: shard paths saved relative to this folder
     (pack's index beside its shards), else absolute (a cache)."""
-    names = [os.path.relpath(p, relative_to) if relative_to else os.path.abspath(p) for p in source.shards]
+    names = [os.path.relpath(p, relative_to) if relative_to else _absolute(p) for p in source.shards]
+    optional = {"checksums": source.checksums, "etags": None if source.etags is None else np.array(source.etags)}
     buffer = io.BytesIO()
-    np.savez(buffer, version=np.int64(INDEX_VERSION), location=np.array(os.path.abspath(source.location)),
+    np.savez(buffer, version=np.int64(INDEX_VERSION), location=np.array(_absolute(source.location)),
              shards=np.array(names), sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes),
              labels=source.labels, shard=source.shard, offsets=source.offsets, lengths=source.lengths,
-             **({} if source.checksums is None else {"checksums": source.checksums}))
+             **{k: v for k, v in optional.items() if v is not None})
     atomic_write_bytes(buffer.getvalue(), path)
 
 
-def read_index(path: str, location: str, role: str, shards: list[str], packed: bool) -> Optional[TarShards]:
+def _absolute(path: str) -> str:
+    return path if object_store.is_url(path) else os.path.abspath(path)
+
+
+def read_index(path: str, location: str, role: str, shards: list[str], packed: bool,
+               named: Optional[str] = None) -> Optional[TarShards]:
     """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
     they are walked again. Pack's own index that no longer matches its shards is an error naming the shard. A
-    damaged file is index_file.Unreadable."""
+    damaged file is index_file.Unreadable. `named`: the index's own place where `path` is a copy of it (a store's
+    object in the node's cache), which its relative shard names are relative to and messages name."""
     saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
-    folder = os.path.dirname(path)
-    listed = [os.path.normpath(os.path.join(folder, str(s))) for s in saved["shards"]]
+    named = named or path
+
+    def resolved(name: str) -> str:  # a store's URL as it is; a path relative to the index's folder
+        if object_store.is_url(name):
+            return name
+        if object_store.is_url(named):
+            return object_store.join(posixpath.dirname(named), name)
+        return os.path.normpath(os.path.abspath(os.path.join(os.path.dirname(named), name)))
+
+    listed = [resolved(str(s)) for s in saved["shards"]]
+    current = [p if object_store.is_url(p) else os.path.normpath(os.path.abspath(p)) for p in shards]
     sizes, mtimes = saved["sizes"], saved["mtimes"]
     arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
     classes = tuple(str(c) for c in saved["classes"])
-    current = [os.path.normpath(os.path.abspath(p)) for p in shards]
-    if [os.path.abspath(p) for p in listed] != current:
+    if listed != current:
         if packed:
-            missing = sorted(set(map(os.path.abspath, listed)) ^ set(current))[:1]
-            raise UserError(f"shard index {path} lists other shards than {location} holds ({missing[0]}): was the "
+            missing = sorted(set(listed) ^ set(current))[:1]
+            raise UserError(f"shard index {named} lists other shards than {location} holds ({missing[0]}): was the "
                             "pack changed after it was written?")
         return None
+    etags = saved.get("etags")
     return TarShards(location, role, tuple(shards), sizes, mtimes, classes, arrays["labels"], arrays["shard"],
                      arrays["offsets"], arrays["lengths"], cached=True, packed=packed, checksums=saved.get("checksums"),
-                     index=path)
+                     index=named, etags=None if etags is None else tuple(str(e) for e in etags))
 
 
 def pack_again(index: str) -> str:
@@ -363,11 +480,13 @@ class Found:
         return (self.offsets, self.lengths, self.labels) == (other.offsets, other.lengths, other.labels)
 
 
-def walk_shard(path: str, role: str, checksums: bool = False) -> Found:
+def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[object_store.Entry] = None) -> Found:
     """Every sample of one shard, in order; a UserError naming the shard and the sample for anything wrong.
-    `checksums`: also read each image's bytes for its CRC-32 (the whole shard read, where headers are a few blocks)."""
+    `checksums`: also read each image's bytes for its CRC-32 (the whole shard read, where headers are a few blocks).
+    `entry`: a store's shard, walked by ranged reads of its headers and labels (without checksums: they would
+    read every byte)."""
     found = Found([], [], [], [] if checksums else None)
-    size = os.stat(path).st_size
+    size = entry.size if entry else os.stat(path).st_size
     key: Optional[str] = None
     image: Optional[tarfile.TarInfo] = None
     label: Optional[int] = None
@@ -390,7 +509,8 @@ def walk_shard(path: str, role: str, checksums: bool = False) -> Found:
             found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
 
     try:
-        with tarfile.open(path, "r:") as tar:
+        with (tarfile.open(fileobj=object_store.RangedFile(entry, object_store.settings().timeout), mode="r:")
+              if entry else tarfile.open(path, "r:")) as tar:
             for member in tar:
                 if not member.isfile():
                     continue
@@ -432,27 +552,42 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: O
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     """classes.txt in the shards' folder or the one above it, else a list of class names in an _info.json there
     (under one of INFO_NAME_KEYS), if there is one."""
-    folder = os.path.dirname(shards[0]) if is_pattern(location) else location
-    for where in (folder, os.path.dirname(folder)):
-        candidate = os.path.join(where, CLASSES_FILE)
-        if os.path.isfile(candidate):
-            with open(candidate) as f:
-                names = tuple(line.strip() for line in f if line.strip())
+    dirname = posixpath.dirname if object_store.is_url(shards[0]) else os.path.dirname
+    folder = dirname(shards[0]) if is_pattern(location) else location
+    for where in (folder, dirname(folder)):
+        candidate = _join(where, CLASSES_FILE)
+        text = _text(candidate)
+        if text is not None:
+            names = tuple(line.strip() for line in text.splitlines() if line.strip())
             if not names:
                 raise UserError(f"classes file {candidate} is empty")
             return names
-        info = os.path.join(where, INFO_FILE)
-        if os.path.isfile(info):
+        info = _join(where, INFO_FILE)
+        text = _text(info)
+        if text is not None:
             try:
-                with open(info) as f:
-                    described = json.load(f)
-            except (OSError, ValueError) as error:
+                described = json.loads(text)
+            except ValueError as error:
                 raise UserError(f"{info} is not readable JSON: {error}") from None
             listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
                           None)
             if isinstance(listed, list) and listed:
                 return tuple(str(name) for name in listed)
     return None
+
+
+def _text(path: str) -> Optional[str]:
+    """A small file's text, on disk or in a store; None where there is none."""
+    if object_store.is_url(path):
+        timeout = object_store.settings().timeout
+        return object_store.read_whole(path, timeout).decode() if object_store.exists(path, timeout) else None
+    try:
+        with open(path) as f:
+            return f.read()
+    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+        return None
+    except OSError as error:
+        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
@@ -462,22 +597,24 @@ def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) ->
 
 
 def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
-             classes: Optional[tuple[str, ...]] = None) -> TarShards:
+             classes: Optional[tuple[str, ...]] = None,
+             entries: Optional[list[object_store.Entry]] = None) -> TarShards:
     """The index of shards whose walks are done (`pack` walks each shard as it writes it); with checksums where every
-    walk took them."""
+    walk took them. `entries`: a store's shards as listed (their sizes and ETags; a store keeps no mtimes)."""
     named = class_names(location, paths)
-    stats = [os.stat(p) for p in paths]
+    stats = [(e.size, 0) for e in entries] if entries else [(s.st_size, s.st_mtime_ns) for s in map(os.stat, paths)]
     labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
     known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
     check_labels(labels, known, per_shard, paths, role,
                  "the classes file lists" if named else f"{whose(classes)} has" if classes else "")
-    return TarShards(location, role, tuple(paths), np.array([s.st_size for s in stats], dtype=np.int64),
-                     np.array([s.st_mtime_ns for s in stats], dtype=np.int64), tuple(known), labels,
+    return TarShards(location, role, tuple(paths), np.array([size for size, _ in stats], dtype=np.int64),
+                     np.array([mtime for _, mtime in stats], dtype=np.int64), tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
                      np.concatenate([np.array(f.offsets, dtype=np.int64) for f in per_shard]),
                      np.concatenate([np.array(f.lengths, dtype=np.int64) for f in per_shard]),
                      checksums=None if any(f.checksums is None for f in per_shard) else
-                     np.concatenate([np.array(f.checksums, dtype=np.uint32) for f in per_shard]))
+                     np.concatenate([np.array(f.checksums, dtype=np.uint32) for f in per_shard]),
+                     etags=tuple(e.etag for e in entries) if entries else None)
 
 
 def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
@@ -585,6 +722,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
                         f".{LABEL_EXTENSION} members are the labels)")
     location = split_location(location, role)
+    if object_store.is_url(location):
+        return _named(open_store_split(location, role, cache_dir, classes), classes)
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
     kept = cache_path(cache_dir, role) if cache_dir else None  # where a walk's index is kept (`keep`)
@@ -598,11 +737,78 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
                        notes=(f"the shard index cache {error}: the shards were indexed again",))
     if source is None:
         return replace(walk(location, role, classes), index=kept)
-    source = check_shards(source, index, classes)
+    return _named(check_shards(source, index, classes), classes)
+
+
+def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
     numbered = source.classes == tuple(map(str, range(len(source.classes))))
     if classes is not None and source.classes != classes and numbered:
         source = _with_classes(source, classes)
     return source
+
+
+def open_store_split(location: str, role: str, cache_dir: Optional[str],
+                     classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """A store's shards: pack's index beside them (read through the node's cache), else the index a first start
+    kept in the checkpoints folder, else a walk of their headers by ranged reads. Each object's size and ETag, from
+    the listing, are held against the index (`check_store_shards`) and kept in the source's fingerprint."""
+    entries = store_shards(location, role)
+    urls = [e.url for e in entries]
+    timeout = object_store.settings().timeout
+    beside = object_store.join(posixpath.dirname(urls[0]), INDEX_NAME)
+    kept = cache_path(cache_dir, role) if cache_dir else None
+    found = object_store.find(beside, timeout)
+    source = None
+    if found is not None:
+        local = object_store.cache().local_copy(found)
+        try:
+            source = read_index(local, location, role, urls, packed=True, named=beside)
+        except index_file.Unreadable as error:
+            raise UserError(f"shard index {str(error).replace(local, beside)}: {pack_again(beside)}") from None
+    elif kept and os.path.isfile(kept):
+        try:
+            source = read_index(kept, location, role, urls, packed=False)
+        except index_file.Unreadable as error:
+            return replace(walk_store(entries, location, role, classes), index=kept,
+                           notes=(f"the shard index cache {error}: the shards were indexed again",))
+    if source is None:
+        return replace(walk_store(entries, location, role, classes), index=kept)
+    return check_store_shards(source, entries, classes)
+
+
+def walk_store(entries: list[object_store.Entry], location: str, role: str,
+               classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """Index a store's shards by ranged reads of their headers, eight shards at a time (each read a round trip)."""
+    with ThreadPoolExecutor(8) as pool:
+        found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
+    return assemble(location, role, [e.url for e in entries], found, classes, entries=entries)
+
+
+def check_store_shards(source: TarShards, entries: list[object_store.Entry],
+                       classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """The index `source` of a store's shards, held against their listing. A pack's index records sizes, not ETags:
+    a shard of another size is refused; bytes changed at the same size are seen by each sample's checksum as it is
+    read. An index a first start kept records ETags: a shard whose ETag or size changed is walked again and the
+    index rebuilt, said in a note."""
+    urls = [e.url for e in entries]
+    resized = [k for k, e in enumerate(entries) if e.size != int(source.sizes[k])]
+    if source.packed:
+        if resized:
+            k = resized[0]
+            raise UserError(f"shard {urls[k]} has {entries[k].size} bytes but its index {source.index} says "
+                            f"{int(source.sizes[k])}: the shard was replaced after it was packed; "
+                            f"{pack_again(source.index or INDEX_NAME)}")
+        return replace(source, etags=tuple(e.etag for e in entries))
+    changed = [k for k, e in enumerate(entries)
+               if k in resized or source.etags is None or source.etags[k] != e.etag]
+    if not changed:
+        return source
+    found = [walk_shard(urls[k], source.role, entry=entries[k]) if k in changed else indexed_samples(source, k)
+             for k in range(len(entries))]
+    rebuilt = assemble(source.location, source.role, urls, found, classes, entries=entries)
+    others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
+    return replace(rebuilt, index=source.index,
+                   notes=(f"shard {urls[changed[0]]}{others} changed since it was indexed: indexed again",))
 
 
 def _with_classes(source: TarShards, classes: tuple[str, ...]) -> TarShards:

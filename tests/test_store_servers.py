@@ -1,4 +1,4 @@
-"""The object-store harness itself (tests/object_store.py): what the tests of s3:// and https:// training rely on."""
+"""The object-store harness itself (scripts/store_servers.py): what the tests of s3:// and https:// training rely on."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
-import object_store
 import pytest
+import store_servers
 from conftest import REPO, child_env
 
 pytestmark = pytest.mark.slow  # each starts server processes
@@ -75,7 +75,7 @@ def test_restart_loses_everything_and_restore_puts_back_the_same_objects(fresh_s
 
 
 def get(port: int, path: str, method: str = "GET", connection=None, **headers):
-    connection = connection or http.client.HTTPConnection(object_store.HOST, port, timeout=10)
+    connection = connection or http.client.HTTPConnection(store_servers.HOST, port, timeout=10)
     connection.request(method, path, headers=headers)
     response = connection.getresponse()
     return response, response.read()
@@ -85,7 +85,7 @@ def test_range_http_server_answers_ranges_head_and_missing_files(range_http_serv
     server = range_http_server(shards)
     data = (shards / "train" / "shard-000.tar").read_bytes()
     path = "/train/shard-000.tar"
-    connection = http.client.HTTPConnection(object_store.HOST, server.port, timeout=10)  # keep-alive throughout
+    connection = http.client.HTTPConnection(store_servers.HOST, server.port, timeout=10)  # keep-alive throughout
 
     response, body = get(server.port, path, connection=connection)
     assert (response.status, body, response.getheader("Accept-Ranges")) == (200, data, "bytes")
@@ -124,7 +124,7 @@ def test_range_http_server_answers_ranges_head_and_missing_files(range_http_serv
 def test_proxy_503_mode_gives_s3_slow_down(s3_server, fault_proxy, shards):
     s3_server.put_folder(shards, "slow-down")
     proxy = fault_proxy(s3_server)
-    client = object_store.s3_client(proxy.endpoint, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, **NO_RETRIES)
     proxy.set_mode("503")
     with pytest.raises(botocore_exceptions.ClientError) as error:
         client.get_object(Bucket="slow-down", Key="empty.txt")
@@ -140,7 +140,7 @@ def test_proxy_503_mode_gives_s3_slow_down(s3_server, fault_proxy, shards):
 def test_proxy_reset_mode_gives_a_connection_error(s3_server, fault_proxy, shards):
     s3_server.put_folder(shards, "reset")
     proxy = fault_proxy(s3_server)
-    client = object_store.s3_client(proxy.endpoint, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, **NO_RETRIES)
     proxy.set_mode("reset")
     with pytest.raises((botocore_exceptions.ConnectionClosedError, botocore_exceptions.EndpointConnectionError)):
         client.get_object(Bucket="reset", Key="empty.txt")
@@ -150,7 +150,7 @@ def test_proxy_reset_mode_gives_a_connection_error(s3_server, fault_proxy, shard
 def test_proxy_stall_mode_gives_a_read_timeout(s3_server, fault_proxy, shards):
     s3_server.put_folder(shards, "stall")
     proxy = fault_proxy(s3_server)
-    client = object_store.s3_client(proxy.endpoint, read_timeout=0.5, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, read_timeout=0.5, **NO_RETRIES)
     proxy.set_mode("stall")
     started = time.monotonic()
     with pytest.raises(botocore_exceptions.ReadTimeoutError):
@@ -163,7 +163,7 @@ def test_proxy_stall_mode_gives_a_read_timeout(s3_server, fault_proxy, shards):
 def test_fail_next_fails_exactly_that_many_requests_on_a_kept_connection(s3_server, fault_proxy, shards):
     s3_server.put_folder(shards, "fail-next")
     proxy = fault_proxy(s3_server)
-    client = object_store.s3_client(proxy.endpoint, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, **NO_RETRIES)
     client.head_object(Bucket="fail-next", Key="empty.txt")  # opens the kept connection
     proxy.fail_next(2, "503")
     for _ in range(2):
@@ -172,7 +172,7 @@ def test_fail_next_fails_exactly_that_many_requests_on_a_kept_connection(s3_serv
     assert client.get_object(Bucket="fail-next", Key="empty.txt")["Body"].read() == b""
     assert (proxy.stats()["requests"], proxy.stats()["faults"]) == (4, 2)
 
-    retrying = object_store.s3_client(proxy.endpoint, retries={"mode": "standard", "total_max_attempts": 3})
+    retrying = store_servers.s3_client(proxy.endpoint, retries={"mode": "standard", "total_max_attempts": 3})
     proxy.reset_stats()
     proxy.fail_next(2, "reset")
     assert retrying.get_object(Bucket="fail-next", Key="empty.txt")["Body"].read() == b""
@@ -182,7 +182,7 @@ def test_fail_next_fails_exactly_that_many_requests_on_a_kept_connection(s3_serv
 def test_stats_count_requests_and_body_bytes(s3_server, fault_proxy, shards):
     s3_server.put_folder(shards, "stats")
     proxy = fault_proxy(s3_server)
-    client = object_store.s3_client(proxy.endpoint, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, **NO_RETRIES)
     key = "train/shard-000.tar"
     assert len(client.get_object(Bucket="stats", Key=key)["Body"].read()) == 300_000
     assert len(client.get_object(Bucket="stats", Key=key, Range="bytes=1000-1099")["Body"].read()) == 100
@@ -201,7 +201,7 @@ def test_stats_count_requests_and_body_bytes(s3_server, fault_proxy, shards):
 def test_proxy_counts_each_request_of_a_kept_connection_and_cuts_bodies(range_http_server, fault_proxy, shards):
     proxy = fault_proxy(range_http_server(shards))
     data = (shards / "train" / "shard-000.tar").read_bytes()
-    connection = http.client.HTTPConnection(object_store.HOST, proxy.port, timeout=10)
+    connection = http.client.HTTPConnection(store_servers.HOST, proxy.port, timeout=10)
     for first in (0, 10, 20):
         response, body = get(proxy.port, "/train/shard-000.tar", connection=connection, Range=f"bytes={first}-")
         assert (response.status, body) == (206, data[first:])
@@ -223,7 +223,7 @@ def test_a_stopped_server_behind_the_proxy_is_a_connection_error_until_restarted
                                                                                   shards):
     fresh_s3_server.put_folder(shards, "outage")
     proxy = fault_proxy(fresh_s3_server)
-    client = object_store.s3_client(proxy.endpoint, **NO_RETRIES)
+    client = store_servers.s3_client(proxy.endpoint, **NO_RETRIES)
     fresh_s3_server.stop()
     with pytest.raises((botocore_exceptions.ConnectionClosedError, botocore_exceptions.EndpointConnectionError)):
         client.get_object(Bucket="outage", Key="empty.txt")
@@ -286,23 +286,23 @@ def test_fsspec_http_reads_a_byte_range(range_http_server, fault_proxy, shards):
 
 def test_a_failed_start_says_why_and_leaves_nothing_running(tmp_path, range_http_server, shards):
     taken = range_http_server(shards)
-    server = object_store.RangeHTTPServer(shards, port=taken.port, log_dir=tmp_path)
+    server = store_servers.RangeHTTPServer(shards, port=taken.port, log_dir=tmp_path)
     with pytest.raises(RuntimeError, match="Address already in use"):
         server.start()
-    assert server.proc is None and server not in object_store._LIVE
+    assert server.proc is None and server not in store_servers._LIVE
 
 
 @pytest.mark.parametrize("ending", ["exit", "SIGKILL"])
 def test_servers_end_with_the_process_that_started_them(tmp_path, shards, ending):
     """atexit stops them at a normal exit, the kernel (PR_SET_PDEATHSIG) when the starter is killed."""
     starter = textwrap.dedent(f"""
-        import os, signal, object_store
-        server = object_store.RangeHTTPServer({str(shards)!r}).start()
+        import os, signal, store_servers
+        server = store_servers.RangeHTTPServer({str(shards)!r}).start()
         print(server.proc.pid, flush=True)
         if {ending!r} == "SIGKILL":
             os.kill(os.getpid(), signal.SIGKILL)
     """)
-    result = subprocess.run([sys.executable, "-c", starter], cwd=Path(__file__).parent, env=child_env(),
+    result = subprocess.run([sys.executable, "-c", starter], cwd=REPO / "scripts", env=child_env(),
                             capture_output=True, text=True, timeout=60)
     pid = int(result.stdout.split()[0])
     deadline = time.monotonic() + 10

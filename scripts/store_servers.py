@@ -3,7 +3,7 @@ server with Range support, and a proxy that injects faults in front of either. E
 so a client's connection pool, retries and time-outs meet real sockets, as they would meet S3 or a CDN.
 
 A test harness, outside the installed package: tests/conftest.py's fixtures start these; the child side is
-`python tests/object_store.py {moto PORT | http-serve FOLDER PORT | proxy HOST:PORT PORT}`. Only the stdlib is
+`python scripts/store_servers.py {moto PORT | http-serve FOLDER PORT | proxy HOST:PORT PORT}`. Only the stdlib is
 imported here at module level, so the children start in a fraction of a second (boto3 where an upload needs it).
 
 Every child is stopped by its owner's stop() (fixtures, context managers), by this module's atexit hook, and,

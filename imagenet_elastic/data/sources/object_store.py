@@ -1,0 +1,429 @@
+"""Shards in an object store (`s3://`, `gs://`, `https://`): listing, ranged reads, and a node-local cache of whole
+shards, through fsspec (s3fs, gcsfs, aiohttp: the `[s3]`, `[gcs]` and `[https]` extras).
+
+The endpoint and credentials are where those libraries look (AWS_ENDPOINT_URL, AWS_PROFILE and the shared files,
+the instance's role; GOOGLE_APPLICATION_CREDENTIALS): this module never reads, prints or keeps them. Its own
+settings are the node's, not the run's (they change no result), so they are environment variables:
+
+    IMAGENET_ELASTIC_STORE_CACHE     the node-local folder of whole shards (default: $TMPDIR or /tmp, then
+                                     imagenet-elastic-store-cache), shared by the node's ranks and loader workers
+    IMAGENET_ELASTIC_STORE_CACHE_GB  its size cap (default: none but the file system's: it keeps 10% of it free)
+    IMAGENET_ELASTIC_STORE_TIMEOUT   seconds a store may fail to answer before the run ends (default 300)
+
+Why whole shards: a shard is read once per node per epoch by one ranged GET per 16 MiB, where per-sample reads
+would take a request per image (1.28 M a epoch, each a round trip); the shards then read as local files (mapped,
+checksummed: tar_shards.TarShards). The cache is safe under concurrent readers and a kill: a shard is fetched by one
+process of the node while the others wait on its lock, into a temporary file renamed when whole; eviction (least
+recently used first) unlinks files that readers may still have mapped, which Linux keeps until they unmap them.
+
+Faults: a time-out, a reset connection, a 5xx or a throttling answer is retried with exponential backoff and full
+jitter until the store has failed to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds in a row; then
+`StoreUnavailable` ends the run with one line (the last checkpoint is untouched; --resume continues). A missing
+bucket or object and refused credentials are errors at once, naming the object.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import glob
+import hashlib
+import os
+import posixpath
+import random
+import re
+import shutil
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Callable, Optional, TypeVar
+
+from imagenet_elastic.errors import UserError
+
+SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}  # scheme: package
+EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "aiohttp": "https"}  # package: the extra that installs it
+_URL = re.compile(r"(s3|gs|gcs|https?)://", re.IGNORECASE)
+CHUNK = 16 << 20  # bytes per ranged GET of a whole-shard fetch
+STORE_UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE
+
+
+class StoreUnavailable(UserError):
+    """The store did not answer within IMAGENET_ELASTIC_STORE_TIMEOUT: the run ends, its last checkpoint kept."""
+
+    every_rank = True
+    exit_code = STORE_UNAVAILABLE_EXIT
+
+
+def is_url(location: str) -> bool:
+    return bool(_URL.match(location))
+
+
+def scheme(url: str) -> str:
+    return url.split("://", 1)[0].lower()
+
+
+def join(url: str, *parts: str) -> str:
+    """`url` and `parts` joined by slashes (posixpath; never normalised: `s3://` keeps both slashes)."""
+    return posixpath.join(url, *parts)
+
+
+def relative(url: str, folder: str) -> str:
+    return url[len(folder.rstrip("/")) + 1:] if url.startswith(folder.rstrip("/") + "/") else url
+
+
+# ----------------------------------------------------------------------------- settings
+
+@dataclass(frozen=True)
+class Settings:
+    cache: str  # the node-local folder of whole shards
+    cache_bytes: Optional[int]  # its cap; None: the file system's, keeping 10% of it free
+    timeout: float  # seconds without an answer before StoreUnavailable
+
+
+def settings(environ: Optional[dict] = None) -> Settings:
+    """The store's settings from the environment (module docstring); a bad value is a UserError naming it."""
+    environ = os.environ if environ is None else environ
+    cache = environ.get("IMAGENET_ELASTIC_STORE_CACHE") or os.path.join(
+        environ.get("TMPDIR") or "/tmp", "imagenet-elastic-store-cache")
+    return Settings(cache, _number(environ, "IMAGENET_ELASTIC_STORE_CACHE_GB", 2 ** 30),
+                    _number(environ, "IMAGENET_ELASTIC_STORE_TIMEOUT", 1) or 300.0)
+
+
+def _number(environ: dict, name: str, unit: float) -> Optional[float]:
+    text = environ.get(name)
+    if not text:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value <= 0:
+        raise UserError(f"{name}={text!r} is not a positive number")
+    return int(value * unit) if unit > 1 else value
+
+
+# ----------------------------------------------------------------------------- the client
+
+_FILESYSTEMS: dict[tuple, object] = {}
+_CLIENT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_ACCESS_KEY_ID",
+                     "GOOGLE_APPLICATION_CREDENTIALS", "STORAGE_EMULATOR_HOST")  # a client made under others differs
+
+
+def filesystem(url: str, timeout: float):
+    """This process's fsspec file system for `url`'s scheme (made at first use: a forked loader worker makes its own,
+    as fsspec's event loop does not survive a fork). Each request's own time-outs are bounded by `timeout` so that a
+    stalled connection is retried here rather than waited on, and the libraries make one attempt a call: their
+    retry loops nest (s3fs's two around botocore's), which made a stalled read take 12 attempts, not 1."""
+    key = (os.getpid(), scheme(url), timeout, *(os.environ.get(name) for name in _CLIENT_VARIABLES))
+    found = _FILESYSTEMS.get(key)
+    if found is not None:
+        return found
+    package = SCHEMES[scheme(url)]
+    try:
+        import fsspec
+
+        __import__(package)
+    except ImportError:
+        raise UserError(f"{url}: reading {scheme(url)}:// needs {package}: pip install "
+                        f"'imagenet-elastic[{EXTRAS[package]}]'") from None
+    per_request = max(1.0, min(30.0, timeout / 3))
+    if package == "s3fs":
+        made = fsspec.filesystem("s3", skip_instance_cache=True, config_kwargs={
+            "connect_timeout": per_request, "read_timeout": per_request,
+            "retries": {"total_max_attempts": 1, "mode": "standard"}})
+        made.retries = 1  # s3fs's own loops around botocore's: retries and the deadline are `patiently`'s
+    elif package == "aiohttp":
+        import aiohttp
+
+        made = fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
+            "timeout": aiohttp.ClientTimeout(total=None, sock_connect=per_request, sock_read=per_request)})
+    else:
+        made = fsspec.filesystem("gcs", skip_instance_cache=True, timeout=per_request)
+    _FILESYSTEMS[key] = made
+    return made
+
+
+def _path(url: str) -> str:
+    """The path fsspec's file system of the scheme takes: the URL itself for http(s), else without the scheme."""
+    return url if scheme(url) in ("http", "https") else url.split("://", 1)[1]
+
+
+T = TypeVar("T")
+
+
+def backoff(attempt: int, rng: random.Random) -> float:
+    """Seconds before retry `attempt` (from 0): full jitter over an exponential bound (0.5 s doubling, at most 20 s),
+    so that a node's workers that failed together do not retry together."""
+    return rng.uniform(0, min(20.0, 0.5 * 2 ** attempt))
+
+
+def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[[float], None] = time.sleep,
+              clock: Callable[[], float] = time.monotonic) -> T:
+    """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row;
+    `what` (an object's URL) names it in the line that ends the run. FileNotFoundError and PermissionError are
+    the user's to fix: a UserError at once."""
+    rng = random.Random()  # jitter only: no result depends on it
+    first_failure: Optional[float] = None
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except (UserError, MemoryError):
+            raise
+        except FileNotFoundError:
+            raise UserError(f"{what} does not exist (no such bucket or object)") from None
+        except PermissionError as error:
+            raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
+        except Exception as error:  # a time-out, a reset, a 5xx, throttling: the store's, for a while
+            now = clock()
+            first_failure = now if first_failure is None else first_failure
+            if now - first_failure >= timeout:
+                raise StoreUnavailable(f"the store did not answer for {what} for {timeout:g} s "
+                                       f"({_reason(error)}): run again with --resume once it is back") from None
+            sleep(min(backoff(attempt, rng), max(0.0, first_failure + timeout - now)))
+            attempt += 1
+
+
+def _reason(error: BaseException) -> str:
+    """An error's text for a line a user reads: the endpoint (an address of the user's network) left out."""
+    text = re.sub(r"\b[a-z][a-z0-9+.-]*://[^\s\"']+", "the endpoint", " ".join(str(error).split()))
+    return (text or type(error).__name__)[:160]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """An object as the store describes it."""
+
+    url: str
+    size: int
+    etag: str  # the store's version of it ("" where the store gives none)
+
+
+def describe(url: str, info: dict) -> Entry:
+    etag = next((str(info[k]) for k in ("ETag", "etag", "md5Hash", "generation") if info.get(k)), "")
+    return Entry(url, int(info.get("size") or 0), etag.strip('"'))
+
+
+def info(url: str, timeout: float) -> Entry:
+    fs = filesystem(url, timeout)
+    return describe(url, patiently(url, lambda: fs.info(_path(url)), timeout))
+
+
+def find(url: str, timeout: float) -> Optional[Entry]:
+    """The object at `url`, or None where there is none (a store that does not answer is not "none")."""
+    fs = filesystem(url, timeout)
+
+    def call() -> Optional[dict]:
+        try:
+            return fs.info(_path(url))
+        except FileNotFoundError:
+            return None
+
+    found = patiently(url, call, timeout)
+    return None if found is None or found.get("type") == "directory" else describe(url, found)
+
+
+def exists(url: str, timeout: float) -> bool:
+    return find(url, timeout) is not None
+
+
+def isdir(url: str, timeout: float) -> bool:
+    """A prefix with objects under it (a store's folder); http(s) has none to list."""
+    if scheme(url) in ("http", "https"):
+        return False
+    fs = filesystem(url, timeout)
+    return patiently(url, lambda: fs.isdir(_path(url).rstrip("/")), timeout)
+
+
+def listing(folder: str, timeout: float) -> list[Entry]:
+    """The objects right under `folder` (not deeper), by name; one LIST a thousand objects, each with its size and
+    ETag (no HEAD an object)."""
+    if scheme(folder) in ("http", "https"):
+        raise UserError(f"{folder}: an https:// location cannot be listed: name its shards with a brace pattern "
+                        "(https://host/train-{0000..1023}.tar), or give a pack's folder (its index lists them)")
+    fs = filesystem(folder, timeout)
+    found = patiently(folder, lambda: fs.ls(_path(folder).rstrip("/"), detail=True, refresh=True), timeout)
+    prefix = scheme(folder) + "://"
+    return sorted((describe(prefix + f["name"], f) for f in found if f.get("type") == "file"), key=lambda e: e.url)
+
+
+def read_range(url: str, start: int, end: int, timeout: float) -> bytes:
+    """Bytes [start, end) of an object; an answer of another length (a server that ignored the range) is a
+    failure to retry, never data."""
+    fs = filesystem(url, timeout)
+
+    def call() -> bytes:
+        data = fs.cat_file(_path(url), start=start, end=end)
+        if len(data) != end - start:
+            raise OSError(f"asked bytes {start}-{end - 1}, got {len(data)} bytes")
+        return data
+
+    return patiently(url, call, timeout)
+
+
+def read_whole(url: str, timeout: float) -> bytes:
+    fs = filesystem(url, timeout)
+    return patiently(url, lambda: fs.cat_file(_path(url)), timeout)
+
+
+class RangedFile:
+    """A read-only file object over an object's bytes, by ranged reads of `block` bytes (tarfile's walk of a
+    shard's headers: a header and the label after it in one read)."""
+
+    def __init__(self, entry: Entry, timeout: float, block: int = 64 << 10) -> None:
+        self.entry, self.timeout, self.block = entry, timeout, block
+        self.position, self.cached_at, self.cached = 0, 0, b""
+        self.requests = 0
+
+    def read(self, size: int = -1) -> bytes:
+        end = self.entry.size if size is None or size < 0 else min(self.entry.size, self.position + size)
+        out = bytearray()
+        while self.position < end:
+            if not self.cached_at <= self.position < self.cached_at + len(self.cached):
+                fetch_end = min(self.entry.size, max(end, self.position + self.block))
+                self.cached = read_range(self.entry.url, self.position, fetch_end, self.timeout)
+                self.cached_at = self.position
+                self.requests += 1
+            piece = self.cached[self.position - self.cached_at:end - self.cached_at]
+            out += piece
+            self.position += len(piece)
+        return bytes(out)
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        self.position = offset if whence == 0 else self.position + offset if whence == 1 else self.entry.size + offset
+        return self.position
+
+    def tell(self) -> int:
+        return self.position
+
+
+# ----------------------------------------------------------------------------- the node-local cache
+
+class ShardCache:
+    """Whole shards in a node-local folder, named by their URL and ETag (a changed object is another file)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.folder = settings.cache
+
+    def path(self, entry: Entry) -> str:
+        digest = hashlib.blake2b(f"{entry.url}\0{entry.etag}\0{entry.size}".encode(), digest_size=12).hexdigest()
+        return os.path.join(self.folder, f"{digest}-{posixpath.basename(entry.url)}")
+
+    def local_copy(self, entry: Entry) -> str:
+        """The path of the whole shard on this node: there already (its use recorded for eviction), or fetched now
+        by this process while the node's others wait for it."""
+        path = self.path(entry)
+        if _whole(path, entry.size):
+            _touch(path)
+            return path
+        try:
+            os.makedirs(self.folder, exist_ok=True)
+            with _locked(path + ".lock"):
+                if not _whole(path, entry.size):
+                    for stale in glob.glob(glob.escape(path) + ".part-*"):  # a killed fetch's: the lock is ours
+                        _unlink(stale)
+                    self.make_room(entry.size)
+                    self.fetch(entry, path)
+        except OSError as error:
+            raise UserError(f"store cache {self.folder}: cannot keep {entry.url} there "
+                            f"({error.strerror or error}): set IMAGENET_ELASTIC_STORE_CACHE to a node-local folder "
+                            "with room") from None
+        return path
+
+    def fetch(self, entry: Entry, path: str) -> None:
+        """The object into `path` by ranged GETs of CHUNK bytes, each retried on its own (a fault costs a chunk, not
+        the shard), through a temporary file renamed when whole: a kill leaves no shard cut short."""
+        partial = f"{path}.part-{os.getpid()}"
+        try:
+            with open(partial, "wb") as out:
+                for start in range(0, entry.size, CHUNK):
+                    out.write(read_range(entry.url, start, min(entry.size, start + CHUNK), self.settings.timeout))
+            os.replace(partial, path)
+        finally:
+            if os.path.exists(partial):
+                os.unlink(partial)
+
+    def make_room(self, incoming: int) -> None:
+        """Unlink the least recently used shards (and the temporary files of fetches that were killed) until
+        `incoming` bytes fit under the cap, or with 10% of the file system free where there is none."""
+        with _locked(os.path.join(self.folder, ".evict.lock")):
+            files = list(_cached_files(self.folder))
+            for path, _, _ in files:
+                if ".part-" in path and not _fetching(path.rsplit(".part-", 1)[0]):
+                    _unlink(path)  # what a killed fetch left
+            shards = sorted((used, size, path) for path, size, used in files if ".part-" not in path)
+            total = sum(size for _, size, _ in shards)
+            disk = shutil.disk_usage(self.folder)
+            if self.settings.cache_bytes is not None:
+                over = total + incoming - self.settings.cache_bytes
+                if incoming > self.settings.cache_bytes:
+                    raise UserError(f"store cache {self.folder}: a shard of {incoming / 2 ** 30:.1f} GiB exceeds "
+                                    "IMAGENET_ELASTIC_STORE_CACHE_GB")
+            else:
+                over = incoming - (disk.free - disk.total // 10)
+            for _, size, path in shards:
+                if over <= 0:
+                    break
+                _unlink(path)
+                over -= size
+
+
+def _whole(path: str, size: int) -> bool:
+    try:
+        return os.stat(path).st_size == size
+    except OSError:
+        return False
+
+
+def _touch(path: str) -> None:
+    with contextlib.suppress(OSError):
+        os.utime(path)
+
+
+def _unlink(path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _fetching(shard: str) -> bool:
+    """Whether a process (of this node, in any container) holds shard's lock: its fetch is under way."""
+    fd = os.open(shard + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _cached_files(folder: str) -> Iterator[tuple[str, int, float]]:
+    for name in os.listdir(folder):
+        if name.endswith(".lock"):
+            continue
+        path = os.path.join(folder, name)
+        try:
+            stat = os.stat(path)
+        except FileNotFoundError:
+            continue
+        yield path, stat.st_size, stat.st_mtime
+
+
+class _locked:
+    """An exclusive flock on `path` (made if absent) for the block: released by the kernel when a holder dies."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc) -> None:
+        os.close(self.fd)
+
+
+def cache() -> ShardCache:
+    """The node's cache, as the environment's settings say (read at each use: a dictionary lookup or three)."""
+    return ShardCache(settings())

@@ -1,0 +1,197 @@
+"""The store's client parts in this process: its settings, the retry policy, ranged reads of a shard's headers, and
+the node-local cache of whole shards (one fetch per node for concurrent readers, least recently used eviction under a
+cap, nothing cut short left by a killed fetch). The store itself is a function over a local file here; the tests
+against a real S3 server are in test_store_training.py."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import tarfile
+import time
+from pathlib import Path
+
+import pytest
+
+from imagenet_elastic.data.sources import object_store, tar_shards
+from imagenet_elastic.data.sources.object_store import Entry, Settings, ShardCache, StoreUnavailable
+from imagenet_elastic.errors import UserError
+
+
+def test_settings_come_from_the_environment_and_a_bad_value_names_its_variable(tmp_path):
+    default = object_store.settings({"TMPDIR": str(tmp_path)})
+    assert default == Settings(str(tmp_path / "imagenet-elastic-store-cache"), None, 300.0)
+    set_ = object_store.settings({"IMAGENET_ELASTIC_STORE_CACHE": "/scratch/c",
+                                  "IMAGENET_ELASTIC_STORE_CACHE_GB": "1.5", "IMAGENET_ELASTIC_STORE_TIMEOUT": "20"})
+    assert set_ == Settings("/scratch/c", int(1.5 * 2 ** 30), 20.0)
+    for name in ("IMAGENET_ELASTIC_STORE_CACHE_GB", "IMAGENET_ELASTIC_STORE_TIMEOUT"):
+        with pytest.raises(UserError, match=f"^{name}='-3' is not a positive number$"):
+            object_store.settings({name: "-3"})
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+        self.slept: list[float] = []
+
+    def sleep(self, seconds: float) -> None:
+        self.slept.append(seconds)
+        self.now += seconds
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def failing(times: int, error: BaseException, then: object = b"ok"):
+    calls = []
+
+    def call():
+        calls.append(1)
+        if len(calls) <= times:
+            raise error
+        return then
+
+    return call, calls
+
+
+def test_transient_failures_are_retried_with_growing_jittered_waits_and_the_call_answers():
+    clock = FakeClock()
+    call, calls = failing(4, ConnectionResetError("reset by peer"))
+    assert object_store.patiently("s3://b/k", call, timeout=60, sleep=clock.sleep, clock=clock) == b"ok"
+    assert len(calls) == 5 and len(clock.slept) == 4
+    assert all(0 <= wait <= min(20, 0.5 * 2 ** k) for k, wait in enumerate(clock.slept))
+
+
+def test_a_store_that_stays_away_ends_with_one_line_naming_the_object_at_the_bound():
+    clock = FakeClock()
+    call, calls = failing(10 ** 6, TimeoutError("read timed out"))
+    with pytest.raises(StoreUnavailable) as raised:
+        object_store.patiently("s3://b/train/shard-000003.tar", call, timeout=45, sleep=clock.sleep, clock=clock)
+    assert "s3://b/train/shard-000003.tar" in str(raised.value) and "45 s" in str(raised.value)
+    assert "\n" not in str(raised.value) and raised.value.exit_code == 69 and raised.value.every_rank
+    assert 45 <= clock.now <= 45 + 1e-9 and len(calls) > 3  # it retried until the bound, and not past it
+
+
+@pytest.mark.parametrize("error, says", [(FileNotFoundError("NoSuchKey"), "does not exist"),
+                                         (PermissionError("InvalidAccessKeyId"), "access refused")])
+def test_a_missing_object_or_refused_credentials_are_the_users_at_once(error, says):
+    clock = FakeClock()
+    call, calls = failing(1, error)
+    with pytest.raises(UserError, match=f"^s3://b/k.*{says}") as raised:
+        object_store.patiently("s3://b/k", call, timeout=60, sleep=clock.sleep, clock=clock)
+    assert len(calls) == 1 and clock.slept == [] and not isinstance(raised.value, StoreUnavailable)
+
+
+@pytest.fixture
+def local_store(tmp_path, monkeypatch):
+    """object_store.read_range over local files (`s3://bucket/NAME` is tmp_path/NAME), counting each range read."""
+    reads = tmp_path / "reads.log"
+
+    def read_range(url, start, end, timeout):
+        with open(reads, "a") as log:
+            log.write(f"{os.getpid()} {url} {start} {end}\n")
+        with open(tmp_path / url.split("/", 3)[3], "rb") as f:
+            f.seek(start)
+            return f.read(end - start)
+
+    monkeypatch.setattr(object_store, "read_range", read_range)
+    return tmp_path, reads
+
+
+def shard_entry(folder, name: str, size: int) -> Entry:
+    (folder / name).write_bytes(os.urandom(size))
+    return Entry(f"s3://bucket/{name}", size, f"etag-{name}")
+
+
+def test_a_shard_is_fetched_in_chunks_once_and_read_from_the_cache_after(local_store, monkeypatch):
+    folder, reads = local_store
+    monkeypatch.setattr(object_store, "CHUNK", 1000)
+    entry = shard_entry(folder, "a.tar", 2500)
+    cache = ShardCache(Settings(str(folder / "cache"), None, 10))
+    path = cache.local_copy(entry)
+    assert Path(path).read_bytes() == (folder / "a.tar").read_bytes()
+    assert [line.split()[2:] for line in reads.read_text().splitlines()] == [["0", "1000"], ["1000", "2000"],
+                                                                            ["2000", "2500"]]
+    assert cache.local_copy(entry) == path and len(reads.read_text().splitlines()) == 3
+    changed = Entry(entry.url, entry.size, "another-etag")  # a new version of the object is another file
+    assert cache.local_copy(changed) != path
+
+
+def _read_in_child(cache_folder: str, entry: Entry, start: multiprocessing.synchronize.Event) -> None:
+    start.wait()
+    ShardCache(Settings(cache_folder, None, 10)).local_copy(entry)
+
+
+def test_the_nodes_processes_asking_at_once_fetch_a_shard_once(local_store, monkeypatch):
+    folder, reads = local_store
+    entry = shard_entry(folder, "b.tar", 300_000)
+    context = multiprocessing.get_context("fork")
+    go = context.Event()
+    children = [context.Process(target=_read_in_child, args=(str(folder / "cache"), entry, go)) for _ in range(4)]
+    for child in children:
+        child.start()
+    go.set()
+    for child in children:
+        child.join(30)
+    assert [child.exitcode for child in children] == [0] * 4
+    assert len(reads.read_text().splitlines()) == 1  # one process fetched, the others waited on its lock
+
+
+def test_the_least_recently_used_shards_go_first_when_the_cap_is_reached(local_store):
+    folder, reads = local_store
+    cache = ShardCache(Settings(str(folder / "cache"), 2500, 10))
+    a, b, c = (shard_entry(folder, f"{n}.tar", 1000) for n in "abc")
+    pa, pb = cache.local_copy(a), cache.local_copy(b)
+    os.utime(pb, (time.time() - 100, time.time() - 100))  # b used long ago, a just now
+    pc = cache.local_copy(c)
+    assert os.path.exists(pa) and os.path.exists(pc) and not os.path.exists(pb)
+    with pytest.raises(UserError, match="exceeds IMAGENET_ELASTIC_STORE_CACHE_GB"):
+        cache.local_copy(shard_entry(folder, "big.tar", 3000))
+
+
+def _fetch_forever(cache_folder: str, entry: Entry, stalled: str) -> None:
+    def stall(url, start, end, timeout):
+        if start > 0:
+            open(stalled, "w").close()
+            time.sleep(60)
+        return b"\0" * (end - start)
+
+    object_store.read_range = stall
+    object_store.CHUNK = 100
+    ShardCache(Settings(cache_folder, None, 10)).local_copy(entry)
+
+
+def test_a_fetch_killed_midway_leaves_no_shard_and_its_part_file_goes_at_the_next_eviction(local_store):
+    folder, _ = local_store
+    entry = shard_entry(folder, "k.tar", 1000)
+    cache = ShardCache(Settings(str(folder / "cache"), 10_000, 10))
+    stalled = folder / "stalled"
+    child = multiprocessing.get_context("fork").Process(target=_fetch_forever,
+                                                        args=(str(folder / "cache"), entry, str(stalled)))
+    child.start()
+    part = f"{cache.path(entry)}.part-{child.pid}"
+    deadline = time.time() + 20
+    while not stalled.exists() and time.time() < deadline:
+        time.sleep(0.05)
+    os.kill(child.pid, signal.SIGKILL)
+    child.join()
+    assert os.path.exists(part) and not os.path.exists(cache.path(entry))
+    assert Path(cache.local_copy(entry)).read_bytes() == (folder / "k.tar").read_bytes()  # fetched whole, anew
+    assert not os.path.exists(part)
+
+
+def test_a_shards_headers_are_walked_by_ranged_reads_to_the_index_a_local_walk_gives(local_store, image_folder):
+    folder, reads = local_store
+    shard = folder / "w.tar"
+    with tarfile.open(shard, "w") as tar:
+        for k, image in enumerate(sorted((image_folder / "train").rglob("*.jpg"))[:6]):
+            tar.add(image, f"s{k:03d}.jpg")
+            label = folder / "label"
+            label.write_text(str(k % 4))
+            tar.add(label, f"s{k:03d}.cls")
+    entry = Entry("s3://bucket/w.tar", shard.stat().st_size, "e")
+    remote = tar_shards.walk_shard(entry.url, "train", entry=entry)
+    local = tar_shards.walk_shard(str(shard), "train")
+    assert remote.same_members(local) and remote.labels == [0, 1, 2, 3, 0, 1]
+    assert len(reads.read_text().splitlines()) < 6 * 2  # a header and its label share a read
