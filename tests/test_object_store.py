@@ -195,3 +195,13 @@ def test_a_shards_headers_are_walked_by_ranged_reads_to_the_index_a_local_walk_g
     local = tar_shards.walk_shard(str(shard), "train")
     assert remote.same_members(local) and remote.labels == [0, 1, 2, 3, 0, 1]
     assert len(reads.read_text().splitlines()) < 6 * 2  # a header and its label share a read
+
+
+def test_a_cache_smaller_than_the_split_is_said_at_start_and_one_that_holds_it_is_not(tmp_path):
+    capped = Settings(str(tmp_path / "cache"), 2 ** 30, 10)
+    note = object_store.short_cache_note(capped, 3 * 2 ** 30, "s3://b/pack/train")
+    assert note is not None and "room for 1.0 GiB, less than s3://b/pack/train (3.0 GiB)" in note
+    assert object_store.short_cache_note(capped, 2 ** 30, "s3://b/pack/train") is None
+    free = Settings(str(tmp_path / "cache"), None, 10)  # no cap: the file system's room, less 10% of it
+    assert object_store.short_cache_note(free, 1 << 20, "s3://b/pack/train") is None
+    assert object_store.short_cache_note(free, 1 << 60, "s3://b/pack/train") is not None

@@ -323,20 +323,18 @@ class ShardCache:
                 if not _whole(path, entry.size):
                     for stale in glob.glob(glob.escape(path) + ".part-*"):  # a killed fetch's: the lock is ours
                         _unlink(stale)
-                    self.make_room(entry.size)
-                    self.fetch(entry, path)
+                    self.fetch(entry, path, self.make_room(entry, path))
         except OSError as error:
             raise UserError(f"store cache {self.folder}: cannot keep {entry.url} there "
                             f"({error.strerror or error}): set IMAGENET_ELASTIC_STORE_CACHE to a node-local folder "
                             "with room") from None
         return path
 
-    def fetch(self, entry: Entry, path: str) -> None:
+    def fetch(self, entry: Entry, path: str, partial: str) -> None:
         """The object into `path` by ranged GETs of CHUNK bytes, each retried on its own (a fault costs a chunk, not
-        the shard), through a temporary file renamed when whole: a kill leaves no shard cut short."""
-        partial = f"{path}.part-{os.getpid()}"
+        the shard), through the temporary file `partial` renamed when whole: a kill leaves no shard cut short."""
         try:
-            with open(partial, "wb") as out:
+            with open(partial, "r+b") as out:
                 for start in range(0, entry.size, CHUNK):
                     out.write(read_range(entry.url, start, min(entry.size, start + CHUNK), self.settings.timeout))
             os.replace(partial, path)
@@ -344,29 +342,54 @@ class ShardCache:
             if os.path.exists(partial):
                 os.unlink(partial)
 
-    def make_room(self, incoming: int) -> None:
-        """Unlink the least recently used shards (and the temporary files of fetches that were killed) until
-        `incoming` bytes fit under the cap, or with 10% of the file system free where there is none."""
+    def make_room(self, entry: Entry, path: str) -> str:
+        """Unlink the least recently used shards (and the temporary files of fetches that were killed) until `entry`
+        fits under the cap, or with 10% of the file system free where there is none; then reserve its room: its
+        temporary file, made at its full size (sparse), which the node's other fetches count as taken."""
+        incoming = entry.size
         with _locked(os.path.join(self.folder, ".evict.lock")):
             files = list(_cached_files(self.folder))
-            for path, _, _ in files:
-                if ".part-" in path and not _fetching(path.rsplit(".part-", 1)[0]):
-                    _unlink(path)  # what a killed fetch left
-            shards = sorted((used, size, path) for path, size, used in files if ".part-" not in path)
-            total = sum(size for _, size, _ in shards)
+            for name, _, _ in files:
+                if ".part-" in name and not _fetching(name.rsplit(".part-", 1)[0]):
+                    _unlink(name)  # what a killed fetch left
+            shards = sorted((used, size, name) for name, size, used in files if ".part-" not in name)
+            fetching = sum(size for name, size, _ in files if ".part-" in name and os.path.exists(name))
+            total = sum(size for _, size, _ in shards) + fetching
             disk = shutil.disk_usage(self.folder)
             if self.settings.cache_bytes is not None:
                 over = total + incoming - self.settings.cache_bytes
                 if incoming > self.settings.cache_bytes:
                     raise UserError(f"store cache {self.folder}: a shard of {incoming / 2 ** 30:.1f} GiB exceeds "
                                     "IMAGENET_ELASTIC_STORE_CACHE_GB")
-            else:
-                over = incoming - (disk.free - disk.total // 10)
-            for _, size, path in shards:
+            else:  # the reserved files are sparse: the room they will take is not yet gone from the disk
+                over = incoming + fetching - (disk.free - disk.total // 10)
+            for _, size, name in shards:
                 if over <= 0:
                     break
-                _unlink(path)
+                _unlink(name)
                 over -= size
+            partial = f"{path}.part-{os.getpid()}"
+            with open(partial, "wb") as out:
+                out.truncate(incoming)
+            return partial
+
+
+def short_cache_note(settings: Settings, split_bytes: int, where: str) -> Optional[str]:
+    """What a start says when the node's cache cannot hold a split: an epoch's order is a full shuffle, so such a
+    cache fetches shards again and again within an epoch (docs/BENCHMARKS.md measures how much)."""
+    room = settings.cache_bytes
+    if room is None:
+        try:
+            disk = shutil.disk_usage(settings.cache if os.path.isdir(settings.cache) else
+                                     os.path.dirname(settings.cache.rstrip("/")) or "/")
+        except OSError:
+            return None
+        room = disk.free - disk.total // 10
+    if room >= split_bytes:
+        return None
+    return (f"the store cache {settings.cache} has room for {room / 2 ** 30:.1f} GiB, less than {where} "
+            f"({split_bytes / 2 ** 30:.1f} GiB): shards will be fetched again within each epoch; give it room for the "
+            "split (IMAGENET_ELASTIC_STORE_CACHE, IMAGENET_ELASTIC_STORE_CACHE_GB)")
 
 
 def _whole(path: str, size: int) -> bool:

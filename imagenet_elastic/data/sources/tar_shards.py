@@ -772,8 +772,11 @@ def open_store_split(location: str, role: str, cache_dir: Optional[str],
             return replace(walk_store(entries, location, role, classes), index=kept,
                            notes=(f"the shard index cache {error}: the shards were indexed again",))
     if source is None:
-        return replace(walk_store(entries, location, role, classes), index=kept)
-    return check_store_shards(source, entries, classes)
+        source = replace(walk_store(entries, location, role, classes), index=kept)
+    else:
+        source = check_store_shards(source, entries, classes)
+    short = object_store.short_cache_note(object_store.settings(), sum(e.size for e in entries), location)
+    return replace(source, notes=(*source.notes, short)) if short else source
 
 
 def walk_store(entries: list[object_store.Entry], location: str, role: str,
