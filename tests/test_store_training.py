@@ -7,12 +7,14 @@ world size; bad input is one line before any work."""
 
 from __future__ import annotations
 
+import io
 import re
 import subprocess
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import (
     SMALL_RUN,
@@ -28,7 +30,7 @@ from inprocess import command, train
 from test_pack import run_pack
 from test_tar_shards import wds_shards
 
-from imagenet_elastic.data.sources import open_source, tar_shards
+from imagenet_elastic.data.sources import object_store, open_source, tar_shards
 from imagenet_elastic.data.sources.object_store import StoreUnavailable
 from imagenet_elastic.errors import UserError, one_line
 
@@ -232,3 +234,41 @@ def test_a_changed_object_is_refused_in_a_pack_and_indexed_again_in_foreign_shar
     s3_server.put_bytes(b"x" * 100, "changing", "pack/train/shard-000003.tar")
     with pytest.raises(UserError, match=rf"^shard {url}/pack/train/shard-000003\.tar has 100 bytes but its index"):
         open_source(f"{url}/pack/train", "train", None)
+
+
+def test_pack_writes_to_a_store_the_bytes_of_a_local_pack_and_continues_an_interrupted_upload(
+        s3_server, image_folder, shards, store_env, monkeypatch, tmp_path):
+    cache = store_env(s3_server)
+    s3_server.create_bucket("packed")
+    out = "s3://packed/imagenet-pack"
+    real_write, calls, failed = object_store.write_file, [], []
+
+    def write_then_fail(local, url, timeout):  # the store goes away at the fourth upload of the first run
+        calls.append(url)
+        if len(calls) == 4 and not failed:
+            failed.append(url)
+            raise StoreUnavailable(f"the store did not answer for {url}")
+        real_write(local, url, timeout)
+
+    monkeypatch.setattr(object_store, "write_file", write_then_fail)
+    first = command(["pack", str(image_folder), out, "--shard-size", "20"])
+    assert first.returncode == 69 and len(calls) == 4, first.stderr
+    client = s3_server.client()
+    listed = {o["Key"] for o in client.list_objects_v2(Bucket="packed")["Contents"]}
+    assert "imagenet-pack/pack.json" not in listed and len(listed) == 3  # shards first: not yet a pack
+    calls.clear()
+    again = command(["pack", str(image_folder), out, "--shard-size", "20"])
+    assert again.returncode == 0, again.stderr
+    local = shards / "pack"
+    files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
+    assert len(calls) == len(files) - 3  # what the first run had sent is not sent again
+    for name in files:
+        body = client.get_object(Bucket="packed", Key=f"imagenet-pack/{name}")["Body"].read()
+        if name.endswith(tar_shards.INDEX_NAME):  # its shards' local mtimes and folder are the staging folder's
+            ours, theirs = np.load(io.BytesIO(body)), np.load(local / name)
+            for key in set(theirs.files) - {"mtimes", "location"}:
+                assert np.array_equal(ours[key], theirs[key]), (name, key)
+        elif name != "pack.json":  # which names the folders it was written in
+            assert body == (local / name).read_bytes(), name
+    assert not any(p.name.startswith("pack-") for p in cache.iterdir())  # the staging folder is gone
+    assert len(open_source(f"{out}/train", "train", None)) == 96

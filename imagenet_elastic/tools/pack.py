@@ -14,16 +14,24 @@ the input and the options alone (members in the source's order, fixed tar header
 count. A crash, a kill or Ctrl-C (one line, exit 130) leaves complete shards under their names, the shard being
 written under a temporary one and no index: a rerun with the same source and options keeps the complete shards
 and writes the rest; anything else in OUT is refused rather than overwritten.
+
+OUT may be a store's URL (`s3://bucket/imagenet-pack`, `gs://...`): the pack is written in a staging folder of the
+node's store cache (data/sources/object_store.py; it needs the pack's room there), then uploaded, the shards first and
+each split's index and pack.json last, so that the store holds a complete pack only once every shard is there. The
+same command again continues an interrupted pack or upload: the staged shards are kept, and objects already in the
+store whole are not sent again. The staging folder is removed once the upload is complete.
 """
 
 from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import hashlib
 import json
 import math
 import multiprocessing
 import os
+import shutil
 import signal
 import sys
 import time
@@ -33,7 +41,7 @@ from typing import Any, Optional
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
 from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
-from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UserError, report
 from imagenet_elastic.tools.pack_shard import Options, Split, Written, shard_name, write_shard
 
@@ -259,10 +267,59 @@ def _leave_interrupts_to_the_parent() -> None:
     signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
 
 
+def staging(out: str) -> str:
+    """The local folder a pack for the store's `out` is written in before its upload: the same for the same URL on
+    a node, so that the same command continues it."""
+    digest = hashlib.blake2b(out.encode(), digest_size=8).hexdigest()
+    return os.path.join(object_store.settings().cache, f"pack-{digest}")
+
+
+def upload(staged: str, out: str) -> dict[str, int]:
+    """Every file of the staged pack to the store at `out`, each split's index and pack.json last (a pack without
+    them is not complete); an object already there at its size is not sent again."""
+    timeout = object_store.settings().timeout
+    files = sorted(os.path.relpath(os.path.join(root, name), staged) for root, _, names in os.walk(staged)
+                   for name in names if not name.startswith(TEMP_PREFIX))
+    last = (tar_shards.INDEX_NAME, PACK_FILE)
+    ordered = sorted(files, key=lambda name: (os.path.basename(name) in last, os.path.basename(name) == PACK_FILE))
+    sent = kept = 0
+    for name in ordered:
+        local, url = os.path.join(staged, name), object_store.join(out, *name.split(os.sep))
+        found = object_store.find(url, timeout)
+        if found is not None and found.size == os.path.getsize(local) and os.path.basename(name) not in last:
+            kept += 1
+            continue
+        object_store.write_file(local, url, timeout)
+        sent += 1
+    return {"uploaded": sent, "already_there": kept}
+
+
+def pack_to_store(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
+    if object_store.scheme(out) in ("http", "https"):
+        raise UserError(f"pack: OUT {out}: an https:// server cannot be written to; pack to a folder and publish it")
+    timeout = object_store.settings().timeout
+    marker = object_store.find(object_store.join(out, PACK_FILE), timeout)
+    if marker is not None and json.loads(object_store.read_whole(marker.url, timeout)).get("complete"):
+        raise UserError(f"pack: OUT {out} already holds a complete pack")
+    staged = staging(out)
+    result = pack(src, staged, args) if not _complete(staged) else {"images": 0, "out": staged}
+    result = {**result, **upload(staged, out), "out": out}
+    shutil.rmtree(staged, ignore_errors=True)
+    return result
+
+
+def _complete(folder: str) -> bool:
+    try:
+        with open(os.path.join(folder, PACK_FILE)) as f:
+            return bool(json.load(f).get("complete"))
+    except (OSError, ValueError):
+        return False
+
+
 def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
     try:
-        result = pack(args.src, args.out, args)
+        result = (pack_to_store if object_store.is_url(args.out) else pack)(args.src, args.out, args)
     except KeyboardInterrupt:  # the shard in flight is a temp file, which the same command removes and writes again
         print(f"{PROG}: pack interrupted: the same command keeps the complete shards in {args.out} and writes the "
               "rest", file=sys.stderr, flush=True)

@@ -266,6 +266,12 @@ def read_whole(url: str, timeout: float) -> bytes:
     return patiently(url, lambda: fs.cat_file(_path(url)), timeout)
 
 
+def write_file(local: str, url: str, timeout: float) -> None:
+    """A local file to the object at `url` (a multipart upload where the library makes one), retried as reads are."""
+    fs = filesystem(url, timeout)
+    patiently(url, lambda: fs.put_file(local, _path(url)), timeout)
+
+
 class RangedFile:
     """A read-only file object over an object's bytes, by ranged reads of `block` bytes (tarfile's walk of a
     shard's headers: a header and the label after it in one read)."""
