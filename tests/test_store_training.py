@@ -8,6 +8,7 @@ world size; bad input is one line before any work."""
 from __future__ import annotations
 
 import io
+import json
 import re
 import subprocess
 import threading
@@ -101,6 +102,13 @@ def test_a_pack_in_s3_trains_bitwise_as_on_disk_reading_each_byte_from_the_store
     assert cached == sorted([*(f"shard-{k:06d}.tar" for k in range(5)), *(f"shard-{k:06d}.tar" for k in range(2))])
     read, tars = proxy.stats()["bytes"], sum(p.stat().st_size for p in (shards / "pack").rglob("*.tar"))
     assert tars <= read <= 1.1 * store_bytes(shards / "pack")  # two epochs, each byte once (and a few listings)
+    scored = command(["evaluate", str(tmp_path / "ckpt" / "last.pt"), f"s3://{bucket}/pack", "--workers", "0",
+                      "--amp", "none"])  # the pack's root: its val split, as training took it
+    assert scored.returncode == 0, scored.stderr
+    row = json.loads(scored.stdout.strip().splitlines()[-1])
+    history = load_checkpoint(tmp_path / "ckpt" / "last.pt")["history"][-1]
+    assert (row["images"], row["val_as_trained"]) == (35, True), scored.stderr
+    assert row["top1"] == pytest.approx(history["val_top1"])
 
 
 def test_foreign_shards_in_s3_are_indexed_by_ranged_reads_once_and_train_as_on_disk(

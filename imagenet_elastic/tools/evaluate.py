@@ -89,8 +89,8 @@ def check_val_exists(locations: Sequence[str]) -> None:
     from imagenet_elastic.data import sources
 
     for location in locations:
-        prefix, path = sources.kind_of(location)  # an unknown prefix or a URL: one line naming the known ones
-        if not os.path.exists(path) and not sources.is_pattern(location):
+        prefix, path = sources.kind_of(location)  # an unknown prefix or scheme: one line naming the known ones
+        if not (os.path.exists(path) or sources.is_pattern(location) or sources.is_url(path)):  # a store's: opened
             known = ", ".join(f"{p}:" for p in sources.prefixes())
             raise UserError(f"VAL {location} does not exist: evaluate takes {FORMS} ({known})")
 

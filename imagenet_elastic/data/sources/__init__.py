@@ -181,5 +181,7 @@ def check_same_classes(train: Source, val: Source) -> None:
     )
 
 
+is_url = object_store.is_url
+
 __all__ = ["KINDS", "FileList", "Source", "both_splits", "check_same_classes", "evaluated_split", "is_pattern",
-           "kind_of", "open_source", "open_splits", "split_locations", "train_location"]
+           "is_url", "kind_of", "open_source", "open_splits", "split_locations", "train_location"]
