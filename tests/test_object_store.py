@@ -63,6 +63,14 @@ def test_transient_failures_are_retried_with_growing_jittered_waits_and_the_call
     assert all(0 <= wait <= min(20, 0.5 * 2 ** k) for k, wait in enumerate(clock.slept))
 
 
+def test_a_fault_of_ours_is_raised_at_once_not_retried_as_the_stores():
+    clock = FakeClock()
+    call, calls = failing(1, TypeError("unsupported operand"))
+    with pytest.raises(TypeError):
+        object_store.patiently("s3://b/k", call, timeout=60, sleep=clock.sleep, clock=clock)
+    assert len(calls) == 1 and clock.slept == []
+
+
 def test_a_store_that_stays_away_ends_with_one_line_naming_the_object_at_the_bound():
     clock = FakeClock()
     call, calls = failing(10 ** 6, TimeoutError("read timed out"))

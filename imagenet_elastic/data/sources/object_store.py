@@ -24,6 +24,7 @@ bucket or object and refused credentials are errors at once, naming the object.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import fcntl
 import glob
@@ -33,6 +34,7 @@ import posixpath
 import random
 import re
 import shutil
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -174,7 +176,7 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             raise UserError(f"{what} does not exist (no such bucket or object)") from None
         except PermissionError as error:
             raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
-        except Exception as error:  # a time-out, a reset, a 5xx, throttling: the store's, for a while
+        except transient() as error:  # a time-out, a reset, a 5xx, throttling: the store's, for a while
             now = clock()
             first_failure = now if first_failure is None else first_failure
             if now - first_failure >= timeout:
@@ -182,6 +184,20 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
                                        f"({_reason(error)}): run again with --resume once it is back") from None
             sleep(min(backoff(attempt, rng), max(0.0, first_failure + timeout - now)))
             attempt += 1
+
+
+def transient() -> tuple[type[BaseException], ...]:
+    """What a store's client raises when the store is away for a while: connection errors and time-outs (OSError,
+    and the libraries' own classes for them, which are not OSErrors), and answers the libraries did not turn into
+    FileNotFoundError or PermissionError (5xx, throttling). Anything else is a fault of ours, raised at once rather
+    than retried for IMAGENET_ELASTIC_STORE_TIMEOUT."""
+    found: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError]
+    for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",)),
+                          ("fsspec.exceptions", ("FSTimeoutError",)), ("gcsfs.retry", ("HttpError",))):
+        if module.split(".")[0] in sys.modules:  # imported by the client in use, if at all: never imported here
+            loaded = sys.modules.get(module)
+            found.extend(getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name))
+    return tuple(found)
 
 
 def _reason(error: BaseException) -> str:
