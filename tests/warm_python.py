@@ -1,16 +1,18 @@
 """A `python` whose every command is a fork of one interpreter that has imported torch, torchvision and timm: what a
 script that starts python a dozen times one after another (scripts/gpu_checks.sh's parts, scripts/gpu_proof.py's)
-runs as PYTHON, without the ~5 s each new interpreter spends importing them on these CPUs.
+runs as PYTHON, and torchrun as its workers' PYTHON_EXEC, without the ~5 s each new interpreter spends importing them
+on these CPUs.
 
     with warm_python.serving(env, folder) as python:   # `python` is an executable file: PYTHON=python
         subprocess.run(["bash", "scripts/gpu_checks.sh", ...], env={**env, "PYTHON": python})
 
-`python -m MODULE ...`, `python SCRIPT ...`, `python -c CODE ...` and `python - ...` (the script on stdin) run in a fork
-of the server, with the caller's arguments, working folder, environment, stdin/stdout/stderr, CPU affinity and
-PYTHONPATH; sys.executable is this `python` too, so that the processes they start are forks as well. Signals to the
-caller reach the fork; its exit status (a signal's too) is the caller's. Anything else (an interpreter option, the
-file descriptors multiprocessing's spawn passes) runs in a new interpreter. Only those three libraries are imported
-before the fork, none of this package: a module that forgets an import of its own still fails as in a new one.
+`python [-u] -m MODULE ...`, `python SCRIPT ...`, `python -c CODE ...` and `python - ...` (the script on stdin) run
+in a fork of the server, with the caller's arguments, working folder, environment, stdin/stdout/stderr, CPU affinity
+and PYTHONPATH; sys.executable is this `python` too, so that the processes they start are forks as well. Signals to
+the caller reach the fork, a SIGKILL too (the fork and what it started are killed when the caller is gone); its exit
+status (a signal's too) is the caller's. Anything else (another interpreter option, the file descriptors
+multiprocessing's spawn passes) runs in a new interpreter. Only those three libraries are imported before the fork,
+none of this package: a module that forgets an import of its own still fails as in a new one.
 """
 
 from __future__ import annotations
@@ -61,16 +63,18 @@ def serving(env: dict[str, str], folder: Path):
 # ----------------------------------------------------------------------------- the caller's side (no torch here)
 
 def client(path: str, python: str) -> None:
-    argv = sys.argv[1:]
+    argv, env = sys.argv[1:], dict(os.environ)
+    while argv[:1] == ["-u"]:  # unbuffered, as torchrun starts its workers
+        argv, env["PYTHONUNBUFFERED"] = argv[1:], "1"
     forms = argv and (argv[0] in ("-m", "-c") and len(argv) > 1 or argv[0] == "-" or not argv[0].startswith("-"))
     if not forms or extra_fds():
-        os.execv(python, [python, *argv])  # a new interpreter, as without the server
+        os.execv(python, [python, *sys.argv[1:]])  # a new interpreter, as without the server
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(path)
     except OSError:
-        os.execv(python, [python, *argv])
-    request = {"argv": argv, "cwd": os.getcwd(), "env": dict(os.environ), "cpus": sorted(os.sched_getaffinity(0)),
+        os.execv(python, [python, *sys.argv[1:]])
+    request = {"argv": argv, "cwd": os.getcwd(), "env": env, "cpus": sorted(os.sched_getaffinity(0)),
                "executable": sys.argv[0]}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     for signum in FORWARDED:
