@@ -19,6 +19,7 @@ import fault_injection as fi  # noqa: E402
 import inprocess
 import pytest
 import torch
+import warm_python as warm
 from packaging.version import Version  # pytest's own dependency
 
 REPO = Path(__file__).resolve().parents[1]
@@ -149,6 +150,15 @@ def hub(tmp_path, monkeypatch) -> Path:
 
 
 child_env = fi.clean_env  # this environment without launcher variables, so tests stay local
+
+
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory) -> str:
+    """A `python` whose commands are forks of one interpreter that imported torch, torchvision and timm
+    (tests/warm_python.py): for the processes a test starts that need not be new interpreters, and torchrun's
+    workers (PYTHON_EXEC)."""
+    with warm.serving(child_env(), tmp_path_factory.mktemp("python")) as python:
+        yield python
 
 
 def python_cmd(*args: str) -> list[str]:

@@ -10,21 +10,19 @@ import subprocess
 import sys
 
 import pytest
-import warm_python
 from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
 
 pytestmark = pytest.mark.slow  # each part starts its processes one after another
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
-PYTHON = {}  # the module's warm python (tests/warm_python.py): PYTHON of every part
+PYTHON = {}  # the session's warm python (tests/warm_python.py): PYTHON of every part
 
 
-@pytest.fixture(scope="module", autouse=True)
-def python(tmp_path_factory):
+@pytest.fixture(autouse=True)
+def python(warm_python):
     """The parts' python commands run in forks of one interpreter that imported torch once, not a new one each."""
-    with warm_python.serving(child_env(**SMALL), tmp_path_factory.mktemp("python")) as shim:
-        PYTHON["PYTHON"] = shim
-        yield shim
+    PYTHON["PYTHON"] = warm_python
+    yield warm_python
     PYTHON.clear()
 
 

@@ -12,7 +12,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-import warm_python
 from conftest import (
     SMALL_RUN,
     assert_same_tensors,
@@ -71,7 +70,7 @@ def test_a_run_on_each_form_is_bitwise_the_run_on_its_class_folders(forms, folde
 
 
 @pytest.fixture(scope="module")
-def killed_jobs(forms, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+def killed_jobs(forms, warm_python, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """Each form's two-rank job (the start-up check compares their sources), rank 1 SIGKILLed in epoch 1 and
     restarted by torchrun; the four side by side: (checkpoints folder, exit code, output). The ranks (sixteen, with
     the restarted ones) are forks of one interpreter that imported torch once (tests/warm_python.py)."""
@@ -83,9 +82,9 @@ def killed_jobs(forms, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
                            "1", "--checkpoint-interval", "1", "--checkpoints-path", str(ckpt), restarts=1)
         return (ckpt, *run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=env))
 
-    with warm_python.serving(child_env(), base / "python") as python, ThreadPoolExecutor(len(FORMS)) as pool:
-        jobs = {form: pool.submit(killed, form, child_env(PYTHON_EXEC=python)) for form in FORMS}
-        return {form: job.result() for form, job in jobs.items()}
+    with ThreadPoolExecutor(len(FORMS)) as pool:
+        jobs = {form: pool.submit(killed, form, child_env(PYTHON_EXEC=warm_python)) for form in FORMS}
+    return {form: job.result() for form, job in jobs.items()}
 
 
 @pytest.mark.slow
