@@ -161,6 +161,15 @@ def warm_python(tmp_path_factory) -> str:
         yield python
 
 
+@pytest.fixture(scope="module")
+def warm_ranks(warm_python):
+    """torchrun's workers, in the module that uses this, are forks of the warm python: PYTHON_EXEC in this
+    environment, and so in child_env's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHON_EXEC", warm_python)
+        yield
+
+
 def python_cmd(*args: str) -> list[str]:
     return [sys.executable, "-m", "imagenet_elastic", *args]
 

@@ -39,7 +39,8 @@ from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow,  # every test here starts processes
+              pytest.mark.usefixtures("warm_ranks")]  # the ranks torchrun starts: forks of the warm python
 
 GLOBAL_BATCH = 16  # SMALL_RUN's 8 per process x 2
 SAMPLES_PER_EPOCH = TRAIN_IMAGES // GLOBAL_BATCH * GLOBAL_BATCH
