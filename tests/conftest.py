@@ -180,8 +180,8 @@ def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
             f"--max-restarts={restarts}", "-m", "imagenet_elastic", *args]
 
 
-def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -271,11 +271,13 @@ EPOCHS = 3
 
 
 @pytest.fixture(scope="session")
-def torchrun_reference(image_folder, tmp_path_factory):
-    """An uninterrupted 2-process torchrun run of 3 epochs: the run every fault-tolerance result is compared with."""
+def torchrun_reference(image_folder, tmp_path_factory, warm_python):
+    """An uninterrupted 2-process torchrun run of 3 epochs: the run every fault-tolerance result is compared with.
+    Its ranks are forks of the warm python."""
     ckpt = tmp_path_factory.mktemp("reference")
     result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS),
-                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)))
+                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)),
+                 env=child_env(PYTHON_EXEC=warm_python))
     assert result.returncode == 0, result.stdout + result.stderr
     return ckpt, result.stdout
 
@@ -285,10 +287,12 @@ SHORT_RUN = [*SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3"]
 
 
 @pytest.fixture(scope="session")
-def reference_world2(image_folder, tmp_path_factory) -> dict:
-    """The state every 2-rank launcher must reproduce bitwise: torchrun, one node, one thread per rank."""
+def reference_world2(image_folder, tmp_path_factory, warm_python) -> dict:
+    """The state every 2-rank launcher must reproduce bitwise: torchrun, one node, one thread per rank (forks of
+    the warm python)."""
     ckpt = tmp_path_factory.mktemp("ref2")
-    result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)))
+    result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)),
+                 env=child_env(PYTHON_EXEC=warm_python))
     assert result.returncode == 0, result.stdout + result.stderr
     return load_checkpoint(ckpt / "last.pt")
 
