@@ -170,8 +170,9 @@ def warm_ranks(warm_python):
         yield
 
 
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "imagenet_elastic", *args]
+def python_cmd(*args: str, python: str = sys.executable) -> list[str]:
+    """`imagenet-elastic ARGS`; `python`: the interpreter (warm_python: a fork that has imported torch)."""
+    return [python, "-m", "imagenet_elastic", *args]
 
 
 def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
