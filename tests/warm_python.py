@@ -26,6 +26,7 @@ import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 PRELOADED = ("torch", "torchvision", "timm")
@@ -42,7 +43,7 @@ warm_python.client({socket!r}, {python!r})
 def serving(env: dict[str, str], folder: Path):
     """A server started with `env` (what its imports read), and the executable that forks it: `folder/python`."""
     folder.mkdir(parents=True, exist_ok=True)
-    path = str(folder / "python.sock")
+    path = f"imagenet-elastic-warm-python-{uuid.uuid4().hex}"  # an abstract socket's: no file, no length to mind
     server = subprocess.Popen([sys.executable, __file__, path], env=env, stdin=subprocess.DEVNULL,
                               stdout=subprocess.PIPE, text=True)
     try:
@@ -71,7 +72,7 @@ def client(path: str, python: str) -> None:
         os.execv(python, [python, *sys.argv[1:]])  # a new interpreter, as without the server
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
-        conn.connect(path)
+        conn.connect("\0" + path)
     except OSError:
         os.execv(python, [python, *sys.argv[1:]])
     request = {"argv": argv, "cwd": os.getcwd(), "env": env, "cpus": sorted(os.sched_getaffinity(0)),
@@ -108,10 +109,8 @@ def serve(path: str) -> None:
     for module in PRELOADED:
         __import__(module)
     base_path = [p for p in sys.path[1:] if p not in os.environ.get("PYTHONPATH", "").split(os.pathsep)]
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    listener.bind(path)
+    listener.bind("\0" + path)
     listener.listen(16)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     print("ready", flush=True)
@@ -128,7 +127,6 @@ def serve(path: str) -> None:
                     pass
     finally:  # every command waited for: their CPU time is this process's children's, and so its caller's
         listener.close()
-        os.unlink(path)
         with contextlib.suppress(ChildProcessError):
             while True:
                 os.waitpid(-1, 0)
