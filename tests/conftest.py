@@ -21,6 +21,7 @@ import inprocess
 import pytest
 import store_servers
 import torch
+import warm_python as warm
 from packaging.version import Version  # pytest's own dependency
 
 REPO = Path(__file__).resolve().parents[1]
@@ -153,8 +154,27 @@ def hub(tmp_path, monkeypatch) -> Path:
 child_env = fi.clean_env  # this environment without launcher variables, so tests stay local
 
 
-def python_cmd(*args: str) -> list[str]:
-    return [sys.executable, "-m", "imagenet_elastic", *args]
+@pytest.fixture(scope="session")
+def warm_python(tmp_path_factory) -> str:
+    """A `python` whose commands are forks of one interpreter that imported torch, torchvision and timm
+    (tests/warm_python.py): for the processes a test starts that need not be new interpreters, and torchrun's
+    workers (PYTHON_EXEC)."""
+    with warm.serving(child_env(), tmp_path_factory.mktemp("python")) as python:
+        yield python
+
+
+@pytest.fixture(scope="module")
+def warm_ranks(warm_python):
+    """torchrun's workers, in the module that uses this, are forks of the warm python: PYTHON_EXEC in this
+    environment, and so in child_env's."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PYTHON_EXEC", warm_python)
+        yield
+
+
+def python_cmd(*args: str, python: str = sys.executable) -> list[str]:
+    """`imagenet-elastic ARGS`; `python`: the interpreter (warm_python: a fork that has imported torch)."""
+    return [python, "-m", "imagenet_elastic", *args]
 
 
 def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
@@ -163,8 +183,8 @@ def torchrun_cmd(nproc: int, *args: str, restarts: int = 0) -> list[str]:
             f"--max-restarts={restarts}", "-m", "imagenet_elastic", *args]
 
 
-def run(cmd: list[str], timeout: float = 180) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, cwd=REPO, env=child_env(), capture_output=True, text=True, timeout=timeout)
+def run(cmd: list[str], timeout: float = 180, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=REPO, env=env or child_env(), capture_output=True, text=True, timeout=timeout)
 
 
 def start(cmd: list[str]) -> subprocess.Popen:
@@ -254,11 +274,13 @@ EPOCHS = 3
 
 
 @pytest.fixture(scope="session")
-def torchrun_reference(image_folder, tmp_path_factory):
-    """An uninterrupted 2-process torchrun run of 3 epochs: the run every fault-tolerance result is compared with."""
+def torchrun_reference(image_folder, tmp_path_factory, warm_python):
+    """An uninterrupted 2-process torchrun run of 3 epochs: the run every fault-tolerance result is compared with.
+    Its ranks are forks of the warm python."""
     ckpt = tmp_path_factory.mktemp("reference")
     result = run(torchrun_cmd(2, str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS),
-                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)))
+                              "--keep-checkpoints", "2", "--checkpoints-path", str(ckpt)),
+                 env=child_env(PYTHON_EXEC=warm_python))
     assert result.returncode == 0, result.stdout + result.stderr
     return ckpt, result.stdout
 
@@ -268,10 +290,12 @@ SHORT_RUN = [*SMALL_RUN, "--epochs", "1", "--max-steps-per-epoch", "3"]
 
 
 @pytest.fixture(scope="session")
-def reference_world2(image_folder, tmp_path_factory) -> dict:
-    """The state every 2-rank launcher must reproduce bitwise: torchrun, one node, one thread per rank."""
+def reference_world2(image_folder, tmp_path_factory, warm_python) -> dict:
+    """The state every 2-rank launcher must reproduce bitwise: torchrun, one node, one thread per rank (forks of
+    the warm python)."""
     ckpt = tmp_path_factory.mktemp("ref2")
-    result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)))
+    result = run(torchrun_cmd(2, str(image_folder), *SHORT_RUN, "--checkpoints-path", str(ckpt)),
+                 env=child_env(PYTHON_EXEC=warm_python))
     assert result.returncode == 0, result.stdout + result.stderr
     return load_checkpoint(ckpt / "last.pt")
 

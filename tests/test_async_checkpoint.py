@@ -24,7 +24,8 @@ from conftest import REPO, assert_same_tensors, child_env, finish, load_checkpoi
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.report.metrics import read as read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess,
+              pytest.mark.usefixtures("warm_ranks")]  # the ranks torchrun starts: forks of the warm python
 
 RUN = ["--model", "resnet18", "--image-size", "32", "--batch-size", "8", "--global-batch-size", "16",
        "--workers", "1", "--threads", "1", "--log-interval", "1", "--warmup-epochs", "1", "--amp", "none",

@@ -55,6 +55,7 @@ def test_a_save_that_does_not_fit_names_the_file_and_leaves_the_previous_checkpo
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_a_full_disk_during_training_ends_every_rank_with_one_line_and_exit_74(image_folder, tmp_path):
     """resnet18's state is ~90 MB: epoch 1's checkpoint fits in 130 MB, epoch 2's (written beside it) does not.
     Its background write fails while epoch 3 trains; both ranks stop at the next step boundary."""

@@ -294,6 +294,7 @@ def test_a_run_with_a_teacher_stopped_mid_epoch_resumes_bitwise(image_folder, tm
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_a_run_with_a_teacher_stopped_at_world_size_1_goes_on_under_torchrun_at_world_size_2(
         image_folder, tmp_path, teachers, monkeypatch):
     """Each rank holds its own teacher, outside DDP: the token-distilled student (both heads in every step) resumes

@@ -300,6 +300,7 @@ def test_real_labels_of_exactly_imagenets_50000_validation_images_are_read_and_o
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_under_torchrun_every_world_size_scores_every_image_once(trained, tmp_path):
     """29 images over 1, 2 and 3 ranks (shards of 15/14 and 10/10/9): the same counts, ReaL's included."""
     root, _, _ = trained

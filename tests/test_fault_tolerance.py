@@ -39,7 +39,8 @@ from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 
-pytestmark = pytest.mark.slow  # every test here starts processes
+pytestmark = [pytest.mark.slow,  # every test here starts processes
+              pytest.mark.usefixtures("warm_ranks")]  # the ranks torchrun starts: forks of the warm python
 
 GLOBAL_BATCH = 16  # SMALL_RUN's 8 per process x 2
 SAMPLES_PER_EPOCH = TRAIN_IMAGES // GLOBAL_BATCH * GLOBAL_BATCH
@@ -147,15 +148,16 @@ def test_sigterm_to_every_worker_checkpoints_within_one_step_exits_75_and_resume
 
 
 @pytest.mark.multiprocess
-def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_path):
+def test_sigusr1_to_a_single_process_checkpoints_and_exits_75(image_folder, tmp_path, warm_python):
+    """The runs are forks of the warm python: the signal reaches the trainer through its caller."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--threads", "1", "--checkpoints-path"]  # 2 runs, 2 cores
-    clean = start(python_cmd(*args, str(tmp_path / "clean")))
-    code, output = run_and_kill(python_cmd(*args, str(tmp_path / "ckpt")), when="epoch 1/2 step 4/",
-                                victim=lambda proc: proc.pid, sig=signal.SIGUSR1)
+    clean = start(python_cmd(*args, str(tmp_path / "clean"), python=warm_python))
+    code, output = run_and_kill(python_cmd(*args, str(tmp_path / "ckpt"), python=warm_python),
+                                when="epoch 1/2 step 4/", victim=lambda proc: proc.pid, sig=signal.SIGUSR1)
     assert finish(clean).returncode == 0
     assert code == PREEMPTED_EXIT, output
     assert "Traceback" not in output and f"exiting with code {PREEMPTED_EXIT}" in output
-    resumed = run(python_cmd(*args, str(tmp_path / "ckpt"), "--resume"))
+    resumed = run(python_cmd(*args, str(tmp_path / "ckpt"), "--resume", python=warm_python))
     assert resumed.returncode == 0, resumed.stderr
     assert "samples into epoch 1" in resumed.stdout
     assert_same_tensors(load_checkpoint(tmp_path / "ckpt" / "last.pt")["model"],
@@ -277,16 +279,19 @@ def test_node_lost_then_node_joined_keeps_the_global_batch_and_every_sample_once
 
 
 @pytest.mark.multiprocess
-def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp_path, torchrun_reference):
-    """Slurm's one-task-per-node layout: the signal reaches the task (the spawning parent), not only the ranks."""
+def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp_path, torchrun_reference,
+                                                              warm_python):
+    """Slurm's one-task-per-node layout: the signal reaches the task (the spawning parent), not only the ranks.
+    The parent is a fork of the warm python (the signal reaches it through its caller); the ranks, new interpreters
+    (spawn)."""
     reference, _ = torchrun_reference
     args = [str(image_folder), *SMALL_RUN, "--epochs", str(EPOCHS), "--checkpoints-path", str(tmp_path),
             "--dist-init-method", "spawn", "--nproc-per-node", "2"]
-    code, output = run_and_kill(python_cmd(*args), when=f"epoch 2/{EPOCHS} step 2/", victim=lambda proc: proc.pid,
-                                sig=signal.SIGUSR1)
+    code, output = run_and_kill(python_cmd(*args, python=warm_python), when=f"epoch 2/{EPOCHS} step 2/",
+                                victim=lambda proc: proc.pid, sig=signal.SIGUSR1)
     assert code == PREEMPTED_EXIT, output
     assert "error" not in output.lower(), output
-    resumed = run(python_cmd(*args, "--resume"))
+    resumed = run(python_cmd(*args, "--resume", python=warm_python))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert "samples into epoch 2" in resumed.stdout
     assert_same_as_reference(tmp_path, reference)

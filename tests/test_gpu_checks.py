@@ -15,11 +15,20 @@ from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
 pytestmark = pytest.mark.slow  # each part starts its processes one after another
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
+PYTHON = {}  # the session's warm python (tests/warm_python.py): PYTHON of every part
+
+
+@pytest.fixture(autouse=True)
+def python(warm_python):
+    """The parts' python commands run in forks of one interpreter that imported torch once, not a new one each."""
+    PYTHON["PYTHON"] = warm_python
+    yield warm_python
+    PYTHON.clear()
 
 
 def gpu_checks(part: str, data, work, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", "scripts/gpu_checks.sh", part, str(data), str(work)], cwd=REPO,
-                          env=child_env(**SMALL, **env), capture_output=True, text=True, timeout=180)
+                          env=child_env(**{**SMALL, **PYTHON, **env}), capture_output=True, text=True, timeout=180)
 
 
 def figures(part: str, data, work, **env: str) -> list[dict]:

@@ -420,6 +420,7 @@ def test_a_run_resumed_with_the_other_decode_warns_once_that_it_no_longer_matche
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_under_torchrun_each_rank_reports_the_fallbacks_its_own_loader_met(tmp_path):
     root = make_image_folder(tmp_path / "data", classes=2, train_per_class=8, val_per_class=2)
     for jpeg in (root / "train").rglob("*.jpg"):  # every rank's share is all PNG

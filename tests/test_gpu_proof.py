@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import warm_python
 from conftest import REPO, child_env
 from PIL import Image
 
@@ -33,9 +34,18 @@ def photos(folder: Path) -> Path:
     return folder
 
 
-def entry(part: str, data: Path, out: Path, **env: str) -> list[dict]:
+@pytest.fixture
+def python(tmp_path):
+    """The entries' python commands (their driver's children too) run in forks of one interpreter that imported
+    torch once, not a new one each."""
+    with warm_python.serving(child_env(**TINY), tmp_path / "python") as shim:
+        yield shim
+
+
+def entry(python: str, part: str, data: Path, out: Path, **env: str) -> list[dict]:
     result = subprocess.run(["bash", "scripts/gpu_checks.sh", part, str(data), str(out)], cwd=REPO,
-                            env=child_env(**TINY, **env), capture_output=True, text=True, timeout=240)
+                            env=child_env(**{**TINY, "PYTHON": python, **env}), capture_output=True, text=True,
+                            timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [json.loads(text) for text in result.stdout.splitlines()]  # stdout is JSON lines only
     assert lines == [json.loads(text) for text in (out / "proof.jsonl").read_text().splitlines()]
@@ -46,12 +56,12 @@ def statuses(lines: list[dict], key: str) -> dict[str, str]:
     return {line[key]: line["status"] for line in lines if key in line and "status" in line}
 
 
-def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(tmp_path):
+def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(python, tmp_path):
     """A 100-second budget holds neither the CUDA tests (150 s on an H100), nor the restart (150 s), nor a model
     compiled cold (110 s) and run: each says so, the eager cases run and are judged. `proof_rest` on that run's
     lines runs the tests, both restart rounds and the compiled cases (the limit first), and no eager case again."""
     data, first, rest = tmp_path / "data", tmp_path / "first", tmp_path / "rest"
-    lines = entry("proof", data, first, BUDGET="100", PHOTOS=str(photos(tmp_path / "photos")))
+    lines = entry(python, "proof", data, first, BUDGET="100", PHOTOS=str(photos(tmp_path / "photos")))
     workers = lines[0]["workers"]
     names = [name.replace("_N", f"_{workers}") for name in CASES]
     eager = ["recipe_gpu", "plain_gpu", "recipe_cpu", "plain_cpu"]
@@ -71,7 +81,7 @@ def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(tmp_path
         rates["recipe_gpu"]["images_per_sec"] / rates["plain_gpu"]["images_per_sec"], 3)
     assert lines[-1]["proof"] == "end"
 
-    redo = entry("proof_rest", data, rest, EARLIER=str(first))
+    redo = entry(python, "proof_rest", data, rest, EARLIER=str(first))
     assert redo[0]["parts"] == ["restart", "restart_warm", "tests"] and redo[0]["cases"] == compiled
     assert statuses(redo, "part") == {"versions": "ok", "data": "ok", "tests": "ok", "restart": "ok",
                                       "restart_warm": "ok", "throughput": "ok"}

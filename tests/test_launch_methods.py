@@ -29,7 +29,8 @@ from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.report.metrics import read as read_metrics
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts several processes
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess,  # every test here starts several processes
+              pytest.mark.usefixtures("warm_ranks")]  # the ranks torchrun starts: forks of the warm python
 
 
 def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -> tuple[list[int], list[str]]:

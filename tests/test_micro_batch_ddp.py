@@ -215,6 +215,7 @@ def test_ranks_with_other_choices_all_take_the_smallest_and_the_larger_one_says_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_two_ranks_under_torchrun_redo_the_step_one_of_them_could_not_fit(image_folder, tmp_path):
     """The whole program: rank 1 runs out of memory with micro-batches of 8 from its first step (rank 0 does not);
     both go on with micro-batches of 4, and end with the bits of a run set to 4 from the start."""

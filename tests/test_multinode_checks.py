@@ -9,7 +9,6 @@ import fcntl
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -23,21 +22,23 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]
 PREFIX = "imagenet-elastic: error: "
 
 
-def two_nodes(data: list[Path], checkpoints: list[Path], extra: list[list[str]], torchrun: bool) -> list[fi.Agent]:
+def two_nodes(python: str, data: list[Path], checkpoints: list[Path], extra: list[list[str]],
+              torchrun: bool) -> list[fi.Agent]:
     """Node n trains on data[n] into checkpoints[n] with extra[n] appended to the command line, as rank
     n: under a torchrun agent each (static rendezvous, so that node n holds rank n), or started
-    directly with the job's variables, as a scheduler starts one task per node."""
+    directly with the job's variables, as a scheduler starts one task per node. `python`: the interpreter of the
+    agents and the ranks (the session's warm one: forks that have imported torch)."""
     port = fi.free_port()
     nodes = []
     for n in range(2):
         train = ["-m", "imagenet_elastic", str(data[n]), *SHORT_RUN, "--threads", "1", "--dist-timeout", "60",
                  "--checkpoints-path", str(checkpoints[n]), *extra[n]]
         if torchrun:
-            nodes.append(fi.Agent([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+            nodes.append(fi.Agent([python, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
                                    f"--node-rank={n}", "--master-addr=127.0.0.1", f"--master-port={port}", *train],
-                                  child_env()))
+                                  child_env(PYTHON_EXEC=python)))
         else:
-            nodes.append(fi.Agent([sys.executable, *train], child_env(
+            nodes.append(fi.Agent([python, *train], child_env(
                 RANK=str(n), WORLD_SIZE="2", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
                 MASTER_PORT=str(port))))
     return nodes
@@ -87,7 +88,7 @@ def assert_nothing_written(folder: Path) -> None:
         os.close(fd)
 
 
-def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_at_start(tmp_path):
+def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_at_start(warm_python, tmp_path):
     node_a = make_image_folder(tmp_path / "node_a", classes=2, train_per_class=16, val_per_class=2)
     missing, moved = tmp_path / "missing", tmp_path / "moved"
     for copy in (missing, moved):
@@ -101,11 +102,11 @@ def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_a
                                                                                  "packs")}
     ck["folders"] = [tmp_path / "folders_ck_a", tmp_path / "folders_ck_b"]
     jobs = {
-        "missing": two_nodes([node_a, missing], ck["missing"], [[], []], torchrun=True),
-        "folders": two_nodes([node_a, node_a], ck["folders"], [[], []], torchrun=True),
-        "moved": two_nodes([node_a, moved], ck["moved"], [[], []], torchrun=False),
-        "settings": two_nodes([node_a, node_a], ck["settings"], [[], ["--seed", "7"]], torchrun=False),
-        "packs": two_nodes(packs, ck["packs"], [[], []], torchrun=False),
+        "missing": two_nodes(warm_python, [node_a, missing], ck["missing"], [[], []], torchrun=True),
+        "folders": two_nodes(warm_python, [node_a, node_a], ck["folders"], [[], []], torchrun=True),
+        "moved": two_nodes(warm_python, [node_a, moved], ck["moved"], [[], []], torchrun=False),
+        "settings": two_nodes(warm_python, [node_a, node_a], ck["settings"], [[], ["--seed", "7"]], torchrun=False),
+        "packs": two_nodes(warm_python, packs, ck["packs"], [[], []], torchrun=False),
     }
     wait_all(jobs)
 

@@ -25,9 +25,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.mostly_wai
 PREFIX = "imagenet-elastic: error: "
 
 
-def two_ranks(*args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
+def two_ranks(python: str, *args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
     """Starts ranks 0 and 1 of a job, each with the variables a launcher sets, and returns the function that waits
-    for them: (result, seconds each ran, timed by a thread of its own, so that jobs can run side by side)."""
+    for them: (result, seconds each ran, timed by a thread of its own, so that jobs can run side by side). `python`:
+    the interpreter (the session's warm one: a fork that has imported torch)."""
     several_at_once()
     port = str(fi.free_port())
     began = time.monotonic()
@@ -36,8 +37,8 @@ def two_ranks(*args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess
     def rank_runs(rank: int) -> None:
         env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
                         MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        done = subprocess.run(python_cmd(*args, "--threads", "1"), cwd=REPO, env=env, capture_output=True,
-                              text=True, timeout=120)
+        done = subprocess.run([python, *python_cmd(*args, "--threads", "1")[1:]], cwd=REPO, env=env,
+                              capture_output=True, text=True, timeout=120)
         results[rank] = (done, time.monotonic() - began)
 
     threads = [threading.Thread(target=rank_runs, args=(rank,)) for rank in (0, 1)]
@@ -78,7 +79,7 @@ def one_epoch(image_folder, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def jobs(image_folder, one_epoch, tmp_path_factory) -> dict[str, tuple[Path, str, list]]:
+def jobs(image_folder, one_epoch, warm_python, tmp_path_factory) -> dict[str, tuple[Path, str, list]]:
     """The three failures' jobs, started side by side (rank 1 of each spends most of its time waiting for a
     launcher's stop that never comes, launch.processes.REPORT_GRACE_S): for each, its checkpoints folder, the
     digest of its last.pt before (or "") and the ranks' results."""
@@ -93,8 +94,8 @@ def jobs(image_folder, one_epoch, tmp_path_factory) -> dict[str, tuple[Path, str
     (folders["steps.jsonl"] / "steps.jsonl").mkdir()
     before = {name: digest(folder / "last.pt") if (folder / "last.pt").exists() else ""
               for name, folder in folders.items()}
-    waits = {name: two_ranks(*run, *([] if name == "metrics.jsonl" else ["--resume"]), "--checkpoints-path",
-                             str(folder)) for name, folder in folders.items()}
+    waits = {name: two_ranks(warm_python, *run, *([] if name == "metrics.jsonl" else ["--resume"]),
+                             "--checkpoints-path", str(folder)) for name, folder in folders.items()}
     return {name: (folders[name], before[name], ended()) for name, ended in waits.items()}
 
 

@@ -70,19 +70,20 @@ def test_a_run_on_each_form_is_bitwise_the_run_on_its_class_folders(forms, folde
 
 
 @pytest.fixture(scope="module")
-def killed_jobs(forms, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
+def killed_jobs(forms, warm_python, tmp_path_factory) -> dict[str, tuple[Path, int, str]]:
     """Each form's two-rank job (the start-up check compares their sources), rank 1 SIGKILLed in epoch 1 and
-    restarted by torchrun; the three side by side: (checkpoints folder, exit code, output)."""
+    restarted by torchrun; the four side by side: (checkpoints folder, exit code, output). The ranks (sixteen, with
+    the restarted ones) are forks of one interpreter that imported torch once (tests/warm_python.py)."""
     base = tmp_path_factory.mktemp("killed")
 
-    def killed(form: str) -> tuple[Path, int, str]:
+    def killed(form: str, env: dict[str, str]) -> tuple[Path, int, str]:
         ckpt = base / str(FORMS.index(form)) / "ckpt"
         cmd = torchrun_cmd(2, *forms[form], *SMALL_RUN, "--threads", "1", "--max-steps-per-epoch", "3", "--epochs",
                            "1", "--checkpoint-interval", "1", "--checkpoints-path", str(ckpt), restarts=1)
-        return (ckpt, *run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=child_env()))
+        return (ckpt, *run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=env))
 
     with ThreadPoolExecutor(len(FORMS)) as pool:
-        jobs = {form: pool.submit(killed, form) for form in FORMS}
+        jobs = {form: pool.submit(killed, form, child_env(PYTHON_EXEC=warm_python)) for form in FORMS}
     return {form: job.result() for form, job in jobs.items()}
 
 
