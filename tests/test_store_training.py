@@ -174,13 +174,13 @@ def test_a_store_that_stays_away_ends_the_run_keeping_its_checkpoint_and_resume_
 
 
 def test_the_server_killed_and_restarted_mid_epoch_costs_a_pause_not_the_run(
-        fresh_s3_server, shards, disk_run, fault_proxy, tmp_path):
+        fresh_s3_server, shards, disk_run, fault_proxy, warm_python, tmp_path):
     fresh_s3_server.put_folder(shards / "pack", BUCKET, "pack")
     proxy = fault_proxy(fresh_s3_server)  # resets while the server is down and while its objects are put back
     env = child_env(**proxy.env(), IMAGENET_ELASTIC_STORE_CACHE=str(tmp_path / "cache"),
                     IMAGENET_ELASTIC_STORE_CACHE_GB=str(100_000 / 2 ** 30), IMAGENET_ELASTIC_STORE_TIMEOUT="60")
     cmd = python_cmd(f"s3://{BUCKET}/pack", *RUN, "--workers", "1", "--epochs", "2", "--checkpoints-path",
-                     str(tmp_path / "ckpt"))
+                     str(tmp_path / "ckpt"), python=warm_python)
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     output = []
     for line in proc.stdout:
@@ -188,7 +188,7 @@ def test_the_server_killed_and_restarted_mid_epoch_costs_a_pause_not_the_run(
         if "epoch 1/2 step 2/" in line:
             proxy.set_mode("reset")
             fresh_s3_server.kill()
-            time.sleep(3)  # the run goes on meanwhile: its output waits in the pipe
+            time.sleep(2)  # the run goes on meanwhile: its output waits in the pipe
             fresh_s3_server.restart()  # from this thread, which outlives the server (store_servers)
             proxy.set_mode("pass")
     assert proc.wait(120) == 0, "".join(output)
@@ -197,13 +197,14 @@ def test_the_server_killed_and_restarted_mid_epoch_costs_a_pause_not_the_run(
 
 @pytest.mark.multiprocess
 def test_a_sigkilled_torchrun_job_from_s3_resumes_at_another_world_size_bitwise(
-        s3_server, bucket, disk_run, store_env, tmp_path):
+        s3_server, bucket, disk_run, store_env, warm_python, tmp_path):
     store_env(s3_server)
     ckpt = tmp_path / "ckpt"
     args = [f"s3://{bucket}/pack", *RUN, "--workers", "1"]
     cmd = torchrun_cmd(2, *args, "--epochs", "1", "--checkpoint-interval", "1", "--checkpoints-path", str(ckpt),
                        restarts=1)
-    code, output = run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1), env=child_env())
+    code, output = run_and_kill(cmd, when="epoch 1/1 step 2/", victim=torchrun_worker(1),
+                                env=child_env(PYTHON_EXEC=warm_python))  # ranks: forks of the warm python
     assert code == 0 and "every rank has the same data" in output, output
     train([*args, "--epochs", "2", "--checkpoints-path", str(ckpt), "--resume"])
     final = load_checkpoint(ckpt / "last.pt")
