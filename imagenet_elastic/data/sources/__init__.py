@@ -69,9 +69,6 @@ def _isdir(path: str) -> bool:
     return object_store.isdir(path, timeout)
 
 
-def _join(folder: str, name: str) -> str:
-    return object_store.join(folder, name) if object_store.is_url(folder) else os.path.join(folder, name)
-
 
 def prefixed(prefix: Optional[str], location: str) -> str:
     return f"{prefix}:{location}" if prefix else location
@@ -127,7 +124,7 @@ def train_location(data: str) -> str:
     prefix, path = kind_of(data)
     if not _isdir(path):
         raise UserError(f"data folder {path} does not exist")
-    train = _join(path, "train")
+    train = os.path.join(path, "train")
     if _isdir(train):
         return prefixed(prefix, train)
     both = both_splits(data)
@@ -141,7 +138,7 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     if is_pattern(data) and val_path is None:
         raise UserError(f"DATA {data} is a pattern of files: pass --val-path for the validation split")
     both = None if val_path or is_pattern(data) else both_splits(data)
-    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], _join(kind_of(data)[1], "val")))
+    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], os.path.join(kind_of(data)[1], "val")))
     if not is_pattern(val) and not _isdir(kind_of(val)[1]):
         raise UserError(f"validation folder {kind_of(val)[1]} does not exist" + ("" if val_path else
                                                                                "; pass --val-path"))
@@ -153,11 +150,11 @@ def evaluated_split(location: str) -> str:
     (DATA/val, where DATA/train is beside it: the README's DATA, a pack's output), else the location itself (a split;
     a folder of both splits side by side gives its validation files to the kind that reads it)."""
     prefix, path = kind_of(location)
-    if not _isdir(_join(path, "train")):
+    if not _isdir(os.path.join(path, "train")):
         return location
-    if not _isdir(_join(path, "val")):
+    if not _isdir(os.path.join(path, "val")):
         raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
-    return prefixed(prefix, _join(path, "val"))
+    return prefixed(prefix, os.path.join(path, "val"))
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],

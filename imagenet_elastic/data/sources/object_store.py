@@ -65,12 +65,9 @@ def scheme(url: str) -> str:
 
 
 def join(url: str, *parts: str) -> str:
-    """`url` and `parts` joined by slashes (posixpath; never normalised: `s3://` keeps both slashes)."""
+    """`url` and `parts` joined by slashes, never normalised (`s3://` keeps both slashes): what os.path.join and
+    os.path.dirname do to a URL on POSIX, where sources written for paths take a URL as they take a path."""
     return posixpath.join(url, *parts)
-
-
-def relative(url: str, folder: str) -> str:
-    return url[len(folder.rstrip("/")) + 1:] if url.startswith(folder.rstrip("/") + "/") else url
 
 
 # ----------------------------------------------------------------------------- settings

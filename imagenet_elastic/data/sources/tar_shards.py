@@ -113,8 +113,6 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
 
 def shard_paths(location: str, role: str) -> list[str]:
     """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
-    if object_store.is_url(location):
-        return [entry.url for entry in store_shards(location, role)]
     if not is_pattern(location):
         paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
     else:
@@ -142,8 +140,8 @@ def split_patterns(folder: str) -> Optional[tuple[str, str]]:
             raise UserError(f"{folder} holds train shards ({min(train - val or train)} ...) and {word} shards "
                             f"({min(val - train or val)} ...), and {unclear[0]}, whose name says "
                             f"{'both' if unclear[0] in train else 'neither'}: name each split's shards with a pattern "
-                            f"({_join(folder, '*train*.tar')}, {_join(folder, f'*{word}*.tar')})")
-        return _join(folder, "*train*.tar"), _join(folder, f"*{word}*.tar")
+                            f"({os.path.join(folder, '*train*.tar')}, {os.path.join(folder, f'*{word}*.tar')})")
+        return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
     return None
 
 
@@ -154,10 +152,6 @@ def _names(folder: str) -> list[str]:
     if object_store.scheme(folder) in ("http", "https"):
         return []
     return [posixpath.basename(e.url) for e in object_store.listing(folder, object_store.settings().timeout)]
-
-
-def _join(folder: str, name: str) -> str:
-    return object_store.join(folder, name) if object_store.is_url(folder) else os.path.join(folder, name)
 
 
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
@@ -264,13 +258,10 @@ class TarShards(Source):
         if not object_store.is_url(path):
             return _mapped(path)
         entry = object_store.Entry(path, int(self.sizes[k]), self.etags[k] if self.etags else "")
-        for attempt in (0, 1):
-            try:
-                return _mapped(object_store.cache().local_copy(entry), store=True)
-            except FileNotFoundError:
-                if attempt:
-                    raise
-        raise AssertionError("unreachable")
+        try:
+            return _mapped(object_store.cache().local_copy(entry), store=True)
+        except FileNotFoundError:  # evicted by another process between the look and the open: fetched again
+            return _mapped(object_store.cache().local_copy(entry), store=True)
 
     def changed_bytes(self, i: int) -> str:
         """The line for sample i, whose bytes are not those its checksum was taken of, and what to do about it."""
@@ -552,17 +543,16 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: O
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     """classes.txt in the shards' folder or the one above it, else a list of class names in an _info.json there
     (under one of INFO_NAME_KEYS), if there is one."""
-    dirname = posixpath.dirname if object_store.is_url(shards[0]) else os.path.dirname
-    folder = dirname(shards[0]) if is_pattern(location) else location
-    for where in (folder, dirname(folder)):
-        candidate = _join(where, CLASSES_FILE)
+    folder = os.path.dirname(shards[0]) if is_pattern(location) else location  # a store's URL too (object_store.join)
+    for where in (folder, os.path.dirname(folder)):
+        candidate = os.path.join(where, CLASSES_FILE)
         text = _text(candidate)
         if text is not None:
             names = tuple(line.strip() for line in text.splitlines() if line.strip())
             if not names:
                 raise UserError(f"classes file {candidate} is empty")
             return names
-        info = _join(where, INFO_FILE)
+        info = os.path.join(where, INFO_FILE)
         text = _text(info)
         if text is not None:
             try:
@@ -654,10 +644,7 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
     if source.packed and resized:
-        k = resized[0]
-        raise UserError(f"shard {source.shards[k]} has {stats[k].st_size} bytes but its index {index} says "
-                        f"{int(source.sizes[k])}: the shard was replaced or cut short after it was packed; "
-                        f"{pack_again(index)}")
+        raise resized_shard(source, resized[0], stats[resized[0]].st_size, index)
     if not resized and not touched:
         return source
     start = time.perf_counter()
@@ -682,6 +669,12 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     rebuilt = assemble(source.location, source.role, list(source.shards), found, classes)
     return replace(rebuilt, index=source.index,
                    notes=(f"shard {source.shards[k]}{others} changed since it was indexed: indexed again",))
+
+
+def resized_shard(source: TarShards, k: int, size: int, index: str) -> UserError:
+    """A pack's shard k, now of `size` bytes, where its index says otherwise: refused, naming it."""
+    return UserError(f"shard {source.shards[k]} has {size} bytes but its index {index} says {int(source.sizes[k])}: "
+                     f"the shard was replaced or cut short after it was packed; {pack_again(index)}")
 
 
 def touched_note(source: TarShards, touched: int, seconds: float) -> str:
@@ -797,10 +790,7 @@ def check_store_shards(source: TarShards, entries: list[object_store.Entry],
     resized = [k for k, e in enumerate(entries) if e.size != int(source.sizes[k])]
     if source.packed:
         if resized:
-            k = resized[0]
-            raise UserError(f"shard {urls[k]} has {entries[k].size} bytes but its index {source.index} says "
-                            f"{int(source.sizes[k])}: the shard was replaced after it was packed; "
-                            f"{pack_again(source.index or INDEX_NAME)}")
+            raise resized_shard(source, resized[0], entries[resized[0]].size, source.index or INDEX_NAME)
         return replace(source, etags=tuple(e.etag for e in entries))
     changed = [k for k, e in enumerate(entries)
                if k in resized or source.etags is None or source.etags[k] != e.etag]
