@@ -341,7 +341,7 @@ def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
-    """moto's S3 server, shared by the session: tests use buckets of their own (or reset() it)."""
+    """moto's S3 server, shared by the whole test run: tests use buckets of their own (or reset() it)."""
     with store_servers.S3Server(log_dir=tmp_path_factory.mktemp("moto")) as server:
         yield server
 

@@ -15,7 +15,7 @@ from conftest import REPO, TRAIN_IMAGES, VAL_IMAGES, child_env
 pytestmark = pytest.mark.slow  # each part starts its processes one after another
 
 SMALL = {"PYTHON": sys.executable, "MODEL": "test_resnet", "BATCH": "8", "SIZE": "32", "BATCHES": "2"}
-PYTHON = {}  # the session's warm python (tests/warm_python.py): PYTHON of every part
+PYTHON = {}  # the test run's warm python (tests/warm_python.py): PYTHON of every part
 
 
 @pytest.fixture(autouse=True)

@@ -27,7 +27,7 @@ def two_nodes(python: str, data: list[Path], checkpoints: list[Path], extra: lis
     """Node n trains on data[n] into checkpoints[n] with extra[n] appended to the command line, as rank
     n: under a torchrun agent each (static rendezvous, so that node n holds rank n), or started
     directly with the job's variables, as a scheduler starts one task per node. `python`: the interpreter of the
-    agents and the ranks (the session's warm one: forks that have imported torch)."""
+    agents and the ranks (the test run's warm one: forks that have imported torch)."""
     port = fi.free_port()
     nodes = []
     for n in range(2):

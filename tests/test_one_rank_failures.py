@@ -28,7 +28,7 @@ PREFIX = "imagenet-elastic: error: "
 def two_ranks(python: str, *args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
     """Starts ranks 0 and 1 of a job, each with the variables a launcher sets, and returns the function that waits
     for them: (result, seconds each ran, timed by a thread of its own, so that jobs can run side by side). `python`:
-    the interpreter (the session's warm one: a fork that has imported torch)."""
+    the interpreter (the test run's warm one: a fork that has imported torch)."""
     several_at_once()
     port = str(fi.free_port())
     began = time.monotonic()
