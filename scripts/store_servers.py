@@ -1,10 +1,12 @@
-"""Object stores on 127.0.0.1 for the tests of training from s3:// and https:// shards: moto's S3 server, an HTTP
-server with Range support, and a proxy that injects faults in front of either. Each runs in a process of its own,
-so a client's connection pool, retries and time-outs meet real sockets, as they would meet S3 or a CDN.
+"""Object stores on 127.0.0.1 for the tests of training from s3://, gs:// and https:// shards: moto's S3 server, a
+GCS emulator, an HTTP server with Range support, and a proxy that injects faults in front of them. Each runs in a
+process of its own, so a client's connection pool, retries and time-outs meet real sockets, as they would meet S3 or a
+CDN.
 
 A test harness, outside the installed package: tests/conftest.py's fixtures start these; the child side is
-`python scripts/store_servers.py {moto PORT | http-serve FOLDER PORT | proxy HOST:PORT PORT}`. Only the stdlib is
-imported here at module level, so the children start in a fraction of a second (boto3 where an upload needs it).
+`python scripts/store_servers.py {moto PORT | http-serve FOLDER PORT | gcs PORT | proxy HOST:PORT PORT}`. Only the
+stdlib is imported here at module level, so the children start in a fraction of a second (boto3 where an upload
+needs it).
 
 Every child is stopped by its owner's stop() (fixtures, context managers), by this module's atexit hook, and,
 on Linux, by the kernel when the thread that started it dies (PR_SET_PDEATHSIG): a killed pytest leaves no
@@ -32,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Optional, Union
-from urllib.parse import unquote, urlsplit
+from urllib.parse import quote, unquote, urlsplit
 
 HOST = "127.0.0.1"
 START_TIMEOUT = 20.0  # seconds a server may take to answer; moto imports ~1 s on a 2-core machine
@@ -309,6 +311,58 @@ class RangeHTTPServer(_ServerProcess):
         (self.port,) = self._wait_ready_line(deadline)
 
 
+class GcsServer(_ServerProcess):
+    """A Google Cloud Storage emulator (gcp-storage-emulator's handlers, in memory, one thread per connection) in its
+    own process: GCS's JSON API, which gcsfs speaks, at STORAGE_EMULATOR_HOST. A restart starts empty."""
+
+    name = "gcs"
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://{HOST}:{self.port}"
+
+    def env(self) -> dict[str, str]:
+        return {"STORAGE_EMULATOR_HOST": self.endpoint, **local_env()}
+
+    def _command(self) -> list[str]:
+        return [sys.executable, __file__, "gcs", str(self.port)]
+
+    def _wait_ready(self, deadline: float) -> None:
+        (self.port,) = self._wait_ready_line(deadline)
+
+    def _call(self, method: str, path: str, body: bytes, content_type: str) -> dict:
+        connection = http.client.HTTPConnection(HOST, self.port, timeout=30)
+        try:
+            connection.request(method, path, body=body, headers={"Content-Type": content_type})
+            answer = connection.getresponse()
+            text = answer.read()
+        finally:
+            connection.close()
+        if answer.status >= 300:
+            raise RuntimeError(f"{method} {path}: {answer.status} {text[:200]!r}")
+        return json.loads(text or b"{}")
+
+    def create_bucket(self, bucket: str) -> None:
+        with contextlib.suppress(RuntimeError):  # 409: it exists
+            self._call("POST", "/storage/v1/b?project=test", json.dumps({"name": bucket}).encode(),
+                       "application/json")
+
+    def put_bytes(self, data: bytes, bucket: str, key: str) -> str:
+        """One upload; returns the object's etag."""
+        self.create_bucket(bucket)
+        return self._call("POST", f"/upload/storage/v1/b/{bucket}/o?uploadType=media&name={quote(key, safe='')}",
+                          data, "application/octet-stream")["etag"]
+
+    def put_folder(self, folder: Union[str, Path], bucket: str, prefix: str = "") -> list[str]:
+        """Every file under `folder` to gs://bucket/prefix/<relative path>; returns the keys, sorted."""
+        folder, keys = Path(folder), []
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            key = "/".join(part for part in (prefix.strip("/"), path.relative_to(folder).as_posix()) if part)
+            self.put_bytes(path.read_bytes(), bucket, key)
+            keys.append(key)
+        return keys
+
+
 MODES = ("pass", "reset", "stall", "503", "cut")
 
 
@@ -472,6 +526,19 @@ def _serve_folder(folder: str, port: str) -> None:
 
     ThreadingHTTPServer.daemon_threads = True
     server = ThreadingHTTPServer((HOST, int(port)), Handler)
+    _ready(server.server_address[1])
+    server.serve_forever()
+
+
+def _serve_gcs(port: str) -> None:
+    from functools import partial
+    from http.server import ThreadingHTTPServer
+
+    from gcp_storage_emulator.server import RequestHandler
+    from gcp_storage_emulator.storage import Storage
+
+    ThreadingHTTPServer.daemon_threads = True
+    server = ThreadingHTTPServer((HOST, int(port)), partial(RequestHandler, Storage(use_memory_fs=True)))
     _ready(server.server_address[1])
     server.serve_forever()
 
@@ -778,9 +845,9 @@ def _stop_all() -> None:
 def main(argv: list[str]) -> None:
     _die_with_parent()
     signal.signal(signal.SIGTERM, lambda *_: os._exit(0))  # daemon threads blocked in accept() do not stop exit
-    commands = {"moto": _serve_moto, "http-serve": _serve_folder, "proxy": _serve_proxy}
+    commands = {"moto": _serve_moto, "http-serve": _serve_folder, "gcs": _serve_gcs, "proxy": _serve_proxy}
     if not argv or argv[0] not in commands:
-        sys.exit(f"usage: {sys.argv[0]} moto PORT | http-serve FOLDER PORT | proxy HOST:PORT PORT")
+        sys.exit(f"usage: {sys.argv[0]} moto PORT | http-serve FOLDER PORT | gcs PORT | proxy HOST:PORT PORT")
     commands[argv[0]](*argv[1:])
 
 

@@ -57,17 +57,17 @@ def make_image_folder(root: Path, classes: int = 4, train_per_class: int = 24, v
 
 @pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the groups into the test ids
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Order and groups for pytest-xdist (pyproject's addopts: two workers, `--dist loadgroup`, groups handed
+    """Order and groups for pytest-xdist (pyproject's addopts: three workers, `--dist loadgroup`, groups handed
     out in this order, each to the first worker with little left to do).
     1. The `multiprocess` tests, in one group, so one worker runs them one after another on every core (ranks,
        side-by-side runs; some share the local Slurm cluster, some pick free ports). Handed out one by one
        (pytest-xdist's default), two of them often ran at once, each about twice as slow.
     2. Every test that starts at most one process at a time, with its module (its fixtures are built once), on a
-       core of its own (`share_cores`): the other worker takes these beside group 1, whose processes leave a
-       core idle for part of their time (start-up, loader hand-offs, checkpoint writes).
+       core (`share_cores`): the other workers take these beside group 1, whose processes leave a core idle for
+       part of their time (start-up, loader hand-offs, checkpoint writes, rendezvous).
     3. The multiprocess tests marked `mostly_waiting` (a grace period, a time-out, a rendezvous), last, a group
-       for each module: whichever worker is free takes the next, so both share the tail (as one group, one worker
-       ran all of them, ~80 s, while the other had finished).
+       for each module: whichever worker is free takes the next, so the workers share the tail (as one group, one
+       worker ran all of them, ~80 s, while the others had finished).
     Before (the single-process tests first, then every multiprocess test on one worker) the suite took ~100 s
     longer on two cores; docs/BENCHMARKS.md has the figures."""
     items.sort(key=order)  # stable: file order kept within each part
@@ -110,8 +110,8 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 def share_cores(item: pytest.Item) -> None:
     """Under pytest-xdist a test that is not `multiprocess` keeps to one core (the worker's number picks it),
     and so do the processes it starts: they count one core and take one thread (distributed.default_threads),
-    so the two workers' processes never wait for each other's threads. A multiprocess test gets every core
-    back."""
+    so the workers' processes never wait for each other's threads (a third worker shares the first core). A
+    multiprocess test gets every core back."""
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # gw0, gw1, ...
     if not worker.startswith("gw"):
         return
@@ -343,6 +343,13 @@ def assert_matches_reference(ckpt_dir: Path, reference: dict) -> None:
 def s3_server(tmp_path_factory):
     """moto's S3 server, shared by the whole test run: tests use buckets of their own (or reset() it)."""
     with store_servers.S3Server(log_dir=tmp_path_factory.mktemp("moto")) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def gcs_server(tmp_path_factory):
+    """A GCS emulator, shared by the whole test run: tests use buckets of their own."""
+    with store_servers.GcsServer(log_dir=tmp_path_factory.mktemp("gcs")) as server:
         yield server
 
 

@@ -81,8 +81,17 @@ def test_a_store_that_stays_away_ends_with_one_line_naming_the_object_at_the_bou
     assert 45 <= clock.now <= 45 + 1e-9 and len(calls) > 3  # it retried until the bound, and not past it
 
 
-@pytest.mark.parametrize("error, says", [(FileNotFoundError("NoSuchKey"), "does not exist"),
-                                         (PermissionError("InvalidAccessKeyId"), "access refused")])
+def gcsfs_http_error(code: int, message: str) -> Exception:
+    from gcsfs.retry import HttpError
+
+    return HttpError({"code": code, "message": message})
+
+
+@pytest.mark.parametrize("error, says", [
+    (FileNotFoundError("NoSuchKey"), "does not exist"),
+    (PermissionError("InvalidAccessKeyId"), "access refused"),  # s3fs's
+    (gcsfs_http_error(401, "Invalid Credentials"), "access refused"),  # gcsfs's, which it would retry
+    (OSError("Forbidden: b/o/k\nno storage.objects.get access"), "access refused")])  # gcsfs's 403
 def test_a_missing_object_or_refused_credentials_are_the_users_at_once(error, says):
     clock = FakeClock()
     call, calls = failing(1, error)
@@ -213,3 +222,12 @@ def test_a_cache_smaller_than_the_split_is_said_at_start_and_one_that_holds_it_i
     free = Settings(str(tmp_path / "cache"), None, 10)  # no cap: the file system's room, less 10% of it
     assert object_store.short_cache_note(free, 1 << 20, "s3://b/pack/train") is None
     assert object_store.short_cache_note(free, 1 << 60, "s3://b/pack/train") is not None
+
+
+def test_a_gcs_emulator_is_read_through_gcsfss_json_api_anonymously(monkeypatch):
+    """Not gcsfs's default class, whose bucket-layout probe speaks gRPC, which emulators do not."""
+    from gcsfs.core import GCSFileSystem
+
+    monkeypatch.setenv("STORAGE_EMULATOR_HOST", "http://127.0.0.1:9")
+    made = object_store.filesystem("gs://bucket/key", timeout=30)
+    assert type(made) is GCSFileSystem and made.credentials.token == "anon" and made.timeout == 10

@@ -362,7 +362,8 @@ def held_pack(tmp_path, src, *options: str, hold_from: int) -> Iterator[tuple[su
     holding = tmp_path / "holding"
     proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "pack_held.py"), "pack", str(src),
                              str(tmp_path / "out"), "--workers", "2", *options], cwd=REPO,
-                            env=child_env(PACK_HOLD_FROM=str(hold_from), PACK_HOLDING=str(holding), PACK_HOLD_S="600"),
+                            env=child_env(PACK_HOLD_FROM=str(hold_from), PACK_HOLDING=str(holding), PACK_HOLD_S="600",
+                                          PYTHONFAULTHANDLER="1"),  # SIGABRT: every thread's stack (ended())
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         yield proc, holding
@@ -370,6 +371,16 @@ def held_pack(tmp_path, src, *options: str, hold_from: int) -> Iterator[tuple[su
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+def ended(proc: subprocess.Popen, timeout: float = 60) -> str:
+    """The stderr of `proc` once it exits; a process still there after `timeout` s fails the test with the stack of
+    each of its threads (faulthandler's, on SIGABRT)."""
+    try:
+        return proc.communicate(timeout=timeout)[1]
+    except subprocess.TimeoutExpired:
+        os.kill(proc.pid, signal.SIGABRT)
+        pytest.fail(f"still running {timeout:g} s after the signal; its threads:\n{proc.communicate(timeout=30)[1]}")
 
 
 def holders(holding: pathlib.Path, count: int, proc: subprocess.Popen) -> list[int]:
@@ -403,7 +414,7 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
     with held_pack(tmp_path, src, *options, hold_from=32) as (proc, holding):
         holders(holding, 2, proc)
         os.killpg(proc.pid, signal.SIGINT)
-        err = proc.communicate(timeout=60)[1]
+        err = ended(proc)
     said = err.strip().splitlines()
     assert proc.returncode == 130 and len(said) == 1, err
     assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
@@ -418,6 +429,25 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
     assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]
 
 
+def sleeping_shard_task(_task) -> None:  # a pool worker's task that writes nothing for half a minute
+    time.sleep(30)
+
+
+def test_a_ctrl_c_while_the_pool_writes_is_raised_between_two_waits_and_the_pool_ends_at_once(monkeypatch):
+    """Raised wherever the signal came, a KeyboardInterrupt could leave one of concurrent.futures' locks held (a
+    future's, taken one by one in wait() and as_completed()), and the pool's thread or this one would hang on it for
+    ever at the stop: the pack's Ctrl-C is raised by the pool's own loop, between two waits."""
+    monkeypatch.setattr(pack, "_write_shard_task", sleeping_shard_task)  # the workers are forks: they see it
+    before = signal.getsignal(signal.SIGINT)
+    started = time.monotonic()
+    threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
+    with pytest.raises(KeyboardInterrupt) as raised, pack.ShardPool(2, [("task", k, None, None) for k in range(4)]) \
+            as pool:
+        list(pool)
+    assert raised.traceback[-1].name == "__iter__"  # ShardPool's loop, not a lock's wait inside concurrent.futures
+    assert time.monotonic() - started < 15 and signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.slow
 def test_an_error_in_one_worker_kills_the_other_midway_and_ends_the_pack_at_once(tmp_path):
     """One worker holds in shard 1 (ten minutes) while the other meets a corrupt image at the start of shard 2: the
@@ -428,7 +458,7 @@ def test_an_error_in_one_worker_kills_the_other_midway_and_ends_the_pack_at_once
     bad.write_bytes(b"\xff\xd8\xff garbage")
     with held_pack(tmp_path, src, "--shard-size", "8", hold_from=8) as (proc, holding):
         held = holders(holding, 1, proc)
-        err = proc.communicate(timeout=60)[1]
+        err = ended(proc)
     said = err.strip().splitlines()
     assert proc.returncode == 2 and len(said) == 1, err
     assert said[0].startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
@@ -446,7 +476,7 @@ def test_a_worker_killed_midway_ends_the_pack_with_one_line_not_a_hang(tmp_path)
     with held_pack(tmp_path, src, "--shard-size", "8", hold_from=0) as (proc, holding):
         held = holders(holding, 2, proc)
         os.kill(held[0], signal.SIGKILL)
-        err = proc.communicate(timeout=60)[1]
+        err = ended(proc)
     said = err.strip().splitlines()
     assert proc.returncode == 1 and len(said) == 1, err
     assert said[0] == (f"imagenet-elastic: error: pack: a process writing shards died (killed, or out of memory): "

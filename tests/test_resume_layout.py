@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import json
 import subprocess
-import sys
 
 import pytest
 import torch
@@ -87,14 +86,15 @@ def test_load_once_gives_back_channels_last_and_transposed_strides():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_two_rank_torchrun_resume_gives_every_rank_state_in_its_parameters_layout(image_folder, tmp_path):
+def test_a_two_rank_torchrun_resume_gives_every_rank_state_in_its_parameters_layout(image_folder, tmp_path,
+                                                                                     warm_python):
     """Real torchrun, real load-once (rank 1 receives rank 0's checkpoint over gloo), channels_last (the default),
     SGD's momentum and the average checked on both ranks just before the first resumed step. It is
-    scripts/gpu_checks.sh's `restart` part, run here on the CPU with a tiny model: on a GPU the same part puts
-    both ranks on the device and steps with CUDA's fused SGD."""
+    scripts/gpu_checks.sh's `restart` part, run here on the CPU with a tiny model (its processes forks of the warm
+    python): on a GPU the same part puts both ranks on the device and steps with CUDA's fused SGD."""
     several_at_once()
     result = subprocess.run(["bash", "scripts/gpu_checks.sh", "restart", str(image_folder), str(tmp_path)], cwd=REPO,
-                            env=child_env(PYTHON=sys.executable, MODEL="test_resnet", BATCH="16", SIZE="32",
+                            env=child_env(PYTHON=warm_python, MODEL="test_resnet", BATCH="16", SIZE="32",
                                           BATCHES="2"), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout + result.stderr
     (line,) = [json.loads(text) for text in result.stdout.splitlines()]  # stdout: one JSON line for BENCHMARKS.md

@@ -297,7 +297,7 @@ def test_servers_end_with_the_process_that_started_them(tmp_path, shards, ending
     """atexit stops them at a normal exit, the kernel (PR_SET_PDEATHSIG) when the starter is killed."""
     starter = textwrap.dedent(f"""
         import os, signal, store_servers
-        server = store_servers.RangeHTTPServer({str(shards)!r}).start()
+        server = store_servers.RangeHTTPServer({str(shards)!r}, log_dir={str(tmp_path)!r}).start()
         print(server.proc.pid, flush=True)
         if {ending!r} == "SIGKILL":
             os.kill(os.getpid(), signal.SIGKILL)

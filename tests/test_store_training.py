@@ -1,9 +1,9 @@
 """Training from an object store: a pack and foreign WebDataset shards in a real S3 server (moto's, in its own
-process) and a pack behind an HTTP server with ranges, through a proxy that counts what is read and injects faults.
-A run from the store is bitwise the run from the same shards on disk; each shard is read from the store once per
-node; 503s and resets cost retries, not the run; a store that stays away ends the run with one line and its
-checkpoint intact, and --resume continues it bitwise; a SIGKILLed torchrun job resumes from the store at another
-world size; bad input is one line before any work."""
+process), a pack written to a GCS emulator, and a pack behind an HTTP server with ranges, through a proxy that counts
+what is read and injects faults. A run from the store is bitwise the run from the same shards on disk; each shard is
+read from the store once per node; 503s and resets cost retries, not the run; a store that stays away ends the run
+with one line and its checkpoint intact, and --resume continues it bitwise; a SIGKILLed torchrun job resumes from the
+store at another world size; bad input is one line before any work."""
 
 from __future__ import annotations
 
@@ -210,6 +210,20 @@ def test_a_sigkilled_torchrun_job_from_s3_resumes_at_another_world_size_bitwise(
     final = load_checkpoint(ckpt / "last.pt")
     assert [r["world_size"] for r in final["history"]] == [2, 1]
     same_weights(ckpt, disk_run)
+
+
+def test_a_pack_written_to_gcs_trains_bitwise_as_on_disk_and_a_missing_bucket_is_one_line(
+        gcs_server, image_folder, shards, disk_run, store_env, tmp_path):
+    """gs:// through gcsfs against a GCS emulator: `pack` uploads, training reads the pack back through the cache."""
+    store_env(gcs_server)
+    gcs_server.create_bucket("packed-gcs")
+    packed = command(["pack", str(image_folder), "gs://packed-gcs/pack", "--shard-size", "20"])
+    assert packed.returncode == 0, packed.stderr
+    train(["gs://packed-gcs/pack", *RUN, "--workers", "1", "--epochs", "2", "--checkpoints-path", str(tmp_path / "ck")])
+    same_weights(tmp_path / "ck", disk_run)
+    missing = command(["gs://no-such-bucket/pack", *RUN, "--checkpoints-path", str(tmp_path / "none")])
+    assert missing.returncode == 2 and "gs://no-such-bucket/pack does not exist" in missing.stderr, missing.stderr
+    assert len(missing.stderr.strip().splitlines()) == 1 and not (tmp_path / "none").exists()
 
 
 def test_bad_store_input_is_one_line_before_any_work(s3_server, bucket, store_env, monkeypatch, tmp_path):

@@ -136,6 +136,7 @@ def assert_same_curves(resumed: Path, clean: Path, steps: int) -> None:
 
 
 @pytest.mark.multiprocess
+@pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python
 def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_folder, torchrun_reference,
                                                                            tmp_path):
     """35 images, batch 11: shards of 12/12/11 give the 3 ranks unequal batch counts (no hang, no padding).

@@ -34,6 +34,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator, Sequence
 from typing import Any, Optional
@@ -217,9 +218,12 @@ class ShardPool:
 
     A terminal's Ctrl-C reaches every process of its group: the workers ignore it (each would print its own
     traceback) and the parent stops on it. SIGINT is blocked while they fork, so none is forked before it ignores
-    the signal, and one pressed meanwhile reaches the parent after. Leaving the `with` on an error or Ctrl-C kills
-    the workers (their shards in flight stay temporary files) and waits for them: concurrent.futures' pool
-    survives killed workers, where multiprocessing.Pool.terminate() can hang for ever on a lock a killed worker
+    the signal, and one pressed meanwhile reaches the parent after. While the pool runs, the parent's Ctrl-C only
+    sets a flag, which the wait for the next shard turns into a KeyboardInterrupt between two waits: raised
+    wherever the signal came, it could leave one of concurrent.futures' locks held (a future's, taken one by one in
+    wait()), and the pool's thread, or this one, would then hang for ever on it. Leaving the `with` on an error or
+    Ctrl-C kills the workers (their shards in flight stay temporary files) and waits for them: concurrent.futures'
+    pool survives killed workers, where multiprocessing.Pool.terminate() can hang for ever on a lock a killed worker
     held (CPython gh-96995). A worker that dies by itself (the out-of-memory killer) ends the pack with
     BrokenProcessPool rather than a hang."""
 
@@ -227,6 +231,8 @@ class ShardPool:
         self.workers, self.tasks = workers, tasks
         self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
         self.futures: list[concurrent.futures.Future[Written]] = []
+        self.interrupted = False
+        self._previous: Optional[tuple[Any]] = None  # SIGINT's handler before the pool's, where the pool set one
 
     def __enter__(self) -> ShardPool:
         if self.workers > 1:
@@ -236,30 +242,46 @@ class ShardPool:
                     self.workers, mp_context=multiprocessing.get_context("fork"),
                     initializer=_leave_interrupts_to_the_parent)
                 self.futures = [self.executor.submit(_write_shard_task, task) for task in self.tasks]
+                if threading.current_thread() is threading.main_thread():
+                    self._previous = (signal.signal(signal.SIGINT, self._interrupt),)
             finally:
                 signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         return self
+
+    def _interrupt(self, _signum: int, _frame: Any) -> None:
+        self.interrupted = True
 
     def __iter__(self) -> Iterator[Written]:
         if self.executor is None:
             yield from map(_write_shard_task, self.tasks)
             return
-        for future in concurrent.futures.as_completed(self.futures):
-            yield future.result()
+        pending = set(self.futures)
+        while pending:
+            done, pending = concurrent.futures.wait(pending, 0.1, concurrent.futures.FIRST_COMPLETED)
+            if self.interrupted:
+                raise KeyboardInterrupt
+            for future in done:
+                yield future.result()
 
     def __exit__(self, kind: Any, error: Any, traceback: Any) -> None:
         if self.executor is None:
             return
-        if kind is not None:
-            for future in self.futures:
-                future.cancel()
-            kill = getattr(self.executor, "kill_workers", None)  # Python 3.14
-            if kill is not None:
-                kill()
-            else:
-                for process in list(self.executor._processes.values()):
-                    process.kill()
-        self.executor.shutdown(wait=True, cancel_futures=True)
+        try:
+            if kind is not None:
+                for future in self.futures:
+                    future.cancel()
+                kill = getattr(self.executor, "kill_workers", None)  # Python 3.14
+                if kill is not None:
+                    kill()
+                else:
+                    for process in list(self.executor._processes.values()):
+                        process.kill()
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        finally:
+            if self._previous is not None:
+                signal.signal(signal.SIGINT, self._previous[0])
+        if self.interrupted and kind is None:  # a Ctrl-C after the last shard's wait
+            raise KeyboardInterrupt
 
 
 def _leave_interrupts_to_the_parent() -> None:

@@ -137,9 +137,22 @@ def filesystem(url: str, timeout: float):
         made = fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
             "timeout": aiohttp.ClientTimeout(total=None, sock_connect=per_request, sock_read=per_request)})
     else:
-        made = fsspec.filesystem("gcs", skip_instance_cache=True, timeout=per_request)
+        made = _gcs(per_request)
     _FILESYSTEMS[key] = made
     return made
+
+
+def _gcs(per_request: float):
+    """gcsfs's file system; against STORAGE_EMULATOR_HOST (an emulator, a GCS-compatible server) its JSON-API class,
+    anonymous: the default class first asks a bucket's layout over gRPC, which such servers do not speak, and asks
+    again at each call while that fails. `timeout` bounds a call, gcsfs's own retries included."""
+    import fsspec
+
+    if os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
+        from gcsfs.core import GCSFileSystem
+
+        return GCSFileSystem(token="anon", timeout=per_request, skip_instance_cache=True)
+    return fsspec.filesystem("gcs", skip_instance_cache=True, timeout=per_request)
 
 
 def _path(url: str) -> str:
@@ -159,7 +172,7 @@ def backoff(attempt: int, rng: random.Random) -> float:
 def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[[float], None] = time.sleep,
               clock: Callable[[], float] = time.monotonic) -> T:
     """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row;
-    `what` (an object's URL) names it in the line that ends the run. FileNotFoundError and PermissionError are
+    `what` (an object's URL) names it in the line that ends the run. A missing object and refused credentials are
     the user's to fix: a UserError at once."""
     rng = random.Random()  # jitter only: no result depends on it
     first_failure: Optional[float] = None
@@ -171,9 +184,9 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             raise
         except FileNotFoundError:
             raise UserError(f"{what} does not exist (no such bucket or object)") from None
-        except PermissionError as error:
-            raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
         except transient() as error:  # a time-out, a reset, a 5xx, throttling: the store's, for a while
+            if refused(error):
+                raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
             now = clock()
             first_failure = now if first_failure is None else first_failure
             if now - first_failure >= timeout:
@@ -195,6 +208,13 @@ def transient() -> tuple[type[BaseException], ...]:
             loaded = sys.modules.get(module)
             found.extend(getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name))
     return tuple(found)
+
+
+def refused(error: BaseException) -> bool:
+    """The store refused the credentials: a PermissionError (s3fs's), or gcsfs's 401 and 403 (an HttpError with the
+    code, an OSError "Forbidden: ..."). The user's to fix: retrying would only wait IMAGENET_ELASTIC_STORE_TIMEOUT."""
+    return isinstance(error, PermissionError) or getattr(error, "code", None) in (401, 403) \
+        or str(error).startswith("Forbidden")
 
 
 def _reason(error: BaseException) -> str:
