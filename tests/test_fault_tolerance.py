@@ -221,14 +221,16 @@ def test_global_batch_that_does_not_split_over_the_new_world_size_is_refused_at_
 
 
 @pytest.mark.multiprocess
-def test_second_run_on_a_checkpoints_path_in_use_is_refused_and_the_first_is_unharmed(image_folder, tmp_path):
-    """The lock, not timing luck: the second run starts while the first is training, waits 2 s, gives up."""
+def test_second_run_on_a_checkpoints_path_in_use_is_refused_and_the_first_is_unharmed(image_folder, tmp_path,
+                                                                                       warm_python):
+    """The lock, not timing luck: the second run starts while the first is training, waits 2 s, gives up. The first
+    is a new interpreter (the lock names its pid), the second a fork of the warm python."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "50", "--checkpoints-path", str(tmp_path), "--resume",
             "--dist-timeout", "2"]
     first = fi.Agent(python_cmd(*args), child_env())
     try:
         first.wait_for(r"epoch 1/50 step 2/", 120)
-        second = run(python_cmd(*args))
+        second = run(python_cmd(*args, python=warm_python))
         assert second.returncode == 2, second.stdout + second.stderr
         said = second.stderr.strip().splitlines()
         assert said[-1] == (f"imagenet-elastic: error: checkpoints path {tmp_path} is in use by another "
@@ -297,13 +299,14 @@ def test_spawn_parent_passes_sigusr1_to_its_ranks_and_exits_75(image_folder, tmp
     assert_same_as_reference(tmp_path, reference)
 
 
-def test_time_based_checkpoint_interval_saves_mid_epoch(image_folder, tmp_path):
+def test_time_based_checkpoint_interval_saves_mid_epoch(image_folder, tmp_path, warm_python):
     """`--checkpoint-interval 0.001s` is due at every step: a SIGKILL mid-epoch loses at most the step in flight and
     the one whose background write was in flight (step 3's save waited for step 2's write, and step 4's line came
     after it; step 3's own write may still be going when the kill comes)."""
     args = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoint-interval", "0.001s",
             "--checkpoints-path", str(tmp_path)]
-    code, output = run_and_kill(python_cmd(*args), when="epoch 2/2 step 4/", victim=lambda proc: proc.pid)
+    code, output = run_and_kill(python_cmd(*args, python=warm_python), when="epoch 2/2 step 4/",
+                                victim=lambda proc: proc.pid)
     assert code == -signal.SIGKILL, output
     snapshot = load_checkpoint(tmp_path / "last.pt")
     assert snapshot["epoch"] == 1 and snapshot["epoch_progress"]["samples"] >= 2 * 8

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import store_servers
 from conftest import (
     SMALL_RUN,
     assert_same_tensors,
@@ -241,6 +242,12 @@ def test_bad_store_input_is_one_line_before_any_work(s3_server, bucket, store_en
     unreachable = command([f"s3://{bucket}/pack", *RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
     assert unreachable.returncode == 69 and "did not answer" in unreachable.stderr, unreachable.stderr
     assert len(unreachable.stderr.strip().splitlines()) == 1 and "127.0.0.1" not in unreachable.stderr
+    monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # moto then checks keys, and ours are no IAM user's
+    with store_servers.S3Server(log_dir=tmp_path / "logs") as strict:
+        store_env(strict, timeout="2")
+        refused = command([f"s3://{bucket}/pack", *RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert refused.returncode == 2 and f"s3://{bucket}/pack: access refused" in refused.stderr, refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and not (tmp_path / "ckpt").exists()
 
 
 def test_a_changed_object_is_refused_in_a_pack_and_indexed_again_in_foreign_shards(

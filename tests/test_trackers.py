@@ -317,11 +317,12 @@ def test_a_missing_package_names_its_extra(tmp_path, image_folder, monkeypatch):
 
 
 @pytest.mark.slow
-def test_a_sigkilled_run_resumed_is_one_run_in_both_trackers_with_every_step_once(tmp_path, image_folder):
+def test_a_sigkilled_run_resumed_is_one_run_in_both_trackers_with_every_step_once(tmp_path, image_folder, warm_python):
     """The real thing: a process SIGKILLed mid-epoch, steps past its last checkpoint logged, W&B's service left to
-    notice; the same command again continues both runs."""
+    notice; the same command again continues both runs. The process: a fork of the warm python."""
     store, ckpt = f"sqlite:///{tmp_path}/mlflow.db", tmp_path / "ckpt"
-    command = python_cmd(str(image_folder), *args(ckpt, store, "--checkpoint-interval", "5", "--resume")[1:])
+    command = python_cmd(str(image_folder), *args(ckpt, store, "--checkpoint-interval", "5", "--resume")[1:],
+                         python=warm_python)
     code, output = run_and_kill(command, when="epoch 2/2 step 6/", victim=lambda proc: proc.pid)
     assert code == -signal.SIGKILL, output
     assert max(steps_jsonl(ckpt)) > 15  # logged past the checkpoint at step 15

@@ -75,7 +75,7 @@ def test_torchrun_two_processes_trains_validates_and_checkpoints(torchrun_refere
 
 @pytest.mark.multiprocess
 @pytest.mark.mostly_waiting  # two processes of one thread each
-def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path):
+def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder, tmp_path, warm_python):
     """With the recipe options on: every augmentation is drawn from (seed, epoch, index), so a restart redraws
     it exactly; AdamW's state, the step schedule and the weight average (updated every 2 steps, the kill at an
     odd one) continue from the checkpoint; the resumed run continues
@@ -84,7 +84,7 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
     comes twice per batch with augmentations of its own (--ra-reps), the model blurs before its strided
     convolutions (--blurpool: an initial state dict of the plain model fits), and the second epoch, where the
     run is killed, trains at the ramp's larger size. And config.yaml, written beside
-    the checkpoints, runs the same settings again as a new run."""
+    the checkpoints, runs the same settings again as a new run. The processes: forks of the warm python."""
     torch.manual_seed(3)
     torch.save(create_model("test_resnet", 10).state_dict(), tmp_path / "init.pth")
     args = [str(image_folder), *SMALL_RUN, *AUGMENTED, "--epochs", "2", "--max-steps-per-epoch", "6", "--threads", "1",
@@ -92,15 +92,15 @@ def test_plain_process_killed_and_resumed_matches_uninterrupted_run(image_folder
             "--initial-checkpoint", str(tmp_path / "init.pth"), "--model-ema", "--model-ema-decay", "0.9",
             "--model-ema-warmup", "--model-ema-steps", "2", *MIXED, "--bce-loss", "--progressive-resize", "32,64",
             "--progressive-epochs", "0,1", "--ra-reps", "2", "--clip-grad-norm", "0.5", "--blurpool"]
-    clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))
+    clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean"), python=warm_python))
     killed_dir = str(tmp_path / "killed")
-    code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"),
+    code, output = run_and_kill(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume", python=warm_python),
                                 when="epoch 2/2 step 3/", victim=lambda proc: proc.pid)
     finished = finish(clean)
     assert finished.returncode == 0, finished.stderr
     assert code == -9, output
     assert "classifier re-initialised: 10 classes there, 4 here" in output
-    resumed = run(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume"))
+    resumed = run(python_cmd(*args, "--checkpoints-path", killed_dir, "--resume", python=warm_python))
     assert resumed.returncode == 0, resumed.stderr
     assert "resuming from" in resumed.stdout
     killed, clean = load_checkpoint(tmp_path / "killed" / "last.pt"), load_checkpoint(tmp_path / "clean" / "last.pt")

@@ -55,6 +55,17 @@ from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.teacher import Teacher
 
 
+@dataclass(frozen=True)
+class Run:
+    """What a run is given, which its start-up and its loop read throughout: its settings, its place in the job, where
+    it speaks, and the flag its signals set."""
+
+    config: Config
+    env: DistEnv
+    console: Console
+    preempt: preemption.PreemptionFlag
+
+
 @dataclass
 class Training:
     """The training state, new or as the checkpoint left it, and the schedule that follows from it."""

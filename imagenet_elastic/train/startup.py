@@ -24,6 +24,7 @@ from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train import startup_table
 from imagenet_elastic.train.build import (
+    Run,
     build_loaders,
     check_inputs,
     fit_micro_batches,
@@ -37,7 +38,7 @@ from imagenet_elastic.train.build import (
 from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.step import StepContext
-from imagenet_elastic.train.trainer import Trainer
+from imagenet_elastic.train.trainer import Reports, Trainer
 
 
 def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, stack: contextlib.ExitStack,
@@ -68,8 +69,8 @@ def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFla
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
             if training.resumed_at is not None else None)
     sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
-    trainer = Trainer(config, env, console, preempt, training, loaders, ctx, checkpointer, sample_log, sinks,
-                      compilation, cost)
+    trainer = Trainer(Run(config, env, console, preempt), training, loaders, ctx, checkpointer,
+                      Reports(sinks, sample_log, compilation, cost))
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
     facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation, distillation)
     distributed.rank_0_does(lambda: sinks.start(

@@ -7,6 +7,7 @@ import functools
 import os
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -14,36 +15,44 @@ from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.checkpoint.store import BEST
-from imagenet_elastic.config import RESUME_AUTO, Config
+from imagenet_elastic.config import RESUME_AUTO
 from imagenet_elastic.data.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, counted, one_line
 from imagenet_elastic.launch import distributed, preemption
-from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.models.compile import Compilation
 from imagenet_elastic.report import metrics
-from imagenet_elastic.report.console import Console, EpochProgress, clock
+from imagenet_elastic.report.console import EpochProgress, clock
 from imagenet_elastic.report.restart_cost import RestartCost
 from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
-from imagenet_elastic.train.build import Loaders, Training
+from imagenet_elastic.train.build import Loaders, Run, Training
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import StepContext, evaluate
 
 
+@dataclass(frozen=True)
+class Reports:
+    """What the loop reports to beyond the console: the curves' sinks (steps.jsonl, TensorBoard, the trackers: rank
+    0's, report/sinks), the sample log, and what the first step's line says of the compile and of a restart."""
+
+    sinks: Sinks
+    sample_log: SampleLog
+    compilation: Compilation
+    restart_cost: Optional[RestartCost] = None  # a resumed run's
+
+
 class Trainer:
-    def __init__(self, config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, training: Training,
-                 loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer, sample_log: SampleLog,
-                 sinks: Sinks, compilation: Compilation, restart_cost: Optional[RestartCost] = None) -> None:
-        self.config, self.env, self.console, self.preempt = config, env, console, preempt
+    def __init__(self, run: Run, training: Training, loaders: Loaders, ctx: StepContext, checkpointer: Checkpointer,
+                 reports: Reports) -> None:
+        self.config, self.env, self.console, self.preempt = run.config, run.env, run.console, run.preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
         self.training, self.loaders, self.ctx = training, loaders, ctx
-        self.checkpointer, self.sample_log = checkpointer, sample_log
-        self.compilation = compilation
-        self.restart_cost = restart_cost  # said after the first step of a resumed run, then dropped
+        self.checkpointer, self.sample_log = checkpointer, reports.sample_log
+        self.compilation = reports.compilation
+        self.restart_cost = reports.restart_cost  # said after the first step of a resumed run, then dropped
         self.stepped = False  # this process trained a step
-        self.sinks = sinks  # steps.jsonl, TensorBoard, the trackers: rank 0's (report/sinks)
+        self.sinks = reports.sinks
         self.waits = LoaderWaits()
         self.since_log = EpochTally()  # the steps since the last log line
         self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
