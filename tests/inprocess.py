@@ -30,6 +30,7 @@ from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import startup
+from imagenet_elastic.train.build import Run
 from imagenet_elastic.train.trainer import Trainer
 
 
@@ -98,7 +99,8 @@ def train(argv: Sequence[str], signal_during_step: Optional[int] = None,
     outcome = Outcome(stopped=False)
     try:
         with contextlib.ExitStack() as stack:
-            trainer = startup.build(config, DistEnv(), Console(True, config.log_interval), preempt, stack, splits)
+            trainer = startup.build(Run(config, DistEnv(), Console(True, config.log_interval), preempt), stack,
+                                    splits)
             watch(trainer, preempt, signal_during_step, outcome)
             if before_fit is not None:
                 before_fit(trainer)
@@ -119,8 +121,8 @@ def evaluate(argv: Sequence[str], splits: Optional[tuple[Source, Source]] = None
     threads = torch.get_num_threads()
     try:
         with contextlib.ExitStack() as stack:
-            trainer = startup.build(config, DistEnv(), Console(True, config.log_interval), PreemptionFlag(()), stack,
-                                    splits)
+            run = Run(config, DistEnv(), Console(True, config.log_interval), PreemptionFlag(()))
+            trainer = startup.build(run, stack, splits)
             return trainer.validate()
     finally:
         torch.set_num_threads(threads)

@@ -25,6 +25,7 @@ from torch.autograd import DeviceType
 from imagenet_elastic import cli
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import build, startup_table
 
@@ -67,11 +68,11 @@ def test_share_one_gpu_gives_the_build_steps_cuda_0_and_a_gloo_group(probe_patch
     config, _ = cli.parse([str(tmp_path), "--model", "test_resnet", "--device", "cuda", "--workers", "0",
                            "--checkpoints-path", str(tmp_path / "ckpt")])
     env = DistEnv(master_port=fi.free_port(), launched=True, launcher="torchrun")
-    console = Console(False)
+    run = build.Run(config, env, Console(False), PreemptionFlag(()))
     with contextlib.ExitStack() as stack:
-        inputs, snapshot = build.check_inputs(config, env, console, stack, in_memory(2, 2, 1))
+        inputs, snapshot = build.check_inputs(run, stack, in_memory(2, 2, 1))
         assert inputs.device == torch.device("cuda", 0) and probe_patches == [0]
-        build.join_job(config, env, console, inputs, snapshot, stack)
+        build.join_job(run, inputs, snapshot, stack)
         assert dist.get_backend() == "gloo"
     assert not dist.is_initialized()
     assert startup_table.group_options(inputs.device) == {"backend": "gloo"}  # what the table says

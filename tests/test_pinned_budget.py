@@ -12,6 +12,7 @@ from imagenet_elastic import cli
 from imagenet_elastic.data import pipeline
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import build
 from imagenet_elastic.train.startup_table import describe_loader_workers
@@ -65,10 +66,10 @@ def test_the_build_step_gives_both_loaders_the_factor_of_its_largest_batch(monke
     config, _ = cli.parse([str(tmp_path), "--model", "test_resnet", "--batch-size", "8", "--workers", "1",
                            "--image-size", "64", "--progressive-resize", "32,96", "--progressive-epochs", "0,2",
                            "--decode", decode, "--checkpoints-path", str(tmp_path / "ckpt")])
-    env, console = DistEnv(), Console(False)
+    run = build.Run(config, DistEnv(), Console(False), PreemptionFlag(()))
     with contextlib.ExitStack() as stack:
-        inputs, snapshot = build.check_inputs(config, env, console, stack, in_memory(2, 4, 2))
-        training = build.prepare_training(config, env, console, inputs, snapshot)
-        loaders = build.build_loaders(config, env, console, inputs, training, stack)
+        inputs, snapshot = build.check_inputs(run, stack, in_memory(2, 4, 2))
+        training = build.prepare_training(run, inputs, snapshot)
+        loaders = build.build_loaders(run, inputs, training, stack)
         assert asked == [(1, batch, False)]
         assert (loaders.prefetch, loaders.train.prefetch_factor, loaders.val.prefetch_factor) == (3, 3, 3)

@@ -24,6 +24,7 @@ from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.tools.export import crop_fraction, export
 from imagenet_elastic.train import startup
+from imagenet_elastic.train.build import Run
 
 CPU = torch.device("cpu")
 
@@ -133,7 +134,7 @@ def validation_seen_by_the_model(argv: list[str], splits) -> tuple[torch.Tensor,
     threads = torch.get_num_threads()
     try:
         with contextlib.ExitStack() as stack:
-            trainer = startup.build(config, DistEnv(), Console(True, 1), PreemptionFlag(()), stack, splits)
+            trainer = startup.build(Run(config, DistEnv(), Console(True, 1), PreemptionFlag(())), stack, splits)
 
             def record(module, args, out) -> None:
                 inputs.append(args[0].float())

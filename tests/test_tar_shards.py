@@ -230,6 +230,7 @@ def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(ke
 def test_the_trainer_warns_what_opening_its_data_noted(written, tmp_path, capsys):
     from imagenet_elastic import cli
     from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.launch.preemption import PreemptionFlag
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train import build
 
@@ -245,7 +246,7 @@ def test_the_trainer_warns_what_opening_its_data_noted(written, tmp_path, capsys
     config, _ = cli.parse([str(tmp_path / "data"), "--model", "test_resnet", "--checkpoints-path", str(ckpt),
                            "--device", "cpu"])
     with contextlib.ExitStack() as stack:
-        inputs, _ = build.check_inputs(config, DistEnv(), Console(True), stack)
+        inputs, _ = build.check_inputs(build.Run(config, DistEnv(), Console(True), PreemptionFlag(())), stack)
     assert inputs.val.label(0) == 3
     said = capsys.readouterr().err.strip().splitlines()
     assert said == [f"warning: shard {tmp_path / 'data' / 'val' / 'part-0000.tar'} changed since it was indexed: "

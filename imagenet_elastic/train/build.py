@@ -121,12 +121,12 @@ class Inputs:
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
 
 
-def check_inputs(config: Config, env: DistEnv, console: Console, stack: contextlib.ExitStack,
-                 splits: Optional[tuple[sources.Source, sources.Source]] = None
+def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[sources.Source, sources.Source]] = None
                  ) -> tuple[Inputs, Optional[dict[str, Any]]]:
     """Every check that can fail on the user's input: data folders, checkpoints folder (locked by rank
     0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs.
     `splits`: the train and val sources, where the caller has them (a test's in-memory source); else DATA's."""
+    config, env, console = run.config, run.env, run.console
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
     use_fastest_kernels(device)
@@ -221,10 +221,10 @@ def check_data(config: Config, env: DistEnv, console: Console, train: sources.So
     return {role: taken[role].saved() for role in taken}
 
 
-def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inputs,
-                  snapshot: Optional[dict[str, Any]]) -> Training:
+def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]]) -> Training:
     """Model, optimizer and GradScaler, built from the seed and then given the checkpoint's state; the
     global batch (the checkpoint's, unless set) and the LR schedule it implies."""
+    config, env, console = run.config, run.env, run.console
     saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
                      env.world_size, config.batch_size)
@@ -286,11 +286,11 @@ def prepare_training(config: Config, env: DistEnv, console: Console, inputs: Inp
                     saved_decoding=snapshot.get("decoding") if snapshot else None, data=inputs.data)
 
 
-def build_loaders(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
-                  stack: contextlib.ExitStack) -> Loaders:
+def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextlib.ExitStack) -> Loaders:
     """Train and val loaders, their workers forked now, while this process has one thread (see
     pipeline.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
     each batch on the device (data/decoding.py)."""
+    config, env, console = run.config, run.env, run.console
     cores = distributed.available_cores()
     decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment,
                                config.gpu_decoder)
@@ -343,11 +343,12 @@ def join_process_group(env: DistEnv, device: torch.device, timeout: float, stack
     stack.callback(pipeline.thaw_heap)
 
 
-def join_job(config: Config, env: DistEnv, console: Console, inputs: Inputs,
-             snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack) -> Optional[float]:
+def join_job(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack
+             ) -> Optional[float]:
     """The process group, then the check that needs it: every rank has the same data, settings, code,
     checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the sources' lists
     (a folder's scan, shards' index) for the next start, now that they passed every check."""
+    config, env, console = run.config, run.env, run.console
     join_process_group(env, inputs.device, config.dist_timeout, stack)
     checked = None
     if env.launched:
@@ -374,10 +375,11 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
             training.state.apply(received)
 
 
-def prepare_compile(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training) -> Compilation:
+def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation:
     """Whether the training step compiles (models/compile.py's compile_choice), and on every rank the compile caches
     an earlier run left beside the checkpoints, loaded before anything compiles. --evaluate validates eager: nothing
     compiles."""
+    config, env, console = run.config, run.env, run.console
     device = inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     enabled, reason = (False, "--evaluate validates eager") if config.evaluate else compile_choice(
@@ -412,11 +414,11 @@ def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device:
     return wrapped
 
 
-def fit_micro_batches(config: Config, env: DistEnv, console: Console, inputs: Inputs, training: Training,
-                      ctx: StepContext) -> MicroBatches:
+def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepContext) -> MicroBatches:
     """The micro-batches steps compute in: --batch-size's, or under --micro-batch auto the largest that fits this GPU
     (the checkpoint's choice for this kind of GPU, else probed now: memory_probe.py), before the first step and
     after DDP's buckets and the EMA copy took their memory."""
+    config, env, console = run.config, run.env, run.console
     state, size = training.state, config.train_sizes.largest
 
     def probe(first: int, smaller: Any) -> int:

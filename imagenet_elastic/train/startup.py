@@ -41,36 +41,35 @@ from imagenet_elastic.train.step import StepContext
 from imagenet_elastic.train.trainer import Reports, Trainer
 
 
-def build(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag, stack: contextlib.ExitStack,
-          splits: Optional[tuple[Source, Source]] = None) -> Trainer:
-    """Everything a run needs, from what it is given: its settings, its place in the job (`env`), where it speaks
-    (`console`), its preemption flag, the stack that releases what it takes, and, where the caller holds them,
-    the data's train and val sources (else DATA's, as the command line names them)."""
+def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, Source]] = None) -> Trainer:
+    """Everything a run needs, from what it is given (`run`: its settings, its place in the job, where it speaks,
+    its preemption flag), the stack that releases what it takes, and, where the caller holds them, the data's train
+    and val sources (else DATA's, as the command line names them)."""
     began = time.time()
-    inputs, snapshot = check_inputs(config, env, console, stack, splits)
-    training = prepare_training(config, env, console, inputs, snapshot)
-    loaders = build_loaders(config, env, console, inputs, training, stack)
-    checked = join_job(config, env, console, inputs, snapshot, stack)
+    config, env, console, preempt = run.config, run.env, run.console, run.preempt
+    inputs, snapshot = check_inputs(run, stack, splits)
+    training = prepare_training(run, inputs, snapshot)
+    loaders = build_loaders(run, inputs, training, stack)
+    checked = join_job(run, inputs, snapshot, stack)
     share_checkpoint(env, inputs, training, snapshot)
     del snapshot  # its tensors are in the model and optimizer now
     state = training.state
     preempt.steps_done = state.step
     classes = len(inputs.train.classes)
-    compilation = prepare_compile(config, env, console, inputs, training)
+    compilation = prepare_compile(run, inputs, training)
     student = ModelInput(inputs.device, training.precision.dtype, config.channels_last)
     distillation = prepare_distillation(config, training, student)
     ctx = StepContext(wrap_model(state.model, compilation, env, inputs.device), state.optimizer, state.scaler,
                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), student,
                       Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
                       config.clip_grad_norm, config.grad_checkpointing, distillation)
-    training.micro = fit_micro_batches(config, env, console, inputs, training, ctx)
+    training.micro = fit_micro_batches(run, inputs, training, ctx)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
             if training.resumed_at is not None else None)
     sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
-    trainer = Trainer(Run(config, env, console, preempt), training, loaders, ctx, checkpointer,
-                      Reports(sinks, sample_log, compilation, cost))
+    trainer = Trainer(run, training, loaders, ctx, checkpointer, Reports(sinks, sample_log, compilation, cost))
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
     facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation, distillation)
     distributed.rank_0_does(lambda: sinks.start(
@@ -86,7 +85,7 @@ def run(config: Config, env: DistEnv) -> None:
     # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
     preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:
-        run_with(config, env, console, preempt)
+        run_with(Run(config, env, console, preempt))
     except UserError as error:
         # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the SIG_IGN
         # the unwinding ends with: the report then stays rank 0's (launch/processes.leave_the_report_to_rank_0)
@@ -99,13 +98,14 @@ def run(config: Config, env: DistEnv) -> None:
         raise
 
 
-def run_with(config: Config, env: DistEnv, console: Console, preempt: PreemptionFlag) -> None:
+def run_with(run: Run) -> None:
+    config, console = run.config, run.console
     with contextlib.ExitStack() as stack:
         # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
         # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
         # only turn that code into -15 and hide why it ended.
-        stack.callback(preempt.ignore_from_now)
-        trainer = build(config, env, console, preempt, stack)
+        stack.callback(run.preempt.ignore_from_now)
+        trainer = build(run, stack)
         if config.evaluate:
             flip = {"val_flip_average": True} if config.val_flip_average else {}
             console.result({"checkpoint": trainer.training.resume_from, **flip, **trainer.validate()})
