@@ -55,7 +55,7 @@ def test_a_run_ending_with_an_error_keeps_a_stop_signal_that_came_as_it_unwound(
     from imagenet_elastic.launch.launchers import DistEnv
     from imagenet_elastic.train import startup
 
-    def build(config, env, console, preempt, stack):
+    def build(run, stack):
         stack.callback(os.kill, os.getpid(), signal.SIGTERM)  # the launcher's stop, mid-unwinding
         raise UserError("no space left on device")
 
