@@ -5,15 +5,18 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from compiled_small import small_model
 from conftest import (
     AUGMENTED,
     EPOCHS,
     MIXED,
+    REPO,
     SMALL_RUN,
     VAL_IMAGES,
     assert_row_describes,
@@ -161,21 +164,23 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
 
 
 def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):
-    """torch.compile (inductor, for real: ~40 s on 2 cores) wraps the model, but checkpoints hold the
-    original module's state, so a run without --compile continues from them, and the reverse. The compiled run
-    keeps torch's caches (the real Mega-Cache) beside its checkpoints, under its key."""
+    """torch.compile (inductor, for real, on tests/compiled_small.py's model: test_resnet's compile took ~40 s on 2
+    cores) wraps the model, but checkpoints hold the original module's state, so a run without --compile continues
+    from them, and the reverse. The compiled run keeps torch's caches (the real Mega-Cache) beside its checkpoints,
+    under its key."""
     args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
             "--resume"]
-    compiled = run(python_cmd(*args, "--epochs", "1", "--compile"), timeout=400)
+    small = [sys.executable, str(REPO / "tests" / "compiled_small.py")]  # the program, with the small model
+    compiled = run([*small, *args, "--epochs", "1", "--compile"], timeout=400)
     assert compiled.returncode == 0, compiled.stdout + compiled.stderr
     assert "True / on: --compile; compile cache none yet" in compiled.stdout  # channels_last / compile
     if compile_cache.supported():
         header, _ = compile_cache.decode((tmp_path / compile_cache.FILE_NAME).read_bytes())
         assert header["key"]["model"] == "test_resnet" and any(a.startswith("inductor:") for a in header["artifacts"])
     snapshot = load_checkpoint(tmp_path / "last.pt")
-    assert list(snapshot["model"]) == list(create_model("test_resnet", 4).state_dict())
+    assert list(snapshot["model"]) == list(small_model("test_resnet", 4).state_dict())
     assert np.isfinite(snapshot["history"][0]["train_loss"])
-    eager = run(python_cmd(*args, "--epochs", "2"))
+    eager = run([*small, *args, "--epochs", "2"])
     assert eager.returncode == 0, eager.stderr
     assert "resuming from" in eager.stdout
     warnings = [line for line in eager.stderr.splitlines() if line.startswith("warning:")]
