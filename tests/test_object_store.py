@@ -87,11 +87,21 @@ def gcsfs_http_error(code: int, message: str) -> Exception:
     return HttpError({"code": code, "message": message})
 
 
+def aiohttp_answer(status: int) -> Exception:
+    """What fsspec's HTTP file system raises for an answer it does not take (raise_for_status)."""
+    import aiohttp
+    from yarl import URL
+
+    return aiohttp.ClientResponseError(aiohttp.RequestInfo(URL("https://host/k"), "GET", {}), (), status=status)
+
+
 @pytest.mark.parametrize("error, says", [
     (FileNotFoundError("NoSuchKey"), "does not exist"),
     (PermissionError("InvalidAccessKeyId"), "access refused"),  # s3fs's
     (gcsfs_http_error(401, "Invalid Credentials"), "access refused"),  # gcsfs's, which it would retry
-    (OSError("Forbidden: b/o/k\nno storage.objects.get access"), "access refused")])  # gcsfs's 403
+    (OSError("Forbidden: b/o/k\nno storage.objects.get access"), "access refused"),  # gcsfs's 403
+    (aiohttp_answer(403), "access refused")])  # https://'s
+@pytest.mark.filterwarnings("error::DeprecationWarning")  # aiohttp's `code`, which its next major removes
 def test_a_missing_object_or_refused_credentials_are_the_users_at_once(error, says):
     clock = FakeClock()
     call, calls = failing(1, error)

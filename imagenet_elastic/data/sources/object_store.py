@@ -211,10 +211,11 @@ def transient() -> tuple[type[BaseException], ...]:
 
 
 def refused(error: BaseException) -> bool:
-    """The store refused the credentials: a PermissionError (s3fs's), or gcsfs's 401 and 403 (an HttpError with the
-    code, an OSError "Forbidden: ..."). The user's to fix: retrying would only wait IMAGENET_ELASTIC_STORE_TIMEOUT."""
-    return isinstance(error, PermissionError) or getattr(error, "code", None) in (401, 403) \
-        or str(error).startswith("Forbidden")
+    """The store refused the credentials: a PermissionError (s3fs's), a 401 or 403 answer (aiohttp's status, gcsfs's
+    HttpError code), or gcsfs's OSError "Forbidden: ...". The user's to fix: retrying would only wait
+    IMAGENET_ELASTIC_STORE_TIMEOUT. (aiohttp's errors also have `code`, a deprecated alias of `status`: read last.)"""
+    answer = getattr(error, "status", None) or getattr(error, "code", None)
+    return isinstance(error, PermissionError) or answer in (401, 403) or str(error).startswith("Forbidden")
 
 
 def _reason(error: BaseException) -> str:
