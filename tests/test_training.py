@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -16,7 +15,6 @@ from conftest import (
     AUGMENTED,
     EPOCHS,
     MIXED,
-    REPO,
     SMALL_RUN,
     VAL_IMAGES,
     assert_row_describes,
@@ -33,6 +31,7 @@ from conftest import (
     start,
 )
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from test_compile import compiled_run
 
 from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
@@ -164,28 +163,25 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
 
 
 def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):
-    """torch.compile (inductor, for real, on tests/compiled_small.py's model: test_resnet's compile took ~40 s on 2
-    cores) wraps the model, but checkpoints hold the original module's state, so a run without --compile continues
-    from them, and the reverse. The compiled run keeps torch's caches (the real Mega-Cache) beside its checkpoints,
-    under its key."""
-    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(tmp_path),
-            "--resume"]
-    small = [sys.executable, str(REPO / "tests" / "compiled_small.py")]  # the program, with the small model
-    compiled = run([*small, *args, "--epochs", "1", "--compile"], timeout=400)
-    assert compiled.returncode == 0, compiled.stdout + compiled.stderr
+    """torch.compile (inductor, for real, on tests/compiled_small.py's model, as test_compile.compiled_run runs it:
+    test_resnet's compile took ~40 s on 2 cores) wraps the model, but checkpoints hold the original module's state,
+    so a run without --compile continues from them, and the reverse. The compiled run keeps torch's caches (the real
+    Mega-Cache) beside its checkpoints, under its key."""
+    ckpt = tmp_path / "ckpt"
+    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(ckpt), "--resume"]
+    compiled = compiled_run([*args, "--epochs", "1", "--compile"], tmp_path / "caches")
     assert "True / on: --compile; compile cache none yet" in compiled.stdout  # channels_last / compile
     if compile_cache.supported():
-        header, _ = compile_cache.decode((tmp_path / compile_cache.FILE_NAME).read_bytes())
+        header, _ = compile_cache.decode((ckpt / compile_cache.FILE_NAME).read_bytes())
         assert header["key"]["model"] == "test_resnet" and any(a.startswith("inductor:") for a in header["artifacts"])
-    snapshot = load_checkpoint(tmp_path / "last.pt")
+    snapshot = load_checkpoint(ckpt / "last.pt")
     assert list(snapshot["model"]) == list(small_model("test_resnet", 4).state_dict())
     assert np.isfinite(snapshot["history"][0]["train_loss"])
-    eager = run([*small, *args, "--epochs", "2"])
-    assert eager.returncode == 0, eager.stderr
+    eager = compiled_run([*args, "--epochs", "2"], tmp_path / "caches")  # the same program, without --compile
     assert "resuming from" in eager.stdout
     warnings = [line for line in eager.stderr.splitlines() if line.startswith("warning:")]
     assert len(warnings) == 1 and warnings[0].endswith("epochs: checkpoint 1, now 2")  # not the compile flag
-    assert [row["epoch"] for row in load_checkpoint(tmp_path / "last.pt")["history"]] == [1, 2]
+    assert [row["epoch"] for row in load_checkpoint(ckpt / "last.pt")["history"]] == [1, 2]
 
 
 def test_console_script_is_installed_and_its_quick_exit_keeps_output_and_exit_codes():
