@@ -59,6 +59,32 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_kept_and_the_steps_
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 2  # as it was: the step-2 checkpoint, whole
 
 
+GLOO_PEER_GONE = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6872"
+
+
+def peer_stops_at_once_at_step(step: int, ctrl_c: bool):
+    """A before_fit hook: at the end of `step` (after a first Ctrl-C there, if `ctrl_c`), the agreement's collective
+    fails as gloo's does when another rank has exited: that rank took the second Ctrl-C before this one did."""
+    def hook(trainer: Trainer) -> None:
+        def peer_gone(at: int, _stop_requested: bool) -> tuple[bool, bool]:
+            if at == step:
+                if ctrl_c:
+                    trainer.preempt._interrupt(signal.SIGINT, None)
+                raise RuntimeError(GLOO_PEER_GONE)
+            return False, False
+        trainer.checkpointer.at_step_end = peer_gone  # type: ignore[method-assign]
+    return hook
+
+
+@pytest.mark.parametrize("ctrl_c", [True, False])
+def test_a_peer_gone_from_a_collective_after_a_ctrl_c_is_the_stop_at_once_and_a_crash_otherwise(
+        image_folder, tmp_path, capsys, ctrl_c):
+    with pytest.raises(KeyboardInterrupt if ctrl_c else RuntimeError):
+        inprocess.train(args(image_folder, tmp_path), before_fit=peer_stops_at_once_at_step(2, ctrl_c))
+    said = capsys.readouterr().out
+    assert ("Ctrl-C: stopped at once after step 2, before the run's first checkpoint" in said) == ctrl_c
+
+
 def test_a_second_ctrl_c_before_the_first_checkpoint_says_every_step_is_lost(image_folder, tmp_path, capsys):
     with pytest.raises(KeyboardInterrupt):
         inprocess.train(args(image_folder, tmp_path), before_fit=ctrl_c_at_step(2, times=2))

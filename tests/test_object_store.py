@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import signal
 import tarfile
 import time
@@ -224,14 +225,34 @@ def test_a_shards_headers_are_walked_by_ranged_reads_to_the_index_a_local_walk_g
     assert len(reads.read_text().splitlines()) < 6 * 2  # a header and its label share a read
 
 
-def test_a_cache_smaller_than_the_split_is_said_at_start_and_one_that_holds_it_is_not(tmp_path):
+def disk_of(monkeypatch, total: int, free: int) -> None:
+    """The cache's file system as this test says, not as the host's disk happens to be."""
+    usage = shutil._ntuple_diskusage(total, total - free, free)
+    monkeypatch.setattr(object_store.shutil, "disk_usage", lambda _: usage)
+
+
+def test_a_cache_smaller_than_the_split_is_said_at_start_and_one_that_holds_it_is_not(tmp_path, monkeypatch):
     capped = Settings(str(tmp_path / "cache"), 2 ** 30, 10)
     note = object_store.short_cache_note(capped, 3 * 2 ** 30, "s3://b/pack/train")
     assert note is not None and "room for 1.0 GiB, less than s3://b/pack/train (3.0 GiB)" in note
     assert object_store.short_cache_note(capped, 2 ** 30, "s3://b/pack/train") is None
+    disk_of(monkeypatch, total=100 * 2 ** 30, free=30 * 2 ** 30)
     free = Settings(str(tmp_path / "cache"), None, 10)  # no cap: the file system's room, less 10% of it
-    assert object_store.short_cache_note(free, 1 << 20, "s3://b/pack/train") is None
-    assert object_store.short_cache_note(free, 1 << 60, "s3://b/pack/train") is not None
+    assert object_store.short_cache_note(free, 20 * 2 ** 30, "s3://b/pack/train") is None
+    note = object_store.short_cache_note(free, 21 * 2 ** 30, "s3://b/pack/train")
+    assert note is not None and "room for 20.0 GiB" in note
+
+
+def test_with_no_cap_shards_go_to_keep_a_tenth_of_the_file_system_free(local_store, monkeypatch):
+    folder, _ = local_store
+    cache = ShardCache(Settings(str(folder / "cache"), None, 10))
+    a, b, c = (shard_entry(folder, f"{n}.tar", 1000) for n in "abc")
+    disk_of(monkeypatch, total=100_000, free=12_500)  # room for two shards above the tenth kept free
+    pa, pb = cache.local_copy(a), cache.local_copy(b)
+    os.utime(pa, (time.time() - 100, time.time() - 100))
+    disk_of(monkeypatch, total=100_000, free=10_500)  # a and b took their room: c's needs one of them gone
+    pc = cache.local_copy(c)
+    assert not os.path.exists(pa) and os.path.exists(pb) and os.path.exists(pc)
 
 
 def test_a_gcs_emulator_is_read_through_gcsfss_json_api_anonymously(monkeypatch):

@@ -69,9 +69,10 @@ def disk_run(shards, tmp_path_factory) -> Path:
 @pytest.fixture
 def store_env(monkeypatch, tmp_path):
     """This process's environment pointed at a server (`store_env(server_or_proxy)`), with a node cache of its own
-    and a short bound on a store that does not answer."""
+    and a short bound on a store that does not answer. The cache has a cap of its own: with none, its room would be
+    the host's free disk, and a test the host's disk."""
 
-    def point(server, cache: Path = tmp_path / "node-cache", timeout: str = "20", cap_gb: str = "") -> Path:
+    def point(server, cache: Path = tmp_path / "node-cache", timeout: str = "20", cap_gb: str = "1") -> Path:
         ours = {"IMAGENET_ELASTIC_STORE_CACHE": str(cache), "IMAGENET_ELASTIC_STORE_TIMEOUT": timeout,
                 "IMAGENET_ELASTIC_STORE_CACHE_GB": cap_gb}
         for name, value in {**server.env(), **ours}.items():

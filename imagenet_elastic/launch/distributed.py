@@ -255,6 +255,15 @@ def rank_0_does(action: Callable[[], None]) -> None:
         raise FailedOnRank0(*failure)
 
 
+PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe")  # gloo's words for a rank whose process ended
+
+
+def peer_left(error: BaseException) -> bool:
+    """Whether a collective failed because another rank's process ended: after a second Ctrl-C, a rank that
+    stopped at once leaves the others in the collective they were in before their own Ctrl-C came through."""
+    return isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE)
+
+
 def barrier() -> None:
     if is_initialized():
         dist.barrier()

@@ -71,6 +71,14 @@ class Trainer:
             self.preempt.checkpoint_on_interrupt = False
             self.say_what_an_interrupt_kept()
             raise
+        except RuntimeError as error:
+            if not (self.preempt.interrupted and distributed.peer_left(error)):
+                raise
+            # a rank stopped at once on the second Ctrl-C while this one waited for it in a collective: the same
+            # stop here (the second Ctrl-C reaches this rank's handler only after the collective fails)
+            self.preempt.checkpoint_on_interrupt = False
+            self.say_what_an_interrupt_kept()
+            raise KeyboardInterrupt from None
         finally:
             self.preempt.checkpoint_on_interrupt = False
 
