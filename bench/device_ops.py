@@ -19,8 +19,9 @@ from typing import Any, Optional
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from imagenet_elastic.data import gpu_decode, pipeline, sources
+from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.augment import Augment
+from imagenet_elastic.data.device import gpu_decode
 
 BATCH_SIZES = (64, 128, 256)
 

@@ -32,7 +32,8 @@ for folder in (REPO, REPO / "scripts"):
 import torch  # noqa: E402
 from gpu_proof import load_compile_cache  # noqa: E402
 
-from imagenet_elastic.data import jpeg_decoders, sources  # noqa: E402
+from imagenet_elastic.data import sources  # noqa: E402
+from imagenet_elastic.data.device import jpeg_decoders  # noqa: E402
 from imagenet_elastic.tools import benchmark, throughput  # noqa: E402
 
 MODEL = os.environ.get("MODEL", "resnet50")

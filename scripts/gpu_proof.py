@@ -22,8 +22,8 @@ would not finish in time is skipped and says so, and a part that runs past the b
 goes to OUT/proof.jsonl and stdout as it comes; logs to OUT/*.log; the compile cache to OUT/compile_cache.bin.gz,
 so that `--redo` on a fresh machine, with that file, runs what was skipped or failed without a cold compile.
 
-MODEL, BATCH, SIZE, BATCHES and FEW_WORKERS from the environment make it small (tests/test_gpu_proof.py runs it on
-a CPU with a tiny model); the defaults are resnet50, 256, 224, 40 measured batches and 4.
+MODEL, BATCH, SIZE, BATCHES and FEW_WORKERS from the environment make it small (tests/scripts/test_gpu_proof.py runs
+it on a CPU with a tiny model); the defaults are resnet50, 256, 224, 40 measured batches and 4.
 """
 
 from __future__ import annotations
@@ -263,7 +263,7 @@ class Proof:
         return done is not None and done.returncode == 0
 
     def tests(self) -> None:
-        modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").glob("test_*.py")
+        modules = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                          if CUDA_MARK.search(p.read_text()))
         # a module a process: the host-wait checks of one module never share the device with its own other tests;
         # where no GPU is visible every one skips, in one process

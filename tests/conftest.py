@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.metadata
 import importlib.util
 import json
@@ -373,3 +374,44 @@ def fault_proxy(tmp_path):
     test."""
     with contextlib.ExitStack() as started:
         yield lambda upstream: started.enter_context(store_servers.FaultProxy(upstream, log_dir=tmp_path / "logs"))
+
+
+def tree_digest(root: Path) -> dict[str, str]:
+    """Every file's hash, except the lock file (it names its latest holder), the file-list caches
+    (index-*.npz: rebuilt from the data folder whenever it changes) and the curves (steps.jsonl,
+    tensorboard/): a run that trained steps before it met a corrupt image logged them, and the next
+    resume drops what lies beyond its checkpoint (test_step_log.py)."""
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file() and p.name not in (".lock", "steps.jsonl")
+            and not p.match("index-*.npz") and "tensorboard" not in p.relative_to(root).parts}
+
+
+def expect_user_error(args: list[str], culprit: str, watched: Path, process: bool = False) -> str:
+    """`imagenet-elastic ARGS` refuses: exit 2, one error line (warnings aside) that names `culprit`, no
+    traceback, and every file under `watched` as it was. In this process without loader workers, unless
+    `process`: a real process with the workers ARGS ask for."""
+    before = tree_digest(watched)
+    result = run(python_cmd(*args)) if process else inprocess.command([*args, "--workers", "0"])
+    assert result.returncode == 2, result.stdout + result.stderr
+    lines = [line for line in result.stderr.strip().splitlines() if not line.startswith("warning: ")]
+    assert len(lines) == 1, result.stderr
+    assert "Traceback" not in result.stdout + result.stderr
+    assert lines[0].startswith("imagenet-elastic: error: ")
+    assert culprit in lines[0], lines[0]
+    assert tree_digest(watched) == before, "a failed run changed files on disk"
+    return lines[0]
+
+
+def json_lines(result) -> list[dict]:
+    assert result.returncode == 0, result.stdout + result.stderr
+    return [json.loads(line) for line in result.stdout.splitlines() if line.startswith("{")]
+
+
+def compiled_run(args: list[str], caches) -> subprocess.CompletedProcess:
+    """The program with a small model (tests/compiled_small.py), compiled by inductor, in a process whose own compile
+    caches are in `caches` (a folder)."""
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"), TRITON_CACHE_DIR=str(caches / "triton"))
+    result = subprocess.run([sys.executable, str(REPO / "tests" / "compiled_small.py"), *args], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result

@@ -1,5 +1,5 @@
-"""A dispatch-level audit of the CUDA paths that runs on a CPU (tests/test_dispatch_audit.py): every operator a
-piece of code dispatches is checked for what would make the host wait for the GPU, and those that reach the
+"""A dispatch-level audit of the CUDA paths that runs on a CPU (tests/data/device/test_dispatch_audit.py): every
+operator a piece of code dispatches is checked for what would make the host wait for the GPU, and those that reach the
 device are counted.
 
 How it tells the device from the host: the code runs on fake tensors of device `cuda` (torch's FakeTensorMode:
@@ -41,16 +41,16 @@ crossing would audit copies, not the feed. One shared mode, then, made safe for 
   alone would not do: a thread reading `tensor.device` outside any dispatch (the feed's own branches) while
   another is inside a kernel would be told `meta`, and take the wrong branch.
 An Audit's pause (a library's own call, `unaudited`) is per thread too: the decoding thread inside the JPEG
-library's call leaves the other thread's crops audited (tests/test_dispatch_audit.py plants a host read in
+library's call leaves the other thread's crops audited (tests/data/device/test_dispatch_audit.py plants a host read in
 `finished` while the decoding thread is paused). A host wait fails in whichever thread makes it; feed hands the
 AuditFailure to the training thread, in order, as it does every error of its threads.
 
 What it cannot see: a wait inside an operator's CUDA code that SYNCHRONIZING does not name; the work inside an
-operator's own kernel (an explicit operator is one operator here, however many kernels it launches: the canvas's
-per-image copies are counted by tests/test_device_crops.py with the profiler); the backward pass's kernels (the
-autograd engine needs a driver for a graph on the device: FakeCuda.backward stands in); and a host tensor made
-inside the audit has no values to read. tests/test_cuda.py's sync-debug mode and profiler runs on a GPU remain the
-proof; this catches what they would catch, earlier, in CI.
+operator's own kernel (an explicit operator is one operator here, however many kernels it launches: the canvas's per-
+image copies are counted by tests/data/device/test_batch_crops.py with the profiler); the backward pass's kernels (the
+autograd engine needs a driver for a graph on the device: FakeCuda.backward stands in); and a host tensor made inside
+the audit has no values to read. tests/gpu/test_cuda.py's sync-debug mode and profiler runs on a GPU remain the proof;
+this catches what they would catch, earlier, in CI.
 """
 
 from __future__ import annotations
@@ -423,7 +423,7 @@ def device_caches() -> list[Any]:
 @contextlib.contextmanager
 def fake_cuda() -> Iterator[FakeCuda]:
     """A FakeCuda, its stand-ins in place of torch's (pinning, streams, events, synchronize) meanwhile."""
-    from imagenet_elastic.data import feed
+    from imagenet_elastic.data.device import feed
 
     cuda = FakeCuda()
     replaced = [(torch.Tensor, "pin_memory", lambda tensor, *args, **kwargs: cuda.pin(tensor)),

@@ -1,5 +1,5 @@
 """What a torch.profiler run of CUDA work says about where the host may have waited for the device, for
-tests/test_cuda.py (tests/test_gpu_probes.py checks these on a CPU, on made-up events and on a real profile).
+tests/gpu/test_cuda.py (tests/gpu/test_gpu_probes.py checks these on a CPU, on made-up events and on a real profile).
 
 A copy from pageable host memory to the device can make the host wait for the copy's stream (CUDA stages it
 through a pinned buffer) without torch asking, so sync-debug mode cannot see it. Kineto names every copy it

@@ -61,7 +61,7 @@ def share_one_gpu() -> None:
 
     Patched where the names are looked up: build.check_inputs calls `distributed.select_device`,
     distributed.init_process_group calls its module's `group_options`, and the start-up table imported its own
-    `group_options` (the backend it names). tests/test_gpu_probes.py checks these on a CPU."""
+    `group_options` (the backend it names). tests/gpu/test_gpu_probes.py checks these on a CPU."""
 
     def select_device(requested: str, env: DistEnv) -> torch.device:
         torch.cuda.set_device(0)

@@ -1,6 +1,6 @@
-"""Recording stand-ins for CUDA's streams and events, so that the feeding and decoding code (data/feed.py,
-data/gpu_decode.py, data/jpeg_decoders.py) runs on CPU tensors as it runs on CUDA, and the order CUDA would keep
-between its threads' and streams' work is checked (tests/test_stream_audit.py).
+"""Recording stand-ins for CUDA's streams and events, so that the feeding and decoding code (data/device/: feed.py,
+gpu_decode.py, jpeg_decoders.py) runs on CPU tensors as it runs on CUDA, and the order CUDA would keep
+between its threads' and streams' work is checked (tests/data/device/test_stream_audit.py).
 
 The seam: `streams.on_cuda` answers yes for the CPU device, so the code takes its CUDA branches (streams, events,
 record_stream, Held) while its tensors stay on the CPU; `torch.cuda.Stream`, `Event`, `current_stream`,
@@ -34,7 +34,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from imagenet_elastic.data import streams
+from imagenet_elastic.data.device import streams
 
 FINISHED = "finished-before-handover"
 RECORDED = "recorded-on-training-stream"

@@ -14,7 +14,7 @@ from typing import Any, Optional
 
 from imagenet_elastic.config import options
 from imagenet_elastic.data.augment import POLICIES, Augment, check_range
-from imagenet_elastic.data.jpeg_decoders import JPEG_DECODERS
+from imagenet_elastic.data.device.jpeg_decoders import JPEG_DECODERS
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS

@@ -8,7 +8,7 @@ them, and nothing else in the process sees its generator move. A loader worker r
 image. Under --decode gpu the worker runs the same draws without the pixels (`Augment.draws`: torchvision's
 own policy and erasing, on a stand-in image of the crop's size, with the pixel operations recorded instead of
 applied) and hands the operations, magnitudes and boxes over as numbers; the device applies them to the whole
-batch at once (device_policy.py): the same operations with the same magnitudes.
+batch at once (batch_policy.py): the same operations with the same magnitudes.
 """
 
 from __future__ import annotations

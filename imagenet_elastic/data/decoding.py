@@ -20,8 +20,9 @@ from typing import Optional
 
 import torch
 
-from imagenet_elastic.data import gpu_decode, jpeg_decoders, pipeline, pixels
+from imagenet_elastic.data import pipeline, pixels
 from imagenet_elastic.data.augment import Augment
+from imagenet_elastic.data.device import gpu_decode, jpeg_decoders
 
 # Cores per training process from which --decode auto leaves decoding to CPU workers (when there is no policy).
 # Measured on one H100 with 16 cores (docs/BENCHMARKS.md): 14 loader workers fed resnet50 (bf16, 224 px, batch

@@ -3,7 +3,7 @@ their workers.
 
 Workers read a sample's bytes from its source (sources/), then decode, crop, resize and flip on uint8
 (pixels.py; validation: the reference's resize and centre crop) and hand over HWC uint8 tensors; the copy to
-the device, conversion to float and normalisation happen there (data/feed.py device_batches, train/step.py
+the device, conversion to float and normalisation happen there (data/device/feed.py device_batches, train/step.py
 model_input.prepare_batch). Under --decode gpu the workers hand over the bytes instead (decoding.py says which). Every
 random choice a training sample gets comes from (seed, epoch, sample index) alone, so a restarted run, any
 worker count and any world size see exactly the same pixels.

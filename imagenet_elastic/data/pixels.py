@@ -6,7 +6,7 @@ timm's `create_transform` and torchvision's ImageNet evaluation take), so that a
 timm's own evaluation gives the same weights: full-scale decode, the whole image resized, then the centre crop.
 
 Pure functions of their arguments; the random choices come in as a `random.Random` or a `ChooseCrop`
-(pipeline.py draws them from the sample's stream). device_crops.py runs the same crops on a whole batch.
+(pipeline.py draws them from the sample's stream). batch_crops.py runs the same crops on a whole batch.
 """
 
 from __future__ import annotations

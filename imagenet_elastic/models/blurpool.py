@@ -21,7 +21,7 @@ def blur_strided_convs(model: nn.Module) -> list[str]:
     (checkpoints, --initial-checkpoint and exports keep timm's names, and a model timm rebuilds from them
     gets its blur back from this function), and torch.compile sees another class, not a forward hook, which
     dynamo does not guard on: it ran a blurred model with the graph of a plain one compiled before it
-    (tests/test_blurpool.py).
+    (tests/models/test_blurpool.py).
     """
     from timm.layers import BlurPool2d
 

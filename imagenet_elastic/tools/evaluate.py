@@ -112,7 +112,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     from imagenet_elastic.data import pipeline, sources
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
-    from imagenet_elastic.data.feed import device_batches
+    from imagenet_elastic.data.device.feed import device_batches
     from imagenet_elastic.data.model_input import ModelInput
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed

@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader, Dataset
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.augment import INCEPTION_CROP, Augment, make_policy
 from imagenet_elastic.data.decoding import Decoding
-from imagenet_elastic.data.feed import device_batches
+from imagenet_elastic.data.device.feed import device_batches
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler

@@ -29,8 +29,9 @@ from torch.utils.data import DataLoader
 from imagenet_elastic.checkpoint import share, store
 from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
 from imagenet_elastic.config import Config
-from imagenet_elastic.data import gpu_decode, pipeline, sources
+from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.decoding import Decoding
+from imagenet_elastic.data.device import gpu_decode
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.data.sources import fingerprints

@@ -20,11 +20,11 @@ pass has no collective before its end: each rank halves its own validation batch
 optimizer's step is not caught: the weights have changed by then, and smaller micro-batches would not help (the
 probe runs that step too).
 
-Under --decode gpu the decoding thread (data/feed.py) allocates beside the step it runs ahead of, and can run out of
-memory where the step alone fits. That error reaches the training thread with the batch, before the step that takes
-it: under --micro-batch auto it counts as that step's (`decode_failed`: the step halves its micro-batches, on every
-rank, and the batch is decoded again, nothing lost or repeated); without it the run ends in one line saying what to
-change.
+Under --decode gpu the decoding thread (data/device/feed.py) allocates beside the step it runs ahead of, and can run
+out of memory where the step alone fits. That error reaches the training thread with the batch, before the step that
+takes it: under --micro-batch auto it counts as that step's (`decode_failed`: the step halves its micro-batches, on
+every rank, and the batch is decoded again, nothing lost or repeated); without it the run ends in one line saying what
+to change.
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.checkpoint.store import BEST
 from imagenet_elastic.config import RESUME_AUTO
-from imagenet_elastic.data.feed import LoaderWaits, device_batches, step_groups
+from imagenet_elastic.data.device.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, counted, one_line
 from imagenet_elastic.launch import distributed, preemption
@@ -28,7 +28,7 @@ from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train.build import Loaders, Run, Training
 from imagenet_elastic.train.state import EpochTally, PendingSteps
-from imagenet_elastic.train.step import StepContext, evaluate
+from imagenet_elastic.train.step import StepContext, evaluate, train_step
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class Trainer:
                  reports: Reports) -> None:
         self.config, self.env, self.console, self.preempt = run.config, run.env, run.console, run.preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
+        self.slices = self.plan.micro_slices(self.env.rank)  # this rank's micro-batches in the global batch
         self.training, self.loaders, self.ctx = training, loaders, ctx
         self.checkpointer, self.sample_log = checkpointer, reports.sample_log
         self.compilation = reports.compilation
@@ -125,7 +126,10 @@ class Trainer:
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr = r.schedule.at(state.step)
-                loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                if r.micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
+                    loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                else:
+                    loss = train_step(self.ctx, micro_batches, self.slices, plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)

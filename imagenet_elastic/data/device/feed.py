@@ -1,0 +1,286 @@
+"""Batches from the loader onto the device: copies on a side stream, --decode gpu's two threads (one decodes, one
+crops and augments), the steps' groups of micro-batches, and the time the loop waited for them."""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Optional
+
+import torch
+from torch.utils.data import DataLoader
+
+from imagenet_elastic.data.device import jpeg_decoders, streams
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.errors import one_line
+
+if TYPE_CHECKING:
+    from imagenet_elastic.data.device.gpu_decode import BatchDecoder
+
+
+def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None,
+                   out_of_memory: Optional[OutOfMemoryPolicy] = None) -> Iterator[Batch]:
+    """The loader's batches with images and labels on `device` (decoded and augmented there first under
+    --decode gpu).
+
+    Batches travel as uint8, a quarter of the bytes of float32 (or, under --decode gpu, as the files' bytes). On
+    CUDA the next batch's copy, or its whole decoding (`decoded_in_two_threads`), runs while the current one
+    trains; the training stream waits for it only when it gets there, and the training thread does nothing per
+    image. Other entries (sample indices) stay on the host, so reading them never waits for the device. A decode
+    that runs out of device memory is told to `out_of_memory` (see `prepared`), in this thread, which ends the run
+    or has the same batch decoded again.
+    """
+    if decoder is not None:
+        if reads_in_this_thread(batches):
+            yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
+            return
+        for staged, ready in decoded_in_two_threads(batches, decoder, device, out_of_memory):
+            take_on_current_stream(staged, ready, device)
+            yield staged
+        return
+    if device.type != "cuda":
+        yield from (batch.to(device) for batch in batches)
+        return
+    side, main = streams.feeding_stream(device), torch.cuda.current_stream(device)
+    ahead = None
+    for batch in batches:
+        with torch.cuda.stream(side):
+            staged = batch.to(device)
+        if ahead is not None:
+            yield ahead
+        main.wait_stream(side)
+        for tensor in (staged.images, staged.labels):
+            tensor.record_stream(main)  # allocated on `side`: not reused before `main` is done with it
+        ahead = staged
+    if ahead is not None:
+        yield ahead
+
+
+def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, device: torch.device,
+                           out_of_memory: Optional[OutOfMemoryPolicy] = None
+                           ) -> Iterator[tuple[Batch, Optional[torch.cuda.Event]]]:
+    """`(batch, ready)` for each of the loader's batches, decoded by one thread (on the decoding stream) while
+    another queues the previous batch's crops, policy and erasing (on the feeding stream): the JPEG libraries
+    hold their calling thread until a batch is decoded (torchvision's waits for its own stream's whole decode,
+    nvImageCodec for the host's share of it), so a single thread would queue no crops meanwhile. Two
+    `decoded_ahead`s in a chain: the first alone reads the loader; the second waits on the device for each
+    decoded batch's event, and its errors and the first's reach the taker in order; closing it closes both. Either
+    thread's out-of-memory error reaches `out_of_memory` in the taker's thread (the first's through the second)."""
+    decoding = streams.decoding_stream(device) if streams.on_cuda(device) else None
+    decoded = decoded_ahead(batches, decoder.decoded, device, ahead=1, stream=decoding,
+                            out_of_memory=pass_on if out_of_memory is not None else None)
+    return decoded_ahead(decoded, after_event(decoder.finished, device), device, out_of_memory=out_of_memory)
+
+
+def after_event(prepare: Callable[[Any], Any], device: torch.device) -> Callable[[tuple[Any, Any]], Any]:
+    """`prepare` for the `(staged, ready)` pairs of another `decoded_ahead`: its work is queued on the calling
+    thread's stream after that stream waits for `ready` (on the device: the host does not wait)."""
+    def run(item: tuple[Any, Any]) -> Any:
+        staged, ready = item
+        if ready is not None:
+            torch.cuda.current_stream(device).wait_event(ready)
+        return prepare(staged)
+
+    return run
+
+
+def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
+    """A loader without workers (--workers 0) reads and draws each sample in the thread that iterates it, and the
+    draws of --decode gpu's policy seed torch's global generator (augment.Augment.draws), which the training
+    thread seeds and draws from too: such a loader is decoded in the training thread, not beside it."""
+    return isinstance(batches, DataLoader) and batches.num_workers == 0
+
+
+def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
+    """The current (training) stream waits for the event that made `staged`'s device tensors on another
+    stream, and those tensors are not reused before the current stream is done with them."""
+    if ready is None:
+        return
+    main = torch.cuda.current_stream(device)
+    main.wait_event(ready)
+    for tensor in (staged.images, staged.labels):
+        tensor.record_stream(main)
+
+
+_DONE = object()
+
+
+def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2,
+                  stream: Optional[torch.cuda.Stream] = None, out_of_memory: Optional[OutOfMemoryPolicy] = None
+                  ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
+    """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
+    are taken; on CUDA on `stream` (the feeding stream unless given), whose event `ready` the taker waits for
+    (None on a CPU). Its errors (a corrupt image) are raised here, in order; closing this generator stops the
+    thread and waits for it, so the loader is never read by two threads. A generator it reads (another
+    decoded_ahead) is closed by its thread when it stops.
+
+    A batch that runs out of device memory is told to `out_of_memory` here, in order, in the taking thread (`pass_on`:
+    yielded as an OutOfMemoryMet, which a decoded_ahead reading this one hands on to its own taker); the preparing
+    thread waits for the answer, then prepares the same batch again (see `prepared`)."""
+    results: queue.Queue = queue.Queue(maxsize=ahead)
+    stop = threading.Event()
+    if streams.on_cuda(device) and stream is None:
+        stream = streams.feeding_stream(device)
+
+    def hand_over(item: Any) -> None:
+        while not stop.is_set():
+            try:
+                results.put(item, timeout=0.1)
+                return
+            except queue.Full:
+                continue
+
+    def ask(batch: Any, line: str, again: bool) -> bool:
+        """The taking thread's answer to a batch that ran out of memory: False when it stopped instead."""
+        met = OutOfMemoryMet(batch, line, again)
+        hand_over(met)
+        while not met.answered.wait(0.1):
+            if stop.is_set():
+                return False
+        return met.go_on
+
+    def work() -> None:
+        try:
+            with contextlib.ExitStack() as scope:
+                if inspect.isgenerator(batches):  # closed last, in the thread that iterated it
+                    scope.callback(batches.close)
+                if stream is not None:  # the current device and stream are per thread
+                    scope.enter_context(torch.cuda.device(device))
+                    scope.enter_context(torch.cuda.stream(stream))
+                for batch in batches:
+                    if isinstance(batch, OutOfMemoryMet):  # an earlier stage's: on to the taker
+                        hand_over(batch)
+                        if stop.is_set():  # closed before the taker had it: that stage stops too
+                            batch.answer(False)
+                            return
+                        continue
+                    staged = prepared(prepare, batch, ask if out_of_memory is not None else None, device)
+                    if staged is _STOPPED:
+                        break  # _DONE, for a stage that reads this one and waits
+                    hand_over((staged, stream.record_event() if stream is not None else None))
+                    if stop.is_set():  # closed: take no further batch from the loader
+                        return
+            hand_over(_DONE)
+        except BaseException as error:  # every failure is the training thread's to raise
+            hand_over(error)
+
+    thread = threading.Thread(target=work, name="decode-ahead", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = results.get()
+            if item is _DONE:
+                return
+            if isinstance(item, OutOfMemoryMet) and out_of_memory not in (None, pass_on):
+                try:
+                    out_of_memory(loader_batch(item.batch), item.line, item.again)  # raises, or prepared again
+                except BaseException:
+                    item.answer(False)
+                    raise
+                item.answer(True)
+                continue
+            if isinstance(item, BaseException):
+                raise item
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():  # it may be waiting for a worker's batch, to hand one over, or for an answer
+            with contextlib.suppress(queue.Empty):
+                item = results.get(timeout=0.1)
+                if isinstance(item, OutOfMemoryMet):
+                    item.answer(False)
+        thread.join()
+
+
+OutOfMemoryPolicy = Callable[[Any, str, bool], Optional[bool]]  # (batch, the error's line, whether it failed before)
+_STOPPED = object()
+
+
+def pass_on(batch: Any, line: str, again: bool) -> None:
+    """decoded_ahead's policy that answers nothing itself: the notice goes to whoever reads that decoded_ahead."""
+    raise AssertionError("pass_on is a marker, never called")
+
+
+@dataclass
+class OutOfMemoryMet:
+    """A batch a preparing thread ran out of device memory on, handed towards the taking thread in order; that
+    thread answers whether to prepare it again (False: it stopped, or its policy ended the run). It holds the
+    error's line, not the error: the failed attempt's tensors are freed with its traceback before the retry."""
+
+    batch: Any
+    line: str
+    again: bool  # the same batch ran out of memory before
+    answered: threading.Event = field(default_factory=threading.Event, compare=False)
+    go_on: bool = True
+
+    def answer(self, go_on: bool) -> None:
+        self.go_on = go_on
+        self.answered.set()
+
+
+def loader_batch(item: Any) -> Any:
+    """The loader's Batch inside what a stage prepares from it (decoded_in_two_threads' second stage takes
+    `((batch, images), ready)`)."""
+    while isinstance(item, tuple):
+        item = item[0]
+    return item
+
+
+def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[OutOfMemoryPolicy],
+             device: torch.device) -> Any:
+    """`prepare(batch)`. A device out-of-memory error in it (torch's, or a JPEG decoder's, as
+    jpeg_decoders.device_out_of_memory tells them) goes to `out_of_memory(batch, line, again)`, which raises to end
+    the run, returns False to stop (`_STOPPED`), or else has the same batch prepared again, once the allocator has
+    returned what it caches to the device: no sample lost or repeated. Without `out_of_memory` the error is raised as
+    it came."""
+    again = False
+    while True:
+        try:
+            return prepare(batch)
+        except (torch.OutOfMemoryError, RuntimeError) as error:
+            if out_of_memory is None or not jpeg_decoders.device_out_of_memory(error):
+                raise
+            line = one_line(error)
+        if out_of_memory(loader_batch(batch), line, again) is False:
+            return _STOPPED
+        if streams.on_cuda(device):
+            torch.cuda.empty_cache()
+        again = True
+
+
+class LoaderWaits:
+    """Wall time the training loop spent waiting for its next batch on the device (from the loader, and
+    under --decode gpu from the decoding thread); each log line takes it."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+
+    def timed(self, batches: Iterable) -> Iterator:
+        batches = iter(batches)
+        while True:
+            start = time.perf_counter()
+            try:
+                batch = next(batches)
+            except StopIteration:
+                return
+            self.seconds += time.perf_counter() - start
+            yield batch
+
+    def take(self) -> float:
+        seconds, self.seconds = self.seconds, 0.0
+        return seconds
+
+
+def step_groups(loader: Iterable[Batch], accum: int) -> Iterator[list[Batch]]:
+    """The loader's micro-batches, `accum` at a time: one list per optimizer step."""
+    group = []
+    for batch in loader:
+        group.append(batch)
+        if len(group) == accum:
+            yield group
+            group = []

@@ -1,0 +1,305 @@
+"""`--decode gpu`: loader workers read files and draw every random choice; the device decodes and augments whole
+batches.
+
+A worker reads the file, parses its header for the size, and draws the crop, the flip, the policy's operations
+and magnitudes and the erased box from the sample's own random stream, exactly as the CPU path draws them
+(pipeline.TrainDataset; augment.Augment.draws), so the augmentation contract holds: the same choices for the same
+(seed, epoch, index). It hands over the bytes and those choices as numbers (`EncodedBatch`: one tensor of
+bytes, one row of view numbers per image, the policy's tensors). The training process decodes the batch with one
+batched call of the JPEG library (jpeg_decoders) in a thread of its own, while another thread crops, resizes and
+flips the previous batch's images at once (batch_crops.py), then runs the policy and erasing on the sub-batches
+that drew each operation (batch_policy.py) (feed.decoded_in_two_threads): a fixed number of operators per
+batch, none per image, and no random draw in the training process.
+
+Validation batches take the same way with the reference's view of each image (pixels.CentreCrop): the whole
+image resized and centre-cropped, in float32 and rounded: the CPU path's pixels within a level where the decoders
+agree (nvJPEG fills 4:2:0 chroma by nearest sample where libjpeg-turbo interpolates: ~0.7 level on photos).
+
+Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
+PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
+decodes (and crops) them itself; a JPEG that the device decoder rejects is decoded in the training process. A
+device out of memory is not the images' fault and stays an out-of-memory error
+(jpeg_decoders.raise_if_out_of_memory).
+A file that neither can decode is a CorruptImageError naming it, as on the CPU path.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Optional
+
+import torch
+from PIL import Image
+
+from imagenet_elastic.data.augment import Augment, Draws
+from imagenet_elastic.data.device import batch_crops, jpeg_decoders, streams
+from imagenet_elastic.data.device.batch_policy import PolicyPlan
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.pixels import (
+    DECODED_BY_TORCHVISION,
+    Box,
+    CentreCrop,
+    ChooseCrop,
+    byte_tensor,
+    decode_bytes,
+    decode_centre_crop,
+)
+from imagenet_elastic.errors import CorruptImageError
+
+DEVICE_DECODABLE_MODES = DECODED_BY_TORCHVISION  # JPEG colour modes nvJPEG turns into RGB
+
+EMPTY = torch.empty(0, dtype=torch.uint8)
+
+
+@dataclass
+class EncodedImage:
+    """One image as a worker makes it: its bytes and every choice drawn for it, or (`cpu_reason` set) its pixels
+    already decoded and cropped on the CPU."""
+
+    path: str  # the sample's name, for messages
+    data: torch.Tensor  # 1-D uint8 file bytes, or size x size x 3 uint8 pixels
+    box: Box
+    flip: bool
+    size: int  # of the square crop the batch wants (train and val sizes may differ)
+    width: int  # the image's, from its header
+    height: int
+    cpu_reason: Optional[str] = None
+    augment_seed: Optional[int] = None  # the seed of the policy's and erasing's draws (augment.Augment.draw_seed)
+    draws: Optional[Draws] = None  # what they drew
+    centre: Optional[CentreCrop] = None  # validation: this view of the whole image instead of `box` and `flip`
+
+    def decode_on_cpu(self, raw: bytes) -> torch.Tensor:
+        """The worker path's pixels of these bytes (before the policy)."""
+        if self.centre is not None:
+            return decode_centre_crop(raw, self.path, self.centre)
+        return decode_bytes(raw, self.path, lambda w, h: (self.box, self.flip), self.size)
+
+    def view(self) -> list[float]:
+        """The device's row of numbers for this image's crop (batch_crops.VIEW_FIELDS)."""
+        if self.centre is not None:
+            return batch_crops.centre_view(self.centre, self.width, self.height)
+        return batch_crops.train_view(self.box, self.flip, self.width, self.height, self.size)
+
+
+def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
+    """Width, height, and why the device cannot decode the image (None: it can)."""
+    try:
+        with Image.open(io.BytesIO(raw)) as img:
+            width, height = img.size
+            kind, mode = img.format, img.mode
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+        raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
+    if kind == "JPEG" and mode in DEVICE_DECODABLE_MODES:
+        return width, height, None
+    return width, height, f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
+
+
+class EncodeBytes:
+    """The worker's part, a pipeline.Load as pixels.decode_bytes is: `encode_bytes(raw, path, choose_crop, size)`
+    parses the header and draws the crop; `augmented` then has what the policy and erasing drew travel with the
+    bytes, where decode_bytes's pixels get them applied (pipeline.TrainDataset asks the load which)."""
+
+    def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
+        width, height, reason = read_header(raw, path)
+        box, flip = choose_crop(width, height)
+        image = EncodedImage(path, byte_tensor(raw), box, flip, size, width, height, reason)
+        return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+
+    @staticmethod
+    def augmented(image: EncodedImage, augment: Augment, seed: Optional[int], size: int) -> EncodedImage:
+        return image if seed is None else replace(image, augment_seed=seed, draws=augment.draws(seed, size))
+
+
+encode_bytes = EncodeBytes()
+
+
+def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
+    """Validation's worker part (a pipeline.EvalLoad, as pixels.decode_centre_crop is): the bytes, and the view
+    the device takes of the whole decoded image."""
+    width, height, reason = read_header(raw, path)
+    image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, width,
+                         height, reason, centre=view)
+    return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+
+
+@dataclass
+class EncodedBatch:
+    """A batch's images as they cross from the worker, in columns: every image's bytes (or fallback pixels) back
+    to back in one uint8 tensor, so the batch is one shared-memory segment, not one (and a socket round trip) per
+    image (docs/BENCHMARKS.md); one row of crop numbers per image; the policy's tensors. The training process
+    reads no per-image Python object on its way to the device."""
+
+    data: torch.Tensor  # 1-D uint8
+    lengths: list[int]  # each image's share of `data`, in order
+    paths: list[str]
+    fallbacks: dict[int, str]  # position -> why the worker decoded it (its `data` is then size x size x 3 pixels)
+    views: torch.Tensor  # N x batch_crops.VIEW_FIELDS float32
+    size: int
+    interpolation: str  # the resize's filter: training's bilinear, or validation's CentreCrop's
+    policy: Optional[PolicyPlan]
+    crops: list[tuple[Box, bool]]  # the boxes and flips as drawn: a JPEG the device rejects is decoded with them
+    centre: Optional[CentreCrop]  # validation's view of every image
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    @classmethod
+    def pack(cls, images: Sequence[EncodedImage]) -> EncodedBatch:
+        if not images:
+            raise ValueError("an empty batch")
+        size, centre = images[0].size, images[0].centre
+        if any(im.size != size for im in images):  # a batch comes from one epoch: its size is the epoch's
+            raise ValueError(f"one batch, several crop sizes: {sorted({im.size for im in images})}")
+        return cls(torch.cat([im.data.reshape(-1) for im in images]), [im.data.numel() for im in images],
+                   [im.path for im in images], {i: im.cpu_reason for i, im in enumerate(images) if im.cpu_reason},
+                   torch.tensor([im.view() for im in images], dtype=torch.float32), size,
+                   centre.interpolation if centre is not None else "bilinear",
+                   PolicyPlan.pack([im.draws for im in images], size), [(im.box, im.flip) for im in images], centre)
+
+    def pieces(self) -> Sequence[torch.Tensor]:
+        """Each image's bytes (or fallback pixels, flattened): views into `data`, no copy."""
+        return torch.split(self.data, self.lengths)
+
+    def pixels(self, i: int) -> torch.Tensor:
+        """Image i's fallback pixels (size x size x 3), as its worker decoded them."""
+        return self.pieces()[i].view(self.size, self.size, 3)
+
+    def decode_on_cpu(self, i: int) -> torch.Tensor:
+        """Image i's bytes decoded by the worker path (a JPEG the device decoder rejected)."""
+        box, flip = self.crops[i]
+        image = EncodedImage(self.paths[i], EMPTY, box, flip, self.size, 0, 0, centre=self.centre)
+        return image.decode_on_cpu(self.pieces()[i].numpy().tobytes())
+
+    def pin_memory(self) -> EncodedBatch:
+        """What DataLoader's pin_memory thread calls on a batch type of its own: every tensor pinned, so each
+        reaches the device without the host waiting."""
+        return replace(self, data=self.data.pin_memory(), views=self.views.pin_memory(),
+                       policy=self.policy.pin_memory() if self.policy is not None else None)
+
+
+def collate(samples: list[tuple]) -> Batch:
+    """Encoded images become one EncodedBatch (their byte strings differ in length)."""
+    images, labels, *indices = zip(*samples)
+    return Batch(EncodedBatch.pack(images), torch.tensor(labels, dtype=torch.int64),
+                 torch.tensor(indices[0], dtype=torch.int64) if indices else None)
+
+
+class BatchDecoder:
+    """The training process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
+    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), cropped, augmented and erased
+    as the workers drew; labels on the device too, sample indices left on the host. It draws nothing at random,
+    so it runs beside the training thread, in two halves (feed.decoded_in_two_threads): `decoded` in one thread,
+    `finished` in another, each on that thread's stream. Works on CPU tensors too (`device` cpu), which is how
+    the tests run it."""
+
+    def __init__(self, device: torch.device, warn: Callable[[str], None],
+                 jpeg: Optional[jpeg_decoders.JpegDecoder] = None) -> None:
+        self.device, self.warn = device, warn
+        self.jpeg = jpeg if jpeg is not None else jpeg_decoders.TorchvisionJpeg(device)  # --gpu-decoder's library
+        self.reported: set[str] = set()
+        self.held = Held()  # the decoded images, until the kernels that read them have run
+
+    def __call__(self, batch: Batch) -> Batch:
+        return self.finished(self.decoded(batch))
+
+    def decoded(self, batch: Batch) -> tuple[Batch, list[Optional[torch.Tensor]]]:
+        """The first half: the batch, and the JPEGs the device decodes (in `device_decodable`'s order) decoded by
+        one call of the library. Touches nothing `finished` does, so the two run in two threads."""
+        encoded: EncodedBatch = batch.images
+        pieces = encoded.pieces()
+        return batch, self.decode_on_device([pieces[i] for i in device_decodable(encoded)])
+
+    def finished(self, decoded: tuple[Batch, list[Optional[torch.Tensor]]]) -> Batch:
+        """The second half: `decoded`'s images cropped, augmented and erased, the labels on the device."""
+        batch, images = decoded
+        encoded: EncodedBatch = batch.images
+        crops = self.crops(encoded, images)
+        if encoded.policy is not None:
+            encoded.policy.to(self.device).apply(crops)
+        return Batch(crops, batch.labels.to(self.device, non_blocking=True), batch.indices)
+
+    def crops(self, encoded: EncodedBatch, decoded: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
+        """N x size x size x 3 uint8 on the device: every image decoded, cropped, resized and flipped, those the
+        device cannot decode by the CPU path. `decoded`: `decoded`'s images, when already decoded."""
+        self.held.release_finished()
+        pieces, fallbacks = encoded.pieces(), dict(encoded.fallbacks)
+        wanted = device_decodable(encoded)
+        if decoded is None:
+            decoded = self.decode_on_device([pieces[i] for i in wanted])
+        on_device = [(i, image) for i, image in zip(wanted, decoded) if image is not None]
+        cpu: dict[int, torch.Tensor] = {i: encoded.pixels(i) for i in fallbacks}
+        for i, image in zip(wanted, decoded):
+            if image is None:  # the device decoder refused it; the CPU decoder names a corrupt file
+                fallbacks[i] = "a JPEG the device decoder rejected"
+                cpu[i] = encoded.decode_on_cpu(i)
+        for i in sorted(fallbacks):
+            self.report(encoded.paths[i], fallbacks[i])
+        views = encoded.views.to(self.device, non_blocking=True)
+        if not cpu:
+            crops = batch_crops.crop_resize(decoded, views, encoded.size, encoded.interpolation)
+            self.hold(decoded)
+            return crops
+        out = torch.empty((len(encoded), encoded.size, encoded.size, 3), dtype=torch.uint8, device=self.device)
+        if on_device:
+            rows = self.index([i for i, _ in on_device])
+            images = [image for _, image in on_device]
+            out.index_copy_(0, rows, batch_crops.crop_resize(images, views.index_select(0, rows), encoded.size,
+                                                              encoded.interpolation))
+            self.hold(images)
+        cpu_rows = sorted(cpu)
+        worker_pixels = torch.stack([cpu[i] for i in cpu_rows])
+        out.index_copy_(0, self.index(cpu_rows), batch_crops.to_device(worker_pixels, self.device))
+        return out
+
+    def hold(self, decoded: list[torch.Tensor]) -> None:
+        """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner,
+        their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
+        each operator before the next, so nothing is left to read them there. The event blocks the thread that
+        waits for it (Held's limit) instead of spinning a core beside the loader workers."""
+        if streams.on_cuda(self.device):
+            read = torch.cuda.Event(blocking=True)
+            torch.cuda.current_stream(self.device).record_event(read)
+            self.held.keep(decoded, read)
+
+    def index(self, rows: list[int]) -> torch.Tensor:
+        return batch_crops.to_device(torch.tensor(rows, dtype=torch.int64), self.device)
+
+    def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """The decoded images (C x H x W uint8, in the library's layout), one batched call; None for each image the
+        decoder rejects."""
+        return self.jpeg.decode(images) if images else []
+
+    def report(self, path: str, reason: str) -> None:
+        if reason not in self.reported:
+            self.reported.add(reason)
+            self.warn(f"--decode gpu: {path} is {reason}; decoded on the CPU instead "
+                      "(said once for each kind of image)")
+
+
+def device_decodable(encoded: EncodedBatch) -> list[int]:
+    """The positions of the images the device decodes: those the worker did not decode itself."""
+    return [i for i in range(len(encoded)) if i not in encoded.fallbacks]
+
+
+class Held:
+    """Device tensors kept alive until the kernels queued to read them have run: an event recorded after those
+    kernels says when (`release_finished` asks without waiting). Past `limit` batches held, the oldest is waited
+    for: the thread that crops is then that far ahead of the device, and memory must not grow without bound."""
+
+    def __init__(self, limit: int = 4) -> None:
+        self.limit = limit
+        self.batches: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()
+
+    def keep(self, tensors: list[torch.Tensor], event: Any) -> None:
+        """`event`: a torch.cuda.Event recorded after the kernels that read `tensors`."""
+        self.batches.append((event, tensors))
+        while len(self.batches) > self.limit:
+            event, _ = self.batches.popleft()
+            event.synchronize()
+
+    def release_finished(self) -> None:
+        while self.batches and self.batches[0][0].query():
+            self.batches.popleft()

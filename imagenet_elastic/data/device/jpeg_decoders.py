@@ -1,0 +1,342 @@
+"""--gpu-decoder: the library that turns a batch of JPEG bytes into pixels on the device under --decode gpu. The
+one list of them (`JPEG_DECODERS`); a new library is a class here and a line in that list.
+
+torchvision (`decode_jpeg` on CUDA, always there): nvJPEG fills 4:2:0 chroma by nearest sample, ~0.7 level from
+the CPU path on photos. nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as libjpeg-turbo,
+so as the CPU path (it upsamples 4:2:0 chroma as libjpeg-turbo does). Alone, each decodes several times what a step
+trains; beside a compiled ResNet-50 step torchvision supplies more on an H100 and an H200 with any loader workers and
+any of nvImageCodec's backends and thread counts (docs/BENCHMARKS.md, 2026-11-27), so `auto` takes torchvision and
+nvimgcodec is there for its pixels, when asked. The start-up table says which and why.
+
+Both leave their images ready on the calling thread's current stream (the decoding thread's,
+streams.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
+`empty_cache` see them), and run on CPU tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend:
+libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images in any dense layout
+(nvImageCodec's H x W x C memory is permuted, a view: batch_crops reads each image where it lies), None for an
+image it rejects (the batch decoder then takes the CPU path for it), and raises an out-of-memory error when the
+device is full (raise_if_out_of_memory). Both hold the calling thread: torchvision until its whole decode has run on
+the device, nvImageCodec until its share on the host is done (the device's runs on after it returns).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import io
+import os
+import re
+import sys
+import tempfile
+import warnings
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
+
+from imagenet_elastic.errors import first_line
+
+if TYPE_CHECKING:  # torch is imported where it is used: the command line reads JPEG_DECODERS
+    import torch
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device's number (`cuda` alone: the current one)."""
+    import torch
+
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+class JpegDecoder(Protocol):
+    name: str
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device (any dense layout), None where
+        rejected."""
+
+
+class TorchvisionJpeg:
+    """torchvision's `decode_jpeg` (nvJPEG on CUDA, libjpeg-turbo on the CPU). One bad image fails its whole
+    batched call, so a failed batch is decoded again image by image to find which."""
+
+    name = "torchvision"
+
+    def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
+        import torch
+
+        from imagenet_elastic.data.device import streams
+
+        self.device = device
+        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
+        # (one of the normal-priority pooled streams) that does not wait for the current one (pytorch/vision#9606):
+        # memory freed on the current stream while kernels queued there still read it could be written over. Its
+        # outputs are therefore allocated on a stream where only they are allocated, and kept until the kernels
+        # that read them have run (gpu_decode.Held). torch.cuda.Stream is not a stream of its own: torch hands
+        # out each priority's 32 pooled streams round robin to every caller in the process (NCCL's come from the
+        # normal-priority pool). This one comes from the high-priority pool, which the feeding and decoding
+        # streams alone draw on here, and before each decode the thread waits (blocking, not spinning) for what
+        # is queued on it: nothing, unless another part of the process was handed the same stream.
+        self.alloc_stream = torch.cuda.Stream(device, priority=-1) if streams.on_cuda(device) else None
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        try:
+            return list(self.batch(data))
+        except RuntimeError as error:  # one bad image fails the whole call: find it, unless the device is full
+            raise_if_out_of_memory(error, len(data))
+        results: list[Optional[torch.Tensor]] = []
+        for one in data:
+            try:
+                results.append(self.batch([one])[0])
+            except RuntimeError as error:
+                raise_if_out_of_memory(error, 1)
+                results.append(None)
+        return results
+
+    def batch(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
+        """One batched call; raises RuntimeError if any image fails."""
+        import torch
+        from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see pipeline.share_heap_with_workers
+
+        if self.alloc_stream is None:
+            return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        drained = torch.cuda.Event(blocking=True)
+        self.alloc_stream.record_event(drained)
+        drained.synchronize()
+        work = torch.cuda.current_stream(self.device)
+        with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
+            decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
+        work.wait_stream(self.alloc_stream)
+        return decoded
+
+
+class NvImageCodecJpeg:
+    """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling,
+    the hardware JPEG engines where the GPU has them), on the CPU its libjpeg-turbo backend. It reports a rejected
+    image as None in place, so one bad image costs no second pass.
+
+    It decodes into memory torch allocates: left to itself it takes each image from CUDA's default memory pool
+    (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
+    cannot see, and which gives memory back to the device at every synchronisation. Each batch is one uint8
+    tensor of the images' bytes back to back, allocated on the current stream (the one the decode runs on);
+    each image is an H x W x 3 view of it, handed to the library as the image to decode into."""
+
+    name = "nvimgcodec"
+
+    def __init__(self, device: torch.device, cpu_threads: int = 0, backends: Optional[tuple[str, ...]] = None,
+                 options: str = "") -> None:
+        """`backends`: on CUDA, the library's backend kinds by name (HW_GPU_ONLY, GPU_ONLY, ...; None: every one it
+        has); `options`: more of its decoder options. Both are left to the library in training; the GPU
+        measurements try others (bench/gpu_decoder_settings.py)."""
+        self.device, self.cpu_threads, self.backends, self.options = device, cpu_threads, backends, options
+        self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
+        self.params = None  # its DecodeParams, made with it (make_decoder)
+
+    def make_decoder(self) -> None:
+        nvimgcodec = import_nvimgcodec()
+        # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said rather than left to the library's
+        # default: nvImageCodec 0.8's Python decoder turned it off unless asked, 0.9's extensions turn it on
+        options = " ".join([":fancy_upsampling=1", self.options]).strip()
+        if self.device.type == "cuda":
+            backends = None if self.backends is None else \
+                [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in self.backends]
+            self.decoder = nvimgcodec.Decoder(device_id=device_index(self.device),
+                                              max_num_cpu_threads=self.cpu_threads, backends=backends, options=options)
+        else:
+            self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                                              max_num_cpu_threads=self.cpu_threads,
+                                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)], options=options)
+        # the file's pixels as stored: it would turn them by their EXIF orientation, which the CPU path (PIL,
+        # libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
+        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+
+    def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
+        import torch
+
+        if self.decoder is None:
+            self.make_decoder()
+        nvimgcodec = import_nvimgcodec()
+        on_gpu = self.device.type == "cuda"
+        stream = torch.cuda.current_stream(self.device).cuda_stream if on_gpu else 0
+        headers = [parsed(nvimgcodec, d) for d in data]  # None: a header it cannot read
+        kept = [i for i, header in enumerate(headers) if header is not None]
+        sizes = [headers[i][1:] for i in kept]
+        try:
+            whole = torch.empty(sum(h * w * 3 for h, w in sizes), dtype=torch.uint8, device=self.device)
+            into = [view.view(h, w, 3) for view, (h, w) in zip(whole.split([h * w * 3 for h, w in sizes]), sizes)]
+            # the same stream as the decode's, or the library would make the host wait for the images' stream
+            targets = [nvimgcodec.as_image(t if on_gpu else t.numpy(), cuda_stream=stream) for t in into]
+            images = self.decoder.decode([headers[i][0] for i in kept], images=targets, params=self.params,
+                                         cuda_stream=stream) if kept else []
+        except RuntimeError as error:
+            raise_if_out_of_memory(error, len(data))
+            raise
+        results: list[Optional[torch.Tensor]] = [None] * len(data)
+        for i, target, image in zip(kept, into, images):
+            if image is not None:  # the library's own memory, should it not have decoded into ours
+                results[i] = target if image_address(image) == target.data_ptr() else self.tensor(image)
+        # C x H x W over the H x W x C memory as it lies: a view (batch_crops gathers any layout, copying nothing)
+        return [None if image is None else image.permute(2, 0, 1) for image in results]
+
+    def tensor(self, image) -> torch.Tensor:
+        """The decoded H x W x 3 image as a tensor over nvImageCodec's memory (kept alive by the tensor)."""
+        import torch
+
+        if self.device.type == "cuda":
+            return torch.from_dlpack(image)  # on the current stream, which the decode already made wait
+        import numpy as np
+
+        with warnings.catch_warnings():  # read-only: the image is only read (batch_crops copies it)
+            warnings.simplefilter("ignore", UserWarning)
+            return torch.from_numpy(np.asarray(image))
+
+
+def parsed(nvimgcodec, data: torch.Tensor) -> Optional[tuple[object, int, int]]:
+    """nvImageCodec's code stream of one image's bytes, its height and width; None when it cannot read the header
+    (the batch decoder then tries the CPU path, which names a corrupt file)."""
+    try:
+        stream = nvimgcodec.CodeStream(data.numpy())
+        return stream, stream.height, stream.width
+    except (RuntimeError, ValueError):
+        return None
+
+
+def image_address(image) -> int:
+    """Where an nvImageCodec image's pixels are, on the device or the host."""
+    interface = image.__cuda_array_interface__ if image.buffer_kind.name == "STRIDED_DEVICE" else \
+        image.__array_interface__
+    return interface["data"][0]
+
+
+# How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
+# images: ...": torch's allocator ("CUDA out of memory. Tried to allocate ..."), nvJPEG's status 5
+# (NVJPEG_STATUS_ALLOCATOR_FAILURE) after one of its calls ("Failed to decode batch: 5"), or CUDA's 2
+# (cudaErrorMemoryAllocation) from its stream synchronisation. Corrupt images give other nvJPEG statuses.
+_ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 5\b"
+                                r"|Failed to synchronize CUDA stream: 2\b")
+
+
+def device_out_of_memory(error: BaseException) -> bool:
+    """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
+    decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
+    import torch
+
+    if isinstance(error, torch.OutOfMemoryError):
+        return True
+    text = str(error)
+    return "out of memory" in text.lower() or _ALLOCATION_FAILED.search(text) is not None
+
+
+def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
+    """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
+    a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
+    import torch
+
+    if device_out_of_memory(error):
+        if isinstance(error, torch.OutOfMemoryError):
+            raise error
+        raise torch.OutOfMemoryError(f"--decode gpu: the device ran out of memory decoding {images} JPEG(s) "
+                                     f"({first_line(error)}); try a smaller --batch-size") from error
+
+
+def import_nvimgcodec():
+    """`nvidia.nvimgcodec`, whose import prints a paragraph for each codec library it cannot load (JPEG 2000,
+    TIFF: not ours): that text is kept from the console and given back only if the import fails."""
+    if sys.modules.get("nvidia.nvimgcodec") is not None:  # imported before: nothing to say, nothing to capture
+        return sys.modules["nvidia.nvimgcodec"]
+    with captured_output() as text:
+        try:
+            nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+        except ImportError as error:
+            raise ImportError(f"{error}{': ' + text() if text() else ''}") from None
+    return nvimgcodec
+
+
+@contextlib.contextmanager
+def captured_output() -> Iterator[Callable[[], str]]:
+    """What native code writes to file descriptors 1 and 2 meanwhile, as a function that returns it after."""
+    captured = ""
+    with tempfile.TemporaryFile() as sink:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = [os.dup(1), os.dup(2)]
+        try:
+            os.dup2(sink.fileno(), 1)
+            os.dup2(sink.fileno(), 2)
+            yield lambda: captured
+        finally:
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            for fd in saved:
+                os.close(fd)
+            sink.seek(0)
+            captured = " ".join(sink.read().decode(errors="replace").split())
+
+
+def tiny_jpeg() -> bytes:
+    """A JPEG of 16 x 16 pixels, to check that a decoder works on this machine."""
+    from PIL import Image
+
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(out, "JPEG")
+    return out.getvalue()
+
+
+def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
+    """Why nvimgcodec cannot decode on `device` here (None: it can): not installed, or installed without the
+    libraries its GPU decoder needs, which it otherwise replaces by its CPU decoder without a word."""
+    try:
+        nvimgcodec = import_nvimgcodec()
+    except ImportError:
+        return "not installed (pip install 'imagenet-elastic[nvimgcodec]')"
+    except OSError as error:
+        return f"cannot be loaded: {error}"
+    if device.type != "cuda":
+        return None
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"cannot decode on {device}: no CUDA device"
+    with captured_output() as said:
+        try:
+            gpu = nvimgcodec.Decoder(device_id=device_index(device), max_num_cpu_threads=1,  # a 16 x 16 image
+                                     backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
+                                               nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
+            decoded = gpu.decode(tiny_jpeg())
+        except RuntimeError as error:
+            return f"cannot decode on {device}: {error}"
+    if decoded is None:
+        return (f"cannot decode on {device} ({said() or 'no GPU JPEG decoder'}); pip install nvidia-nvjpeg-cu13 "
+                "(or -cu12, as torch's CUDA)")
+    return None
+
+
+class DecoderInfo(NamedTuple):
+    make: Callable[..., JpegDecoder]  # (device, cpu_threads) -> the decoder
+    unavailable: Callable[[torch.device], Optional[str]]  # why it cannot run on the device, or None
+    help: str  # for --gpu-decoder's help
+
+
+# --gpu-decoder: kept here once, in auto's order of preference; config offers these names with their help.
+JPEG_DECODERS: dict[str, DecoderInfo] = {
+    "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
+                               "torchvision's nvJPEG decode_jpeg, the faster beside training: 4:2:0 chroma by nearest "
+                               "sample, ~0.7 level from the CPU path on photos"),
+    "nvimgcodec": DecoderInfo(NvImageCodecJpeg, nvimgcodec_unavailable,
+                              "NVIDIA's nvImageCodec, the `nvimgcodec` extra: the CPU path's very pixels"),
+}
+
+
+def choose(requested: str, device: torch.device) -> tuple[str, str]:
+    """The library --gpu-decoder names, and why (for the start-up table); `auto`: the first in JPEG_DECODERS that
+    runs on this device. A named library that cannot run here is a UserError naming why."""
+    if requested != "auto":
+        reason = JPEG_DECODERS[requested].unavailable(device)
+        if reason is not None:
+            from imagenet_elastic.errors import UserError
+
+            raise UserError(f"--gpu-decoder {requested}: {reason}")
+        return requested, f"--gpu-decoder {requested}"
+    passed = []
+    for name, info in JPEG_DECODERS.items():
+        reason = info.unavailable(device)
+        if reason is None:
+            return name, "auto" + (f"; {'; '.join(passed)}" if passed else "")
+        passed.append(f"{name} {reason}")
+    raise AssertionError("torchvision decodes everywhere")

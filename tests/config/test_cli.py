@@ -1,0 +1,302 @@
+"""The frozen Config, the command line built from its fields, and docs/OPTIONS.md's option table made from them."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import REPO
+
+from imagenet_elastic import cli
+from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.cli import build_parser, config_from_args, options_table
+from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
+from imagenet_elastic.config.options import checkpoint_interval
+from imagenet_elastic.errors import UserError
+
+OPTIONS = REPO / "docs" / "OPTIONS.md"
+
+
+# ----------------------------------------------------------------------------- Config
+
+def test_config_differences_lists_only_changed_resume_sensitive_settings():
+    saved = Config(data="/a", lr=0.1, batch_size=64, workers=4, log_interval=10).to_dict()
+    now = Config(data="/b", lr=0.2, batch_size=32, workers=8, log_interval=99)
+    differences = now.differences(saved)
+    assert differences == ["batch_size: checkpoint 64, now 32", "lr: checkpoint 0.1, now 0.2"]
+
+
+def test_config_differences_is_empty_for_the_same_settings_and_ignores_missing_keys():
+    config = Config(data="/a")
+    assert config.differences(config.to_dict()) == []
+    assert config.differences({}) == []
+    assert config.differences({"seed": 1, "unknown": 5}) == ["seed: checkpoint 1, now 0"]
+
+
+def test_evaluate_is_told_only_of_the_differences_that_change_validation():
+    saved = Config(data="/a", lr=0.1, batch_size=64, image_size=176, amp="bf16").to_dict()
+    now = Config(data="/a", evaluate=True, lr=0.2, batch_size=32, image_size=224, amp="none")
+    assert now.differences(saved) == ["image_size: checkpoint 176, now 224", "amp: checkpoint 'bf16', now 'none'"]
+
+
+def test_resume_sensitive_names_are_config_fields():
+    names = {f.name for f in dataclasses.fields(Config)}
+    assert set(RESUME_SENSITIVE) | set(VALIDATION_SENSITIVE) <= names
+
+
+def test_config_to_dict_round_trips_through_torch_save_weights_only():
+    config = Config(data="/data", val_path="/v", model="resnet18", max_steps_per_epoch=5, channels_last=True,
+                    warmup_epochs=0.5, resume=RESUME_AUTO)
+    buffer = io.BytesIO()
+    torch.save({"config": config.to_dict()}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["config"]
+    assert loaded == config.to_dict()
+    assert Config(**loaded) == config
+
+
+def test_config_eval_resize_defaults_to_size_over_0875():
+    assert Config(data="x").eval_resize == 256
+    assert Config(data="x", image_size=160).eval_resize == round(160 / 0.875)
+    assert Config(data="x", val_resize=300).eval_resize == 300
+
+
+def test_val_crop_size_sets_the_val_crop_and_its_default_resize():
+    fixres = Config(data="x", image_size=176, val_crop_size=224)
+    assert (fixres.eval_crop, fixres.eval_resize) == (224, 256)
+    assert Config(data="x", image_size=176, val_crop_size=224, val_resize=232).eval_resize == 232
+    assert Config(data="x", image_size=176).eval_crop == 176
+
+
+# ----------------------------------------------------------------------------- command line
+
+def parse(*argv: str) -> Config:
+    return config_from_args(build_parser().parse_args(list(argv)))
+
+
+def test_parser_defaults_equal_config_defaults():
+    assert parse("/data") == Config(data="/data")
+
+
+def test_config_from_args_is_frozen_and_carries_the_flags():
+    config = parse("/data", "--batch-size", "32", "--lr", "0.5", "--model", "resnet18", "--no-channels-last",
+                   "--max-steps-per-epoch", "7", "--local-rank", "2", "--amp", "bf16")
+    assert (config.batch_size, config.lr, config.model, config.channels_last) == (32, 0.5, "resnet18", False)
+    assert config.max_steps_per_epoch == 7
+    assert config.amp == "bf16"
+    assert not hasattr(config, "local_rank")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.lr = 1.0  # type: ignore[misc]
+
+
+def test_local_rank_is_parsed_in_both_spellings():
+    parser = build_parser()
+    assert parser.parse_args(["/d", "--local-rank", "3"]).local_rank == 3
+    assert parser.parse_args(["/d", "--local_rank=1"]).local_rank == 1
+    assert parser.parse_args(["/d"]).local_rank is None
+
+
+def test_resume_without_a_value_means_auto():
+    assert parse("/data", "--resume").resume == RESUME_AUTO == "auto"
+    assert parse("/data", "--resume", "/ck/epoch_0003.pt").resume == "/ck/epoch_0003.pt"
+    assert parse("/data").resume is None
+
+
+def saved_run(path: Path, **settings) -> Path:
+    """A checkpoint as far as --evaluate's parse reads it: the model's name and the run's settings."""
+    config = Config(data="/a", **settings)
+    torch.save({"model": {}, "epoch": 1, "model_name": config.model, "config": config.to_dict()}, path)
+    return path
+
+
+def test_evaluate_takes_the_model_its_blur_and_validation_sizes_from_the_checkpoint_unless_given(tmp_path):
+    checkpoint = saved_run(tmp_path / "best.pt", model="hf-hub:someone/net", pretrained=True, blurpool=True,
+                           image_size=176, val_crop_size=224, val_resize=256, lr=3.0)
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", str(checkpoint)])
+    assert (config.model, config.pretrained, config.blurpool, config.image_size, config.val_crop_size,
+            config.val_resize) == ("hf-hub:someone/net", True, True, 176, 224, 256)
+    assert config.lr == Config(data="/a").lr  # the training's settings stay as given: they do not validate
+    (tmp_path / "recipe.yaml").write_text("val-resize: 240\n")
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", str(checkpoint), "--model", "resnet18", "--image-size",
+                       "160", "--no-blurpool", "--config", str(tmp_path / "recipe.yaml")])
+    assert (config.model, config.blurpool, config.image_size, config.val_crop_size, config.val_resize) == (
+        "resnet18", False, 160, 224, 240)  # the build then refuses another model than the checkpoint's, in one line
+    (tmp_path / "ckpt").mkdir()
+    saved_run(tmp_path / "ckpt" / "last.pt", model="test_resnet")
+    config, _ = cli.parse(["/data", "--evaluate", "--resume", "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert config.model == "test_resnet"  # a bare --resume: CHECKPOINTS/last.pt
+    assert cli.parse(["/data", "--resume", str(checkpoint)])[0].model == "resnet50"  # training: as given
+
+
+def test_batch_size_zero_exits_2_with_one_line_naming_the_flag(capsys):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["/data", "--batch-size", "0"])
+    assert caught.value.code == 2
+    captured = capsys.readouterr()
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "--batch-size" in lines[0]
+    assert lines[0].startswith("imagenet-elastic: error: ")
+    assert "usage:" not in captured.err
+    assert captured.out == ""
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--lr", "abc"), ("--momentum", "-1"),
+                                             ("--epochs", "1.5"), ("--workers", "-2")])
+def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["/data", flag, value])
+    assert caught.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert flag in err
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("500", (500, None)), ("10m", (None, 600.0)), ("90s", (None, 90.0)), ("2h", (None, 7200.0)),
+    ("500,10m", (500, 600.0)), ("0.5m", (None, 30.0)),
+])
+def test_checkpoint_interval_takes_steps_time_or_both(text, expected):
+    assert checkpoint_interval(text) == expected
+
+
+@pytest.mark.parametrize("text", ["0", "-5", "10x", "m", "", "5,", "0s"])
+def test_bad_checkpoint_interval_is_refused(text):
+    with pytest.raises(argparse.ArgumentTypeError):
+        checkpoint_interval(text)
+
+
+def test_checkpoint_interval_reaches_the_config():
+    config = config_from_args(build_parser().parse_args(["/data", "--checkpoint-interval", "20,30s"]))
+    assert (config.checkpoint_every_steps, config.checkpoint_every_seconds) == (20, 30.0)
+    plain = config_from_args(build_parser().parse_args(["/data"]))
+    assert (plain.checkpoint_every_steps, plain.checkpoint_every_seconds) == (None, None)
+
+
+def test_the_option_table_is_the_one_the_parser_is_built_from():
+    text = OPTIONS.read_text()
+    table = re.search(r"<!-- options table: .*? -->\n(.*?)\n<!-- end of options table -->", text, re.DOTALL)
+    assert table, "docs/OPTIONS.md lost its option table markers"
+    stale = "docs/OPTIONS.md's table is stale: python scripts/options_table.py --write"
+    assert table.group(1) == options_table(), stale
+
+
+def test_every_setting_has_exactly_one_option_and_help_shows_them_all(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    shown = capsys.readouterr().out
+    for f in dataclasses.fields(Config):
+        if f.name != "data":
+            assert "--" + f.name.replace("_", "-") in shown, f.name
+    assert "--local-rank" not in shown  # accepted from torch.distributed.launch, never offered
+
+
+def test_master_port_must_be_a_port(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["/data", "--master-port", "70000"])
+    assert "must be <= 65535" in capsys.readouterr().err
+
+
+def test_a_bare_resume_never_takes_the_data_folder(tmp_path):
+    """`--resume /data/imagenet` used to resume from /data/imagenet and then say DATA is missing."""
+    from imagenet_elastic import cli
+
+    checkpoint = tmp_path / "best.pt"
+    checkpoint.write_bytes(b"")
+    assert cli.parse(["--resume", "/data/imagenet"])[0] == Config(data="/data/imagenet", resume=RESUME_AUTO)
+    assert cli.parse(["/data/imagenet", "--resume", "--epochs", "3"])[0].resume == RESUME_AUTO
+    assert cli.parse(["--resume", str(checkpoint), "/data/imagenet"])[0].resume == str(checkpoint)  # a file
+    assert cli.parse(["/data", "--resume", "/runs/a/last.pt"])[0].resume == "/runs/a/last.pt"  # a .pt path
+    assert cli.parse(["/data", "--resume=/runs/a/last"])[0].resume == "/runs/a/last"  # the explicit form, always
+
+
+def test_resume_of_a_checkpoints_folder_takes_its_last_pt_and_goes_on_saving_there(tmp_path):
+    """`--resume FOLDER` (FOLDER holding last.pt), in every order and form users write: FOLDER is the checkpoint's
+    folder and, unless --checkpoints-path (or the --config file) says otherwise, the run's."""
+    folder = tmp_path / "run1"
+    folder.mkdir()
+    (folder / "last.pt").write_bytes(b"")
+    for argv in (["--resume", str(folder), "/data"], ["/data", "--resume", str(folder)],
+                 ["/data", f"--resume={folder}"]):
+        config = cli.parse(argv)[0]
+        assert (config.data, config.resume, config.checkpoints_path) == ("/data", str(folder), str(folder)), argv
+        manager = CheckpointManager(config.checkpoints_path, 1)
+        assert manager.resume_path(config.resume, restarted=False) == str(folder / "last.pt")
+    config = cli.parse(["/data", "--resume", str(folder), "--checkpoints-path", str(tmp_path / "run2")])[0]
+    assert (config.resume, config.checkpoints_path) == (str(folder), str(tmp_path / "run2"))
+    (tmp_path / "run.yaml").write_text(f"checkpoints-path: {tmp_path / 'run3'}\n")
+    config = cli.parse(["/data", "--resume", str(folder), "--config", str(tmp_path / "run.yaml")])[0]
+    assert config.checkpoints_path == str(tmp_path / "run3")
+
+
+@pytest.mark.parametrize("order", ["resume first", "data first"])
+@pytest.mark.parametrize("made", ["empty folder", "nothing"])
+def test_resume_of_a_word_that_is_no_checkpoint_beside_data_names_that_word(tmp_path, order, made):
+    word = tmp_path / "run1"
+    if made == "empty folder":
+        word.mkdir()
+    argv = ["--resume", str(word), "/data"] if order == "resume first" else ["/data", "--resume", str(word)]
+    with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")) as caught:
+        cli.parse(argv)
+    said = str(caught.value)
+    assert ("without last.pt" if made == "empty folder" else "no such") in said and "beside /data" in said
+    with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")):
+        CheckpointManager(str(tmp_path / "ckpt"), 1).resume_path(str(word), restarted=False)  # `--resume=WORD`
+
+
+def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_other_commands(capsys):
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    for flag, default in (("--seed N", "0"), ("--lr-min X", "0"), ("--random-erase P", "0"),
+                          ("--scale MIN MAX", "0.08 1"), ("--preempt-signals SIGNALS", "SIGTERM,SIGUSR1"),
+                          ("--channels-last, --no-channels-last", "on")):
+        assert re.search(rf"{re.escape(flag)} .*?\(default: {re.escape(default)}\)", text), flag
+    for flag, default in (("--workers N", "cores per process - 1 (max 8; max 4 under --decode gpu)"),
+                          ("--threads N", "cores / processes per node"),
+                          ("--global-batch-size N", "checkpoint's, else batch-size x processes")):
+        assert f"(default: {default})" in text, flag
+    assert "(0.08, 1.0)" not in text and "(default: None)" not in text
+    for command in ("benchmark", "evaluate", "export", "pack", "plot"):
+        assert f"imagenet-elastic {command} " in text, command
+
+
+def test_the_weight_decay_help_says_the_rule_the_optimizer_applies():
+    from imagenet_elastic.optim.optimizer import param_groups
+
+    field = next(f for f in dataclasses.fields(Config) if f.name == "weight_decay")
+    assert "1-D parameters" in field.metadata["help"]
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LayerNorm(4))
+    model.register_parameter("scale", torch.nn.Parameter(torch.ones(4)))  # 1-D, neither a norm nor a bias
+    plain, decayed = param_groups(model, 0.1)  # timm's order
+    assert [p.ndim for p in decayed["params"]] == [2] and len(plain["params"]) == 4
+
+
+def test_the_package_imports_no_private_name_of_timm():
+    """timm's `_hub` and the like move between releases; export uses `timm.models.save_for_hf`."""
+    import ast
+
+    package = REPO / "imagenet_elastic"
+    private = []
+    for path in package.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("timm"):
+                names = [*(node.module or "").split("."), *(a.name for a in node.names)]
+                private += [f"{path.name}: {node.module} {n}" for n in names if n.startswith("_")]
+    assert private == []
+
+
+def test_each_optimizer_and_launcher_brings_its_own_help_to_the_option_that_chooses_it():
+    """A new entry of OPTIMIZERS or METHODS is one line where the list is kept: its help reaches --help unedited."""
+    from imagenet_elastic.launch.launchers import METHODS
+    from imagenet_elastic.optim.optimizer import OPTIMIZERS
+
+    fields = {f.name: f.metadata["help"] for f in dataclasses.fields(Config)}
+    for field, registry in (("opt", OPTIMIZERS), ("dist_init_method", METHODS)):
+        for name, entry in registry.items():
+            assert f"{name} ({entry.help})" in fields[field], (field, name)

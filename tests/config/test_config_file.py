@@ -1,0 +1,153 @@
+"""--config FILE.yaml, --print-config and config.yaml: one form, read and written, the command line on top."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import inprocess
+import pytest
+import yaml
+from conftest import REPO, VAL_IMAGES
+
+from imagenet_elastic import cli
+from imagenet_elastic.config import Config
+from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.report.metrics import read as read_metrics
+
+UNUSUAL = ["/data", "--model", "resnet18", "--scale", "0.25", "1", "--ratio", "0.5", "2", "--hflip", "0",
+           "--auto-augment", "ta_wide", "--random-erase", "0.25", "--checkpoint-interval", "500,10m",
+           "--preempt-signals", "SIGUSR2", "--no-channels-last", "--compile", "--resume", "--workers", "3"]
+
+
+def write(tmp_path, text: str):
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_printed_settings_read_back_as_the_same_config(tmp_path):
+    config, _ = cli.parse(UNUSUAL)
+    again, _ = cli.parse(["--config", write(tmp_path, settings_yaml(config))])
+    assert again == config
+    assert dataclasses.asdict(Config(data="/data")) != dataclasses.asdict(config)  # the round trip carried values
+
+
+def test_defaults_read_back_as_the_defaults(tmp_path):
+    config = Config(data="/d")
+    assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
+
+
+def test_the_command_line_overrides_the_file_and_the_file_overrides_the_defaults(tmp_path):
+    path = write(tmp_path, "batch-size: 32\nlr: 0.4\ncompile: true\nhflip: 0\nscale: [0.35, 1]\n")
+    config, _ = cli.parse(["/data", "--config", path, "--lr", "0.2", "--no-compile"])
+    assert (config.batch_size, config.lr, config.compile, config.hflip, config.scale) == (32, 0.2, False, 0.0,
+                                                                                          (0.35, 1.0))
+    assert config.epochs == Config(data="/data").epochs
+
+
+def test_keys_may_use_dashes_or_underscores_and_data_may_come_from_the_file(tmp_path):
+    config, _ = cli.parse(["--config", write(tmp_path, "data: /from/file\nbatch_size: 16\nweight-decay: 0.05\n")])
+    assert (config.data, config.batch_size, config.weight_decay) == ("/from/file", 16, 0.05)
+    assert cli.parse(["/cli", "--config", write(tmp_path, "data: /from/file\n")])[0].data == "/cli"
+
+
+def test_an_empty_file_changes_nothing(tmp_path):
+    assert cli.parse(["/data", "--config", write(tmp_path, "# nothing yet\n")])[0] == Config(data="/data")
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("bach-size: 3\n", "unknown option 'bach-size' (did you mean batch-size?)"),
+    ("config: other.yaml\n", "unknown option 'config'"),
+    ("- batch-size\n", "expected option names and values, got a list"),
+    ("batch-size: [1\n", "is not valid YAML"),
+    ("compile: maybe\n", "compile must be true or false, got 'maybe'"),
+    ("scale: 0.5\n", "scale takes a list of 2 values, got 0.5"),
+    ("epochs:\n", "epochs needs a value"),
+])
+def test_a_bad_file_is_one_user_error_naming_the_file(tmp_path, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as raised:
+        cli.parse(["/data", "--config", path])
+    assert path in str(raised.value) and message in str(raised.value)
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("batch-size: 0\n", "argument --batch-size: must be >= 1, got 0"),
+    ("auto-augment: fancy\n", "argument --auto-augment: invalid choice: 'fancy'"),
+    ("hflip: 2\n", "argument --hflip: must be <= 1.0, got 2"),
+])
+def test_a_bad_value_in_a_file_fails_as_on_the_command_line_naming_the_file(tmp_path, capsys, text, message):
+    path = write(tmp_path, text)
+    with pytest.raises(SystemExit) as raised:
+        cli.parse(["/data", "--config", path])
+    assert raised.value.code == 2
+    err = capsys.readouterr().err
+    assert f"config file {path}: {message}" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_missing_file_is_named():
+    with pytest.raises(UserError, match="cannot read config file /no/such.yaml: No such file or directory"):
+        cli.parse(["/data", "--config", "/no/such.yaml"])
+
+
+def test_print_config_prints_yaml_and_needs_no_data_folder(capsys):
+    cli.main(["--print-config", "--batch-size", "48", "--hflip", "0.2"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["batch-size"] == 48 and printed["hflip"] == 0.2 and printed["data"] is None
+    assert set(printed) == {f.name.replace("_", "-") for f in cli.setting_fields()}
+
+
+def test_read_settings_returns_only_what_the_file_sets(tmp_path):
+    values = read_settings(write(tmp_path, "epochs: 3\nval-path:\n"), cli.build_parser())
+    assert values == {"epochs": 3, "val_path": None}
+
+
+RECIPES = sorted((REPO / "recipes").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_shipped_recipe_names_its_source_and_published_result_and_parses(recipe):
+    text = recipe.read_text()
+    assert "Source" in text and "published" in text.lower()
+    config, _ = cli.parse(["/data", "--config", str(recipe)])
+    assert config.data == "/data"
+
+
+def test_the_recipes_the_issue_names_are_shipped_with_their_key_settings():
+    recipes = {r.stem: cli.parse(["/data", "--config", str(r)])[0] for r in RECIPES}
+    v2 = recipes["resnet50_torchvision_v2"]
+    assert (v2.mixup_alpha, v2.cutmix_alpha, v2.auto_augment, v2.random_erase, v2.ra_reps, v2.model_ema) == \
+        (0.2, 1.0, "ta_wide", 0.1, 4, True)
+    assert (v2.model_ema_decay, v2.model_ema_steps) == (0.998908, 32)
+    assert (v2.image_size, v2.eval_crop, v2.eval_resize, v2.epochs) == (176, 224, 232, 600)
+    for name, epochs, ramp in (("ffcv_resnet50_16ep", 16, (11, 13)), ("ffcv_resnet50_88ep", 88, (65, 76)),
+                               ("ffcv_resnet18_16ep", 16, (11, 13))):
+        ffcv = recipes[name]
+        assert (ffcv.epochs, ffcv.progressive_resize, ffcv.progressive_epochs, ffcv.sched, ffcv.val_flip_average,
+                ffcv.blurpool) == (epochs, (160, 192), ramp, "linear", True, True)
+    assert recipes["resnet50_baseline_90ep"].sched == "step" and not recipes["resnet50_torchvision_v2"].blurpool
+
+
+@pytest.mark.parametrize("recipe", RECIPES, ids=[r.name for r in RECIPES])
+def test_every_shipped_recipe_trains_and_validates_an_epoch_with_a_tiny_model(recipe, image_folder, tmp_path):
+    """Each recipe's combination of options, at its own image sizes, through a step-capped epoch."""
+    result = inprocess.command([str(image_folder), "--config", str(recipe), "--model", "test_resnet", "--batch-size",
+                                "8", "--global-batch-size", "16", "--epochs", "1", "--max-steps-per-epoch", "2",
+                                "--workers", "0", "--checkpoints-path", str(tmp_path)])
+    assert result.returncode == 0, result.stdout + result.stderr
+    (row,) = read_metrics(tmp_path / "metrics.jsonl")
+    assert (row["epoch"], row["val_samples"], row["global_batch"]) == (1, VAL_IMAGES, 16)
+
+
+def test_a_runs_config_yaml_reruns_its_settings_as_a_new_run(tmp_path):
+    """config.yaml leaves out where the run lives: with it, `--config` would have resumed (or been refused by) the
+    old folder instead of running the same settings again."""
+    from imagenet_elastic.config import yaml_file
+
+    ran = Config(data="/data/imagenet", lr=0.3, epochs=7, checkpoints_path=str(tmp_path / "old"), resume="auto")
+    yaml_file.write(str(tmp_path), ran)
+    keys = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert "checkpoints-path" not in keys and "resume" not in keys and keys["lr"] == 0.3
+    again, _ = cli.parse(["--config", str(tmp_path / "config.yaml"), "--checkpoints-path", str(tmp_path / "new")])
+    assert again == dataclasses.replace(ran, checkpoints_path=str(tmp_path / "new"), resume=None)

@@ -1,0 +1,218 @@
+"""A folder of class folders as a source: what a scan finds, the errors it names, the cache that saves
+re-scanning, and how DATA and --val-path name the splits."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+
+import numpy as np
+import pytest
+from makers import damage, make_split, write_jpeg
+
+from imagenet_elastic.data.sources import check_same_classes
+from imagenet_elastic.data.sources import split_locations as resolve_split_dirs
+from imagenet_elastic.data.sources.image_folder import (
+    cache_path,
+    read_cache,
+    scan_image_folder,
+    write_cache,
+)
+from imagenet_elastic.data.sources.image_folder import open_split as load_index
+from imagenet_elastic.errors import UserError
+
+
+def test_scan_image_folder_indexes_sorted_classes_and_images(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"b_class": 2, "a_class": 3})
+    (root / "a_class" / "notes.txt").write_text("not an image")
+    (root / ".hidden").mkdir()
+    write_jpeg(str(root / "b_class" / "nested" / "deep.JPEG"), 8, 8, seed=1)
+    index = scan_image_folder(str(root), "train")
+    assert index.classes == ("a_class", "b_class")
+    assert len(index) == 6
+    assert index.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    paths = [index.path(i) for i in range(len(index))]
+    assert all(os.path.isfile(p) for p in paths)
+    assert str(root / "b_class" / "nested" / "deep.JPEG") in paths
+    assert not any(p.endswith(".txt") for p in paths)
+
+
+def test_scan_image_folder_missing_folder_names_role_and_path(tmp_path):
+    missing = str(tmp_path / "nope")
+    with pytest.raises(UserError, match="does not exist") as caught:
+        scan_image_folder(missing, "val")
+    assert f"val folder {missing}" in str(caught.value)
+
+
+def test_scan_image_folder_without_class_folders(tmp_path):
+    root = tmp_path / "flat"
+    root.mkdir()
+    write_jpeg(str(root / "img.jpg"), 8, 8, seed=0)
+    with pytest.raises(UserError, match="has no class folders") as caught:
+        scan_image_folder(str(root), "train")
+    assert f"train folder {root}" in str(caught.value)
+    assert "CLASS/IMAGE.jpg" in str(caught.value)
+
+
+def test_scan_image_folder_with_an_empty_class_folder_names_it(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"full": 1})
+    (root / "empty").mkdir()
+    (root / "empty" / "readme.txt").write_text("x")
+    with pytest.raises(UserError, match="has no images") as caught:
+        scan_image_folder(str(root), "train")
+    assert str(root / "empty") in str(caught.value)
+
+
+def test_resolve_split_dirs_finds_train_and_val(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    assert resolve_split_dirs(str(tmp_path), None) == (str(tmp_path / "train"), str(tmp_path / "val"))
+
+
+def test_resolve_split_dirs_uses_data_without_train_as_the_train_folder(tmp_path):
+    data = tmp_path / "data"
+    (data / "n01").mkdir(parents=True)
+    (tmp_path / "held_out").mkdir()
+    train, val = resolve_split_dirs(str(data), str(tmp_path / "held_out"))
+    assert train == str(data)
+    assert val == str(tmp_path / "held_out")
+
+
+def test_resolve_split_dirs_missing_data_folder(tmp_path):
+    with pytest.raises(UserError, match="data folder .* does not exist") as caught:
+        resolve_split_dirs(str(tmp_path / "missing"), None)
+    assert str(tmp_path / "missing") in str(caught.value)
+
+
+def test_resolve_split_dirs_missing_default_val_suggests_val_path(tmp_path):
+    (tmp_path / "train").mkdir()
+    with pytest.raises(UserError, match="validation folder") as caught:
+        resolve_split_dirs(str(tmp_path), None)
+    assert str(tmp_path / "val") in str(caught.value)
+    assert "--val-path" in str(caught.value)
+
+
+def test_resolve_split_dirs_missing_explicit_val_path_names_it(tmp_path):
+    (tmp_path / "train").mkdir()
+    (tmp_path / "val").mkdir()
+    with pytest.raises(UserError, match="validation folder") as caught:
+        resolve_split_dirs(str(tmp_path), str(tmp_path / "other"))
+    assert str(tmp_path / "other") in str(caught.value)
+    assert "--val-path" not in str(caught.value)
+
+
+def test_check_same_classes_accepts_equal_class_lists(tmp_path):
+    make_split(tmp_path / "train", {"a": 1, "b": 1})
+    make_split(tmp_path / "val", {"a": 1, "b": 1})
+    check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
+                       scan_image_folder(str(tmp_path / "val"), "val"))
+
+
+def test_check_same_classes_reports_the_differing_classes(tmp_path):
+    make_split(tmp_path / "train", {"a": 1, "b": 1, "c": 1})
+    make_split(tmp_path / "val", {"a": 1, "z": 1})
+    with pytest.raises(UserError, match="classes differ") as caught:
+        check_same_classes(scan_image_folder(str(tmp_path / "train"), "train"),
+                           scan_image_folder(str(tmp_path / "val"), "val"))
+    message = str(caught.value)
+    assert "3 vs 2 classes" in message
+    assert "only in train: ['b', 'c']" in message
+    assert "only in val: ['z']" in message
+    assert str(tmp_path / "train") in message and str(tmp_path / "val") in message
+
+
+# ----------------------------------------------------------------------------- the cache
+
+@pytest.fixture
+def cached_split(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"a": 3, "b": 2})
+    write_jpeg(str(root / "b" / "nested" / "deep.jpg"), 8, 8, seed=1)
+    index = scan_image_folder(str(root), "train")
+    (tmp_path / "ckpt").mkdir()
+    write_cache(index, cache_path(str(tmp_path / "ckpt"), "train"))
+    return root, str(tmp_path / "ckpt"), index
+
+
+def assert_same_index(a, b) -> None:
+    assert a.classes == b.classes and a.root == b.root
+    np.testing.assert_array_equal(a.paths, b.paths)
+    np.testing.assert_array_equal(a.labels, b.labels)
+
+
+def test_unchanged_tree_is_read_from_the_cache(cached_split):
+    root, cache, scanned = cached_split
+    loaded = load_index(str(root), "train", cache)
+    assert loaded.cached and not scanned.cached
+    assert_same_index(loaded, scanned)
+    assert loaded.paths.dtype.kind == "S" and loaded.labels.dtype == np.int64  # compact arrays, no object lists
+
+
+@pytest.mark.parametrize("change", ["add", "remove", "rename", "add nested", "new class"])
+def test_any_change_to_the_tree_makes_the_cache_stale(cached_split, change):
+    root, cache, _ = cached_split
+    time.sleep(0.01)  # a new mtime even on coarse clocks
+    if change == "add":
+        write_jpeg(str(root / "a" / "new.jpg"), 8, 8, seed=2)
+    elif change == "remove":
+        next((root / "a").glob("*.jpg")).unlink()
+    elif change == "rename":
+        first = next((root / "a").glob("*.jpg"))
+        first.rename(first.with_name("renamed.jpg"))
+    elif change == "add nested":
+        write_jpeg(str(root / "b" / "nested" / "other.jpg"), 8, 8, seed=3)
+    else:
+        write_jpeg(str(root / "c" / "one.jpg"), 8, 8, seed=4)
+    assert read_cache(cache_path(cache, "train"), str(root)) is None
+    fresh = load_index(str(root), "train", cache)
+    assert not fresh.cached
+    assert_same_index(fresh, scan_image_folder(str(root), "train"))
+
+
+def test_cache_of_another_root_is_not_used(cached_split, tmp_path):
+    root, cache, _ = cached_split
+    other = tmp_path / "other"
+    make_split(other, {"a": 3, "b": 2})
+    assert read_cache(cache_path(cache, "train"), str(other)) is None
+
+
+@pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
+def test_a_damaged_cache_is_scanned_again_with_a_note_naming_it(cached_split, how):
+    root, cache, scanned = cached_split
+    said = damage(cache_path(cache, "train"), how)
+    fresh = load_index(str(root), "train", cache)
+    assert not fresh.cached
+    assert_same_index(fresh, scanned)
+    assert fresh.notes == (f"the file-list cache {cache_path(cache, 'train')} {said}: {root} was scanned again",)
+    fresh.keep(cache)  # written again whole: the next start reads it, without a note
+    again = load_index(str(root), "train", cache)
+    assert again.cached and again.notes == ()
+
+
+def test_another_copy_at_the_same_path_with_the_same_mtimes_but_a_file_less_is_scanned(cached_split, tmp_path):
+    """Another node's copy of the data at the same path (rsync -a keeps the folders' mtimes), lacking one
+    file, reads the shared cache written from the first copy: the root's inode tells the copies apart."""
+    root, cache, scanned = cached_split
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)  # copy2 and copystat: the files' and folders' mtimes, to the nanosecond
+    lost = copy / "a" / scanned.paths[0].decode().split("/", 1)[1]
+    folder_times = os.stat(lost.parent)
+    lost.unlink()
+    os.utime(lost.parent, ns=(folder_times.st_atime_ns, folder_times.st_mtime_ns))
+    root.rename(tmp_path / "first")
+    copy.rename(root)  # the same path, the same folder mtimes, one image fewer
+    assert read_cache(cache_path(cache, "train"), str(root)) is None
+    fresh = load_index(str(root), "train", cache)
+    assert not fresh.cached and len(fresh) == len(scanned) - 1
+
+
+def test_removed_folder_makes_the_cache_stale(cached_split):
+    root, cache, _ = cached_split
+    for path in (root / "b" / "nested").iterdir():
+        path.unlink()
+    (root / "b" / "nested").rmdir()
+    assert read_cache(cache_path(cache, "train"), str(root)) is None
+

@@ -1,0 +1,86 @@
+"""A flat validation folder with a labels file (sources/labelled_folder.py): ImageNet's own layout, a plain CSV or
+Kaggle's LOC_val_solution.csv, and every mistake in the labels file named by its line."""
+
+from __future__ import annotations
+
+import pytest
+from makers import flatten
+
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.errors import UserError
+
+
+@pytest.fixture
+def flat(image_folder, tmp_path):
+    return tmp_path / "flat", flatten(image_folder, tmp_path / "flat")
+
+
+def test_a_csv_of_files_and_classes_gives_the_same_samples_as_class_folders(image_folder, flat, tmp_path):
+    folder, rows = flat
+    labels = tmp_path / "labels.csv"
+    labels.write_text("filename,class\n" + "".join(f"{name},{cls}\n" for name, cls in reversed(rows)))
+    train, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    by_class = scan_image_folder(str(image_folder / "val"), "val")
+    assert val.classes == train.classes and len(val) == len(by_class) == 35
+    assert [val.read(i) for i in range(len(val))] == [by_class.read(i) for i in range(len(by_class))]
+    assert val.labels.tolist() == by_class.labels.tolist()
+    assert f"labels from {labels}" in val.describe()
+
+
+def test_imagenets_loc_val_solution_names_files_without_their_extension(image_folder, flat, tmp_path):
+    folder, rows = flat
+    labels = tmp_path / "LOC_val_solution.csv"
+    labels.write_text("ImageId,PredictionString\n" + "".join(
+        f"{name.rsplit('.', 1)[0]},{cls} 12 30 40 50 {cls} 1 2 3 4 \n" for name, cls in rows))
+    _, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert len(val) == 35 and val.labels.tolist() == [
+        scan_image_folder(str(image_folder / "val"), "val").classes.index(cls) for _, cls in rows]
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("ILSVRC2012_val_00000001.JPEG,class_000\nmissing.JPEG,class_001\n", "line 2: missing.JPEG is not in {folder}"),
+    ("ILSVRC2012_val_00000001.JPEG,n99999999\n",
+     "line 1: class 'n99999999' of ILSVRC2012_val_00000001.JPEG is not a class of the training split (4 classes, from "
+     "'class_000' to 'class_003')"),
+    ("a.JPEG\n", "line 1: expected `filename,class`, got 'a.JPEG'"),
+    ("ILSVRC2012_val_00000001,class_000\nILSVRC2012_val_00000001.JPEG,class_000\n",
+     "line 2: ILSVRC2012_val_00000001.JPEG is listed twice"),
+    ("filename,class\n", "lists no images"),
+])
+def test_a_mistake_in_the_labels_file_is_named_by_its_line(image_folder, flat, tmp_path, text, message):
+    folder, _ = flat
+    labels = tmp_path / "labels.csv"
+    labels.write_text(text)
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert str(caught.value) == f"--val-labels {labels} {message.format(folder=folder)}"
+
+
+@pytest.mark.parametrize("left_out", [1, 7, 35], ids=["the first image", "one in the middle", "the last image"])
+def test_a_labels_file_that_leaves_an_image_of_the_folder_out_names_it(image_folder, flat, tmp_path, left_out):
+    folder, rows = flat
+    (folder / "README.txt").write_text("not an image: not listed")
+    unlisted = f"ILSVRC2012_val_{left_out:08d}.JPEG"
+    labels = tmp_path / "labels.csv"
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows if name != unlisted))
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert str(caught.value) == f"--val-labels {labels} gives no class to 1 of the 35 images in {folder}, the first " \
+                                f"{unlisted}"
+
+
+def test_a_labels_file_that_leaves_several_images_out_names_the_first_and_counts_them(image_folder, flat, tmp_path):
+    folder, rows = flat
+    labels = tmp_path / "labels.csv"
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows[3:-2]))
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert str(caught.value) == f"--val-labels {labels} gives no class to 5 of the 35 images in {folder}, the first " \
+                                "ILSVRC2012_val_00000001.JPEG"
+
+
+def test_a_labels_file_that_does_not_exist_is_named(image_folder, flat, tmp_path):
+    folder, _ = flat
+    with pytest.raises(UserError, match=rf"^--val-labels {tmp_path / 'nope.csv'} does not exist$"):
+        sources.open_splits(str(image_folder), str(folder), str(tmp_path / "nope.csv"), None)

@@ -1,0 +1,408 @@
+"""Tar shards as a source (sources/tar_shards.py): shards written by the `webdataset` package's own writer are
+read sample by sample at any index, with no open per sample; the index is kept and re-used; every damaged or
+incomplete input is one line naming the shard and the sample."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import random
+import shutil
+import sys
+import tarfile
+import time
+import zlib
+
+import numpy as np
+import pytest
+from makers import flip_byte_in_place, middle_of_image, relabel_in_place, wds_shards
+
+from imagenet_elastic.data import sources
+from imagenet_elastic.data.sources import tar_shards
+from imagenet_elastic.data.sources.image_folder import scan_image_folder
+from imagenet_elastic.errors import CorruptImageError, UserError
+
+
+@pytest.fixture(scope="module")
+def written(image_folder, tmp_path_factory):
+    """The fixture's train split as WebDataset shards (5 of 20 samples, one of 16), and the folder itself."""
+    out = tmp_path_factory.mktemp("wds") / "train"
+    return wds_shards(image_folder / "train", out), scan_image_folder(str(image_folder / "train"), "train")
+
+
+def test_shards_from_webdatasets_writer_give_every_sample_at_any_index(written):
+    paths, folder = written
+    shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    assert len(shards) == len(folder) and len(shards.shards) == 5 and not shards.cached
+    assert shards.classes == ("0", "1", "2", "3")  # no classes.txt: the labels name them
+    order = list(range(len(folder)))
+    random.Random(0).shuffle(order)
+    for i in order:  # any order: each sample is one slice of its shard's mapping
+        assert shards.read(i) == folder.read(i) and shards.label(i) == folder.label(i)
+    assert shards.name(21) == f"{paths[1]}:sample00021.jpg"
+
+
+def test_reading_opens_each_shard_once_per_process_not_once_per_sample(written):
+    paths, _ = written
+    shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    tar_shards._MAPS.clear()
+    opened: list[str] = []
+
+    def hook(event, args):
+        if event == "open" and str(args[0]).endswith(".tar"):
+            opened.append(str(args[0]))
+    sys.addaudithook(hook)  # stays for the process: it only records .tar opens
+    for _ in range(3):
+        for i in range(len(shards)):
+            shards.read(i)
+    assert sorted(opened) == paths  # 288 reads, 5 opens
+
+
+def test_a_brace_pattern_or_a_glob_names_the_same_shards_in_order(written):
+    paths, _ = written
+    folder = os.path.dirname(paths[0])
+    braced = tar_shards.open_split(os.path.join(folder, "part-{0000..0004}.tar"), "train", None)
+    globbed = tar_shards.open_split(os.path.join(folder, "part-*.tar"), "train", None)
+    listed = tar_shards.open_split(os.path.join(folder, "part-{0000,0001,0002,0003,0004}.tar"), "train", None)
+    for source in (braced, globbed, listed):
+        assert list(source.shards) == paths and source.fingerprint() == tar_shards.open_split(folder, "train", None)\
+            .fingerprint()
+    with pytest.raises(UserError, match=r"train shard .*part-0005\.tar does not exist"):
+        tar_shards.open_split(os.path.join(folder, "part-{0000..0005}.tar"), "train", None)
+
+
+@pytest.mark.parametrize(("pattern", "expanded"), [
+    ("a-{000..003}.tar", ["a-000.tar", "a-001.tar", "a-002.tar", "a-003.tar"]),
+    ("{x,y}-{8..10}", ["x-8", "x-9", "x-10", "y-8", "y-9", "y-10"]),
+    ("plain.tar", ["plain.tar"]),
+])
+def test_braces_expand_as_webdatasets_do(pattern, expanded):
+    assert tar_shards.expand_braces(pattern) == expanded
+
+
+@pytest.mark.parametrize(("member", "key", "extension"), [
+    ("n01440764_10026.JPEG", "n01440764_10026", "jpeg"), ("dir/k.seg.png", "dir/k", "seg.png"),
+    ("a.b/c.cls", "a.b/c", "cls"), ("noext", "noext", "")])
+def test_a_members_key_ends_at_the_first_dot_of_its_last_part(member, key, extension):
+    assert tar_shards.split_name(member) == (key, extension)
+
+
+@pytest.fixture
+def kept(written, tmp_path):
+    """A copy of the shards (tmp_path/shards), opened once and its index kept in the checkpoints folder (tmp_path):
+    the folder and what that first opening walked."""
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    return folder, walked
+
+
+def test_the_index_is_kept_in_the_checkpoints_folder_and_walked_again_when_a_shard_changes(kept, tmp_path):
+    folder, walked = kept
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.fingerprint() == walked.fingerprint()
+    assert "index from the cache" in again.describe()
+    time.sleep(0.01)
+    os.utime(folder / "part-0002.tar")  # rewritten in place, say
+    assert not tar_shards.open_split(str(folder), "train", str(tmp_path)).cached
+
+
+def test_shards_from_elsewhere_get_the_checksum_of_every_image_at_their_first_indexing(kept, written, tmp_path):
+    folder, walked = kept
+    _, images = written
+    assert walked.checksums.tolist() == [zlib.crc32(images.read(i)) for i in range(len(images))]
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.checksums.tolist() == walked.checksums.tolist()
+
+
+@pytest.mark.parametrize("mtime", ["kept", "changed"])
+def test_a_byte_changed_in_place_in_a_shard_from_elsewhere_stops_its_read_naming_shard_member_and_the_cache(
+        kept, tmp_path, mtime):
+    folder, walked = kept
+    shard = folder / "part-0002.tar"
+    flip_byte_in_place(shard, middle_of_image(walked, 43), keep_mtime=mtime == "kept")  # the 4th of the 3rd shard
+    source = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert source.notes == () and source.read(42) == walked.read(42) and source.read(44) == walked.read(44)
+    with pytest.raises(CorruptImageError) as raised:
+        source.read(43)
+    said = str(raised.value)
+    assert f"shard {shard} member sample00043.jpg " in said, said
+    assert f"remove {tmp_path / 'index-train-shards.npz'} to index the shards again" in said, said
+
+
+def test_an_index_rebuilt_after_a_shard_from_elsewhere_changed_keeps_every_samples_checksum(kept, tmp_path):
+    folder, walked = kept
+    relabel_in_place(folder / "part-0002.tar", 3, (walked.label(43) + 1) % 4)
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes and after.checksums is not None
+    assert after.checksums.tolist() == tar_shards.walk(str(folder), "train").checksums.tolist()
+
+
+def test_shards_from_elsewhere_changed_in_place_are_indexed_again_with_a_note_naming_the_shard(kept, tmp_path):
+    folder, _ = kept
+    before = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert before.cached and before.notes == ()
+    relabel_in_place(folder / "part-0002.tar", 3, (before.label(43) + 1) % 4)  # sample #43: the 4th of the 3rd
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
+    assert not after.cached and after.label(43) == (before.label(43) + 1) % 4
+    assert after.labels.tolist() == tar_shards.walk(str(folder), "train").labels.tolist()
+    after.keep(str(tmp_path))
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.cached and again.notes == () and again.fingerprint() == after.fingerprint()
+
+
+def drop_last_sample(shard) -> None:
+    """Write the shard again without its last sample's members: a shard of another size."""
+    with tarfile.open(shard) as tar:
+        members = [(m, tar.extractfile(m).read()) for m in tar.getmembers()]
+    last = members[-1][0].name.split(".")[0]
+    time.sleep(0.01)
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT) as tar:
+        for member, data in members:
+            if member.name.split(".")[0] != last:
+                tar.addfile(member, io.BytesIO(data))
+
+
+def test_a_cached_index_of_shards_from_elsewhere_one_of_which_changed_size_is_made_again_with_a_note(kept, tmp_path):
+    """Only a pack's index is a promise: a cache of shards from elsewhere follows a shard written again shorter."""
+    folder, walked = kept
+    size = os.path.getsize(folder / "part-0002.tar")
+    drop_last_sample(folder / "part-0002.tar")
+    assert os.path.getsize(folder / "part-0002.tar") != size
+    after = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert after.notes == (f"shard {folder / 'part-0002.tar'} changed since it was indexed: indexed again",)
+    assert not after.cached and len(after) == len(walked) - 1
+    assert after.labels.tolist() == tar_shards.walk(str(folder), "train").labels.tolist()
+
+
+def test_a_shard_from_elsewhere_only_touched_keeps_its_index_and_says_nothing(kept, tmp_path):
+    folder, walked = kept
+    time.sleep(0.01)
+    os.utime(folder / "part-0002.tar")
+    touched = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert touched.notes == () and touched.fingerprint() == walked.fingerprint()
+
+
+def test_the_trainer_warns_what_opening_its_data_noted(written, tmp_path, capsys):
+    from imagenet_elastic import cli
+    from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.launch.preemption import PreemptionFlag
+    from imagenet_elastic.report.console import Console
+    from imagenet_elastic.train import build
+
+    paths, _ = written
+    for split in ("train", "val"):
+        shutil.copytree(os.path.dirname(paths[0]), tmp_path / "data" / split)
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    train, val = sources.open_splits(str(tmp_path / "data"), None, None, str(ckpt))
+    train.keep(str(ckpt))
+    val.keep(str(ckpt))
+    relabel_in_place(tmp_path / "data" / "val" / "part-0000.tar", 0, 3)
+    config, _ = cli.parse([str(tmp_path / "data"), "--model", "test_resnet", "--checkpoints-path", str(ckpt),
+                           "--device", "cpu"])
+    with contextlib.ExitStack() as stack:
+        inputs, _ = build.check_inputs(build.Run(config, DistEnv(), Console(True), PreemptionFlag(())), stack)
+    assert inputs.val.label(0) == 3
+    said = capsys.readouterr().err.strip().splitlines()
+    assert said == [f"warning: shard {tmp_path / 'data' / 'val' / 'part-0000.tar'} changed since it was indexed: "
+                    "indexed again"]
+
+
+def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "named" / "train"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
+    assert tar_shards.open_split(str(folder), "train", None).classes == ("ant", "bee", "cat", "dog")
+    (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\n")
+    with pytest.raises(UserError, match=r"label 3 of sample #\d+ is out of range: the classes file lists 3 classes"):
+        tar_shards.open_split(str(folder), "train", None)
+
+
+def write_tar(path, members: list[tuple[str, bytes]]) -> None:
+    with tarfile.open(path, "w") as tar:
+        for name, data in members:
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+JPEG = b"\xff\xd8 not decoded here"
+
+
+@pytest.mark.parametrize(("members", "message"), [
+    ([("a.jpg", JPEG), ("a.cls", b"1"), ("b.jpg", JPEG)], "sample b has no label (.cls)"),
+    ([("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")], "sample a has no image (.jpg, .jpeg, .png, .webp)"),
+    ([("a.jpg", JPEG), ("a.cls", b"one")], "the label of sample a (a.cls) is 'one', not an integer"),
+    ([("a.txt", b"x")], "holds no samples (KEY.jpg with KEY.cls)"),
+])
+def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, members, message):
+    write_tar(tmp_path / "s-0.tar", members)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    said = str(caught.value)
+    assert said.startswith(f"train shard {tmp_path / 's-0.tar'}") and said.endswith(message) or message in said, said
+
+
+def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(written, tmp_path):
+    paths, _ = written
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    shutil.copy(paths[0], cut / "part-0000.tar")
+    data = (cut / "part-0000.tar").read_bytes()
+    (cut / "part-0000.tar").write_bytes(data[:len(data) // 3])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(cut), "train", None)
+    said = str(caught.value)
+    assert said.startswith(f"train shard {cut / 'part-0000.tar'} is truncated") and "sample sample000" in said, said
+    garbage = tmp_path / "garbage"
+    garbage.mkdir()
+    (garbage / "x.tar").write_bytes(os.urandom(3000))
+    with pytest.raises(UserError, match=rf"train shard {garbage / 'x.tar'} is truncated or not a tar file"):
+        tar_shards.open_split(str(garbage), "train", None)
+
+
+def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "s"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    shards = tar_shards.open_split(str(folder), "train", None)
+    tar_shards._MAPS.clear()
+    last = len(shards) - 1
+    with open(folder / "part-0004.tar", "r+b") as f:
+        f.truncate(int(shards.offsets[last]) + 10)
+    with pytest.raises(CorruptImageError, match=rf"shard {folder / 'part-0004.tar'} is truncated: sample #{last} "):
+        shards.read(last)
+
+
+def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shard(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "packed"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    indexed = tar_shards.open_split(str(folder), "train", None)
+    tar_shards.write_index(indexed, str(folder / tar_shards.INDEX_NAME), relative_to=str(folder))
+    assert tar_shards.open_split(str(folder), "train", None).packed
+    with open(folder / "part-0001.tar", "ab") as f:
+        f.write(b"\0" * 512)
+    with pytest.raises(UserError, match=rf"shard {folder / 'part-0001.tar'} has \d+ bytes but its index .* says \d+: "
+                                        "the shard was replaced or cut short after it was packed"):
+        tar_shards.open_split(str(folder), "train", None)
+    os.unlink(folder / "part-0001.tar")
+    with pytest.raises(UserError, match="lists other shards than"):
+        tar_shards.open_split(str(folder), "train", None)
+
+
+def test_a_val_split_of_numbered_shards_takes_the_training_splits_class_names(written, tmp_path):
+    paths, folder = written
+    root = tmp_path / "data"
+    (root / "train").mkdir(parents=True)
+    for k, path in enumerate(paths[:2]):
+        shutil.copy(path, root / "train" / f"part-{k}.tar")
+    os.makedirs(root / "val")
+    write_tar(root / "val" / "v.tar", [("a.jpg", folder.read(0)), ("a.cls", b"3")])
+    (root / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
+    train, val = sources.open_splits(str(root), None, None, None)
+    assert train.classes == val.classes == ("ant", "bee", "cat", "dog") and val.label(0) == 3
+    write_tar(root / "val" / "w.tar", [("b.jpg", folder.read(1)), ("b.cls", b"4"), ("c.jpg", folder.read(2)),
+                                       ("c.cls", b"0")])  # the bad label is the first sample of the second shard
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(root), None, None, None)
+    assert str(caught.value) == f"val shard {root / 'val' / 'w.tar'}: label 4 of sample #1 is out of range: the " \
+                                "classes file lists 4 classes"
+
+
+def test_fingerprints_agree_wherever_equal_shards_lie_and_differ_when_one_does(written, tmp_path):
+    paths, _ = written
+    here = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
+    copy = tmp_path / "copy"
+    shutil.copytree(os.path.dirname(paths[0]), copy)
+    assert tar_shards.open_split(str(copy), "train", None).fingerprint() == here.fingerprint()
+    os.unlink(copy / "part-0003.tar")
+    fewer = tar_shards.open_split(str(copy), "train", None)
+    assert fewer.fingerprint() != here.fingerprint()
+    assert np.array_equal(fewer.entries()[:60], here.entries()[:60])
+    assert (fewer.entries()[60], here.entries()[60]) == (b"part-0004.tar:sample00080.jpg",
+                                                         b"part-0003.tar:sample00060.jpg")
+
+
+def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(side_by_side, image_folder):
+    """As DATA; as --val-path beside another DATA; as a VAL of `evaluate` (which opens it as below)."""
+    folder, classes = side_by_side
+    train, val = sources.open_splits(str(folder), None, None, None)
+    assert (len(train), len(val), train.classes) == (96, 35, classes)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"]
+    _, val = sources.open_splits(str(image_folder), str(folder), None, None)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-validation-0000.tar"] and len(val) == 35
+    assert val.where() == f"{folder / '*validation*.tar'} (1 shard)"
+    evaluated = sources.open_source(str(folder), "val", None, classes)
+    assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
+
+
+@pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
+def test_a_damaged_index_cache_is_walked_again_with_a_note_and_a_damaged_pack_index_is_named(written, tmp_path,
+                                                                                              how):
+    from makers import damage
+
+    paths, _ = written
+    folder = tmp_path / "shards"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    walked = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    walked.keep(str(tmp_path))
+    cache = tar_shards.cache_path(str(tmp_path), "train")
+    said = damage(cache, how, array="offsets")
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert not again.cached and again.fingerprint() == walked.fingerprint()
+    assert again.notes == (f"the shard index cache {cache} {said}: the shards were indexed again",)
+    index = folder / tar_shards.INDEX_NAME  # as pack writes it, in OUT/train/ beside OUT/pack.json
+    tar_shards.write_index(walked, str(index), relative_to=str(folder))
+    (tmp_path / "pack.json").write_text(json.dumps({"source": "/data/imagenet", "options": {
+        "max_side": None, "quality": 90, "shard_size": 20}}))
+    damage(str(index), how, array="offsets")
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert str(caught.value) == (f"shard index {index} {said}: pack again (imagenet-elastic pack /data/imagenet "
+                                 f"NEW_OUT --shard-size 20), or remove {index} to index the shards at start")
+
+
+@pytest.mark.parametrize("order", [("png", "jpg"), ("jpg", "png"), ("webp", "jpeg"), ("webp", "PNG")])
+def test_a_sample_with_several_images_takes_the_one_first_in_image_extensions_wherever_it_lies(tmp_path, order):
+    write_tar(tmp_path / "s-0.tar", [*((f"a.{ext}", ext.encode()) for ext in order), ("a.cls", b"0"),
+                                     ("b.jpg", b"jpg"), ("b.cls", b"1")])
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    best = min(order, key=lambda ext: tar_shards.IMAGE_EXTENSIONS.index(ext.lower()))
+    assert shards.read(0) == best.encode() and shards.member(0) == f"a.{best}"
+
+
+@pytest.fixture
+def side_by_side(image_folder, tmp_path):
+    """timm's imagenet-1k-wds: imagenet1k-train-NNNN.tar and imagenet1k-validation-NNNN.tar in one folder, with an
+    _info.json; and the class names."""
+    for split, word in (("train", "train"), ("val", "validation")):
+        for k, path in enumerate(wds_shards(image_folder / split, tmp_path / "tmp" / split, per_shard=40)):
+            shutil.move(path, tmp_path / f"imagenet1k-{word}-{k:04d}.tar")
+    classes = scan_image_folder(str(image_folder / "train"), "train").classes
+    (tmp_path / "_info.json").write_text(json.dumps({"name": "imagenet-1k", "class_names": list(classes)}))
+    shutil.rmtree(tmp_path / "tmp")
+    return tmp_path, classes
+
+
+@pytest.mark.parametrize("extra", ["imagenet1k-test-0000.tar", "imagenet1k-train-validation-0000.tar"])
+def test_a_folder_of_both_splits_whose_names_do_not_tell_every_shards_split_is_refused(side_by_side, image_folder,
+                                                                                        extra):
+    folder, classes = side_by_side
+    shutil.copy(folder / "imagenet1k-validation-0000.tar", folder / extra)
+    said = f"{folder} holds train shards (imagenet1k-train-0000.tar ...) and validation shards (imagenet1k-" \
+           f"validation-0000.tar ...), and {extra}, whose name says {'both' if 'train' in extra else 'neither'}: " \
+           f"name each split's shards with a pattern ({folder / '*train*.tar'}, {folder / '*validation*.tar'})"
+    for open_it in (lambda: sources.open_splits(str(folder), None, None, None),
+                    lambda: sources.open_splits(str(image_folder), str(folder), None, None),
+                    lambda: sources.open_source(str(folder), "val", None, classes)):
+        with pytest.raises(UserError) as caught:
+            open_it()
+        assert str(caught.value) == said

@@ -1,0 +1,132 @@
+"""`imagenet-elastic export`: timm rebuilds the exported model with the checkpoint's weights, class names
+and preprocessing, and timm's own evaluation pipeline scores it as our validation did."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import timm
+import torch
+from conftest import child_env
+from safetensors.torch import load_file
+from timm.data import create_transform, resolve_data_config
+from torchvision.datasets import ImageFolder
+
+from imagenet_elastic.models.create import create_model
+from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.tools.export import crop_fraction, main
+
+CLASSES = ["cat", "dog", "eel"]
+
+
+def write_checkpoint(path, ema: bool = True) -> dict:
+    torch.manual_seed(0)
+    raw, averaged = create_model("test_resnet", 3), create_model("test_resnet", 3)
+    snapshot = {"model": raw.state_dict(), "model_ema": averaged.state_dict() if ema else None, "epoch": 7,
+                "model_name": "test_resnet", "classes": CLASSES, "best_of": "model_ema" if ema else "model",
+                "config": {"image_size": 160, "val_crop_size": None, "val_resize": None}, "optimizer": {}}
+    torch.save(snapshot, path)
+    return snapshot
+
+
+def test_the_export_holds_the_weights_class_names_and_preprocessing_and_timm_rebuilds_it(tmp_path, capsys):
+    saved = write_checkpoint(tmp_path / "best.pt")
+    out = tmp_path / "export"
+    main([str(tmp_path / "best.pt"), str(out)])
+    said = capsys.readouterr().out
+    assert "raw weights of epoch 7; its weight average scored best: add --ema" in said
+    assert f'timm.create_model("local-dir:{out}", pretrained=True)' in said
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    weights = load_file(out / "model.safetensors")
+    assert weights.keys() == saved["model"].keys()
+    assert all(torch.equal(weights[k], saved["model"][k]) for k in weights)
+    config = json.loads((out / "config.json").read_text())
+    assert (config["architecture"], config["num_classes"], config["label_names"]) == ("test_resnet", 3, CLASSES)
+    cfg = config["pretrained_cfg"]
+    assert cfg["input_size"] == [3, 160, 160] and cfg["interpolation"] == "bilinear" and cfg["crop_mode"] == "center"
+    assert math.floor(160 / cfg["crop_pct"]) == 183  # resize 183 = round(160 / 0.875), as our validation
+    assert cfg["mean"] == pytest.approx([0.485, 0.456, 0.406]) and cfg["std"] == pytest.approx([0.229, 0.224, 0.225])
+    model = timm.create_model(f"local-dir:{out}", pretrained=True)
+    assert model.num_classes == 3 and model.pretrained_cfg["label_names"] == CLASSES
+    assert all(torch.equal(v, saved["model"][k]) for k, v in model.state_dict().items())
+    data = resolve_data_config({}, model=model)
+    assert (data["input_size"], data["crop_pct"], data["interpolation"]) == ((3, 160, 160), cfg["crop_pct"],
+                                                                           "bilinear")
+
+
+def test_ema_exports_the_weight_average(tmp_path, capsys):
+    saved = write_checkpoint(tmp_path / "best.pt")
+    main([str(tmp_path / "best.pt"), str(tmp_path / "ema"), "--ema"])
+    assert "weight average of epoch 7" in capsys.readouterr().out
+    weights = load_file(tmp_path / "ema" / "model.safetensors")
+    assert all(torch.equal(weights[k], saved["model_ema"][k]) for k in weights)
+    assert not all(torch.equal(weights[k], saved["model"][k]) for k in weights)
+
+
+@pytest.mark.parametrize("crop, resize", [(224, 256), (32, 37), (176, 232), (160, 183), (288, 329), (7, 9)])
+def test_timm_computes_our_resize_back_from_the_crop_fraction(crop, resize):
+    assert math.floor(crop / crop_fraction(crop, resize)) == resize
+
+
+def one_line_error(capsys, *argv: str) -> str:
+    with pytest.raises(SystemExit) as stop:
+        main(list(argv))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    return err
+
+
+def test_user_errors_are_one_line_and_write_nothing(tmp_path, capsys):
+    assert "checkpoint " in one_line_error(capsys, str(tmp_path / "missing.pt"), str(tmp_path / "a"))
+    assert not (tmp_path / "a").exists()
+    write_checkpoint(tmp_path / "plain.pt", ema=False)
+    said = one_line_error(capsys, str(tmp_path / "plain.pt"), str(tmp_path / "b"), "--ema")
+    assert "has no weight average (it was trained without --model-ema)" in said and not (tmp_path / "b").exists()
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    assert "is not empty" in one_line_error(capsys, str(tmp_path / "plain.pt"), str(tmp_path / "full"))
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.slow  # a fresh interpreter, whose timm knows only its own models
+def test_the_load_line_printed_for_a_tiny_distilled_vit_runs_as_printed_in_plain_python_offline(tmp_path, capsys):
+    """test_vit_distilled is ours (tiny_models.py): timm alone does not know the name the export's config.json
+    gives."""
+    torch.manual_seed(0)
+    model = create_model("test_vit_distilled", 3)
+    torch.save({"model": model.state_dict(), "model_ema": None, "epoch": 1, "model_name": "test_vit_distilled",
+                "classes": CLASSES, "best_of": "model", "config": {"image_size": 32}, "optimizer": {}},
+               tmp_path / "best.pt")
+    main([str(tmp_path / "best.pt"), str(tmp_path / "export")])
+    printed = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("load it: "))
+    code = printed.removeprefix("load it: ") + "\nprint(type(model).__name__, model.num_classes)"
+    ran = subprocess.run([sys.executable, "-c", code], env=child_env(HF_HUB_OFFLINE="1"), cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert ran.returncode == 0, ran.stderr
+    assert ran.stdout.split() == ["VisionTransformerDistilled", "3"]
+
+
+@pytest.mark.slow  # takes the trained 2-process reference run
+@pytest.mark.multiprocess
+def test_timm_evaluating_the_export_its_own_way_scores_what_our_validation_recorded(torchrun_reference, image_folder,
+                                                                                    tmp_path):
+    ckpt, _ = torchrun_reference
+    main([str(ckpt / "last.pt"), str(tmp_path / "export")])
+    model = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True).eval()
+    transform = create_transform(**resolve_data_config({}, model=model))  # timm's eval pipeline, as validate.py
+    val = ImageFolder(str(image_folder / "val"), transform=transform)
+    assert val.classes == model.pretrained_cfg["label_names"]
+    loader = torch.utils.data.DataLoader(val, batch_size=64)
+    with torch.no_grad():
+        correct = sum(int((model(x).argmax(1) == y).sum()) for x, y in loader)
+    ours = read_metrics(ckpt / "metrics.jsonl")[-1]["val_top1"]
+    theirs = 100.0 * correct / len(val)
+    print(f"val top-1 on {len(val)} images: ours {ours:.2f}, timm's pipeline {theirs:.2f}")
+    # Our validation computes timm's pixels within a level (tests/data/test_reference_pixels.py), in fp32 here: the same
+    # predictions, so the same count.
+    assert theirs == pytest.approx(ours), (ours, theirs)
