@@ -24,15 +24,15 @@ import functools
 import os
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any, Callable, Optional
 
 import torch
 
 from imagenet_elastic.checkpoint.store import CheckpointManager
-from imagenet_elastic.config import Config, yaml_file
+from imagenet_elastic.config import Config
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT, FailedOnRank0, StorageError, one_line
 from imagenet_elastic.launch import distributed
-from imagenet_elastic.report import metrics
 
 
 class HostCopy:
@@ -157,9 +157,6 @@ class Checkpointer:
         self.manager = manager
         self.writer = CheckpointWriter(manager, config.async_checkpoint, device)
         self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
-        self.metrics_folder = config.checkpoints_path
-        self.settings: Optional[Config] = config  # written once, after this run's first checkpoint
-        self.after_first_save: list[Callable[[], None]] = []  # run once, after this run's first checkpoint
         self.is_main = is_main
         self.last_save = time.monotonic()
 
@@ -176,30 +173,17 @@ class Checkpointer:
         return stop, stop or timely or (bool(self.every_steps) and step % self.every_steps == 0)
 
     def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
-             history: Optional[list[dict[str, Any]]] = None, also: Optional[Callable[[], None]] = None) -> None:
-        """Rank 0 hands `capture()` to its writer; `epoch` (just completed) and `history` make it an
-        epoch's checkpoint, followed by metrics.jsonl; `also`: a further write after it (the compile cache's).
-        A synchronous save is on disk before any rank goes on; a background one is waited for by the next save,
-        `settle` and `close`."""
+             then: Sequence[Callable[[], None]] = ()) -> None:
+        """Rank 0 hands `capture()` to its writer; `epoch` (just completed) makes it an epoch's checkpoint. `then`:
+        rank 0's writes that must follow the checkpoint onto the disk (metrics.jsonl, config.yaml, the compile cache:
+        their owners', in the trainer), in order. A synchronous save is on disk before any rank goes on; a
+        background one is waited for by the next save, `settle` and `close`."""
         if self.is_main:
-            then = [functools.partial(metrics.write, self.metrics_folder, history)] if history is not None else []
-            then += [also] if also is not None else []
-            if self.settings is not None:
-                then.append(functools.partial(yaml_file.write, self.metrics_folder, self.settings))
-                self.settings = None
-            then += self.after_first_save
-            self.after_first_save = []
+            then = list(then)
             self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
         if not self.writer.background:
             self.settle()
         self.last_save = time.monotonic()
-
-    def resume_metrics(self, history: list[dict[str, Any]]) -> None:
-        """Rank 0 rewrites metrics.jsonl from the checkpoint a run resumes from: the rows of epochs it does not
-        hold (trained after it, by a run that then died) go. This class writes metrics.jsonl and nothing else
-        does: after each epoch's checkpoint, and here. Called on every rank: a refused write ends every rank
-        with its line (distributed.rank_0_does)."""
-        distributed.rank_0_does(lambda: metrics.write(self.metrics_folder, history))
 
     def settle(self) -> None:
         """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every

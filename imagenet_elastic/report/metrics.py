@@ -3,7 +3,7 @@ epoch's end (metrics.jsonl), and the scalars every sink (report/sinks) makes of 
 `step_row` or `epoch_row`: steps.jsonl, metrics.jsonl, TensorBoard and the trackers all get it.
 
 metrics.jsonl: one JSON object per completed epoch, never duplicated across resumes (its one writer is the
-checkpointer, after each epoch's checkpoint: checkpoint/saving.py).
+trainer, after each epoch's checkpoint is on disk and at a resume: train/trainer.py).
 """
 
 from __future__ import annotations

@@ -76,7 +76,6 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
         state.step, state.history, training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
         started_from=training.resumed_at, name=os.path.basename(os.path.abspath(config.checkpoints_path)),
         settings=config.to_dict(), facts=dict(facts)))
-    checkpointer.after_first_save.append(sinks.forget_pending)  # that checkpoint holds the trackers' runs
     return trainer
 
 

@@ -15,7 +15,7 @@ from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.checkpoint.store import BEST
-from imagenet_elastic.config import RESUME_AUTO
+from imagenet_elastic.config import RESUME_AUTO, yaml_file
 from imagenet_elastic.data.device.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, counted, one_line
@@ -61,6 +61,7 @@ class Trainer:
         self.started_from = (training.resume_from, (state.step, state.epoch, state.tally.samples)) \
             if training.resume_from else None
         self.finished = False
+        self.saved_once = False  # this run saved a checkpoint (its first is followed by config.yaml)
 
     def fit(self) -> None:
         """Train the epochs left, with Ctrl-C a stop like a preemption signal's while they train (launch/
@@ -223,10 +224,15 @@ class Trainer:
         checkpoints validated nothing."""
         state = self.state
         self.sinks.flush()  # the curves up to this step are on disk with the checkpoint
+        folder = self.config.checkpoints_path
+        then = [functools.partial(metrics.write, folder, list(state.history))] if epoch_end else []  # the rows of
+        # the epochs the checkpoint holds
+        then += [w for w in [self.compilation.cache_write()] if w is not None]  # graphs compiled since the first step
+        if not self.saved_once:  # this run's first checkpoint: its settings, and the trackers' runs it now holds
+            then += [functools.partial(yaml_file.write, folder, self.config), self.sinks.forget_pending]
+            self.saved_once = True
         self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
-                               epoch=state.epoch if epoch_end else None, is_best=is_best,
-                               history=list(state.history) if epoch_end else None,
-                               also=self.compilation.cache_write())  # graphs compiled since the first step
+                               epoch=state.epoch if epoch_end else None, is_best=is_best, then=then)
 
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
@@ -278,7 +284,10 @@ class Trainer:
             where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
             best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
             self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
-            self.checkpointer.resume_metrics(state.history)
+            # metrics.jsonl as the checkpoint holds it: the rows of epochs trained after it (by a run that then
+            # died) go; its one writer is this class, here and after each epoch's checkpoint
+            history = list(state.history)
+            distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, history))
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
         distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
