@@ -1,13 +1,9 @@
 """--teacher: the model a run distils from, read once at the start, before any data is scanned.
 
-Three sources, told apart as timm's reader factory tells datasets apart (by form first, then on disk): a file
-(`best.pt`) is one of our checkpoints, its raw weights, and so is a run's checkpoints folder (its best.pt); a folder
-with config.json is an export (`imagenet-elastic export`), read as timm's `local-dir:`; anything else a timm name
-with published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), through the same Hugging Face
-cache and offline rules as --pretrained (published_weights.py). What the teacher expects of its input comes with it:
-timm's pretrained_cfg (input size, mean, std) for published weights and exports, our validation's crop and
-normalisation for a checkpoint. So do its classes: a checkpoint's, or an export's config.json `label_names`, must be
-the data's, in order (`check_classes`).
+What --teacher names is read by models/weights.py (a checkpoint of ours, its raw weights; an export; a timm name with
+published weights). What the teacher expects of its input comes with it: timm's pretrained_cfg (input size, mean,
+std) for published weights and exports, our validation's crop and normalisation for a checkpoint. So do its classes:
+a checkpoint's, or an export's config.json `label_names`, must be the data's, in order (`check_classes`).
 
 The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
 of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
@@ -16,7 +12,6 @@ of its weights, its input), and a resume from a checkpoint distilled from anothe
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -25,15 +20,12 @@ import torch
 from torch import nn
 
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.config import WEIGHT_SOURCES, eval_sizes, saved_setting
+from imagenet_elastic.config import eval_sizes, saved_setting
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.models import published_weights, tiny_models
-from imagenet_elastic.models.blurpool import blur_strided_convs
-from imagenet_elastic.models.create import create_model
-from imagenet_elastic.models.input_size import saved_sizes
+from imagenet_elastic.models import weights
+from imagenet_elastic.models.weights import CHECKPOINT
 
-CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
 FLAG = "--teacher"
 
 
@@ -73,71 +65,21 @@ class TeacherWeights:
         return {"spec": self.spec, "sha256": self.sha256, "input": self.input.saved()}
 
 
-def resolve(spec: str) -> tuple[str, str]:
-    """What --teacher `spec` is, and the file, folder or timm name to read: a checkpoint (a file, a `.pt` path, or
-    a run's checkpoints folder: its best.pt), an export (a folder with config.json), else a timm name. What is none
-    of these is one line saying every reading that was tried, in the words the user wrote (not timm's
-    `local-dir:...` or "Unknown model")."""
-    if spec.endswith(".pt") or os.path.isfile(spec):
-        return CHECKPOINT, spec
-    if os.path.isdir(spec):
-        if os.path.isfile(os.path.join(spec, "config.json")):
-            return EXPORT, spec
-        if os.path.isfile(os.path.join(spec, store.BEST)):
-            return CHECKPOINT, os.path.join(spec, store.BEST)
-        raise UserError(f"{FLAG} {spec}: a folder with neither config.json (an export: imagenet-elastic export) nor "
-                        f"{store.BEST} (a run's checkpoints folder)")
-    if not spec.startswith(WEIGHT_SOURCES):
-        import timm
-
-        tiny_models.register()
-        if os.sep in spec or not timm.is_model(spec):
-            where = "no such file or folder" + ("" if os.sep in spec else ", and no model timm knows by that name")
-            raise UserError(f"{FLAG} {spec}: {where}")
-    return PUBLISHED, spec
-
-
 def read(spec: str) -> TeacherWeights:
     """The teacher `spec` names, frozen, its identity computed; a UserError naming --teacher where it cannot be read."""
-    kind, target = resolve(spec)
-    if kind == CHECKPOINT:
-        model, source, classes, names, wanted = from_checkpoint(target)
-        source += f" ({target})" if target != spec else ""
-    else:
-        model = published_weights.create(f"local-dir:{target}" if kind == EXPORT else target, FLAG)
-        architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
-        names = None
-        if kind == EXPORT or spec.startswith("local-dir:"):
-            config = folder_config(spec.removeprefix("local-dir:"))
-            blur_if_exported_with_it(model, config)
-            names = exported_class_names(config)
-            source = f"a folder of {architecture} weights (an export, or timm's save_for_hf)"
-        else:
-            where = published_weights.describe_source(model, spec)
-            source = f"published weights of {architecture}" + (f": {where}" if where != spec else "")
-        head = model.get_classifier() if hasattr(model, "get_classifier") else None
-        classes = getattr(model, "num_classes", 0) if head is not None else 0
-        wanted = timm_input(model)
-    if not classes:
+    loaded = weights.load_weights(spec, FLAG)
+    if not loaded.classes:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
-    return TeacherWeights(model, spec, kind, source, classes, names, wanted, weights_hash(model))
-
-
-def from_checkpoint(path: str) -> tuple[nn.Module, str, int, tuple[str, ...], TeacherInput]:
-    """One of our checkpoints as a teacher: its model with its raw weights, and the input its validation used."""
-    try:
-        snapshot = store.load(path)
-    except UserError as error:
-        raise UserError(f"{FLAG}: {error}") from None
-    settings = snapshot.get("config", {})
-    names = tuple(snapshot["classes"])
-    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"),
-                         sizes=saved_sizes(settings))
-    model.load_state_dict(snapshot["model"])
-    crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
-                      settings.get("val_resize"))[0]
-    source = f"our checkpoint of {snapshot['model_name']}, its raw weights after step {snapshot['step']}"
-    return model, source, len(names), names, TeacherInput((crop, crop), IMAGENET_MEAN, IMAGENET_STD)
+    source = loaded.source
+    if loaded.kind == CHECKPOINT:
+        crop = eval_sizes(saved_setting(loaded.settings, "image_size"), loaded.settings.get("val_crop_size"),
+                          loaded.settings.get("val_resize"))[0]
+        wanted = TeacherInput((crop, crop), IMAGENET_MEAN, IMAGENET_STD)
+        source += "" if os.path.isfile(spec) else f" ({os.path.join(spec, store.BEST)})"
+    else:
+        wanted = timm_input(loaded.model)
+    return TeacherWeights(loaded.model, spec, loaded.kind, source, loaded.classes, loaded.class_names, wanted,
+                          weights_hash(loaded.model))
 
 
 def timm_input(model: nn.Module) -> TeacherInput:
@@ -148,34 +90,6 @@ def timm_input(model: nn.Module) -> TeacherInput:
     _, height, width = cfg.get("input_size", (3, 224, 224))
     return TeacherInput((int(height), int(width)), tuple(255 * m for m in cfg.get("mean", IMAGENET_DEFAULT_MEAN)),
                         tuple(255 * s for s in cfg.get("std", IMAGENET_DEFAULT_STD)))
-
-
-def folder_config(folder: str) -> dict[str, Any]:
-    """A folder's config.json (an export's, or timm's save_for_hf's), or {} where it has none readable."""
-    try:
-        with open(os.path.join(folder, "config.json")) as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return {}
-    return config if isinstance(config, dict) else {}
-
-
-def blur_if_exported_with_it(model: nn.Module, config: dict[str, Any]) -> None:
-    """An export of a --blurpool run says so in its config.json, and timm builds no blur: give it back."""
-    extra = config.get("imagenet_elastic", {})
-    if isinstance(extra, dict) and extra.get("blurpool"):
-        blur_strided_convs(model)
-
-
-def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
-    """The class of each output, from config.json's `label_names` (an export writes the class folders there; timm
-    allows a list, or a dict from output index to name); None where it names none."""
-    names = config.get("label_names")
-    if isinstance(names, dict):
-        by_index = {str(k): v for k, v in names.items()}
-        names = [by_index[str(i)] for i in range(len(by_index))] if all(
-            str(i) in by_index for i in range(len(by_index))) else None
-    return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else None
 
 
 def weights_hash(model: nn.Module) -> str:

@@ -1,18 +1,15 @@
-"""The model `imagenet-elastic evaluate` scores and its preprocessing: our checkpoint, an export folder or a timm
-model with --pretrained, loaded with its classes and its own preprocessing (timm's resolve_data_config, or its run's
-validation), and ours (the trainer's validation at a crop). Kept apart from the labels it is scored against
-(eval_labels.py) and from the command's run (evaluate.py)."""
+"""The model `imagenet-elastic evaluate` scores: our checkpoint, an export folder or a timm model with --pretrained,
+read by models/weights.py, with its classes and its own preprocessing (timm's resolve_data_config, or its run's
+validation), and ours (the trainer's validation at a crop)."""
 
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.config import eval_sizes
 from imagenet_elastic.data.pixels import INTERPOLATIONS
 from imagenet_elastic.errors import UserError
 
@@ -66,57 +63,21 @@ def timm_preprocessing(module: Any, what: str) -> Preprocessing:
 
 
 def load_model(name: str, pretrained: bool, ema: bool) -> Model:
-    """Our checkpoint, an export folder, or a timm name (--pretrained)."""
-    import timm
+    """Our checkpoint, an export folder, or a timm name (--pretrained), read by models/weights.py."""
+    from imagenet_elastic.models import weights
 
-    from imagenet_elastic.models import tiny_models
-    from imagenet_elastic.models.blurpool import blur_strided_convs
-    from imagenet_elastic.models.create import create_model
-    from imagenet_elastic.models.input_size import saved_sizes
-
-    tiny_models.register()  # an export of a run that trained one names it in its config.json
-    if os.path.isfile(name):
-        from imagenet_elastic.checkpoint import store
-
-        snapshot = store.load(name)
-        weights = snapshot.get("model_ema") if ema else snapshot.get("model")
-        if weights is None:
-            raise UserError(f"checkpoint {name} has no weight average (it was trained without --model-ema): "
-                            "evaluate it without --ema" if ema else f"checkpoint {name} holds no model weights")
-        classes = tuple(snapshot["classes"])
-        module = create_model(snapshot["model_name"], len(classes), blurpool=saved_setting(snapshot["config"],
-                                                                                              "blurpool"),
-                              sizes=saved_sizes(snapshot["config"]))
-        module.load_state_dict(weights)
-        settings = snapshot["config"]
+    kind = weights.resolve(name, "MODEL")[0]
+    if kind == weights.PUBLISHED and not pretrained:
+        raise UserError(f"MODEL {name} is a timm model name: scoring its published weights needs --pretrained")
+    loaded = weights.load_weights(name, "MODEL", ema)
+    if kind == weights.CHECKPOINT:
+        settings = loaded.settings
         crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
         own = dataclasses.replace(ours(crop), resize=resize)
-        return Model(module, classes, own, crop, (snapshot.get("data") or {}).get("val"))
-    if ema:
-        raise UserError("--ema applies to our checkpoints only")
-    if os.path.isdir(name):
-        config_file = os.path.join(name, "config.json")
-        if not os.path.isfile(config_file):
-            raise UserError(f"MODEL {name} is a folder without config.json: not an export (imagenet-elastic export)")
-        try:
-            with open(config_file) as f:
-                exported = json.load(f)
-            module = timm.create_model(f"local-dir:{name}", pretrained=True)
-        except (OSError, ValueError, KeyError, RuntimeError) as error:
-            raise UserError(f"MODEL {name}: timm cannot load it ({str(error).splitlines()[0][:200]})") from None
-        if exported.get("imagenet_elastic", {}).get("blurpool"):
-            blur_strided_convs(module)
-        classes = tuple(module.pretrained_cfg.get("label_names") or exported.get("label_names") or ())
-    else:
-        if not pretrained:
-            raise UserError(f"MODEL {name} is neither a checkpoint file nor an export folder; a timm model name "
-                            "needs --pretrained")
-        try:
-            module = timm.create_model(name, pretrained=True)
-        except (RuntimeError, OSError, ValueError) as error:  # an unknown name; weights not found or not fetched
-            raise UserError(f"MODEL {name}: timm cannot create it with --pretrained "
-                            f"({(str(error).splitlines() or [type(error).__name__])[0][:200]})") from None
-        classes = imagenet_classes(module)
+        return Model(loaded.model, loaded.class_names, own, crop, loaded.val_print)
+    module = loaded.model
+    classes = ((loaded.class_names or tuple(module.pretrained_cfg.get("label_names") or ())) if kind == weights.EXPORT
+               else imagenet_classes(module))
     if len(classes) != module.num_classes:
         raise UserError(f"MODEL {name} names {len(classes)} classes for its {module.num_classes} outputs")
     own = timm_preprocessing(module, f"MODEL {name}")

@@ -269,7 +269,8 @@ def test_bad_inputs_are_one_line_naming_the_culprit(trained, tmp_path):
     assert "needs --pretrained" in one_line_error("resnet18", val)
     assert "has no weight average" in one_line_error(str(root / "run" / "last.pt"), val, "--ema")
     assert "--ema applies to our checkpoints only" in one_line_error(model, val, "--ema")
-    assert "Unknown model" in one_line_error("no_such_model_xyz", val, "--pretrained")
+    assert "MODEL no_such_model_xyz: no such file or folder, and no model timm knows by that name" in one_line_error(
+        "no_such_model_xyz", val, "--pretrained")
     (tmp_path / "odd" / "zebra").mkdir(parents=True)
     Image.fromarray(np.zeros((8, 8, 3), np.uint8)).save(tmp_path / "odd" / "zebra" / "x.jpg")
     assert "the model does not have" in one_line_error(model, str(tmp_path / "odd"))

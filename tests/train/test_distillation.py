@@ -22,6 +22,7 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.models import teacher_weights
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
+from imagenet_elastic.models.weights import CHECKPOINT, EXPORT, PUBLISHED, exported_class_names
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, loss_weights
 from imagenet_elastic.train.state import EpochTally, PendingSteps
@@ -140,7 +141,7 @@ class Recording(torch.nn.Module):
 
 def recording_teacher(size: tuple[int, int], mean, std, channels_last: bool = True) -> tuple[Teacher, Recording]:
     model = Recording()
-    weights = TeacherWeights(model, "recording", teacher_weights.CHECKPOINT, "", 4, None, TeacherInput(size, mean, std),
+    weights = TeacherWeights(model, "recording", CHECKPOINT, "", 4, None, TeacherInput(size, mean, std),
                              "0" * 64)
     return Teacher(weights, ModelInput(CPU, None, channels_last)), model
 
@@ -221,7 +222,7 @@ def test_a_resume_with_another_teacher_is_refused_in_one_line_and_the_same_one_c
 
 def test_a_teacher_added_or_dropped_at_resume_is_a_warning_and_another_input_a_refusal():
     """Only another teacher is refused; a teacher added or dropped changes the loss, as other settings do (warned)."""
-    mine = TeacherWeights(Recording(), "t.pt", teacher_weights.CHECKPOINT, "", 4, None,
+    mine = TeacherWeights(Recording(), "t.pt", CHECKPOINT, "", 4, None,
                           TeacherInput((32, 32), IMAGENET_MEAN, IMAGENET_STD), "a" * 64)
     assert teacher_weights.compare(None, None, "last.pt") is None
     assert teacher_weights.compare(mine.identity(), mine, "last.pt") is None
@@ -242,7 +243,7 @@ def test_a_teacher_given_as_its_export_folder_is_the_same_teacher(image_folder, 
     export(str(teachers["a"]), str(tmp_path / "export"), ema=False)
     from_checkpoint, from_folder = teacher_weights.read(str(teachers["a"])), teacher_weights.read(
         str(tmp_path / "export"))
-    assert from_folder.kind == teacher_weights.EXPORT and from_folder.identity()["sha256"] == from_checkpoint.sha256
+    assert from_folder.kind == EXPORT and from_folder.identity()["sha256"] == from_checkpoint.sha256
     assert from_folder.input == from_checkpoint.input
     train(run_args(image_folder, tmp_path / "run", "--teacher", str(teachers["a"])))
     resumed = train([*run_args(image_folder, tmp_path / "run", "--teacher", str(tmp_path / "export"), epochs=2),
@@ -256,7 +257,7 @@ def test_a_published_teacher_comes_from_the_hub_cache_offline_and_sees_the_batch
     renormalised and resized for it, as the start-up table says."""
     published = cached(hub, "someone/teacher", timm_model("test_resnet", 4, seed=5))
     weights = teacher_weights.read("hf-hub:someone/teacher")
-    assert weights.kind == teacher_weights.PUBLISHED and weights.classes == 4
+    assert weights.kind == PUBLISHED and weights.classes == 4
     assert weights.input == TeacherInput((160, 160), (127.5,) * 3, (127.5,) * 3)
     assert_same_tensors(weights.model.state_dict(), published)
     result = command(run_args(image_folder, tmp_path, "--teacher", "hf-hub:someone/teacher", steps=1))
@@ -362,7 +363,7 @@ def test_a_teacher_that_cannot_be_used_is_one_line(image_folder, tmp_path, teach
 def test_a_checkpoints_folder_as_teacher_is_its_best_checkpoint(teachers):
     folder = teachers["a"].parent
     teacher = teacher_weights.read(str(folder))
-    assert (teacher.kind, teacher.spec) == (teacher_weights.CHECKPOINT, str(folder))
+    assert (teacher.kind, teacher.spec) == (CHECKPOINT, str(folder))
     assert teacher.sha256 == teacher_weights.read(str(folder / "best.pt")).sha256
     assert teacher.source.endswith(f"({folder / 'best.pt'})")
 
@@ -425,4 +426,4 @@ def test_a_teacher_trained_on_other_class_names_of_the_same_count_is_one_line(im
     ({"num_classes": 2}, None),
 ])
 def test_an_exports_class_names_are_read_from_its_label_names_in_either_of_timms_forms(config, names):
-    assert teacher_weights.exported_class_names(config) == names
+    assert exported_class_names(config) == names
