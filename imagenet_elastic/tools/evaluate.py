@@ -1,16 +1,17 @@
 """`imagenet-elastic evaluate MODEL VAL [VAL ...]`: a model's scores on validation sets, with no training folder.
 
-MODEL is a checkpoint of ours (best.pt, last.pt; --ema for its weight average), a folder `imagenet-elastic export`
-wrote, or a timm model name with --pretrained (its weights as timm fetches them). VAL is any validation split the
-trainer reads: class folders (named by the model's classes, or numbered 0..N-1 as ImageNet-V2's), a flat folder with
---val-labels, tar shards, parquet files, each with or without its prefix (`parquet:DIR`), or a data root as training
-takes it (its val split). Each VAL is scored by our exact validation (train/step.py evaluate: every image once over
-all ranks, whatever the world size; `torchrun ... -m imagenet_elastic evaluate ...`), with the model's own
-preprocessing (what timm's `resolve_data_config` gives it, as timm's validate.py) or ours (--preprocessing ours: the
-trainer's validation, bilinear, crop / 0.875, ImageNet's mean and std), computed as the reference computes it
-(data/pixels.py CentreCrop). Rank 0 prints one JSON line per VAL, and a table when there are several. For our
-checkpoint (one that keeps its data's fingerprints) each line says whether VAL is the very split its run validated
-on (`val_as_trained`): then its top-1 is the run's; scoring other sets is this tool's purpose, so no warning.
+MODEL is a checkpoint of ours (best.pt, last.pt, or a run's checkpoints folder: its best.pt; --ema for its weight
+average), a folder `imagenet-elastic export` wrote, or a timm model name with --pretrained (its weights as timm fetches
+them). VAL is any validation split the trainer reads: class folders (named by the model's classes, or numbered 0..N-1 as
+ImageNet-V2's), a flat folder with --val-labels, tar shards, parquet files, each with or without its prefix
+(`parquet:DIR`), or a data root as training takes it (its val split). Each VAL is scored by our exact validation
+(train/step.py evaluate: every image once over all ranks, whatever the world size; `torchrun ... -m imagenet_elastic
+evaluate ...`), with the model's own preprocessing (what timm's `resolve_data_config` gives it, as timm's validate.py)
+or ours (--preprocessing ours: the trainer's validation, bilinear, crop / 0.875, ImageNet's mean and std), computed as
+the reference computes it (data/pixels.py CentreCrop). Rank 0 prints one JSON line per VAL, and a table when there are
+several. For our checkpoint (one that keeps its data's fingerprints) each line says whether VAL is the very split its
+run validated on (`val_as_trained`): then its top-1 is the run's; scoring other sets is this tool's purpose, so no
+warning.
 
 --real-labels real.json: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it: an image counts when
 its list of real labels is not empty, and is right when its top-1 class is in it. real.json lists the 50,000 images
@@ -51,8 +52,8 @@ PREPROCESSING = ("model", "ours")
 
 def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic evaluate", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    p.add_argument("model", metavar="MODEL", help="our checkpoint (.pt), an export folder, or a timm model name "
-                   "with --pretrained")
+    p.add_argument("model", metavar="MODEL", help="our checkpoint (.pt, or a run's checkpoints folder: its "
+                   "best.pt), an export folder, or a timm model name with --pretrained")
     p.add_argument("val", metavar="VAL", nargs="+", help=f"validation sets: {FORMS}")
     p.add_argument("--pretrained", action="store_true", help="MODEL is a timm model name: its pretrained weights")
     p.add_argument("--ema", action="store_true", help="our checkpoint's weight average (--model-ema)")

@@ -74,6 +74,14 @@ def test_evaluate_scores_timms_top1_on_our_checkpoint_and_on_its_export(trained)
     assert read_metrics(root / "run" / "metrics.jsonl")[-1]["val_top1"] == pytest.approx(expected)
 
 
+def test_a_runs_checkpoints_folder_is_scored_as_its_best_checkpoint(trained):
+    root, _, _ = trained
+    [folder] = evaluated(str(root / "run"), str(root / "val"))
+    [best] = evaluated(str(root / "run" / "best.pt"), str(root / "val"))
+    assert folder.pop("model") == str(root / "run") and best.pop("model") == str(root / "run" / "best.pt")
+    assert folder == best
+
+
 def test_numbered_class_folders_name_the_models_classes_by_position(trained, tmp_path):
     """ImageNet-V2's layout: folders 0..N-1, folder k holding class k (sorted as text, 10 before 2)."""
     root, logits, labels = trained
