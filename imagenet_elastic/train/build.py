@@ -175,7 +175,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         change = None if config.evaluate else teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
         if change is not None:
             warn_differences(config, console, [change])
-    data = check_data(config, env, console, train, val, snapshot)
+    data = check_data(run, train, val, snapshot)
     initial = (initial_weights.read(config.initial_checkpoint)
                if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
     if config.pretrained and weights is None and snapshot is None and not config.evaluate:
@@ -203,12 +203,13 @@ def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay
                         "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
-def check_data(config: Config, env: DistEnv, console: Console, train: sources.Source, val: sources.Source,
-               snapshot: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
+               ) -> Optional[dict[str, Any]]:
     """Rank 0: a warning for each split that differs from the one the checkpoint's run had (--evaluate: the
     validation split alone), and a training run's fingerprint of each split, for its checkpoints. The others see
     the same data (the start-up check) and keep no checkpoint."""
-    if not env.is_main:
+    config, console = run.config, run.console
+    if not run.env.is_main:
         return None
     saved = (snapshot.get("data") if snapshot is not None else None) or {}
     if config.evaluate:
