@@ -21,7 +21,7 @@ import torch
 
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.checkpoint.saving import CheckpointWriter
-from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder
 from imagenet_elastic.data import pipeline
 from imagenet_elastic.tools import throughput
 from imagenet_elastic.tools.benchmark import emit
@@ -57,8 +57,8 @@ def run_checkpoint(args: argparse.Namespace) -> None:
         # One folder per way of saving: each replaces (and so frees) only its own previous files, as in a run.
         sync, background = (os.path.join(folder, name) for name in ("sync", "background"))
         warn = functools.partial(print, "warning:", file=sys.stderr)
-        manager = CheckpointManager(sync, keep=1, warn=warn)
-        writer = CheckpointWriter(CheckpointManager(background, keep=1, warn=warn), background=True,
+        manager = CheckpointFolder(sync, keep=1, warn=warn)
+        writer = CheckpointWriter(CheckpointFolder(background, keep=1, warn=warn), background=True,
                                   device=ctx.input.device)
         for path in (sync, background):
             os.mkdir(path)

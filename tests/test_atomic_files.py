@@ -11,7 +11,7 @@ import torch
 
 from imagenet_elastic import atomic_files
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder
 
 
 def current_umask() -> int:
@@ -74,7 +74,7 @@ def test_every_temp_file_is_made_beside_its_target_so_the_rename_never_crosses_f
 
     monkeypatch.setattr(os, "replace", replace_within_one_folder)
     atomic_write_bytes(b"data", str(tmp_path / "metrics.jsonl"))
-    manager = CheckpointManager(str(tmp_path / "ckpt"), keep=2)
+    manager = CheckpointFolder(str(tmp_path / "ckpt"), keep=2)
     os.makedirs(manager.folder)
     manager.save({"model": {"w": torch.ones(3)}, "epoch": 1}, epoch=1, is_best=True)
     assert (tmp_path / "metrics.jsonl").read_bytes() == b"data"

@@ -29,7 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT, FailedOnRank0, StorageError, one_line
 from imagenet_elastic.launch import distributed
@@ -81,10 +81,10 @@ class HostCopy:
 
 
 class CheckpointWriter:
-    """Saves through `manager`, one at a time; `background` decides where the write happens."""
+    """Saves through `files`, one at a time; `background` decides where the write happens."""
 
-    def __init__(self, manager: CheckpointManager, background: bool, device: torch.device) -> None:
-        self.manager = manager
+    def __init__(self, files: CheckpointFolder, background: bool, device: torch.device) -> None:
+        self.files = files
         self.background = background
         self.host = HostCopy(pin=device.type == "cuda") if background else None
         self.thread: Optional[threading.Thread] = None
@@ -95,7 +95,7 @@ class CheckpointWriter:
 
     def submit(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
                after: Optional[Callable[[], None]] = None) -> None:
-        """Save `state` (see CheckpointManager.save), then run `after` (e.g. metrics.jsonl). Waits for
+        """Save `state` (see CheckpointFolder.save), then run `after` (e.g. metrics.jsonl). Waits for
         the previous save first; after a failed one nothing more is written until it is dealt with."""
         start = time.perf_counter()
         if self.wait() is not None:
@@ -116,7 +116,7 @@ class CheckpointWriter:
         try:
             if copied is not None:
                 copied()  # the host copy's bytes have landed
-            self.manager.save(state, epoch, is_best)
+            self.files.save(state, epoch, is_best)
             self.on_disk = (state.get("step", 0), state.get("epoch", 0),
                             state.get("epoch_progress", {}).get("samples", 0))
             if after is not None:
@@ -153,9 +153,9 @@ class CheckpointWriter:
 class Checkpointer:
     """Every rank's view of checkpointing: when a save is due, and waiting for rank 0's writes."""
 
-    def __init__(self, manager: CheckpointManager, config: Config, device: torch.device, is_main: bool) -> None:
-        self.manager = manager
-        self.writer = CheckpointWriter(manager, config.async_checkpoint, device)
+    def __init__(self, files: CheckpointFolder, config: Config, device: torch.device, is_main: bool) -> None:
+        self.files = files
+        self.writer = CheckpointWriter(files, config.async_checkpoint, device)
         self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
         self.is_main = is_main
         self.last_save = time.monotonic()
@@ -204,7 +204,7 @@ class Checkpointer:
     def remove_stale_temp_files(self, warn: Callable[[str], None]) -> None:
         """Rank 0, holding the folder's lock, removes what interrupted writes left; one that cannot be removed is
         a StorageError naming it (call it through distributed.rank_0_does, on every rank)."""
-        for path in self.manager.stale_temp_files():
+        for path in self.files.stale_temp_files():
             warn(f"removing {path}, left by a write that was interrupted")
             try:
                 os.unlink(path)

@@ -221,7 +221,7 @@ def read_lock_token(folder: str) -> Optional[str]:
         return None
 
 
-class CheckpointManager:
+class CheckpointFolder:
     """Owns one checkpoints folder: `last.pt`, `best.pt` and the newest K `epoch_NNNN.pt`.
 
     Only rank 0 calls `save`. A round is complete once `last.pt` names it; older epoch files are

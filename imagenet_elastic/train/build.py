@@ -27,7 +27,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint import share, store
-from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.decoding import Decoding
@@ -111,7 +111,7 @@ class Inputs:
     threads: int
     train: sources.Source  # the training split's samples
     val: sources.Source
-    checkpoints: CheckpointManager
+    checkpoints: CheckpointFolder
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
@@ -152,7 +152,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         console.warn(note)
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
-    checkpoints = CheckpointManager(config.checkpoints_path, config.keep_checkpoints, console.warn)
+    checkpoints = CheckpointFolder(config.checkpoints_path, config.keep_checkpoints, console.warn)
     if not config.evaluate:
         store.check_writable(config.checkpoints_path)
         if env.is_main:

@@ -250,7 +250,7 @@ class Trainer:
         came = (f"{'Ctrl-C' if flag.interrupted else flag.received} came after step {flag.received_after}"
                 if flag.received else "a preemption signal came to another rank")
         self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
-                          f"{self.checkpointer.manager.last_path}; exiting with code {code}")
+                          f"{self.checkpointer.files.last_path}; exiting with code {code}")
         if c.requeue_on_preempt and self.env.is_main and not flag.interrupted:
             job = preemption.slurm_job_to_requeue(os.environ)
             problem = preemption.requeue_slurm_job(job)
@@ -261,7 +261,7 @@ class Trainer:
         """After a Ctrl-C that stopped at once: the checkpoint on disk (the write in flight ends first, and counts)
         and the steps trained since, which are lost."""
         self.checkpointer.writer.wait()
-        path, saved = self.checkpointer.manager.last_path, self.checkpointer.writer.on_disk
+        path, saved = self.checkpointer.files.last_path, self.checkpointer.writer.on_disk
         if saved is None and self.started_from is not None:
             path, saved = self.started_from
         step = self.state.step
@@ -272,7 +272,7 @@ class Trainer:
         at, epochs, samples = saved
         where = f"{samples} samples into epoch {epochs + 1}" if samples else f"{counted(epochs, 'epoch')} done"
         lost = f"lost: {counted(step - at, 'step')} trained since" if step > at else "nothing lost"
-        again = "; --resume continues from it" if path == self.checkpointer.manager.last_path else ""
+        again = "; --resume continues from it" if path == self.checkpointer.files.last_path else ""
         self.console.info(f"Ctrl-C: stopped at once after step {step}; kept {path} (step {at}, {where}); {lost}{again}")
 
     # ------------------------------------------------------------------ reporting
@@ -289,7 +289,7 @@ class Trainer:
             history = list(state.history)
             distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, history))
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
-            self.console.info(f"no checkpoint at {self.checkpointer.manager.last_path}: starting fresh")
+            self.console.info(f"no checkpoint at {self.checkpointer.files.last_path}: starting fresh")
         distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
 
     def say_where_the_best_is(self) -> None:

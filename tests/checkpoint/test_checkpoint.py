@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint.store import CheckpointLock, CheckpointManager, load
+from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, load
 from imagenet_elastic.errors import UserError
 
 
@@ -31,10 +31,10 @@ def saved_epoch(path) -> int:
     return load(str(path))["epoch"]
 
 
-# ----------------------------------------------------------------------------- CheckpointManager.save
+# ----------------------------------------------------------------------------- CheckpointFolder.save
 
 def test_save_writes_last_and_epoch_file_and_best_only_when_best(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=3)
+    manager = CheckpointFolder(str(tmp_path), keep=3)
     manager.save(fake_state(1), 1, is_best=True)
     assert sorted(os.listdir(tmp_path)) == ["best.pt", "epoch_0001.pt", "last.pt"]
     manager.save(fake_state(2), 2, is_best=False)
@@ -47,14 +47,14 @@ def test_save_writes_last_and_epoch_file_and_best_only_when_best(tmp_path):
 
 
 def test_save_without_best_never_writes_best(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=2)
+    manager = CheckpointFolder(str(tmp_path), keep=2)
     for epoch in range(1, 4):
         manager.save(fake_state(epoch), epoch, is_best=False)
     assert "best.pt" not in os.listdir(tmp_path)
 
 
 def test_save_keeps_only_the_newest_k_epoch_files(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=2)
+    manager = CheckpointFolder(str(tmp_path), keep=2)
     for epoch in range(1, 6):
         manager.save(fake_state(epoch), epoch, is_best=False)
     assert sorted(os.listdir(tmp_path)) == ["epoch_0004.pt", "epoch_0005.pt", "last.pt"]
@@ -64,7 +64,7 @@ def test_save_keeps_only_the_newest_k_epoch_files(tmp_path):
 
 
 def test_save_with_keep_zero_keeps_no_epoch_files(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=0)
+    manager = CheckpointFolder(str(tmp_path), keep=0)
     (tmp_path / "epoch_0001.pt").write_bytes(serialize(fake_state(1)))  # left by an earlier run
     for epoch in range(2, 4):
         manager.save(fake_state(epoch), epoch, is_best=epoch == 2)
@@ -75,7 +75,7 @@ def test_save_with_keep_zero_keeps_no_epoch_files(tmp_path):
 def test_prune_leaves_other_files_alone(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     (tmp_path / "epoch_12.pt").write_text("not matched: fewer than 4 digits")
-    manager = CheckpointManager(str(tmp_path), keep=1)
+    manager = CheckpointFolder(str(tmp_path), keep=1)
     for epoch in range(1, 3):
         manager.save(fake_state(epoch), epoch, is_best=False)
     assert sorted(os.listdir(tmp_path)) == ["epoch_0002.pt", "epoch_12.pt", "last.pt", "notes.txt"]
@@ -84,21 +84,21 @@ def test_prune_leaves_other_files_alone(tmp_path):
 # ----------------------------------------------------------------------------- resume_path
 
 def test_resume_path_none_is_a_fresh_start_in_an_empty_folder(tmp_path):
-    assert CheckpointManager(str(tmp_path), 3).resume_path(None, restarted=False) is None
+    assert CheckpointFolder(str(tmp_path), 3).resume_path(None, restarted=False) is None
 
 
 def test_resume_path_auto_without_last_is_a_fresh_start(tmp_path):
-    assert CheckpointManager(str(tmp_path), 3).resume_path("auto", restarted=False) is None
+    assert CheckpointFolder(str(tmp_path), 3).resume_path("auto", restarted=False) is None
 
 
 def test_resume_path_auto_with_last_continues_from_last(tmp_path):
-    manager = CheckpointManager(str(tmp_path), 3)
+    manager = CheckpointFolder(str(tmp_path), 3)
     manager.save(fake_state(1), 1, is_best=False)
     assert manager.resume_path("auto", restarted=False) == str(tmp_path / "last.pt")
 
 
 def test_resume_path_explicit_existing_file_is_used(tmp_path):
-    manager = CheckpointManager(str(tmp_path), 3)
+    manager = CheckpointFolder(str(tmp_path), 3)
     manager.save(fake_state(1), 1, is_best=False)
     manager.save(fake_state(2), 2, is_best=False)
     chosen = str(tmp_path / "epoch_0001.pt")
@@ -108,12 +108,12 @@ def test_resume_path_explicit_existing_file_is_used(tmp_path):
 def test_resume_path_explicit_missing_file_raises_user_error_naming_it(tmp_path):
     missing = str(tmp_path / "gone.pt")
     with pytest.raises(UserError, match="no such checkpoint file") as caught:
-        CheckpointManager(str(tmp_path), 3).resume_path(missing, restarted=False)
+        CheckpointFolder(str(tmp_path), 3).resume_path(missing, restarted=False)
     assert f"--resume {missing}" in str(caught.value)
 
 
 def test_fresh_start_over_an_existing_last_raises_user_error_mentioning_resume(tmp_path):
-    manager = CheckpointManager(str(tmp_path), 3)
+    manager = CheckpointFolder(str(tmp_path), 3)
     manager.save(fake_state(1), 1, is_best=False)
     with pytest.raises(UserError, match="--resume") as caught:
         manager.resume_path(None, restarted=False)
@@ -122,7 +122,7 @@ def test_fresh_start_over_an_existing_last_raises_user_error_mentioning_resume(t
 
 
 def test_restarted_round_continues_from_last_whatever_resume_says(tmp_path):
-    manager = CheckpointManager(str(tmp_path), 3)
+    manager = CheckpointFolder(str(tmp_path), 3)
     manager.save(fake_state(1), 1, is_best=False)
     manager.save(fake_state(2), 2, is_best=False)
     last = str(tmp_path / "last.pt")
@@ -132,7 +132,7 @@ def test_restarted_round_continues_from_last_whatever_resume_says(tmp_path):
 
 
 def test_restarted_round_without_last_follows_resume(tmp_path):
-    manager = CheckpointManager(str(tmp_path), 3)
+    manager = CheckpointFolder(str(tmp_path), 3)
     assert manager.resume_path(None, restarted=True) is None
     with pytest.raises(UserError):
         manager.resume_path(str(tmp_path / "gone.pt"), restarted=True)

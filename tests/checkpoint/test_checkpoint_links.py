@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.checkpoint.store import CheckpointManager, load
+from imagenet_elastic.checkpoint.store import CheckpointFolder, load
 from imagenet_elastic.errors import StorageError
 
 
@@ -36,7 +36,7 @@ def count_writes(monkeypatch) -> list[str]:
 
 def test_an_epoch_end_save_that_is_best_writes_once_and_links_three_names(tmp_path, monkeypatch):
     writes = count_writes(monkeypatch)
-    CheckpointManager(str(tmp_path), keep=3).save(state(1), 1, is_best=True)
+    CheckpointFolder(str(tmp_path), keep=3).save(state(1), 1, is_best=True)
     assert len(writes) == 1
     names = [tmp_path / n for n in ("last.pt", "epoch_0001.pt", "best.pt")]
     assert {os.stat(p).st_ino for p in names} == {os.stat(names[0]).st_ino}
@@ -45,7 +45,7 @@ def test_an_epoch_end_save_that_is_best_writes_once_and_links_three_names(tmp_pa
 
 
 def test_a_new_last_pt_is_a_new_file_so_older_names_keep_their_contents(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=3)
+    manager = CheckpointFolder(str(tmp_path), keep=3)
     manager.save(state(1), 1, is_best=True)
     manager.save(state(2), 2, is_best=False)
     manager.save(state(3), None)  # mid-epoch: last.pt alone
@@ -56,7 +56,7 @@ def test_a_new_last_pt_is_a_new_file_so_older_names_keep_their_contents(tmp_path
 
 
 def test_pruning_an_epoch_file_keeps_best_pt_that_shares_it(tmp_path):
-    manager = CheckpointManager(str(tmp_path), keep=1)
+    manager = CheckpointFolder(str(tmp_path), keep=1)
     manager.save(state(1), 1, is_best=True)
     manager.save(state(2), 2, is_best=False)
     assert sorted(os.listdir(tmp_path)) == ["best.pt", "epoch_0002.pt", "last.pt"]
@@ -70,7 +70,7 @@ def test_a_file_system_without_hard_links_gets_copies_and_one_warning(tmp_path, 
 
     monkeypatch.setattr(store.os, "link", no_links)
     warnings: list[str] = []
-    manager = CheckpointManager(str(tmp_path), keep=3, warn=warnings.append)
+    manager = CheckpointFolder(str(tmp_path), keep=3, warn=warnings.append)
     manager.save(state(1), 1, is_best=True)
     manager.save(state(2), 2, is_best=True)
     assert len(warnings) == 1 and "does not allow hard links" in warnings[0] and str(tmp_path) in warnings[0]
@@ -82,7 +82,7 @@ def test_a_file_system_without_hard_links_gets_copies_and_one_warning(tmp_path, 
 
 
 def test_a_link_that_fails_for_another_reason_is_a_storage_error_and_nothing_changes(tmp_path, monkeypatch):
-    manager = CheckpointManager(str(tmp_path), keep=3)
+    manager = CheckpointFolder(str(tmp_path), keep=3)
     manager.save(state(1), 1, is_best=True)
     before = sorted(os.listdir(tmp_path))
 
@@ -100,7 +100,7 @@ def test_a_link_that_fails_for_another_reason_is_a_storage_error_and_nothing_cha
 
 
 def test_a_failed_write_removes_its_temp_file_and_names_the_checkpoint_it_was_writing(tmp_path, monkeypatch):
-    manager = CheckpointManager(str(tmp_path), keep=3)
+    manager = CheckpointFolder(str(tmp_path), keep=3)
 
     def quota(state, file):
         file.write(b"partial")

@@ -11,7 +11,7 @@ import torch
 
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.checkpoint.saving import CheckpointWriter, HostCopy
-from imagenet_elastic.checkpoint.store import CheckpointManager, load
+from imagenet_elastic.checkpoint.store import CheckpointFolder, load
 from imagenet_elastic.errors import StorageError
 
 CPU = torch.device("cpu")
@@ -46,7 +46,7 @@ def saved(path) -> dict:
 
 def test_submit_returns_while_the_write_is_held_and_wait_returns_once_it_is_on_disk(tmp_path, monkeypatch):
     gate = GatedWrites(monkeypatch)
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=2), background=True, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=2), background=True, device=CPU)
     writer.submit(live_state(1.0), epoch=1, is_best=False)  # returns: the write is held
     gate.wait_started()
     assert not (tmp_path / "last.pt").exists()
@@ -57,7 +57,7 @@ def test_submit_returns_while_the_write_is_held_and_wait_returns_once_it_is_on_d
 
 def test_the_file_holds_the_state_as_it_was_at_submit_not_as_training_changed_it(tmp_path, monkeypatch):
     gate = GatedWrites(monkeypatch)
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=0), background=True, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=0), background=True, device=CPU)
     state = live_state(1.0)
     writer.submit(state, epoch=None, is_best=False)
     gate.wait_started()
@@ -72,7 +72,7 @@ def test_the_file_holds_the_state_as_it_was_at_submit_not_as_training_changed_it
 def test_a_new_save_waits_for_the_one_in_flight_and_both_land_in_order(tmp_path, monkeypatch):
     gate = GatedWrites(monkeypatch)
     committed = []
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=True, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=3), background=True, device=CPU)
     writer.submit(live_state(1.0), 1, False, after=lambda: committed.append(1))
     gate.wait_started()
     second = threading.Thread(target=writer.submit, args=(live_state(2.0), 2, False),
@@ -111,7 +111,7 @@ def test_a_failed_background_write_is_kept_for_the_training_thread_and_stops_fur
 
     monkeypatch.setattr(store, "save_to", full)
     after = []
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=True, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=3), background=True, device=CPU)
     writer.submit(live_state(1.0), 1, False, after=lambda: after.append(1))
     assert isinstance(writer.wait(), StorageError) and writer.failed
     writer.submit(live_state(2.0), 2, False)  # nothing more is written after a failure
@@ -126,13 +126,13 @@ def test_a_bug_in_the_writer_is_not_disguised_as_a_storage_error(tmp_path, monke
         raise KeyError("oops")
 
     monkeypatch.setattr(store, "save_to", bug)
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=True, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=3), background=True, device=CPU)
     writer.submit(live_state(1.0), 1, False)
     assert isinstance(writer.wait(), KeyError)
 
 
 def test_a_synchronous_writer_has_the_file_on_disk_when_submit_returns(tmp_path):
-    writer = CheckpointWriter(CheckpointManager(str(tmp_path), keep=3), background=False, device=CPU)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=3), background=False, device=CPU)
     writer.submit(live_state(3.0), 1, True)
     assert writer.thread is None and saved(tmp_path / "best.pt")["model"]["w"][0] == 3.0
 

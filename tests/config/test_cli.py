@@ -13,7 +13,7 @@ import torch
 from conftest import REPO
 
 from imagenet_elastic import cli
-from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder
 from imagenet_elastic.cli import build_parser, config_from_args, options_table
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
 from imagenet_elastic.config.options import checkpoint_interval
@@ -225,7 +225,7 @@ def test_resume_of_a_checkpoints_folder_takes_its_last_pt_and_goes_on_saving_the
                  ["/data", f"--resume={folder}"]):
         config = cli.parse(argv)[0]
         assert (config.data, config.resume, config.checkpoints_path) == ("/data", str(folder), str(folder)), argv
-        manager = CheckpointManager(config.checkpoints_path, 1)
+        manager = CheckpointFolder(config.checkpoints_path, 1)
         assert manager.resume_path(config.resume, restarted=False) == str(folder / "last.pt")
     config = cli.parse(["/data", "--resume", str(folder), "--checkpoints-path", str(tmp_path / "run2")])[0]
     assert (config.resume, config.checkpoints_path) == (str(folder), str(tmp_path / "run2"))
@@ -246,7 +246,7 @@ def test_resume_of_a_word_that_is_no_checkpoint_beside_data_names_that_word(tmp_
     said = str(caught.value)
     assert ("without last.pt" if made == "empty folder" else "no such") in said and "beside /data" in said
     with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")):
-        CheckpointManager(str(tmp_path / "ckpt"), 1).resume_path(str(word), restarted=False)  # `--resume=WORD`
+        CheckpointFolder(str(tmp_path / "ckpt"), 1).resume_path(str(word), restarted=False)  # `--resume=WORD`
 
 
 def test_help_shows_every_default_as_the_command_line_writes_it_and_lists_the_other_commands(capsys):

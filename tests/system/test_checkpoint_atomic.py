@@ -11,14 +11,14 @@ import time
 import pytest
 from conftest import child_env, load_checkpoint
 
-from imagenet_elastic.checkpoint.store import CheckpointManager
+from imagenet_elastic.checkpoint.store import CheckpointFolder
 
 pytestmark = pytest.mark.slow  # every test here starts processes
 
 WRITER = r"""
 import sys, torch
-from imagenet_elastic.checkpoint.store import CheckpointManager
-manager = CheckpointManager(sys.argv[1], keep=1)
+from imagenet_elastic.checkpoint.store import CheckpointFolder
+manager = CheckpointFolder(sys.argv[1], keep=1)
 version = 0
 while True:
     version += 1
@@ -47,6 +47,6 @@ def test_sigkill_during_checkpoint_write_leaves_previous_last_pt_loadable(tmp_pa
         assert bool((state["model"]["w"] == float(state["epoch"])).all()), "last.pt mixes two versions"
         assert any(n.startswith(".tmp-") for n in os.listdir(folder)), "the kill did not land mid-write"
         # and the next start uses it: --resume picks last.pt, the interrupted write is known to be stale
-        manager = CheckpointManager(str(folder), keep=1)
+        manager = CheckpointFolder(str(folder), keep=1)
         assert manager.resume_path("auto", restarted=False) == str(folder / "last.pt")
         assert manager.stale_temp_files() and all(".tmp-" in p for p in manager.stale_temp_files())

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import load_checkpoint, python_cmd, run, torchrun_cmd
 
-from imagenet_elastic.checkpoint.store import CheckpointManager, load
+from imagenet_elastic.checkpoint.store import CheckpointFolder, load
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT, StorageError
 from imagenet_elastic.report.metrics import read as read_metrics
 
@@ -43,7 +43,7 @@ def small_tmpfs(path: Path, megabytes: int) -> Iterator[Path]:
 
 def test_a_save_that_does_not_fit_names_the_file_and_leaves_the_previous_checkpoint(tmp_path):
     with small_tmpfs(tmp_path / "disk", 12) as disk:
-        manager = CheckpointManager(str(disk), keep=3)
+        manager = CheckpointFolder(str(disk), keep=3)
         manager.save({"model": {"w": torch.full((2_000_000,), 1.0)}, "epoch": 1}, 1, is_best=True)  # 8 MB: fits
         with pytest.raises(StorageError) as caught:  # another 8 MB beside the first: does not
             manager.save({"model": {"w": torch.full((2_000_000,), 2.0)}, "epoch": 2}, 2, is_best=True)
