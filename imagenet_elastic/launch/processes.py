@@ -7,13 +7,15 @@ came, and only the two settings that starting the ranks needs are read from it (
 For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
 port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
 the others; the parent reports the failing rank's traceback (user errors were already printed by
-the child as one line) and exits non-zero.
+the child as one line) and exits non-zero. A child that stopped as it was asked (a Ctrl-C, a preemption signal,
+which every rank takes) is not a failure: the parent waits for the others to stop on their own (`wait_for_ranks`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import multiprocessing.connection
 import os
 import signal
 import sys
@@ -117,6 +119,7 @@ def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, p
     # checkpoint, or at once the second time): the parent waits for them, and forwards none (a second one each).
     forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     try:
+        wait_for_ranks(context.processes)
         while not context.join():
             pass
     except mp.ProcessExitedException as failed:
@@ -137,6 +140,30 @@ def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, p
     finally:
         for signum, handler in forwarded.items():
             signal.signal(signum, handler)
+
+
+ASKED_STOPS = (INTERRUPTED_EXIT, PREEMPTED_EXIT)  # the exits of a stop every rank is asked for
+STOP_GRACE_S = 60.0
+
+
+def wait_for_ranks(processes: list, grace_s: float = STOP_GRACE_S) -> None:
+    """Until every rank has ended, or one ended otherwise than with 0 or a stop it was asked for; then torch's join
+    stops the rest. After a rank's asked-for stop, the others are stopping too, each on its own signal: stopping
+    them would cut their stop short (and add torch's line about it). They get `grace_s` from the first such stop."""
+    deadline = None
+    pending = list(processes)
+    while pending:
+        timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+        ready = multiprocessing.connection.wait([p.sentinel for p in pending], timeout)
+        if not ready:
+            return  # the grace is over: torch's join stops what is left
+        for process in [p for p in pending if p.sentinel in ready]:
+            process.join()
+            if process.exitcode not in (0, *ASKED_STOPS):
+                return
+            if process.exitcode in ASKED_STOPS and deadline is None:
+                deadline = time.monotonic() + grace_s
+        pending = [p for p in pending if p.exitcode is None]
 
 
 def forward_signals(signums: tuple[int, ...], pids: list[int]) -> dict[int, object]:
