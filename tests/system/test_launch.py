@@ -91,6 +91,7 @@ class RanksThatStop:
 
     def __init__(self, ended: BaseException | None) -> None:
         self.ended = ended
+        self.processes: list = []  # none to wait for before the join: it says how they ended
 
     def pids(self) -> list[int]:
         return []
