@@ -376,6 +376,12 @@ def saved_setting(settings: dict[str, Any], name: str) -> Any:
     return settings[name] if name in settings else Config.__dataclass_fields__[name].default
 
 
+def saved_eval_sizes(settings: dict[str, Any]) -> tuple[int, int]:
+    """`eval_sizes` of a checkpoint's run, from its saved settings: the crop its model was made for and validated at,
+    and the short side it was cut from (for a resume, a teacher, `evaluate` and `export` alike)."""
+    return eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"), settings.get("val_resize"))
+
+
 def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Optional[int]) -> tuple[int, int]:
     """Validation's centre crop and the short side it is cut from: also what a checkpoint's saved
     settings mean to `imagenet-elastic export`."""

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import torch
 from torch import nn
 
-from imagenet_elastic.config import WEIGHT_SOURCES, eval_sizes, saved_setting
+from imagenet_elastic.config import WEIGHT_SOURCES, saved_eval_sizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.models import tiny_models
 
@@ -32,9 +32,7 @@ def run_sizes(config: Config, built_for: Optional[int] = None) -> tuple[tuple[in
 
 def saved_sizes(settings: dict[str, Any]) -> tuple[tuple[int, str], ...]:
     """The size a checkpoint's model was made for (its run's validation crop), from its saved settings."""
-    crop = eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"),
-                      settings.get("val_resize"))[0]
-    return ((crop, "the checkpoint's --val-crop-size"),)
+    return ((saved_eval_sizes(settings)[0], "the checkpoint's --val-crop-size"),)
 
 
 def input_options(name: str, sizes: Sizes) -> dict[str, Any]:

@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.config import saved_eval_sizes
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.models import weights
@@ -72,8 +72,7 @@ def read(spec: str) -> TeacherWeights:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
     source = loaded.source
     if loaded.kind == CHECKPOINT:
-        crop = eval_sizes(saved_setting(loaded.settings, "image_size"), loaded.settings.get("val_crop_size"),
-                          loaded.settings.get("val_resize"))[0]
+        crop = saved_eval_sizes(loaded.settings)[0]
         wanted = TeacherInput((crop, crop), IMAGENET_MEAN, IMAGENET_STD)
         source += "" if os.path.isfile(spec) else f" ({os.path.join(spec, store.BEST)})"
     else:

@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.config import eval_sizes
+from imagenet_elastic.config import eval_sizes, saved_eval_sizes
 from imagenet_elastic.data.pixels import INTERPOLATIONS
 from imagenet_elastic.errors import UserError
 
@@ -71,8 +71,7 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
         raise UserError(f"MODEL {name} is a timm model name: scoring its published weights needs --pretrained")
     loaded = weights.load_weights(name, "MODEL", ema)
     if kind == weights.CHECKPOINT:
-        settings = loaded.settings
-        crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
+        crop, resize = saved_eval_sizes(loaded.settings)
         own = dataclasses.replace(ours(crop), resize=resize)
         return Model(loaded.model, loaded.class_names, own, crop, loaded.val_print)
     module = loaded.model

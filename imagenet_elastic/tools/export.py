@@ -27,7 +27,7 @@ from typing import Any
 
 from imagenet_elastic.atomic_files import process_umask
 from imagenet_elastic.checkpoint import store
-from imagenet_elastic.config import eval_sizes, saved_setting
+from imagenet_elastic.config import saved_eval_sizes, saved_setting
 from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
@@ -55,7 +55,7 @@ def crop_fraction(crop: int, resize: int) -> float:
 
 def preprocessing(settings: dict[str, Any]) -> dict[str, Any]:
     """Our validation's preprocessing in timm's terms."""
-    crop, resize = eval_sizes(settings["image_size"], settings.get("val_crop_size"), settings.get("val_resize"))
+    crop, resize = saved_eval_sizes(settings)
     return {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
             "interpolation": "bilinear", "mean": tuple(m / 255 for m in IMAGENET_MEAN),
             "std": tuple(s / 255 for s in IMAGENET_STD)}
