@@ -12,14 +12,12 @@ of its weights, its input), and a resume from a checkpoint distilled from anothe
 from __future__ import annotations
 
 import hashlib
-import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
-from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import saved_eval_sizes
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError
@@ -74,7 +72,7 @@ def read(spec: str) -> TeacherWeights:
     if loaded.kind == CHECKPOINT:
         crop = saved_eval_sizes(loaded.settings)[0]
         wanted = TeacherInput((crop, crop), IMAGENET_MEAN, IMAGENET_STD)
-        source += "" if os.path.isfile(spec) else f" ({os.path.join(spec, store.BEST)})"
+        source += f" ({loaded.read})" if loaded.read != spec else ""
     else:
         wanted = timm_input(loaded.model)
     return TeacherWeights(loaded.model, spec, loaded.kind, source, loaded.classes, loaded.class_names, wanted,

@@ -34,6 +34,7 @@ CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
 class Weights:
     model: nn.Module  # on the CPU
     kind: str  # CHECKPOINT, EXPORT or PUBLISHED
+    read: str  # the file, folder or timm name read (a run's checkpoints folder: its best.pt)
     source: str  # what the weights are and where they came from, in words
     class_names: Optional[tuple[str, ...]]  # a checkpoint's classes, an export's label_names; None where unsaid
     settings: Optional[dict[str, Any]] = None  # a checkpoint's run's settings (how it validated)
@@ -69,11 +70,14 @@ def resolve(spec: str, flag: str) -> tuple[str, str]:
     return PUBLISHED, spec
 
 
-def load_weights(spec: str, flag: str, ema: bool = False) -> Weights:
-    """The model `spec` names (`resolve`); `ema`: a checkpoint's weight average instead of its raw weights."""
+def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True) -> Weights:
+    """The model `spec` names (`resolve`); `ema`: a checkpoint's weight average instead of its raw weights;
+    `published`: whether a timm name's published weights may be read (`evaluate` asks for --pretrained first)."""
     kind, target = resolve(spec, flag)
     if kind == CHECKPOINT:
         return from_checkpoint(target, flag, ema)
+    if kind == PUBLISHED and not published:
+        raise UserError(f"{flag} {spec} is a timm model name: reading its published weights needs --pretrained")
     if ema:
         raise UserError(f"--ema applies to our checkpoints only, not to {flag} {spec}")
     model = published_weights.create(f"local-dir:{target}" if kind == EXPORT else target, flag)
@@ -82,11 +86,11 @@ def load_weights(spec: str, flag: str, ema: bool = False) -> Weights:
         config = folder_config(spec.removeprefix("local-dir:"))
         if isinstance(config.get("imagenet_elastic"), dict) and config["imagenet_elastic"].get("blurpool"):
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
-        return Weights(model, kind, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
+        return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
                        exported_class_names(config))
     where = published_weights.describe_source(model, spec)
-    return Weights(model, kind, f"published weights of {architecture}" + (f": {where}" if where != spec else ""),
-                   None)
+    return Weights(model, kind, target,
+                   f"published weights of {architecture}" + (f": {where}" if where != spec else ""), None)
 
 
 def from_checkpoint(path: str, flag: str, ema: bool) -> Weights:
@@ -105,7 +109,7 @@ def from_checkpoint(path: str, flag: str, ema: bool) -> Weights:
                          sizes=saved_sizes(settings))
     model.load_state_dict(weights)
     which = "weight average" if ema else "raw weights"
-    return Weights(model, CHECKPOINT, f"our checkpoint of {snapshot['model_name']}, its {which} after step "
+    return Weights(model, CHECKPOINT, path, f"our checkpoint of {snapshot['model_name']}, its {which} after step "
                    f"{snapshot['step']}", names, settings, (snapshot.get("data") or {}).get("val"))
 
 

@@ -66,10 +66,8 @@ def load_model(name: str, pretrained: bool, ema: bool) -> Model:
     """Our checkpoint, an export folder, or a timm name (--pretrained), read by models/weights.py."""
     from imagenet_elastic.models import weights
 
-    kind = weights.resolve(name, "MODEL")[0]
-    if kind == weights.PUBLISHED and not pretrained:
-        raise UserError(f"MODEL {name} is a timm model name: scoring its published weights needs --pretrained")
-    loaded = weights.load_weights(name, "MODEL", ema)
+    loaded = weights.load_weights(name, "MODEL", ema, published=pretrained)
+    kind = loaded.kind
     if kind == weights.CHECKPOINT:
         crop, resize = saved_eval_sizes(loaded.settings)
         own = dataclasses.replace(ours(crop), resize=resize)
