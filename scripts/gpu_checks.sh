@@ -22,8 +22,9 @@
 # does not stop the ones after it, and each is followed by {"part", "exit", "seconds"}.
 #
 # MODEL, BATCH, SIZE, BATCHES (measured batches of every benchmark; default each part's own) and ROUNDS (the loader
-# part's; default 3) may be set in the environment: tests/scripts/test_gpu_checks.py and tests/scripts/test_gpu_proof.py run the
-# parts and both entries on a CPU with a tiny model, so that no GPU time goes to a flag the benchmark no longer takes.
+# part's; default 3) may be set in the environment: tests/scripts/test_gpu_checks.py and
+# tests/scripts/test_gpu_proof.py run the parts and both entries on a CPU with a tiny model, so that no GPU time goes
+# to a flag the benchmark no longer takes.
 #
 # PART: proof | proof_rest | versions | data | synthetic | device_ops | loader | checkpoint | restart | train
 #       | all (every part but the two entries, in order). The CUDA tests (every test marked cuda) run in `proof`.

@@ -10,7 +10,6 @@ the measure of the code's hallways that docs/DEVELOPMENT.md keeps. Files the bui
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import sys
@@ -19,8 +18,9 @@ import traceback
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path[:0] = [str(REPO), str(REPO / "scripts")]  # the checkout's package; make_fake_imagenet
 
+import make_fake_imagenet  # noqa: E402
 from torch.optim.optimizer import register_optimizer_step_pre_hook  # noqa: E402
 
 from imagenet_elastic import cli  # noqa: E402
@@ -54,15 +54,12 @@ def main() -> None:
         seen.setdefault("checkpoint write", package_frames())
         return save_to(*args, **kwargs)
 
-    spec = importlib.util.spec_from_file_location("make_fake_imagenet", REPO / "scripts" / "make_fake_imagenet.py")
-    fake = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(fake)
     hook = register_optimizer_step_pre_hook(at_step)
     store.save_to = saving  # the state's bytes into the temp file the commit renames
     try:
         with tempfile.TemporaryDirectory() as folder:
             for split in ("train", "val"):
-                fake.make_split(folder, split, num_classes=2, per_class=8, size=(40, 40), seed=0)
+                make_fake_imagenet.make_split(folder, split, num_classes=2, per_class=8, size=(40, 40), seed=0)
             cli.main([folder, "--model", "test_resnet", "--image-size", "32", "--batch-size", "8", "--epochs", "1",
                       "--max-steps-per-epoch", "1", "--workers", "0", "--threads", "1", "--amp", "none",
                       "--no-async-checkpoint", "--no-tensorboard", "--checkpoints-path",

@@ -227,7 +227,9 @@ class Trainer:
         folder = self.config.checkpoints_path
         then = [functools.partial(metrics.write, folder, list(state.history))] if epoch_end else []  # the rows of
         # the epochs the checkpoint holds
-        then += [w for w in [self.compilation.cache_write()] if w is not None]  # graphs compiled since the first step
+        cache = self.compilation.cache_write()  # graphs compiled since the first step
+        if cache is not None:
+            then.append(cache)
         if not self.saved_once:  # this run's first checkpoint: its settings, and the trackers' runs it now holds
             then += [functools.partial(yaml_file.write, folder, self.config), self.sinks.forget_pending]
             self.saved_once = True
