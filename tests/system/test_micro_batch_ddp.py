@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from conftest import REPO, SHORT_RUN, assert_same_tensors, finish, load_checkpoint, several_at_once, start, torchrun_cmd
-from ddp_failures import Failure, context, model
+from ddp_failures import FAILING_STEP, Failure, context, model
 
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
@@ -27,7 +27,7 @@ from imagenet_elastic.train import micro_batch
 from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain
 from imagenet_elastic.train.step import StepContext
 
-STEPS, FAILING_STEP, GLOBAL, LOADER_MICRO = 4, 2, 16, 4  # two micro-batches of 4 per rank, then four of 2
+STEPS, GLOBAL, LOADER_MICRO = 4, 16, 4  # two micro-batches of 4 per rank, then four of 2 (from FAILING_STEP)
 
 
 def global_batch(step: int) -> Batch:
