@@ -32,9 +32,9 @@ import device_ops  # noqa: E402
 import index_memory  # noqa: E402
 
 from imagenet_elastic.config import add_setting  # noqa: E402
-from imagenet_elastic.config.options import Parser, positive_int  # noqa: E402
 from imagenet_elastic.data import sources  # noqa: E402
 from imagenet_elastic.errors import UserError, report  # noqa: E402
+from imagenet_elastic.options import Parser, positive_int  # noqa: E402
 from imagenet_elastic.tools import benchmark, throughput  # noqa: E402
 
 MODES = ("device_ops", "index", "checkpoint")

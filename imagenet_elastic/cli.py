@@ -13,7 +13,6 @@ from collections.abc import Sequence
 from typing import NoReturn, Optional
 
 from imagenet_elastic.config import (
-    GROUPS,
     LAST_FILE,
     RESUME_AUTO,
     Config,
@@ -22,9 +21,9 @@ from imagenet_elastic.config import (
     saved_setting,
     setting_fields,
 )
-from imagenet_elastic.config.options import HelpFormatter, Parser, non_negative_int, shown
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
+from imagenet_elastic.options import GROUPS, HelpFormatter, Parser, non_negative_int, shown
 
 
 def build_parser() -> Parser:

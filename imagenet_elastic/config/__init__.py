@@ -9,19 +9,21 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.config import options
-from imagenet_elastic.data.augment import POLICIES, Augment, check_range
-from imagenet_elastic.data.device.jpeg_decoders import JPEG_DECODERS
-from imagenet_elastic.data.resolution import TrainSizes
+from imagenet_elastic import options
+from imagenet_elastic.data.augment import AugmentSettings, check_range
+from imagenet_elastic.data.decoding import DecodeSettings
+from imagenet_elastic.data.resolution import ResolutionSettings, TrainSizes
+from imagenet_elastic.data.sources import SourceSettings
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.launch.launchers import METHODS as LAUNCH_METHODS
-from imagenet_elastic.launch.preemption import DEFAULT_SIGNALS
-from imagenet_elastic.optim.optimizer import OPTIMIZERS
-from imagenet_elastic.optim.schedule import SCHEDULES
-from imagenet_elastic.report.sinks import TRACKERS
+from imagenet_elastic.launch.launchers import LaunchSettings
+from imagenet_elastic.launch.preemption import PreemptionSettings
+from imagenet_elastic.optim.optimizer import OptimizerSettings
+from imagenet_elastic.optim.schedule import ScheduleSettings
+from imagenet_elastic.options import option
+from imagenet_elastic.report.sinks import ReportSettings
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resume` and `--resume FOLDER` take
@@ -41,39 +43,16 @@ RESUME_SENSITIVE = (
 )  # --teacher: the identity of its weights is compared instead (models/teacher_weights.compare)
 # Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
 VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
-DECODE_MODES = ("auto", "cpu", "gpu")  # --decode: decoding.Decoding
-GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
-          "checkpoints": "checkpoints", "distributed": "distributed"}
-
-
-def option(default: Any, help: str, group: str, metavar: Optional[str] = None, shown_default: Optional[str] = None,
-           **argparse_options: Any) -> Any:
-    """A setting's field: its default and what its command-line option needs (argparse's keywords),
-    plus the default as docs/OPTIONS.md shows it where the value alone would not say it."""
-    return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
-                                            "shown_default": shown_default, "argparse": argparse_options})
-
-
-def tracker_setting(name: str) -> Any:
-    """The setting of experiment tracker `name` (report/sinks' TRACKERS), which its class describes: metavar, help."""
-    tracker = TRACKERS[name]
-    return option(None, tracker.help, "run", tracker.metavar)
 
 
 @dataclass(frozen=True)
-class Config:
-    data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
-                                        "shards (`imagenet-elastic pack`, WebDataset); a folder of Hugging Face "
-                                        "parquet files; or the train split itself: a folder, a shard pattern "
-                                        "(`shards-{0000..1023}.tar`) or a glob. A prefix (`folder:`, `wds:`, "
-                                        "`parquet:`) names the form",
-                                "metavar": "DATA", "positional": True})
-    val_path: Optional[str] = option(None, "the validation split: class folders, tar shards (a folder or a pattern), "
-                                     "parquet files, or a flat folder of images with --val-labels", "run", "PATH",
-                                     shown_default="`DATA/val`")
-    val_labels: Optional[str] = option(
-        None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "
-        "ImageNet's LOC_val_solution.csv", "run", "FILE")
+class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings, ScheduleSettings, OptimizerSettings,
+             ResolutionSettings, AugmentSettings, SourceSettings):
+    """Every setting of a run. A folder below config/ declares its own beside what they choose from (SourceSettings
+    in data/sources, OptimizerSettings in optim/optimizer.py, ...): they are gathered here, the last base's first
+    (DATA leads). Those of the model, the step and the checkpoints, whose folders import config/, are declared
+    here."""
+
     model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained; with "
                         "--pretrained also a pretrained tag (`resnet50.a1_in1k`) or `hf-hub:ORG/NAME` or "
                         "`local-dir:FOLDER`", "model", "NAME")
@@ -98,21 +77,6 @@ class Config:
     val_flip_average: bool = option(
         False, "validate on the mean of the logits of each image and of its mirror image (FFCV's lr_tta: its "
         "published results use it); an exported model does not do it", "model", action=argparse.BooleanOptionalAction)
-    scale: tuple[float, float] = option(
-        (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
-        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)
-    ratio: tuple[float, float] = option(
-        (3 / 4, 4 / 3), "random-resized crop: the range of its aspect ratio (width / height)", "augment",
-        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float)
-    hflip: float = option(0.5, "probability of a horizontal flip; 0 where a mirrored image means something else "
-                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
-    auto_augment: str = option(
-        "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
-        "imagenet (AutoAugment's ImageNet policy); in the loader workers, or on the device under --decode gpu",
-        "augment", choices=list(POLICIES))
-    random_erase: float = option(
-        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel",
-        "augment", "P", type=options.probability)
     mixup_alpha: float = option(
         0.0, "mixup: images at positions 2k and 2k+1 of each global batch become weighted averages of the two, with "
         "a weight from Beta(A, A) per pair, and their targets the same mix of the labels (0: off)", "augment", "A",
@@ -122,17 +86,6 @@ class Config:
         "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
         "(each micro-batch must then hold an even number of images)", "augment", "A",
         type=options.non_negative_float)
-    ra_reps: int = option(
-        1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
-        "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
-        "it sees 1/N of the images", "augment", "N", type=options.positive_int)
-    progressive_resize: Optional[tuple[int, int]] = option(
-        None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
-        "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",
-        "LOW,HIGH", type=options.increasing_pair)
-    progressive_epochs: Optional[tuple[int, int]] = option(
-        None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
-        "augment", "START,END", type=options.increasing_pair)
     epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
@@ -147,32 +100,6 @@ class Config:
         None, "samples per optimizer step over all processes; kept when the world size changes, so the "
         "optimisation does not (docs/LAUNCHING.md, Fault tolerance)", "model", "N",
         shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
-    lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
-                       "start)", "model", "X", type=options.positive_float)
-    opt: str = option("sgd", "optimizer: " + options.described(OPTIMIZERS), "model", choices=list(OPTIMIZERS))
-    momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
-                             type=options.non_negative_float)
-    weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
-                                 "those timm's model.no_weight_decay() names (a ViT's pos_embed and cls_token)",
-                                 "model", "X",
-                                 type=options.non_negative_float)
-    layer_decay: Optional[float] = option(
-        None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
-        "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
-        type=options.positive_float)
-    clip_grad_norm: Optional[float] = option(
-        None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
-        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float)
-    warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
-                                  "X", type=options.non_negative_float)
-    sched: str = option(
-        "cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the last step, or "
-        "step (x --decay-rate every --decay-epochs, counted from the first epoch)", "model", choices=list(SCHEDULES))
-    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
-                           type=options.non_negative_float)
-    decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
-                                 type=options.positive_float)
-    decay_rate: float = option(0.1, "step decay: the factor", "model", "X", type=options.positive_float)
     model_ema: bool = option(
         False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
         "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
@@ -243,22 +170,6 @@ class Config:
         "Checkpoints hold the original module's weights (no `_orig_mod.` prefix), so compiled and eager runs "
         "resume each other; validation runs eager", "model", shown_default="on CUDA, off on CPU",
         action=argparse.BooleanOptionalAction)
-    decode: str = option(
-        "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "
-        "a thread of the training process decodes each batch on the device (--gpu-decoder) and crops, resizes, "
-        "flips, runs the policy and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall "
-        "back to the CPU, each kind reported once by each rank that meets it); auto: gpu on CUDA when there is a "
-        "policy or erasing, or fewer than 32 cores per process, else cpu (the start-up table says which and why)",
-        "run", choices=list(DECODE_MODES))
-    gpu_decoder: str = option(
-        "auto", "the JPEG library --decode gpu decodes with: " + options.described(JPEG_DECODERS) + "; auto: the "
-        "first of these that decodes on this device (the start-up table says which and why)", "run",
-        choices=["auto", *JPEG_DECODERS])
-    workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
-                                    shown_default="cores per process - 1 (max 8; max 4 under --decode gpu)",
-                                    type=options.non_negative_int)
-    threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
-                                    shown_default="cores / processes per node", type=options.positive_int)
     device: str = option("auto", "`cuda:LOCAL_RANK` when CUDA is visible", "run", choices=["auto", "cpu", "cuda"])
     checkpoints_path: str = option("./checkpoints", "where checkpoints and `metrics.jsonl` go", "checkpoints", "DIR")
     keep_checkpoints: int = option(3, "newest `epoch_NNNN.pt` files kept (0: none, `last.pt`/`best.pt` only)",
@@ -277,37 +188,10 @@ class Config:
     checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
         (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "
         "(`500,10m`)", "checkpoints", "EVERY", shown_default="", type=options.checkpoint_interval)
-    preempt_signals: tuple[str, ...] = option(
-        DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
-        "checkpoints", "SIGNALS", type=options.signals)
-    requeue_on_preempt: bool = option(
-        False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
-        "checkpoints", action=argparse.BooleanOptionalAction)
     evaluate: bool = option(False, "validate the `--resume` checkpoint and exit; its model (--model, --pretrained, "
                             "--blurpool) and validation sizes (--image-size, --val-crop-size, --val-resize) are the "
                             "checkpoint's unless given", "run", action="store_true")
     max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
-    log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
-                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
-    tensorboard: Optional[bool] = option(
-        None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
-        "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
-        shown_default="when installed", action=argparse.BooleanOptionalAction)
-    wandb: Optional[str] = tracker_setting("wandb")
-    mlflow: Optional[str] = tracker_setting("mlflow")
-    dist_init_method: str = option(
-        "env", "where ranks come from (docs/LAUNCHING.md): " + options.described(LAUNCH_METHODS), "distributed",
-        choices=list(LAUNCH_METHODS))
-    nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
-                                           "distributed", "N", shown_default="visible GPUs, else 1",
-                                           type=options.positive_int)
-    master_port: Optional[int] = option(None, "rendezvous port for slurm/mpi/spawn (Slurm default: from the job id)",
-                                        "distributed", "N", type=options.port_number)
-    dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
-                                     "tcp://HOST:PORT")
-    dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
-                                 "SECONDS", type=options.positive_float)
-
     def __post_init__(self) -> None:
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
         check_range("--scale", self.scale, high=1.0)
@@ -329,10 +213,6 @@ class Config:
                             "pass one")
         if self.model.startswith(WEIGHT_SOURCES) and not self.pretrained:
             raise UserError(f"--model {self.model} names published weights: add --pretrained")
-
-    @property
-    def augment(self) -> Augment:
-        return Augment(tuple(self.scale), tuple(self.ratio), self.hflip, self.auto_augment, self.random_erase)
 
     @property
     def train_sizes(self) -> TrainSizes:

@@ -18,8 +18,8 @@ import yaml
 
 from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
 from imagenet_elastic.config import Config, flag, setting_fields
-from imagenet_elastic.config.options import Parser
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.options import Parser
 
 FILE_NAME = "config.yaml"  # beside the checkpoints: the settings of the run that wrote them
 

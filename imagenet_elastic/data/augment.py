@@ -20,7 +20,9 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+from imagenet_elastic import options
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.options import option
 
 if TYPE_CHECKING:  # torch is imported where pixels are touched: the command line checks these settings first
     import torch
@@ -191,3 +193,33 @@ def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = No
         raise UserError(f"{flag}: MIN must not exceed MAX, got {low:g} {top:g}")
     if high is not None and top > high:
         raise UserError(f"{flag}: at most {high:g}, got {top:g}")
+
+
+@dataclass(frozen=True)
+class AugmentSettings:
+    """Training's augmentation of each sample (`Augment`), and how many times each image repeats in a batch.
+    Declared beside what they choose from; config.Config gathers every folder's settings."""
+
+    scale: tuple[float, float] = option(
+        (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
+        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)
+    ratio: tuple[float, float] = option(
+        (3 / 4, 4 / 3), "random-resized crop: the range of its aspect ratio (width / height)", "augment",
+        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float)
+    hflip: float = option(0.5, "probability of a horizontal flip; 0 where a mirrored image means something else "
+                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
+    auto_augment: str = option(
+        "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
+        "imagenet (AutoAugment's ImageNet policy); in the loader workers, or on the device under --decode gpu",
+        "augment", choices=list(POLICIES))
+    random_erase: float = option(
+        0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel",
+        "augment", "P", type=options.probability)
+    ra_reps: int = option(
+        1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
+        "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
+        "it sees 1/N of the images", "augment", "N", type=options.positive_int)
+
+    @property
+    def augment(self) -> Augment:
+        return Augment(tuple(self.scale), tuple(self.ratio), self.hflip, self.auto_augment, self.random_erase)

@@ -20,9 +20,11 @@ from typing import Optional
 
 import torch
 
+from imagenet_elastic import options
 from imagenet_elastic.data import pipeline, pixels
 from imagenet_elastic.data.augment import Augment
 from imagenet_elastic.data.device import gpu_decode, jpeg_decoders
+from imagenet_elastic.options import option
 
 # Cores per training process from which --decode auto leaves decoding to CPU workers (when there is no policy).
 # Measured on one H100 with 16 cores (docs/BENCHMARKS.md): 14 loader workers fed resnet50 (bf16, 224 px, batch
@@ -33,6 +35,29 @@ CPU_DECODE_CORES = 32
 # the choices (no decoding), so a few feed a GPU (docs/BENCHMARKS.md, "what a worker costs under --decode gpu")
 # and the rest of the node's cores stay free.
 GPU_DECODE_WORKERS = 4
+
+DECODE_MODES = ("auto", "cpu", "gpu")  # --decode
+
+
+@dataclass(frozen=True)
+class DecodeSettings:
+    """Where images are decoded and augmented (`Decoding`), with which JPEG library, by how many loader workers.
+    Declared beside what they choose from; config.Config gathers every folder's settings."""
+
+    decode: str = option(
+        "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "
+        "a thread of the training process decodes each batch on the device (--gpu-decoder) and crops, resizes, "
+        "flips, runs the policy and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall "
+        "back to the CPU, each kind reported once by each rank that meets it); auto: gpu on CUDA when there is a "
+        "policy or erasing, or fewer than 32 cores per process, else cpu (the start-up table says which and why)",
+        "run", choices=list(DECODE_MODES))
+    gpu_decoder: str = option(
+        "auto", "the JPEG library --decode gpu decodes with: " + options.described(jpeg_decoders.JPEG_DECODERS)
+        + "; auto: the first of these that decodes on this device (the start-up table says which and why)", "run",
+        choices=["auto", *jpeg_decoders.JPEG_DECODERS])
+    workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
+                                    shown_default="cores per process - 1 (max 8; max 4 under --decode gpu)",
+                                    type=options.non_negative_int)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from imagenet_elastic import options
+from imagenet_elastic.options import option
+
 MULTIPLE = 32  # sizes on the ramp are rounded to this (FFCV's rule; a ResNet's total stride)
 
 
@@ -44,3 +47,17 @@ class TrainSizes:
         ramp = range(max(0, start), min(epochs, end + 1))
         text = f"{self(0)} -> {self(epochs - 1)} px"
         return text + (f" over epochs {start + 1}-{end + 1} ({', '.join(str(self(e)) for e in ramp)})" if ramp else "")
+
+
+@dataclass(frozen=True)
+class ResolutionSettings:
+    """Progressive resizing: the ramp of training's crop size (`TrainSizes`). Declared beside what they choose
+    from; config.Config gathers every folder's settings."""
+
+    progressive_resize: Optional[tuple[int, int]] = option(
+        None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
+        "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",
+        "LOW,HIGH", type=options.increasing_pair)
+    progressive_epochs: Optional[tuple[int, int]] = option(
+        None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
+        "augment", "START,END", type=options.increasing_pair)

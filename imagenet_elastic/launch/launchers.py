@@ -14,8 +14,10 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional
 from urllib.parse import urlparse
 
+from imagenet_elastic import options
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.hostlist import first_host
+from imagenet_elastic.options import option
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN = "torchrun or torch.distributed.launch"
@@ -302,6 +304,27 @@ METHODS: dict[str, LaunchMethod] = {
     "spawn": LaunchMethod(plan_spawn, "start --nproc-per-node local processes"),
     "mpi": LaunchMethod(plan_mpi, "`OMPI_COMM_WORLD_*` or `PMI_*`"),
 }
+
+
+@dataclass(frozen=True)
+class LaunchSettings:
+    """Where the ranks come from (one of `METHODS`), how they meet, and the threads each one runs. Declared
+    beside what they choose from; config.Config gathers every folder's settings."""
+
+    dist_init_method: str = option(
+        "env", "where ranks come from (docs/LAUNCHING.md): " + options.described(METHODS), "distributed",
+        choices=list(METHODS))
+    nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
+                                           "distributed", "N", shown_default="visible GPUs, else 1",
+                                           type=options.positive_int)
+    master_port: Optional[int] = option(None, "rendezvous port for slurm/mpi/spawn (Slurm default: from the job id)",
+                                        "distributed", "N", type=options.port_number)
+    dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
+                                     "tcp://HOST:PORT")
+    dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
+                                 "SECONDS", type=options.positive_float)
+    threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
+                                    shown_default="cores / processes per node", type=options.positive_int)
 
 
 def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,

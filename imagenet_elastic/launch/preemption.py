@@ -13,14 +13,17 @@ is then lost): the trainer then says which checkpoint was kept and how many step
 
 from __future__ import annotations
 
+import argparse
 import os
 import signal
 import subprocess
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import FrameType
 from typing import Optional
 
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.options import option
 
 DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
 
@@ -37,6 +40,27 @@ def parse_signals(text: str) -> tuple[str, ...]:
             raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught")
         names.append(name)
     return tuple(dict.fromkeys(names))
+
+
+def signals_option(text: str) -> tuple[str, ...]:
+    """--preempt-signals' type: parse_signals, its error as argparse reports a bad value."""
+    try:
+        return parse_signals(text)
+    except UserError as error:
+        raise argparse.ArgumentTypeError(str(error).split(": ", 1)[-1]) from None
+
+
+@dataclass(frozen=True)
+class PreemptionSettings:
+    """Which signals mean "checkpoint at the next step and stop", and what follows the stop. Declared beside
+    what they choose from; config.Config gathers every folder's settings."""
+
+    preempt_signals: tuple[str, ...] = option(
+        DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
+        "checkpoints", "SIGNALS", type=signals_option)
+    requeue_on_preempt: bool = option(
+        False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",
+        "checkpoints", action=argparse.BooleanOptionalAction)
 
 
 def signal_numbers(names: tuple[str, ...]) -> tuple[int, ...]:

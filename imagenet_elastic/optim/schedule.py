@@ -6,8 +6,28 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from imagenet_elastic import options
+from imagenet_elastic.options import option
+
 REFERENCE_BATCH = 256
 SCHEDULES = ("cosine", "linear", "step")  # --sched
+
+
+@dataclass(frozen=True)
+class ScheduleSettings:
+    """The LR's warmup and its decay (one of `SCHEDULES`). Declared beside what they choose from; config.Config
+    gathers every folder's settings."""
+
+    warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
+                                  "X", type=options.non_negative_float)
+    sched: str = option(
+        "cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the last step, or "
+        "step (x --decay-rate every --decay-epochs, counted from the first epoch)", "model", choices=list(SCHEDULES))
+    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
+                           type=options.non_negative_float)
+    decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
+                                 type=options.positive_float)
+    decay_rate: float = option(0.1, "step decay: the factor", "model", "X", type=options.positive_float)
 
 
 def scaled_lr(base_lr: float, global_batch: int) -> float:

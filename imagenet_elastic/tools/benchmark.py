@@ -29,10 +29,10 @@ from typing import Any, Optional
 import torch
 
 from imagenet_elastic.config import add_setting
-from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.launch import distributed
+from imagenet_elastic.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.tools import throughput
 
 MODES = ("loader", "synthetic", "end_to_end")

@@ -33,9 +33,9 @@ from typing import Any
 import numpy as np
 
 from imagenet_elastic.config import add_setting
-from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.tools.eval_labels import (
     Relabelled,
     check_real_classes,

@@ -28,9 +28,9 @@ from typing import Any
 from imagenet_elastic.atomic_files import process_umask
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import saved_eval_sizes, saved_setting
-from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.options import HelpFormatter, Parser
 
 # What gives a model timm rebuilt from an export of a --blurpool run its blur back (models/blurpool.py)
 BLURPOOL_CALL = "from imagenet_elastic.models.blurpool import blur_strided_convs; blur_strided_convs(model)"

@@ -40,10 +40,10 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Optional
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes
-from imagenet_elastic.config.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UserError, report
+from imagenet_elastic.options import HelpFormatter, Parser, positive_int
 from imagenet_elastic.tools.pack_shard import Options, Split, Written, shard_name, write_shard
 
 PACK_FILE = tar_shards.PACK_FILE

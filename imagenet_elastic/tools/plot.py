@@ -24,8 +24,8 @@ import sys
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
-from imagenet_elastic.config.options import HelpFormatter, Parser
 from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.options import HelpFormatter, Parser
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.metrics import is_number
 from imagenet_elastic.report.sinks import steps_file

@@ -16,8 +16,8 @@ from imagenet_elastic import cli
 from imagenet_elastic.checkpoint.store import CheckpointFolder
 from imagenet_elastic.cli import build_parser, config_from_args, options_table
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
-from imagenet_elastic.config.options import checkpoint_interval
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.options import checkpoint_interval
 
 OPTIONS = REPO / "docs" / "OPTIONS.md"
 
@@ -300,3 +300,19 @@ def test_each_optimizer_and_launcher_brings_its_own_help_to_the_option_that_choo
     for field, registry in (("opt", OPTIMIZERS), ("dist_init_method", METHODS)):
         for name, entry in registry.items():
             assert f"{name} ({entry.help})" in fields[field], (field, name)
+
+
+
+def test_a_tracker_in_TRACKERS_is_a_setting_and_a_flag_with_its_own_help():
+    """A new tracker is its module and a line in TRACKERS: its setting, flag and help follow, with no Config field."""
+    from imagenet_elastic.report import sinks
+    from imagenet_elastic.report.sinks.tracker import Tracker
+
+    class Neptune(Tracker):
+        option, metavar, help = "neptune", "PROJECT", "log to a Neptune project"
+
+    made = {f.name: f.metadata for f in dataclasses.fields(sinks.tracker_settings({"neptune": Neptune}))}
+    assert (made["neptune"]["help"], made["neptune"]["metavar"]) == ("log to a Neptune project", "PROJECT")
+    assert {f.name for f in dataclasses.fields(sinks.TrackerSettings)} == set(sinks.TRACKERS) == {"wandb", "mlflow"}
+    config = config_from_args(build_parser().parse_args(["data", "--wandb", "proj", "--mlflow", "file:./runs"]))
+    assert (config.wandb, config.mlflow) == ("proj", "file:./runs")

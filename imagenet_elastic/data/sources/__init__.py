@@ -24,18 +24,39 @@ from __future__ import annotations
 
 import os
 import re
+from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Optional
 
 from imagenet_elastic.data.sources import image_folder, labelled_folder, object_store, parquet, tar_shards
 from imagenet_elastic.data.sources.base import FileList, Source
 from imagenet_elastic.errors import UserError
+from imagenet_elastic.options import option
 
 # In the order they are asked: the first that claims a location opens it (parquet before tar shards: a
 # `*.parquet` glob is a pattern to both; a labels file before class folders: a flat folder is a folder too).
 KINDS: tuple[ModuleType, ...] = (parquet, tar_shards, labelled_folder, image_folder)
 _PREFIXED = re.compile(r"([a-z][a-z0-9+.-]*):(?!//)(.*)", re.DOTALL)  # `wds:/data`, not `s3://bucket`
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://")
+
+
+@dataclass(frozen=True)
+class SourceSettings:
+    """Where the run's samples are: the data root or the train split, and the validation split. Declared beside
+    what they choose from; config.Config gathers every folder's settings."""
+
+    data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
+                                        "shards (`imagenet-elastic pack`, WebDataset); a folder of Hugging Face "
+                                        "parquet files; or the train split itself: a folder, a shard pattern "
+                                        "(`shards-{0000..1023}.tar`) or a glob. A prefix (`folder:`, `wds:`, "
+                                        "`parquet:`) names the form",
+                                "metavar": "DATA", "positional": True})
+    val_path: Optional[str] = option(None, "the validation split: class folders, tar shards (a folder or a pattern), "
+                                     "parquet files, or a flat folder of images with --val-labels", "run", "PATH",
+                                     shown_default="`DATA/val`")
+    val_labels: Optional[str] = option(
+        None, "the classes of a flat --val-path folder: a CSV of `filename,class` (class = a training class name) or "
+        "ImageNet's LOC_val_solution.csv", "run", "FILE")
 
 
 def prefixes() -> list[str]:

@@ -6,13 +6,18 @@ epochs, is the checkpointer's to write (checkpoint/saving.py). A new tracker is 
 
 from __future__ import annotations
 
+import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, Callable, Optional, Protocol
 
+from imagenet_elastic import options
 from imagenet_elastic.errors import UserError, one_line
+from imagenet_elastic.options import option
 from imagenet_elastic.report.sinks import steps_file, tensorboard_events
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 from imagenet_elastic.report.sinks.mlflow_tracker import MlflowTracker
@@ -34,6 +39,30 @@ class SinkSettings(Protocol):
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
 
 
+def tracker_settings(trackers: dict[str, type[Tracker]]) -> type:
+    """Each tracker's setting (`--wandb PROJECT`), as its class describes it (help, metavar): a new tracker brings
+    its own."""
+    fields = [(name, Optional[str], option(None, cls.help, "run", cls.metavar)) for name, cls in trackers.items()]
+    return dataclasses.make_dataclass("TrackerSettings", fields, frozen=True)
+
+
+TrackerSettings = tracker_settings(TRACKERS)
+
+
+@dataclass(frozen=True)
+class ReportSettings(TrackerSettings):
+    """Where a run's rows go besides metrics.jsonl: steps.jsonl's and TensorBoard's, and each tracker's of
+    `TRACKERS` (a setting named by the tracker). Declared beside what they choose from; config.Config gathers
+    every folder's settings."""
+
+    log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
+                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
+    tensorboard: Optional[bool] = option(
+        None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
+        "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
+        shown_default="when installed", action=argparse.BooleanOptionalAction)
+
+
 def installed(package: str) -> bool:
     """Whether `package` can be imported; a None that cli.program left for it in sys.modules (so that timm's
     import of the W&B client fails fast) is taken out first, so that the tracker imports the real one."""
@@ -51,14 +80,14 @@ def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
         return []
     folder = config.checkpoints_path
     sinks: list[Sink] = [StepsFile(folder), *([TensorBoard(folder)] if tensorboard else [])]
-    for option, cls in TRACKERS.items():
-        where = getattr(config, option)
+    for name, cls in TRACKERS.items():
+        where = getattr(config, name)
         if where is None:
             continue
         tracker = cls(where, folder)
         if not installed(tracker.package):
             raise UserError(f'{tracker.flag} needs the {tracker.package} package: pip install '
-                            f'"imagenet_elastic[{option}]"')
+                            f'"imagenet_elastic[{name}]"')
         tracker.check()
         sinks.append(tracker)
     return sinks

@@ -1,14 +1,28 @@
-"""argparse pieces both command lines use (the trainer's and `benchmark`'s): one-line errors, help
-that shows defaults only where they add something, and the value types that check their range."""
+"""How a setting is declared, by the folder that owns it: `option(default, help, group, ...)` makes a dataclass field
+that carries its flag's help, metavar and argparse keywords, and the value types here check their range. Each folder
+below config/ declares its settings beside its registry (optim/optimizer.py's `OptimizerSettings` beside
+`OPTIMIZERS`); config.Config gathers them. Also the argparse pieces every command line uses: one-line errors, and
+help that shows defaults only where they add something."""
 
 from __future__ import annotations
 
 import argparse
 from collections.abc import Mapping
+from dataclasses import field
 from typing import Any, Callable, NoReturn, Optional
 
-from imagenet_elastic.errors import UserError
-from imagenet_elastic.launch.preemption import parse_signals
+# The groups of the trainer's --help and of docs/OPTIONS.md's table, which `option`'s `group` names.
+GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
+          "checkpoints": "checkpoints", "distributed": "distributed"}
+
+
+def option(default: Any, help: str, group: str, metavar: Any = None, shown_default: Optional[str] = None,
+           **argparse_options: Any) -> Any:
+    """A setting's field: its default and what its command-line option needs (argparse's keywords),
+    plus the default as docs/OPTIONS.md shows it where the value alone would not say it."""
+    assert group in GROUPS, group
+    return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
+                                            "shown_default": shown_default, "argparse": argparse_options})
 
 
 class Parser(argparse.ArgumentParser):
@@ -103,9 +117,3 @@ def increasing_pair(text: str) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
     return low, high
 
-
-def signals(text: str) -> tuple[str, ...]:
-    try:
-        return parse_signals(text)
-    except UserError as error:
-        raise argparse.ArgumentTypeError(str(error).split(": ", 1)[-1]) from None
