@@ -212,7 +212,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from imagenet_elastic.launch.distributed import uses_cuda, visible_gpu_count
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.launch.processes import run_worker, spawn_workers
-    from imagenet_elastic.train.startup import run
+
+    if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path
+        from imagenet_elastic.tools.evaluate import trainer_evaluate as entry
+    else:
+        from imagenet_elastic.train.startup import run as entry
 
     try:
         plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,
@@ -224,9 +228,9 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(error.exit_code)
     try:
         if plan.spawns:
-            spawn_workers(run, config, plan.env, plan.procs_per_task)
+            spawn_workers(entry, config, plan.env, plan.procs_per_task)
         else:
-            run_worker(run, config, plan.env)
+            run_worker(entry, config, plan.env)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT)
 

@@ -136,20 +136,31 @@ def make_photo_splits(out: str, photos: list[str], num_classes: int, per_split: 
         return {split: sum(f.result() for f in done) for split, done in futures.items()}
 
 
+def image_size(text: str) -> tuple[int, int]:
+    """--size: `80x64` -> (80, 64)."""
+    try:
+        width, height = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT (80x64), got {text!r}") from None
+    if width < 1 or height < 1:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
+    return width, height
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("out")
     p.add_argument("--classes", type=int, default=10)
     p.add_argument("--train-per-class", type=int, default=64)
     p.add_argument("--val-per-class", type=int, default=16)
-    p.add_argument("--size", default="80x64", help="WIDTHxHEIGHT of every image")
+    p.add_argument("--size", default=(80, 64), type=image_size, help="WIDTHxHEIGHT of every image")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--mirrored", action="store_true", help="classes in pairs that differ only by a mirror image")
     p.add_argument("--photos", nargs="?", const="", metavar="DIR",
                    help="crops of photographs (DIR's, else scikit-image's) instead of shapes on noise")
     p.add_argument("--jobs", type=int, default=os.cpu_count(), help="--photos: processes writing images")
     a = p.parse_args()
-    size = tuple(int(v) for v in a.size.lower().split("x"))
+    size = a.size
     if a.photos is not None:
         counts = make_photo_splits(a.out, photo_folder(a.photos or None), a.classes,
                                    {"train": a.train_per_class, "val": a.val_per_class}, size, a.seed, a.jobs)

@@ -115,15 +115,15 @@ def train(argv: Sequence[str], signal_during_step: Optional[int] = None,
 
 
 def evaluate(argv: Sequence[str], splits: Optional[tuple[Source, Source]] = None) -> dict:
-    """`imagenet-elastic ARGV --evaluate --resume CHECKPOINT` in this process: the JSON line's values."""
+    """`imagenet-elastic ARGV --evaluate --resume CHECKPOINT` in this process (of `splits`' val source, where given):
+    the JSON line's values."""
+    from imagenet_elastic.tools.evaluate import evaluate_checkpoint
+
     config, _ = cli.parse(list(argv))
     assert config.evaluate, "pass --evaluate"
     threads = torch.get_num_threads()
     try:
-        with contextlib.ExitStack() as stack:
-            run = Run(config, DistEnv(), Console(True, config.log_interval), PreemptionFlag(()))
-            trainer = startup.build(run, stack, splits)
-            return trainer.validate()
+        return evaluate_checkpoint(config, DistEnv(), splits[1] if splits is not None else None)
     finally:
         torch.set_num_threads(threads)
 

@@ -188,9 +188,10 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     checkpoint_interval: tuple[Optional[int], Optional[float]] = option(
         (None, None), "also checkpoint mid-epoch: every N steps (`500`), every T (`10m`, `90s`, `2h`), or both "
         "(`500,10m`)", "checkpoints", "EVERY", shown_default="", type=options.checkpoint_interval)
-    evaluate: bool = option(False, "validate the `--resume` checkpoint and exit; its model (--model, --pretrained, "
-                            "--blurpool) and validation sizes (--image-size, --val-crop-size, --val-resize) are the "
-                            "checkpoint's unless given", "run", action="store_true")
+    evaluate: bool = option(False, "validate the `--resume` checkpoint (and its weight average, where it keeps one) "
+                            "and exit, through `imagenet-elastic evaluate`'s code path; its model (--model, "
+                            "--pretrained, --blurpool) and validation sizes (--image-size, --val-crop-size, "
+                            "--val-resize) are the checkpoint's unless given", "run", action="store_true")
     max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
     def __post_init__(self) -> None:
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
@@ -242,11 +243,10 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         """Plain values only, so checkpoints load with weights_only=True."""
         return dataclasses.asdict(self)
 
-    def differences(self, saved: dict[str, Any]) -> list[str]:
-        """Human-readable list of the settings that differ from a checkpoint's and matter: to a resumed run the
-        resume-sensitive ones, to --evaluate those that change validation."""
+    def differences(self, saved: dict[str, Any], names: tuple[str, ...] = RESUME_SENSITIVE) -> list[str]:
+        """Human-readable list of the settings `names` that differ from a checkpoint's: to a resumed run the
+        resume-sensitive ones, to --evaluate those that change validation (VALIDATION_SENSITIVE)."""
         mine = self.to_dict()
-        names = VALIDATION_SENSITIVE if self.evaluate else RESUME_SENSITIVE
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
 
 

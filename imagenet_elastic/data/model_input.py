@@ -10,8 +10,9 @@ from typing import Optional
 
 import torch
 
-IMAGENET_MEAN = (0.485 * 255, 0.456 * 255, 0.406 * 255)
-IMAGENET_STD = (0.229 * 255, 0.224 * 255, 0.225 * 255)
+IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)  # of 0-1 values
+IMAGENET_MEAN = tuple(m * 255 for m in IMAGENET_MEAN_FRACTIONS)
+IMAGENET_STD = tuple(s * 255 for s in IMAGENET_STD_FRACTIONS)
 
 
 @dataclass

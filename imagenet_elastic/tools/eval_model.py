@@ -22,6 +22,10 @@ class Preprocessing:
     mean: tuple[float, ...]  # as timm gives them: on 0-1 values
     std: tuple[float, ...]
 
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Mean and std on 0-255 levels, as data/model_input.ModelInput takes them."""
+        return tuple(m * 255 for m in self.mean), tuple(s * 255 for s in self.std)
+
     def describe(self) -> dict[str, Any]:
         return {"crop": self.crop, "resize": self.resize, "interpolation": self.interpolation,
                 "mean": [round(m, 4) for m in self.mean], "std": [round(s, 4) for s in self.std]}
@@ -38,9 +42,9 @@ class Model:
 
 def ours(crop: int) -> Preprocessing:
     """The trainer's validation at this crop (config.eval_sizes' resize, bilinear, ImageNet's statistics)."""
-    from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
-    return Preprocessing(crop, eval_sizes(crop, None, None)[1], "bilinear", tuple(m / 255 for m in IMAGENET_MEAN),
-                         tuple(s / 255 for s in IMAGENET_STD))
+    from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
+    return Preprocessing(crop, eval_sizes(crop, None, None)[1], "bilinear", IMAGENET_MEAN_FRACTIONS,
+                         IMAGENET_STD_FRACTIONS)
 
 
 def timm_preprocessing(module: Any, what: str) -> Preprocessing:

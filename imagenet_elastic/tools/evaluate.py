@@ -24,15 +24,17 @@ others are left out before the top-k and the loss.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import os
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.config import add_setting
+from imagenet_elastic.config import VALIDATION_SENSITIVE, Config, add_setting
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser, positive_int
@@ -46,6 +48,10 @@ from imagenet_elastic.tools.eval_labels import (
     real_sets,
 )
 from imagenet_elastic.tools.eval_model import load_model, ours
+
+if TYPE_CHECKING:
+    from imagenet_elastic.data.sources import Source
+    from imagenet_elastic.launch.launchers import DistEnv
 
 PREPROCESSING = ("model", "ours")
 
@@ -107,21 +113,86 @@ def labels_file(location: str, val_labels: str | None) -> str | None:
     return None if any(entry.is_dir() for entry in os.scandir(path)) else val_labels
 
 
-def run(args: Any) -> list[dict[str, Any]]:
-    import torch
+@dataclass(frozen=True)
+class Reading:
+    """How the sets are read and the models run: the settings the tool and the trainer's --evaluate both take."""
 
-    from imagenet_elastic.data import pipeline, sources
+    batch_size: int
+    workers: Optional[int]
+    amp: str
+    channels_last: bool
+    decode: str
+    gpu_decoder: str
+    dist_timeout: float
+    flip_average: bool
+
+
+@dataclass(frozen=True)
+class Scored:
+    """One set's scores by each model (by its key), with how they were made."""
+
+    location: str
+    source: Any  # the Source scored (relabelled to the scored classes)
+    results: dict[str, Any]  # model key -> train/step.py's EvalResult
+    precision: str
+
+
+def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Any,
+          reading: Reading, console: Any, on_scored: Callable[[Scored], None], columns: Any = None,
+          fit: Any = None) -> None:
+    """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
+    once over all ranks (train/step.py evaluate), `on_scored` told of each set as it is done. The loaders' workers
+    fork first, then the process group forms: the trainer's order (train/build.py)."""
+    from imagenet_elastic.data import pipeline
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
     from imagenet_elastic.data.model_input import ModelInput
+    from imagenet_elastic.launch import distributed
+    from imagenet_elastic.models.device import place_model, resolve_precision
+    from imagenet_elastic.train import build
+    from imagenet_elastic.train.step import evaluate
+
+    precision = resolve_precision(reading.amp, device)
+    if precision.warning:
+        console.warn(precision.warning)
+    cores = distributed.available_cores()
+    decoding = Decoding.choose(reading.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
+                               reading.gpu_decoder)
+    workers = reading.workers if reading.workers is not None else decoding.default_workers(cores,
+                                                                                           env.local_world_size)
+    if decoding.warning(device):
+        console.warn(decoding.warning(device))
+    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), workers)
+    pinned = device.type == "cuda"
+    batch = pipeline.batch_bytes(reading.batch_size, prep.crop, decoding.mode == "gpu")
+    prefetch = pipeline.prefetch_factor(workers, batch, pinned)  # the sets are read one after another: one budget
+    loaders = []
+    with contextlib.ExitStack() as stack:
+        for _, source, _ in sets:
+            dataset = pipeline.EvalDataset(source, prep.crop, prep.resize, decoding.eval_load, prep.interpolation)
+            loaders.append(pipeline.eval_loader(dataset, reading.batch_size, env.rank, env.world_size, workers,
+                                                pinned, collate_fn=decoding.collate, prefetch=prefetch))
+        build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
+        build.join_process_group(env, device, reading.dist_timeout, stack)
+        placed = {key: place_model(module, device, reading.channels_last) for key, module in modules.items()}
+        to = ModelInput(device, precision.dtype, reading.channels_last, normalisation=prep.normalisation())
+        for (location, source, counts_of), loader in zip(sets, loaders):
+            counts = real_counts(counts_of) if counts_of is not None else None
+            results = {key: evaluate(to, module, device_batches(loader, device, decoder), reading.flip_average,
+                                     columns, counts, fit) for key, module in placed.items()}
+            on_scored(Scored(location, source, results, precision.name))
+        del placed, to  # before the process group goes (join_process_group's callbacks)
+
+
+def run(args: Any) -> list[dict[str, Any]]:
+    import torch
+
+    from imagenet_elastic.data import sources
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
-    from imagenet_elastic.models.device import place_model, resolve_precision
     from imagenet_elastic.report.console import Console
-    from imagenet_elastic.train import build
-    from imagenet_elastic.train.step import evaluate
 
     env = resolve_launch("env", os.environ).env
     console = Console(env.is_main)
@@ -147,53 +218,116 @@ def run(args: Any) -> list[dict[str, Any]]:
             raise UserError(f"VAL {location}: {outside} is of a class outside --class-subset {args.class_subset}")
         relabelled = Relabelled(source, labels, tuple(model.classes[k] for k in scored))
         sets.append((location, relabelled, real_sets(source, real, args.real_labels, scored) if real else None))
-    precision = resolve_precision(args.amp, device)
-    if precision.warning:
-        console.warn(precision.warning)
-    cores = distributed.available_cores()
-    decoding = Decoding.choose(args.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
-                               args.gpu_decoder)
-    workers = args.workers if args.workers is not None else decoding.default_workers(cores, env.local_world_size)
-    if decoding.warning(device):
-        console.warn(decoding.warning(device))
-    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), workers)
-    loaders = []
-    pinned = device.type == "cuda"
-    batch = pipeline.batch_bytes(args.batch_size, prep.crop, decoding.mode == "gpu")
-    prefetch = pipeline.prefetch_factor(workers, batch, pinned)  # the sets are read one after another: one budget
-    with contextlib.ExitStack() as stack:
-        for _, source, _ in sets:
-            dataset = pipeline.EvalDataset(source, prep.crop, prep.resize, decoding.eval_load, prep.interpolation)
-            loaders.append(pipeline.eval_loader(dataset, args.batch_size, env.rank, env.world_size, workers, pinned,
-                                                collate_fn=decoding.collate, prefetch=prefetch))
-        build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
-        build.join_process_group(env, device, args.dist_timeout, stack)
-        module = place_model(model.module, device, args.channels_last)
-        to = ModelInput(device, precision.dtype, args.channels_last,
-                        normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))
-        columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
-        rows = []
-        for (location, relabelled, real_of), loader in zip(sets, loaders):
-            counts = real_counts(real_of) if real_of is not None else None
-            result = evaluate(to, module, device_batches(loader, device, decoder), args.flip_average, columns, counts)
-            row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
-                                   "top1": result.top1, "top5": result.top5, "loss": result.loss}
-            if counts is not None:
-                seen = result.counts["real_images"]
-                row.update(real_top1=100 * result.counts["real_right"] / max(seen, 1.0), real_images=int(seen))
-            if args.class_subset:
-                row["classes"] = len(scored)
-            if args.flip_average:
-                row["flip_average"] = True
-            if model.val_print is not None:
-                row["val_as_trained"] = fingerprints.difference(model.val_print, relabelled.source) is None
-            row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision.name,
-                       world_size=env.world_size)
-            console.result(row)
-            rows.append(row)
-        if len(rows) > 1:
-            console.table("scores", [(row["val"], summary(row)) for row in rows])
+    rows: list[dict[str, Any]] = []
+
+    def told(done: Scored) -> None:
+        result = done.results[""]
+        row: dict[str, Any] = {"model": args.model, "val": done.location, "images": result.samples,
+                               "top1": result.top1, "top5": result.top5, "loss": result.loss}
+        if real is not None:
+            seen = result.counts["real_images"]
+            row.update(real_top1=100 * result.counts["real_right"] / max(seen, 1.0), real_images=int(seen))
+        if args.class_subset:
+            row["classes"] = len(scored)
+        if args.flip_average:
+            row["flip_average"] = True
+        if model.val_print is not None:
+            row["val_as_trained"] = fingerprints.difference(model.val_print, done.source.source) is None
+        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=done.precision,
+                   world_size=env.world_size)
+        console.result(row)
+        rows.append(row)
+
+    reading = Reading(args.batch_size, args.workers, args.amp, args.channels_last, args.decode, args.gpu_decoder,
+                      args.dist_timeout, args.flip_average)
+    columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
+    score(env, device, {"": model.module}, sets, prep, reading, console, told, columns)
+    if len(rows) > 1:
+        console.table("scores", [(row["val"], summary(row)) for row in rows])
     return rows
+
+
+def trainer_evaluate(config: Config, env: DistEnv) -> None:
+    """The trainer's `DATA --evaluate --resume CHECKPOINT` (pytorch/examples' flag): cli.py runs it as a rank's entry
+    point under any launcher, instead of training."""
+    evaluate_checkpoint(config, env)
+
+
+def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = None) -> dict[str, Any]:
+    """--evaluate through this tool's one code path (`score`): the checkpoint's weights, and their average where it
+    keeps one, on the run's validation split (--val-path, else DATA's; `val`: a source the caller holds) at the
+    run's validation sizes (the checkpoint's unless given: cli.settings_from_checkpoint), as one JSON line in the
+    trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for that checkpoint). A
+    setting or a split that makes the scores differ from the run's own validation is one warning each."""
+    from imagenet_elastic.checkpoint import store
+    from imagenet_elastic.data import sources
+    from imagenet_elastic.data.sources import fingerprints
+    from imagenet_elastic.launch import distributed
+    from imagenet_elastic.report.console import Console
+    from imagenet_elastic.train.state import check_compatible
+
+    console = Console(env.is_main, config.log_interval, env.rank)
+    try:
+        distributed.configure_threads(config.threads, env.local_world_size)
+        device = distributed.select_device(config.device, env)
+        if config.resume is None:
+            raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
+        path = store.CheckpointFolder(config.checkpoints_path, 0).resume_path(config.resume, restarted=False)
+        if path is None:
+            raise UserError(f"--evaluate needs a checkpoint: {config.checkpoints_path} has no {store.LAST}; pass "
+                            "--resume PATH")
+        snapshot = store.load(path, lazy=True)  # its settings and names: the weights are read by load_model
+        if val is None:
+            location = config.val_path or sources.split_locations(config.data, None)[1]  # DATA's unless given
+            val = sources.open_source(location, "val", None, tuple(snapshot.get("classes", ())), config.val_labels)
+        check_compatible(snapshot, path, config.model, val.classes, None, config.blurpool)
+        models = {"": load_model(path, False, False)}
+        if snapshot.get("model_ema") is not None:
+            models["_ema"] = load_model(path, False, True)
+        changes = config.differences(snapshot["config"], VALIDATION_SENSITIVE)
+        changes += [fingerprints.difference(models[""].val_print, val)] if env.is_main else []
+        for change in filter(None, changes):
+            console.warn(f"--evaluate differs from its checkpoint's run, results will not match exactly: {change}")
+        del snapshot
+        prep = dataclasses.replace(ours(config.eval_crop), resize=config.eval_resize)
+        reading = Reading(config.batch_size, config.workers, config.amp, config.channels_last, config.decode,
+                          config.gpu_decoder, config.dist_timeout, config.val_flip_average)
+        fit = HalvedOnce(config.batch_size, functools.partial(console.warn, every_rank=True)) \
+            if config.micro_batch == "auto" else None
+        scores: dict[str, Any] = {"checkpoint": path, **({"val_flip_average": True} if config.val_flip_average else {})}
+
+        def told(done: Scored) -> None:
+            for key, result in done.results.items():
+                scores.update({f"val_loss{key}": result.loss, f"val_top1{key}": result.top1,
+                               f"val_top5{key}": result.top5, "val_samples": result.samples})
+
+        score(env, device, {key: model.module for key, model in models.items()}, [(path, val, None)], prep, reading,
+              console, told, fit=fit)
+    except KeyboardInterrupt:
+        console.info("Ctrl-C: --evaluate stopped, nothing written")
+        raise
+    console.result(scores)
+    return scores
+
+
+class HalvedOnce:
+    """--micro-batch auto under --evaluate: a batch that runs out of memory is scored again in halves for the rest
+    of the run, once, as training's validation is (train/micro_batch.py); a second time ends the run."""
+
+    def __init__(self, batch_size: int, warn: Callable[[str], None]) -> None:
+        self.validation_batch: Optional[int] = batch_size
+        self.halved, self.warn = False, warn
+
+    def validation_failed(self, size: int, error: str) -> None:
+        from imagenet_elastic.train.micro_batch import OutOfMemoryAgain
+
+        if self.halved or size < 2:
+            why = "halved once already in this run" if self.halved else "nothing smaller to try"
+            raise OutOfMemoryAgain(f"out of memory again validating a batch of {size} ({why}): {error}; lower "
+                                   "--batch-size")
+        self.halved, self.validation_batch = True, size // 2
+        self.warn(f"out of memory validating a batch of {size} ({error}): validating in batches of {size // 2} "
+                  "for the rest of the run")
 
 
 def summary(row: dict[str, Any]) -> str:

@@ -134,13 +134,12 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
     # --pretrained's weights are read now when the run surely starts fresh (a missing file costs no scan of the
     # data either), else once the checkpoint to resume from, if any, is known
-    weights = published_weights.fetch(config.model) if config.pretrained and not config.resume and not config.evaluate \
-        else None
+    weights = published_weights.fetch(config.model) if config.pretrained and not config.resume else None
     check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
                         distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
     input_options(config.model, run_sizes(config))  # a model of one input size that cannot take the run's says so
     # --teacher's weights are read now (a missing file or name costs no scan of the data), their hash taken once
-    teacher = teacher_weights.read(config.teacher) if config.teacher and not config.evaluate else None
+    teacher = teacher_weights.read(config.teacher) if config.teacher else None
     if splits is None:
         splits = sources.open_splits(config.data, config.val_path, config.val_labels, config.checkpoints_path)
     else:
@@ -153,32 +152,28 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
     checkpoints = CheckpointFolder(config.checkpoints_path, config.keep_checkpoints, console.warn)
-    if not config.evaluate:
-        store.check_writable(config.checkpoints_path)
-        if env.is_main:
-            lock, wait = CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
-            lock.acquire(wait, lambda holder: console.warn(
-                f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
-            stack.callback(lock.release)
+    store.check_writable(config.checkpoints_path)
+    if env.is_main:
+        lock, wait = CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
+        lock.acquire(wait, lambda holder: console.warn(
+            f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
+        stack.callback(lock.release)
     chosen = sinks.chosen(config, env.is_main)
     resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
-    if config.evaluate and resume_from is None:
-        raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
     start = time.perf_counter()
     # Load once: rank 0 reads the checkpoint, the others map it for its numbers and settings, and
     # receive its tensors from rank 0 once the process group exists (share_checkpoint).
     from_main = env.launched and not env.is_main and resume_from is not None
     snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
-        check_compatible(snapshot, resume_from, config.model, train.classes,
-                         None if config.evaluate else config.opt, config.blurpool)
-        change = None if config.evaluate else teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
+        check_compatible(snapshot, resume_from, config.model, train.classes, config.opt, config.blurpool)
+        change = teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
         if change is not None:
             warn_differences(config, console, [change])
     data = check_data(run, train, val, snapshot)
-    initial = (initial_weights.read(config.initial_checkpoint)
-               if config.initial_checkpoint and snapshot is None and not config.evaluate else None)
-    if config.pretrained and weights is None and snapshot is None and not config.evaluate:
+    initial = initial_weights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
+        else None
+    if config.pretrained and weights is None and snapshot is None:
         weights = published_weights.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
                     time.perf_counter() - start, initial, weights, teacher, tuple(chosen), data)
@@ -205,17 +200,12 @@ def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay
 
 def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
                ) -> Optional[dict[str, Any]]:
-    """Rank 0: a warning for each split that differs from the one the checkpoint's run had (--evaluate: the
-    validation split alone), and a training run's fingerprint of each split, for its checkpoints. The others see
-    the same data (the start-up check) and keep no checkpoint."""
+    """Rank 0: a warning for each split that differs from the one the checkpoint's run had, and the fingerprint of
+    each split, for its checkpoints. The others see the same data (the start-up check) and keep no checkpoint."""
     config, console = run.config, run.console
     if not run.env.is_main:
         return None
     saved = (snapshot.get("data") if snapshot is not None else None) or {}
-    if config.evaluate:
-        change = fingerprints.difference(saved.get("val"), val)
-        warn_differences(config, console, [change] if change else [])
-        return None
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
     changes = [fingerprints.difference(saved.get(role), source, taken[role]) for role, source in splits.items()]
@@ -227,7 +217,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     """Model, optimizer and GradScaler, built from the seed and then given the checkpoint's state; the
     global batch (the checkpoint's, unless set) and the LR schedule it implies."""
     config, env, console = run.config, run.env, run.console
-    saved_batch = snapshot.get("global_batch") if snapshot and not config.evaluate else None
+    saved_batch = snapshot.get("global_batch") if snapshot else None
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
                      env.world_size, config.batch_size)
     sampler = TrainBatchSampler(len(inputs.train), plan, env.rank, config.seed, config.max_steps_per_epoch,
@@ -236,7 +226,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     precision = resolve_precision(config.amp, inputs.device)
     if precision.warning:
         console.warn(precision.warning)
-    if config.mixes and not config.evaluate:
+    if config.mixes:
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
     built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
@@ -264,17 +254,16 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     optimizer = create_optimizer(model, schedule.peak, config.momentum, config.weight_decay, inputs.device,
                                  config.opt, layer_decay=config.layer_decay)
     scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
-    averaged = config.model_ema or (config.evaluate and snapshot is not None and snapshot.get("model_ema") is not None)
-    ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if averaged else None
+    ema = create_ema(model, config.model_ema_decay, config.model_ema_warmup) if config.model_ema else None
     state = TrainState(model, optimizer, scaler, ema=ema)
     if snapshot is not None:
         if not inputs.from_main:
             state.apply(snapshot)
         changes = config.differences(snapshot["config"])
-        if snapshot.get("global_batch") not in (None, plan.global_batch) and not config.evaluate:
+        if snapshot.get("global_batch") not in (None, plan.global_batch):
             changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
         saved_world = snapshot.get("world_size")
-        if saved_world not in (None, env.world_size) and not config.evaluate and saved_batch == plan.global_batch:
+        if saved_world not in (None, env.world_size) and saved_batch == plan.global_batch:
             before = BatchPlan(plan.global_batch, saved_world, config.batch_size)
             if before.all_micro_slices() != plan.all_micro_slices():
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
@@ -314,22 +303,20 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
     val_set = pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.eval_load)
     val = pipeline.eval_loader(val_set, config.batch_size, env.rank, env.world_size, workers, pin, ignored,
                                decoding.collate, prefetch)
-    start_loader_workers(([] if config.evaluate else [train]) + [val], stack)
+    start_loader_workers([train, val], stack)
     return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
 
 
 def warn_differences(config: Config, console: Console, changes: list[str]) -> None:
-    """One warning for each way a resumed run (or --evaluate) differs from its checkpoint's run."""
-    what = ("--evaluate differs from its checkpoint's run" if config.evaluate
-            else "resumed run differs from its checkpoint")
+    """One warning for each way a resumed run differs from its checkpoint's run."""
     for change in changes:
-        console.warn(f"{what}, results will not match exactly: {change}")
+        console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
 
 
 def start_loader_workers(loaders: list[DataLoader], stack: contextlib.ExitStack) -> None:
     """Fork the loaders' workers now, while this process has one thread (pipeline.start_workers), after freezing
     what they will share (pipeline.share_heap_with_workers); the rank's end stops them. The trainer's order, which
-    `evaluate` follows too."""
+    `imagenet-elastic evaluate` follows too."""
     pipeline.share_heap_with_workers()
     stack.callback(pipeline.stop_loader_workers)
     for loader in loaders:
@@ -355,11 +342,11 @@ def join_job(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]], stack
     checked = None
     if env.launched:
         start = time.perf_counter()
-        token = None if config.evaluate else store.read_lock_token(config.checkpoints_path)
+        token = store.read_lock_token(config.checkpoints_path)
         consistency.check_same_job(config, inputs.train, inputs.val, token, snapshot,
                                    inputs.teacher.sha256 if inputs.teacher is not None else None)
         checked = time.perf_counter() - start
-    if env.is_main and not config.evaluate:
+    if env.is_main:
         for source in (inputs.train, inputs.val):
             try:
                 source.keep(config.checkpoints_path)
@@ -379,13 +366,11 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
 
 def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation:
     """Whether the training step compiles (models/compile.py's compile_choice), and on every rank the compile caches
-    an earlier run left beside the checkpoints, loaded before anything compiles. --evaluate validates eager: nothing
-    compiles."""
+    an earlier run left beside the checkpoints, loaded before anything compiles."""
     config, env, console = run.config, run.env, run.console
     device = inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    enabled, reason = (False, "--evaluate validates eager") if config.evaluate else compile_choice(
-        config.compile, device.type, capability)
+    enabled, reason = compile_choice(config.compile, device.type, capability)
     key = compile_cache.cache_key(device, model=config.model, classes=len(inputs.train.classes),
                                   precision=training.precision.name, channels_last=config.channels_last,
                                   blurpool=config.blurpool, drop_path=config.drop_path,
@@ -437,4 +422,4 @@ def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepCon
                 "ddp": env.launched, **({"teacher": training.teacher.sha256} if training.teacher is not None else {})}
     return micro_batch.choose(config.micro_batch == micro_batch.AUTO, training.plan, env.rank, config.mixes,
                               inputs.device, settings, training.saved_micro_batch, probe,
-                              functools.partial(console.warn, every_rank=True), train=not config.evaluate)
+                              functools.partial(console.warn, every_rank=True))

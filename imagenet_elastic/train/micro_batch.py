@@ -235,17 +235,17 @@ class MicroBatches:
 
 def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.device,
            settings: dict[str, Any], saved: Optional[dict[str, Any]], probe: Callable[[int, Callable], int],
-           warn: Callable[[str], None], train: bool = True) -> MicroBatches:
+           warn: Callable[[str], None]) -> MicroBatches:
     """The run's micro-batches. Without `auto`: --batch-size's. With it: a checkpoint's choice (`saved`) made on this
     kind of GPU with these settings; else on CUDA `probe(first, smaller)`'s answer (the smallest over ranks);
-    else (a CPU, or no training) --batch-size's."""
+    else (a CPU) --batch-size's."""
     if not auto:
         return MicroBatches(loader, loader.micro_batch, rank)
     name, memory = device_identity(device)
     first = max(s.stop - s.start for s in loader.all_micro_slices())  # no forward pass takes more
-    if train and saved and Choice(0, name, memory, settings, "").holds_for(saved):
+    if saved and Choice(0, name, memory, settings, "").holds_for(saved):
         size, how = min(int(saved["size"]), first), f"the checkpoint's for this GPU ({describe_gpu(name, memory)})"
-    elif train and probes(device):
+    elif probes(device):
         start = time.perf_counter()
         size = probe(first, lambda s: next_smaller(loader, s, mixes))
         how = (f"the largest that fits {describe_gpu(name, memory)} (probed in {time.perf_counter() - start:.1f} s "

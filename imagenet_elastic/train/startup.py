@@ -1,5 +1,5 @@
 """A run from start to end: the build steps (build.py) in their order, the Trainer over what they built,
-the start-up table, then training or --evaluate's one validation. Every part taken registers its release on
+the start-up table, then training (--evaluate is tools/evaluate.py's). Every part taken registers its release on
 the run's ExitStack, so a failure at any step, and the end of the run, release them in reverse order."""
 
 from __future__ import annotations
@@ -92,21 +92,14 @@ def run(config: Config, env: DistEnv) -> None:
         raise
     except KeyboardInterrupt:
         if not preempt.training_began:  # once it began, the trainer said what was kept (or the stop's line did)
-            console.info("Ctrl-C: --evaluate stopped, nothing written" if config.evaluate else
-                         "Ctrl-C: stopped before training began: nothing trained, no checkpoint written")
+            console.info("Ctrl-C: stopped before training began: nothing trained, no checkpoint written")
         raise
 
 
 def run_with(run: Run) -> None:
-    config, console = run.config, run.console
     with contextlib.ExitStack() as stack:
         # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
         # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
         # only turn that code into -15 and hide why it ended.
         stack.callback(run.preempt.ignore_from_now)
-        trainer = build(run, stack)
-        if config.evaluate:
-            flip = {"val_flip_average": True} if config.val_flip_average else {}
-            console.result({"checkpoint": trainer.training.resume_from, **flip, **trainer.validate()})
-        else:
-            trainer.fit()
+        build(run, stack).fit()

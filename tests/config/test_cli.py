@@ -41,7 +41,8 @@ def test_config_differences_is_empty_for_the_same_settings_and_ignores_missing_k
 def test_evaluate_is_told_only_of_the_differences_that_change_validation():
     saved = Config(data="/a", lr=0.1, batch_size=64, image_size=176, amp="bf16").to_dict()
     now = Config(data="/a", evaluate=True, lr=0.2, batch_size=32, image_size=224, amp="none")
-    assert now.differences(saved) == ["image_size: checkpoint 176, now 224", "amp: checkpoint 'bf16', now 'none'"]
+    assert now.differences(saved, VALIDATION_SENSITIVE) == ["image_size: checkpoint 176, now 224",
+                                                             "amp: checkpoint 'bf16', now 'none'"]
 
 
 def test_resume_sensitive_names_are_config_fields():

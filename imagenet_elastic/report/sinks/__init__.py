@@ -32,7 +32,6 @@ class SinkSettings(Protocol):
     """What `chosen` reads of the run's settings (config.Config), and each tracker's own setting by its name."""
 
     tensorboard: Optional[bool]
-    evaluate: bool
     checkpoints_path: str
 
 # The experiment trackers, each named by its setting (`option`), which its class describes (help, metavar).
@@ -72,11 +71,11 @@ def installed(package: str) -> bool:
 
 
 def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
-    """The sinks the settings name, each checked before anything starts (no thread, no worker): rank 0's when it
-    trains (steps.jsonl always); none on the other ranks or under --evaluate. A setting a sink cannot use (a
-    package missing, a store that cannot be written) is a UserError."""
+    """The sinks the settings name, each checked before anything starts (no thread, no worker): rank 0's
+    (steps.jsonl always); none on the other ranks. A setting a sink cannot use (a package missing, a store that
+    cannot be written) is a UserError."""
     tensorboard = tensorboard_events.wanted(config.tensorboard)  # on every rank: each says the same line
-    if not is_main or config.evaluate:
+    if not is_main:
         return []
     folder = config.checkpoints_path
     sinks: list[Sink] = [StepsFile(folder), *([TensorBoard(folder)] if tensorboard else [])]

@@ -1,0 +1,99 @@
+"""The trainer's `--evaluate` (tools/evaluate.py's evaluate_checkpoint): a front of the evaluate tool's one code path
+that scores a checkpoint as its run validated it: the raw weights and their average in one pass, under the trainer's
+metric names; out-of-memory batches halved once under --micro-batch auto; a Ctrl-C that says nothing was written."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import SMALL_RUN, load_checkpoint
+from inprocess import command, evaluate, in_memory, train
+from torch import nn
+
+from imagenet_elastic.data.model_input import ModelInput
+from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.tools import evaluate as evaluate_tool
+from imagenet_elastic.tools.evaluate import HalvedOnce
+from imagenet_elastic.train.micro_batch import OutOfMemoryAgain
+from imagenet_elastic.train.step import evaluate as score_batches
+
+NOWHERE = "/nonexistent-data"  # DATA is not read when the splits are given
+
+
+def args(folder, *extra: str) -> list[str]:
+    return [NOWHERE, *SMALL_RUN, "--workers", "0", "--threads", "1", "--epochs", "2", "--max-steps-per-epoch", "3",
+            "--checkpoints-path", str(folder), *extra]
+
+
+@pytest.fixture(scope="module")
+def averaged(tmp_path_factory):
+    """A run with --model-ema on images in memory: its checkpoints keep the weights and their average."""
+    splits = in_memory(classes=4, train_per_class=12, val_per_class=5)
+    folder = tmp_path_factory.mktemp("ema")
+    outcome = train(args(folder, "--model-ema", "--model-ema-decay", "0.5"), splits=splits)
+    assert not outcome.stopped
+    return folder, splits
+
+
+def test_evaluate_scores_the_weights_and_their_average_as_the_run_validated_them(averaged, tmp_path):
+    folder, splits = averaged
+    row = load_checkpoint(folder / "last.pt")["history"][-1]
+    scores = evaluate([*args(tmp_path), "--evaluate", "--resume", str(folder / "last.pt")], splits=splits)
+    assert scores["checkpoint"] == str(folder / "last.pt")
+    for name in ("val_top1", "val_top5", "val_samples", "val_top1_ema", "val_top5_ema"):
+        assert scores[name] == row[name], name
+    assert scores["val_loss"] == pytest.approx(row["val_loss"], rel=1e-6)
+    assert scores["val_loss_ema"] == pytest.approx(row["val_loss_ema"], rel=1e-6)
+    assert scores["val_loss_ema"] != scores["val_loss"]  # two models were scored, not one twice
+
+
+def test_ctrl_c_during_evaluate_says_nothing_was_written_and_exits_130(averaged, tmp_path, monkeypatch):
+    folder, (_, val) = averaged
+    for i, (image, label) in enumerate(zip(val.images, val.labels)):  # the val split in class folders
+        (tmp_path / "val" / val.classes[label]).mkdir(parents=True, exist_ok=True)
+        (tmp_path / "val" / val.classes[label] / f"{i}.jpg").write_bytes(image)
+    before = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*"))
+
+    def interrupted(*_: object, **__: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(evaluate_tool, "score", interrupted)
+    done = command([str(tmp_path / "nowhere"), "--evaluate", "--resume", str(folder / "last.pt"), "--val-path",
+                    str(tmp_path / "val"), "--checkpoints-path", str(tmp_path / "ck")])
+    assert done.returncode == 130, done.stderr
+    assert "Ctrl-C: --evaluate stopped, nothing written" in done.stdout + done.stderr
+    assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+class RunsOutOfMemoryAbove(nn.Module):
+    """A model that raises CUDA's out-of-memory error on a batch of more than `most` images."""
+
+    def __init__(self, most: int) -> None:
+        super().__init__()
+        self.most = most
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(3 * 4 * 4, 5))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if len(x) > self.most:
+            raise torch.OutOfMemoryError(f"tried to allocate for {len(x)} images")
+        return self.head(x)
+
+
+def test_under_micro_batch_auto_a_batch_out_of_memory_is_scored_in_halves_once_with_the_same_scores():
+    torch.manual_seed(0)
+    model, to = RunsOutOfMemoryAbove(most=3), ModelInput(torch.device("cpu"), None, channels_last=False)
+    generator = torch.Generator().manual_seed(1)
+    batches = [Batch(torch.randint(0, 256, (n, 4, 4, 3), dtype=torch.uint8, generator=generator),
+                     torch.randint(0, 5, (n,), generator=generator)) for n in (6, 5, 2)]
+    warnings: list[str] = []
+    fit = HalvedOnce(6, warnings.append)
+    halved = score_batches(to, model, batches, fit=fit)
+    model.most = 100
+    whole = score_batches(to, model, batches)
+    assert (halved.samples, halved.top1, halved.top5) == (whole.samples, whole.top1, whole.top5) == (
+        13, whole.top1, whole.top5)
+    assert halved.loss == pytest.approx(whole.loss, rel=1e-6)
+    assert fit.validation_batch == 3 and len(warnings) == 1 and "batches of 3" in warnings[0]
+    model.most = 1
+    with pytest.raises(OutOfMemoryAgain, match="halved once already"):
+        score_batches(to, model, batches, fit=fit)
