@@ -216,7 +216,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path
         from imagenet_elastic.tools.evaluate import trainer_evaluate as entry
     else:
-        from imagenet_elastic.train.startup import run as entry
+        from imagenet_elastic.train.trainer import run as entry
 
     try:
         plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,

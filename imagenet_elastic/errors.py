@@ -21,7 +21,7 @@ class UserError(Exception):
     every_rank = False
     every_node = False
     exit_code = USER_ERROR_EXIT
-    # A stop signal the rank received while it was ending with this error (train/startup.run sets it): its launcher
+    # A stop signal the rank received while it was ending with this error (train/trainer.run sets it): its launcher
     # stopping it once rank 0 had reported (launch/processes.leave_the_report_to_rank_0).
     stopped_by: Optional[str] = None
 

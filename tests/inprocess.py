@@ -29,7 +29,7 @@ from imagenet_elastic.errors import Preempted
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.report.console import Console
-from imagenet_elastic.train import startup
+from imagenet_elastic.train import trainer as trainer_module
 from imagenet_elastic.train.build import Run
 from imagenet_elastic.train.trainer import Trainer
 
@@ -99,7 +99,7 @@ def train(argv: Sequence[str], signal_during_step: Optional[int] = None,
     outcome = Outcome(stopped=False)
     try:
         with contextlib.ExitStack() as stack:
-            trainer = startup.build(Run(config, DistEnv(), Console(True, config.log_interval), preempt), stack,
+            trainer = trainer_module.build(Run(config, DistEnv(), Console(True, config.log_interval), preempt), stack,
                                     splits)
             watch(trainer, preempt, signal_during_step, outcome)
             if before_fit is not None:

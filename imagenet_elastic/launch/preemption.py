@@ -94,7 +94,7 @@ class PreemptionFlag:
         self.received_after: Optional[int] = None  # steps_done when the signal came
         self.interrupted = False  # the stop is a Ctrl-C's
         self.checkpoint_on_interrupt = False
-        self.training_began = False  # from then on the trainer says what a Ctrl-C kept (before, startup.run does)
+        self.training_began = False  # from then on the trainer says what a Ctrl-C kept (before, trainer.run does)
         self.speaks = speaks
         self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
         if interrupts and signal.SIGINT not in self._previous:

@@ -1,4 +1,4 @@
-"""A run's parts, built in a fixed order of named steps (startup.py calls them, then trains):
+"""A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains):
 
     check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
     -> prepare_distillation -> wrap_model -> fit_micro_batches

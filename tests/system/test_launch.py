@@ -53,15 +53,15 @@ def test_a_run_ending_with_an_error_keeps_a_stop_signal_that_came_as_it_unwound(
     out its grace and reported a second line."""
     from imagenet_elastic.config import Config
     from imagenet_elastic.launch.launchers import DistEnv
-    from imagenet_elastic.train import startup
+    from imagenet_elastic.train import trainer as trainer_module
 
     def build(run, stack):
         stack.callback(os.kill, os.getpid(), signal.SIGTERM)  # the launcher's stop, mid-unwinding
         raise UserError("no space left on device")
 
-    monkeypatch.setattr(startup, "build", build)
+    monkeypatch.setattr(trainer_module, "build", build)
     with pytest.raises(UserError) as caught:
-        startup.run(Config(data="unused"), DistEnv())
+        trainer_module.run(Config(data="unused"), DistEnv())
     assert caught.value.stopped_by == "SIGTERM"
 
 

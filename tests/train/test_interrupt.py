@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, SMALL_RUN, child_env, load_checkpoint, python_cmd, run, run_and_kill
 
 from imagenet_elastic.errors import INTERRUPTED_EXIT
-from imagenet_elastic.train import startup
+from imagenet_elastic.train import trainer as trainer_module
 from imagenet_elastic.train.trainer import Trainer
 
 
@@ -96,7 +96,7 @@ def test_a_second_ctrl_c_before_the_first_checkpoint_says_every_step_is_lost(ima
 def test_ctrl_c_during_start_up_exits_130_saying_nothing_was_trained(image_folder, tmp_path, monkeypatch):
     def interrupted(*_args, **_kwargs):
         raise KeyboardInterrupt
-    monkeypatch.setattr(startup, "fit_micro_batches", interrupted)
+    monkeypatch.setattr(trainer_module, "fit_micro_batches", interrupted)
     done = inprocess.command(args(image_folder, tmp_path))
     assert done.returncode == INTERRUPTED_EXIT and "Traceback" not in done.stderr
     assert "Ctrl-C: stopped before training began: nothing trained, no checkpoint written" in done.stdout
