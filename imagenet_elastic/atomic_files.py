@@ -1,6 +1,5 @@
 """Files that are complete or absent: written to a unique temp name in the same folder, flushed and
-fsynced, then renamed over their target, and the folder fsynced. Readers see the old file or the new
-one, never a partial one; a write the OS refuses becomes one line naming the file (StorageError)."""
+fsynced, then renamed over their target, and the folder fsynced."""
 
 from __future__ import annotations
 
@@ -15,8 +14,7 @@ TEMP_PREFIX = ".tmp-"  # what an interrupted write leaves; the checkpoints folde
 
 
 def process_umask() -> int:
-    """The umask, read without changing it: from /proc on Linux, since setting and restoring it would
-    briefly change it for every thread of the process; elsewhere by that set-and-restore."""
+    """The umask, from /proc on Linux: setting and restoring it would briefly change it for every thread."""
     try:
         with open("/proc/self/status") as f:
             for line in f:
@@ -37,8 +35,7 @@ def storage_error(error: OSError, doing: str, path: str, size: Optional[int] = N
 
 
 def write_temp(folder: str, name: str, write: Callable[[BinaryIO], None]) -> str:
-    """A new temp file beside `name`, filled by `write`, flushed and fsynced; the caller renames it.
-    On any failure the temp file is removed and the error goes on."""
+    """A new fsynced temp file beside `name`, filled by `write`, for the caller to rename; removed on any failure."""
     fd, temp = tempfile.mkstemp(prefix=f"{TEMP_PREFIX}{name}-", dir=folder)
     try:
         os.fchmod(fd, 0o666 & ~process_umask())  # mkstemp's 0600 would hide checkpoints from the rest of a team

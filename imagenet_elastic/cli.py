@@ -58,11 +58,9 @@ def names_a_checkpoint(word: str) -> bool:
 
 
 def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
-    """`--resume` takes the word after it only when that names a checkpoint (names_a_checkpoint); else it is the
-    bare flag and the word stays where it was: `--resume /data/imagenet` resumes and trains /data/imagenet, where
-    argparse's optional value would have taken the data folder for the checkpoint. `--resume=PATH` always takes
-    PATH. Also returns the word a bare `--resume` left, if any: when the command line then has a word too many,
-    that word was meant as the checkpoint (see `parse`)."""
+    """`--resume` takes the next word only when it names a checkpoint; else the flag is bare and the word stays
+    (argparse's optional value would take `--resume /data/imagenet`'s data folder for the checkpoint). Also returns
+    the word a bare `--resume` left, if any: with a word too many, it was meant as the checkpoint (see `parse`)."""
     out, words, left = [], list(argv), None
     for i, word in enumerate(words):
         if word == "--":
@@ -86,9 +84,8 @@ def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
-    """The command line over the --config file over the defaults, as a checked Config; for --evaluate, over what
-    its checkpoint says (FROM_CHECKPOINT) rather than the defaults. `--resume FOLDER` makes FOLDER the checkpoints
-    path too, unless it is given: the run goes on where it was saved."""
+    """The command line over the --config file over the defaults (for --evaluate, over FROM_CHECKPOINT's values), as
+    a checked Config. `--resume FOLDER` makes FOLDER the checkpoints path too, unless one is given."""
     argv, left = resume_takes_a_path(argv)
     parser = build_parser()
     first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
@@ -113,16 +110,15 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     return config, args
 
 
-# What --evaluate takes from its checkpoint unless the command line or the --config file says it: what its weights
-# are (the model, its blur, and --pretrained, without which a model named `hf-hub:...` is refused) and how its run
-# validated them (the crop, and the short side it is cut from).
+# What --evaluate takes from its checkpoint unless given: what its weights are (--pretrained, without which an
+# `hf-hub:...` model is refused) and how its run validated them.
 FROM_CHECKPOINT = ("model", "pretrained", "blurpool", "image_size", "val_crop_size", "val_resize")
 _UNSET = object()
 
 
 def given_settings(argv: Sequence[str], names: Sequence[str]) -> set[str]:
-    """Which of the settings `names` the command line sets (argparse's result cannot tell a value given from its
-    default: a second parse, whose defaults are a marker, can). `argv` parsed once already: it has no error."""
+    """Which of the settings `names` the command line sets, by a second parse with marker defaults (`argv` parsed
+    once already: it has no error)."""
     probe = build_parser()
     probe.set_defaults(**{name: _UNSET for name in names})
     values = vars(probe.parse_args(argv))
@@ -130,8 +126,7 @@ def given_settings(argv: Sequence[str], names: Sequence[str]) -> set[str]:
 
 
 def settings_from_checkpoint(config: Config, names: Sequence[str]) -> Config:
-    """--evaluate's settings `names` as the run of its checkpoint had them. The checkpoint is mapped, not read (a few
-    KB of it); where there is none to find, the build says so."""
+    """--evaluate's settings `names` as its checkpoint's run had them (mapped, not read); if none, the build says so."""
     if not names or config.resume is None:
         return config
     from imagenet_elastic.checkpoint import store
@@ -186,7 +181,7 @@ def shown_default(f: dataclasses.Field) -> str:
     return f"`{shown(value)}`" if isinstance(value, (str, tuple)) else shown(value)
 
 
-# Tools beside training, each a module with `main(argv)`: imported only when asked for.
+# each a module with `main(argv)`, imported only when asked for
 SUBCOMMANDS = {
     "benchmark": ("imagenet_elastic.tools.benchmark", "measure the loader, the model and both together"),
     "evaluate": ("imagenet_elastic.tools.evaluate", "a checkpoint's, export's or timm model's scores on val sets"),
@@ -236,18 +231,11 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
 
 
 def program() -> NoReturn:
-    """`python -m imagenet_elastic` and the `imagenet-elastic` command: `main`, then an exit that skips
-    the interpreter's teardown.
-
-    Once torch is imported, that teardown (freeing every module, then the C++ libraries' static
-    objects) takes seconds on a small machine, paid by every rank at every restart, and it is where
-    gloo's occasional abort at exit came from. By then the run has closed its files, loaders and
-    process group itself; the exit handlers still run. A crash keeps Python's ordinary exit and
-    traceback. `main` itself returns, so a Python caller keeps its interpreter.
-    """
-    # timm imports the W&B client wherever it is installed (timm.utils.summary, for a logger we never call):
-    # ~0.5 s of CPU in every rank's start. A None in sys.modules makes that import fail as if the package were
-    # absent; --wandb takes the None out again before it looks for the client (report.sinks.installed).
+    """`python -m imagenet_elastic` and the `imagenet-elastic` command: `main`, then an exit that skips the
+    interpreter's teardown: with torch imported it takes seconds on a small machine, paid by every rank at every
+    restart, and is where gloo's occasional abort at exit came from. Exit handlers still run."""
+    # timm imports the W&B client wherever installed (~0.5 s of CPU per rank's start): a None in sys.modules makes
+    # that import fail; --wandb takes it out again (report.sinks.installed).
     sys.modules.setdefault("wandb", None)
     try:
         main()

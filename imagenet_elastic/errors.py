@@ -11,24 +11,18 @@ INTERRUPTED_EXIT = 130  # Ctrl-C (128 + SIGINT), with a checkpoint at the step (
 
 
 class UserError(Exception):
-    """Bad input (flag, file, variable). The message names the culprit.
-
-    Most input errors are met identically by every rank, so rank 0 alone reports them;
-    `every_rank` errors belong to one rank (its data shard, its connection) and each reports its own;
-    `every_node` errors concern several nodes, and the first rank of each node says them in its log.
-    """
+    """Bad input (flag, file, variable). The message names the culprit. Most are met alike by every rank, so rank 0
+    alone reports them; `every_rank` errors are one rank's own; `every_node` ones are said by each node's first rank."""
 
     every_rank = False
     every_node = False
     exit_code = USER_ERROR_EXIT
-    # A stop signal the rank received while it was ending with this error (train/trainer.run sets it): its launcher
-    # stopping it once rank 0 had reported (launch/processes.leave_the_report_to_rank_0).
+    # a stop signal received while ending with this error: the launcher stopping it once rank 0 had reported
     stopped_by: Optional[str] = None
 
 
 class StorageError(UserError):
-    """The operating system refused a write (no space, I/O error, quota): not the user's input, but
-    as much theirs to fix, so it is reported the same way, with its own exit code."""
+    """The OS refused a write (no space, I/O error, quota): as much the user's to fix, with its own exit code."""
 
     exit_code = STORAGE_ERROR_EXIT
 
@@ -46,8 +40,7 @@ class RendezvousError(UserError):
 
 
 class FailedOnRank0(UserError):
-    """What rank 0 alone did (a write in the checkpoints folder it holds the lock of) failed: every rank raises
-    this, with rank 0's line and exit code (launch.distributed.rank_0_does)."""
+    """What rank 0 alone did failed: every rank raises this, with rank 0's line and exit code (rank_0_does)."""
 
     def __init__(self, line: str, exit_code: int) -> None:
         super().__init__(line)
@@ -55,8 +48,7 @@ class FailedOnRank0(UserError):
 
 
 class Preempted(Exception):
-    """Every rank stops at the same step boundary after a preemption signal or a Ctrl-C; the checkpoint is safe.
-    `exit_code`: PREEMPTED_EXIT, or INTERRUPTED_EXIT for a Ctrl-C."""
+    """Every rank stops at the same step boundary after a preemption signal or Ctrl-C; the checkpoint is safe."""
 
     def __init__(self, exit_code: int = PREEMPTED_EXIT) -> None:
         super().__init__(exit_code)
@@ -64,12 +56,8 @@ class Preempted(Exception):
 
 
 def one_line(error: BaseException) -> str:
-    """The user-facing line of an error, also when a DataLoader worker re-raised it.
-
-    A worker's exception reaches the main process re-built from a message that embeds the worker's
-    traceback; its last line is "ClassName: original message", where the traceback module writes
-    ClassName module-qualified ("imagenet_elastic.errors.CorruptImageError") for non-builtin classes.
-    """
+    """The user-facing line of an error, also when a DataLoader worker re-raised it: its message then embeds the
+    worker's traceback, whose last line is "ClassName: message" (ClassName module-qualified if not a builtin)."""
     text = str(error).strip()
     if "Traceback" in text:
         last = text.splitlines()[-1]
@@ -86,14 +74,12 @@ def first_line(error: BaseException) -> str:
 
 
 def counted(number: int, noun: str, plural: Optional[str] = None) -> str:
-    """`1 parquet file`, `2 parquet files`: a count and its noun as a sentence says them (`plural` where it is not
-    the noun and an s: entry, entries)."""
+    """`1 parquet file`, `2 parquet files` (`plural` where it is not the noun and an s)."""
     return f"{number} {noun}" if number == 1 else f"{number} {plural or noun + 's'}"
 
 
 def report(error: UserError, rank: int, own: bool = False) -> None:
-    """Rank 0 reports for all; other ranks only report errors that are theirs alone (`every_rank`, or
-    `own`: see launch.leave_the_report_to_rank_0)."""
+    """Rank 0 reports for all; other ranks only errors that are theirs alone (`every_rank`, or `own`)."""
     if rank == 0:
         print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
     elif error.every_rank or own:

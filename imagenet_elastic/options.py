@@ -1,8 +1,6 @@
 """How a setting is declared, by the folder that owns it: `option(default, help, group, ...)` makes a dataclass field
-that carries its flag's help, metavar and argparse keywords, and the value types here check their range. Each folder
-below config/ declares its settings beside its registry (optim/optimizer.py's `OptimizerSettings` beside
-`OPTIMIZERS`); config.Config gathers them. Also the argparse pieces every command line uses: one-line errors, and
-help that shows defaults only where they add something."""
+that carries its flag's help, metavar and argparse keywords; the value types here check their range. Also the
+argparse pieces every command line uses: one-line errors, and help that shows defaults only where they add something."""
 
 from __future__ import annotations
 
@@ -11,15 +9,14 @@ from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Callable, NoReturn, Optional
 
-# The groups of the trainer's --help and of docs/OPTIONS.md's table, which `option`'s `group` names.
+# the groups of the trainer's --help and of docs/OPTIONS.md's table
 GROUPS = {"model": "model and optimisation", "augment": "training augmentation", "run": "run",
           "checkpoints": "checkpoints", "distributed": "distributed"}
 
 
 def option(default: Any, help: str, group: str, metavar: Any = None, shown_default: Optional[str] = None,
            **argparse_options: Any) -> Any:
-    """A setting's field: its default and what its command-line option needs (argparse's keywords),
-    plus the default as docs/OPTIONS.md shows it where the value alone would not say it."""
+    """A setting's field: its default, argparse keywords, and the default as docs/OPTIONS.md shows it if need be."""
     assert group in GROUPS, group
     return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
                                             "shown_default": shown_default, "argparse": argparse_options})
@@ -35,8 +32,7 @@ class Parser(argparse.ArgumentParser):
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Every default, as a user would type it (0 too; `0.08 1`, not a Python tuple; a switch's `on`), unless the
-    help text already says it or there is none (an unset option); descriptions as written (line breaks kept)."""
+    """Every default as a user would type it, unless the help says it or there is none; descriptions as written."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
@@ -60,8 +56,7 @@ def shown(value: object) -> str:
 
 
 def described(registry: Mapping[str, Any]) -> str:
-    """A registry's names with each entry's own `help`, for the option that chooses among them: `a (its help), b
-    (its help)`; a new entry brings its help along."""
+    """A registry's names with each entry's `help`, for the option that chooses among them: `a (help), b (help)`."""
     return ", ".join(f"{name} ({entry.help})" for name, entry in registry.items())
 
 

@@ -1,22 +1,11 @@
 """When checkpoints are saved, and how rank 0 saves them: in the training thread, or in the
 background from a host copy.
 
-`Checkpointer` owns the policy, for every rank: a save is due every N steps, every T seconds, at
-each epoch's end and at an agreed preemption stop, and all ranks decide it together at the same
-step boundary. `CheckpointWriter` owns rank 0's writes. A background save costs the training loop
-one copy of the state into host memory (pinned buffers on CUDA, so the device-to-host copies run at
-full speed, queued without waiting for them); a thread then waits for the copies, serializes, writes,
-fsyncs and renames while training goes on. The rules
-that keep "a checkpoint on disk" meaning what it did:
-
-- one save at a time: a new save first waits for the one in flight, so the run holds at most one
-  extra copy of the state, in buffers that are reused from save to save;
-- whoever needs the file on disk (a preemption stop, the end of the run, an error path) waits for
-  the save in flight first (`settle`, `close`);
-- a process killed mid-write leaves a temp file and the previous `last.pt` (see store.py);
-- a failed write is kept, not raised in the thread: every rank learns of it at the next step
-  boundary and all stop together.
-"""
+`Checkpointer` owns the policy, on every rank: a save is due every N steps, every T seconds, at each epoch's end and
+at an agreed preemption stop, decided by all ranks at one step boundary. `CheckpointWriter` owns rank 0's writes: a
+background save costs the loop a copy into (pinned) host memory; a thread serializes, writes, fsyncs and renames.
+One save at a time (at most one extra copy, in reused buffers); whoever needs the file on disk waits (`settle`,
+`close`); a failed write is kept, not raised in the thread, and all ranks stop at the next step boundary."""
 
 from __future__ import annotations
 
@@ -36,13 +25,9 @@ from imagenet_elastic.launch import distributed
 
 
 class HostCopy:
-    """A copy of a (nested) state's tensors in host memory, into the buffers of the previous copy
-    when their shape, layout and dtype still fit (the first save allocates them).
-
-    From a GPU the copies are queued on the training stream, behind the step that made the state and
-    before the next one that changes it, and `copy` returns at once: whoever reads the copy calls
-    `wait_copied` first (the writer thread), so the training thread never waits for the GPU's queue.
-    """
+    """A host copy of a nested state's tensors, reusing the previous copy's buffers where they fit. From a GPU the
+    copies queue on the training stream between the step that made the state and the next, and `copy` returns at
+    once: the writer thread calls `wait_copied` first, so training never waits."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -95,8 +80,7 @@ class CheckpointWriter:
 
     def submit(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
                after: Optional[Callable[[], None]] = None) -> None:
-        """Save `state` (see CheckpointFolder.save), then run `after` (e.g. metrics.jsonl). Waits for
-        the previous save first; after a failed one nothing more is written until it is dealt with."""
+        """Save `state`, then run `after`, once the previous save is done; nothing after a failed one."""
         start = time.perf_counter()
         if self.wait() is not None:
             return
@@ -161,11 +145,8 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
-        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here.
-
-        One all-reduce of three flags on a CPU process group (gloo), so it never waits for the GPU's
-        queue of work; its cost is a network round trip per step (docs/BENCHMARKS.md).
-        """
+        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here. One
+        all-reduce of three flags on gloo (CPU): no wait for the GPU, a network round trip per step."""
         timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
         stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
         if failed:
@@ -174,10 +155,9 @@ class Checkpointer:
 
     def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
              then: Sequence[Callable[[], None]] = ()) -> None:
-        """Rank 0 hands `capture()` to its writer; `epoch` (just completed) makes it an epoch's checkpoint. `then`:
-        rank 0's writes that must follow the checkpoint onto the disk (metrics.jsonl, config.yaml, the compile cache:
-        their owners', in the trainer), in order. A synchronous save is on disk before any rank goes on; a
-        background one is waited for by the next save, `settle` and `close`."""
+        """Rank 0 hands `capture()` to its writer; `epoch` makes it an epoch's checkpoint; `then`: rank 0's writes
+        to follow it onto the disk, in order (metrics.jsonl, config.yaml, compile cache). A synchronous save is on
+        disk before any rank goes on; a background one is awaited by the next save, `settle`, `close`."""
         if self.is_main:
             then = list(then)
             self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
@@ -202,8 +182,7 @@ class Checkpointer:
         raise FailedOnRank0(line or "rank 0 could not write a checkpoint", STORAGE_ERROR_EXIT)
 
     def remove_stale_temp_files(self, warn: Callable[[str], None]) -> None:
-        """Rank 0, holding the folder's lock, removes what interrupted writes left; one that cannot be removed is
-        a StorageError naming it (call it through distributed.rank_0_does, on every rank)."""
+        """Rank 0, holding the lock, removes what interrupted writes left, or raises StorageError."""
         for path in self.files.stale_temp_files():
             warn(f"removing {path}, left by a write that was interrupted")
             try:

@@ -1,14 +1,10 @@
 """Load once: rank 0 reads the checkpoint, and the other ranks receive it over the process group.
 
-At every restart each rank used to read the same file: a thousand ranks meant a thousand reads of a
-ResNet-50 state (~200 MB each) from the network file system at the moment it is busiest. Now the
-other ranks only map the file (`checkpoint.load(lazy=True)`) for the few KB of numbers and settings
-they need before the process group exists; once it does, rank 0 sends the state in two broadcasts:
-its structure as one object, then every tensor's bytes in one buffer. The result is what
-`checkpoint.load` would have returned: the same nested dicts and lists, CPU tensors of the same
-dtypes, shapes, strides and bits. The strides matter: a channels_last momentum buffer that came back
-NCHW beside its channels_last parameter fails CUDA's fused SGD at the first step of every rank but 0.
-"""
+Each rank reading the file at every restart meant, for a thousand ranks, a thousand reads of a ResNet-50 state (~200
+MB) from the network file system at its busiest. The others map it (`load(lazy=True)`) for the few KB they need
+before the process group exists; then rank 0 broadcasts the structure and one buffer of every tensor's bytes. The
+result is `load`'s down to dtypes, strides and bits: a channels_last momentum buffer received as NCHW beside its
+channels_last parameter fails CUDA's fused SGD at the first step of every rank but 0."""
 
 from __future__ import annotations
 
@@ -74,8 +70,8 @@ def pack(tree: Any) -> tuple[Any, torch.Tensor]:
 
 
 def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
-    """The inverse of `pack`. Each tensor gets its own storage, as from torch.load: an optimizer keeps
-    the state tensors it is given, and torch.save refuses tensors of several dtypes that share one."""
+    """The inverse of `pack`. Each tensor gets its own storage, as from torch.load: an optimizer keeps the state
+    tensors it is given, and torch.save refuses tensors of several dtypes that share one."""
     if isinstance(skeleton, Slot):
         width = torch.empty((), dtype=skeleton.dtype).element_size()
         numel = 1
@@ -93,8 +89,7 @@ def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
 
 
 def from_main(tree: Optional[Any], device: torch.device) -> Any:
-    """Rank 0's `tree` (a loaded checkpoint) on every rank; the others pass None. `device` is the
-    process group's: NCCL moves the buffer on the GPU, gloo on the CPU."""
+    """Rank 0's `tree` on every rank (others pass None), via `device`: the group's (NCCL: GPU, gloo: CPU)."""
     if not distributed.is_initialized():
         return tree
     skeleton, buffer = pack(tree) if dist.get_rank() == 0 else (None, None)

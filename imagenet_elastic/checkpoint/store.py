@@ -1,11 +1,8 @@
 """Checkpoint files: one write per save, safe loads, the last/best/epoch_NNNN layout, the folder's lock.
 
-A save serializes the state once, straight into a new file committed atomically as `last.pt` (see
-atomic_files.py); `epoch_NNNN.pt` and `best.pt` are hard links to it, so three names cost one write.
-Nothing ever writes into a committed file (every commit is a new file renamed over the name), so the
-names that share a file never change under each other. Checkpoints hold plain tensors, numbers,
-strings, lists and dicts only, so `torch.load(weights_only=True)` opens them.
-"""
+A save serializes the state once into a new file committed atomically as `last.pt`; `epoch_NNNN.pt` and `best.pt`
+are hard links to it. Nothing writes into a committed file (each commit renames a new file over the name), so names
+sharing a file never change under each other. Only plain data inside: `torch.load(weights_only=True)` opens them."""
 
 from __future__ import annotations
 
@@ -86,10 +83,8 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
-    """Load a checkpoint on CPU; every failure becomes one line naming the file.
-
-    `lazy`: map the file instead of reading it. The numbers and settings are read (a few KB); a
-    tensor's bytes only if it is used (see share.py: the ranks other than 0 use none)."""
+    """Load a checkpoint on CPU; every failure becomes one line naming the file. `lazy`: map the file: the few KB of
+    numbers and settings are read, a tensor's bytes only if used (share.py: ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -120,10 +115,9 @@ _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this pro
 
 
 def _drop_locks_in_child() -> None:
-    """A forked child (a loader worker) closes its copies of the held locks' descriptors at once. A flock belongs to
-    the open file, which a copy shares: a worker would hold the folder's lock for as long as it lived, and after a
-    `kill -9` of its training process a worker lives on for seconds (until its next look at its parent), so that a
-    `--resume` right away found the folder "locked by" a process that was gone."""
+    """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the
+    open file, which a copy shares, and a worker outlives a `kill -9` of its process by seconds, so a `--resume`
+    right away found the folder "locked by" a process that was gone."""
     for fd in _HELD_LOCKS:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -134,14 +128,9 @@ os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 class CheckpointLock:
-    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs.
-
-    A second run started against the same folder (or a leftover rank 0 of an elastic round that has
-    not died yet) is waited for, then refused, instead of interleaving its checkpoints with ours or
-    deleting our temp files as stale. The kernel drops the lock when its holder dies, however it dies: its forked
-    children (loader workers) do not hold it (`_drop_locks_in_child`). A lock whose recorded holder is gone while
-    other processes still hold it is said as such, naming them (`holders_beyond`).
-    """
+    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs. A second
+    run (or an elastic round's leftover rank 0) is waited for, then refused, not mixing checkpoints or deleting our
+    temp files; the kernel drops the lock however its holder dies."""
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)
@@ -180,9 +169,8 @@ class CheckpointLock:
 
 
 def holders_beyond(holder: str, fd: int) -> str:
-    """Where the lock's recorded holder (`pid P on HOST`) is a process of this host that has ended, who holds the lock
-    instead, for the message: the processes that have the lock file open (its children, inherited from an older
-    version or a fork of the user's), and what to do. "" when the holder lives, is elsewhere, or cannot be told."""
+    """For the message, where the lock's holder (`pid P on HOST`) is an ended process of this host: who still has
+    the lock file open (its children, a user's fork), and what to do; "" otherwise."""
     words = holder.split()
     if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname() \
             or os.path.exists(f"/proc/{words[1]}") or not os.path.isdir("/proc"):
@@ -212,8 +200,7 @@ def parse_lock(line: bytes) -> tuple[str, Optional[str]]:
 
 
 def read_lock_token(folder: str) -> Optional[str]:
-    """The token of the run that holds FOLDER's lock, as this process sees the folder: the other ranks
-    compare it with rank 0's to prove that they reach the same folder (see train/consistency.py)."""
+    """FOLDER's lock token as seen here: ranks compare it with rank 0's to prove they share the folder."""
     try:
         with open(os.path.join(folder, LOCK), "rb") as f:
             return parse_lock(f.read(LOCK_LINE_MAX))[1]
@@ -222,11 +209,7 @@ def read_lock_token(folder: str) -> Optional[str]:
 
 
 class CheckpointFolder:
-    """Owns one checkpoints folder: `last.pt`, `best.pt` and the newest K `epoch_NNNN.pt`.
-
-    Only rank 0 calls `save`. A round is complete once `last.pt` names it; older epoch files are
-    removed only after that.
-    """
+    """Owns one checkpoints folder (rank 0 only): `last.pt`, `best.pt`, the newest K `epoch_NNNN.pt`."""
 
     def __init__(self, folder: str, keep: int, warn: Callable[[str], None] = print) -> None:
         self.folder = folder
@@ -242,12 +225,9 @@ class CheckpointFolder:
         return os.path.join(self.folder, f"epoch_{epoch:04d}.pt")
 
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
-        """One serialization and one write, committed as `last.pt`; `epoch` (the epoch just completed,
-        None for a mid-epoch save) and `is_best` add `epoch_NNNN.pt` and `best.pt` as hard links to it.
-
-        Each name is replaced atomically, `last.pt` last. A refused write raises StorageError naming
-        the file, and leaves every committed file as it was and no temp file behind.
-        """
+        """One serialization and one write, committed as `last.pt`; `epoch` (just completed) and `is_best` add
+        `epoch_NNNN.pt` and `best.pt` as links, each name replaced atomically, `last.pt` last. A refused write
+        raises StorageError naming the file, leaving committed files as they were and no temp file."""
         also = [self.epoch_path(epoch)] if self.keep > 0 and epoch is not None else []
         also += [os.path.join(self.folder, BEST)] if is_best else []
         doing, path = "writing", (also or [self.last_path])[0]
@@ -307,12 +287,8 @@ class CheckpointFolder:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))
 
     def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
-        """The checkpoint this run starts from, or None for a fresh start.
-
-        A torchrun restart continues from `last.pt` whenever it exists, so a restarted round never
-        starts over. Otherwise `resume` decides: None (fresh), RESUME_AUTO (`last.pt` when it exists) or a
-        path, which must exist.
-        """
+        """The checkpoint this run starts from, or None. A torchrun restart continues from `last.pt` whenever it
+        exists, so it never starts over; else `resume` decides: None, RESUME_AUTO or a path."""
         if restarted and os.path.isfile(self.last_path):
             return self.last_path
         if resume not in (None, RESUME_AUTO):

@@ -1,8 +1,6 @@
 """The run's settings: built once from the command line, frozen, and saved in every checkpoint.
 
-Each field says everything about its setting: default, flag, help text. The command line is built
-from these fields (cli.build_parser) and so is docs/OPTIONS.md's option table (scripts/options_table.py; a test
-checks that the two agree), so a setting is described in one place only.
+Each field says everything about its setting; the command line and docs/OPTIONS.md's option table are built from them.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ from imagenet_elastic.report.sinks import ReportSettings
 
 RESUME_AUTO = "auto"  # `--resume` without a path: CHECKPOINTS/last.pt when it exists, else a fresh start
 LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resume` and `--resume FOLDER` take
-# timm's model names that say where the weights are, not what the model is (config.json there says that): --model's
-# and --teacher's (models/published_weights.py reads them)
+# timm's model-name prefixes that say where the weights are, not what the model is
 WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation.
@@ -48,10 +45,8 @@ VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
 @dataclass(frozen=True)
 class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings, ScheduleSettings, OptimizerSettings,
              ResolutionSettings, AugmentSettings, SourceSettings):
-    """Every setting of a run. A folder below config/ declares its own beside what they choose from (SourceSettings
-    in data/sources, OptimizerSettings in optim/optimizer.py, ...): they are gathered here, the last base's first
-    (DATA leads). Those of the model, the step and the checkpoints, whose folders import config/, are declared
-    here."""
+    """Every setting of a run. Each folder declares its own settings beside what they choose from; they are
+    gathered here, the last base's first (DATA leads). Those whose folders import config/ are declared here."""
 
     model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained; with "
                         "--pretrained also a pretrained tag (`resnet50.a1_in1k`) or `hf-hub:ORG/NAME` or "
@@ -244,27 +239,23 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         return dataclasses.asdict(self)
 
     def differences(self, saved: dict[str, Any], names: tuple[str, ...] = RESUME_SENSITIVE) -> list[str]:
-        """Human-readable list of the settings `names` that differ from a checkpoint's: to a resumed run the
-        resume-sensitive ones, to --evaluate those that change validation (VALIDATION_SENSITIVE)."""
+        """Human-readable list of the settings `names` that differ from a checkpoint's."""
         mine = self.to_dict()
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
 
 
 def saved_setting(settings: dict[str, Any], name: str) -> Any:
-    """A setting from a checkpoint's saved `config`; a checkpoint from before the setting existed ran with
-    its default (SGD before --opt, no blur before --blurpool)."""
+    """A setting from a checkpoint's saved `config`; one saved before the setting existed ran with its default."""
     return settings[name] if name in settings else Config.__dataclass_fields__[name].default
 
 
 def saved_eval_sizes(settings: dict[str, Any]) -> tuple[int, int]:
-    """`eval_sizes` of a checkpoint's run, from its saved settings: the crop its model was made for and validated at,
-    and the short side it was cut from (for a resume, a teacher, `evaluate` and `export` alike)."""
+    """`eval_sizes` of a checkpoint's run, from its saved settings."""
     return eval_sizes(saved_setting(settings, "image_size"), settings.get("val_crop_size"), settings.get("val_resize"))
 
 
 def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Optional[int]) -> tuple[int, int]:
-    """Validation's centre crop and the short side it is cut from: also what a checkpoint's saved
-    settings mean to `imagenet-elastic export`."""
+    """Validation's centre crop and the short side it is cut from."""
     crop = val_crop_size or image_size
     return crop, val_resize or round(crop / 0.875)
 
@@ -279,10 +270,7 @@ def flag(f: dataclasses.Field) -> str:
 
 
 def add_setting(parser: Any, name: str, **overrides: Any) -> None:
-    """The option of setting `name` on `parser` (or an argument group), as the trainer's command line has it:
-    its flag, type, choices, metavar, default and help from the field. A tool that takes some of the same
-    settings (`imagenet-elastic benchmark`) declares them with this, so each is described once; `overrides`
-    changes what differs there (a default, a help text)."""
+    """The option of setting `name` on `parser`, as the trainer's command line has it (`overrides`: what differs)."""
     f = next(f for f in setting_fields() if f.name == name)
     meta = f.metadata
     options: dict[str, Any] = dict(meta["argparse"])

@@ -1,10 +1,7 @@
 """Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's
 `config.yaml` write them, in the same form, so a printed or saved file runs again as it is.
 
-A file holds option names (`batch-size` or `batch_size`) and values, flat. Its values pass through
-the same argparse types as the command line's, so a bad value fails the same way, naming the file.
-The command line overrides the file.
-"""
+Flat option names and values, passed through the command line's argparse types, so a bad value fails the same way."""
 
 from __future__ import annotations
 
@@ -83,8 +80,8 @@ def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
     return [name, str(value)]
 
 
-# Where a run lives, not how it trains: left out of the config.yaml a run writes, so that `--config DIR/config.yaml`
-# reruns the settings as a new run (its own --checkpoints-path) instead of resuming, or refusing, the old one.
+# left out of a run's config.yaml, so `--config DIR/config.yaml` reruns the settings as a new run instead of
+# resuming, or refusing, the old one
 RUN_LOCATION = ("checkpoints_path", "resume")
 
 
@@ -109,9 +106,8 @@ def file_value(name: str, value: Any) -> Any:
 
 
 def write(folder: str, config: Config) -> None:
-    """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds, without where it lives
-    (RUN_LOCATION); written with its first checkpoint, so a run that fails before saving anything leaves the file
-    as it was."""
+    """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds, but RUN_LOCATION; written
+    with its first checkpoint, so a run that fails before saving anything leaves the file as it was."""
     path = os.path.join(folder, FILE_NAME)
     text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them as a new run with "
                                  "--config and a --checkpoints-path of its own (this file names none)", RUN_LOCATION)

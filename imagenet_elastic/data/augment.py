@@ -1,14 +1,10 @@
 """What a training sample goes through: the crop and flip it draws, then an optional augmentation
 policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
 
-The policies and erasing are torchvision's (transforms.v2). They draw from torch's global generator, so each
-sample's pass runs under that generator seeded from one number the sample's stream draws after its crop and flip:
-the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies
-them, and nothing else in the process sees its generator move. A loader worker runs the policy on a PIL
-image. Under --decode gpu the worker runs the same draws without the pixels (`Augment.draws`: torchvision's
-own policy and erasing, on a stand-in image of the crop's size, with the pixel operations recorded instead of
-applied) and hands the operations, magnitudes and boxes over as numbers; the device applies them to the whole
-batch at once (batch_policy.py): the same operations with the same magnitudes.
+The policies and erasing are torchvision's (transforms.v2) and draw from torch's global generator, so each sample's
+pass runs under it seeded from one number its stream draws after its crop and flip: the pixels are a function of
+(seed, epoch, index) alone, whatever worker, rank, restart or device applies them. Under --decode gpu the worker
+makes the draws without the pixels (`Augment.draws`) and the device applies them to the whole batch.
 """
 
 from __future__ import annotations
@@ -49,7 +45,7 @@ class Draws:
 
 @dataclass(frozen=True)
 class Augment:
-    """The training augmentation, as the flags set it (defaults: today's Inception crop and flip)."""
+    """The training augmentation, as the flags set it (defaults: the Inception crop and flip)."""
 
     scale: tuple[float, float] = (0.08, 1.0)  # crop area, as a fraction of the image
     ratio: tuple[float, float] = (3 / 4, 4 / 3)  # crop aspect ratio
@@ -70,18 +66,13 @@ class Augment:
                 + (f", random erasing {self.erase:g}" if self.erase else ""))
 
     def draw_seed(self, rng: random.Random) -> Optional[int]:
-        """The number the policy and erasing of one sample draw from, taken from the sample's stream
-        after its crop and flip (so adding a policy keeps every crop); None when there is no second pass."""
+        """The seed of a sample's policy and erasing, drawn after its crop and flip (so a policy keeps every crop)."""
         return rng.getrandbits(63) if self.after_crop else None
 
     def apply(self, pixels: torch.Tensor, seed: Optional[int], pil: bool = True) -> torch.Tensor:
-        """HWC uint8 -> HWC uint8, the policy then erasing, drawn from `seed` (None: unchanged).
-
-        `pil`: run the policy on a PIL image of the crop (CPU tensors only). torchvision's PIL kernels run
-        each operation in C, about twice as fast per image as its tensor kernels on a CPU
-        (docs/RECIPES.md); the output is then contiguous, so the batch's collation stays a plain copy.
-        Otherwise the tensor kernels run where the pixels are. Erasing always runs on the tensor.
-        """
+        """HWC uint8 -> HWC uint8, the policy then erasing, drawn from `seed` (None: unchanged). `pil` (CPU only): the
+        policy on a PIL image, about twice as fast per image as tensor kernels on a CPU (docs/RECIPES.md), and its
+        output contiguous (collation: one copy); else tensor kernels where the pixels are. Erasing: on the tensor."""
         if seed is None:  # draw_seed gives None exactly when there is no second pass
             return pixels
         import numpy as np
@@ -98,9 +89,8 @@ class Augment:
         return pixels.contiguous() if pil else pixels
 
     def draws(self, seed: Optional[int], size: int) -> Optional[Draws]:
-        """The draws `apply(pixels, seed)` makes on a size x size crop, made by torchvision's own transforms on a
-        stand-in of that size (the draws depend on the image's size alone), with each pixel operation recorded
-        instead of run: the device then runs exactly the operations the workers would (None: no second pass)."""
+        """The draws `apply(pixels, seed)` makes on a size x size crop, by torchvision's own transforms on a stand-in
+        of that size (draws depend on the size alone), each pixel operation recorded instead of run (None: none)."""
         if seed is None:
             return None
         import torch
@@ -132,10 +122,8 @@ class Augment:
 
 
 class Recorder:
-    """A torchvision transform whose pixel operation (method `method` of this instance of it) records its arguments
-    instead of running: `_apply_image_or_video_transform(image, op, magnitude, ...)` of the auto-augment policies,
-    `transform(image, params)` of RandomErasing (`_transform` before torchvision 0.21). Nothing else changes, so
-    every draw is the transform's own."""
+    """A torchvision transform whose pixel operation (`method` of this instance) records its arguments instead of
+    running (RandomErasing's is `_transform` before torchvision 0.21); nothing else changes: every draw is its own."""
 
     def __init__(self, transform: Optional[Callable], method: str) -> None:
         self.transform, self.seen = transform, []
@@ -197,8 +185,7 @@ def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = No
 
 @dataclass(frozen=True)
 class AugmentSettings:
-    """Training's augmentation of each sample (`Augment`), and how many times each image repeats in a batch.
-    Declared beside what they choose from; config.Config gathers every folder's settings."""
+    """Training's augmentation of each sample (`Augment`), and how many times each image repeats in a batch."""
 
     scale: tuple[float, float] = option(
         (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",

@@ -1,15 +1,9 @@
 """--decode: which process turns a sample's bytes into pixels, chosen for the machine. The one place that knows
 both ways.
 
-cpu: loader workers decode, crop, resize and flip, then run the policy and erasing; batches of uint8 pixels
-cross to the training process. gpu: workers only parse each image's header and draw its crop, flip, policy and
-erasing; the bytes and those numbers cross (one EncodedBatch per batch), and the training process decodes whole
-batches with the library --gpu-decoder picks (jpeg_decoders) and crops and augments them there
-(gpu_decode.BatchDecoder). Validation takes the same two
-ways with the reference's view of each image (pixels.CentreCrop) instead of a random crop.
-
-auto (the default) picks by a stated rule (`choose`): gpu on a CUDA device unless the process has cores enough
-to decode for it on the CPU and no policy or erasing to run there.
+cpu: loader workers decode and augment; uint8 pixels cross to the training process. gpu: workers parse headers and draw
+every random choice; bytes and numbers cross, and the training process decodes and augments whole batches on the
+device. Validation takes the same two ways. auto picks by a stated rule (`Decoding.choose`).
 """
 
 from __future__ import annotations
@@ -26,14 +20,11 @@ from imagenet_elastic.data.augment import Augment
 from imagenet_elastic.data.device import gpu_decode, jpeg_decoders
 from imagenet_elastic.options import option
 
-# Cores per training process from which --decode auto leaves decoding to CPU workers (when there is no policy).
-# Measured on one H100 with 16 cores (docs/BENCHMARKS.md): 14 loader workers fed resnet50 (bf16, 224 px, batch
-# 256) at 0.85 of what the eager model alone takes (3,381 of 3,956 img/s) and 0.83 compiled (4,568 of 5,535), and
-# the faster a model, the further behind (0.66 at 176 px): fewer than twice those cores starve an H100.
+# Cores per training process from which --decode auto leaves decoding to CPU workers (no policy). On one H100 with
+# 16 cores (docs/BENCHMARKS.md) 14 workers fed resnet50 (bf16, 224 px, batch 256) at 0.85 of the eager model's rate
+# (3,381 of 3,956 img/s), 0.83 compiled, 0.66 at 176 px: fewer than twice those cores starve an H100.
 CPU_DECODE_CORES = 32
-# Loader workers per process under --decode gpu, unless --workers says: they read files, parse headers and draw
-# the choices (no decoding), so a few feed a GPU (docs/BENCHMARKS.md, "what a worker costs under --decode gpu")
-# and the rest of the node's cores stay free.
+# Loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU (docs/BENCHMARKS.md)
 GPU_DECODE_WORKERS = 4
 
 DECODE_MODES = ("auto", "cpu", "gpu")  # --decode
@@ -41,8 +32,7 @@ DECODE_MODES = ("auto", "cpu", "gpu")  # --decode
 
 @dataclass(frozen=True)
 class DecodeSettings:
-    """Where images are decoded and augmented (`Decoding`), with which JPEG library, by how many loader workers.
-    Declared beside what they choose from; config.Config gathers every folder's settings."""
+    """Where images are decoded and augmented (`Decoding`), with which JPEG library, by how many loader workers."""
 
     decode: str = option(
         "auto", "cpu: loader workers decode and augment; gpu: workers only read files and draw every random choice, "
@@ -72,9 +62,8 @@ class Decoding:
     @classmethod
     def choose(cls, requested: str, device: torch.device, cores_per_process: int, augment: Augment,
                gpu_decoder: str = "auto") -> Decoding:
-        """--decode as asked; `auto`: gpu on CUDA when there is a policy or erasing to run (on the device they
-        cost a few operators per batch, in the workers a pass over every image) or fewer than CPU_DECODE_CORES
-        cores per process; else cpu. Under gpu, the library as --gpu-decoder says (jpeg_decoders.choose)."""
+        """--decode as asked; `auto`: gpu on CUDA with a policy or erasing (on the device a few operators per batch,
+        in the workers a pass over every image) or fewer than CPU_DECODE_CORES cores per process; else cpu."""
         mode, why = cls.mode_for(requested, device, cores_per_process, augment)
         if mode == "cpu":
             return cls(mode, why, unused=gpu_decoder if gpu_decoder != "auto" else "")
@@ -115,17 +104,15 @@ class Decoding:
 
     def finisher(self, device: torch.device, warn: Callable[[str], None], workers: int
                  ) -> Optional[gpu_decode.BatchDecoder]:
-        """What the training process does with a batch before it trains on it (None: nothing), beside `workers`
-        loader workers."""
+        """What the training process does with a batch before it trains on it (None: nothing)."""
         if self.mode != "gpu":
             return None
         return gpu_decode.BatchDecoder(device, warn, jpeg_decoders.JPEG_DECODERS[self.library].make(
             device, self.library_threads(workers)))
 
     def library_threads(self, workers: int) -> int:
-        """Host threads the JPEG library may decode on: the process's cores less its loader workers and the
-        thread that trains, at least one. nvImageCodec decodes on its calling thread as well, and its threads
-        and the workers share the process's cores: more of them would starve the workers that feed it."""
+        """Host threads the JPEG library may decode on: the cores less the loader workers and the training thread, at
+        least one (nvImageCodec also decodes on its calling thread; more would starve the workers that feed it)."""
         return max(1, self.cores_per_process - workers - 1)
 
     def warning(self, device: torch.device) -> Optional[str]:
@@ -138,14 +125,12 @@ class Decoding:
         return None
 
     def saved(self) -> dict[str, str]:
-        """What a checkpoint keeps of it: the way its pixels were made. The two modes (and the two GPU libraries)
-        give pixels up to a level apart, so a run resumed on another way is no longer the uninterrupted run."""
+        """What a checkpoint keeps: how its pixels were made (other ways give pixels up to a level apart)."""
         return {"decode": self.mode, **({"gpu_decoder": self.library} if self.mode == "gpu" else {})}
 
     def change_from(self, saved: Optional[dict[str, str]]) -> Optional[str]:
-        """How this run decodes differently from the checkpoint's run it resumes (`saved`: its `saved()`), or None:
-        the same way, or a checkpoint from before the way was kept. A requeue onto a node with another number of
-        cores per GPU may change --decode auto's choice."""
+        """How this run decodes differently from the checkpoint's run it resumes (`saved`), or None. A requeue onto
+        a node with another number of cores per GPU may change --decode auto's choice."""
         now = self.saved()
         if not saved or saved == now:
             return None

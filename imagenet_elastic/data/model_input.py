@@ -1,7 +1,5 @@
 """How a batch of uint8 pixels on the device becomes the model's input: its normalisation (mean and std on 0-255
-levels), memory layout and autocast precision. The data side owns it, next to the copy that brings the batch to
-the device (feed.py), as timm's PrefetchLoader keeps copy and normalisation together; the training step, validation
-and `evaluate` all take it from here."""
+levels), memory layout and autocast precision, kept beside the copy to the device as timm's PrefetchLoader does."""
 
 from __future__ import annotations
 
@@ -17,9 +15,7 @@ IMAGENET_STD = tuple(s * 255 for s in IMAGENET_STD_FRACTIONS)
 
 @dataclass
 class ModelInput:
-    """How a batch of uint8 pixels becomes the model's input: on which device, in which precision (autocast), in
-    which memory layout, normalised with which mean and std (on 0-255 levels). A validation pass needs nothing
-    more; a training step needs this and the rest of StepContext."""
+    """How a batch of uint8 pixels becomes the model's input: all a validation pass needs."""
 
     device: torch.device
     amp_dtype: Optional[torch.dtype]
@@ -37,11 +33,8 @@ class ModelInput:
 
 
 def prepare_batch(images: torch.Tensor, labels: torch.Tensor, to: ModelInput) -> tuple[torch.Tensor, torch.Tensor]:
-    """uint8 NHWC already on the device (see `device_batches`) to normalised float NCHW.
-
-    The permute of NHWC data already has channels_last strides, so that layout costs nothing; the
-    other one is made while the pixels are uint8, a quarter of the bytes of float32.
-    """
+    """uint8 NHWC already on the device to normalised float NCHW. The permute of NHWC already has channels_last
+    strides, so that layout costs nothing; the other is made while the pixels are uint8 (a quarter of the bytes)."""
     images = images.permute(0, 3, 1, 2)
     if not to.channels_last:
         images = images.contiguous()

@@ -1,12 +1,9 @@
 """A source's samples to uint8 batches: each sample's random stream, datasets, the batch type, loaders and
 their workers.
 
-Workers read a sample's bytes from its source (sources/), then decode, crop, resize and flip on uint8
-(pixels.py; validation: the reference's resize and centre crop) and hand over HWC uint8 tensors; the copy to
-the device, conversion to float and normalisation happen there (data/device/feed.py device_batches, train/step.py
-model_input.prepare_batch). Under --decode gpu the workers hand over the bytes instead (decoding.py says which). Every
-random choice a training sample gets comes from (seed, epoch, sample index) alone, so a restarted run, any
-worker count and any world size see exactly the same pixels.
+Workers decode, crop, resize and flip on uint8 (pixels.py) and hand over HWC uint8 (under --decode gpu, the bytes);
+float conversion and normalisation happen on the device. Every random choice a training sample gets comes from
+(seed, epoch, sample index) alone, so a restarted run, any worker count and any world size see the same pixels.
 """
 
 from __future__ import annotations
@@ -86,24 +83,18 @@ def collate(samples: list[tuple]) -> Batch:
 
 
 def sample_rng(seed: int, epoch: int, index: int, copy: int = 0) -> random.Random:
-    """The random stream of one training sample in one epoch (string seeds hash with SHA-512); under
-    repeated augmentation each copy after the first has its own."""
+    """One training sample's random stream in one epoch (string seeds hash with SHA-512); each repeated copy its own."""
     return random.Random(f"{seed}:{epoch}:{index}" + (f":{copy}" if copy else ""))
 
 
 class TrainDataset(Dataset):
-    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at
-    the epoch's size.
-
-    `load` turns a sample's bytes into its image: `pixels.decode_bytes` here, or `gpu_decode.encode_bytes`,
-    which leaves the decoding, and so the policy and erasing, to the device.
-    """
+    """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at the epoch's
+    size. `load`: `pixels.decode_bytes`, or `gpu_decode.encode_bytes` (the device decodes and augments)."""
 
     def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
                  augment: Augment = INCEPTION_CROP) -> None:
         self.source, self.seed, self.load, self.augment = source, seed, load, augment
-        # how this load's samples take the policy and erasing: pixels get them applied; a load of its own kind
-        # says otherwise (gpu_decode.encode_bytes: the draws travel with the bytes)
+        # a load may take the policy and erasing its own way (gpu_decode.encode_bytes: the draws travel with the bytes)
         self.augmented: Augmented = getattr(load, "augmented", augment_pixels)
         self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
 
@@ -125,9 +116,7 @@ class TrainDataset(Dataset):
 
 
 class EvalDataset(Dataset):
-    """Each image as the reference's evaluation sees it (pixels.CentreCrop): timm's `create_transform` for the
-    exported model gives the same pixels. `load`: `pixels.decode_centre_crop`, or
-    `gpu_decode.encode_centre_crop`, which leaves the decoding and the resize to the device."""
+    """Each image as the reference's evaluation sees it (pixels.CentreCrop), decoded here or on the device (`load`)."""
 
     def __init__(self, source: Source, size: int, resize: int, load: EvalLoad = decode_centre_crop,
                  interpolation: str = "bilinear") -> None:
@@ -147,27 +136,19 @@ def default_workers(cores: int, local_world_size: int) -> int:
 
 
 def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
-    """Workers decode one image per thread (torch threads would only fight the main process) and leave the
-    preemption signals to the main process: Slurm and torchrun signal every process of a task, and
-    a worker killed by SIGTERM would take the run down before its checkpoint."""
+    """One torch thread a worker (more would fight the main process); preemption signals ignored: Slurm and torchrun
+    signal every process of a task, and a worker killed by SIGTERM would take the run down before its checkpoint."""
     torch.set_num_threads(1)
     for signum in ignored_signals:
         signal.signal(signum, signal.SIG_IGN)
 
 
 def share_heap_with_workers() -> None:
-    """Call once the process holds what it will hold when its loader workers fork.
-
-    A forked worker shares its parent's memory until it writes to a page, and each garbage
-    collection in the worker writes to every object it examines: the modules of torch, timm and
-    torchvision, the model's Python objects. Frozen objects are left out of every later collection,
-    the parent's and the workers', so their pages stay shared (`bench/benchmark.py --mode index` measures
-    what a worker copies; docs/BENCHMARKS.md).
-
-    torchvision's decoders and transforms are imported here, not with this module: importing torchvision takes
-    seconds (it pulls in torch._dynamo), which a run that stops on bad input should not pay, while
-    forked workers should inherit it rather than each import it again.
-    """
+    """Call once the process holds what it will hold when its loader workers fork. A forked worker shares its
+    parent's pages until it writes to one, and each garbage collection writes to every object it examines; frozen
+    objects are left out of later collections, so their pages stay shared (`bench/benchmark.py --mode index`).
+    torchvision is imported here, not with this module: it takes seconds (torch._dynamo), which a run that stops on
+    bad input should not pay, while forked workers should inherit it rather than each import it again."""
     import torchvision.io  # noqa: F401
     import torchvision.transforms.v2  # noqa: F401  (augment.Augment's policies)
     gc.collect()  # what is garbage now would never be collected once frozen
@@ -180,13 +161,9 @@ def thaw_heap() -> None:
 
 
 def stop_loader_workers() -> None:
-    """SIGKILL loader workers still alive as the rank ends (after an error their iterator may still be
-    referenced). They ignore SIGTERM (see `_worker_init`), so multiprocessing's own exit handler,
-    which terminates them and then joins, would wait forever.
-
-    These deaths are ours: torch's DataLoader SIGCHLD handler, still installed while an iterator lives, would
-    raise "DataLoader worker is killed by signal" from the join below, in the middle of the rank's clean-up
-    (seen once after a refused start: a traceback instead of the one line, and a rank that never exited)."""
+    """SIGKILL loader workers still alive as the rank ends (after an error their iterator may live on): they ignore
+    SIGTERM, so multiprocessing's exit handler would wait forever. These deaths are ours: torch's SIGCHLD handler would
+    raise "DataLoader worker is killed by signal" from the join, mid clean-up (seen: a rank that never exited)."""
     children = multiprocessing.active_children()
     if children and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -195,10 +172,8 @@ def stop_loader_workers() -> None:
         child.join()
 
 
-# Workers are forked wherever the platform allows, whatever the launcher: a rank started by
-# `--dist-init-method spawn` (or Slurm's one task per node) inherits the start method "spawn",
-# whose workers would each re-import torch (seconds) and receive a pickled copy of the file index
-# instead of sharing the parent's pages.
+# Workers fork where the platform allows: a rank started by `--dist-init-method spawn` (or Slurm) inherits "spawn",
+# whose workers would each re-import torch (seconds) and get a pickled copy of the file index, not shared pages.
 _WORKER_START = "fork" if "fork" in multiprocessing.get_all_start_methods() else None
 
 
@@ -209,19 +184,15 @@ ENCODED_IMAGE_BYTES = 110_000  # ImageNet's mean JPEG: an image's bytes in a --d
 
 
 def batch_bytes(batch_size: int, size: int, encoded: bool) -> int:
-    """One loader batch's bytes at its largest: uint8 pixels, size x size x 3 an image, or under --decode gpu the
-    files themselves, estimated at ImageNet's mean JPEG (the workers read them only as they go)."""
+    """One loader batch's bytes at most: size x size x 3 an image, or ImageNet's mean JPEG under --decode gpu."""
     return batch_size * (ENCODED_IMAGE_BYTES if encoded else size * size * 3)
 
 
 def prefetch_factor(workers: int, batch_bytes: int, pinned: bool, budget: int = PINNED_BUDGET) -> int:
-    """Batches each worker prepares ahead: PREFETCH, lowered (not below MIN_PREFETCH) until the batches in flight,
-    workers x factor x batch_bytes, fit `budget` where the loader pins them (on CUDA, for copies that do not wait).
-    Pinned memory is taken from the node's RAM, out of reach of the page cache and of other processes: at 4 ahead,
-    14 workers of resnet50's batch of 256 at 224 px (38.5 MB) pin 2.2 GB a rank, 17 GB for a node's 8 ranks; within
-    the 1 GiB budget, 2 ahead each (1.1 GB: the floor wins). A rank's train and val loaders are not read at once
-    (validation runs between epochs), and torch's pinned allocator reuses the train batches' blocks for validation's,
-    so one budget covers both."""
+    """Batches each worker prepares ahead: PREFETCH, lowered (not below MIN_PREFETCH) until workers x factor x
+    batch_bytes fit `budget` where pinned (CUDA). Pinned RAM is lost to the page cache and other processes: at 4 ahead,
+    14 workers of resnet50's batches (256 at 224 px, 38.5 MB) pin 2.2 GB a rank, 17 GB for 8 ranks. Train and val
+    loaders are not read at once and torch's pinned allocator reuses the blocks, so one budget covers both."""
     if not pinned or workers == 0:
         return PREFETCH
     return max(MIN_PREFETCH, min(PREFETCH, budget // max(1, workers * batch_bytes)))
@@ -250,14 +221,10 @@ class Gate:
 
 
 def start_workers(loader: DataLoader) -> None:
-    """Fork the loader's persistent workers now, handing them no work.
-
-    Call it while the process has no other thread. Once the process group exists, gloo's threads
-    release the tensors of finished collectives through Python, taking the interpreter's lock on
-    its list of threads without the GIL; a fork at that moment copies the lock held, and a CPython
-    without the fix for gh-112275 then deadlocks the new worker inside os.fork: a rank whose
-    validation never began, its worker stuck in PyOS_AfterFork_Child (docs/DESIGN.md).
-    """
+    """Fork the loader's persistent workers now, handing them no work, while the process has no other thread: once
+    the process group exists, gloo's threads release finished collectives' tensors through Python, taking the
+    interpreter's thread-list lock without the GIL; a fork then copies the lock held, and a CPython without the fix
+    for gh-112275 deadlocks the new worker in PyOS_AfterFork_Child (docs/DESIGN.md)."""
     if loader.num_workers == 0:
         return
     gate = loader.batch_sampler if isinstance(loader.batch_sampler, Gate) else loader.sampler

@@ -1,12 +1,7 @@
 """What one image becomes, as HWC uint8 on any device.
 
-Training: the crop box drawn for it, its file read and decoded (at a reduced DCT scale where the crop allows), the
-box cropped, resized and flipped (`decode_bytes`). Validation: the reference's pixels (`CentreCrop`, the view
-timm's `create_transform` and torchvision's ImageNet evaluation take), so that a score we record is the score
-timm's own evaluation gives the same weights: full-scale decode, the whole image resized, then the centre crop.
-
-Pure functions of their arguments; the random choices come in as a `random.Random` or a `ChooseCrop`
-(pipeline.py draws them from the sample's stream). batch_crops.py runs the same crops on a whole batch.
+Training: the drawn crop, decoded at a reduced DCT scale where it allows (`decode_bytes`). Validation: the
+reference's pixels (`CentreCrop`), so that a score we record is the one timm's own evaluation gives the same weights.
 """
 
 from __future__ import annotations
@@ -53,12 +48,10 @@ DECODED_BY_TORCHVISION = ("RGB", "L")  # JPEG modes whose libjpeg-turbo decode i
 
 @dataclass(frozen=True)
 class CentreCrop:
-    """Validation's view of an image, the reference's: timm's `create_transform` for a model's pretrained config
-    (and torchvision's ImageNet evaluation) resize the whole image so that its short side is `resize` (the long
-    side to int(resize * long / short)) with an antialiased `interpolation`, then keep the centred `size` square
-    (offsets rounded as torchvision's CenterCrop rounds them). The same geometry here, and torchvision's resize
-    kernels: on the CPU its uint8 kernels, within 1 level of Pillow's bilinear and 2 of its bicubic
-    (docs/BENCHMARKS.md); elsewhere in float32, rounded."""
+    """Validation's view, the reference's: timm's `create_transform` for a pretrained config (and torchvision's
+    ImageNet evaluation) resize the short side to `resize`, antialiased, and keep the centred `size` square (offsets
+    rounded as CenterCrop). The same geometry here, with torchvision's kernels: on the CPU uint8, within 1 level of
+    Pillow's bilinear and 2 of its bicubic (docs/BENCHMARKS.md); elsewhere float32, rounded."""
 
     size: int
     resize: int
@@ -75,9 +68,8 @@ class CentreCrop:
 
 
 def decode_full(raw: bytes, path: str) -> torch.Tensor:
-    """The whole image at full scale in RGB, as the reference's `Image.open(...).convert("RGB")` gives it: HWC
-    uint8. JPEGs in RGB or grey by torchvision's libjpeg-turbo decoder (the same pixels as Pillow's, written
-    straight into a tensor); any other image (PNG, a CMYK JPEG) by Pillow itself."""
+    """The whole image in RGB as the reference's `Image.open(...).convert("RGB")` gives it, HWC uint8: RGB or grey
+    JPEGs by torchvision's libjpeg-turbo decoder (Pillow's pixels, straight into a tensor), others by Pillow."""
     with decoding(path), Image.open(io.BytesIO(raw)) as img:
         if img.format == "JPEG" and img.mode in DECODED_BY_TORCHVISION:
             from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
@@ -86,22 +78,15 @@ def decode_full(raw: bytes, path: str) -> torch.Tensor:
 
 
 def decode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> torch.Tensor:
-    """Validation's pixels of an image's bytes (`path` names it in errors): size x size x 3 uint8. No DCT
-    scaling: a reduced-scale decode is not the reference's pixels (and at 224 px from ImageNet's 500x375
-    images its crop would be too large for it anyway)."""
+    """Validation's size x size x 3 uint8 of an image's bytes; no DCT scaling (it is not the reference's pixels)."""
     return view.apply(decode_full(raw, path))
 
 
 def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
-    """Decode an image's bytes (`path` names it in errors), crop the box that `choose_crop(width, height)` picks,
-    resize to size x size: RGB uint8 HWC.
-
-    The header alone gives the size, hence the crop. A JPEG whose crop leaves room for it is decoded
-    at the smallest DCT scale (1/2, 1/4, 1/8) that keeps the crop at least `size` pixels on each side
-    (Pillow's draft mode); any other JPEG by torchvision's libjpeg-turbo decoder, which writes straight
-    into a tensor (faster than Pillow, the same pixels). The crop is a view of the decoded pixels,
-    resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md).
-    """
+    """Decode an image's bytes, crop the box `choose_crop(width, height)` picks from the header's size, resize to
+    size x size: RGB uint8 HWC. A JPEG decodes at the smallest DCT scale (1/2, 1/4, 1/8) keeping the crop at least
+    `size` a side (Pillow's draft mode), else by torchvision's libjpeg-turbo (faster than Pillow, the same pixels);
+    the crop view is resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md)."""
     with decoding(path):
         img = Image.open(io.BytesIO(raw))
         width, height = img.size
@@ -122,9 +107,8 @@ def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> t
 
 @contextlib.contextmanager
 def decoding(path: str) -> Iterator[None]:
-    """The decoders' own failures (a truncated or corrupt file, an unknown format, a decompression bomb) as a
-    CorruptImageError naming the file; around decoding alone, so that a failure of ours is not called a bad file.
-    torchvision's JPEG decoder reports a corrupt file as a RuntimeError."""
+    """The decoders' own failures as a CorruptImageError naming the file; around decoding alone, so that a failure
+    of ours is not called a bad file. torchvision's JPEG decoder reports a corrupt file as a RuntimeError."""
     try:
         yield
     except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
@@ -149,12 +133,8 @@ def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
-    """Antialiased bilinear resize of NCHW uint8. Only the CPU has a uint8 kernel; elsewhere the
-    resize runs in float32 and rounds back.
-
-    On the CPU the region is first copied to dense channels_last: the kernel then runs faster and its
-    output, permuted to HWC, is contiguous, which makes the batch's collation a plain copy.
-    """
+    """Antialiased bilinear resize of NCHW uint8; only the CPU has a uint8 kernel (elsewhere float32, rounded). On the
+    CPU the region is first made dense channels_last: faster, and its HWC output is contiguous (collation: one copy)."""
     if uint8_kernel:
         region = region.contiguous(memory_format=torch.channels_last)
         return F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)

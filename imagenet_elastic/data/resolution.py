@@ -1,8 +1,6 @@
 """The training image size of each epoch: one size, or FFCV's progressive resizing, where small
-images make the early epochs cheap and the size ramps up to its final value before the end.
-
-A pure function of the epoch, so a worker knows a sample's size from its key (epoch, index) alone:
-a restarted run, any worker count and any world size train each epoch at the same size.
+images make the early epochs cheap and the size ramps up to its final value before the end. A pure function
+of the epoch, so a worker knows a sample's size from its key: any restart, worker count or world size agrees.
 """
 
 from __future__ import annotations
@@ -51,8 +49,7 @@ class TrainSizes:
 
 @dataclass(frozen=True)
 class ResolutionSettings:
-    """Progressive resizing: the ramp of training's crop size (`TrainSizes`). Declared beside what they choose
-    from; config.Config gathers every folder's settings."""
+    """Progressive resizing: the ramp of training's crop size (`TrainSizes`)."""
 
     progressive_resize: Optional[tuple[int, int]] = option(
         None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "

@@ -1,11 +1,8 @@
 """Which samples each rank sees: pure functions of (seed, epoch, samples already consumed, world size).
 
-An epoch is a sequence of *global* batches cut from one permutation that depends only on
-(seed, epoch). Rank r of w takes the r-th share of each global batch and feeds it to the model in
-one or more micro-batches (gradient accumulation). The global batches, and with them the
-optimisation, therefore do not depend on how many ranks share the work, and a run that resumes
-after `k` global samples of an epoch continues with sample `k` of the same permutation, whatever
-its new world size.
+An epoch is a sequence of *global* batches cut from one permutation of (seed, epoch); rank r of w takes the r-th
+share of each, in micro-batches. So the optimisation does not depend on the rank count, and a resume after `k` global
+samples continues with sample `k` of the same permutation at any world size.
 """
 
 from __future__ import annotations
@@ -18,8 +15,7 @@ import numpy as np
 
 from imagenet_elastic.errors import UserError
 
-# A sample's key: (epoch, index), or (epoch, index, copy) under repeated augmentation. The dataset derives
-# the sample's augmentation from it.
+# (epoch, index), or (epoch, index, copy) under repeated augmentation: the sample's augmentation derives from it
 SampleKey = tuple[int, ...]
 
 
@@ -92,12 +88,8 @@ class BatchPlan:
 
 
 class TrainBatchSampler:
-    """Yields this rank's micro-batches (lists of sample keys) for the rest of an epoch.
-
-    `set_epoch(epoch, start_sample)` resumes after `start_sample` global samples: the steps that
-    follow are cut from the permutation at that offset, so no sample of the epoch is seen twice or
-    skipped even if the checkpoint was written at another world size.
-    """
+    """This rank's micro-batches (lists of sample keys) for the rest of an epoch; `set_epoch(epoch, start_sample)`
+    resumes after `start_sample` global samples: none seen twice or skipped, whatever the checkpoint's world size."""
 
     def __init__(self, num_samples: int, plan: BatchPlan, rank: int, seed: int, max_steps: int | None = None,
                  reps: int = 1) -> None:
@@ -146,11 +138,9 @@ class TrainBatchSampler:
 
 
 def repeated_batch(order: np.ndarray, step: int, global_batch: int, reps: int, epoch: int) -> list[SampleKey]:
-    """Repeated augmentation (DeiT; torchvision's --ra-reps): global batch `step` holds the next
-    global_batch / reps images of the epoch's permutation, `reps` times over, copy c at positions
-    c * global_batch / reps + j, so the copies of an image fall on different ranks (and micro-batches)
-    and get augmentations of their own. An epoch keeps its step count and so sees 1/reps of the images,
-    as torchvision's RASampler does."""
+    """Repeated augmentation (DeiT; torchvision's --ra-reps): global batch `step` holds the next global_batch / reps
+    images, `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on different
+    ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
     unique = global_batch // reps
     group = order[step * unique:(step + 1) * unique]
     return [(epoch, int(i), copy) for copy in range(reps) for i in group]

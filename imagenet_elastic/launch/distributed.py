@@ -24,11 +24,8 @@ def available_cores() -> int:
 
 
 def default_threads(local_world_size: int) -> int:
-    """Same policy under every launcher: the cores shared evenly by the processes of one node.
-
-    torchrun sets OMP_NUM_THREADS=1 while srun, mpirun and spawn set nothing; applying one rule here
-    keeps CPU results bitwise identical across launchers and avoids oversubscribing cores.
-    """
+    """The node's cores shared evenly by its processes, under every launcher: torchrun sets OMP_NUM_THREADS=1 while
+    srun, mpirun and spawn set nothing; one rule keeps CPU results bitwise identical and avoids oversubscription."""
     return max(1, available_cores() // max(1, local_world_size))
 
 
@@ -39,8 +36,8 @@ def configure_threads(requested: Optional[int], local_world_size: int) -> int:
 
 
 def visible_gpu_count(environ: Mapping[str, str]) -> int:
-    """GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when set (Slurm sets it per task,
-    also before a driver is loaded), else what CUDA reports."""
+    """GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when set (Slurm sets it per task, also before a
+    driver is loaded), else what CUDA reports."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
     if visible is not None:
         count = 0
@@ -58,12 +55,8 @@ def uses_cuda(requested: str) -> bool:
 
 
 def select_device(requested: str, env: DistEnv) -> torch.device:
-    """`cuda:i` among the visible devices, i = LOCAL_RANK modulo their number.
-
-    The modulo serves Slurm, where each task often sees only its own GPU (`--gpus-per-task=1`):
-    local rank 3 of a node then owns that task's device 0. Otherwise more processes than devices on a
-    node would put two ranks on one GPU, where NCCL fails later without naming the cause: refused.
-    """
+    """`cuda:i`, i = LOCAL_RANK modulo the visible devices (for Slurm, where a task often sees only its own GPU).
+    Otherwise more processes than devices would share a GPU, where NCCL fails later, unexplained: refused."""
     if not uses_cuda(requested):
         return torch.device("cpu")
     if not torch.cuda.is_available():
@@ -101,14 +94,12 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     options = group_options(device)
     dist.init_process_group(store=dist.PrefixStore(namespace, store), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, **options)
-    # Control messages (stop? checkpoint now?) travel on CPU tensors, so that agreeing on them never
-    # waits for the GPU's queue of work.
+    # control messages (stop? checkpoint now?) travel on CPU tensors: agreeing on them never waits for the GPU's queue
     _control = dist.new_group(backend="gloo") if options["backend"] != "gloo" else None
 
 
 def group_options(device: torch.device) -> dict[str, Any]:
-    """nccl bound to this rank's GPU (`device_id`: NCCL then knows the rank's device at once, and
-    `barrier()` does not have to guess it, with a warning), or gloo on a CPU."""
+    """nccl bound to this rank's GPU (`device_id`: `barrier()` need not guess it, with a warning), or gloo on a CPU."""
     if device.type == "cuda":
         return {"backend": "nccl", "device_id": device}
     return {"backend": "gloo"}
@@ -121,14 +112,10 @@ _control: Optional[dist.ProcessGroup] = None
 def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.02) -> str:
     """Agree with the other ranks on a store namespace no earlier round has used.
 
-    torchrun's agents keep one store for the whole job, so keys of a previous round (its gloo peer
-    addresses) are still there after a restart or a membership change, and TORCHELASTIC_RESTART_COUNT
-    cannot name a round: torchrun does not raise it on a membership change, and an agent that joins
-    later counts from 0. So rank 0 takes a fresh ticket from a store counter and announces it; each
-    other rank registers its own fresh ticket under the announced name and waits for rank 0 to list
-    it back. A rank that read a stale announcement sees a list without its ticket (or none) and
-    retries under the new one: every key of an earlier round was written before this round began.
-    """
+    torchrun's agents keep one store for the whole job, so a previous round's keys (its gloo peer addresses) survive
+    a restart, and TORCHELASTIC_RESTART_COUNT cannot name a round (not raised on a membership change; a late agent
+    counts from 0). So rank 0 announces a fresh ticket; each other rank registers its own under it and waits for rank
+    0 to list it back, retrying under a newer announcement if it read a stale one."""
     deadline = time.monotonic() + timeout_s
     ticket = str(store.add(f"{_ROUNDS}/tickets", 1))
     if rank == 0:
@@ -157,11 +144,8 @@ def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
 
 
 def destroy_process_group() -> None:
-    """Tear down after the caller dropped its DDP model and tensors, and unfroze what it froze (gc.freeze).
-
-    gloo can abort at interpreter exit ("terminate called without an active exception") while
-    DDP objects are still alive; collecting them first made that go away.
-    """
+    """Tear down after the caller dropped its DDP model and tensors, and unfroze what it froze (gc.freeze): gloo can
+    abort at exit ("terminate called without an active exception") while DDP objects are alive: collect first."""
     global _control
     _control = None
     gc.collect()
@@ -175,8 +159,8 @@ def is_initialized() -> bool:
 
 
 def agree(flags: Sequence[bool]) -> list[bool]:
-    """Each flag, true on any rank, becomes true on every rank: the stop and checkpoint decisions
-    are taken together at a step boundary, so no rank waits in a collective the others skipped."""
+    """Each flag, true on any rank, becomes true on every rank: stop and checkpoint decisions are taken together at
+    a step boundary, so no rank waits in a collective the others skipped."""
     if not is_initialized():
         return list(flags)
     votes = all_reduce_max(torch.tensor([int(f) for f in flags], dtype=torch.int32))
@@ -197,12 +181,8 @@ def all_reduce_max(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def broadcast_buffers(module: torch.nn.Module) -> None:
-    """Every rank takes rank 0's buffers (BatchNorm running statistics), one broadcast per dtype.
-
-    DDP broadcasts them before each forward, but each rank then updates its copy from its own
-    micro-batch: after an epoch's last step every rank holds different statistics, and only rank 0's
-    are saved.
-    """
+    """Every rank takes rank 0's buffers (BatchNorm running statistics), one broadcast per dtype: DDP broadcasts them
+    before each forward, but each rank then updates its copy from its own micro-batch, and only rank 0's are saved."""
     if not is_initialized():
         return
     buffers = list(module.buffers())
@@ -237,13 +217,9 @@ def broadcast_object(obj: Any, src: int) -> Any:
 
 
 def rank_0_does(action: Callable[[], None]) -> None:
-    """Rank 0 does `action`, a step only it takes (a write in the checkpoints folder whose lock it holds), and
-    every rank learns at once whether it failed, from one broadcast of a few bytes.
-
-    A failure on rank 0 alone would otherwise reach the others as a peer that vanished: gloo's "connection
-    closed by peer" traceback, or under NCCL nothing until --dist-timeout. Instead each rank raises the same
-    one line, naming the real culprit, with rank 0's exit code. `action` reports the OS's refusals as
-    UserError (StorageError); anything else is a bug and keeps its traceback on rank 0."""
+    """Rank 0 does `action`; one small broadcast tells every rank whether it failed, so each raises the same line
+    with rank 0's exit code instead of meeting a vanished peer (gloo's "connection closed by peer", or under NCCL
+    nothing until --dist-timeout). Only a UserError is shared; anything else is a bug, with its traceback on rank 0."""
     failure: Optional[tuple[str, int]] = None
     if rank() == 0:
         try:
@@ -259,8 +235,7 @@ PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe")  # gloo's words f
 
 
 def peer_left(error: BaseException) -> bool:
-    """Whether a collective failed because another rank's process ended: after a second Ctrl-C, a rank that
-    stopped at once leaves the others in the collective they were in before their own Ctrl-C came through."""
+    """Whether a collective failed because another rank's process ended (e.g. after a second Ctrl-C)."""
     return isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE)
 
 

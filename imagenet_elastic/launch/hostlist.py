@@ -1,7 +1,6 @@
 """Expand Slurm hostlist expressions (SLURM_JOB_NODELIST) such as ``gpu-a[01-03,07],gpu-b9``.
 
-We parse them ourselves because ``scontrol show hostnames`` is only a fallback: it is often missing inside containers.
-"""
+Parsed here because ``scontrol show hostnames`` is often missing inside containers."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """What each launcher tells a process about the job: environment variables to a LaunchPlan.
 
-Pure functions of the environment (passed in), so every launcher's rules are unit-tested without it.
-"""
+Pure functions of the environment (passed in), so every launcher's rules are unit-tested without it."""
 
 from __future__ import annotations
 
@@ -53,8 +52,7 @@ class DistEnv:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """This process's DistEnv; with procs_per_task > 1, or `starts_ranks`, it is a task that starts that many
-    ranks itself (spawn, Slurm's one task per node)."""
+    """This process's DistEnv; with procs_per_task > 1 or `starts_ranks`, a task that starts its ranks itself."""
 
     env: DistEnv
     procs_per_task: int = 1
@@ -95,14 +93,9 @@ def has_torchrun_vars(environ: Mapping[str, str]) -> bool:
     return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
 
 
-# ----------------------------------------------------------------------------- torchrun
-
 def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
-    """torchrun / torch.distributed.launch variables; none at all means one plain process.
-
-    `local_rank_arg` is the legacy `--local_rank` / `--local-rank` argument that
-    `python -m torch.distributed.launch` passes; LOCAL_RANK in the environment wins when both exist.
-    """
+    """torchrun / torch.distributed.launch variables; none at all means one plain process. `local_rank_arg` is the
+    `--local-rank` argument torch.distributed.launch passes; LOCAL_RANK in the environment wins."""
     present = [name for name in TORCHRUN_VARS if name in environ]
     if not present and local_rank_arg is None:
         return DistEnv()
@@ -133,8 +126,6 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
     )
 
 
-# ----------------------------------------------------------------------------- Slurm
-
 def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
     """Read Slurm's compressed SLURM_TASKS_PER_NODE ("2(x3),1": 2 on nodes 0-2, 1 on node 3)."""
     counts: list[int] = []
@@ -149,8 +140,7 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 
 def slurm_master_port(job_id: int) -> int:
-    """MASTER_PORT = 15000 + SLURM_JOB_ID mod 15000: below Linux's ephemeral range (32768+), different
-    for consecutive jobs that share a node."""
+    """15000 + SLURM_JOB_ID mod 15000: below Linux's ephemeral range (32768+), different for consecutive jobs."""
     return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
 
 
@@ -196,9 +186,8 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
 
 def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int,
                          uses_gpus: bool = False) -> int:
-    """Ranks each Slurm task starts: `--nproc-per-node`, else one per visible GPU when a node runs a
-    single task (`srun --ntasks-per-node=1 --gres=gpu:4`), else 1. More ranks than the task's GPUs
-    would put two ranks on one GPU, where NCCL fails later without naming the cause: refused."""
+    """Ranks each Slurm task starts: `--nproc-per-node`, else one per visible GPU when a node runs a single task,
+    else 1. More ranks than the task's GPUs (ranks sharing a GPU: NCCL fails later, unexplained) are refused."""
     if nproc_per_node:
         if uses_gpus and nproc_per_node > visible_gpus:
             raise UserError(f"--nproc-per-node {nproc_per_node} is more than the {visible_gpus} GPU(s) this Slurm "
@@ -209,8 +198,6 @@ def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[in
     single_task = node_tasks and tasks_on_node(node_tasks, int(environ.get("SLURM_NODEID") or 0)) == 1
     return visible_gpus if single_task and visible_gpus > 1 else 1
 
-
-# ----------------------------------------------------------------------------- MPI
 
 def parse_dist_url(url: str) -> tuple[str, int]:
     parsed = urlparse(url)
@@ -225,8 +212,8 @@ def parse_dist_url(url: str) -> tuple[str, int]:
 
 def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
                  master_port: Optional[int] = None) -> DistEnv:
-    """OpenMPI's OMPI_COMM_WORLD_* (or MPICH/Intel MPI's PMI_*). MPI only launches: the process group
-    is still gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
+    """OpenMPI's OMPI_COMM_WORLD_* (or MPICH/Intel MPI's PMI_*). MPI only launches: the process group is still
+    gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
     if environ.get("OMPI_COMM_WORLD_SIZE"):
         launcher = "OpenMPI's mpirun"
         rank = _int_var(environ, "OMPI_COMM_WORLD_RANK", launcher)
@@ -251,8 +238,6 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
     return DistEnv(rank=rank, world_size=world, local_rank=local_rank, local_world_size=local_world,
                    master_addr=addr, master_port=port, launched=True, launcher="mpirun")
 
-
-# ----------------------------------------------------------------------------- choosing
 
 @dataclass(frozen=True)
 class LaunchRequest:
@@ -296,8 +281,6 @@ class LaunchMethod(NamedTuple):
     help: str  # for --dist-init-method's help
 
 
-# --dist-init-method: kept here once; config offers these names with their help. A new launcher is a function and
-# a line here.
 METHODS: dict[str, LaunchMethod] = {
     "env": LaunchMethod(plan_env, "torchrun or torch.distributed.launch variables, or none for one process"),
     "slurm": LaunchMethod(plan_slurm, "srun's `SLURM_*`"),
@@ -308,8 +291,7 @@ METHODS: dict[str, LaunchMethod] = {
 
 @dataclass(frozen=True)
 class LaunchSettings:
-    """Where the ranks come from (one of `METHODS`), how they meet, and the threads each one runs. Declared
-    beside what they choose from; config.Config gathers every folder's settings."""
+    """Where the ranks come from (one of `METHODS`), how they meet, and the threads each one runs."""
 
     dist_init_method: str = option(
         "env", "where ranks come from (docs/LAUNCHING.md): " + options.described(METHODS), "distributed",
@@ -338,10 +320,7 @@ def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: O
 
 def _refuse_unnoticed_launcher(environ: Mapping[str, str]) -> None:
     """N copies of a single-process run would overwrite each other's checkpoints: say what to pass.
-
-    SLURM_STEP_NUM_TASKS is set by srun for its tasks, not in an sbatch script's own shell, where one
-    plain process is a legitimate run.
-    """
+    SLURM_STEP_NUM_TASKS is set by srun for its tasks, not in an sbatch script, where one process is legitimate."""
     for var, method, launcher in (("SLURM_STEP_NUM_TASKS", "slurm", "srun"),
                                   ("OMPI_COMM_WORLD_SIZE", "mpi", "mpirun"), ("PMI_SIZE", "mpi", "mpiexec")):
         if environ.get(var, "").isdigit() and int(environ[var]) > 1:

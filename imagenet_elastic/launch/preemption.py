@@ -1,14 +1,9 @@
 """Preemption: signals only raise a flag; the training loop checkpoints and stops at a step boundary.
 
-A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a
-collective. Setting a flag is all a handler may safely do; `Trainer` turns the flag into an agreed,
-collective stop (see `distributed.agree`).
-
-Ctrl-C (SIGINT) asks for the same stop while the run trains, and exits 130: the steps since the last checkpoint
-(an epoch, by default) are worth the one step and one write the stop costs, and someone at a terminal who stops a
-run means to continue it or to change it, either of which wants the checkpoint. It says so at once, for a stop is
-not instant. A second Ctrl-C stops at once, as does a first one before training begins or after it ends (nothing
-is then lost): the trainer then says which checkpoint was kept and how many steps were lost.
+A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a collective; `Trainer`
+turns the flag into an agreed, collective stop. Ctrl-C asks for the same stop while the run trains, and exits 130:
+the steps since the last checkpoint are worth the one step and one write the stop costs. A second Ctrl-C stops at
+once, as does one before training begins or after it ends.
 """
 
 from __future__ import annotations
@@ -52,8 +47,7 @@ def signals_option(text: str) -> tuple[str, ...]:
 
 @dataclass(frozen=True)
 class PreemptionSettings:
-    """Which signals mean "checkpoint at the next step and stop", and what follows the stop. Declared beside
-    what they choose from; config.Config gathers every folder's settings."""
+    """Which signals mean "checkpoint at the next step and stop", and what follows the stop."""
 
     preempt_signals: tuple[str, ...] = option(
         DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
@@ -68,8 +62,8 @@ def signal_numbers(names: tuple[str, ...]) -> tuple[int, ...]:
 
 
 def worker_ignored(names: tuple[str, ...]) -> tuple[int, ...]:
-    """The signals loader workers ignore: the preemption signals, and Ctrl-C, which a terminal sends to the whole
-    process group; the training process decides what each means (a worker that died of one would end the run)."""
+    """The signals loader workers ignore (preemption's and Ctrl-C, which reaches the whole process group): the
+    training process decides what each means; a worker that died of one would end the run."""
     return tuple(dict.fromkeys((*signal_numbers(names), int(signal.SIGINT))))
 
 
@@ -78,15 +72,8 @@ INTERRUPT_NOTE = (b"Ctrl-C: stopping after the step in flight (after validation,
 
 
 class PreemptionFlag:
-    """Installs the handlers; `received` names the first signal that came, None until then.
-
-    The training loop keeps `steps_done` current, so the message at the stop can say how many
-    steps the run went on after the signal (at most one: the step in flight).
-
-    `interrupts`: Ctrl-C too (a program's flag; a test's leaves SIGINT alone), unless SIGINT is one of `names`. While
-    `checkpoint_on_interrupt` (the training loop sets it), the first Ctrl-C is a stop like the others (`interrupted`
-    says it was one), said at once where `speaks` (rank 0); otherwise, and for a second, it is a KeyboardInterrupt.
-    """
+    """Installs the handlers; `received` names the first signal that came, None until then. `interrupts`: Ctrl-C too;
+    while `checkpoint_on_interrupt`, the first Ctrl-C is a stop like the others, else a KeyboardInterrupt."""
 
     def __init__(self, names: tuple[str, ...], interrupts: bool = False, speaks: bool = True) -> None:
         self.received: Optional[str] = None

@@ -1,15 +1,9 @@
 """Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
 
-The worker is the entry point the caller hands in (cli.py: the training's `run(config, env)`), so this folder
-starts processes without knowing what they run, nor what the run's settings are: the config is passed on as it
-came, and only the two settings that starting the ranks needs are read from it (LaunchSettings).
-
-For `spawn` the parent hosts the rendezvous store on a free port before starting its children, so no
-port is guessed and none can be taken in between. If one child fails, torch.multiprocessing stops
-the others; the parent reports the failing rank's traceback (user errors were already printed by
-the child as one line) and exits non-zero. A child that stopped as it was asked (a Ctrl-C, a preemption signal,
-which every rank takes) is not a failure: the parent waits for the others to stop on their own (`wait_for_ranks`).
-"""
+The worker is the entry point the caller hands in; its config is passed on as it came. For `spawn` the parent hosts
+the rendezvous store on a free port before starting its children, so no port is guessed and none can be taken in
+between. A child that stopped as asked (Ctrl-C, a preemption signal, which every rank takes) is not a failure: the
+others are left to stop on their own."""
 
 from __future__ import annotations
 
@@ -42,7 +36,7 @@ from imagenet_elastic.launch.preemption import signal_numbers
 
 
 class LaunchSettings(Protocol):
-    """What starting the ranks reads of the run's settings (config.Config has these fields)."""
+    """What starting the ranks reads of the run's settings."""
 
     @property
     def dist_timeout(self) -> float: ...
@@ -56,11 +50,8 @@ Entry = Callable[[Settings, DistEnv], None]  # a module-level function: spawn pi
 
 
 def run_worker(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
-    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary.
-
-    User errors and preemption end inside the wrapper as plain exit codes, so torchrun's summary
-    holds no traceback for them (`record` only records exceptions, not SystemExit).
-    """
+    """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary; user errors and
+    preemption end inside it as plain exit codes (SystemExit), so the summary holds no traceback for them."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
     record(_run_to_exit_code)(entry, config, env)
@@ -85,12 +76,9 @@ REPORT_GRACE_S = 10.0
 
 
 def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
-    """An error in the inputs every rank shares (a checkpoint, a setting) stops every rank, and rank 0
-    says it once. A rank that gets there first must not exit first: its launcher would stop rank 0
-    before rank 0 said anything. So it waits for the launcher's stop, which comes once rank 0 has
-    reported and exited, and then goes quietly. If no stop comes within REPORT_GRACE_S, the error
-    was this rank's alone, and it says so itself. A stop that came while the rank was ending (`error.stopped_by`)
-    counts as that stop."""
+    """An error every rank meets is said once, by rank 0. A rank that gets there first must not exit first (its
+    launcher would stop rank 0 before it said anything): it waits for the launcher's stop (or `error.stopped_by`),
+    then goes quietly; with no stop within REPORT_GRACE_S the error was its own, and it says so."""
     if error.stopped_by is not None:
         return
     stops: list[int] = []
@@ -115,8 +103,7 @@ def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, p
     context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
     forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
-    # A terminal's Ctrl-C reaches the ranks themselves (one process group), and each stops as it asks (with a
-    # checkpoint, or at once the second time): the parent waits for them, and forwards none (a second one each).
+    # a terminal's Ctrl-C reaches the ranks themselves (one process group): the parent forwards none (a second each)
     forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     try:
         wait_for_ranks(context.processes)
@@ -131,8 +118,7 @@ def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, p
     except mp.ProcessRaisedException as failed:
         reported = [p.exitcode for p in context.processes if p.exitcode in (USER_ERROR_EXIT, STORAGE_ERROR_EXIT)]
         if reported:
-            # a rank stopped on a user or storage error (reported in one line); this rank's error (a
-            # closed connection in a collective) followed from it and only hides it
+            # a rank stopped on a user or storage error; this rank's (a closed connection) followed and only hides it
             sys.exit(reported[0])
         rank = task_env.rank * procs + failed.error_index
         print(f"{PROG}: error: rank {rank} failed, the others were stopped:\n{failed}", file=sys.stderr)
@@ -147,9 +133,8 @@ STOP_GRACE_S = 60.0
 
 
 def wait_for_ranks(processes: list, grace_s: float = STOP_GRACE_S) -> None:
-    """Until every rank has ended, or one ended otherwise than with 0 or a stop it was asked for; then torch's join
-    stops the rest. After a rank's asked-for stop, the others are stopping too, each on its own signal: stopping
-    them would cut their stop short (and add torch's line about it). They get `grace_s` from the first such stop."""
+    """Until every rank has ended, or one ended otherwise than with 0 or an asked-for stop (then torch's join stops
+    the rest). After an asked-for stop the others are stopping too, so they get `grace_s` rather than be cut short."""
     deadline = None
     pending = list(processes)
     while pending:
@@ -167,8 +152,7 @@ def wait_for_ranks(processes: list, grace_s: float = STOP_GRACE_S) -> None:
 
 
 def forward_signals(signums: tuple[int, ...], pids: list[int]) -> dict[int, object]:
-    """The parent passes preemption signals on to its ranks instead of dying of them (SIGUSR1's
-    default action), which would leave the ranks without their launcher. Returns the old handlers."""
+    """Pass preemption signals on to the ranks rather than die of one (SIGUSR1's default) and orphan the ranks."""
     def forward(signum: int, _frame: object) -> None:
         for pid in pids:
             with contextlib.suppress(ProcessLookupError):

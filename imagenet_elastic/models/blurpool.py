@@ -12,17 +12,11 @@ BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its inpu
 
 
 def blur_strided_convs(model: nn.Module) -> list[str]:
-    """FFCV's BlurPool (--blurpool): every convolution with a stride above 1 and at least 16 input channels
-    sees its input blurred first by a 3x3 binomial filter (timm's BlurPool2d at stride 1, zero padding), so
-    that downsampling does not alias. Returns the names of those convolutions.
-
-    Each such convolution keeps its weights and becomes an instance of a subclass of its own class that
-    blurs first; the filter is a buffer that is not saved. So the state dict stays the plain model's
-    (checkpoints, --initial-checkpoint and exports keep timm's names, and a model timm rebuilds from them
-    gets its blur back from this function), and torch.compile sees another class, not a forward hook, which
-    dynamo does not guard on: it ran a blurred model with the graph of a plain one compiled before it
-    (tests/models/test_blurpool.py).
-    """
+    """FFCV's BlurPool: each convolution with a stride above 1 and at least 16 input channels first blurs its input
+    by a 3x3 binomial filter (timm's BlurPool2d, stride 1, zero padding) against aliasing; returns their names. Each
+    becomes an instance of a blurring subclass of its class, its filter an unsaved buffer: the state dict stays the
+    plain model's (timm's names; a model rebuilt from it gets its blur back here), and torch.compile sees another
+    class, not a forward hook, which dynamo does not guard on (it reused a plain model's graph for a blurred one)."""
     from timm.layers import BlurPool2d
 
     names = []

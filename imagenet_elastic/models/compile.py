@@ -1,11 +1,8 @@
 """torch.compile for the training step: whether it runs (on CUDA unless told otherwise), what happens when the
 model cannot compile (eager, with one warning), and its caches beside the checkpoints (compile_cache.py).
 
-Issue 31's first H100 run: compiling gave ResNet-50 1.40x the eager model throughput, for 57 s of compiling at each
-start with a cold cache (a restart's first step 81 s after the checkpoint, 21 s eager, 29 s with a warm cache);
-hence on by default there, and a cache that restarts load. On CPUs compiled training is slower than eager (the same
-issue): off by default there.
-"""
+On an H100 compiling gave ResNet-50 1.40x eager throughput for 57 s per cold start (a restart's first step 81 s
+after the checkpoint; 21 s eager, 29 s warm): on by default there, with a cache. On CPUs it is slower: off there."""
 
 from __future__ import annotations
 
@@ -48,9 +45,8 @@ def error_line(error: BaseException) -> str:
 
 @contextlib.contextmanager
 def backward_compiled_with_forward() -> Any:
-    """AOTAutograd compiles the backward graph at its first use unless told otherwise: compiled with the forward,
-    its failures surface in the same call (before DDP or the loss wait for a backward), and its time in the same
-    measure. A torch without the switch (it is private) compiles as it always did."""
+    """Compile the backward with the forward, not at first use: its failures surface in that call (before DDP or the
+    loss wait for a backward), its time in that measure. No-op without this private switch."""
     try:
         config: Any = importlib.import_module("torch._functorch.config")
     except ImportError:
@@ -63,8 +59,7 @@ def backward_compiled_with_forward() -> Any:
 
 
 def graph_cache_counts() -> tuple[int, int]:
-    """Inductor's FX graph cache hits and misses so far in this process (each compiled forward and backward graph is
-    one): how much of a compile its caches served. (0, 0) with another backend, or a torch that counts otherwise."""
+    """Inductor's FX graph cache (hits, misses) so far in this process; (0, 0) with another backend or torch."""
     try:
         counted = importlib.import_module("torch._dynamo.utils").counters.get("inductor", {})
     except (ImportError, AttributeError):
@@ -73,9 +68,8 @@ def graph_cache_counts() -> tuple[int, int]:
 
 
 def undoer(model: nn.Module) -> Callable[[], None]:
-    """A call that puts back what a failed first compiled call may have changed: where the model's code has a graph
-    break, the graph before it runs before the one after it compiles, updating batch norm's running statistics and
-    drawing random numbers; the eager retry then starts from the same state, as an eager run would have."""
+    """Puts back what a failed first compiled call may have changed (at a graph break the graph before it ran: batch
+    norm statistics, random draws), so the eager retry starts as an eager run would."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
@@ -91,12 +85,10 @@ def undoer(model: nn.Module) -> Callable[[], None]:
 
 
 class CompiledOrEager(nn.Module):
-    """`model` compiled, unless its first call fails to compile: torch.compile only wraps, and dynamo traces and
-    the backend compiles at the first call, so that call retries eager (from the state it started from: see
-    `undoer`), and every later one stays eager. Sits inside DDP, which then never sees the failure: its reducer
-    waits for a backward only after a forward that returned. An error that is not the compiler's fails the eager
-    retry too, and goes on from there; so does a failed recompilation later (a new shape), of a model that compiled.
-    An out-of-memory error is the device's: it goes on at once, and the next call compiles again."""
+    """`model` compiled, unless its first call fails to compile: that call retries eager from its starting state
+    (`undoer`), later ones stay eager. Inside DDP, whose reducer awaits a backward only after a forward returned, so
+    never sees the failure. Other errors fail the eager retry too, as do failed later recompilations (a new shape);
+    an out-of-memory error is raised, and the next call compiles again."""
 
     def __init__(self, model: nn.Module, backend: Any = None) -> None:
         super().__init__()
@@ -108,8 +100,7 @@ class CompiledOrEager(nn.Module):
 
     @property
     def eager(self) -> nn.Module:
-        """The model itself: torch.compile's wrapper holds it as `_orig_mod`, unless dynamo is off
-        (TORCHDYNAMO_DISABLE=1), when torch.compile hands the model back as it is."""
+        """The model: the wrapper's `_orig_mod`, or with dynamo off (TORCHDYNAMO_DISABLE=1) the model itself."""
         return getattr(self.compiled, "_orig_mod", self.compiled)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -124,8 +115,7 @@ class CompiledOrEager(nn.Module):
             with backward_compiled_with_forward():
                 out = self.compiled(*args, **kwargs)
         except torch.OutOfMemoryError:
-            # the device's failure, not the compiler's: --micro-batch auto redoes the step with smaller micro-batches,
-            # whose first call compiles again
+            # the device's, not the compiler's: --micro-batch auto redoes the step, whose first call compiles again
             self.called = False
             raise
         except Exception as error:
@@ -139,8 +129,7 @@ class CompiledOrEager(nn.Module):
 
 
 class Compilation:
-    """The run's torch.compile: decided once (compile_choice), the model wrapped (`wrap`), its outcome said once
-    after the first step (`after_first_step`), its cache file kept by rank 0 (`cache_write`)."""
+    """The run's torch.compile: decided once, the model wrapped, the outcome said after the first step, cache kept."""
 
     def __init__(self, enabled: bool, reason: str, model_name: str, cache: Optional[CompileCache],
                  warn: Callable[[str], None], is_main: bool) -> None:
@@ -181,9 +170,8 @@ class Compilation:
             write()
 
     def cache_write(self) -> Optional[Callable[[], None]]:
-        """Rank 0's write of the cache file when this process compiled graphs the file lacks (its first step, a
-        recompilation for a new shape since): collected now, in the thread where torch compiles; written by the
-        returned call, wherever the caller likes (the checkpoint writer's thread). None when there is nothing new."""
+        """Rank 0's write of the cache file when this process compiled graphs it lacks, or None: collected now, in
+        the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's)."""
         if self.cache is None or not self.is_main or self.module is None or not self.module.called or self.fell_back:
             return None
         data = self.cache.collect()
@@ -195,9 +183,8 @@ class Compilation:
         return text + (f"; compile cache {self.cache.state}" if self.cache is not None else "")
 
     def first_step(self, autotuned: bool = False) -> FirstStep:
-        """The restart line's account of the first step: the compile cache's load (a build step), what compiling took
-        and how much Inductor's caches served of it, whether the cache was warm; `autotuned`: cuDNN timed its
-        algorithms in the step (cudnn.benchmark on CUDA), which no cache keeps."""
+        """The restart line's account of the first step: cache load, compile time, Inductor cache hits, a warm
+        cache; `autotuned`: cuDNN timed its algorithms in it (cudnn.benchmark on CUDA), which no cache keeps."""
         cache_load = self.cache.load_seconds if self.cache is not None else None
         module = self.module
         if module is None or module.compile_seconds is None:

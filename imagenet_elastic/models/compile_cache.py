@@ -1,19 +1,12 @@
 """torch.compile's caches beside the checkpoints: CHECKPOINTS/compile_cache.bin.
 
 A restart often lands on a node whose own compile cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty, and
-compiling a ResNet-50 again took 57 s on an H100. torch's Mega-Cache (torch >= 2.7) puts every cache a compile
-filled (Inductor's graphs with their Triton kernels, AOTAutograd's, autotuning's, dynamic-shape decisions) into
-one blob, `torch.compiler.save_cache_artifacts()`, which `load_cache_artifacts` writes back into the local caches,
-where the next compile finds them. Rank 0 keeps that blob here, with the checkpoints every restart reads anyway;
-every rank loads it before its first compiled call.
-
-The file is only a cache: a missing, mismatched or unreadable one costs a cold compile, never the run (torch's
-`load_cache_artifacts` itself says a blob it cannot read by returning None, after logging its traceback: that is
-one warning line here, the file then rewritten once this run has compiled). It is
-keyed by what decides the graphs (torch and Triton versions, the device, the model and the settings that change
-its code); a file written under another key is left unread, and replaced once this run has compiled. Shapes are
-not in the key: torch's own keys tell a graph compiled for another batch or image size apart.
-"""
+compiling a ResNet-50 again took 57 s on an H100. torch's Mega-Cache (torch >= 2.7) packs every cache a compile
+filled into one blob; rank 0 keeps it here, beside the checkpoints every restart reads anyway, and every rank loads
+it into its local caches before its first compiled call. Only a cache: a missing, mismatched or unreadable file
+costs a cold compile, never the run. Its key is what decides the graphs (torch and Triton versions, the device, the
+model and the settings that change its code; torch's own keys tell shapes apart); a file under another key is left
+unread, and replaced once this run has compiled."""
 
 from __future__ import annotations
 
@@ -61,8 +54,7 @@ def triton_version() -> Optional[str]:
 
 
 def cache_key(device: torch.device, **settings: Any) -> dict[str, Any]:
-    """What the compiled graphs depend on besides shapes: versions, device, and `settings` (the model's name and
-    the run's settings that change its code, as the caller lists them)."""
+    """What compiled graphs depend on besides shapes: versions, device, and the caller's code-changing `settings`."""
     return {"torch": torch.__version__, "triton": triton_version(), "device": device_name(device), **settings}
 
 
@@ -125,9 +117,8 @@ def artifact_names(info: Any) -> frozenset[str]:
 
 @dataclass
 class CompileCache:
-    """CHECKPOINTS/compile_cache.bin for one run: `load` on every rank before the first compiled call, then rank 0
-    `collect`s (in the training thread, where torch compiles) and `write`s (anywhere, e.g. the checkpoint writer's
-    thread) whenever this process compiled something the file lacks."""
+    """CHECKPOINTS/compile_cache.bin for one run: `load` on every rank before the first compiled call; rank 0
+    `collect`s in the training thread (where torch compiles) and `write`s anywhere."""
 
     folder: str
     key: dict[str, Any]
@@ -143,8 +134,7 @@ class CompileCache:
         return os.path.join(self.folder, FILE_NAME)
 
     def load(self) -> None:
-        """Preload torch's caches from the file when it was written under this key; else say why not (a damaged
-        file with one warning). Never raises: the worst case is a cold compile."""
+        """Preloads torch's caches from a file of this key, else says why not; never raises: at worst a cold compile."""
         if not supported():
             self.state = f"unsupported by torch {torch.__version__} (no torch.compiler.save_cache_artifacts)"
             return
@@ -188,8 +178,7 @@ class CompileCache:
         self.state = f"{self.path} unreadable, ignored"
 
     def collect(self) -> Optional[bytes]:
-        """The file's new contents, when this process compiled graphs the file lacks (its first step, a
-        recompilation for a new shape); None otherwise. Cheap: torch serializes what it already holds in memory."""
+        """The file's new contents if this process compiled graphs it lacks, else None (cheap: from memory)."""
         if self.failed or not supported():
             return None
         try:
@@ -209,8 +198,7 @@ class CompileCache:
         return encode(self.key, blob, names)
 
     def write(self, data: bytes) -> None:
-        """Atomically, so a reader sees the old file or the new one; a refused write is one warning, and the
-        run goes on without a cache file (the checkpoints are written apart from it)."""
+        """Atomically (readers see old or new); a refused write is one warning, and the run goes on without it."""
         try:
             atomic_write_bytes(data, self.path)
         except OSError as error:

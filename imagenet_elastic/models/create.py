@@ -16,8 +16,7 @@ from imagenet_elastic.models.input_size import Sizes, input_options
 
 
 def check_model_name(name: str) -> None:
-    """A misspelt --model, with the closest names timm has. The trainer asks first, before it scans the
-    data or makes the checkpoints folder."""
+    """A misspelt --model, with timm's closest names; asked before the data scan and the checkpoints folder."""
     import timm  # slow to import: deferred so that input errors are reported at once
 
     tiny_models.register()
@@ -32,9 +31,8 @@ def check_model_name(name: str) -> None:
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
                  published: Optional[published_weights.Published] = None, grad_checkpointing: bool = False,
                  sizes: Sizes = ()) -> nn.Module:
-    """A timm model with random weights, or with `published` ones (--pretrained, already read: see
-    published_weights.py); `blurpool`: see blurpool.blur_strided_convs; `grad_checkpointing`: see recompute_activations;
-    `sizes`: the image sizes it must take (see input_size.input_options)."""
+    """A timm model with random weights, or `published` ones (--pretrained, already read); `blurpool`,
+    `grad_checkpointing` and `sizes`: see blur_strided_convs, recompute_activations and input_options."""
     import timm
 
     check_model_name(name)
@@ -56,10 +54,8 @@ def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: 
 
 
 def recompute_activations(model: nn.Module, name: str) -> None:
-    """--grad-checkpointing: timm's set_grad_checkpointing, where the model's blocks run under
-    torch.utils.checkpoint, which recomputes them in the backward pass with the forward's random state (drop
-    path draws the same). Batch norm would update its running statistics a second time as it recomputes:
-    the training step runs the backward with them frozen (train/step.py's train_step)."""
+    """--grad-checkpointing: blocks run under torch.utils.checkpoint, recomputed in the backward with the forward's
+    random state; batch norm would update its statistics again: the step freezes them (train/step.py)."""
     try:
         model.set_grad_checkpointing(True)
     except (AttributeError, NotImplementedError, AssertionError):

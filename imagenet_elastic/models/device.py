@@ -33,14 +33,11 @@ def _cpu_probe(*names: str) -> bool:
 
 
 def native_low_precision(device: torch.device) -> dict[str, bool]:
-    """Which of bf16 and fp16 this device computes natively rather than by emulation.
-
-    On a CPU, bf16 needs AVX512-BF16 or AMX: without them oneDNN runs bf16 convolutions on a
-    reference path many times slower than fp32 (pytorch/pytorch#111456). Note that
-    `torch.ops.mkldnn._is_mkldnn_bf16_supported()` also says yes on plain AVX-512, where bf16 is
-    slower than fp32 too. fp16 on a CPU needs AMX-FP16. On a GPU, bf16 needs compute capability 8.0
-    (Ampere); `is_bf16_supported()` counts emulation as support unless told not to.
-    """
+    """Which of bf16 and fp16 this device computes natively rather than by emulation. On a CPU, bf16 needs
+    AVX512-BF16 or AMX: without them oneDNN runs bf16 convolutions on a reference path many times slower than fp32
+    (pytorch/pytorch#111456); `torch.ops.mkldnn._is_mkldnn_bf16_supported()` also says yes on plain AVX-512, where
+    bf16 is slower than fp32 too. fp16 on a CPU needs AMX-FP16. On a GPU bf16 needs compute capability 8.0;
+    `is_bf16_supported()` counts emulation unless told not to."""
     if device.type == "cuda":
         try:
             bf16 = torch.cuda.is_bf16_supported(including_emulation=False)
@@ -52,9 +49,8 @@ def native_low_precision(device: torch.device) -> dict[str, bool]:
 
 
 def choose_precision(amp: str, device_type: str, native: Mapping[str, bool]) -> Precision:
-    """--amp auto: the fastest correct precision. On a GPU bf16 where native, else fp16 with a
-    GradScaler; on a CPU bf16 only where native, else fp32 (the emulated paths are far slower).
-    An explicit choice is kept, with a warning when this device only emulates it."""
+    """--amp auto: on a GPU bf16 where native, else fp16 with a GradScaler; on a CPU bf16 where native, else fp32
+    (emulation is far slower). An explicit choice is kept, with a warning where it is emulated."""
     where = "GPU" if device_type == "cuda" else "CPU"
     if amp == "auto":
         if native["bf16"]:
@@ -86,7 +82,6 @@ def place_model(model: nn.Module, device: torch.device, channels_last: bool) -> 
 
 
 def use_fastest_kernels(device: torch.device) -> None:
-    """On CUDA, cuDNN times its algorithms at each new shape and keeps the fastest: worth it here, where a run's
-    input shapes are fixed (a process-wide setting, so the build step that picks the device sets it)."""
+    """On CUDA, cuDNN autotuning: worth it as input shapes are fixed; process-wide, set where the device is picked."""
     if device.type == "cuda":
         torch.backends.cudnn.benchmark = True

@@ -1,10 +1,8 @@
 """--initial-checkpoint: a fresh run's model starts from weights on disk (fine-tuning).
 
-Accepted: one of our checkpoints, a plain state dict as timm and torchvision save them (also under a
-`state_dict` or `model` key, with DDP's `module.` or compile's `_orig_mod.` prefixes), or a
-`.safetensors` file. A classifier whose shape does not fit the data's class count keeps its fresh
-initialisation; any other mismatch means the file is of another model, and is refused.
-"""
+Accepted: our checkpoints, a plain state dict as timm and torchvision save it (also under `state_dict` or `model`,
+with `module.` or `_orig_mod.` prefixes), or a `.safetensors` file. A classifier that misfits the class count keeps
+its fresh initialisation; any other mismatch means another model's file: refused."""
 
 from __future__ import annotations
 

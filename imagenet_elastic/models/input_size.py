@@ -36,15 +36,11 @@ def saved_sizes(settings: dict[str, Any]) -> tuple[tuple[int, str], ...]:
 
 
 def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
-    """timm's `img_size` and `dynamic_img_size` that make model `name` take images of every size in `sizes` (the
-    first: the size its weights are made for), for a model timm builds for one input size (ViT, DeiT, Swin, MLP-Mixer
-    ...: its pretrained_cfg says fixed_input_size), where that size is not the run's; {} where none is needed. With
-    `img_size` timm sizes the position embeddings for it (and resamples published ones to it); `dynamic_img_size`
-    resamples them at each forward, for a model that takes several sizes (a validation crop or a progressive
-    resize other than the training size). Which of the two a model takes is asked of copies built on the meta
-    device (no memory, no initialisation) and given an image of each size there. A model that takes none of them
-    is a UserError naming it, its size and the flag, before anything is read: else its first step would end in a
-    traceback."""
+    """timm's `img_size` / `dynamic_img_size` that make model `name`, built by timm for one input size
+    (fixed_input_size: ViT, DeiT, Swin, ...), take every size in `sizes` (the first: its weights'); {} where none is
+    needed. `img_size` sizes the position embeddings, `dynamic_img_size` resamples them per forward. Tried on
+    meta-device copies (no memory, no initialisation); a model taking none is a UserError naming it, its size and
+    the flag, before anything is read, not a traceback at its first step."""
     import timm
 
     wanted = list(dict.fromkeys(size for size, _ in sizes))
@@ -84,8 +80,8 @@ def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
 
 
 def _pretrained_cfg(name: str) -> dict[str, Any]:
-    """timm's pretrained_cfg of a model name (its default tag's where it names none); for `hf-hub:` and
-    `local-dir:` names that of a copy built on the meta device from their config.json."""
+    """timm's pretrained_cfg of a model name (its default tag's where it names none); for `hf-hub:` and `local-dir:`
+    names, that of a meta-device copy built from their config.json."""
     import timm
 
     if not name.startswith(WEIGHT_SOURCES):
@@ -98,8 +94,7 @@ def _pretrained_cfg(name: str) -> dict[str, Any]:
 
 
 def _takes(model: nn.Module, size: tuple[int, int]) -> bool:
-    """Whether a model built on the meta device runs an image of `size` (height, width) pixels (in eval mode, as
-    validation runs it; a shape check fails there as it would in a real step)."""
+    """Whether a meta-device model runs a `size` (height, width) image in eval mode (shape checks fail there too)."""
     try:
         with torch.device("meta"), torch.no_grad():
             model.eval()(torch.empty(1, 3, *size))

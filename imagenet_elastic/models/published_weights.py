@@ -1,15 +1,10 @@
 """--pretrained: a fresh run's model starts from the weights timm publishes for --model (fine-tuning).
 
-timm resolves the name: a plain architecture takes its default pretrained tag, `resnet50.a1_in1k` names one,
-`hf-hub:ORG/NAME` a Hugging Face repository (its config.json says the architecture), `local-dir:FOLDER` a
-folder as `imagenet-elastic export` or timm's save_for_hf write it. Files come through the Hugging Face hub
-cache (huggingface_hub reads HF_HOME, HF_HUB_CACHE and HF_HUB_OFFLINE), so an offline node reads what an earlier
-download left there. The weights are read once, at the start (`fetch`), before any data is scanned, so a missing
-file costs seconds; the model the run trains is then built from them (`timm_options`) by timm's own loader, which
-re-initialises a classifier of another class count and adapts the weights to the model (its checkpoint filter).
-Every rank of a fresh start reads them from its node's cache (huggingface_hub locks a download in progress, so
-ranks that share a cache download once).
-"""
+timm resolves the name (`resnet50`: its default tag; `resnet50.a1_in1k`; `hf-hub:ORG/NAME`; `local-dir:FOLDER` as
+`imagenet-elastic export` writes it) through the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE), so
+an offline node reads what an earlier download left. Read once at the start (`fetch`), before any data scan, so a
+missing file costs seconds; timm's own loader then builds the model from them (`timm_options`), re-initialising a
+classifier of another class count. Ranks sharing a cache download once (huggingface_hub locks a download)."""
 
 from __future__ import annotations
 

@@ -1,13 +1,8 @@
 """--teacher: the model a run distils from, read once at the start, before any data is scanned.
 
-What --teacher names is read by models/weights.py (a checkpoint of ours, its raw weights; an export; a timm name with
-published weights). What the teacher expects of its input comes with it: timm's pretrained_cfg (input size, mean,
-std) for published weights and exports, our validation's crop and normalisation for a checkpoint. So do its classes:
-a checkpoint's, or an export's config.json `label_names`, must be the data's, in order (`check_classes`).
-
-The teacher's weights never go into our checkpoints, only its identity (`identity`: what --teacher said, a SHA-256
-of its weights, its input), and a resume from a checkpoint distilled from another teacher is refused (`compare`).
-"""
+models/weights.py reads it. Its expected input (timm's pretrained_cfg; for our checkpoint, our validation's crop and
+normalisation) and classes come with it; the classes must be the data's, in order (`check_classes`). Checkpoints
+keep its identity (`identity`), never its weights; a resume with another teacher is refused (`compare`)."""
 
 from __future__ import annotations
 
@@ -29,8 +24,7 @@ FLAG = "--teacher"
 
 @dataclass(frozen=True)
 class TeacherInput:
-    """What the teacher's own preprocessing makes of an image: its side (height, width) in pixels, and the mean and
-    std it is normalised with, on 0-255 levels (as data/model_input.ModelInput has them)."""
+    """The teacher's own preprocessing: image (height, width) in px, normalising mean and std on 0-255 levels."""
 
     size: tuple[int, int]
     mean: tuple[float, ...]

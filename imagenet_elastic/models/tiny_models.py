@@ -1,11 +1,7 @@
 """Tiny models timm lacks, registered in timm's model registry under their own names, for the tests and the CPU
-recipes: `test_vit_distilled` is timm's `test_vit` (patch 16, 64 wide, 6 blocks, 2 heads, any image size) with
-DeiT's distillation token and head (timm's VisionTransformerDistilled), the shape of `deit_tiny_distilled_patch16_224`
-at 0.3 M parameters. timm ships test-sized CNNs and ViTs but no distilled one.
-
-Registered on first use (`register`), before a model name is looked up; a timm that ships the name keeps its own.
-A model timm builds from an export of such a run (`timm.create_model("local-dir:...")`) needs the same call first.
-"""
+recipes: `test_vit_distilled` is timm's `test_vit` (patch 16, 64 wide, 6 blocks, 2 heads, any size) plus DeiT's
+distillation token and head: `deit_tiny_distilled_patch16_224`'s shape, 0.3 M parameters. Registered on first use
+(`register`), before a name is looked up or an export of it built; a timm that ships the name keeps its own."""
 
 from __future__ import annotations
 

@@ -1,14 +1,10 @@
 """A whole model from what a user names as its weights: the one loader behind --teacher and `imagenet-elastic
 evaluate MODEL`.
 
-Three forms, told apart as timm's reader factory tells datasets apart (by form first, then on disk): a file (`best.pt`)
-is one of our checkpoints, and so is a run's checkpoints folder (its best.pt); a folder with config.json is an export
-(`imagenet-elastic export`, or timm's save_for_hf), read as timm's `local-dir:`; anything else a timm name with
-published weights (`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), through the Hugging Face cache and
-offline rules of --pretrained (published_weights.py). What is none of these is one line naming the option that asked
-(`flag`), in the words the user wrote. The model comes on the CPU with what is known of it: its classes (a
-checkpoint's; an export's config.json `label_names`) and, for a checkpoint, its run's settings and validation data.
-"""
+Told apart by form first, then on disk (as timm's reader factory does): our checkpoint (a file, or a run's
+checkpoints folder: its best.pt), an export (a folder with config.json: timm's `local-dir:`), else a timm name with
+published weights (--pretrained's cache and offline rules). The model comes on the CPU with its classes and, for a
+checkpoint, its run's settings and validation data."""
 
 from __future__ import annotations
 
@@ -48,9 +44,8 @@ class Weights:
 
 
 def resolve(spec: str, flag: str) -> tuple[str, str]:
-    """What `spec` is, and the file, folder or timm name to read: a checkpoint (a file, a `.pt` path, or a run's
-    checkpoints folder: its best.pt), an export (a folder with config.json), else a timm name. What is none of these
-    is one line saying every reading that was tried (not timm's `local-dir:...` or "Unknown model")."""
+    """What `spec` is (CHECKPOINT, EXPORT, PUBLISHED) and what to read; what is none of these is one line saying
+    every reading tried (not timm's `local-dir:...` or "Unknown model")."""
     if spec.endswith(".pt") or os.path.isfile(spec):
         return CHECKPOINT, spec
     if os.path.isdir(spec):
@@ -124,8 +119,7 @@ def folder_config(folder: str) -> dict[str, Any]:
 
 
 def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
-    """The class of each output, from config.json's `label_names` (an export writes the class folders there; timm
-    allows a list, or a dict from output index to name); None where it names none."""
+    """Each output's class from config.json's `label_names` (a list, or index -> name), or None."""
     names = config.get("label_names")
     if isinstance(names, dict):
         by_index = {str(k): v for k, v in names.items()}

@@ -20,8 +20,7 @@ class OptimizerInfo(NamedTuple):
     help: str  # for --opt's help
 
 
-# --opt: kept here once; config offers these names with their help. Nothing heavy is imported here: the command
-# line reads this table. A new optimizer is a line here.
+# --opt's choices. Nothing heavy is imported here: the command line reads this table.
 OPTIMIZERS: dict[str, OptimizerInfo] = {
     "sgd": OptimizerInfo("torch", True, "torch's, fused on CUDA"),
     "nesterov": OptimizerInfo("timm", True, "SGD with Nesterov momentum, timm's"),
@@ -33,8 +32,7 @@ OPTIMIZERS: dict[str, OptimizerInfo] = {
 
 @dataclass(frozen=True)
 class OptimizerSettings:
-    """The optimizer (one of `OPTIMIZERS`), its LR and what it applies to. Declared beside what they choose
-    from; config.Config gathers every folder's settings."""
+    """The optimizer (one of `OPTIMIZERS`), its LR and what it applies to."""
 
     lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
                        "start)", "model", "X", type=options.positive_float)
@@ -55,13 +53,8 @@ class OptimizerSettings:
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
-    """timm's parameter groups, as its create_optimizer_v2 builds them from a model: weight decay on every parameter
-    but 1-D ones (norm layers' weights, biases) and those the model's `no_weight_decay()` names (a ViT's position
-    embedding and class token, as in timm's and DeiT's recipes); with `layer_decay`, timm's layer-wise groups
-    (BEiT's LR decay: the model's `group_matcher` numbers its layers, each group has an `lr_scale`).
-
-    Each group also lists its parameters' names (`param_names`, which torch saves in the optimizer's state dict),
-    so that a saved state finds its parameters by name when the grouping changed (`regroup`)."""
+    """timm's parameter groups, as its create_optimizer_v2 builds them, each also listing its `param_names` (saved in
+    the state dict) so that a saved state finds its parameters by name when the grouping changed."""
     from timm.optim import param_groups_layer_decay, param_groups_weight_decay
 
     skip = set(model.no_weight_decay()) if hasattr(model, "no_weight_decay") else set()
@@ -74,8 +67,7 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[fl
 
 
 def check_layer_decay(model: nn.Module, model_name: str) -> None:
-    """--layer-decay needs the model's own numbering of its layers: timm's fallback (fixed-size runs of
-    parameters) means nothing for an architecture, so a model without a `group_matcher` is refused."""
+    """--layer-decay needs the model's own layer numbering (`group_matcher`): timm's fallback means nothing."""
     if not hasattr(model, "group_matcher"):
         from imagenet_elastic.errors import UserError
 
@@ -84,18 +76,15 @@ def check_layer_decay(model: nn.Module, model_name: str) -> None:
 
 
 def legacy_groups(model: nn.Module) -> list[list[str]]:
-    """The grouping of checkpoints written before timm's groups (`param_groups` until November 2026): every
-    parameter of two or more dimensions decayed, in the first group, the others in the second, without names."""
+    """Checkpoints' grouping before timm's groups: parameters of 2+ dimensions (decayed) first, the rest second."""
     trained = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
     return [[name for name, param in trained if param.ndim > 1], [name for name, param in trained if param.ndim <= 1]]
 
 
 def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dict: dict) -> Optional[dict]:
-    """A saved state grouped otherwise than this optimizer (a checkpoint written before timm's groups, whose
-    grouping `legacy` gives; or one of another grouping rule) is rearranged by parameter name: each parameter's
-    state (momentum, moments) goes to where this optimizer keeps that parameter, and each group keeps this
-    run's own settings. `Optimizer.load_state_dict` pairs parameters by position alone, and would refuse the
-    groups' sizes or, worse, hand one parameter's momentum to another. A state of other parameters is refused."""
+    """A saved state grouped otherwise (`legacy`, or another grouping rule) rearranged by parameter name.
+    `Optimizer.load_state_dict` pairs parameters by position alone, and would refuse the groups' sizes or, worse,
+    hand one parameter's momentum to another. A state of other parameters is refused."""
     own = optimizer.param_groups
     saved = state_dict["param_groups"]
     saved_names = [group.get("param_names") for group in saved]
@@ -123,10 +112,7 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
 def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay: float,
                      device: torch.device, name: str = "sgd", fused: Optional[bool] = None,
                      layer_decay: Optional[float] = None) -> torch.optim.Optimizer:
-    """The optimizer OPTIMIZERS names, over timm's parameter groups (`param_groups`). torch's SGD is fused on CUDA
-    (a few launches for all parameters; `fused` overrides that). A state loaded from a checkpoint finds its
-    parameters by name (`regroup`), keeps this run's group settings (`keep_own_settings`) and its parameters' memory
-    layout (`follow_parameter_layout`), and fused SGD's momentum exists before its first step (`zero_momentum`)."""
+    """The optimizer OPTIMIZERS names, over `param_groups`; torch's SGD is fused on CUDA unless `fused` says no."""
     import functools
 
     import torch
@@ -150,29 +136,19 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
 
 
 def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A loaded state keeps each group's settings as this run made them: what its command line asks for (weight
-    decay, --layer-decay's LR scales, momentum, betas, ...) and the kernels its device runs (a GPU checkpoint's
-    fused kernel is not for a CPU resume, nor the reverse). The checkpoint gives what training wrote: each
-    parameter's state (momentum, moments) and what an optimizer counts in its groups (timm's LAMB: `step`).
-
-    `Optimizer.load_state_dict` would restore the saved settings too, so a resume with another --weight-decay
-    would warn of the change (build.prepare_training) and then train with the old value. Resumed with the
-    checkpoint's own settings, this changes nothing."""
+    """A loaded state keeps each group's settings as this run made them (its options, and its device's kernels: a GPU
+    checkpoint's fused kernel is not for a CPU resume); what an optimizer counts in its groups (LAMB's `step`) is
+    loaded. `Optimizer.load_state_dict` would restore the saved settings, e.g. a changed --weight-decay's old value."""
     groups = [{**saved, **{k: v for k, v in own.items() if k != "params"}}
               for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
     return {**state_dict, "param_groups": groups}
 
 
 def follow_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Each per-parameter state tensor of its parameter's shape (momentum, Adam's moments) takes the
-    parameter's strides, as a first step would have made it.
-
-    `Optimizer.load_state_dict` casts dtype and device only, so a state saved NCHW (or packed contiguous
-    by load-once, checkpoint/share.py, or saved by a run with the other --channels-last) would sit beside channels_last
-    parameters and gradients, and CUDA's fused kernels refuse tensor lists of unequal strides
-    (`check_fast_path_restrictions`): the first step after a resume would fail. A copy in the parameter's
-    layout holds the same values.
-    """
+    """Each per-parameter state tensor of its parameter's shape takes the parameter's strides, as a first step would:
+    `Optimizer.load_state_dict` casts dtype and device only, so a state saved NCHW (or packed contiguous by load-once)
+    would sit beside channels_last parameters, and CUDA's fused kernels refuse tensor lists of unequal strides
+    (`check_fast_path_restrictions`): the first step after a resume would fail."""
     import torch
 
     for group in optimizer.param_groups:
@@ -185,13 +161,10 @@ def follow_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
 
 
 def zero_momentum(optimizer: torch.optim.Optimizer) -> None:
-    """Fused SGD's momentum buffers as zeros wherever none exists yet.
-
-    Without them torch's fused SGD makes them with `empty_like` inside its first step and leaves them
-    unwritten when GradScaler finds an inf on that step (the kernel returns early, common at fp16's
-    initial scale): the next step would compute 0.9 x garbage + g. Starting from zeros, the first real
-    step computes 0.9 x 0 + g = g, bit for bit what a first step writes, so nothing else changes.
-    The unfused optimizers never step on an inf (GradScaler skips their `step`)."""
+    """Fused SGD's momentum buffers as zeros wherever none exists yet. Otherwise fused SGD makes them with `empty_like`
+    in its first step and leaves them unwritten when GradScaler finds an inf (the kernel returns early; common at
+    fp16's initial scale): the next step computes 0.9 x garbage + g. From zeros, the first real step writes g, bit for
+    bit. Unfused optimizers never step on an inf (GradScaler skips)."""
     import torch
 
     for group in optimizer.param_groups:

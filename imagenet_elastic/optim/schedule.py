@@ -15,8 +15,7 @@ SCHEDULES = ("cosine", "linear", "step")  # --sched
 
 @dataclass(frozen=True)
 class ScheduleSettings:
-    """The LR's warmup and its decay (one of `SCHEDULES`). Declared beside what they choose from; config.Config
-    gathers every folder's settings."""
+    """The LR's warmup and its decay (one of `SCHEDULES`)."""
 
     warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
                                   "X", type=options.non_negative_float)

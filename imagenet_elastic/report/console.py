@@ -18,8 +18,7 @@ class Console:
     def __init__(self, enabled: bool, log_interval: int = 50, rank: int = 0) -> None:
         self.enabled, self.rank = enabled, rank
         self.log_interval = max(1, log_interval)
-        # A bar and colours only on a real terminal: a log file gets plain lines whatever FORCE_COLOR or
-        # TTY_COMPATIBLE say (rich would believe them, and write bar frames instead of `step N/M` lines).
+        # a bar and colours only on a real terminal, whatever FORCE_COLOR or TTY_COMPATIBLE say (rich believes them)
         self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120,
                                 force_terminal=sys.stdout.isatty())
         self.errors = RichConsole(stderr=True, highlight=False, soft_wrap=True, force_terminal=sys.stderr.isatty())

@@ -1,10 +1,6 @@
 """A run's rows, built here and nowhere else: a step row at each log interval (steps.jsonl), an epoch row at each
 epoch's end (metrics.jsonl), and the scalars every sink (report/sinks) makes of them. A new metric is a line in
-`step_row` or `epoch_row`: steps.jsonl, metrics.jsonl, TensorBoard and the trackers all get it.
-
-metrics.jsonl: one JSON object per completed epoch, never duplicated across resumes (its one writer is the
-trainer, after each epoch's checkpoint is on disk and at a resume: train/trainer.py).
-"""
+`step_row` or `epoch_row`: every sink gets it. metrics.jsonl is never duplicated across resumes."""
 
 from __future__ import annotations
 
@@ -19,7 +15,7 @@ TRAIN, EPOCH = "train", "epoch"  # the scalars' prefixes: `train/loss` of a step
 
 
 class Tally(Protocol):
-    """What training did over some steps (train/state.EpochTally): all ranks together."""
+    """What training did over some steps, all ranks together."""
 
     samples: int
     steps: int
@@ -29,8 +25,8 @@ class Tally(Protocol):
 
 
 def step_row(step: int, epoch: float, since: Tally, lr: float, waited: float) -> dict[str, Any]:
-    """steps.jsonl's row for the steps `since` the last one, which ended at optimizer step `step`, at `epoch`
-    (fractional); `waited`: the seconds of those steps spent waiting for the loader."""
+    """steps.jsonl's row for the steps `since` the last one, up to optimizer step `step` at fractional `epoch`;
+    `waited`: seconds of those steps spent waiting for the loader."""
     seconds = max(since.seconds, 1e-9)
     return {
         "step": step,
@@ -45,9 +41,7 @@ def step_row(step: int, epoch: float, since: Tally, lr: float, waited: float) ->
 
 def epoch_row(*, epoch: int, step: int, tally: Tally, validated: dict[str, Any], lr: float, train_size: int,
               world_size: int, global_batch: int, seconds: float, resumed: bool) -> dict[str, Any]:
-    """metrics.jsonl's row of a completed epoch (`epoch` counts completed epochs): its training `tally`, the
-    validation's results (`val_loss`, `val_top1`, ...), the LR of its last step; `resumed` marks an epoch that a
-    process resumed from a checkpoint finished."""
+    """metrics.jsonl's row of a completed epoch; `resumed` marks one a process resumed from a checkpoint finished."""
     return {
         "epoch": epoch,
         "step": step,  # the optimizer step that ended it: where TensorBoard and the trackers put the row
@@ -65,23 +59,19 @@ def epoch_row(*, epoch: int, step: int, tally: Tally, validated: dict[str, Any],
 
 
 def is_number(value: Any) -> bool:
-    """Whether a row's value is a scalar for the sinks and the plot. The one rule: JSON's numbers, and its
-    true/false too (as 1 and 0: the `resumed` mark becomes a point at 1 in every sink); never a string or null."""
+    """Whether a row's value is a scalar for the sinks and the plot: JSON's numbers, and true/false as 1 and 0 (the
+    `resumed` mark becomes a point at 1); never a string or null."""
     return isinstance(value, (int, float))
 
 
 def scalars(kind: str, row: dict[str, Any]) -> dict[str, float]:
-    """A row as every sink but the JSON files gets it: each number under `kind/KEY` (`train/loss`, `epoch/val_top1`);
-    its `step` is the x axis, not a value."""
+    """A row as every sink but the JSON files gets it: each number under `kind/KEY`; `step` is the x axis."""
     return {f"{kind}/{key}": float(value) for key, value in row.items() if key != "step" and is_number(value)}
 
 
 def write(folder: str, history: list[dict[str, Any]]) -> None:
-    """Rewrite metrics.jsonl from the checkpointed history (atomic; a few hundred bytes per epoch).
-
-    Deriving the file from the checkpoint means a run killed between the two writes, or resumed
-    from an older checkpoint, never repeats or loses an epoch's row.
-    """
+    """Rewrite metrics.jsonl from the checkpointed history (atomic; a few hundred bytes per epoch), so a run killed
+    between the two writes, or resumed from an older checkpoint, never repeats or loses an epoch's row."""
     data = "".join(json.dumps(row) + "\n" for row in history).encode()
     path = os.path.join(folder, FILENAME)
     try:

@@ -1,8 +1,6 @@
 """What a restart cost, said once after its first step, part by part: the launcher noticing and
-starting the process, imports, the build steps (the checkpoint's load and the compile cache's among them), the first
-step: what compiling took of it and from which cache, and the rest, the step itself, which no cache shortens (on CUDA
-it includes cuDNN's autotuning, most of an eager restart's first step: docs/BENCHMARKS.md). A user whose restarts are
-slow sees which part to look at, and which part a cache could remove."""
+starting the process, imports, the build steps, and the first step (compiling, and the step itself, which no cache
+shortens: on CUDA it includes cuDNN's autotuning), so a user sees which part a cache could remove."""
 
 from __future__ import annotations
 
@@ -33,8 +31,7 @@ class FirstStep:
     autotuned: bool = False  # cuDNN timed its algorithms for each new shape (cudnn.benchmark): in the step itself
 
     def describe(self, seconds: float) -> str:
-        """The first step's `seconds`, and what they went on: `first step 31.7 s (compile 29.9 s, cold cache; the
-        step itself 1.8 s, with cuDNN's autotuning, which no cache keeps)`."""
+        """The first step's `seconds`, and what they went on."""
         autotuning = ", with cuDNN's autotuning, which no cache keeps" if self.autotuned else ""
         if self.compile_seconds is None:
             return f"first step {seconds:.1f} s" + (f" (eager{autotuning})" if autotuning else "")
@@ -51,8 +48,7 @@ class RestartCost:
     load_seconds: float  # reading (or, on ranks other than 0, mapping) the checkpoint
 
     def describe(self, stepped: float, first: FirstStep = FirstStep()) -> str:
-        """`first`: what the first step went on (models/compile.py's Compilation.first_step, the device's
-        autotuning)."""
+        """`first`: what the first step went on."""
         parts = [f"process started {self.started - self.resumed_at:.1f} s after it, imports "
                  f"{self.began - self.started:.1f} s"] if self.started is not None else []
         cache = f", compile cache load {first.cache_load_seconds:.2f} s" if first.cache_load_seconds is not None else ""

@@ -1,9 +1,7 @@
 """A record of which samples each step trained on, for proving that no sample is lost or repeated.
 
-Set IMAGENET_ELASTIC_SAMPLE_LOG=DIR and every rank appends one JSON line per optimizer step to its
-own file in DIR. Steps rolled back by a crash and trained again appear more than once; `coverage`
-merges them and checks that every epoch saw each of its samples exactly once.
-"""
+With IMAGENET_ELASTIC_SAMPLE_LOG=DIR every rank appends one JSON line per optimizer step to its own file in DIR.
+Steps rolled back by a crash and trained again appear more than once; `coverage` merges them."""
 
 from __future__ import annotations
 
@@ -64,8 +62,8 @@ def read(folder: str) -> list[dict]:
 
 
 def coverage(folder: str, samples_per_epoch: int, global_batch: int) -> Coverage:
-    """Merge the ranks' records: a step's samples are the union over the ranks (and over the attempts,
-    which must agree); an epoch must cover `samples_per_epoch` distinct samples, each in one step."""
+    """Merge the ranks' records: a step's samples are the union over the ranks (and over the attempts, which must
+    agree); an epoch must cover `samples_per_epoch` distinct samples, each in one step."""
     rows = read(folder)
     by_step: dict[tuple[int, int], set[int]] = defaultdict(set)
     writers: dict[tuple[int, int], set[str]] = defaultdict(set)

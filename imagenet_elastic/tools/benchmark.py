@@ -38,11 +38,9 @@ from imagenet_elastic.tools import throughput
 MODES = ("loader", "synthetic", "end_to_end")
 
 
-# The training settings the benchmark takes, declared by the trainer's own fields (config.add_setting)
 TRAINING_SETTINGS = ("model", "batch_size", "workers", "image_size", "auto_augment", "random_erase", "amp",
                      "channels_last", "compile", "blurpool", "decode", "gpu_decoder", "device")
-# Where the benchmark's default differs from the trainer's: it measures what it is told, so compiling (the trainer's
-# default on CUDA) is a mode of its own (scripts/gpu_checks.sh's compile parts)
+# it measures what it is told: compiling (the trainer's default on CUDA) is a mode of its own
 BENCHMARK_DEFAULTS = {"compile": {"default": False, "help": "`torch.compile` the model (default: off)"}}
 
 

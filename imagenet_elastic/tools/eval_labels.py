@@ -1,6 +1,5 @@
 """The labels `imagenet-elastic evaluate` scores against: each VAL's classes as the model's outputs (by name, or
-numbered folders), --class-subset's scored classes, and ReaL's labels (real.json read, checked, looked up by image
-name, counted per batch). Kept apart from the model (eval_model.py) and from the command's run (evaluate.py)."""
+numbered folders), --class-subset's scored classes, and ReaL's labels."""
 
 from __future__ import annotations
 
@@ -106,8 +105,7 @@ def check_real_classes(real: list[list[int]], path: str, classes: int) -> None:
 
 
 def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarray) -> list[frozenset[int]]:
-    """Each image's real labels, as positions among the scored classes (a label outside them cannot be
-    predicted)."""
+    """Each image's real labels, as positions among the scored classes (a label outside them cannot be predicted)."""
     position = {int(k): j for j, k in enumerate(scored)}
     found = []
     for i in range(len(source)):

@@ -1,6 +1,5 @@
 """The model `imagenet-elastic evaluate` scores: our checkpoint, an export folder or a timm model with --pretrained,
-read by models/weights.py, with its classes and its own preprocessing (timm's resolve_data_config, or its run's
-validation), and ours (the trainer's validation at a crop)."""
+with its classes and its own preprocessing, and ours (the trainer's validation at a crop)."""
 
 from __future__ import annotations
 
@@ -48,8 +47,7 @@ def ours(crop: int) -> Preprocessing:
 
 
 def timm_preprocessing(module: Any, what: str) -> Preprocessing:
-    """What timm's resolve_data_config gives the model, in our terms: its resize is floor(crop / crop_pct), as
-    timm's create_transform computes it."""
+    """timm's resolve_data_config for the model, in our terms (resize = floor(crop / crop_pct), as timm computes it)."""
     from timm.data import resolve_data_config
 
     data = resolve_data_config({}, model=module)

@@ -19,6 +19,8 @@ of ImageNet's validation set in the order of their file names; an image of VAL i
 name (ILSVRC2012_val_00000001 is the first entry), whatever the folder or shard holds it.
 --class-subset FILE: the class names (one a line; wnids for ImageNet-A and -R's 200) whose logits are scored: the
 others are left out before the top-k and the loss.
+
+The trainer's `--evaluate` (pytorch/examples' flag) is a front of the same code path: `evaluate_checkpoint`.
 """
 
 from __future__ import annotations

@@ -1,18 +1,9 @@
 """`imagenet-elastic export CHECKPOINT OUT_DIR [--ema]`: a checkpoint's weights for timm and Hugging Face.
 
-Writes, with timm's own helper (`save_for_hf`), OUT_DIR/model.safetensors (the weights only: no
-optimizer state, half the checkpoint's size under SGD) and OUT_DIR/config.json: the architecture,
-num_classes, the class folder names as `label_names`, and as `pretrained_cfg` the preprocessing the
-run's validation used (input size, crop fraction, bilinear resize, mean and std). Then
-
-    timm.create_model("local-dir:OUT_DIR", pretrained=True)
-
-rebuilds the model with these weights, and timm's `resolve_data_config` + `create_transform` (or its
-validate.py with no extra flags) preprocess as our validation did. A --blurpool run's model needs its blur
-back after that (config.json's `imagenet_elastic` entry and the command's output say how): timm builds none.
-A model timm builds for one input size (ViT, DeiT) trained at another keeps it in config.json's `model_args`
-(`img_size`), which timm builds it with; a tiny model of ours (models/tiny_models.py) is known to timm once
-`tiny_models.register()` ran. The line the command prints to load the export is whole Python that does that.
+Writes, with timm's `save_for_hf`, OUT_DIR/model.safetensors and OUT_DIR/config.json (with the preprocessing the
+run's validation used as `pretrained_cfg`), so `timm.create_model("local-dir:OUT_DIR", pretrained=True)` rebuilds the
+model and timm's data config preprocesses as our validation did. timm builds no blur: a --blurpool run's model needs
+it back (the printed line says how).
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
 
-# What gives a model timm rebuilt from an export of a --blurpool run its blur back (models/blurpool.py)
+# gives a model timm rebuilt from a --blurpool run's export its blur back
 BLURPOOL_CALL = "from imagenet_elastic.models.blurpool import blur_strided_convs; blur_strided_convs(model)"
 
 
@@ -83,8 +74,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     sizes = saved_sizes(snapshot["config"])
     model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool, sizes=sizes)
     model.load_state_dict(weights)
-    # a model timm builds for one input size, made for the run's (img_size): config.json's model_args say so, and
-    # timm's local-dir: loader builds it so again
+    # a model timm builds for one input size (img_size): config.json's model_args make timm's local-dir: loader do so
     model_args = input_options(snapshot["model_name"], sizes)
     data_config = preprocessing(snapshot["config"])
     # tag and license would otherwise be those of timm's own pretrained weights for this architecture
@@ -108,7 +98,7 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     which = "weight average" if ema else "raw weights"
     hint = ("; its weight average scored best: add --ema to export that" if not ema and
             snapshot.get("best_of") == "model_ema" else "")
-    # a tiny model of ours is in timm's registry only once registered (tiny_models.py): the line says so
+    # a tiny model of ours is in timm's registry only once registered
     register = ("from imagenet_elastic.models import tiny_models; tiny_models.register(); "
                 if snapshot["model_name"] in tiny_models.NAMES else "")
     return (f"wrote {os.path.join(out_dir, 'model.safetensors')} ({snapshot['model_name']}, {len(classes)} classes, "

@@ -1,25 +1,11 @@
 """`imagenet-elastic pack SRC OUT`: ImageNet as tar shards with an index, the packed form a cluster trains from.
 
-SRC is anything the trainer reads, through the same sources (data/sources/): a root with train/ and val/ (class
-folders or shards), a flat val folder with --val-labels, or a folder of Hugging Face imagenet-1k parquet files
-(`train-*.parquet`, `validation-*.parquet`; pyarrow, the `parquet` extra). OUT gets `train/` and `val/` of
-WebDataset shards (`KEY.jpg` + `KEY.cls`, opening with Python's tarfile and the webdataset package), each with its
-index (sources/tar_shards.py) written last, a `classes.txt`, and `pack.json` saying what was packed how;
-`imagenet-elastic OUT` then trains from it.
-
---max-side N stores images at most N pixels on their longer side (FFCV's cap): those larger are resized
-(Pillow's Lanczos) and encoded as JPEG at --quality; every other image keeps its bytes, once it decoded
-(`check_decodes`): an image that cannot be decoded stops the pack with one line naming it. Output depends on
-the input and the options alone (members in the source's order, fixed tar headers), whatever the process
-count. A crash, a kill or Ctrl-C (one line, exit 130) leaves complete shards under their names, the shard being
-written under a temporary one and no index: a rerun with the same source and options keeps the complete shards
-and writes the rest; anything else in OUT is refused rather than overwritten.
-
-OUT may be a store's URL (`s3://bucket/imagenet-pack`, `gs://...`): the pack is written in a staging folder of the
-node's store cache (data/sources/object_store.py; it needs the pack's room there), then uploaded, the shards first and
-each split's index and pack.json last, so that the store holds a complete pack only once every shard is there. The
-same command again continues an interrupted pack or upload: the staged shards are kept, and objects already in the
-store whole are not sent again. The staging folder is removed once the upload is complete.
+SRC is anything the trainer reads, including Hugging Face imagenet-1k parquet files (the `parquet` extra). OUT gets
+`train/` and `val/` of WebDataset shards, each with its index written last, a `classes.txt` and `pack.json`. Output
+depends on the input and the options alone, whatever the process count. An interrupted pack leaves complete shards
+and no index: a rerun with the same source and options keeps them and writes the rest; anything else in OUT is
+refused. OUT may be a store's URL (`s3://...`): the pack is staged in the node's store cache (it needs the room), then
+uploaded with indexes and pack.json last, so the store holds a complete pack only once every shard is there.
 """
 
 from __future__ import annotations
@@ -66,16 +52,12 @@ def build_parser() -> Parser:
     return p
 
 
-# ----------------------------------------------------------------------------- what is packed
-
 def source_splits(src: str, val_path: Optional[str], val_labels: Optional[str]) -> list[Split]:
     train, val = sources.open_splits(src, val_path, val_labels, cache_dir=None)
     for note in (*train.notes, *val.notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)
     return [Split(s.role, len(s), s.classes, s.where(), s) for s in (train, val)]
 
-
-# ----------------------------------------------------------------------------- the whole pack
 
 def _write_shard_task(task: tuple[str, int, Split, Options]) -> Written:
     """In a pool worker; its UserError reaches the parent, which reports it as one line."""
@@ -185,8 +167,8 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     began = time.perf_counter()
     workers = min(args.workers or len(os.sched_getaffinity(0)), max(1, len(tasks)))
     resized = 0
-    # the pool forks before the progress bar starts its refresh thread: a fork while another thread runs Python
-    # can leave a lock that thread held (stdout's, rich's) held for ever in the child (CPython gh-112275)
+    # fork the pool before the progress bar's refresh thread starts: a fork beside a running thread can leave a lock
+    # it held (stdout's, rich's) held for ever in the child (CPython gh-112275)
     with ShardPool(workers, tasks) as written_shards:
         progress = Progress(total)
         try:
@@ -216,16 +198,10 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
 class ShardPool:
     """The shards written by `workers` forked processes, as they complete (in this process for one worker).
 
-    A terminal's Ctrl-C reaches every process of its group: the workers ignore it (each would print its own
-    traceback) and the parent stops on it. SIGINT is blocked while they fork, so none is forked before it ignores
-    the signal, and one pressed meanwhile reaches the parent after. While the pool runs, the parent's Ctrl-C only
-    sets a flag, which the wait for the next shard turns into a KeyboardInterrupt between two waits: raised
-    wherever the signal came, it could leave one of concurrent.futures' locks held (a future's, taken one by one in
-    wait()), and the pool's thread, or this one, would then hang for ever on it. Leaving the `with` on an error or
-    Ctrl-C kills the workers (their shards in flight stay temporary files) and waits for them: concurrent.futures'
-    pool survives killed workers, where multiprocessing.Pool.terminate() can hang for ever on a lock a killed worker
-    held (CPython gh-96995). A worker that dies by itself (the out-of-memory killer) ends the pack with
-    BrokenProcessPool rather than a hang."""
+    Ctrl-C reaches every process of the group: workers ignore it (SIGINT is blocked while they fork) and the parent
+    stops. Its handler only sets a flag, turned into KeyboardInterrupt between two waits: raised anywhere, it could
+    leave a concurrent.futures lock held and a thread hung on it. An error kills the workers: concurrent.futures'
+    pool survives that, where multiprocessing.Pool.terminate() can hang on a lock a killed worker held (gh-96995)."""
 
     def __init__(self, workers: int, tasks: list[tuple[str, int, Split, Options]]) -> None:
         self.workers, self.tasks = workers, tasks
@@ -290,15 +266,13 @@ def _leave_interrupts_to_the_parent() -> None:
 
 
 def staging(out: str) -> str:
-    """The local folder a pack for the store's `out` is written in before its upload: the same for the same URL on
-    a node, so that the same command continues it."""
+    """The local staging folder for the store's `out`: the same for the same URL on a node, so a rerun continues it."""
     digest = hashlib.blake2b(out.encode(), digest_size=8).hexdigest()
     return os.path.join(object_store.settings().cache, f"pack-{digest}")
 
 
 def upload(staged: str, out: str) -> dict[str, int]:
-    """Every file of the staged pack to the store at `out`, each split's index and pack.json last (a pack without
-    them is not complete); an object already there at its size is not sent again."""
+    """Every staged file to the store at `out`, indexes and pack.json last; objects there at their size are skipped."""
     timeout = object_store.settings().timeout
     files = sorted(os.path.relpath(os.path.join(root, name), staged) for root, _, names in os.walk(staged)
                    for name in names if not name.startswith(TEMP_PREFIX))

@@ -1,8 +1,6 @@
 """One shard of `imagenet-elastic pack` (tools/pack.py): a split's samples [k * shard-size, ...) into a tar whose
 bytes depend on the input and the options alone, each image checked by a decode (or resized under --max-side),
-under a temporary name until it is complete, then walked for its index. Apart from the whole pack (OUT's checks and
-resume, the process pool, progress, the index and pack.json) because it is what each pool worker runs, and all
-that a pack's bytes depend on.
+under a temporary name until it is complete, then walked for its index: what each pool worker runs.
 """
 
 from __future__ import annotations
@@ -19,7 +17,6 @@ from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.errors import UserError
 
-# ----------------------------------------------------------------------------- what a shard is written from
 
 @dataclass(frozen=True)
 class Split:
@@ -33,14 +30,11 @@ class Split:
 
 
 def samples(split: Split, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
-    """(name, bytes, label) of samples [start, stop): the bytes first (a parquet source then names the sample from
-    the row group it has just read)."""
+    """(name, bytes, label) of samples [start, stop), bytes first (a parquet source names a sample after reading it)."""
     for i in range(start, stop):
         raw = split.source.read(i)
         yield split.source.name(i), raw, split.source.label(i)
 
-
-# ----------------------------------------------------------------------------- writing one shard
 
 @dataclass(frozen=True)
 class Options:
@@ -57,17 +51,16 @@ def shard_name(k: int) -> str:
 
 
 def member_key(i: int, name: str) -> str:
-    """A sample's key: its number, then what is left of its file name without dots (WebDataset's key ends at the
-    first dot of the name), so keys are unique and say where the sample came from."""
+    """A sample's key: its number, then its file name without dots (WebDataset's key ends at the first dot), so keys
+    are unique and say where the sample came from."""
     stem = os.path.splitext(os.path.basename(name.rsplit(":", 1)[-1]))[0]
     readable = "".join(c if c.isalnum() or c in "-_" else "_" for c in stem)[:80]
     return f"{i:08d}_{readable}" if readable else f"{i:08d}"
 
 
 def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, int]:
-    """(bytes, extension, 1 if re-encoded) of one image: kept as it is once it decoded, or resized to --max-side
-    and encoded. A file that cannot be decoded is refused, named, so a pack holds no image that training would
-    meet as corrupt."""
+    """(bytes, extension, 1 if re-encoded) of one image: kept once it decoded, or resized to --max-side and encoded.
+    A file that cannot be decoded is refused, so a pack holds no image that training would meet as corrupt."""
     from PIL import Image
 
     try:
@@ -90,11 +83,9 @@ EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
 
 
 def check_decodes(img: Any) -> None:
-    """Decode an image that is kept as it is, to the end of its data: a JPEG at 1/8 scale (Pillow's draft mode:
-    every entropy-coded block is read, only the inverse DCT is smaller), anything else whole. A truncated or
-    damaged file raises here as training's decode would. Its cost, per 500x375 JPEG photograph (41 kB) on one
-    core: 0.4 ms, against 0.6 ms for a full decode and 0.02 ms for the header, all that Pillow's `verify()` reads
-    of a JPEG (docs/BENCHMARKS.md "pack throughput")."""
+    """Decode a kept image to the end of its data, so a damaged file raises here as training's decode would: a JPEG
+    at 1/8 scale (Pillow's draft mode reads every entropy-coded block, only the inverse DCT is smaller). Per 500x375
+    JPEG on one core: 0.4 ms, against 0.6 ms for a full decode; Pillow's `verify()` reads only a JPEG's header."""
     if img.format == "JPEG":
         img.draft(img.mode, (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
     img.load()

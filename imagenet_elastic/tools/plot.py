@@ -60,8 +60,6 @@ def build_parser() -> Parser:
     return p
 
 
-# ----------------------------------------------------------------------------- input
-
 def read_metrics(folder: str) -> list[dict[str, Any]]:
     """The epoch rows, or a UserError that says what is missing."""
     if not os.path.exists(folder):
@@ -86,8 +84,7 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
 
 
 def read_steps(folder: str) -> list[dict[str, Any]]:
-    """The per-step rows with the fields the plot uses; none when the file is absent or unreadable.
-    Lines that are not such rows (a killed run's torn last line) are skipped rather than failing the picture."""
+    """The per-step rows the plot can use; none when the file is absent or unreadable; torn lines are skipped."""
     path = os.path.join(folder, steps_file.FILENAME)
     try:
         with open(path) as f:
@@ -98,12 +95,8 @@ def read_steps(folder: str) -> list[dict[str, Any]]:
     return [row for _, row in steps_file.whole_rows(text) if all(is_number(row.get(key)) for key in used)]
 
 
-# ----------------------------------------------------------------------------- marks
-
 def events(rows: Sequence[dict[str, Any]]) -> list[Event]:
-    """World-size changes (the world size of a row differs from the previous row's) and resumes
-    (rows with "resumed": true), in epoch order; a world-size change comes before the resume of
-    the same epoch, which usually brought it."""
+    """World-size changes and resumes in epoch order, a world-size change before the resume that usually brought it."""
     found = []
     previous = None
     for row in rows:
@@ -116,8 +109,6 @@ def events(rows: Sequence[dict[str, Any]]) -> list[Event]:
             found.append(Event(row["epoch"], RESUME, "resumed"))
     return found
 
-
-# ----------------------------------------------------------------------------- the picture
 
 def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (), title: str = "") -> Figure:
     """The three panels as a matplotlib Figure (not attached to pyplot: nothing to close, no display)."""
@@ -141,7 +132,6 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
             return None
         return [float(v) if is_number(v) else math.nan for v in values]
 
-    # 1. loss
     if steps:
         loss_ax.plot([s["epoch"] for s in steps], [s["loss"] for s in steps], color="tab:blue", linewidth=0.5,
                      alpha=0.35 if len(steps) < 5000 else 0.25, label="train loss (per step)", zorder=1)
@@ -153,7 +143,6 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
             loss_ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
     loss_ax.set_ylabel("loss")
 
-    # 2. validation accuracy
     for key, label, style in (("val_top1", "top-1", {"color": "tab:orange"}),
                               ("val_top5", "top-5", {"color": "tab:orange", "linestyle": "--", "alpha": 0.7}),
                               ("val_top1_ema", "top-1 (EMA)", {"color": "tab:green"})):
@@ -162,7 +151,6 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
             acc_ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
     acc_ax.set_ylabel("validation accuracy (%)")
 
-    # 3. learning rate
     if steps:
         lr_ax.plot([s["epoch"] for s in steps], [s["lr"] for s in steps], color="tab:gray", linewidth=1.2,
                    label="per step")
@@ -175,7 +163,6 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
     lr_ax.set_xlabel("epoch")
     lr_ax.set_xlim(left=0)
 
-    # marks, in every panel; world-size labels above the top panel
     marks = events(rows)
     for ax in (loss_ax, acc_ax, lr_ax):
         for event in marks:
@@ -197,9 +184,8 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
 
 
 def label_marks(ax: Any, marks: Sequence[Event]) -> None:
-    """World-size changes get their label just above the top panel, slanted; changes closer than
-    3% of the axis share one label ("world 8 -> 16 -> 8 -> 4") at the first. Resumes, more frequent,
-    are told by their line style alone."""
+    """World-size changes get a slanted label above the top panel; changes closer than 3% of the axis share one
+    label ("world 8 -> 16 -> 8 -> 4"). Resumes, more frequent, are told by their line style alone."""
     changes = [event for event in marks if event.kind == WORLD]
     low, high = ax.get_xlim()
     near = 0.03 * (high - low)

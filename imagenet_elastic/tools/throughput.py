@@ -31,7 +31,6 @@ from imagenet_elastic.launch.distributed import available_cores
 from imagenet_elastic.models.compile import CompiledOrEager
 from imagenet_elastic.train.step import StepContext, train_step
 
-# ----------------------------------------------------------------------------- loader
 
 def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
     """Batches across epochs: epoch e's iterator is `make_iter(e)`."""
@@ -40,8 +39,8 @@ def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
 
 
 def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
-    """Skips `warmup` batches (worker start-up), then times `count`; the consumer does no work, so the
-    workers' prefetch queue is empty in steady state and does not flatter the rate."""
+    """Skips `warmup` batches (worker start-up), then times `count`; the consumer does no work, so the workers'
+    prefetch queue is empty in steady state and does not flatter the rate."""
     for _ in range(warmup):
         next(batches)
     start, images = time.perf_counter(), 0
@@ -51,15 +50,13 @@ def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
     return images / (time.perf_counter() - start)
 
 
-# Where a worker's other opens go (a module imported late, /proc, multiprocessing's own temp files): not the data's
+# where a worker's other opens go (late imports, /proc, multiprocessing's temp files): not the data's
 NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "/proc",
                   "/sys", "/dev", os.path.join(tempfile.gettempdir(), "pymp-")})
 
 
 class OpenCounter:
-    """Files opened per sample read, in the loader workers: every `open` of Python's (builtins.open, os.open) as
-    the interpreter's audit hook sees it, outside Python's own files, in counters the forked workers share with
-    this process."""
+    """Files opened per sample read in the loader workers (audit hook), in counters shared with the forked workers."""
 
     def __init__(self) -> None:
         context = multiprocessing.get_context("fork")
@@ -124,8 +121,8 @@ def ours_loader(source: sources.Source, size: int, batch: int, workers: int, dec
 
 def textbook_loader(root: str, size: int, batch: int, workers: int,
                     augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
-    """torchvision's classification reference: PIL transforms, float tensors out of the workers; the
-    policy before ToTensor and erasing after Normalize, as the reference places them."""
+    """torchvision's classification reference: PIL transforms, float tensors out of the workers; the policy before
+    ToTensor and erasing after Normalize, as the reference places them."""
     import torchvision.datasets as datasets
     import torchvision.transforms as T
 
@@ -140,9 +137,8 @@ def textbook_loader(root: str, size: int, batch: int, workers: int,
 
 def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
                against: tuple[sources.Source, ...] = ()) -> dict[str, Any]:
-    """Ours on DATA against the textbook loader on the same folder (where DATA is one), and ours on each of
-    `against` (another form of the same images: a pack against its folder), in alternating rounds. DATA with
-    per-sample checksums (a pack) is also read without comparing them: what that check costs."""
+    """Ours on DATA against the textbook loader (where DATA is a folder) and ours on each of `against`, in
+    alternating rounds; DATA with per-sample checksums is also read without them: what that check costs."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     decoding = Decoding.choose(args.decode, run_device(args), available_cores(), augment)  # gpu: the workers' part
@@ -180,8 +176,6 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
             "auto_augment": args.auto_augment, "random_erase": args.random_erase}
 
 
-# ----------------------------------------------------------------------------- model
-
 def run_device(args: argparse.Namespace) -> torch.device:
     """--device: cuda, cpu, or auto (cuda where there is one)."""
     return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
@@ -203,8 +197,7 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool,
                                      sizes=((args.image_size, "--image-size"),)), device, channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
-    # compiled as the trainer compiles (models/compile.py): the same graphs, so a benchmark finds the caches a training
-    # run filled (and the other way round), and a model that cannot compile is measured eager, as it would train
+    # compiled as the trainer compiles: the same graphs share caches, and a model that cannot compile is measured eager
     compiled = CompiledOrEager(model) if args.compile else model
     ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
                       nn.CrossEntropyLoss(), ModelInput(device, amp, channels_last))
@@ -235,8 +228,7 @@ def sync(device: torch.device) -> None:
 
 def run_synthetic(args: argparse.Namespace, num_classes: int = 1000,
                   context: Optional[tuple[StepContext, dict[str, Any]]] = None) -> dict[str, Any]:
-    """`num_classes`: the data's, where there is data, so that the model (and, compiled, its graphs) is the one
-    end_to_end and training run; `context`: a step_context to reuse (its model compiled once for several runs)."""
+    """`num_classes`: the data's, so the model and its graphs are end_to_end's; `context`: a step_context to reuse."""
     ctx, settings = context or step_context(args, num_classes)
     images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
                            device=ctx.input.device)

@@ -3,14 +3,11 @@
     check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
     -> prepare_distillation -> wrap_model -> fit_micro_batches
 
-The order is the point. Everything that can fail on the user's input fails in the first step, before
-any worker or process group exists, so a mistake costs seconds and leaves nothing behind. Loader
-workers fork before the process group's threads exist (see pipeline.start_workers). Ranks compare what
-they were given (train/consistency.py), and receive rank 0's checkpoint, only once they can talk. Each
-step that takes something (the checkpoints folder's lock, loader workers, the process group)
-registers its release on the run's ExitStack, so a failure at any later step, and the end of the
-run, release them in reverse order.
-"""
+The order is the point: input errors fail in the first step, before any worker or process group exists (seconds
+lost, nothing left behind); loader workers fork before the process group's threads exist; ranks compare their inputs
+(consistency.py) and receive rank 0's checkpoint only once they can talk. Each step that takes something registers
+its release on the run's ExitStack, so a failure at any later step, and the run's end, release them in reverse
+order."""
 
 from __future__ import annotations
 
@@ -58,8 +55,7 @@ from imagenet_elastic.train.teacher import Teacher
 
 @dataclass(frozen=True)
 class Run:
-    """What a run is given, which its start-up and its loop read throughout: its settings, its place in the job, where
-    it speaks, and the flag its signals set."""
+    """What a run is given, which its start-up and its loop read throughout."""
 
     config: Config
     env: DistEnv
@@ -124,16 +120,14 @@ class Inputs:
 
 def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[sources.Source, sources.Source]] = None
                  ) -> tuple[Inputs, Optional[dict[str, Any]]]:
-    """Every check that can fail on the user's input: data folders, checkpoints folder (locked by rank
-    0 for the run), the checkpoint to resume from, which is loaded and returned beside the inputs.
-    `splits`: the train and val sources, where the caller has them (a test's in-memory source); else DATA's."""
+    """Every check that can fail on the user's input: data, checkpoints folder (locked by rank 0), the checkpoint to
+    resume from (loaded, returned beside the inputs). `splits`: the caller's sources, else DATA's."""
     config, env, console = run.config, run.env, run.console
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
     use_fastest_kernels(device)
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
-    # --pretrained's weights are read now when the run surely starts fresh (a missing file costs no scan of the
-    # data either), else once the checkpoint to resume from, if any, is known
+    # --pretrained's weights: now if surely a fresh start (a missing file costs no data scan), else once resume is known
     weights = published_weights.fetch(config.model) if config.pretrained and not config.resume else None
     check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
                         distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
@@ -161,8 +155,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     chosen = sinks.chosen(config, env.is_main)
     resume_from = checkpoints.resume_path(config.resume, restarted=env.restart_count > 0)
     start = time.perf_counter()
-    # Load once: rank 0 reads the checkpoint, the others map it for its numbers and settings, and
-    # receive its tensors from rank 0 once the process group exists (share_checkpoint).
+    # load once (checkpoint/share.py): the other ranks map it, and receive its tensors in share_checkpoint
     from_main = env.launched and not env.is_main and resume_from is not None
     snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
@@ -182,11 +175,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
 
 def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay: Optional[float],
                         grad_checkpointing: bool, distillation_head: bool = False) -> None:
-    """--drop-path, --blurpool, --layer-decay, --grad-checkpointing and --kd-token-distill-type hard
-    (`distillation_head`) ask for what a model may lack (stochastic depth, a strided convolution to blur, numbered
-    layers, checkpointed blocks, DeiT's distillation head): asked of a copy built on the meta device (no memory, no
-    initialisation) by the same code that builds the run's model, so that a refusal comes before the data is scanned
-    and leaves nothing on disk."""
+    """Options asking for what a model may lack (--drop-path, --blurpool, --layer-decay, --grad-checkpointing,
+    --kd-token-distill-type hard), tried on a meta-device copy built as the run's, before the data scan."""
     if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing or distillation_head):
         return
     with torch.device("meta"):
@@ -200,8 +190,7 @@ def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay
 
 def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
                ) -> Optional[dict[str, Any]]:
-    """Rank 0: a warning for each split that differs from the one the checkpoint's run had, and the fingerprint of
-    each split, for its checkpoints. The others see the same data (the start-up check) and keep no checkpoint."""
+    """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
     config, console = run.config, run.console
     if not run.env.is_main:
         return None
@@ -214,8 +203,7 @@ def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: O
 
 
 def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]]) -> Training:
-    """Model, optimizer and GradScaler, built from the seed and then given the checkpoint's state; the
-    global batch (the checkpoint's, unless set) and the LR schedule it implies."""
+    """Model, optimizer and GradScaler from the seed, then the checkpoint's state; the global batch and LR schedule."""
     config, env, console = run.config, run.env, run.console
     saved_batch = snapshot.get("global_batch") if snapshot else None
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
@@ -278,9 +266,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
 
 
 def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextlib.ExitStack) -> Loaders:
-    """Train and val loaders, their workers forked now, while this process has one thread (see
-    pipeline.start_workers). Under --decode gpu the workers hand over bytes and the decoder finishes
-    each batch on the device (data/decoding.py)."""
+    """Train and val loaders, their workers forked now, while this process has one thread (pipeline.start_workers)."""
     config, env, console = run.config, run.env, run.console
     cores = distributed.available_cores()
     decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment,
@@ -314,9 +300,7 @@ def warn_differences(config: Config, console: Console, changes: list[str]) -> No
 
 
 def start_loader_workers(loaders: list[DataLoader], stack: contextlib.ExitStack) -> None:
-    """Fork the loaders' workers now, while this process has one thread (pipeline.start_workers), after freezing
-    what they will share (pipeline.share_heap_with_workers); the rank's end stops them. The trainer's order, which
-    `imagenet-elastic evaluate` follows too."""
+    """Fork the loaders' workers while this process has one thread, after freezing what they share; `evaluate` too."""
     pipeline.share_heap_with_workers()
     stack.callback(pipeline.stop_loader_workers)
     for loader in loaders:
@@ -327,16 +311,14 @@ def join_process_group(env: DistEnv, device: torch.device, timeout: float, stack
     """The process group, after the loader workers forked (start_loader_workers); the rank's end destroys it."""
     distributed.init_process_group(env, device, timeout)
     stack.callback(distributed.destroy_process_group)
-    # Out before the group goes: what was frozen for the loader workers, DDP's objects among it, must be collectable
-    # when destroy_process_group collects (see there).
+    # out before the group goes: the workers' frozen heap (DDP's objects too) must be collectable then (see there)
     stack.callback(pipeline.thaw_heap)
 
 
 def join_job(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]], stack: contextlib.ExitStack
              ) -> Optional[float]:
-    """The process group, then the check that needs it: every rank has the same data, settings, code,
-    checkpoints folder and checkpoint (seconds it took, returned). Rank 0 then keeps the sources' lists
-    (a folder's scan, shards' index) for the next start, now that they passed every check."""
+    """The process group, then the check that every rank has the same data, settings, code, checkpoints folder and
+    checkpoint (returns its seconds); rank 0 then keeps the checked sources' lists for the next start."""
     config, env, console = run.config, run.env, run.console
     join_process_group(env, inputs.device, config.dist_timeout, stack)
     checked = None
@@ -365,8 +347,7 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
 
 
 def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation:
-    """Whether the training step compiles (models/compile.py's compile_choice), and on every rank the compile caches
-    an earlier run left beside the checkpoints, loaded before anything compiles."""
+    """Whether the step compiles; every rank loads the compile caches beside the checkpoints first."""
     config, env, console = run.config, run.env, run.console
     device = inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
@@ -382,8 +363,7 @@ def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation
 
 
 def prepare_distillation(config: Config, training: Training, student: ModelInput) -> Optional[Distillation]:
-    """--teacher's loss: the teacher on the device, beside the student (teacher.py), and timm's weights
-    (distillation.py); token distillation where the student has a distillation head, else logit distillation."""
+    """--teacher's loss: token distillation where the student has a distillation head, else logit distillation."""
     if training.teacher is None:
         return None
     kind = config.kd_token_distill_type if has_distillation_head(training.state.model) else LOGIT
@@ -392,9 +372,8 @@ def prepare_distillation(config: Config, training: Training, student: ModelInput
 
 
 def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device: torch.device) -> nn.Module:
-    """The model as the training step calls it: compiled (or eager, if it cannot be: see compile.CompiledOrEager)
-    before DDP wraps it. Checkpoints keep saving `model`, whose parameters the compiled module shares, so their
-    keys carry no `_orig_mod.` prefix and eager and compiled runs resume each other."""
+    """The model as the step calls it: compiled (else eager), then DDP-wrapped; checkpoints save `model` (shared
+    parameters, no `_orig_mod.` prefix), so eager and compiled runs resume each other."""
     wrapped = compilation.wrap(model)
     if env.launched:
         wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
@@ -402,9 +381,8 @@ def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device:
 
 
 def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepContext) -> MicroBatches:
-    """The micro-batches steps compute in: --batch-size's, or under --micro-batch auto the largest that fits this GPU
-    (the checkpoint's choice for this kind of GPU, else probed now: memory_probe.py), before the first step and
-    after DDP's buckets and the EMA copy took their memory."""
+    """--batch-size's micro-batches, or under --micro-batch auto the largest that fits this GPU (the checkpoint's
+    choice for it, else probed: memory_probe.py), after DDP's buckets and the EMA copy took their memory."""
     config, env, console = run.config, run.env, run.console
     state, size = training.state, config.train_sizes.largest
 

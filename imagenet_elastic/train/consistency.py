@@ -1,17 +1,10 @@
 """One job: every rank trains on the same data, settings, code and checkpoint, or none starts.
 
-Node-local copies of ImageNet that differ by one file, a stale launch script on one node, a package
-upgraded on some nodes only, a checkpoints folder on node-local disk: each of these starts and
-trains without an error, while the images behind the sampler's indices, exact resume, or the
-restart of a re-formed job (which finds no checkpoint) silently stop being what they should be. So
-right after the process group forms, each rank sends a fingerprint of a few hundred bytes (one
-all-gather); any difference ends every rank with one line that names it, before any work is done
-and before anything is written. Only when something differs do the ranks exchange more, to name the
-first differing setting or file.
-
-It is a step of the run's build (build.join_job), which holds everything compared here (the settings, the data,
-the checkpoints folder and checkpoint, the teacher's hash); launch/ below only supplies the collectives.
-"""
+Node-local ImageNet copies differing by a file, a stale package or launch script on some nodes, a node-local
+checkpoints folder: each trains without error while the sampler's images, exact resume or a re-formed job's restart
+silently go wrong. So once the process group forms, each rank sends a fingerprint of a few hundred bytes (one
+all-gather); any difference ends every rank with one line naming it, before any work or write. Only then do the
+ranks exchange more, to name the first differing setting or file."""
 
 from __future__ import annotations
 
@@ -32,9 +25,7 @@ from imagenet_elastic.data.sources import FileList, Source
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 
-# Settings each node may set its own way: where its copy of the data is, its own resources, how it
-# was launched, what rank 0 alone writes (curves, trackers). The checkpoints folder is compared by what
-# it holds (the lock's token), not its path.
+# Settings each node may set its own way; the checkpoints folder is compared by its lock's token, not its path.
 NODE_LOCAL = frozenset({"data", "val_path", "val_labels", "checkpoints_path", "workers", "threads", "log_interval",
                         "tensorboard", "wandb", "mlflow", "dist_init_method", "nproc_per_node", "master_port",
                         "dist_url", "dist_timeout"})
@@ -48,8 +39,7 @@ class JobMismatch(UserError):
 
 @dataclass(frozen=True)
 class Fingerprint:
-    """What one rank must share with every other. Compared in field order: the first field that
-    differs is reported, as what explains the rest (other code can mean other settings)."""
+    """What a rank must share with the others, compared in field order: the first difference explains the rest."""
 
     software: str
     settings: str  # digest of the settings that are not NODE_LOCAL
@@ -138,8 +128,7 @@ def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray,
 
 def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,
              train: Source, val: Source) -> str:
-    """The one line that says what differs; a collective when the fingerprints alone cannot say it
-    (every rank calls it with the same `name` and `ranks`, so every rank takes part)."""
+    """The line saying what differs; a collective where fingerprints cannot say it (all ranks call it alike)."""
     first, main = ranks[0], prints[0]
     also = f" (and {len(ranks) - 1} other rank(s))" if len(ranks) > 1 else ""
     if name == "software":
@@ -176,8 +165,7 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
 
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
                    checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> None:
-    """One all-gather of every rank's fingerprint; JobMismatch on every rank when they differ. `teacher`: the hash of
-    the --teacher weights this rank read."""
+    """One all-gather of the ranks' fingerprints; JobMismatch on every rank when they differ."""
     prints = distributed.all_gather_object(fingerprint(config, train, val, folder_token, checkpoint, teacher))
     found = first_difference(prints)
     if found is not None:

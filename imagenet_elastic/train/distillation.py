@@ -1,16 +1,10 @@
 """Knowledge distillation's loss, as timm 1.0 defines it (timm/task/distillation.py and token_distillation.py):
-
-- logit distillation, for any student: the KL divergence from the teacher's distribution to the student's, both
-  softened at temperature T, batch mean, times T^2 (so the gradient keeps its scale as T changes; Hinton et al.);
-- token distillation, for a student with DeiT's distillation head (timm's `*_distilled_*`, whose training forward
-  returns the class head's and the distillation head's logits): the class head learns the task, the distillation
-  head the teacher, soft (the same KL) or hard (cross-entropy with the teacher's top class, DeiT's best recipe). In
-  eval mode timm's model averages the two heads, as DeiT does, so validation scores that average.
-
-The total is task weight x task loss + distillation weight x distillation loss, with timm train.py's two weights
-(`loss_weights`). The task loss is the run's own (loss.TrainLoss: label smoothing, BCE, the mixed soft targets); the
-teacher sees the same mixed images (teacher.py).
-"""
+logit distillation, for any student, is the KL divergence from the teacher's distribution to the student's, both at
+temperature T, batch mean, times T^2 (so the gradient keeps its scale as T changes; Hinton et al.); token
+distillation, for a student with DeiT's distillation head (`*_distilled_*`), teaches the class head the task and the
+distillation head the teacher, soft (the same KL) or hard (cross-entropy with the teacher's top class); in eval mode
+timm averages the two heads, so validation scores that average. The total weighs task and distillation losses
+(`loss_weights`); the teacher sees the same mixed images (teacher.py)."""
 
 from __future__ import annotations
 

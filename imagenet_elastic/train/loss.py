@@ -10,12 +10,9 @@ from torch import nn
 
 
 class TrainLoss(nn.Module):
-    """`loss(logits, targets)`: targets are class indices, or class probabilities not yet smoothed.
-
-    Smoothing moves a probability target towards uniform: t (1 - s) + s / classes, the same targets
-    torch's cross-entropy and timm's BCE make from an index. timm's BCE expects probability targets
-    already smoothed (its Mixup does it), so they are smoothed here first.
-    """
+    """`loss(logits, targets)`: targets are class indices, or probabilities not yet smoothed. Smoothing moves a
+    probability target towards uniform (t (1 - s) + s / classes), as torch's cross-entropy and timm's BCE do for an
+    index; timm's BCE expects smoothed targets (its Mixup smooths them), so they are smoothed here."""
 
     def __init__(self, label_smoothing: float, bce: bool = False, bce_threshold: Optional[float] = None) -> None:
         super().__init__()

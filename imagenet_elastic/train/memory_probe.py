@@ -1,19 +1,11 @@
 """--micro-batch auto's probe: the largest micro-batch whose training step fits the device, found before the first
 step by trying it, and halving after each out-of-memory error.
 
-A trial is what a step of the run costs the device: the run's model (the EMA copy and DDP's buckets already
-allocated beside it), its precision and memory layout, an input of the largest training size, forward, backward
-and the optimizer's step, twice, so that the second forward and backward run beside the optimizer's state (as in
-every step after the first) and the first's gradients (as a later micro-batch of an accumulating step). It runs
-eager, also under --compile: compiling each size tried would cost minutes, and a compiled step usually keeps fewer
-activations than the eager one, so the eager answer errs on the safe side. What a trial cannot see (--decode gpu's
-buffers, fragmentation later on, a compiled graph that needs more) the step's own halving catches
-(micro_batch.MicroBatches).
-
-The probe leaves no trace: weights, buffers (BatchNorm's statistics), gradients, the optimizer's state and settings,
-the modules' train/eval flags and every random generator are put back exactly as they were (`untouched`), so a run
-that probed trains the same bits as one that did not.
-"""
+A trial costs the device what a step does: the run's model (beside the EMA copy and DDP's buckets), precision and
+layout, the largest training size, forward, backward and optimizer step, twice (the second beside the optimizer's
+state and the first's gradients). It runs eager, even under --compile: compiling each size would cost minutes, and a
+compiled step usually keeps fewer activations, so it errs safe; the step's own halving catches the rest. It leaves
+no trace (`untouched`): a run that probed trains the same bits."""
 
 from __future__ import annotations
 
@@ -33,8 +25,7 @@ from imagenet_elastic.train.step import micro_batch_loss
 
 def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable[[int], Optional[int]]
                       ) -> Optional[int]:
-    """The first size from `first` on (each next one `smaller(size)`, None: no smaller one) for which `fits` holds;
-    None when none does."""
+    """The first size from `first` down (`smaller(size)`; None: no smaller) for which `fits` holds, or None."""
     size: Optional[int] = first
     while size is not None:
         if fits(size):
@@ -45,9 +36,7 @@ def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable
 
 def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput,
               size: int, image_size: int, distillation: Optional[Distillation] = None) -> bool:
-    """Whether two training steps of `size` images of `image_size` pixels run without an out-of-memory error (the
-    teacher's forward pass included, under --teacher). The weights and the optimizer's state change: call it inside
-    `untouched`."""
+    """Whether two steps (and teacher forwards) of `size` images of `image_size` px fit; call inside `untouched`."""
     fitted = False
     try:
         trial(model, optimizer, criterion, to, size, image_size, distillation)
@@ -82,9 +71,8 @@ def release_cached_memory(device: torch.device) -> None:
 
 @contextlib.contextmanager
 def untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Whatever runs inside changes nothing that outlives it: `model`'s parameters, buffers, gradients and train/eval
-    flags, `optimizer`'s state and group settings, and the random generators (torch's, CUDA's, Python's, NumPy's)
-    are put back, in place (DDP and the optimizer keep references to the tensors), from a copy in host memory."""
+    """Whatever runs inside changes nothing that outlives it: parameters, buffers, gradients, train/eval flags,
+    optimizer state and settings, random generators are put back in place (DDP and the optimizer hold references)."""
     tensors = list(model.parameters()) + list(model.buffers())
     kept = [t.detach().to("cpu", copy=True) for t in tensors]
     grads = [None if p.grad is None else p.grad.detach().to("cpu", copy=True) for p in model.parameters()]
@@ -106,8 +94,7 @@ def untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[No
 
 
 def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    """A host copy of the optimizer's per-parameter state and of its groups' settings (timm's LAMB counts its steps
-    in the group)."""
+    """A host copy of the optimizer's state and group settings (timm's LAMB counts steps in the group)."""
     state = {param: {key: host_copy(value) for key, value in entries.items()}
              for param, entries in optimizer.state.items()}  # each value with the device it was on
     groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
@@ -116,8 +103,7 @@ def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
 
 
 def optimizer_restore(optimizer: torch.optim.Optimizer, snapshot: tuple[dict, list[dict]]) -> None:
-    """The state `optimizer_snapshot` copied, written back into the tensors the optimizer holds (their memory layout
-    and device kept); what a step created since (a first step's momentum) is dropped."""
+    """The snapshot written back into the optimizer's tensors (layout, device kept); state made since is dropped."""
     state, groups = snapshot
     for param in list(optimizer.state):
         if param not in state:
@@ -153,8 +139,7 @@ def host_copy(value: Any) -> tuple[Any, Optional[torch.device]]:
 def probe(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, image_size: int,
           first: int, smaller: Callable[[int], Optional[int]], distillation: Optional[Distillation] = None
           ) -> Optional[int]:
-    """The largest micro-batch, from `first` down (`smaller`), whose training step fits; None when none does. Leaves
-    no trace (`untouched`)."""
+    """The largest micro-batch from `first` down (`smaller`) whose training step fits, or None; leaves no trace."""
     with untouched(model, optimizer):
         return largest_that_fits(lambda size: step_fits(model, optimizer, criterion, to, size, image_size,
                                                         distillation), first, smaller)

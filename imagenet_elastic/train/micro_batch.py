@@ -2,30 +2,14 @@
 before the first step (memory_probe.py), kept in the checkpoints for that kind of GPU, halved when a step or a
 validation pass still runs out of memory.
 
-The loader keeps cutting each rank's share into --batch-size's micro-batches (its workers, pinned buffers and
-prefetch are sized for them); a step regroups them (`regroup`) into the micro-batches of the plan it computes in,
-at the positions in the global batch a run started with that micro-batch has. BatchNorm (the first micro-batch of
-each share updates the running statistics), dropout and drop path (drawn from the step and the position) and mixing
-(pairs at even positions) therefore see what that run sees, and the weights follow it (bit for bit on a CPU).
-
-A step that runs out of memory under --micro-batch auto is redone at once with micro-batches of half the size, for
-the rest of the run: its gradients are dropped and the buffers its forward passes updated (BatchNorm's statistics,
-copied before every step) put back; dropout and drop path draw again from (seed, step, position), so the redone
-step is the step of a run with the smaller micro-batch. Under DDP the out-of-memory error may hit one rank only:
-that rank makes the rest of the step's collectives (ddp_ledger.py), and every rank learns whether any failed from
-one all-reduce of a flag per step, on the CPU control group (no wait for the GPU), before the optimizer steps.
-Each kind of pass (training, validation) halves once per run: a second out-of-memory error of that kind ends the
-run, as one that keeps running out of memory has a cause that smaller micro-batches would only hide. A validation
-pass has no collective before its end: each rank halves its own validation batches. An out-of-memory error in the
-optimizer's step is not caught: the weights have changed by then, and smaller micro-batches would not help (the
-probe runs that step too).
-
-Under --decode gpu the decoding thread (data/device/feed.py) allocates beside the step it runs ahead of, and can run
-out of memory where the step alone fits. That error reaches the training thread with the batch, before the step that
-takes it: under --micro-batch auto it counts as that step's (`decode_failed`: the step halves its micro-batches, on
-every rank, and the batch is decoded again, nothing lost or repeated); without it the run ends in one line saying what
-to change.
-"""
+The loader cuts each rank's share into --batch-size's micro-batches; `regroup` recuts them at the positions that a
+run started with the step's micro-batch has, so BatchNorm (only a share's first micro-batch updates the running
+statistics), dropout, drop path (drawn from step and position) and mixing see what that run sees (bit for bit on a
+CPU). A step that runs out of memory is redone in halves for the rest of the run, as a run with the smaller
+micro-batch would step. Under DDP the failed rank makes the step's other collectives (ddp_ledger.py), and one flag
+all-reduce per step on the CPU group tells all, before the optimizer steps. Each kind of pass halves once per run: a
+second error ends the run, its cause one halving would only hide. Validation halves per rank. An error in the
+optimizer's step is not caught: the weights have changed, and the probe ran that step too."""
 
 from __future__ import annotations
 
@@ -61,8 +45,7 @@ class DecodeOutOfMemory(UserError):
 
 
 def regroup(batches: list[Batch], given: list[slice], wanted: list[slice]) -> list[Batch]:
-    """This rank's micro-batches of a step, given at the positions `given`, as the micro-batches at `wanted` (the
-    same positions, cut otherwise): views of the given ones, joined where a wanted one spans two."""
+    """This rank's micro-batches at the positions `given`, recut at `wanted`: views, joined where one spans two."""
     if given == wanted:
         return batches
     out = []
@@ -76,8 +59,7 @@ def regroup(batches: list[Batch], given: list[slice], wanted: list[slice]) -> li
 
 
 def fitting_plan(global_batch: int, world_size: int, size: int, mixes: bool) -> Optional[BatchPlan]:
-    """The plan of micro-batches of at most `size`, the largest such size that keeps mixing's pairs whole (under
-    --mixup-alpha/--cutmix-alpha) on every rank; None when none does."""
+    """The plan of the largest micro-batches of at most `size` keeping mixing's pairs whole on every rank, or None."""
     for candidate in range(size, 0, -1):
         plan = BatchPlan(global_batch, world_size, candidate)
         if not mixes or all(whole_pairs(part) for part in plan.all_micro_slices()):
@@ -104,8 +86,7 @@ class Choice:
 
 
 class MicroBatches:
-    """How a step cuts the loader's micro-batches (`loader`, --batch-size's plan) into the ones it computes in
-    (`plan`), and validation its batches; with `auto`, each halves once on an out-of-memory error."""
+    """Recuts the loader's micro-batches into `plan`'s and sizes validation's; with `auto` each halves once on OOM."""
 
     def __init__(self, loader: BatchPlan, size: int, rank: int, auto: bool = False, mixes: bool = False,
                  choice: Optional[Choice] = None, warn: Callable[[str], None] = print) -> None:
@@ -127,8 +108,7 @@ class MicroBatches:
         return self.plan.micro_batch
 
     def step(self, ctx: StepContext, batches: list[Batch], lr: float, seed: int, step: int) -> torch.Tensor:
-        """One optimizer step over this rank's micro-batches from the loader; returns the rank's mean loss (on
-        device)."""
+        """One optimizer step over the loader's micro-batches of this rank; returns its mean loss (on device)."""
         if not self.auto:
             return train_step(ctx, regroup(batches, self.given, self.slices), self.slices, self.plan.share, lr, seed,
                               step)
@@ -150,8 +130,7 @@ class MicroBatches:
         return loss
 
     def prepare(self, ctx: StepContext) -> None:
-        """Before the first step: the copy of the buffers, and under DDP the ledger (ddp_ledger.py), whose hooks go
-        in before DDP's first forward."""
+        """Before the first step: the buffers' copy and the DDP ledger, whose hooks must precede DDP's first forward."""
         if self.buffers is None:
             self.buffers = BufferCopy(ctx.model.buffers())
             if isinstance(ctx.model, DistributedDataParallel):
@@ -175,11 +154,9 @@ class MicroBatches:
         return None, failed
 
     def decode_failed(self, kind: str, what: str, error: str, again: bool) -> None:
-        """--decode gpu ran out of device memory `what` (decoding a batch for `kind`: training or validation; `again`:
-        that batch did before); the batch is decoded again when this returns. Without --micro-batch auto the run ends
-        in one line. With it, the micro-batches halve to leave the decoding room, as after a step's out-of-memory
-        error: training's at the step that takes the batch (which every rank agrees on, then redoes in halves),
-        validation's at once. A batch that fails again, decoded with no step beside it, ends the run."""
+        """--decode gpu ran out of memory `what` (decoding for `kind`; `again`: that batch did before), to be
+        decoded again. Without `auto` the run ends; with it micro-batches halve to make room: training's at the step
+        taking the batch (every rank; nothing lost), validation's at once; a second failure ends it."""
         if not self.auto:
             raise DecodeOutOfMemory(f"out of device memory {what} (--decode gpu: {error}); lower --batch-size, or add "
                                     "--micro-batch auto to train in smaller micro-batches beside the decoding, or "
@@ -236,9 +213,8 @@ class MicroBatches:
 def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.device,
            settings: dict[str, Any], saved: Optional[dict[str, Any]], probe: Callable[[int, Callable], int],
            warn: Callable[[str], None]) -> MicroBatches:
-    """The run's micro-batches. Without `auto`: --batch-size's. With it: a checkpoint's choice (`saved`) made on this
-    kind of GPU with these settings; else on CUDA `probe(first, smaller)`'s answer (the smallest over ranks);
-    else (a CPU) --batch-size's."""
+    """The run's micro-batches: --batch-size's without `auto`; with it a checkpoint's choice for this GPU and these
+    settings, else on CUDA `probe`'s (the smallest over ranks), else --batch-size's."""
     if not auto:
         return MicroBatches(loader, loader.micro_batch, rank)
     name, memory = device_identity(device)

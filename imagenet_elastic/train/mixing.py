@@ -1,19 +1,13 @@
 """Mixup and CutMix, on the device, per optimizer step, with partners and amounts that do not depend on
 how the global batch is split.
 
-The images at positions 2k and 2k+1 of a global batch are partners: each becomes a mix of the two
-(mixup: a weighted average; cutmix: a box of the other pasted in), and its target the same mix of the
-two one-hot labels. Pair k draws its amount (lambda from Beta(alpha, alpha)), its kind (mixup or
-cutmix, half each when both are on) and its box from a stream of (seed, step) alone. So a pair mixes
-the same way on any rank, in any micro-batch and after any restart, provided every micro-batch
-starts at an even position and holds an even count (`check_pairs`).
-
-Why not torchvision's MixUp/CutMix or timm's Mixup: they pair each image with its neighbour in the
-*local* batch and draw from the global generators, so the partners and amounts would change with the
-world size, the micro-batch size and a restart. What they share with this module: Beta(alpha,
-alpha), a box with side sqrt(1 - lambda) centred anywhere and clipped, lambda corrected to the area
-actually pasted, and one kind per pair chosen at random when both are on (timm's switch).
-"""
+Images 2k and 2k+1 of a global batch are partners: each becomes a mix of the two (mixup: a weighted average; cutmix:
+a box of the other pasted in), its target the same mix of their labels. Pair k draws lambda (Beta(alpha, alpha)),
+kind (half each when both are on) and box from a (seed, step) stream alone, so it mixes the same on any rank, in any
+micro-batch and after any restart, if every micro-batch holds whole pairs (`check_pairs`). torchvision's and timm's
+pair neighbours in the *local* batch and draw from the global generators, so partners and amounts would change with
+the world size, micro-batch size and restarts; the rest follows timm (a box of side sqrt(1 - lambda) centred
+anywhere and clipped, lambda corrected to the area pasted)."""
 
 from __future__ import annotations
 
@@ -46,9 +40,8 @@ class Mixer:
     num_classes: int
 
     def draws(self, seed: int, step: int, pairs: int) -> PairDraws:
-        """The draws of the first `pairs` pairs of step `step`: a prefix of the same stream whatever
-        `pairs` is, and each quantity from its own stream, so switching one kind off leaves the other's
-        draws as they were."""
+        """The first `pairs` pairs' draws at step `step`: a prefix of the same stream whatever `pairs` is, each
+        quantity from its own stream, so switching one kind off leaves the other's draws as they were."""
         streams = [np.random.Generator(np.random.PCG64(np.random.SeedSequence([STREAM, seed, step, part])))
                    for part in range(5)]
         mixup = streams[0].beta(self.mixup_alpha, self.mixup_alpha, pairs) if self.mixup_alpha > 0 else None
@@ -60,8 +53,7 @@ class Mixer:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, seed: int, step: int, start: int,
                  channels_last: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """A micro-batch (float NCHW, class labels) that begins at position `start` of the global batch
-        -> mixed images (same layout) and their soft targets (N x classes, not yet label-smoothed)."""
+        """A micro-batch (float NCHW, labels) at global position `start` -> mixed images, unsmoothed soft targets."""
         n, _, height, width = images.shape
         first = start // 2
         d = self.draws(seed, step, first + n // 2)
@@ -89,8 +81,7 @@ class Mixer:
 
 def cut_boxes(lam: np.ndarray, centre_y: np.ndarray, centre_x: np.ndarray, height: int, width: int
               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """CutMix's boxes: sides sqrt(1 - lambda) of the image's, centred at the drawn point, clipped to the
-    image; whole pixels (top, bottom, left, right), bottom and right exclusive."""
+    """CutMix's boxes in whole pixels (top, bottom, left, right; bottom and right exclusive), clipped."""
     side = np.sqrt(1.0 - lam)
     half_h, half_w = (side * height).astype(np.int64) // 2, (side * width).astype(np.int64) // 2
     cy, cx = (centre_y * height).astype(np.int64), (centre_x * width).astype(np.int64)

@@ -22,9 +22,7 @@ from imagenet_elastic.train.distillation import Distillation
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
              loaders: Loaders, checked_s: Optional[float], compilation: Compilation,
              distillation: Optional[Distillation] = None) -> list[tuple[str, str]]:
-    """The start-up table: what was built, and the choices made for this machine. `checked_s`: what
-    comparing the ranks' data, settings, code and checkpoints folder took (None: one process). Returns its
-    rows (the experiment trackers record them)."""
+    """The start-up table's rows (trackers record them); `checked_s`: the rank check's seconds (None: one process)."""
     found = rows(c, env, inputs, training, loaders, checked_s, compilation, distillation)
     console.table("imagenet_elastic", found)
     return found

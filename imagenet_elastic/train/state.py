@@ -51,8 +51,7 @@ class EpochTally:
     steps: int = 0
     loss_sum: float = 0.0  # sum over steps of the step's mean loss over all ranks
     seconds: float = 0.0  # training time, for the epoch's images/s
-    parts: dict[str, float] = field(default_factory=dict)  # the same sums of the loss's parts (--teacher: the task's
-    # and the distillation's), by name
+    parts: dict[str, float] = field(default_factory=dict)  # the loss's parts' sums, by name
 
     def add(self, samples: int, steps: int, loss_sum: float, seconds: float,
             parts: Optional[dict[str, float]] = None) -> None:
@@ -65,8 +64,7 @@ class EpochTally:
 
 
 class PendingSteps:
-    """Steps trained since the tally was last brought up to date; their loss, and its `parts` (their names: the rest
-    of the vector a step returns, step.StepContext.parts), stay on the device."""
+    """Steps trained since the tally's last update; their losses and parts stay on the device."""
 
     def __init__(self, device: torch.device, parts: tuple[str, ...] = ()) -> None:
         self.names = parts
@@ -79,10 +77,8 @@ class PendingSteps:
         self.steps += 1
 
     def fold_into(self, tally: EpochTally, global_batch: int, world_size: int) -> EpochTally:
-        """One all-reduce: the mean over ranks of each step's loss (and of its parts), summed over the pending steps.
-        Returns what was added (the progress line and steps.jsonl report it). With no step pending (the
-        epoch's end right after its last log line, a checkpoint at a log step) nothing is sent: every rank
-        has trained the same steps, so all skip it alike."""
+        """One all-reduce: each step's loss (and parts) averaged over ranks, summed over the pending steps; returns
+        what was added. With none pending nothing is sent: all ranks trained the same steps, so all skip alike."""
         if not self.steps:
             return EpochTally()
         loss_sum, *parts = (value / world_size for value in distributed.all_reduce_sum(self.loss.clone()).tolist())
@@ -110,9 +106,8 @@ class TrainState:
     ema: Optional[nn.Module] = None  # --model-ema: timm's ModelEmaV3, whose `module` is the averaged model
 
     def update_average(self, every: int) -> None:
-        """After optimizer step `self.step`: the weight average (--model-ema) takes the weights every
-        `every` steps (--model-ema-steps), a function of the step alone, so a resume at any step and
-        world size averages the same weights. timm's decay warmup counts the average's updates."""
+        """After optimizer step `self.step`: the weight average takes the weights every `every` steps, a function of
+        the step alone, so a resume at any step and world size averages the same; timm's warmup counts its updates."""
         if self.ema is not None and self.step % every == 0:
             self.ema.update(self.model, step=self.step // every)
 

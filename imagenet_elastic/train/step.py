@@ -68,9 +68,8 @@ def seed_micro_batch(seed: int, step: int, position: int) -> None:
     torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
 
 class BufferCopy:
-    """A copy of some buffers (BatchNorm's running statistics and counters), taken by `keep` and put back by
-    `restore`, in place (DDP keeps references to the buffers): one multi-tensor copy per device and dtype, on the
-    device, without waiting for it."""
+    """Buffers copied by `keep` and put back in place by `restore` (DDP keeps references to them): one multi-tensor
+    copy per device and dtype, on the device, unwaited."""
 
     def __init__(self, buffers: Iterable[torch.Tensor]) -> None:
         self.buffers = list(buffers)
@@ -91,19 +90,12 @@ class BufferCopy:
 
 
 class RunningStats:
-    """Batch norm normalises every micro-batch with that micro-batch's statistics, but only the first micro-batch of
-    each rank's share updates the running averages (`frozen` around the others).
-
-    Under DDP the running averages that survive are rank 0's (broadcast at a step's first forward), i.e. those of
-    the global batch's first slice. Updating them from the first micro-batch only keeps them the same at every world
-    size, so an elastic run evaluates like an uninterrupted one. The batch counter is put back too, or it would count
-    micro-batches and differ between world sizes.
-
-    Frozen means copied before and written back after, not the layers' momentum set to 0 meanwhile: a compiled
-    forward guards on the momentum, a float attribute (`fn._modules['1'].momentum == 0.1`), so every accumulating
-    run recompiled its model at the first step's second micro-batch (as long as the first compile, cold:
-    docs/BENCHMARKS.md), and kept two graphs.
-    """
+    """Batch norm normalises each micro-batch with its own statistics, but only the first micro-batch of each rank's
+    share updates the running averages (`frozen` around the others): under DDP the surviving averages are rank 0's,
+    the global batch's first slice's, so an elastic run evaluates like an uninterrupted one. The batch counter is
+    put back too, or it would differ between world sizes. Frozen means copied and written back, not momentum set to
+    0: a compiled forward guards on the momentum (a float), so every accumulating run recompiled at its second
+    micro-batch (as long as the cold first compile) and kept two graphs."""
 
     def __init__(self, batch_norms: list[nn.Module]) -> None:
         self.batch_norms = batch_norms
@@ -138,8 +130,7 @@ def micro_batch_loss(model: nn.Module, criterion: nn.Module, distillation: Optio
 
 def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, lr: float, seed: int,
                step: int) -> torch.Tensor:
-    """One optimizer step over this rank's micro-batches; returns the rank's mean loss and its parts (`ctx.parts`), a
-    vector on the device."""
+    """One optimizer step over this rank's micro-batches; returns its mean loss and parts (`ctx.parts`), on device."""
     total = accumulate(ctx, micro_batches, slices, share, seed, step)
     apply_gradients(ctx, lr)
     return total
@@ -147,13 +138,9 @@ def train_step(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
 
 def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice], share: int, seed: int,
                step: int) -> torch.Tensor:
-    """The forward and backward passes of a step: the gradient of the rank's mean loss (all-reduced under DDP), and
-    that loss and its parts (`ctx.parts`), a vector on the device: nothing waits for the device here.
-
-    Each micro-batch's loss is weighted by its share of the rank's samples, so the accumulated
-    gradient is the mean over the rank's share, and DDP's average over ranks the mean over the
-    global batch, whatever the split. Gradients are all-reduced once, on the last micro-batch.
-    """
+    """A step's forwards and backwards: the gradient of the rank's mean loss (all-reduced once under DDP, at the
+    last micro-batch), and that loss and its parts, on the device, unwaited. Each micro-batch's loss is weighted by
+    its share of the rank's samples: after DDP's average, the global batch's mean gradient, whatever the split."""
     ctx.optimizer.zero_grad(set_to_none=True)
     total = torch.zeros(1 + len(ctx.parts), device=ctx.input.device)
     for j, (batch, part) in enumerate(zip(micro_batches, slices)):
@@ -192,8 +179,7 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
 class ValidationFit(Protocol):
     """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches)."""
 
-    validation_batch: Optional[int]  # the most images a forward pass takes; None: the loader's batch, whole, and an
-    # out-of-memory error ends the run
+    validation_batch: Optional[int]  # most images a forward pass takes; None: the whole batch, and OOM ends the run
 
     def validation_failed(self, size: int, error: str) -> None: ...
 
@@ -202,15 +188,10 @@ class ValidationFit(Protocol):
 def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
              columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None,
              fit: Optional[ValidationFit] = None) -> EvalResult:
-    """Every rank runs its own shard on the *unwrapped* model (shards may differ in batch count, and
-    DDP's forward would then wait on a collective), then the sums are added up across ranks.
-
-    `flip_average` (--val-flip-average): the logits are the mean of the image's and its mirror's.
-    `columns`: score these classes of the model alone (a class subset: ImageNet-A and -R's 200); the batch's
-    labels are then positions in `columns`. `counts`: further sums per batch, reduced with the others.
-    `fit` (--micro-batch auto): each batch in pieces of at most `fit.validation_batch` images; a piece that runs out
-    of memory is told to `fit` (which halves that size, or raises) and tried again.
-    """
+    """Each rank runs its shard on the *unwrapped* model (shards may differ in batch count; DDP's forward would wait
+    on a collective), then sums add up across ranks. `flip_average`: logits averaged with the mirror's; `columns`:
+    score only these classes (ImageNet-A/-R's 200), labels index it; `counts`: further sums; `fit`: batches cut to
+    `fit.validation_batch`, a piece out of memory told to `fit` (which halves or raises) and retried."""
     model.eval()
     extra = len(counts.names) if counts is not None else 0
     totals = torch.zeros(3 + extra, dtype=torch.float64, device=to.device)  # loss sum, top-1, top-5, counts

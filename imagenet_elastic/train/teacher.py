@@ -1,12 +1,9 @@
 """The teacher on the device: frozen, in eval mode, without gradients, in the run's precision and memory layout, on
 the student's batch as its own preprocessing would have made it.
 
-The student's batch arrives augmented and mixed (--mixup-alpha/--cutmix-alpha), normalised with the student's mean
-and std: the teacher sees the same images, renormalised with its own mean and std and, where its input size is
-another, resized on the device (bilinear, antialiased: torchvision's and timm's resize). Nothing is done where they
-agree, so a teacher with the student's preprocessing sees the student's very tensor. Under DDP it is not wrapped:
-every rank holds its own copy, and nothing of it is reduced.
-"""
+It sees the student's augmented and mixed images, renormalised with its own mean and std and, where its input size
+is another, resized on the device (bilinear, antialiased, as torchvision and timm resize); where they agree it sees
+the student's very tensor. Under DDP it is not wrapped: each rank holds its own copy, and nothing of it is reduced."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """A run from its start to its end: `run`, a rank's entry point (cli.py hands it to launch/), builds the run's
 parts (`build`: train/build.py's steps in their order, then the Trainer and the start-up table) and the Trainer
-trains them: epochs, validation, checkpoints and the stop every rank agrees on. Every part taken registers its
-release on the run's ExitStack, so a failure at any step, and the end of the run, release them in reverse order."""
+trains them: epochs, validation, checkpoints and the stop every rank agrees on."""
 
 from __future__ import annotations
 
@@ -57,8 +56,7 @@ from imagenet_elastic.train.step import StepContext, evaluate, train_step
 
 @dataclass(frozen=True)
 class Reports:
-    """What the loop reports to beyond the console: the curves' sinks (steps.jsonl, TensorBoard, the trackers: rank
-    0's, report/sinks), the sample log, and what the first step's line says of the compile and of a restart."""
+    """Beyond the console: the curves' sinks, the sample log, the first step's compile and restart facts."""
 
     sinks: Sinks
     sample_log: SampleLog
@@ -100,8 +98,8 @@ class Trainer:
         except RuntimeError as error:
             if not (self.preempt.interrupted and distributed.peer_left(error)):
                 raise
-            # a rank stopped at once on the second Ctrl-C while this one waited for it in a collective: the same
-            # stop here (the second Ctrl-C reaches this rank's handler only after the collective fails)
+            # a rank stopped at once on the second Ctrl-C while this one waited in a collective: the same stop here
+            # (the second Ctrl-C reaches this rank's handler only after the collective fails)
             self.preempt.checkpoint_on_interrupt = False
             self.say_what_an_interrupt_kept()
             raise KeyboardInterrupt from None
@@ -145,8 +143,7 @@ class Trainer:
         c, state, plan, tally, r = self.config, self.state, self.plan, self.state.tally, self.training
         start = time.perf_counter()
         self.sampler.set_epoch(epoch, tally.samples)
-        pending = PendingSteps(self.ctx.input.device, self.ctx.parts)  # the steps' losses stay on the device until
-        # they are needed
+        pending = PendingSteps(self.ctx.input.device, self.ctx.parts)  # losses stay on the device until needed
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
@@ -181,8 +178,7 @@ class Trainer:
                                  seconds=time.perf_counter() - start, resumed=epoch == self.resumed_into)
 
     def after_first_step(self) -> None:
-        """Once per process, on every rank: what compiling did (models/compile.py's Compilation: its warning, its cache
-        file), and what the restart cost, up to this step's end."""
+        """Once per process, on every rank: what compiling did, and what the restart cost up to this step's end."""
         stepped, self.stepped = time.time(), True
         self.compilation.after_first_step()
         if self.restart_cost is not None:
@@ -196,8 +192,8 @@ class Trainer:
         self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds, added.parts)
 
     def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
-        """The steps since the last log line: their mean loss over all ranks, images/s, the share of the
-        time spent waiting for the loader (the first thing to check when a GPU is starved), ETAs."""
+        """The steps since the last log line: mean loss over all ranks, images/s, the share of time spent waiting
+        for the loader (the first thing to check when a GPU is starved), ETAs."""
         since, steps_per_epoch = self.since_log, self.sampler.steps
         row = metrics.step_row(self.state.step, epoch + step_in_epoch / steps_per_epoch, since, lr, self.waits.take())
         per_step = max(since.seconds, 1e-9) / since.steps
@@ -211,12 +207,9 @@ class Trainer:
         self.since_log = EpochTally()
 
     def validate(self) -> dict[str, Any]:
-        """The model the checkpoint saves (rank 0's weights and BatchNorm statistics, on every rank), and
-        its average under --model-ema: `val_loss`, `val_top1`, ... and `val_loss_ema`, ...
-
-        Eager even under --compile: validation's mode and its last, smaller batch would each cost a
-        recompilation, for a pass over 4% as many images as an epoch's training.
-        """
+        """The model the checkpoint saves (rank 0's weights and BatchNorm statistics, on every rank), and its
+        average under --model-ema. Eager even under --compile: validation's mode and its last, smaller batch would
+        each cost a recompilation, for a pass over 4% as many images as an epoch's training."""
         models = {"": self.state.model}
         if self.state.ema is not None:
             models["_ema"] = self.state.ema.module
@@ -235,8 +228,7 @@ class Trainer:
                               functools.partial(self.decode_failed, kind))
 
     def decode_failed(self, kind: str, batch: Batch, error: str, again: bool) -> None:
-        """--decode gpu ran out of device memory decoding `batch` for `kind` (the next training step, or validation):
-        micro_batch.MicroBatches.decode_failed ends the run, or makes room and has it decoded again."""
+        """--decode gpu ran out of memory decoding `batch` for `kind`: MicroBatches.decode_failed ends or makes room."""
         what = f"decoding a batch of {len(batch)} images for " + (
             f"training step {self.state.step + 1}" if kind == "training" else "validation")
         self.training.micro.decode_failed(kind, what, error, again)
@@ -244,13 +236,11 @@ class Trainer:
     # ------------------------------------------------------------------ checkpoints and stopping
 
     def save(self, epoch_end: bool, is_best: bool = False, best_of: Optional[str] = None) -> None:
-        """`best_of`, at an epoch's end: which weights scored its top-1 (model or model_ema); mid-epoch
-        checkpoints validated nothing."""
+        """`best_of`: which weights scored the epoch's top-1 (model or model_ema); None mid-epoch."""
         state = self.state
         self.sinks.flush()  # the curves up to this step are on disk with the checkpoint
         folder = self.config.checkpoints_path
-        then = [functools.partial(metrics.write, folder, list(state.history))] if epoch_end else []  # the rows of
-        # the epochs the checkpoint holds
+        then = [functools.partial(metrics.write, folder, list(state.history))] if epoch_end else []  # its epochs' rows
         cache = self.compilation.cache_write()  # graphs compiled since the first step
         if cache is not None:
             then.append(cache)
@@ -310,8 +300,7 @@ class Trainer:
             where = f", {state.tally.samples} samples into epoch {state.epoch + 1}" if state.tally.samples else ""
             best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
             self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
-            # metrics.jsonl as the checkpoint holds it: the rows of epochs trained after it (by a run that then
-            # died) go; its one writer is this class, here and after each epoch's checkpoint
+            # metrics.jsonl as the checkpoint holds it: rows of epochs trained after it (by a run that died) go
             history = list(state.history)
             distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, history))
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
@@ -341,8 +330,7 @@ class Trainer:
 
 
 def nothing_to_do(done: int, epochs: int) -> str:
-    """What a run whose checkpoint already trained --epochs epochs, or more (a run resumed with a smaller --epochs),
-    says before it ends."""
+    """What a run whose checkpoint already trained --epochs epochs or more (a smaller --epochs) says."""
     if done == epochs:
         return f"nothing to do: the checkpoint already completed all {counted(epochs, 'epoch')} of --epochs {epochs}"
     return (f"nothing to do: the checkpoint already completed {counted(done, 'epoch')}, more than --epochs {epochs}; "
@@ -369,9 +357,7 @@ def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], 
 
 
 def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, Source]] = None) -> Trainer:
-    """Everything a run needs, from what it is given (`run`: its settings, its place in the job, where it speaks,
-    its preemption flag), the stack that releases what it takes, and, where the caller holds them, the data's train
-    and val sources (else DATA's, as the command line names them)."""
+    """Everything a run needs; `splits`: the train and val sources where the caller holds them, else DATA's."""
     began = time.time()
     config, env, console, preempt = run.config, run.env, run.console, run.preempt
     inputs, snapshot = check_inputs(run, stack, splits)
@@ -425,8 +411,7 @@ def run(config: Config, env: DistEnv) -> None:
 
 def run_with(run: Run) -> None:
     with contextlib.ExitStack() as stack:
-        # Last out. The rank is ending, with its own exit code (0, 2, 74, 75 or a crash's): a signal now
-        # (torchrun's second one, or a spawn parent stopping the ranks after another one failed) would
-        # only turn that code into -15 and hide why it ended.
+        # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's
+        # second, or a spawn parent stopping the ranks after another failed) would only turn it into -15 and hide why.
         stack.callback(run.preempt.ignore_from_now)
         build(run, stack).fit()

@@ -1,17 +1,10 @@
 """Crop, resize and flip a whole batch of decoded images of different sizes in a fixed number of operators.
 
-An antialiased resize is separable: each output row is a weighted sum of input rows, each output column of
-input columns, with the weights of a triangle (bilinear) or cubic filter stretched by the scale. So a crop,
-its resize and its flip are two small matrices per image (`Axis.weights`: output pixels x input pixels,
-zero outside the crop, reversed for a flip), and the whole batch is two batched matrix products over the
-images padded into one canvas: about a dozen operators whatever the batch size, where resizing image by image
-costs a few kernel launches per image (docs/BENCHMARKS.md). The weights are PyTorch's own for
-`interpolate(..., antialias=True)` (the same support, centre and normalisation), so the pixels are those of the
-float resize image by image, within float32 rounding, and within one level of the CPU path's uint8 kernel.
-
-Every per-image number (where the crop starts, how long it is, how large the image would be resized, the offset
-of the output inside it, the flip) comes from the loader worker as a row of `Axis.FIELDS`; validation's centre
-crop of the resized image is the same computation with the whole image as the region (pixels.CentreCrop).
+An antialiased resize is separable, so an image's crop, resize and flip are two small matrices (output x input pixels,
+zero outside the crop, reversed for a flip) and the batch is two batched matrix products over the images padded into
+one canvas: about a dozen operators whatever the batch size, where resizing image by image costs a few launches per
+image (docs/BENCHMARKS.md). The weights are PyTorch's own for `interpolate(..., antialias=True)`: the float resize's
+pixels within float32 rounding, and within one level of the CPU path's uint8 kernel.
 """
 
 from __future__ import annotations
@@ -101,14 +94,10 @@ def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str)
 
 def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
                 interpolation: str = "bilinear") -> torch.Tensor:
-    """Decoded C x H x W uint8 images (any sizes, one device, any dense layout: an H x W x C image permuted is
-    read where it lies) and their (N, VIEW_FIELDS) float32 views (on that device) -> N x size x size x 3 uint8,
-    contiguous (channels_last as NCHW).
-
-    The images are gathered into one padded float32 canvas (`padded_canvas`: one copy, no host wait), then
-    out[n] = rows[n] @ image[n] @ columns[n]^T as two batched products whose operands are transposed views, so
-    the result comes out in NHWC order with no copy in between. A batch whose canvas would exceed
-    CANVAS_BUDGET is done in consecutive parts (a few images far larger than ImageNet's)."""
+    """Decoded C x H x W uint8 images (any sizes and dense layouts, one device) and their (N, VIEW_FIELDS) float32
+    views -> N x size x size x 3 uint8, contiguous. One padded float32 canvas, then out[n] = rows[n] @ image[n] @
+    columns[n]^T as two batched products on transposed views, so the result comes out NHWC with no copy; a canvas
+    over CANVAS_BUDGET is done in parts."""
     parts = canvas_parts([tuple(im.shape[-2:]) for im in images])
     if len(parts) > 1:
         return torch.cat([crop_resize(images[s], views[s], size, interpolation) for s in parts])
@@ -127,16 +116,11 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
 
 
 def padded_canvas(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
-    """The images as float32 in one N x C x height x width tensor, each in its top-left corner.
-
-    One gather from all the images' bytes (one `cat` of each image's memory as it lies, whatever its layout), at
-    positions computed on the device from a small table of each image's offset, last row and column, and strides,
-    copied from pinned memory: the host waits for nothing and no image is copied on its own. (A nested tensor's
-    `to_padded_tensor` copies its sizes to the device from pageable memory, a host wait every batch, after a copy
-    per image to build it.) Past an image's last row or column the canvas repeats that edge: the resize weights
-    there are zero (`axis_weights`: none beyond the region, which lies inside the image), so the padding needs no
-    mask. Positions are int32 where the batch's bytes allow (`index_select` takes them as they are; half the
-    memory of int64)."""
+    """The images as float32 in one N x C x height x width tensor, each top-left: one gather from all images' bytes as
+    they lie, at positions computed on the device from a small table copied from pinned memory, so the host waits for
+    nothing and no image is copied alone (a nested tensor's `to_padded_tensor` waits on a pageable copy every batch).
+    Past an image's edge the canvas repeats it: the resize weights there are zero, so no mask is needed. Positions
+    are int32 where the batch's bytes allow (half int64's memory)."""
     device, channels = images[0].device, images[0].shape[0]
     pieces, table, total = [], [], 0
     for image in images:
@@ -158,16 +142,14 @@ def padded_canvas(images: Sequence[torch.Tensor], height: int, width: int) -> to
 
 
 def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A small host tensor on `device` without the host waiting: on CUDA through pinned memory (a copy from
-    pageable memory waits for the stream)."""
+    """A small host tensor on `device` without the host waiting (on CUDA via pinned memory: pageable copies wait)."""
     if device.type == "cuda":
         host = host.pin_memory()
     return host.to(device, non_blocking=True)
 
 
 def canvas_parts(shapes: list[tuple[int, int]], budget: int = CANVAS_BUDGET) -> list[slice]:
-    """Consecutive runs of images whose padded canvas (count x 3 x max height x max width) fits the budget; a
-    run is at least one image."""
+    """Consecutive runs of at least one image whose padded canvas (count x 3 x max height x max width) fits."""
     parts, first, top_h, top_w = [], 0, 0, 0
     for i, (h, w) in enumerate(shapes):
         grown_h, grown_w = max(top_h, h), max(top_w, w)

@@ -1,17 +1,10 @@
 """The augmentation policy and random erasing of a whole batch on the device, from numbers the workers drew.
 
-A loader worker draws each sample's operations, magnitudes and erased box exactly as the CPU path does
-(augment.Augment.draws: torchvision's own policy on a stand-in of the crop), and `PolicyPlan.pack` turns a batch of
-those draws into a few tensors: per stage (the first operation of every sample, then the second), the samples
-grouped by operation, and each sample's parameters (blend factors, thresholds, bit masks, affine matrices). On the
-device, `PolicyPlan.apply` runs each operation once per stage on the sub-batch that drew it, with per-sample
-parameter tensors: the geometric ones as one `grid_sample` over a batch of matrices, the colour ones as
-broadcasts, equalize and autocontrast with torchvision's own batched kernels, erasing as one mask. The work is
-a few operators per operation present, whatever the batch size, and nothing is drawn on the device.
-
-Each operation computes what torchvision's tensor kernel computes for one image (the same formulas, in the same
-float32 steps), so the pixels are those of `Augment.apply(..., pil=False)` image by image, up to float32
-rounding where torchvision fuses a multiply-add (tests/data/device/test_batch_policy.py measures it).
+`PolicyPlan.pack` turns a batch's draws into tensors (per stage, the samples grouped by operation, and their
+parameters); `PolicyPlan.apply` runs each operation once per stage on the sub-batch that drew it: a few operators per
+operation present, whatever the batch size. Each computes what torchvision's tensor kernel computes for one image
+(same formulas, same float32 steps), so the pixels are `Augment.apply(..., pil=False)`'s image by image, up to float32
+rounding where torchvision fuses a multiply-add (tests/data/device/test_batch_policy.py).
 """
 
 from __future__ import annotations
@@ -74,10 +67,8 @@ def inverse_affine(op: str, magnitude: float, size: int) -> list[float]:
 
 @dataclass
 class PolicyPlan:
-    """A batch's policy and erasing as tensors (made in the loader worker by `pack`, pinned with the batch,
-    copied to the device by `to`). `order[k]` lists the samples by the operation they drew at stage k; `counts`
-    (host integers) says how many drew each operation, so every sub-batch is a slice of `order` and the host
-    never reads a device value."""
+    """A batch's policy and erasing as tensors: `order[k]`, the samples by the operation drawn at stage k; `counts`
+    (host ints), how many drew each, so every sub-batch is a slice of `order` and the host reads no device value."""
 
     order: torch.Tensor  # stages x N int64
     counts: list[list[int]]  # stages x len(OPS)
@@ -113,8 +104,7 @@ class PolicyPlan:
                        erase=None if self.erase is None else change(self.erase))
 
     def apply(self, images: torch.Tensor) -> torch.Tensor:
-        """N x size x size x 3 uint8 on the plan's device, changed in place: each stage's operations on the
-        sub-batches that drew them, then erasing."""
+        """N x size x size x 3 uint8 changed in place: each stage's operations on their sub-batches, then erasing."""
         chw = images.permute(0, 3, 1, 2)  # a view: the kernels take channels-first
         for stage, counts in enumerate(self.counts):
             start = 0
@@ -159,8 +149,7 @@ def contrast(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
 
 
 def sharpness(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    """torchvision's: the inner pixels moved towards a 3 x 3 smoothing (13 parts: 5 centre, 1 each neighbour),
-    rounded; the border kept."""
+    """torchvision's: inner pixels moved towards a 3 x 3 smoothing (5/13 centre, 1/13 each neighbour), rounded."""
     if images.shape[-1] <= 2 or images.shape[-2] <= 2:
         return images
     out = images.float()
@@ -221,8 +210,7 @@ KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
 
 
 def erase_boxes(images: torch.Tensor, boxes: torch.Tensor) -> None:
-    """Each image's box (top, left, height, width; height 0: none) set to ImageNet's mean pixel, in place, as one
-    mask over the batch."""
+    """Each image's box (top, left, height, width; height 0: none) set to the mean pixel, in place, as one mask."""
     height, width = images.shape[-2:]
     top, left, tall, wide = boxes.unbind(dim=1)
     rows = torch.arange(height, device=images.device)
@@ -234,6 +222,5 @@ def erase_boxes(images: torch.Tensor, boxes: torch.Tensor) -> None:
 
 @functools.cache
 def mean_pixel(device: torch.device) -> torch.Tensor:
-    """1 x 3 x 1 x 1 uint8, made on the device once (a host value copied into every batch would be a copy from
-    pageable memory, which waits for the stream)."""
+    """1 x 3 x 1 x 1 uint8 made on the device once (a host value per batch would wait on a pageable copy)."""
     return torch.tensor(MEAN_PIXEL, dtype=torch.uint8).view(1, 3, 1, 1).to(device)

@@ -25,16 +25,10 @@ if TYPE_CHECKING:
 
 def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None,
                    out_of_memory: Optional[OutOfMemoryPolicy] = None) -> Iterator[Batch]:
-    """The loader's batches with images and labels on `device` (decoded and augmented there first under
-    --decode gpu).
-
-    Batches travel as uint8, a quarter of the bytes of float32 (or, under --decode gpu, as the files' bytes). On
-    CUDA the next batch's copy, or its whole decoding (`decoded_in_two_threads`), runs while the current one
-    trains; the training stream waits for it only when it gets there, and the training thread does nothing per
-    image. Other entries (sample indices) stay on the host, so reading them never waits for the device. A decode
-    that runs out of device memory is told to `out_of_memory` (see `prepared`), in this thread, which ends the run
-    or has the same batch decoded again.
-    """
+    """The loader's batches with images and labels on `device` (decoded and augmented there first under --decode gpu).
+    On CUDA the next batch's copy or decoding runs while the current one trains; the training stream waits for it only
+    when it gets there. Sample indices stay on the host, so reading them never waits for the device. A decode out of
+    device memory is told to `out_of_memory` in this thread."""
     if decoder is not None:
         if reads_in_this_thread(batches):
             yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
@@ -64,13 +58,10 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
 def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, device: torch.device,
                            out_of_memory: Optional[OutOfMemoryPolicy] = None
                            ) -> Iterator[tuple[Batch, Optional[torch.cuda.Event]]]:
-    """`(batch, ready)` for each of the loader's batches, decoded by one thread (on the decoding stream) while
-    another queues the previous batch's crops, policy and erasing (on the feeding stream): the JPEG libraries
-    hold their calling thread until a batch is decoded (torchvision's waits for its own stream's whole decode,
-    nvImageCodec for the host's share of it), so a single thread would queue no crops meanwhile. Two
-    `decoded_ahead`s in a chain: the first alone reads the loader; the second waits on the device for each
-    decoded batch's event, and its errors and the first's reach the taker in order; closing it closes both. Either
-    thread's out-of-memory error reaches `out_of_memory` in the taker's thread (the first's through the second)."""
+    """`(batch, ready)` for each loader batch, decoded by one thread (decoding stream) while another queues the
+    previous batch's crops, policy and erasing (feeding stream): the JPEG libraries hold their calling thread until a
+    batch is decoded, so a single thread would queue no crops meanwhile. Two chained `decoded_ahead`s: the first alone
+    reads the loader; errors and out-of-memory notices of both reach the taker in order; closing one closes both."""
     decoding = streams.decoding_stream(device) if streams.on_cuda(device) else None
     decoded = decoded_ahead(batches, decoder.decoded, device, ahead=1, stream=decoding,
                             out_of_memory=pass_on if out_of_memory is not None else None)
@@ -78,8 +69,7 @@ def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, devi
 
 
 def after_event(prepare: Callable[[Any], Any], device: torch.device) -> Callable[[tuple[Any, Any]], Any]:
-    """`prepare` for the `(staged, ready)` pairs of another `decoded_ahead`: its work is queued on the calling
-    thread's stream after that stream waits for `ready` (on the device: the host does not wait)."""
+    """`prepare` of a `decoded_ahead`'s `(staged, ready)`, queued after the stream waits (on device) for `ready`."""
     def run(item: tuple[Any, Any]) -> Any:
         staged, ready = item
         if ready is not None:
@@ -90,15 +80,13 @@ def after_event(prepare: Callable[[Any], Any], device: torch.device) -> Callable
 
 
 def reads_in_this_thread(batches: Iterable[Batch]) -> bool:
-    """A loader without workers (--workers 0) reads and draws each sample in the thread that iterates it, and the
-    draws of --decode gpu's policy seed torch's global generator (augment.Augment.draws), which the training
-    thread seeds and draws from too: such a loader is decoded in the training thread, not beside it."""
+    """A loader without workers draws each sample in the iterating thread, and --decode gpu's policy draws seed torch's
+    global generator, which the training thread uses too: such a loader is decoded in the training thread."""
     return isinstance(batches, DataLoader) and batches.num_workers == 0
 
 
 def take_on_current_stream(staged: Batch, ready: Optional[torch.cuda.Event], device: torch.device) -> None:
-    """The current (training) stream waits for the event that made `staged`'s device tensors on another
-    stream, and those tensors are not reused before the current stream is done with them."""
+    """The current stream waits for `ready`, and `staged`'s tensors are not reused before it is done with them."""
     if ready is None:
         return
     main = torch.cuda.current_stream(device)
@@ -113,15 +101,11 @@ _DONE = object()
 def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2,
                   stream: Optional[torch.cuda.Stream] = None, out_of_memory: Optional[OutOfMemoryPolicy] = None
                   ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
-    """`(prepare(batch), ready)` for each batch, run by a thread of its own up to `ahead` batches before they
-    are taken; on CUDA on `stream` (the feeding stream unless given), whose event `ready` the taker waits for
-    (None on a CPU). Its errors (a corrupt image) are raised here, in order; closing this generator stops the
-    thread and waits for it, so the loader is never read by two threads. A generator it reads (another
-    decoded_ahead) is closed by its thread when it stops.
-
-    A batch that runs out of device memory is told to `out_of_memory` here, in order, in the taking thread (`pass_on`:
-    yielded as an OutOfMemoryMet, which a decoded_ahead reading this one hands on to its own taker); the preparing
-    thread waits for the answer, then prepares the same batch again (see `prepared`)."""
+    """`(prepare(batch), ready)` for each batch, by a thread of its own up to `ahead` batches early; on CUDA on
+    `stream` (default: the feeding stream), whose event `ready` the taker waits for. Its errors are raised here, in
+    order; closing this generator stops and joins the thread, so the loader is never read by two threads. A batch out
+    of device memory is told to `out_of_memory` here, in the taking thread (`pass_on`: handed on as an
+    OutOfMemoryMet); the preparing thread waits for the answer, then prepares the same batch again."""
     results: queue.Queue = queue.Queue(maxsize=ahead)
     stop = threading.Event()
     if streams.on_cuda(device) and stream is None:
@@ -224,8 +208,7 @@ class OutOfMemoryMet:
 
 
 def loader_batch(item: Any) -> Any:
-    """The loader's Batch inside what a stage prepares from it (decoded_in_two_threads' second stage takes
-    `((batch, images), ready)`)."""
+    """The loader's Batch inside what a stage prepares from it (such as `((batch, images), ready)`)."""
     while isinstance(item, tuple):
         item = item[0]
     return item
@@ -233,11 +216,9 @@ def loader_batch(item: Any) -> Any:
 
 def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[OutOfMemoryPolicy],
              device: torch.device) -> Any:
-    """`prepare(batch)`. A device out-of-memory error in it (torch's, or a JPEG decoder's, as
-    jpeg_decoders.device_out_of_memory tells them) goes to `out_of_memory(batch, line, again)`, which raises to end
-    the run, returns False to stop (`_STOPPED`), or else has the same batch prepared again, once the allocator has
-    returned what it caches to the device: no sample lost or repeated. Without `out_of_memory` the error is raised as
-    it came."""
+    """`prepare(batch)`. A device out-of-memory error in it goes to `out_of_memory(batch, line, again)`, which raises
+    to end the run, returns False to stop (`_STOPPED`), or else has the same batch prepared again once the allocator
+    has returned its cache to the device: no sample lost or repeated. Without `out_of_memory` it propagates."""
     again = False
     while True:
         try:
@@ -254,8 +235,7 @@ def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[
 
 
 class LoaderWaits:
-    """Wall time the training loop spent waiting for its next batch on the device (from the loader, and
-    under --decode gpu from the decoding thread); each log line takes it."""
+    """Wall time the training loop spent waiting for its next batch on the device; each log line takes it."""
 
     def __init__(self) -> None:
         self.seconds = 0.0

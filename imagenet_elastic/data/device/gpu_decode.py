@@ -1,26 +1,14 @@
 """`--decode gpu`: loader workers read files and draw every random choice; the device decodes and augments whole
 batches.
 
-A worker reads the file, parses its header for the size, and draws the crop, the flip, the policy's operations
-and magnitudes and the erased box from the sample's own random stream, exactly as the CPU path draws them
-(pipeline.TrainDataset; augment.Augment.draws), so the augmentation contract holds: the same choices for the same
-(seed, epoch, index). It hands over the bytes and those choices as numbers (`EncodedBatch`: one tensor of
-bytes, one row of view numbers per image, the policy's tensors). The training process decodes the batch with one
-batched call of the JPEG library (jpeg_decoders) in a thread of its own, while another thread crops, resizes and
-flips the previous batch's images at once (batch_crops.py), then runs the policy and erasing on the sub-batches
-that drew each operation (batch_policy.py) (feed.decoded_in_two_threads): a fixed number of operators per
-batch, none per image, and no random draw in the training process.
-
-Validation batches take the same way with the reference's view of each image (pixels.CentreCrop): the whole
-image resized and centre-cropped, in float32 and rounded: the CPU path's pixels within a level where the decoders
-agree (nvJPEG fills 4:2:0 chroma by nearest sample where libjpeg-turbo interpolates: ~0.7 level on photos).
-
-Images nvJPEG cannot take are decoded on the CPU instead, and each reason is reported once:
-PNGs and other formats, and CMYK/YCCK JPEGs, are recognised from the header by the worker, which
-decodes (and crops) them itself; a JPEG that the device decoder rejects is decoded in the training process. A
-device out of memory is not the images' fault and stays an out-of-memory error
-(jpeg_decoders.raise_if_out_of_memory).
-A file that neither can decode is a CorruptImageError naming it, as on the CPU path.
+A worker parses the header and draws the crop, flip, policy and erasing from the sample's stream exactly as the CPU
+path does (the same choices for the same (seed, epoch, index)), and hands over the bytes and those numbers
+(`EncodedBatch`). The training process decodes a batch with one batched library call in one thread while another
+crops, resizes and flips the previous batch (batch_crops.py) and runs its policy and erasing (batch_policy.py): a
+fixed number of operators per batch, none per image, and no random draw. Validation takes the same way with
+pixels.CentreCrop in float32, rounded: the CPU path's pixels within a level where the decoders agree. Images nvJPEG
+cannot take are decoded on the CPU, each reason reported once: PNGs, other formats and CMYK/YCCK JPEGs by the worker,
+a JPEG the device rejects by the training process; a file neither can decode is a CorruptImageError naming it.
 """
 
 from __future__ import annotations
@@ -56,8 +44,7 @@ EMPTY = torch.empty(0, dtype=torch.uint8)
 
 @dataclass
 class EncodedImage:
-    """One image as a worker makes it: its bytes and every choice drawn for it, or (`cpu_reason` set) its pixels
-    already decoded and cropped on the CPU."""
+    """One image from a worker: its bytes and every choice drawn for it, or (`cpu_reason`) its CPU-decoded crop."""
 
     path: str  # the sample's name, for messages
     data: torch.Tensor  # 1-D uint8 file bytes, or size x size x 3 uint8 pixels
@@ -98,9 +85,7 @@ def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
 
 
 class EncodeBytes:
-    """The worker's part, a pipeline.Load as pixels.decode_bytes is: `encode_bytes(raw, path, choose_crop, size)`
-    parses the header and draws the crop; `augmented` then has what the policy and erasing drew travel with the
-    bytes, where decode_bytes's pixels get them applied (pipeline.TrainDataset asks the load which)."""
+    """The worker's part (a pipeline.Load): parses the header and draws the crop; the draws travel with the bytes."""
 
     def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
         width, height, reason = read_header(raw, path)
@@ -117,8 +102,7 @@ encode_bytes = EncodeBytes()
 
 
 def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
-    """Validation's worker part (a pipeline.EvalLoad, as pixels.decode_centre_crop is): the bytes, and the view
-    the device takes of the whole decoded image."""
+    """Validation's worker part (a pipeline.EvalLoad): the bytes, and the view the device takes of the image."""
     width, height, reason = read_header(raw, path)
     image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, width,
                          height, reason, centre=view)
@@ -127,10 +111,8 @@ def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
 
 @dataclass
 class EncodedBatch:
-    """A batch's images as they cross from the worker, in columns: every image's bytes (or fallback pixels) back
-    to back in one uint8 tensor, so the batch is one shared-memory segment, not one (and a socket round trip) per
-    image (docs/BENCHMARKS.md); one row of crop numbers per image; the policy's tensors. The training process
-    reads no per-image Python object on its way to the device."""
+    """A batch's images as they cross from the worker, in columns: all bytes (or fallback pixels) in one uint8 tensor,
+    one shared-memory segment rather than one (and a socket round trip) per image (docs/BENCHMARKS.md)."""
 
     data: torch.Tensor  # 1-D uint8
     lengths: list[int]  # each image's share of `data`, in order
@@ -174,8 +156,7 @@ class EncodedBatch:
         return image.decode_on_cpu(self.pieces()[i].numpy().tobytes())
 
     def pin_memory(self) -> EncodedBatch:
-        """What DataLoader's pin_memory thread calls on a batch type of its own: every tensor pinned, so each
-        reaches the device without the host waiting."""
+        """Every tensor pinned (for DataLoader's pin_memory thread), so each reaches the device without waiting."""
         return replace(self, data=self.data.pin_memory(), views=self.views.pin_memory(),
                        policy=self.policy.pin_memory() if self.policy is not None else None)
 
@@ -188,12 +169,8 @@ def collate(samples: list[tuple]) -> Batch:
 
 
 class BatchDecoder:
-    """The training process's part: `decoder(batch)` turns a Batch of an EncodedBatch into one of an
-    N x size x size x 3 uint8 tensor on `device` (the size the worker asked for), cropped, augmented and erased
-    as the workers drew; labels on the device too, sample indices left on the host. It draws nothing at random,
-    so it runs beside the training thread, in two halves (feed.decoded_in_two_threads): `decoded` in one thread,
-    `finished` in another, each on that thread's stream. Works on CPU tensors too (`device` cpu), which is how
-    the tests run it."""
+    """The training process's part: a Batch of an EncodedBatch to N x size x size x 3 uint8 on `device`, cropped and
+    augmented as drawn. It draws nothing at random, so it runs beside the training thread in two halves."""
 
     def __init__(self, device: torch.device, warn: Callable[[str], None],
                  jpeg: Optional[jpeg_decoders.JpegDecoder] = None) -> None:
@@ -206,8 +183,7 @@ class BatchDecoder:
         return self.finished(self.decoded(batch))
 
     def decoded(self, batch: Batch) -> tuple[Batch, list[Optional[torch.Tensor]]]:
-        """The first half: the batch, and the JPEGs the device decodes (in `device_decodable`'s order) decoded by
-        one call of the library. Touches nothing `finished` does, so the two run in two threads."""
+        """The first half: the batch, and its device's JPEGs decoded by one call; touches nothing `finished` does."""
         encoded: EncodedBatch = batch.images
         pieces = encoded.pieces()
         return batch, self.decode_on_device([pieces[i] for i in device_decodable(encoded)])
@@ -222,8 +198,7 @@ class BatchDecoder:
         return Batch(crops, batch.labels.to(self.device, non_blocking=True), batch.indices)
 
     def crops(self, encoded: EncodedBatch, decoded: Optional[list[Optional[torch.Tensor]]] = None) -> torch.Tensor:
-        """N x size x size x 3 uint8 on the device: every image decoded, cropped, resized and flipped, those the
-        device cannot decode by the CPU path. `decoded`: `decoded`'s images, when already decoded."""
+        """N x size x size x 3 uint8 on the device, decoded (by the CPU path where the device cannot) and cropped."""
         self.held.release_finished()
         pieces, fallbacks = encoded.pieces(), dict(encoded.fallbacks)
         wanted = device_decodable(encoded)
@@ -255,10 +230,8 @@ class BatchDecoder:
         return out
 
     def hold(self, decoded: list[torch.Tensor]) -> None:
-        """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner,
-        their memory could be written by the next decode meanwhile: jpeg_decoders.TorchvisionJpeg); the CPU runs
-        each operator before the next, so nothing is left to read them there. The event blocks the thread that
-        waits for it (Held's limit) instead of spinning a core beside the loader workers."""
+        """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner, the
+        next decode could write over them); the event blocks rather than spin a core beside the loader workers."""
         if streams.on_cuda(self.device):
             read = torch.cuda.Event(blocking=True)
             torch.cuda.current_stream(self.device).record_event(read)
@@ -268,8 +241,7 @@ class BatchDecoder:
         return batch_crops.to_device(torch.tensor(rows, dtype=torch.int64), self.device)
 
     def decode_on_device(self, images: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """The decoded images (C x H x W uint8, in the library's layout), one batched call; None for each image the
-        decoder rejects."""
+        """The decoded images (C x H x W uint8, the library's layout), one batched call; None where rejected."""
         return self.jpeg.decode(images) if images else []
 
     def report(self, path: str, reason: str) -> None:
@@ -285,9 +257,8 @@ def device_decodable(encoded: EncodedBatch) -> list[int]:
 
 
 class Held:
-    """Device tensors kept alive until the kernels queued to read them have run: an event recorded after those
-    kernels says when (`release_finished` asks without waiting). Past `limit` batches held, the oldest is waited
-    for: the thread that crops is then that far ahead of the device, and memory must not grow without bound."""
+    """Device tensors kept until an event recorded after the kernels that read them says those ran. Past `limit`
+    batches the oldest is waited for: the cropping thread is then that far ahead, and memory must not grow unbounded."""
 
     def __init__(self, limit: int = 4) -> None:
         self.limit = limit

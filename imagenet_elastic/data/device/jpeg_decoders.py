@@ -1,21 +1,13 @@
 """--gpu-decoder: the library that turns a batch of JPEG bytes into pixels on the device under --decode gpu. The
 one list of them (`JPEG_DECODERS`); a new library is a class here and a line in that list.
 
-torchvision (`decode_jpeg` on CUDA, always there): nvJPEG fills 4:2:0 chroma by nearest sample, ~0.7 level from
-the CPU path on photos. nvimgcodec (NVIDIA's nvImageCodec, the `nvimgcodec` extra): the same pixels as libjpeg-turbo,
-so as the CPU path (it upsamples 4:2:0 chroma as libjpeg-turbo does). Alone, each decodes several times what a step
-trains; beside a compiled ResNet-50 step torchvision supplies more on an H100 and an H200 with any loader workers and
-any of nvImageCodec's backends and thread counts (docs/BENCHMARKS.md, 2026-11-27), so `auto` takes torchvision and
-nvimgcodec is there for its pixels, when asked. The start-up table says which and why.
-
-Both leave their images ready on the calling thread's current stream (the decoding thread's,
-streams.decoding_stream), in memory torch's caching allocator gave out (so its counters, its out-of-memory retry and
-`empty_cache` see them), and run on CPU tensors too (torchvision's CPU decoder, nvImageCodec's CPU backend:
-libjpeg-turbo), which is how the tests run them. Each returns C x H x W uint8 images in any dense layout
-(nvImageCodec's H x W x C memory is permuted, a view: batch_crops reads each image where it lies), None for an
-image it rejects (the batch decoder then takes the CPU path for it), and raises an out-of-memory error when the
-device is full (raise_if_out_of_memory). Both hold the calling thread: torchvision until its whole decode has run on
-the device, nvImageCodec until its share on the host is done (the device's runs on after it returns).
+torchvision (nvJPEG, always there) fills 4:2:0 chroma by nearest sample, ~0.7 level from the CPU path on photos;
+nvimgcodec (nvImageCodec) gives libjpeg-turbo's, so the CPU path's, pixels. Beside a compiled ResNet-50 step
+torchvision supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md, 2026-11-27),
+so `auto` takes it. Both leave their images on the calling thread's current stream, in memory from torch's caching
+allocator (so its counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, and return
+C x H x W uint8 in any dense layout (None for a rejected image). Both hold the calling thread: torchvision until its
+decode has run on the device, nvImageCodec until its host share is done.
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ class JpegDecoder(Protocol):
     name: str
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """1-D uint8 host tensors of JPEG bytes -> C x H x W uint8 RGB on the device (any dense layout), None where
-        rejected."""
+        """JPEG bytes (1-D uint8 on the host) -> C x H x W uint8 RGB on the device, any layout; None: rejected."""
 
 
 class TorchvisionJpeg:
@@ -64,15 +55,11 @@ class TorchvisionJpeg:
         from imagenet_elastic.data.device import streams
 
         self.device = device
-        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a stream of its own
-        # (one of the normal-priority pooled streams) that does not wait for the current one (pytorch/vision#9606):
-        # memory freed on the current stream while kernels queued there still read it could be written over. Its
-        # outputs are therefore allocated on a stream where only they are allocated, and kept until the kernels
-        # that read them have run (gpu_decode.Held). torch.cuda.Stream is not a stream of its own: torch hands
-        # out each priority's 32 pooled streams round robin to every caller in the process (NCCL's come from the
-        # normal-priority pool). This one comes from the high-priority pool, which the feeding and decoding
-        # streams alone draw on here, and before each decode the thread waits (blocking, not spinning) for what
-        # is queued on it: nothing, unless another part of the process was handed the same stream.
+        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a normal-priority pooled
+        # stream that does not wait for it (pytorch/vision#9606), so memory freed meanwhile could be written over: the
+        # outputs get a stream of their own and are kept until their readers ran (gpu_decode.Held). torch.cuda.Stream
+        # hands out 32 pooled streams per priority round robin (NCCL's are normal); this high-priority one is shared
+        # only with the feeding and decoding streams, and each decode first waits (blocking) for what is queued on it.
         self.alloc_stream = torch.cuda.Stream(device, priority=-1) if streams.on_cuda(device) else None
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -107,31 +94,25 @@ class TorchvisionJpeg:
 
 
 class NvImageCodecJpeg:
-    """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling,
-    the hardware JPEG engines where the GPU has them), on the CPU its libjpeg-turbo backend. It reports a rejected
-    image as None in place, so one bad image costs no second pass.
-
-    It decodes into memory torch allocates: left to itself it takes each image from CUDA's default memory pool
-    (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
-    cannot see, and which gives memory back to the device at every synchronisation. Each batch is one uint8
-    tensor of the images' bytes back to back, allocated on the current stream (the one the decode runs on);
-    each image is an H x W x 3 view of it, handed to the library as the image to decode into."""
+    """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling, the
+    hardware JPEG engines where present), on the CPU libjpeg-turbo; a rejected image is None in place (no second
+    pass). It decodes into one uint8 tensor a batch from torch: left to itself it takes each image from CUDA's default
+    pool (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
+    cannot see, and which gives memory back at every synchronisation."""
 
     name = "nvimgcodec"
 
     def __init__(self, device: torch.device, cpu_threads: int = 0, backends: Optional[tuple[str, ...]] = None,
                  options: str = "") -> None:
-        """`backends`: on CUDA, the library's backend kinds by name (HW_GPU_ONLY, GPU_ONLY, ...; None: every one it
-        has); `options`: more of its decoder options. Both are left to the library in training; the GPU
-        measurements try others (bench/gpu_decoder_settings.py)."""
+        """`backends`: on CUDA, the library's backend kinds by name (None: all); `options`: more decoder options.
+        Both are left to the library in training; bench/gpu_decoder_settings.py tries others."""
         self.device, self.cpu_threads, self.backends, self.options = device, cpu_threads, backends, options
         self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
         self.params = None  # its DecodeParams, made with it (make_decoder)
 
     def make_decoder(self) -> None:
         nvimgcodec = import_nvimgcodec()
-        # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said rather than left to the library's
-        # default: nvImageCodec 0.8's Python decoder turned it off unless asked, 0.9's extensions turn it on
+        # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said: nvImageCodec 0.8 defaulted it off, 0.9 on
         options = " ".join([":fancy_upsampling=1", self.options]).strip()
         if self.device.type == "cuda":
             backends = None if self.backends is None else \
@@ -142,8 +123,7 @@ class NvImageCodecJpeg:
             self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
                                               max_num_cpu_threads=self.cpu_threads,
                                               backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)], options=options)
-        # the file's pixels as stored: it would turn them by their EXIF orientation, which the CPU path (PIL,
-        # libjpeg-turbo), torchvision's decode_jpeg and the worker's crop box (from the header) ignore
+        # pixels as stored: the CPU path, decode_jpeg and the worker's crop box all ignore the EXIF orientation
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -204,9 +184,8 @@ def image_address(image) -> int:
     return interface["data"][0]
 
 
-# How torchvision's CUDA decoder words an allocation that failed, inside its "Error while decoding JPEG
-# images: ...": torch's allocator ("CUDA out of memory. Tried to allocate ..."), nvJPEG's status 5
-# (NVJPEG_STATUS_ALLOCATOR_FAILURE) after one of its calls ("Failed to decode batch: 5"), or CUDA's 2
+# How torchvision's CUDA decoder words a failed allocation inside "Error while decoding JPEG images: ...": torch's
+# "CUDA out of memory", nvJPEG's status 5 (NVJPEG_STATUS_ALLOCATOR_FAILURE: "Failed to decode batch: 5"), or CUDA's 2
 # (cudaErrorMemoryAllocation) from its stream synchronisation. Corrupt images give other nvJPEG statuses.
 _ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 5\b"
                                 r"|Failed to synchronize CUDA stream: 2\b")
@@ -313,7 +292,7 @@ class DecoderInfo(NamedTuple):
     help: str  # for --gpu-decoder's help
 
 
-# --gpu-decoder: kept here once, in auto's order of preference; config offers these names with their help.
+# --gpu-decoder's choices, in auto's order of preference
 JPEG_DECODERS: dict[str, DecoderInfo] = {
     "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
                                "torchvision's nvJPEG decode_jpeg, the faster beside training: 4:2:0 chroma by nearest "

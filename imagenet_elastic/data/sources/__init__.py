@@ -1,23 +1,11 @@
 """Sources of samples: the forms a split of ImageNet is held in, behind one interface (base.Source).
 
-    image_folder.py     DIR/CLASS/**/IMAGE, torchvision's ImageFolder layout                    (prefix folder:)
-    tar_shards.py       a folder, brace pattern or glob of WebDataset tar shards (KEY.jpg + KEY.cls), indexed once,
-                        on disk or in an object store (object_store.py)                         (prefix wds:)
-    parquet.py          Hugging Face's imagenet-1k parquet files, read in place by row group   (prefix parquet:)
-    labelled_folder.py  a flat folder of images with a labels file (ImageNet's original validation set; folder:)
-
-`open_splits` turns the command line's DATA, --val-path and --val-labels into the train and val sources.
-A location names its kind by a prefix (`wds:/data/shards`, `parquet:/data/hf`, `folder:/data/imagenet`), as timm's
-reader factory does, before any look at the file system; else the first kind in `KINDS` that claims it opens it.
-A store's URL (`s3://`, `gs://`, `https://`; object_store.py) is read by tar_shards.py, through a node-local cache
-of whole shards. A new source (LMDB, ...) is one module and one entry in `KINDS`: nothing downstream changes. A kind's
-module has
-    PREFIX                                          the word before the colon that names it
-    claims(location, labels_file) -> bool           whether an unprefixed location is of this kind
-    open_split(location, role, cache_dir, classes, labels_file) -> Source
-and may have
-    is_pattern(location) -> bool                    a location of its files that is not a folder (a glob, a file)
-    split_folder(folder) -> (train, val) or None    a folder that holds both splits, told apart by file names
+`open_splits` turns DATA, --val-path and --val-labels into the train and val sources. A prefix names a location's kind
+(`wds:`, `parquet:`, `folder:`), as timm's reader factory does, before any look at the file system; else the first
+kind in `KINDS` that claims it opens it. A store's URL is read by tar_shards.py. A new source is one module and one
+entry in `KINDS`, with PREFIX, `claims(location, labels_file) -> bool` and `open_split(location, role, cache_dir,
+classes, labels_file) -> Source`, and optionally `is_pattern(location) -> bool` (a location of its files that is not
+a folder) and `split_folder(folder) -> (train, val) or None` (a folder of both splits, told apart by file names).
 """
 
 from __future__ import annotations
@@ -42,8 +30,7 @@ _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://")
 
 @dataclass(frozen=True)
 class SourceSettings:
-    """Where the run's samples are: the data root or the train split, and the validation split. Declared beside
-    what they choose from; config.Config gathers every folder's settings."""
+    """Where the run's samples are: the data root or the train split, and the validation split."""
 
     data: str = field(metadata={"help": "a root with `train/` and `val/`, each class folders (ImageFolder) or tar "
                                         "shards (`imagenet-elastic pack`, WebDataset); a folder of Hugging Face "
@@ -106,8 +93,7 @@ def is_pattern(location: str) -> bool:
 
 
 def both_splits(data: str) -> Optional[tuple[str, str]]:
-    """The train and val locations of a folder that holds both side by side, told apart by file names (timm's
-    imagenet-1k-wds, Hugging Face's parquet files), by the first kind that sees both there; None otherwise."""
+    """The train and val locations of a folder holding both side by side, told apart by file names; else None."""
     prefix, path = kind_of(data)
     for kind in candidates(prefix):
         found = getattr(kind, "split_folder", lambda _: None)(path)
@@ -118,9 +104,8 @@ def both_splits(data: str) -> Optional[tuple[str, str]]:
 
 def open_source(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                 labels_file: Optional[str] = None) -> Source:
-    """The source at `location`; `classes`: the training split's, for a split that names its labels by them (a
-    labels file) or by number alone (shards or parquet files without class names). A prefixed location is opened
-    by its kind, whatever is (or is not) there: that kind's own errors say what is wrong."""
+    """The source at `location`; `classes`: the training split's, for a split that names its labels by them or by
+    number alone. A prefixed location is opened by its kind whatever is there: its own errors say what is wrong."""
     prefix, path = kind_of(location)
     kinds = candidates(prefix)
     if object_store.is_url(path) and tar_shards not in kinds:
@@ -138,8 +123,7 @@ def open_source(location: str, role: str, cache_dir: Optional[str], classes: Opt
 
 
 def train_location(data: str) -> str:
-    """DATA/train, or the train split of a folder of train and validation files side by side (timm's
-    imagenet-1k-wds, Hugging Face's parquet files), or DATA itself (a folder or a pattern)."""
+    """DATA/train, the train split of a folder of both splits side by side, or DATA itself (a folder or a pattern)."""
     if is_pattern(data):
         return data
     prefix, path = kind_of(data)
@@ -153,8 +137,7 @@ def train_location(data: str) -> str:
 
 
 def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
-    """DATA/train and DATA/val; DATA itself is the train split when it has no train/ (a folder or a pattern), and
-    then --val-path names the val split."""
+    """DATA/train and DATA/val; DATA itself is the train split when it has no train/, and --val-path the val split."""
     train = train_location(data)
     if is_pattern(data) and val_path is None:
         raise UserError(f"DATA {data} is a pattern of files: pass --val-path for the validation split")
@@ -167,9 +150,7 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
 
 
 def evaluated_split(location: str) -> str:
-    """The split `imagenet-elastic evaluate` scores for VAL `location`: a data root's val split, as training takes it
-    (DATA/val, where DATA/train is beside it: the README's DATA, a pack's output), else the location itself (a split;
-    a folder of both splits side by side gives its validation files to the kind that reads it)."""
+    """The split `evaluate` scores for VAL `location`: a data root's DATA/val, as training takes it, else `location`."""
     prefix, path = kind_of(location)
     if not _isdir(os.path.join(path, "train")):
         return location

@@ -1,13 +1,8 @@
 """What every source of samples gives the rest of the program, and nothing more.
 
-Downstream (the sampler, the loader workers, `--decode gpu`, load-once, the start-up consistency check, the
-start-up table, the benchmark) sees a split as a `Source`: how many samples, the class names, each sample's
-label, each sample's encoded bytes, a name for errors, and a fingerprint. How the bytes are stored (one file per
-image, tar shards, ...) stays inside the source's own module.
-
-Sources keep their per-sample data in numpy arrays, not Python objects: forked loader workers then share the
-parent's pages instead of copying them (`bench/benchmark.py --mode index`). Files are opened in the process that reads
-them, when it first does (a loader worker after the fork).
+How bytes are stored stays inside a source's own module. Per-sample data lives in numpy arrays, not Python objects,
+so forked loader workers share the parent's pages (`bench/benchmark.py --mode index`); files are opened in the
+process that reads them, when it first does.
 """
 
 from __future__ import annotations
@@ -32,8 +27,7 @@ TRAINING_CLASSES = "the training split"
 
 
 class Classes(tuple):
-    """Class names that say whose they are, for the line that finds a split's label beyond them: a validation split
-    takes the training split's classes when training, the model's under `imagenet-elastic evaluate`."""
+    """Class names that say whose they are (the training split's, the model's under `evaluate`), for label errors."""
 
     whose = TRAINING_CLASSES
 
@@ -55,8 +49,7 @@ class Source(abc.ABC):
     classes: tuple[str, ...]
     labels: np.ndarray  # int64, one class index per sample
     cached: bool = False  # its list came from a cache rather than a scan (said in the start-up table)
-    notes: tuple[str, ...] = ()  # what opening it found that the user should hear (a changed shard, a damaged cache
-    # rebuilt): the run warns of each (build.check_inputs); a source's module has no console of its own
+    notes: tuple[str, ...] = ()  # warnings (a changed shard, a rebuilt cache) the run prints: sources have no console
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -78,19 +71,16 @@ class Source(abc.ABC):
 
     @abc.abstractmethod
     def entries(self) -> np.ndarray:
-        """One entry per sample (bytes) that is equal on two nodes exactly when they hold the same sample there:
-        a relative path, a shard's name and the member's place in it. The start-up check names the first entry
-        in which a node's copy departs from rank 0's."""
+        """One entry per sample (bytes), equal on two nodes exactly when they hold the same sample there (a relative
+        path, a shard and member); the start-up check names the first that departs from rank 0's."""
 
     def sample_columns(self) -> tuple[np.ndarray, ...]:
-        """Arrays of one entry per sample that together say what each sample is (its name, its size where the index
-        holds it, its label), wherever the data lies: what a checkpoint's fingerprint of the split is taken of
-        (fingerprints.py). Sources whose entries are built per call keep to their own arrays instead."""
+        """Arrays of one entry per sample that together say what each sample is, wherever the data lies: what a
+        checkpoint's fingerprint is taken of. Sources whose entries are built per call override it."""
         return self.entries(), self.labels
 
     def fingerprint(self) -> FileList:
-        """Equal data gives equal digests wherever it lies. Sources that can hash something cheaper than
-        their entries (arrays they already hold) override this."""
+        """Equal data gives equal digests wherever it lies; sources may hash cheaper arrays they already hold."""
         return FileList(len(self), len(self.classes), digest_of(self.classes, self.entries(), self.labels))
 
     def describe(self) -> str:
@@ -98,8 +88,7 @@ class Source(abc.ABC):
         return f"{len(self)} in {self.where()}" + (" (list from the cache)" if self.cached else "")
 
     def keep(self, cache_dir: str) -> None:  # noqa: B027 (most sources have nothing to keep)
-        """Rank 0, once every rank agreed on the data: save what makes the next start faster. OSError is the
-        caller's to report as a warning (only a cache)."""
+        """Rank 0, once every rank agreed on the data: save what makes the next start faster (OSError: a warning)."""
 
 
 def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:

@@ -1,12 +1,10 @@
 """What a checkpoint keeps of each split it was trained and validated on, and how a split now differs from it.
 
-A resume on other data is no longer the run it continues (the sampler's order follows the count: "no sample twice,
-none skipped" no longer holds), nor is --evaluate on other validation data the score the run printed, and neither
-raises on its own: the start says so in one line (build.warn_differences). The fingerprint is cheap enough to take
-at every start, from the arrays a source already holds (its `sample_columns`: names, sizes where its index has them,
-labels; nothing is read from the data), and small enough for every checkpoint: the count, and an 8-byte digest of
-each block of consecutive samples, at most MAX_BLOCKS of them (32 kB). Blocks of one sample (splits of up to 4,096)
-name the first sample that differs; larger blocks name the first block's range, which still says where and what.
+A resume on other data is no longer the run it continues (the sampler's order follows the count), nor --evaluate on
+other data the score the run printed; the start says so in one line, without raising. The fingerprint is cheap enough
+for every start (from arrays the source holds; no data read) and small enough for every checkpoint: the count and an
+8-byte digest per block of consecutive samples, at most MAX_BLOCKS (32 kB); blocks of one sample (splits of up to
+4,096) name the first sample that differs.
 """
 
 from __future__ import annotations
@@ -57,9 +55,8 @@ def fingerprint(source: Source, block: Optional[int] = None) -> Fingerprint:
 
 
 def _streams(column: np.ndarray) -> list[tuple[memoryview, np.ndarray]]:
-    """A column as byte streams and each sample's start in them (one past the last at the end), whatever the width
-    numpy gave its strings: a name's bytes do not depend on the longest name of the split (a longer one added
-    would otherwise change every block). Numbers are taken as int64."""
+    """A column as byte streams and each sample's start in them (one past the last at the end), whatever numpy's
+    string width: a longer name added must not change every block. Numbers are taken as int64."""
     if column.dtype.kind == "S":
         width = column.dtype.itemsize
         cells = np.ascontiguousarray(column).view(np.uint8).reshape(len(column), width)
@@ -77,9 +74,7 @@ def _fixed(values: np.ndarray) -> tuple[memoryview, np.ndarray]:
 
 def difference(saved: Optional[dict[str, Any]], source: Source,
                taken: Optional[Fingerprint] = None) -> Optional[str]:
-    """How `source` differs from the split a checkpoint's fingerprint (`saved`) was taken of: the counts and the
-    first sample that differs (or the first block of them), for one line; None when it does not differ, or for a
-    checkpoint from before fingerprints were kept. `taken`: the source's own fingerprint, where it is at hand."""
+    """How `source` differs from the split a checkpoint's fingerprint `saved` was taken of, in one line; else None."""
     if not saved:
         return None
     before_count, block, before = int(saved["count"]), int(saved["block"]), bytes(saved["blocks"])

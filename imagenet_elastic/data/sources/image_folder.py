@@ -1,17 +1,11 @@
 """A folder of class folders of image files (torchvision's ImageFolder layout): DIR/CLASS/**/IMAGE.
 
-Listing 1.28 M files costs minutes on a network file system, on every restart. The scan therefore
-records every folder it walked with its modification time, and the list is saved with them next to the
-checkpoints (`keep`). A later start re-reads the list when every one of those folders still has its
-recorded mtime (a file added, removed or renamed changes its folder's mtime): about a thousand `stat`
-calls for ImageNet instead of a full listing. The checkpoints folder is shared by the nodes of a job, while
-each node may read its own copy of the data at the same path, and a copy made with `rsync -a` or `cp -a`
-keeps the folders' mtimes even where it lacks a file. So the cache also holds the root folder's inode
-number, which a shared file system shows every node alike and another copy does not have: a node with its
-own copy scans it, and the start-up check compares what it found.
-
-Reading a sample opens its file: one open per image per epoch, which is what tar shards (tar_shards.py)
-save a cluster's file system.
+Listing 1.28 M files costs minutes on a network file system at every restart, so the list is kept beside the
+checkpoints with every walked folder's mtime (`keep`) and re-read while every folder keeps its mtime (an added,
+removed or renamed file changes it): ~1,000 `stat` calls. Nodes share the checkpoints folder but may each read their
+own copy of the data at the same path, and `rsync -a` or `cp -a` keep mtimes even where a file is missing; so the
+cache also holds the root's inode number, which a shared file system shows every node alike: a node with its own copy
+scans it. Reading a sample is one open per image per epoch, which tar shards save a cluster's file system.
 """
 
 from __future__ import annotations
@@ -109,8 +103,8 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
 
 
 def _walk(root: str, relative: str, folders: dict[str, int], found: list[str]) -> None:
-    """Images under ROOT/relative (symlinks followed); each folder's mtime is taken *before* it is
-    listed, so a file added during the scan makes the cache look stale next time, never current."""
+    """Images under ROOT/relative (symlinks followed); each folder's mtime is taken *before* it is listed, so a file
+    added during the scan makes the cache look stale next time, never current."""
     path = os.path.join(root, relative)
     folders[relative] = os.stat(path).st_mtime_ns
     with os.scandir(path) as entries:
@@ -131,8 +125,7 @@ def claims(location: str, labels_file: Optional[str] = None) -> bool:
 
 def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                labels_file: Optional[str] = None) -> ImageFolder:
-    """The cached list of `root` when it is still current, else a fresh scan (its own class folders name the
-    classes: `classes` is not needed)."""
+    """The cached list of `root` when it is still current, else a fresh scan (its class folders name the classes)."""
     try:
         cached = read_cache(cache_path(cache_dir, role), root, role) if cache_dir else None
     except index_file.Unreadable as error:
@@ -150,8 +143,7 @@ def write_cache(index: ImageFolder, path: str) -> None:
 
 
 def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolder]:
-    """None when there is no cache, it is of another root, copy or version, or any folder changed (or is gone);
-    index_file.Unreadable when the file is damaged."""
+    """None when the cache is missing, of another root, copy or version, or a folder changed; Unreadable if damaged."""
     saved = index_file.read(path, CACHE_VERSION, CACHE_ARRAYS)
     if saved is None:
         return None

@@ -1,10 +1,8 @@
 """The index files (.npz) sources keep of their samples, read back: the file-list cache of a folder, the index of
 tar shards (a cache in the checkpoints folder, or the one `pack` wrote beside its shards).
 
-Whatever a damaged, cut-short or empty file makes numpy raise (an end of file, a zip error, a pickle refused, an
-array that does not parse, a missing array) becomes one exception, `Unreadable`, naming the file: a cache is then
-rebuilt with a warning, a pack's own index refused with one line. A file that is absent or of another version is
-not an error: it is rebuilt without a word.
+Whatever numpy raises for a damaged, cut-short or empty file becomes `Unreadable`, naming it: a cache is then rebuilt
+with a warning, a pack's own index refused in one line; an absent file or another version is rebuilt silently.
 """
 
 from __future__ import annotations
@@ -27,9 +25,8 @@ class Unreadable(Exception):
 
 def read(path: str, version: int, names: tuple[str, ...],
          optional: tuple[str, ...] = ()) -> Optional[dict[str, np.ndarray]]:
-    """The arrays `names` of the index file at `path`, all read now, and those of `optional` it holds (arrays a later
-    writer added: a file from before them reads as it is); None when there is no file or it is of another version;
-    `Unreadable` when it is not a whole .npz with those arrays."""
+    """The arrays `names` of the index file at `path`, all read now, and those of `optional` it holds (a file from
+    before them reads as it is); None when absent or of another version; `Unreadable` when not a whole .npz."""
     if not os.path.isfile(path):
         return None
     try:

@@ -1,11 +1,8 @@
 """A flat folder of images whose classes a labels file gives: ImageNet's validation set as it is distributed
-(`ILSVRC2012_val_00000001.JPEG` ... in one folder) with `--val-labels FILE`.
-
-FILE is a CSV of `filename,class` (a header line is allowed; the filename with or without its extension), or
-Kaggle's `LOC_val_solution.csv` (`ImageId,PredictionString`, whose first word is the class). Classes are named
-as the training split names them (its class folders, or its shards' classes.txt). The samples are the files the
-labels file lists, in the order of their names; it must list every image of the folder (one left out would be
-scored by no one, silently).
+(`ILSVRC2012_val_00000001.JPEG` ... in one folder) with `--val-labels FILE`. FILE is a CSV
+of `filename,class` (a header line allowed; the filename with or without extension), or Kaggle's LOC_val_solution.csv
+(`ImageId,PredictionString`, first word the class), with the training split's class names. The samples are the listed
+files in name order; it must list every image of the folder.
 """
 
 from __future__ import annotations

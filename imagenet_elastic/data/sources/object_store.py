@@ -1,25 +1,19 @@
 """Shards in an object store (`s3://`, `gs://`, `https://`): listing, ranged reads, and a node-local cache of whole
 shards, through fsspec (s3fs, gcsfs, aiohttp: the `[s3]`, `[gcs]` and `[https]` extras).
 
-The endpoint and credentials are where those libraries look (AWS_ENDPOINT_URL, AWS_PROFILE and the shared files,
-the instance's role; GOOGLE_APPLICATION_CREDENTIALS): this module never reads, prints or keeps them. Its own
+Endpoint and credentials are where those libraries look: this module never reads, prints or keeps them. Its own
 settings are the node's, not the run's (they change no result), so they are environment variables:
+IMAGENET_ELASTIC_STORE_CACHE (the node's folder of whole shards, shared by its ranks and loader workers),
+IMAGENET_ELASTIC_STORE_CACHE_GB (its cap; default: keep 10% of the file system free) and
+IMAGENET_ELASTIC_STORE_TIMEOUT (seconds a store may fail to answer before the run ends; default 300).
 
-    IMAGENET_ELASTIC_STORE_CACHE     the node-local folder of whole shards (default: $TMPDIR or /tmp, then
-                                     imagenet-elastic-store-cache), shared by the node's ranks and loader workers
-    IMAGENET_ELASTIC_STORE_CACHE_GB  its size cap (default: none but the file system's: it keeps 10% of it free)
-    IMAGENET_ELASTIC_STORE_TIMEOUT   seconds a store may fail to answer before the run ends (default 300)
-
-Why whole shards: a shard is read once per node per epoch by one ranged GET per 16 MiB, where per-sample reads
-would take a request per image (1.28 M a epoch, each a round trip); the shards then read as local files (mapped,
-checksummed: tar_shards.TarShards). The cache is safe under concurrent readers and a kill: a shard is fetched by one
-process of the node while the others wait on its lock, into a temporary file renamed when whole; eviction (least
-recently used first) unlinks files that readers may still have mapped, which Linux keeps until they unmap them.
-
-Faults: a time-out, a reset connection, a 5xx or a throttling answer is retried with exponential backoff and full
-jitter until the store has failed to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds in a row; then
-`StoreUnavailable` ends the run with one line (the last checkpoint is untouched; --resume continues). A missing
-bucket or object and refused credentials are errors at once, naming the object.
+Why whole shards: one ranged GET per 16 MiB, once per node per epoch, where per-sample reads would take a round trip
+per image; the shards then read as local files. One process of the node fetches a shard while the others wait on its
+lock, into a temporary file renamed when whole (safe under a kill); LRU eviction unlinks files that readers may still
+have mapped, which Linux keeps until they unmap them. Transient faults (a time-out, a reset, a 5xx, throttling) are
+retried with backoff and full jitter until the store has failed to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds
+in a row; then `StoreUnavailable` ends the run in one line (the last checkpoint untouched; --resume continues). A
+missing object and refused credentials are errors at once.
 """
 
 from __future__ import annotations
@@ -109,10 +103,10 @@ _CLIENT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "
 
 
 def filesystem(url: str, timeout: float):
-    """This process's fsspec file system for `url`'s scheme (made at first use: a forked loader worker makes its own,
-    as fsspec's event loop does not survive a fork). Each request's own time-outs are bounded by `timeout` so that a
-    stalled connection is retried here rather than waited on, and the libraries make one attempt a call: their
-    retry loops nest (s3fs's two around botocore's), which made a stalled read take 12 attempts, not 1."""
+    """This process's fsspec file system for `url`'s scheme (made at first use: fsspec's event loop does not survive
+    a fork). Each request's time-outs are bounded by `timeout` so a stalled connection is retried here rather than
+    waited on, and the libraries make one attempt a call: their retry loops nest (s3fs's two around botocore's),
+    which made a stalled read take 12 attempts, not 1."""
     key = (os.getpid(), scheme(url), timeout, *(os.environ.get(name) for name in _CLIENT_VARIABLES))
     found = _FILESYSTEMS.get(key)
     if found is not None:
@@ -143,9 +137,8 @@ def filesystem(url: str, timeout: float):
 
 
 def _gcs(per_request: float):
-    """gcsfs's file system; against STORAGE_EMULATOR_HOST (an emulator, a GCS-compatible server) its JSON-API class,
-    anonymous: the default class first asks a bucket's layout over gRPC, which such servers do not speak, and asks
-    again at each call while that fails. `timeout` bounds a call, gcsfs's own retries included."""
+    """gcsfs's file system; against STORAGE_EMULATOR_HOST its JSON-API class, anonymous (the default asks a bucket's
+    layout over gRPC, which such servers lack, at every call). `timeout` bounds a call, gcsfs's retries included."""
     import fsspec
 
     if os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
@@ -164,16 +157,14 @@ T = TypeVar("T")
 
 
 def backoff(attempt: int, rng: random.Random) -> float:
-    """Seconds before retry `attempt` (from 0): full jitter over an exponential bound (0.5 s doubling, at most 20 s),
-    so that a node's workers that failed together do not retry together."""
+    """Seconds before retry `attempt` (from 0): full jitter over 0.5 s doubling (at most 20 s), so that a node's
+    workers that failed together do not retry together."""
     return rng.uniform(0, min(20.0, 0.5 * 2 ** attempt))
 
 
 def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[[float], None] = time.sleep,
               clock: Callable[[], float] = time.monotonic) -> T:
-    """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row;
-    `what` (an object's URL) names it in the line that ends the run. A missing object and refused credentials are
-    the user's to fix: a UserError at once."""
+    """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row."""
     rng = random.Random()  # jitter only: no result depends on it
     first_failure: Optional[float] = None
     attempt = 0
@@ -197,10 +188,9 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
 
 
 def transient() -> tuple[type[BaseException], ...]:
-    """What a store's client raises when the store is away for a while: connection errors and time-outs (OSError,
-    and the libraries' own classes for them, which are not OSErrors), and answers the libraries did not turn into
-    FileNotFoundError or PermissionError (5xx, throttling). Anything else is a fault of ours, raised at once rather
-    than retried for IMAGENET_ELASTIC_STORE_TIMEOUT."""
+    """What a client raises when the store is away for a while: connection errors and time-outs (the libraries' own
+    classes are not OSErrors), and answers not turned into FileNotFoundError or PermissionError (5xx, throttling).
+    Anything else is a fault of ours, raised at once rather than retried for IMAGENET_ELASTIC_STORE_TIMEOUT."""
     found: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError]
     for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",)),
                           ("fsspec.exceptions", ("FSTimeoutError",)), ("gcsfs.retry", ("HttpError",))):
@@ -211,9 +201,8 @@ def transient() -> tuple[type[BaseException], ...]:
 
 
 def refused(error: BaseException) -> bool:
-    """The store refused the credentials: a PermissionError (s3fs's), a 401 or 403 answer (aiohttp's status, gcsfs's
-    HttpError code), or gcsfs's OSError "Forbidden: ...". The user's to fix: retrying would only wait
-    IMAGENET_ELASTIC_STORE_TIMEOUT. (aiohttp's errors also have `code`, a deprecated alias of `status`: read last.)"""
+    """The store refused the credentials (PermissionError, a 401 or 403, gcsfs's "Forbidden: ..."): retrying would
+    only wait. aiohttp's `code` is a deprecated alias of `status`: read last."""
     answer = getattr(error, "status", None) or getattr(error, "code", None)
     return isinstance(error, PermissionError) or answer in (401, 403) or str(error).startswith("Forbidden")
 
@@ -270,8 +259,7 @@ def isdir(url: str, timeout: float) -> bool:
 
 
 def listing(folder: str, timeout: float) -> list[Entry]:
-    """The objects right under `folder` (not deeper), by name; one LIST a thousand objects, each with its size and
-    ETag (no HEAD an object)."""
+    """The objects right under `folder`, by name, with size and ETag: one LIST a thousand objects, no HEAD each."""
     if scheme(folder) in ("http", "https"):
         raise UserError(f"{folder}: an https:// location cannot be listed: name its shards with a brace pattern "
                         "(https://host/train-{0000..1023}.tar), or give a pack's folder (its index lists them)")
@@ -282,8 +270,7 @@ def listing(folder: str, timeout: float) -> list[Entry]:
 
 
 def read_range(url: str, start: int, end: int, timeout: float) -> bytes:
-    """Bytes [start, end) of an object; an answer of another length (a server that ignored the range) is a
-    failure to retry, never data."""
+    """Bytes [start, end) of an object; an answer of another length (range ignored) is retried, never taken."""
     fs = filesystem(url, timeout)
 
     def call() -> bytes:
@@ -307,8 +294,7 @@ def write_file(local: str, url: str, timeout: float) -> None:
 
 
 class RangedFile:
-    """A read-only file object over an object's bytes, by ranged reads of `block` bytes (tarfile's walk of a
-    shard's headers: a header and the label after it in one read)."""
+    """A read-only file over an object, by ranged reads of `block` bytes (a tar header and its label in one read)."""
 
     def __init__(self, entry: Entry, timeout: float, block: int = 64 << 10) -> None:
         self.entry, self.timeout, self.block = entry, timeout, block
@@ -351,8 +337,7 @@ class ShardCache:
         return os.path.join(self.folder, f"{digest}-{posixpath.basename(entry.url)}")
 
     def local_copy(self, entry: Entry) -> str:
-        """The path of the whole shard on this node: there already (its use recorded for eviction), or fetched now
-        by this process while the node's others wait for it."""
+        """The path of the whole shard on this node: there already (use recorded for eviction), or fetched now."""
         path = self.path(entry)
         if _whole(path, entry.size):
             _touch(path)
@@ -383,9 +368,8 @@ class ShardCache:
                 os.unlink(partial)
 
     def make_room(self, entry: Entry, path: str) -> str:
-        """Unlink the least recently used shards (and the temporary files of fetches that were killed) until `entry`
-        fits under the cap, or with 10% of the file system free where there is none; then reserve its room: its
-        temporary file, made at its full size (sparse), which the node's other fetches count as taken."""
+        """Unlink the least recently used shards (and killed fetches' files) until `entry` fits under the cap, or 10%
+        of the disk free; then reserve its room: its temporary file at full size (sparse), which other fetches count."""
         incoming = entry.size
         with _locked(os.path.join(self.folder, ".evict.lock")):
             files = list(_cached_files(self.folder))
@@ -415,8 +399,7 @@ class ShardCache:
 
 
 def short_cache_note(settings: Settings, split_bytes: int, where: str) -> Optional[str]:
-    """What a start says when the node's cache cannot hold a split: an epoch's order is a full shuffle, so such a
-    cache fetches shards again and again within an epoch (docs/BENCHMARKS.md measures how much)."""
+    """A start's note when the node's cache cannot hold a split: a shuffled epoch fetches shards again and again."""
     room = settings.cache_bytes
     if room is None:
         try:

@@ -1,20 +1,12 @@
 """Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
-image{bytes,path} and label, ClassLabel names in the files' metadata), or any files with an `image` column (that
-struct, or plain bytes) and an integer `label` column. Needs pyarrow (the `parquet` extra). Files without ClassLabel
-names number their classes: the training split's labels are then 0..N-1 without gaps (a stray label is refused
-naming its row, not taken as the class count); a validation split takes the training split's classes.
+image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that struct, or
+bytes) and an integer `label`. Needs pyarrow (the `parquet` extra). Without ClassLabel names the classes are numbered
+0..N-1 (check_numbered), or a validation split takes the training split's.
 
-A split is one `.parquet` file, a glob or brace pattern of them, or a folder (or its `data/` subfolder, the Hub's
-layout) whose files are split by name as a folder of train and validation shards is: `train-*` for the training
-split, `validation-*` (or `val-*`) for validation; `test-*` (unlabelled) is never read. A folder whose files name
-no split is one split.
-
-Opening a split reads each file's footer and its label column (a few bytes a sample): the index is the labels and
-where each row group starts. Reading sample i reads its row group's image column (pyarrow, one thread), in the
-process that asks (a loader worker opens its own files after the fork) and keeps that one row group until a sample
-of another is asked for: at most one row group per process in memory, never a file. Sequential reads (validation,
-`pack`) read each row group once; a shuffled epoch reads a row group per sample, which is why `pack` is the form
-to train from at scale (docs/BENCHMARKS.md "Data sources").
+A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by name
+(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. Reading sample i reads its row group's
+image column and keeps that one row group per process until another's sample is asked for: sequential reads read each
+row group once, a shuffled epoch one per sample: why `pack` is the form to train from at scale (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -50,8 +42,7 @@ def is_pattern(location: str) -> bool:
 
 
 def folder_files(folder: str) -> list[str]:
-    """The .parquet files of a folder, else of its data/ subfolder: no deeper walk (a folder of class folders is
-    asked too, and listing its 1.28 M files would cost minutes)."""
+    """A folder's .parquet files, else its data/'s; no deeper (a class-folder tree's 1.28 M files take minutes)."""
     for where in (folder, os.path.join(folder, SUBFOLDER)):
         try:
             names = sorted(n for n in os.listdir(where) if n.endswith(SUFFIX))
@@ -76,14 +67,12 @@ def claims(location: str, labels_file: Optional[str] = None) -> bool:
 
 
 def split_folder(folder: str) -> Optional[tuple[str, str]]:
-    """The folder as both splits when its files are named by split (each split takes its own files, `role_files`;
-    one that has none says so)."""
+    """The folder as both splits when its files are named by split (each takes its own files, `role_files`)."""
     return (folder, folder) if any(split_of(p) for p in folder_files(folder)) else None
 
 
 def role_files(location: str, role: str) -> list[str]:
-    """The files of a split, in order: a pattern's (each brace part globbed), or the folder's files named for the
-    role (all of them when none is named for any split)."""
+    """The files of a split, in order: a pattern's, or the folder's named for the role (all when none is named)."""
     from imagenet_elastic.data.sources.tar_shards import pattern_files
 
     if not os.path.isdir(location):
@@ -172,8 +161,7 @@ _PID = [0]
 
 
 def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
-    """Row group g of `source`, from this process's one kept group or read now (the image column whole when
-    `images`, else only the paths)."""
+    """Row group g: this process's one kept group, or read now (the image column when `images`, else the paths)."""
     if _PID[0] != os.getpid():  # a forked worker opens its own files and keeps its own group
         _OPEN.clear()
         _LAST[0] = None
@@ -307,9 +295,8 @@ def check_labels(source: ParquetFiles, named_by: str) -> None:
 
 
 def check_numbered(source: ParquetFiles) -> None:
-    """Labels no class name stands for are the classes themselves, so they must be 0..N-1 without gaps: one stray
-    label (99 among 0..9) would otherwise make a model of 100 classes, 90 of them with no sample. The
-    row named is the first of the label just past the first gap (the 99)."""
+    """Labels no class name stands for must be 0..N-1 without gaps: one stray label (99 among 0..9) would otherwise
+    make a model of 100 classes, 90 without a sample. Names the first row of the label past the first gap."""
     used = np.zeros(len(source.classes), dtype=bool)
     used[source.labels] = True
     if used.all():

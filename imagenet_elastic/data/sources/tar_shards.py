@@ -1,30 +1,15 @@
 """WebDataset tar shards as a source: each sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and
-`KEY.cls` (the label as a decimal integer), where KEY is the member's name up to the first dot of its last part, as
-WebDataset and timm's imagenet-1k-wds shards have them.
+`KEY.cls` (the label as a decimal integer), KEY being the member's name up to the first dot of its last part. A split
+is a folder of `*.tar` files (sorted by name) or a brace or glob pattern. Class names come from a `classes.txt` (one
+per line, in label order) or an `_info.json` beside the shards or one folder up; else the labels are the names ("0",
+"1", ...), or the training split's classes for a val split.
 
-A split is a folder of `*.tar` files (sorted by name), or a brace or glob pattern
-(`/data/imagenet-train-{000000..001023}.tar`). A folder that holds train and validation shards side by side (timm's
-imagenet-1k-wds) is split by their names (`split_patterns`), whether it is DATA, --val-path or a VAL of `evaluate`.
-Class names come from a `classes.txt` (one per line, in label order) in the shards' folder or the one above it, or a
-`class_names` list in an `_info.json` there; without either the labels are the names ("0", "1", ...), or the
-training split's classes for a val split.
-
-The first start walks every shard's tar headers once and keeps an index (`TarShards`): for each sample its shard,
-the offset and length of its image bytes, its label and a CRC-32 of its image bytes, in numpy arrays (32 bytes a
-sample: 39 MB for ImageNet's 1.28 M images, shared by forked loader workers; docs/BENCHMARKS.md). `imagenet-elastic
-pack` writes that index beside its shards (INDEX_NAME, written last); shards from elsewhere are indexed at the first
-start and the index is kept in the checkpoints folder. Either is checked against its shards at every start
-(`check_shards`): a pack's shard changed since is refused, one from elsewhere is indexed again, said.
-
-The checksum (zlib's CRC-32: in the standard library, and cheap beside a decode, docs/BENCHMARKS.md) is of each
-image's bytes as they were packed or first indexed, and every read compares it: a byte changed since (in place, at
-the same size, even under the same mtime: rot, a faulty copy) stops the run at that sample, named, before it reaches
-a batch. Sizes, mtimes and tar headers cannot see such a byte. An index from before checksums were kept has none and
-is read as it is, unverified.
-
-Reading sample i maps its shard (once per process, lazily: a loader worker maps what it reads) and copies the
-sample's bytes out of the mapping: no open, no seek, no directory lookup per sample, and any sample at any moment,
-so the world-size-invariant sampler, step-exact resume and --ra-reps work as with a folder of files.
+The index (`TarShards`) holds each sample's shard, image offset and length, label and CRC-32 in numpy arrays (32 bytes
+a sample: 39 MB for 1.28 M images, shared by forked loader workers); `pack` writes it beside its shards (last), else
+the first start keeps it in the checkpoints folder. Every read compares the CRC-32 (cheap beside a decode,
+docs/BENCHMARKS.md): a byte changed in place at the same size and mtime (rot, a faulty copy), which sizes, mtimes and
+headers cannot see, stops the run at that sample, named. Reading sample i maps its shard (once per process, lazily)
+and copies its bytes out: no open or seek per sample, and random access for the sampler, resume and --ra-reps.
 """
 
 from __future__ import annotations
@@ -83,8 +68,7 @@ def claims(location: str, labels_file: Optional[str] = None) -> bool:
 
 
 def expand_braces(pattern: str) -> list[str]:
-    """WebDataset's brace notation: `a-{000..003}.tar` counts with the first number's width (a-000.tar ...
-    a-003.tar), `{x,y}` lists alternatives; several braces multiply."""
+    """WebDataset braces: `a-{000..003}.tar` counts at the first number's width, `{x,y}` lists alternatives."""
     match = re.search(r"\{([^{}]*)\}", pattern)
     if match is None:
         return [pattern]
@@ -99,8 +83,7 @@ def expand_braces(pattern: str) -> list[str]:
 
 
 def pattern_files(location: str, role: str, what: str) -> list[str]:
-    """The files of a brace or glob pattern, in order (each brace part globbed); one that is not there is a
-    UserError naming it as the split's `what` ("shard", "parquet file")."""
+    """A brace or glob pattern's files, in order; a missing one is a UserError naming it as the split's `what`."""
     paths = []
     for part in expand_braces(location):
         found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
@@ -123,9 +106,7 @@ def shard_paths(location: str, role: str) -> list[str]:
 
 
 def split_patterns(folder: str) -> Optional[tuple[str, str]]:
-    """Patterns of the train and val shards of a folder that holds both side by side, as timm's imagenet-1k-wds
-    does (`imagenet1k-train-0000.tar` ... beside `imagenet1k-validation-00.tar` ...); None for a folder of one
-    split's shards. A folder of both whose names do not tell every shard's split is refused."""
+    """Train and val shard patterns of a folder of both (timm's imagenet-1k-wds), else None; unclear names refused."""
     try:
         names = sorted(n for n in _names(folder) if n.endswith(".tar"))
     except OSError:
@@ -155,8 +136,7 @@ def _names(folder: str) -> list[str]:
 
 
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
-    """The shards of a split in a store, in order, each with its size and ETag: a folder's `*.tar` from one listing,
-    or a pattern's parts, each folder listed once (http(s), which cannot list, asks each named shard instead)."""
+    """A store split's shards, in order, with size and ETag; each folder listed once (http(s) asks each shard)."""
     timeout = object_store.settings().timeout
     if not is_pattern(location) and object_store.scheme(location) in ("http", "https"):
         return _indexed_shards(location, role, timeout)
@@ -182,8 +162,7 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
 
 
 def _indexed_shards(folder: str, role: str, timeout: float) -> list[object_store.Entry]:
-    """The shards a pack's index names, of a folder that cannot be listed (https://), each asked for its size and
-    ETag (eight at a time)."""
+    """The shards a pack's index names, of a folder that cannot be listed (https://), each asked for size and ETag."""
     beside = object_store.join(folder, INDEX_NAME)
     found = object_store.find(beside, timeout)
     if found is None:
@@ -205,8 +184,7 @@ split_folder = split_patterns  # the name the registry asks every kind by (sourc
 
 
 def split_location(location: str, role: str) -> str:
-    """`location` itself, or this split's shards where it is a folder of train and validation shards side by side:
-    a folder given as --val-path, or to `evaluate`, scores its validation shards alone."""
+    """`location` itself, or this split's shards where it is a folder of train and validation shards side by side."""
     both = None if is_pattern(location) else split_patterns(location)
     return location if both is None else both[0] if role == "train" else both[1]
 
@@ -252,8 +230,7 @@ class TarShards(Source):
         return data
 
     def mapped(self, k: int) -> tuple[mmap.mmap, int]:
-        """Shard k mapped in this process: the file itself, or for a store's shard the node's whole copy of it
-        (object_store.ShardCache), fetched again if the cache let it go between the look and the open."""
+        """Shard k mapped in this process: the file, or a store's shard's whole copy in the node's cache."""
         path = self.shards[k]
         if not object_store.is_url(path):
             return _mapped(path)
@@ -264,7 +241,7 @@ class TarShards(Source):
             return _mapped(object_store.cache().local_copy(entry), store=True)
 
     def changed_bytes(self, i: int) -> str:
-        """The line for sample i, whose bytes are not those its checksum was taken of, and what to do about it."""
+        """The line for sample i whose bytes fail its checksum, and what to do about it."""
         path, index = self.shards[int(self.shard[i])], self.index or "its index"
         if self.packed:
             return (f"shard {path} member {self.member(i)} has other bytes than when it was packed (its checksum in "
@@ -277,9 +254,8 @@ class TarShards(Source):
         return f"{self.shards[int(self.shard[i])]}:{self.member(i)}"
 
     def member(self, i: int) -> str:
-        """Sample i's image member's name, from the ustar header before its bytes: its name and prefix fields
-        alone (a loader asks it for every sample it reads, for its errors; parsing the whole header cost ~4% of
-        a worker's time)."""
+        """Sample i's image member's name, from the ustar name and prefix fields alone (asked for every sample read,
+        for errors; parsing the whole header cost ~4% of a worker's time)."""
         offset = int(self.offsets[i])
         try:
             mapped, _ = self.mapped(int(self.shard[i]))
@@ -328,9 +304,8 @@ _MAPS_PID = [0]
 
 
 def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
-    """This process's read-only mapping of a shard and its descriptor, made on first use. A forked worker makes
-    its own (the parent's, inherited, stay as they are). `store`: a node cache's copy of a store's shard, of which
-    a process keeps the STORE_MAPS last used."""
+    """This process's read-only mapping of a shard and its descriptor, made on first use; a forked worker makes its
+    own. `store`: a node cache's copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
     if _MAPS_PID[0] != os.getpid():
         _MAPS.clear()
         _STORE_MAPS.clear()
@@ -377,8 +352,7 @@ def cache_path(cache_dir: str, role: str) -> str:
 
 
 def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> None:
-    """The index as one .npz, written atomically; `relative_to`: shard paths saved relative to this folder
-    (pack's index beside its shards), else absolute (a cache)."""
+    """The index as one .npz, written atomically; shard paths relative to `relative_to` (pack's), else absolute."""
     names = [os.path.relpath(p, relative_to) if relative_to else _absolute(p) for p in source.shards]
     optional = {"checksums": source.checksums, "etags": None if source.etags is None else np.array(source.etags)}
     buffer = io.BytesIO()
@@ -395,10 +369,8 @@ def _absolute(path: str) -> str:
 
 def read_index(path: str, location: str, role: str, shards: list[str], packed: bool,
                named: Optional[str] = None) -> Optional[TarShards]:
-    """The index at `path` if it is of these shards. A cache (not `packed`) of other or changed shards is None:
-    they are walked again. Pack's own index that no longer matches its shards is an error naming the shard. A
-    damaged file is index_file.Unreadable. `named`: the index's own place where `path` is a copy of it (a store's
-    object in the node's cache), which its relative shard names are relative to and messages name."""
+    """The index at `path` if it is of these shards (else None for a cache, an error for a pack's). `named`: the
+    index's own place where `path` is a local copy of it, which its relative shard names are relative to."""
     saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
@@ -446,10 +418,6 @@ def pack_again(index: str) -> str:
 
 # ----------------------------------------------------------------------------- walking the tar headers
 
-# `pack` walks each shard as it writes it; a start walks shards that have no index, or whose index no longer
-# holds. A walk that indexes (pack's, a first start's) also reads each image's bytes for its checksum; one that only
-# compares headers with an index does not.
-
 def split_name(member: str) -> tuple[str, str]:
     """WebDataset's key and extension: the name up to the first dot of its last part, and the rest."""
     folder, _, base = member.rpartition("/")
@@ -472,10 +440,8 @@ class Found:
 
 
 def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[object_store.Entry] = None) -> Found:
-    """Every sample of one shard, in order; a UserError naming the shard and the sample for anything wrong.
-    `checksums`: also read each image's bytes for its CRC-32 (the whole shard read, where headers are a few blocks).
-    `entry`: a store's shard, walked by ranged reads of its headers and labels (without checksums: they would
-    read every byte)."""
+    """Every sample of one shard, in order; a UserError naming shard and sample for anything wrong. `checksums`: read
+    each image's bytes for its CRC-32 (the whole shard); `entry`: a store's shard, by ranged reads (no checksums)."""
     found = Found([], [], [], [] if checksums else None)
     size = entry.size if entry else os.stat(path).st_size
     key: Optional[str] = None
@@ -525,8 +491,7 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
 
 
 def preferred(extension: str, than: str) -> bool:
-    """An image of this extension is preferred to the member `than` of the same sample (IMAGE_EXTENSIONS' order),
-    wherever the two lie in the shard."""
+    """An image of this extension is preferred to the same sample's member `than` (IMAGE_EXTENSIONS' order)."""
     return IMAGE_EXTENSIONS.index(extension) < IMAGE_EXTENSIONS.index(split_name(than)[1])
 
 
@@ -541,8 +506,7 @@ def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: O
 
 
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
-    """classes.txt in the shards' folder or the one above it, else a list of class names in an _info.json there
-    (under one of INFO_NAME_KEYS), if there is one."""
+    """classes.txt in the shards' folder or the one above it, else an _info.json's list there, if any."""
     folder = os.path.dirname(shards[0]) if is_pattern(location) else location  # a store's URL too (object_store.join)
     for where in (folder, os.path.dirname(folder)):
         candidate = os.path.join(where, CLASSES_FILE)
@@ -589,8 +553,7 @@ def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) ->
 def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
              classes: Optional[tuple[str, ...]] = None,
              entries: Optional[list[object_store.Entry]] = None) -> TarShards:
-    """The index of shards whose walks are done (`pack` walks each shard as it writes it); with checksums where every
-    walk took them. `entries`: a store's shards as listed (their sizes and ETags; a store keeps no mtimes)."""
+    """The index of walked shards, with checksums where every walk took them; `entries`: a store's (no mtimes)."""
     named = class_names(location, paths)
     stats = [(e.size, 0) for e in entries] if entries else [(s.st_size, s.st_mtime_ns) for s in map(os.stat, paths)]
     labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
@@ -609,8 +572,7 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
 
 def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
                  named_by: str) -> None:
-    """Every label is one of `classes`, which `named_by` says whose they are ("the classes file lists"), or "" where
-    the labels themselves numbered them."""
+    """Every label is one of `classes`; `named_by` says whose they are, "" where the labels numbered them."""
     bad = np.flatnonzero((labels < 0) | (labels >= len(classes)))
     if not len(bad):
         return
@@ -625,21 +587,12 @@ def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[F
 def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
     """The index `source` (read from `index`) if its shards are still the ones it describes.
 
-    Each shard's size and st_mtime_ns, taken when it was indexed, against a `stat` of it now: one call a shard,
-    milliseconds for 1,024 shards, where a digest of their contents would read 140 GB and one of their
-    member headers 2.5 M scattered blocks at every start. Any write changes the mtime, so a shard changed in place
-    at its old size is seen, and a copy that keeps mtimes (`cp -a`, `rsync -a`, `tar x`) of a changed shard carries
-    the changed one's mtime, not the one recorded. What mtimes cannot tell is a faithful copy that does not keep
-    them (`cp -r`, most object-store downloads): a shard whose size is the same and mtime is not is therefore
-    walked again (its tar headers and labels, ~40 ms for 1,250 samples) and compared with the index. Equal headers
-    are a copy, or bytes changed in place at the same size: reading every byte to tell which would cost a copied
-    pack 140 GB at every start, so the samples' checksums (TarShards.read) tell it as each is read instead.
-
-    A pack's index (`source.packed`) is a promise about its shards: a shard of another size, or walked to other
-    samples, is refused, naming it and how to pack again; shards of other mtimes and the same headers are kept, with
-    a note of what that check cost. A cache of shards from elsewhere is the trainer's own: a changed shard is walked
-    again (with checksums, where the index has them) and the index rebuilt from its walk and the others' entries,
-    with a note naming it."""
+    Each shard's indexed size and st_mtime_ns against a `stat` now: milliseconds for 1,024 shards, where a digest
+    would read 140 GB and their headers 2.5 M scattered blocks at every start. Any write changes the mtime (`cp -a`
+    and `rsync -a` copy the changed one's); a copy that does not keep mtimes (`cp -r`, most store downloads) has its
+    headers and labels walked again (~40 ms for 1,250 samples) and compared, same-size changes in place being left to
+    the checksums (TarShards.read). A pack's index is a promise: a shard of another size or samples is refused, other
+    mtimes with the same headers kept with a note; a cache of shards from elsewhere is rebuilt, with a note."""
     stats = [os.stat(p) for p in source.shards]
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
@@ -742,9 +695,7 @@ def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
 
 def open_store_split(location: str, role: str, cache_dir: Optional[str],
                      classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """A store's shards: pack's index beside them (read through the node's cache), else the index a first start
-    kept in the checkpoints folder, else a walk of their headers by ranged reads. Each object's size and ETag, from
-    the listing, are held against the index (`check_store_shards`) and kept in the source's fingerprint."""
+    """A store's shards: pack's index, else a cached one, else a ranged-read walk; listed sizes and ETags checked."""
     entries = store_shards(location, role)
     urls = [e.url for e in entries]
     timeout = object_store.settings().timeout
@@ -774,7 +725,7 @@ def open_store_split(location: str, role: str, cache_dir: Optional[str],
 
 def walk_store(entries: list[object_store.Entry], location: str, role: str,
                classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """Index a store's shards by ranged reads of their headers, eight shards at a time (each read a round trip)."""
+    """Index a store's shards by ranged reads of their headers, eight at a time (each read a round trip)."""
     with ThreadPoolExecutor(8) as pool:
         found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
     return assemble(location, role, [e.url for e in entries], found, classes, entries=entries)
@@ -782,10 +733,8 @@ def walk_store(entries: list[object_store.Entry], location: str, role: str,
 
 def check_store_shards(source: TarShards, entries: list[object_store.Entry],
                        classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """The index `source` of a store's shards, held against their listing. A pack's index records sizes, not ETags:
-    a shard of another size is refused; bytes changed at the same size are seen by each sample's checksum as it is
-    read. An index a first start kept records ETags: a shard whose ETag or size changed is walked again and the
-    index rebuilt, said in a note."""
+    """The index of a store's shards, held against their listing: a pack's (sizes, no ETags) refuses a shard of
+    another size; a cached one (ETags) has a changed shard walked again and is rebuilt, said in a note."""
     urls = [e.url for e in entries]
     resized = [k for k, e in enumerate(entries) if e.size != int(source.sizes[k])]
     if source.packed:

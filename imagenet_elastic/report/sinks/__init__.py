@@ -1,8 +1,6 @@
 """Where a run's rows go: steps.jsonl, TensorBoard and the experiment trackers, each a `Sink` (base.py) with
-`step(row)`, `epoch(row)`, `flush()` and `close()`, behind one container the trainer holds (`Sinks`). The rows are
-built once (report/metrics.py), so every sink gets every number; metrics.jsonl, the checkpoint's record of the
-epochs, is the checkpointer's to write (checkpoint/saving.py). A new tracker is a module and a line in TRACKERS.
-"""
+`step(row)`, `epoch(row)`, `flush()` and `close()`, behind one container the trainer holds (`Sinks`). Rows are built
+once (report/metrics.py), so every sink gets every number; metrics.jsonl is the checkpointer's to write."""
 
 from __future__ import annotations
 
@@ -34,13 +32,11 @@ class SinkSettings(Protocol):
     tensorboard: Optional[bool]
     checkpoints_path: str
 
-# The experiment trackers, each named by its setting (`option`), which its class describes (help, metavar).
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
 
 
 def tracker_settings(trackers: dict[str, type[Tracker]]) -> type:
-    """Each tracker's setting (`--wandb PROJECT`), as its class describes it (help, metavar): a new tracker brings
-    its own."""
+    """Each tracker's setting (`--wandb PROJECT`), as its class describes it (help, metavar)."""
     fields = [(name, Optional[str], option(None, cls.help, "run", cls.metavar)) for name, cls in trackers.items()]
     return dataclasses.make_dataclass("TrackerSettings", fields, frozen=True)
 
@@ -50,9 +46,7 @@ TrackerSettings = tracker_settings(TRACKERS)
 
 @dataclass(frozen=True)
 class ReportSettings(TrackerSettings):
-    """Where a run's rows go besides metrics.jsonl: steps.jsonl's and TensorBoard's, and each tracker's of
-    `TRACKERS` (a setting named by the tracker). Declared beside what they choose from; config.Config gathers
-    every folder's settings."""
+    """Where a run's rows go besides metrics.jsonl: steps.jsonl, TensorBoard, and each tracker of `TRACKERS`."""
 
     log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
                                "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
@@ -63,17 +57,15 @@ class ReportSettings(TrackerSettings):
 
 
 def installed(package: str) -> bool:
-    """Whether `package` can be imported; a None that cli.program left for it in sys.modules (so that timm's
-    import of the W&B client fails fast) is taken out first, so that the tracker imports the real one."""
+    """Whether `package` can be imported, once the None cli.program left in sys.modules for it is removed."""
     if package in sys.modules and sys.modules[package] is None:
         del sys.modules[package]
     return importlib.util.find_spec(package) is not None
 
 
 def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
-    """The sinks the settings name, each checked before anything starts (no thread, no worker): rank 0's
-    (steps.jsonl always); none on the other ranks. A setting a sink cannot use (a package missing, a store that
-    cannot be written) is a UserError."""
+    """Rank 0's sinks the settings name (steps.jsonl always; none on other ranks), each checked before anything
+    starts (no thread, no worker); a setting a sink cannot use is a UserError."""
     tensorboard = tensorboard_events.wanted(config.tensorboard)  # on every rank: each says the same line
     if not is_main:
         return []
@@ -93,10 +85,8 @@ def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
 
 
 class Sinks:
-    """The sinks the trainer holds, called in turn: rank 0's (`chosen`); every call is nothing where there are none.
-
-    A sink that raises (a full disk, a tracker's server gone) is warned about once and left out, and training goes
-    on; a UserError (the settings' mistake, found at `start`) ends the run."""
+    """The sinks the trainer holds (`chosen`), called in turn. A sink that raises (a full disk, a server gone) is
+    warned about once and left out, and training goes on; a UserError (the settings' mistake) ends the run."""
 
     def __init__(self, sinks: Sequence[Sink], folder: str, warn: Callable[[str], None]) -> None:
         self.sinks, self.folder, self.warn = list(sinks), folder, warn
@@ -104,11 +94,9 @@ class Sinks:
 
     def start(self, step: int, history: list[dict[str, Any]], saved_runs: dict[str, str], continuing: bool,
               started_from: Optional[float], name: str, settings: dict[str, Any], facts: dict[str, str]) -> None:
-        """Before the first step (rank 0, through distributed.rank_0_does, so that every rank says a failure):
-        steps.jsonl, the record, loses its rows beyond the checkpoint's `step`, then each sink starts from there. The
-        trackers continue `saved_runs` (the checkpoint's), else, where this start is `continuing` the folder
-        (--resume, a torchrun restart), the runs a start from the same checkpoint (`started_from`, its time stamp)
-        made: see tracker.py."""
+        """Before the first step (rank 0, through distributed.rank_0_does): steps.jsonl loses its rows beyond `step`,
+        then each sink starts from there. Trackers continue `saved_runs`, else, when `continuing` the folder, the runs
+        a start from the same checkpoint (`started_from`, its time stamp) made: see tracker.py."""
         if not self.sinks:
             return
         self.runs.begin(saved_runs, continuing, started_from)

@@ -23,17 +23,13 @@ class Beginning:
 
 
 class Sink(ABC):
-    """One destination of the rows report/metrics.py builds: steps.jsonl, TensorBoard, a tracker.
-
-    Rank 0 only. The container (report/sinks/__init__.py's `Sinks`) calls each in turn; one that raises in `step`,
-    `epoch`, `flush` or `close` is warned about once and left out, and training goes on. None may hold the training
-    loop up: a sink that waits for a server sends from a thread of its own (MLflow) or another process (W&B)."""
+    """One destination of the rows report/metrics.py builds, on rank 0. None may hold the training loop up: a sink
+    that waits for a server sends from a thread of its own (MLflow) or another process (W&B)."""
 
     name: str  # where it writes, as the start-up table and a warning name it: a path, `--mlflow URI`
 
     def start(self, beginning: Beginning) -> None:  # noqa: B027 (a hook: nothing to do for most sinks)
-        """Once, before the first step: continue where the checkpoint is. A UserError here (a tracker that cannot
-        open its run) ends the run before training, in one line."""
+        """Once, before the first step: continue where the checkpoint is. A UserError here ends the run."""
 
     @abstractmethod
     def step(self, row: dict[str, Any]) -> None:

@@ -13,15 +13,10 @@ from imagenet_elastic.report.sinks.tracker import EPOCH_KEY, TRAIN_KEY, Tracker
 
 
 class MlflowTracker(Tracker):
-    """A tracking URI (a server's http(s)://..., sqlite:///PATH, file:PATH); the experiment is MLFLOW_EXPERIMENT_NAME,
-    else `imagenet_elastic`.
-
-    MLflow's client waits for its store (a row to sqlite took 70 ms here; a server, a round trip and, when it is
-    gone, minutes of retries), so rows go through a queue to a thread of their own, in order: the store holds a
-    prefix of what was sent, whatever kills the process, and the next start sends the rest (see `held`). A failure
-    in the thread is raised by the next `log` (the sinks' container then warns once); `finish` waits CLOSE_WAIT_S
-    for the queue.
-    """
+    """A tracking URI (a server's http(s)://..., sqlite:///PATH, file:PATH). MLflow's client waits for its store (a
+    row to sqlite took 70 ms here; a gone server, minutes of retries), so rows go in order through a queue to a thread
+    of their own: the store holds a prefix of what was sent, and the next start sends the rest. A failure in the
+    thread is raised by the next `log`."""
 
     option, package, metavar = "mlflow", "mlflow", "URI"
     help = ("the same to MLflow at this tracking URI: a server (`http://HOST:5000`) or a local store "
@@ -66,7 +61,7 @@ class MlflowTracker(Tracker):
             return run_id
         run = self.client.create_run(self.experiment_id, run_name=name)
         self.run_id = run.info.run_id
-        # Params are written once: MLflow refuses a changed value, and a restart may change a node-local setting.
+        # params are written once: MLflow refuses a changed value, and a restart may change a node-local setting
         self.client.log_batch(self.run_id, params=[Param(key, str(value)[:6000]) for key, value in settings.items()])
         return self.run_id
 

@@ -24,8 +24,8 @@ class TrackerRuns:
         self.started_from: Optional[float] = None
 
     def begin(self, saved: dict[str, str], continuing: bool, started_from: Optional[float]) -> None:
-        """`saved`: the checkpoint's runs; `continuing`: this start continues the folder (--resume, a torchrun
-        restart), so that a run PENDING holds from the same checkpoint (`started_from`) is continued."""
+        """`saved`: the checkpoint's runs; `continuing`: this start continues the folder, so that a run PENDING holds
+        from the same checkpoint (`started_from`) is continued."""
         self.saved, self.started_from = dict(saved), started_from
         self.pending = self.read_pending() if continuing else {}
 

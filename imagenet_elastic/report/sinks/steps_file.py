@@ -1,9 +1,7 @@
 """steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from.
 
-It continues across kills, restarts and world-size changes without a duplicated or out-of-order step: at start
-every row beyond the checkpoint's step is dropped (`trim`, rewriting the file), and the resumed run logs those steps
-again, with the same values since it trains them again exactly. Each line is flushed as it is written.
-"""
+It continues across kills, restarts and world-size changes without a duplicated or out-of-order step: at start every
+row beyond the checkpoint's step is dropped (`trim`), and the resumed run logs those steps again."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ FILENAME = "steps.jsonl"
 
 
 def whole_rows(text: str) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(line, row) for each line of a steps.jsonl that is a whole JSON object. Each line is flushed as it is
-    written, so the last one of a killed run may be torn: it is left out, as is anything else unreadable."""
+    """(line, row) for each line that is a whole JSON object: a killed run's last line may be torn."""
     for line in text.splitlines():
         try:
             row = json.loads(line)
@@ -37,8 +34,7 @@ def kept_rows(text: str, last_step: int) -> list[str]:
 
 
 def trim(folder: str, last_step: int) -> list[dict[str, Any]]:
-    """Before the first step: the rows beyond the step the run starts from go (a run that died after its checkpoint
-    logged them); returns those that stay. A file it cannot read or write is a StorageError naming it."""
+    """Before the first step: drop rows beyond the step the run starts from; returns the rest (StorageError on I/O)."""
     path = os.path.join(folder, FILENAME)
     try:
         with open(path) as f:
@@ -57,9 +53,8 @@ def trim(folder: str, last_step: int) -> list[dict[str, Any]]:
 
 
 class StepsFile(Sink):
-    """Appends each step row to steps.jsonl (trimmed first: see `trim`); the file opens at the first row, so a run
-    that fails before its first one changes nothing on disk. A write it cannot make (a full disk) ends this sink
-    with one warning: the checkpoints say what a full disk means."""
+    """Appends each step row to steps.jsonl, opened at the first row, so a run that fails before it changes nothing
+    on disk. A failed write (a full disk) ends this sink with one warning: the checkpoints say what it means."""
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, FILENAME)
@@ -73,7 +68,7 @@ class StepsFile(Sink):
         self.file.flush()
 
     def epoch(self, row: dict[str, Any]) -> None:
-        """metrics.jsonl holds the epochs (its writer: the checkpointer, after each epoch's checkpoint)."""
+        """metrics.jsonl holds the epochs."""
 
     def close(self, finished: bool) -> None:
         if self.file is not None:

@@ -2,9 +2,7 @@
 them (`train/loss`, `epoch/val_top1`), in CHECKPOINTS/tensorboard.
 
 A resumed run continues the same curves: the writer's `purge_step` hides the events beyond the checkpoint's step,
-which the resumed run logs again. Events are flushed at every checkpoint, so what a checkpoint covers is on disk
-with it.
-"""
+which the resumed run logs again."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ INSTALL = 'pip install "imagenet_elastic[tensorboard]"'
 
 
 def wanted(setting: Optional[bool]) -> bool:
-    """--tensorboard: always (an error when the package is missing); --no-tensorboard: never; neither: when the
-    package is installed."""
+    """--tensorboard: always (an error without the package); --no-tensorboard: never; neither: when installed."""
     installed = importlib.util.find_spec("tensorboard") is not None
     if setting and not installed:
         raise UserError(f"--tensorboard needs the tensorboard package: {INSTALL}")
@@ -40,8 +37,7 @@ class TensorBoard(Sink):
         self.purge_step = beginning.step + 1
 
     def events(self) -> Any:
-        """The writer, made at the first event: a run that fails before it logged anything (a corrupt image at the
-        first batch) leaves no event file behind."""
+        """The writer, made at the first event: a run that fails before logging anything leaves no event file."""
         if self.writer is None:
             from torch.utils.tensorboard import SummaryWriter
 

@@ -1,31 +1,18 @@
 """Experiment trackers (--wandb PROJECT, --mlflow URI): what every tracker shares, as one `Tracker` sink that each
-tracker's module fills in (wandb_tracker.py, mlflow_tracker.py; the list is sinks/__init__.py's TRACKERS). Rank 0
-sends each the numbers of steps.jsonl's and metrics.jsonl's rows, the resolved settings and the start-up table, as
-one tracker run per training run, with three rules:
+tracker's module fills in. Rank 0 sends each the rows, settings and start-up table as one tracker run per training run:
 
-One run, whatever restarts it. A tracker run's id is made once, at the first start, and saved in every checkpoint
-(`trackers`), so a torchrun restart, a Slurm requeue or --resume continues it. Until the first checkpoint holds it,
-it is kept in CHECKPOINTS/trackers.json (PENDING), written as soon as the run is made and removed once a
-checkpoint holds it: a run killed before its first checkpoint restarts into the same tracker run, and a folder
-whose checkpoints are later deleted does not lend its old run to a new one. A start that would not continue the
-folder (no --resume, no torchrun restart) makes a new run. (A W&B id is chosen here and recorded before the run is
-made; MLflow's store chooses its own, so a death in the milliseconds between making an MLflow run and recording it
-leaves that run empty and the restart makes another.)
+One run, whatever restarts it: the run's id is saved in every checkpoint, and until one holds it, in
+CHECKPOINTS/trackers.json (PENDING), so a run killed before its first checkpoint restarts into the same tracker run.
+(MLflow chooses its own id: a death between making a run and recording it leaves that run empty.)
 
-No step twice, none backward. A run killed after its last checkpoint has sent steps beyond it, and the resumed run
-trains those steps again (resume is step-exact, so with the same values; bitwise on CPU). The trackers cannot
-delete rows (MLflow has no API for it, W&B's rewind needs its server), so at start each tracker says which step it
-last holds of each kind of row (`held`: MLflow's metric history; W&B's own transaction logs in its folder, the
-records `wandb sync` uploads), and rows up to it are not sent again. Rows it lacks that steps.jsonl and the
-checkpoint's history hold (lost in flight at a kill, or a tracker first named at a resume) are sent first, in step
-order. The two kinds are counted apart: a run killed while validating has sent its epoch's last step, not the
-epoch's row. (W&B keeps one row per step: the offline logs hold that epoch row at the step's row, but W&B's server
-refuses a step that is not past a resumed run's last one, so online, or synced, that one epoch row may be lost; not
-seen here, where there is no W&B server.)
+No step twice, none backward: a run killed after its last checkpoint has sent steps the resumed run trains again, and
+trackers cannot delete rows (MLflow has no API, W&B's rewind needs its server), so at start each says the last step
+it holds of each kind of row (`held`), and rows up to it are not sent again. The kinds are counted apart: a run
+killed while validating has sent its epoch's last step, not the epoch's row. (W&B's server refuses a step not past a
+resumed run's last one, so online that one epoch row may be lost; untested without a W&B server.)
 
-A tracker never stops training. A setting it cannot use at start (package missing, a store that cannot be
-created) is one line and exit 2, before training; a failure later (server gone, disk full) is one warning on
-stderr, after which that tracker is left out and training goes on (the container's rule: sinks/__init__.py).
+A tracker never stops training: a setting it cannot use is one line and exit 2 before training; a later failure is
+one warning, after which that tracker is left out.
 """
 
 from __future__ import annotations
@@ -44,13 +31,12 @@ EPOCH_KEY = f"{metrics.EPOCH}/epoch"  # in every epoch row: ... of metrics.jsonl
 
 class Tracker(Sink):
     """One tracker, given where its runs go (`where`: the option's value) and the checkpoints folder. A tracker's
-    module fills in the methods below `refuse`, and its class names its setting: a new tracker is that module and a
-    line in TRACKERS (plus Config's one-line field, whose help and metavar come from here)."""
+    module fills in the methods below `refuse`; a new tracker is that module and a line in TRACKERS."""
 
     option: ClassVar[str]  # the setting's name, and the key of its run id in checkpoints
     package: ClassVar[str]  # the module the extra installs
     metavar: ClassVar[str]  # for --help and docs/OPTIONS.md's option table
-    help: ClassVar[str]  # ditto
+    help: ClassVar[str]
 
     def __init__(self, where: str, folder: str) -> None:
         self.where, self.folder = where, folder
@@ -92,12 +78,8 @@ class Tracker(Sink):
     def finish(self, finished: bool) -> None:
         """Mark the run finished (`finished`) or killed, after the rows still in flight."""
 
-    # ------------------------------------------------------------------ the rules every tracker shares
-
     def start(self, beginning: Beginning) -> None:
-        """Open the run (see TrackerRuns.earlier), then send what it lacks of steps.jsonl's rows up to the
-        checkpoint and of the checkpoint's epochs, in step order. Anything the tracker raises while opening (not
-        logged in, server gone, store refused) is one line, before training."""
+        """Open the run (see TrackerRuns.earlier), then send the rows it lacks, in step order."""
         runs = beginning.runs
         try:
             run_id = runs.earlier(self.option) or self.new_id()

@@ -1,5 +1,5 @@
 """W&B's transaction log (run-ID.wandb), read as `wandb sync` reads it: the history rows an earlier start of a run
-already sent, which `wandb_tracker.WandbTracker.held` counts so that a resumed run sends no step twice."""
+already sent, so that a resumed run sends no step twice."""
 
 from __future__ import annotations
 
@@ -11,18 +11,16 @@ import zlib
 from collections.abc import Iterator
 from typing import Any
 
-# W&B's transaction log (run-ID.wandb): a 7-byte header (":W&B", 0xBEE1, version 0), then LevelDB's log format
-# (32 KiB blocks of records: crc32 of type and data, length, type FULL/FIRST/MIDDLE/LAST, data) whose payloads are
-# wandb's protobuf `Record`s. wandb >= 0.23 writes it from its Go core and no longer ships a Python reader.
+# a 7-byte header, then LevelDB's log format (32 KiB blocks of records: crc32 of type and data, length, type, data)
+# whose payloads are wandb's protobuf `Record`s. wandb >= 0.23 writes it from Go and ships no Python reader.
 WANDB_HEADER = b":W&B\xe1\xbe\x00"
 BLOCK = 32768
 FULL, FIRST, MIDDLE, LAST = 1, 2, 3, 4
 
 
 def transaction_logs(wandb_dir: str, run_id: str) -> list[str]:
-    """The transaction logs of run `run_id` in W&B's folder, one per start of the run, oldest first: each start's
-    folder is `offline-run-TIME-ID` (`run-TIME-ID` online), and a start within the same second as an earlier one
-    gets `-1`, `-2`, ... after it (wandb_init's set_sync_dir_suffix)."""
+    """The transaction logs of run `run_id` in W&B's folder, one per start, oldest first (a start within the same
+    second as an earlier one gets a `-1`, `-2`, ... suffix)."""
     folder = re.compile(rf"(?:offline-)?run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
     found = []
     for name in os.listdir(wandb_dir) if os.path.isdir(wandb_dir) else ():

@@ -13,9 +13,8 @@ from imagenet_elastic.report.sinks.wandb_log import transaction_logs, wandb_hist
 
 
 class WandbTracker(Tracker):
-    """PROJECT (WANDB_ENTITY picks the team); WANDB_MODE=offline keeps the runs on disk for `wandb sync`. Its files go
-    to WANDB_DIR, else to the checkpoints folder, so that every restart finds the transaction logs of the run's
-    earlier starts (`held`)."""
+    """PROJECT (WANDB_ENTITY picks the team). Its files go to WANDB_DIR, else to the checkpoints folder, so that every
+    restart finds the transaction logs of the run's earlier starts (`held`)."""
 
     option, package, metavar = "wandb", "wandb", "PROJECT"
     help = ("rank 0 also logs steps.jsonl's and metrics.jsonl's rows, the settings and the start-up table to this "
@@ -44,14 +43,14 @@ class WandbTracker(Tracker):
     def open(self, run_id: Optional[str], name: str, settings: dict[str, Any]) -> str:
         import wandb
 
-        # console="off": the console's lines stay ours (W&B would wrap stdout and stderr).
+        # console="off": W&B would wrap stdout and stderr
         self.run = wandb.init(project=self.where, id=run_id or self.new_id(), resume="allow", name=name,
                               dir=self.dir, settings=wandb.Settings(console="off", silent=True))
         self.run.config.update({"settings": settings}, allow_val_change=True)
         return self.run.id
 
     def logs(self, run_id: str) -> list[str]:
-        """This run's transaction logs, one per start, oldest first (wandb_log.transaction_logs)."""
+        """This run's transaction logs, one per start, oldest first."""
         return transaction_logs(os.path.join(self.dir, "wandb"), run_id)
 
     def held(self) -> dict[str, int]:
