@@ -8,6 +8,7 @@ import importlib.metadata
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -386,10 +387,84 @@ def tree_digest(root: Path) -> dict[str, str]:
             and not p.match("index-*.npz") and "tensorboard" not in p.relative_to(root).parts}
 
 
-def expect_user_error(args: list[str], culprit: str, watched: Path, process: bool = False) -> str:
-    """`imagenet-elastic ARGS` refuses: exit 2, one error line (warnings aside) that names `culprit`, no
-    traceback, and every file under `watched` as it was. In this process without loader workers, unless
-    `process`: a real process with the workers ARGS ask for."""
+def assert_names(text: str, *parts: object) -> None:
+    """Every one of `parts` (each as str()) appears in `text`, in this order: each after the end of the one before.
+    The values a message must carry (paths, flags, numbers), not the sentence around them. A part is matched whole:
+    one that begins (ends) with a letter or digit is not a piece of a longer word or number, so "8" is not found in
+    "18", "8.5", "1,800" or "epoch_0008"."""
+    at, previous = 0, None
+    for part in map(str, parts):
+        found = find_whole(text, part, at)
+        if found < 0:
+            where = "not" if find_whole(text, part, 0) < 0 else f"not after {previous!r}"
+            raise AssertionError(f"{part!r} is {where} in {text!r}")
+        at, previous = found + len(part), part
+
+
+def find_whole(text: str, part: str, start: int) -> int:
+    """Where `part` first lies whole in `text` from `start` (assert_names), or -1."""
+    def word(i: int) -> bool:  # text[i] continues a word or a number
+        if not 0 <= i < len(text):
+            return False
+        if text[i] in ".,":  # 1.5, 1,800: a number goes on
+            return 0 < i < len(text) - 1 and text[i - 1].isdigit() and text[i + 1].isdigit()
+        return text[i].isalnum() or text[i] == "_"
+
+    found = text.find(part, start)
+    while found >= 0 and part:
+        end = found + len(part)
+        if not ((part[0].isalnum() and word(found - 1)) or (part[-1].isalnum() and word(end))):
+            return found
+        found = text.find(part, found + 1)
+    return found
+
+
+def single_line(text: str) -> str:
+    """`text`, which must be a single line (a trailing newline aside)."""
+    lines = text.strip().splitlines()
+    assert len(lines) == 1, f"{len(lines)} lines, not one: {text!r}"
+    return lines[0]
+
+
+RESTART_LINE = re.compile(r"first step (-?[\d.]+) s after the checkpoint was written: (.*)")
+
+
+def labelled_seconds(text: str) -> dict[str, float]:
+    """Every `LABEL N s` of `text` (`imports 3.5 s`, `the step itself 1.9 s`): {LABEL: N}; no label twice."""
+    numbers: dict[str, float] = {}
+    for label, value in re.findall(r"([a-z][a-z ]*?) (-?\d+(?:\.\d+)?) s\b", text):
+        assert label not in numbers, f"{label!r} twice in {text!r}"
+        numbers[label] = float(value)
+    return numbers
+
+
+def restart_cost(output: str) -> tuple[str, dict[str, float]]:
+    """The restart line a resumed run prints once after its first step (report/restart_cost.py): the line, and its
+    numbers by their labels: "whole" (the first step's time after the checkpoint was written) and those the line
+    holds of "process started", "imports", "build steps", "checkpoint load", "compile cache load", "first step",
+    "compile", "the step itself". Checked here, as every such line must hold (to its rounding): the parts sum to the
+    whole, the loads are parts of the build steps, compiling and the step itself parts of the first step."""
+    found = [(line, match) for line in output.splitlines() if (match := RESTART_LINE.search(line))]
+    assert len(found) == 1, f"{len(found)} restart lines, not one:\n{output}"
+    line, match = found[0]
+    numbers = {"whole": float(match.group(1)), **labelled_seconds(match.group(2))}
+    assert {"build steps", "checkpoint load", "first step"} <= numbers.keys(), line
+    whole, build, first = numbers["whole"], numbers["build steps"], numbers["first step"]
+    if "process started" in numbers:  # where /proc tells when this process started
+        parts = numbers["process started"] + numbers["imports"] + build + first
+        assert parts == pytest.approx(whole, abs=0.26), line  # five numbers rounded to 0.1
+    assert 0 <= build <= whole + 0.1 and 0 <= first <= whole + 0.1, line
+    assert 0 <= numbers["checkpoint load"] <= build + 0.06, line
+    assert numbers.get("compile cache load", 0) <= build + 0.06, line
+    if "compile" in numbers:
+        assert numbers["compile"] + numbers["the step itself"] == pytest.approx(first, abs=0.16), line
+    return line, numbers
+
+
+def expect_user_error(args: list[str], culprit: str | tuple[str, ...], watched: Path, process: bool = False) -> str:
+    """`imagenet-elastic ARGS` refuses: exit 2, one error line (warnings aside) that names `culprit` (a tuple: every
+    part of it, in order, as assert_names), no traceback, and every file under `watched` as it was. In this process
+    without loader workers, unless `process`: a real process with the workers ARGS ask for."""
     before = tree_digest(watched)
     result = run(python_cmd(*args)) if process else inprocess.command([*args, "--workers", "0"])
     assert result.returncode == 2, result.stdout + result.stderr
@@ -397,7 +472,10 @@ def expect_user_error(args: list[str], culprit: str, watched: Path, process: boo
     assert len(lines) == 1, result.stderr
     assert "Traceback" not in result.stdout + result.stderr
     assert lines[0].startswith("imagenet-elastic: error: ")
-    assert culprit in lines[0], lines[0]
+    if isinstance(culprit, str):
+        assert culprit in lines[0], lines[0]
+    else:
+        assert_names(lines[0], *culprit)
     assert tree_digest(watched) == before, "a failed run changed files on disk"
     return lines[0]
 

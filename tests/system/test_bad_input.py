@@ -195,8 +195,9 @@ def test_a_damaged_pack_index_is_one_line_naming_it_and_the_pack_command_that_wr
     index = data / "val" / "imagenet-elastic-index.npz"
     index.write_bytes(index.read_bytes()[:100])
     expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ck")],
-                      f"shard index {index} is damaged (File is not a zip file): pack again (imagenet-elastic pack "
-                      f"{image_folder} NEW_OUT --shard-size 32), or remove {index}", tmp_path)
+                      # the index, its damage, the command that writes it again, and the other remedy: remove it
+                      (str(index), "File is not a zip file",
+                       f"imagenet-elastic pack {image_folder} NEW_OUT --shard-size 32", str(index)), tmp_path)
 
 
 def test_a_damaged_file_list_cache_costs_one_warning_and_is_written_again(image_folder, tmp_path):
@@ -258,5 +259,6 @@ def test_a_labels_file_naming_a_class_the_training_set_lacks_is_named_by_line(im
     (tmp_path / "labels.csv").write_text("a.JPEG,n01440764\n")
     expect_user_error([str(image_folder), "--val-path", str(tmp_path / "flat"), "--val-labels",
                        str(tmp_path / "labels.csv"), "--checkpoints-path", str(tmp_path / "ck")],
-                      f"--val-labels {tmp_path / 'labels.csv'} line 1: class 'n01440764' of a.JPEG is not a class of "
-                      "the training split", tmp_path)
+                      # the flag, its file and line, the class, the image, the split it is not a class of
+                      ("--val-labels", str(tmp_path / "labels.csv"), "line 1", "'n01440764'", "a.JPEG", "training"),
+                      tmp_path)

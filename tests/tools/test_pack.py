@@ -25,7 +25,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import webdataset as wds
-from conftest import REPO, child_env, make_image_folder, python_cmd
+from conftest import REPO, assert_names, child_env, make_image_folder, python_cmd, single_line
 from makers import flip_byte_in_place, hub_folder, middle_of_image, relabel_in_place, run_pack, write_jpeg
 from PIL import Image
 
@@ -170,10 +170,9 @@ def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the
     with pytest.raises(UserError) as raised:
         sources.open_splits(str(copy), None, None, None)
     index = copy / "train" / tar_shards.INDEX_NAME
-    assert str(raised.value) == (
-        f"shard {shard} differs from its index {index} (its sample 3 has label {(original + 1) % 4}, the index "
-        f"{original}): it was changed after it was packed; pack again (imagenet-elastic pack {image_folder} NEW_OUT "
-        f"--shard-size 16), or remove {index} to index the shards at start")
+    # the shard, its index, the sample and both labels; the remedies: pack again (its command) or remove the index
+    assert_names(single_line(str(raised.value)), shard, index, "sample 3", f"label {(original + 1) % 4}",
+                 f"index {original}", f"imagenet-elastic pack {image_folder} NEW_OUT --shard-size 16", index)
     said = refused(capsys, str(copy), str(tmp_path / "again"))  # pack of the changed pack: the same line
     assert said == f"imagenet-elastic: error: {raised.value}"
 
@@ -185,8 +184,7 @@ def test_a_copy_of_a_pack_that_lost_its_mtimes_is_checked_once_by_its_headers_an
     train, val = sources.open_splits(str(copy), None, None, None)
     original, _ = sources.open_splits(str(out), None, None, None)
     assert train.packed and train.fingerprint() == original.fingerprint() and original.notes == ()
-    assert train.notes[0].startswith(f"6 shards of {copy / 'train'} have other mtimes than its index records and the "
-                                     "same members"), train.notes
+    assert_names(train.notes[0], "6", copy / "train", "mtimes", "same members")  # how many, where, what differs
     assert "checksum, compared as it is read" in train.notes[0], train.notes
     assert re.search(r"took \d+\.\d s$", train.notes[0]), train.notes
 
@@ -307,7 +305,8 @@ def test_an_image_cut_short_is_refused_by_name_though_its_header_reads(tmp_path,
     with Image.open(bad) as img:
         assert img.size == (48, 40)  # the header still reads
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "1", *options)
-    assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: image file is truncated"), said
+    assert said.startswith("imagenet-elastic: error: "), said
+    assert_names(said, "pack", bad, "image file is truncated")  # the command, the image, the decoder's error
     assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
 
 
@@ -404,8 +403,8 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
         err = ended(proc)
     said = err.strip().splitlines()
     assert proc.returncode == 130 and len(said) == 1, err
-    assert said[0] == (f"imagenet-elastic: pack interrupted: the same command keeps the complete shards in "
-                       f"{tmp_path / 'out'} and writes the rest")
+    assert said[0].startswith("imagenet-elastic: ") and not said[0].startswith("imagenet-elastic: error: "), said
+    assert_names(said[0], "pack", "interrupted", "the same command", tmp_path / "out")  # what to run, what it keeps
     left = sorted(os.listdir(tmp_path / "out" / "train"))
     assert [name.split(".tar")[0] for name in left] == [".tmp-shard-000004", ".tmp-shard-000005", *(
         f"shard-{k:06d}" for k in range(4))], left
@@ -466,7 +465,8 @@ def test_a_worker_killed_midway_ends_the_pack_with_one_line_not_a_hang(tmp_path)
         err = ended(proc)
     said = err.strip().splitlines()
     assert proc.returncode == 1 and len(said) == 1, err
-    assert said[0] == (f"imagenet-elastic: error: pack: a process writing shards died (killed, or out of memory): "
-                       f"the same command keeps the complete shards in {tmp_path / 'out'} and writes the rest")
+    assert said[0].startswith("imagenet-elastic: error: "), said
+    # what died and the likely why; the remedy (the same command) and where the complete shards are kept
+    assert_names(said[0], "pack", "died", "out of memory", "the same command", tmp_path / "out")
     assert not alive(held[1])
     assert tar_shards.INDEX_NAME not in os.listdir(tmp_path / "out" / "train")

@@ -8,6 +8,7 @@ import os
 import sys
 
 import pytest
+from conftest import assert_names, single_line
 
 from imagenet_elastic.tools import plot
 
@@ -132,8 +133,9 @@ def test_title_says_epochs_world_size_and_best_accuracies():
     rows[-1]["val_top1"] = math.nan  # a failed validation is not the best
     best_top1 = max(row["val_top1"] for row in rows[:-1])
     best_ema = rows[-1]["val_top1_ema"]
-    assert plot.title_of("/x/run", rows) == (f"run: 12 epochs, world size 4 at the end, best top-1 {best_top1:.2f}% "
-                                             f"(epoch 11), EMA {best_ema:.2f}% (epoch 12)")
+    # the run's folder name, its epochs, the last world size, each best accuracy and its epoch
+    assert_names(single_line(plot.title_of("/x/run", rows)), "run", "12 epochs", "world size 4",
+                 f"top-1 {best_top1:.2f}%", "epoch 11", f"EMA {best_ema:.2f}%", "epoch 12")
     assert plot.title_of("/x/old/", [{"epoch": 1, "train_loss": 3.0}]) == "old: 1 epoch"
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 import numpy as np
+from conftest import assert_names, single_line
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.data.sources.image_folder import ImageFolder
@@ -58,14 +59,15 @@ def test_a_file_moved_to_another_class_keeps_the_count_and_is_named():
 
 def test_a_list_that_only_ends_early_says_where_the_other_goes_on():
     main, short = index(FILES), index(FILES[:-1])
+    # where the lists part, the rank whose list goes on, and its next image
     said = first_file_difference(short, consistency.listing(main), rank=1)
-    assert said == "the lists agree up to image #4, where only rank 0 goes on, with 'dog/e.jpg'"
+    assert_names(single_line(said), "#4", "rank 0", "'dog/e.jpg'")
     said = first_file_difference(main, consistency.listing(short), rank=2)
-    assert said == "the lists agree up to image #4, where only rank 2 goes on, with 'dog/e.jpg'"
+    assert_names(single_line(said), "#4", "rank 2", "'dog/e.jpg'")
     said = first_file_difference(main, consistency.listing(main), rank=0)
     assert said == "the lists are the same"
     said = first_file_difference(main, consistency.listing(short), rank=2)
-    assert said == "the lists agree up to image #4, where only rank 2 goes on, with 'dog/e.jpg'"
+    assert_names(single_line(said), "#4", "rank 2", "'dog/e.jpg'")
 
 
 def test_differing_class_folders_are_named():
@@ -116,8 +118,9 @@ def test_an_unshared_checkpoints_folder_is_said_with_both_paths_and_why_it_matte
     prints = [fingerprint(), fingerprint(folder_token=None, checkpoint=None, host="node-b", folder="/local/ck")]
     name, ranks = first_difference(prints)
     said = consistency.describe(name, ranks, prints, Config(data="d"), index(FILES), index(FILES))
-    assert said.startswith("the checkpoints folder is not shared: rank 1 (node-b) does not see the lock that "
-                           "rank 0 (node-a) holds in /shared/ck (it looks in /local/ck)")
+    # what is wrong; the rank that does not see the lock and its host, the holder and its host, both paths
+    assert_names(said, "checkpoints folder", "not shared", "rank 1 (node-b)", "rank 0 (node-a)", "/shared/ck",
+                 "/local/ck")
     assert "starts over from nothing" in said
 
 
@@ -128,6 +131,7 @@ def test_ranks_that_read_other_teacher_weights_are_one_job_no_more():
     name, ranks = first_difference(prints)
     said = consistency.describe(name, ranks, prints, Config(data="d", teacher="resnet50.a1_in1k"), index(FILES),
                                 index(FILES))
-    assert said == ("ranks read different weights for --teacher resnet50.a1_in1k: rank 0 (node-a) sha256 aaaaaaaaaaaa, "
-                    "rank 2 (node-c) bbbbbbbbbbbb; every node's copy (its Hugging Face cache, its file) must hold the "
-                    "same weights")
+    # the flag and its weights; each rank that differs with its host and its hash's first 12 digits; where to look
+    assert_names(single_line(said), "--teacher resnet50.a1_in1k", "rank 0 (node-a)", "aaaaaaaaaaaa", "rank 2 (node-c)",
+                 "bbbbbbbbbbbb", "Hugging Face cache")
+    assert "node-b" not in said and "a" * 13 not in said  # rank 1 holds rank 0's weights: not named
