@@ -71,8 +71,9 @@ def test_the_state_dict_is_the_plain_models_and_the_average_blurs_too():
 
 
 def test_a_model_with_nothing_to_blur_is_refused_by_name():
-    with pytest.raises(UserError, match="--blurpool: timm's vit_tiny_patch16_224 has no strided convolution with 16"):
+    with pytest.raises(UserError) as caught:
         create_model("vit_tiny_patch16_224", 4, blurpool=True)
+    assert_names(str(caught.value), "--blurpool", "vit_tiny_patch16_224", "strided convolution", "16")
 
 
 def test_a_run_resumes_and_evaluates_only_as_the_model_it_trained_and_fine_tuning_says_so(image_folder, tmp_path):

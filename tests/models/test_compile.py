@@ -12,12 +12,17 @@ from __future__ import annotations
 import gc
 import importlib
 import re
+import shutil
+import subprocess
 from collections import defaultdict
+from pathlib import Path
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from compiled_small import small_model
 from conftest import SMALL_RUN, assert_names, compiled_run, load_checkpoint, restart_cost, single_line
 from inprocess import command
 from torch import nn
@@ -431,24 +436,63 @@ def test_without_compile_nothing_compiles_and_no_cache_is_read_or_written(image_
 # ----------------------------------------------------------------------------- inductor, for real
 
 
+def run_args(image_folder: Path, checkpoints: Path) -> list[str]:
+    return [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2", "--no-tensorboard",
+            "--checkpoints-path", str(checkpoints), "--resume"]
+
+
+@pytest.fixture(scope="module")
+def compiled_epoch(image_folder, tmp_path_factory) -> tuple[Path, subprocess.CompletedProcess]:
+    """One epoch of a compiled run (inductor, for real, on tests/compiled_small.py's model: test_resnet's compile took
+    ~40 s on 2 cores) in a process whose local compile caches start empty: its checkpoints folder, which each test
+    copies before it resumes, and its output."""
+    work = tmp_path_factory.mktemp("compiled")
+    first = compiled_run([*run_args(image_folder, work / "ckpt"), "--epochs", "1", "--compile"], work / "caches")
+    return work / "ckpt", first
+
+
+def resumable_copy(compiled_epoch: tuple[Path, subprocess.CompletedProcess], tmp_path: Path) -> Path:
+    shutil.copytree(compiled_epoch[0], tmp_path / "ckpt")
+    return tmp_path / "ckpt"
+
+
+@pytest.mark.slow
+def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, compiled_epoch, tmp_path):
+    """torch.compile wraps the model, but checkpoints hold the original module's state, so a run without --compile
+    continues from them, and the reverse. The compiled run keeps torch's caches (the real Mega-Cache) beside its
+    checkpoints, under its key."""
+    ckpt = resumable_copy(compiled_epoch, tmp_path)
+    assert "True / on: --compile; compile cache none yet" in compiled_epoch[1].stdout  # channels_last / compile
+    if compile_cache.supported():
+        header, _ = decode((ckpt / FILE_NAME).read_bytes())
+        assert header["key"]["model"] == "test_resnet" and any(a.startswith("inductor:") for a in header["artifacts"])
+    snapshot = load_checkpoint(ckpt / "last.pt")
+    assert list(snapshot["model"]) == list(small_model("test_resnet", 4).state_dict())
+    assert np.isfinite(snapshot["history"][0]["train_loss"])
+    eager = compiled_run([*run_args(image_folder, ckpt), "--epochs", "2"], tmp_path / "caches")  # no --compile
+    assert "resuming from" in eager.stdout
+    warnings = [line for line in eager.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and warnings[0].endswith("epochs: checkpoint 1, now 2")  # not the compile flag
+    assert [row["epoch"] for row in load_checkpoint(ckpt / "last.pt")["history"]] == [1, 2]
+
+
 @pytest.mark.slow
 @pytest.mark.skipif(not compile_cache.supported(), reason="this torch has no Mega-Cache")
-def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_file(image_folder, tmp_path):
-    """Inductor on the CPU, two processes one after another: the first compiles with empty local caches and writes
-    CHECKPOINTS/compile_cache.bin; the second resumes with new, empty local caches, and every graph Inductor would
-    compile comes from that file (its own count of FX graph cache hits, in the restart line). A file whose blob
-    torch cannot read back: test_a_blob_torch_cannot_read_back_is_not_loaded_and_is_one_warning_without_torchs_traceback
+def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_file(image_folder, compiled_epoch,
+                                                                                    tmp_path):
+    """Inductor on the CPU, two processes one after another: the first (compiled_epoch) compiles with empty local
+    caches and writes CHECKPOINTS/compile_cache.bin; the second resumes with new, empty local caches, and every graph
+    Inductor would compile comes from that file (its own count of FX graph cache hits, in the restart line). A file
+    whose blob torch cannot read back:
+    test_a_blob_torch_cannot_read_back_is_not_loaded_and_is_one_warning_without_torchs_traceback
     (torch's own reader, in this process) and test_a_damaged_cache_file_costs_a_warning_not_the_run_nor_its_checkpoints
     (a run that meets one and rewrites it)."""
-    checkpoints = tmp_path / "ckpt"
-    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2", "--no-tensorboard",
-            "--compile", "--checkpoints-path", str(checkpoints), "--resume"]
-    compiled_run([*args, "--epochs", "1"], tmp_path / "first")
+    checkpoints = resumable_copy(compiled_epoch, tmp_path)
     path = checkpoints / FILE_NAME
     header, _ = decode(path.read_bytes())
     assert any(a.startswith("inductor:") for a in header["artifacts"])
 
-    resumed = compiled_run([*args, "--epochs", "2"], tmp_path / "second")
+    resumed = compiled_run([*run_args(image_folder, checkpoints), "--epochs", "2", "--compile"], tmp_path / "second")
     restart = re.search(r"first step [\d.]+ s \(compile [\d.]+ s, (.*); the step itself", resumed.stdout).group(1)
     served = re.fullmatch(rf"cache loaded from {re.escape(str(path))}: (\d+) of (\d+) Inductor graphs from the caches",
                           restart)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import timm
 import torch
+from conftest import assert_names
 from safetensors.torch import save_file
 
 from imagenet_elastic.errors import UserError
@@ -71,8 +72,9 @@ def test_a_safetensors_file_loads(tmp_path):
 def test_weights_of_another_model_are_refused_naming_the_file_and_the_model(tmp_path):
     torch.save(timm.create_model("resnet18", num_classes=4).state_dict(), tmp_path / "r18.pth")
     weights = initial_weights.read(str(tmp_path / "r18.pth"))
-    with pytest.raises(UserError, match=r"--initial-checkpoint r18.pth does not fit --model test_resnet: "):
+    with pytest.raises(UserError) as caught:
         initial_weights.load(fresh(4), weights, "r18.pth", "test_resnet")
+    assert_names(str(caught.value), "--initial-checkpoint r18.pth", "--model test_resnet")
 
 
 @pytest.mark.parametrize(("content", "message"), [

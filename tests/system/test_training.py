@@ -7,10 +7,8 @@ import re
 import subprocess
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-from compiled_small import small_model
 from conftest import (
     AUGMENTED,
     EPOCHS,
@@ -21,7 +19,6 @@ from conftest import (
     assert_row_describes,
     assert_same_tensors,
     child_env,
-    compiled_run,
     evaluate_checkpoint,
     evaluate_cmd,
     evaluated,
@@ -36,7 +33,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from imagenet_elastic import cli
 from imagenet_elastic.cli import build_parser
-from imagenet_elastic.models import compile_cache
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.report.metrics import read as read_metrics
 
@@ -163,28 +159,6 @@ def test_validation_counts_every_image_exactly_once_for_world_sizes_1_2_3(image_
     rows = read_metrics(ckpt / "metrics.jsonl")
     assert_row_describes(rows[2], results[2], rel=1e-5)  # epoch 3 = last.pt, trained and evaluated at world size 2
     assert_row_describes(rows[1], epoch_2)
-
-
-def test_compiled_run_checkpoints_eager_keys_and_an_eager_run_resumes_it(image_folder, tmp_path):
-    """torch.compile (inductor, for real, on tests/compiled_small.py's model, as test_compile.compiled_run runs it:
-    test_resnet's compile took ~40 s on 2 cores) wraps the model, but checkpoints hold the original module's state,
-    so a run without --compile continues from them, and the reverse. The compiled run keeps torch's caches (the real
-    Mega-Cache) beside its checkpoints, under its key."""
-    ckpt = tmp_path / "ckpt"
-    args = [str(image_folder), *SMALL_RUN, "--max-steps-per-epoch", "3", "--checkpoints-path", str(ckpt), "--resume"]
-    compiled = compiled_run([*args, "--epochs", "1", "--compile"], tmp_path / "caches")
-    assert "True / on: --compile; compile cache none yet" in compiled.stdout  # channels_last / compile
-    if compile_cache.supported():
-        header, _ = compile_cache.decode((ckpt / compile_cache.FILE_NAME).read_bytes())
-        assert header["key"]["model"] == "test_resnet" and any(a.startswith("inductor:") for a in header["artifacts"])
-    snapshot = load_checkpoint(ckpt / "last.pt")
-    assert list(snapshot["model"]) == list(small_model("test_resnet", 4).state_dict())
-    assert np.isfinite(snapshot["history"][0]["train_loss"])
-    eager = compiled_run([*args, "--epochs", "2"], tmp_path / "caches")  # the same program, without --compile
-    assert "resuming from" in eager.stdout
-    warnings = [line for line in eager.stderr.splitlines() if line.startswith("warning:")]
-    assert len(warnings) == 1 and warnings[0].endswith("epochs: checkpoint 1, now 2")  # not the compile flag
-    assert [row["epoch"] for row in load_checkpoint(ckpt / "last.pt")["history"]] == [1, 2]
 
 
 def test_console_script_is_installed_and_its_quick_exit_keeps_output_and_exit_codes():

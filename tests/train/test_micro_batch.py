@@ -343,9 +343,10 @@ def test_validation_that_runs_out_of_memory_goes_on_in_halves(tmp_path, monkeypa
 
 def test_a_second_out_of_memory_error_of_a_kind_ends_the_run_in_one_line(tmp_path, monkeypatch):
     oom = OutOfMemoryAbove({1: 4, 3: 2})
-    with pytest.raises(OutOfMemoryAgain, match=r"^out of memory again in training step 4 with micro-batches of 4 "
-                                               r"\(halved once already in this run\): CUDA out of memory"):
+    with pytest.raises(OutOfMemoryAgain) as caught:
         run(tmp_path, "run", AUTO, oom, monkeypatch)
+    assert_names(str(caught.value), "out of memory again", "step 4", "micro-batches of 4", "halved once already",
+                 "CUDA out of memory")
 
 
 @pytest.mark.parametrize("kind", ["training", "validation"])
@@ -358,9 +359,9 @@ def test_without_auto_an_out_of_memory_error_ends_the_run_as_before(tmp_path, mo
 def test_a_device_that_fits_no_micro_batch_stops_the_run_in_one_line_before_the_first_step(tmp_path, monkeypatch):
     probing_on_the_cpu(monkeypatch)
     oom = OutOfMemoryAbove({-1: 0})
-    with pytest.raises(UserError, match=r"^--micro-batch auto: no micro-batch of 32 px images, however small, fits a "
-                                        r"training step of test_resnet on cpu$"):
+    with pytest.raises(UserError) as caught:
         run(tmp_path, "run", [*AUTO, "--mixup-alpha", "0.2"], oom, monkeypatch)
+    assert_names(str(caught.value), "--micro-batch auto", "32 px", "test_resnet", "cpu")
     assert [size for _, size, _ in oom.seen] == [8, 4, 2]  # mixing's pairs: no micro-batch of one
 
 
@@ -425,10 +426,10 @@ def test_a_validation_decode_out_of_memory_under_auto_halves_validations_batches
 
 def test_a_batch_whose_decode_runs_out_of_memory_again_alone_ends_the_run_in_one_line(tmp_path, monkeypatch):
     DecodeRunsOutOfMemory(2, 3).install(monkeypatch)  # the third step's batch, and its second decode
-    with pytest.raises(OutOfMemoryAgain, match=r"^out of memory again decoding a batch of 8 images for training step "
-                                               r"3, with no step beside it \(CUDA out of memory\. .*\); lower "
-                                               r"--batch-size, or decode in the loader workers \(--decode cpu\)$"):
+    with pytest.raises(OutOfMemoryAgain) as caught:
         run(tmp_path, "run", [*AUTO, *DECODE_GPU, "--workers", "1"])
+    assert_names(str(caught.value), "out of memory again decoding", "8 images", "step 3", "CUDA out of memory",
+                 "--batch-size", "--decode cpu")
 
 
 def test_without_auto_a_decode_out_of_memory_ends_the_run_in_one_line_naming_what_to_change(image_folder, tmp_path,

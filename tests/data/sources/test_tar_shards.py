@@ -222,8 +222,9 @@ def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):
     (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
     assert tar_shards.open_split(str(folder), "train", None).classes == ("ant", "bee", "cat", "dog")
     (tmp_path / "named" / "classes.txt").write_text("ant\nbee\ncat\n")
-    with pytest.raises(UserError, match=r"label 3 of sample #\d+ is out of range: the classes file lists 3 classes"):
+    with pytest.raises(UserError) as caught:
         tar_shards.open_split(str(folder), "train", None)
+    assert_names(str(caught.value), "label 3", "sample #", "3 classes")
 
 
 def write_tar(path, members: list[tuple[str, bytes]]) -> None:
