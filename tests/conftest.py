@@ -140,6 +140,16 @@ def image_folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def one_epoch_run(image_folder, tmp_path_factory) -> Path:
+    """A checkpoints folder holding a finished one-epoch run of test_resnet (3 steps) on image_folder: tests copy it
+    before they change it."""
+    folder = tmp_path_factory.mktemp("one_epoch")
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "3",
+                     "--checkpoints-path", str(folder)])
+    return folder
+
+
 @pytest.fixture
 def hub(tmp_path, monkeypatch) -> Path:
     """An empty hub cache that huggingface_hub reads, offline: the constants its functions read at each call

@@ -97,10 +97,15 @@ def test_resume_path_auto_with_last_continues_from_last(tmp_path):
     assert manager.resume_path("auto", restarted=False) == str(tmp_path / "last.pt")
 
 
-def test_resume_path_explicit_existing_file_is_used(tmp_path):
-    manager = CheckpointFolder(str(tmp_path), 3)
+def two_epochs_saved(folder) -> CheckpointFolder:
+    manager = CheckpointFolder(str(folder), 3)
     manager.save(fake_state(1), 1, is_best=False)
     manager.save(fake_state(2), 2, is_best=False)
+    return manager
+
+
+def test_resume_path_explicit_existing_file_is_used(tmp_path):
+    manager = two_epochs_saved(tmp_path)
     chosen = str(tmp_path / "epoch_0001.pt")
     assert manager.resume_path(chosen, restarted=False) == chosen
 
@@ -122,9 +127,7 @@ def test_fresh_start_over_an_existing_last_raises_user_error_mentioning_resume(t
 
 
 def test_restarted_round_continues_from_last_whatever_resume_says(tmp_path):
-    manager = CheckpointFolder(str(tmp_path), 3)
-    manager.save(fake_state(1), 1, is_best=False)
-    manager.save(fake_state(2), 2, is_best=False)
+    manager = two_epochs_saved(tmp_path)
     last = str(tmp_path / "last.pt")
     assert manager.resume_path(None, restarted=True) == last
     assert manager.resume_path("auto", restarted=True) == last

@@ -15,23 +15,14 @@ import pytest
 from conftest import SMALL_RUN, expect_user_error, make_image_folder
 
 
-@pytest.fixture(scope="module")
-def trained(image_folder, tmp_path_factory) -> Path:
-    """A folder holding a finished one-epoch run of test_resnet on the 4-class data."""
-    ckpt = tmp_path_factory.mktemp("trained")
-    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "2",
-                     "--checkpoints-path", str(ckpt)])
-    return ckpt
-
-
-def copy_trained(trained: Path, tmp_path: Path) -> Path:
+def copy_run(one_epoch_run: Path, tmp_path: Path) -> Path:
     target = tmp_path / "ckpt"
-    shutil.copytree(trained, target)
+    shutil.copytree(one_epoch_run, target)
     return target
 
 
-def test_missing_data_folder_is_named(tmp_path, trained):
-    ckpt = copy_trained(trained, tmp_path)
+def test_missing_data_folder_is_named(tmp_path, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(tmp_path / "nope"), "--checkpoints-path", str(ckpt), "--resume"],
                       f"data folder {tmp_path / 'nope'} does not exist", ckpt)
 
@@ -57,23 +48,23 @@ def test_missing_validation_folder_suggests_val_path(tmp_path):
 
 
 @pytest.mark.slow  # a process: the loader worker's failure crosses into the trainer
-def test_corrupt_image_met_by_a_loader_worker_is_named_and_checkpoints_are_untouched(tmp_path, trained):
+def test_corrupt_image_met_by_a_loader_worker_is_named_and_checkpoints_are_untouched(tmp_path, one_epoch_run):
     data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=1)
     bad = sorted((data / "train").rglob("*.jpg"))[5]
     bad.write_bytes(b"\xff\xd8\xff\xe0 this is not really a jpeg" * 10)
-    ckpt = copy_trained(trained, tmp_path)
+    ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(data), *SMALL_RUN, "--epochs", "3", "--checkpoints-path", str(ckpt), "--resume"],
                       f"cannot decode image file {bad}", ckpt, process=True)
 
 
-def test_a_truncated_jpeg_met_by_decode_gpus_thread_is_named_and_checkpoints_are_untouched(tmp_path, trained):
+def test_a_truncated_jpeg_met_by_decode_gpus_thread_is_named_and_checkpoints_are_untouched(tmp_path, one_epoch_run):
     """The header parses (the worker hands the bytes over); the decode thread then fails on it, on the device
     and on the CPU: the training thread raises its error as its own."""
     data = make_image_folder(tmp_path / "data", classes=4, train_per_class=4, val_per_class=1)
     bad = sorted((data / "train").rglob("*.jpg"))[5]
     raw = bad.read_bytes()
     bad.write_bytes(raw[:raw.index(b"\xff\xda") + 20])  # the header up to the start of the scan
-    ckpt = copy_trained(trained, tmp_path)
+    ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(data), *SMALL_RUN, "--epochs", "3", "--decode", "gpu", "--checkpoints-path", str(ckpt),
                        "--resume"], f"cannot decode image file {bad}", ckpt)
 
@@ -85,18 +76,18 @@ def test_unknown_model_is_named_before_anything_is_written(tmp_path, image_folde
     assert not (tmp_path / "c").exists()  # not even the lock: the name is checked before the folder is made
 
 
-def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, trained):
-    ckpt = copy_trained(trained, tmp_path)
+def test_checkpoint_of_another_model_is_refused(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
     args = [str(image_folder), *SMALL_RUN, "--model", "resnet18", "--checkpoints-path", str(ckpt), "--resume"]
     expect_user_error(args, "is of model 'test_resnet', but --model is 'resnet18'", ckpt)
 
 
 def test_evaluate_takes_the_model_and_validation_sizes_from_its_checkpoint_and_refuses_another_model(tmp_path,
                                                                                                      image_folder,
-                                                                                                     trained):
+                                                                                                     one_epoch_run):
     """README's `DATA --evaluate --resume CKPT`, with nothing of the run repeated: the scores of the run's own
     settings, without a warning; another --model than the checkpoint's is one line."""
-    command = [str(image_folder), "--evaluate", "--resume", str(trained / "last.pt"), "--checkpoints-path",
+    command = [str(image_folder), "--evaluate", "--resume", str(one_epoch_run / "last.pt"), "--checkpoints-path",
                str(tmp_path / "scratch"), "--amp", "none"]
     alone = inprocess.command([*command, "--workers", "0"])
     assert alone.returncode == 0 and "warning" not in alone.stderr, alone.stderr
@@ -104,19 +95,19 @@ def test_evaluate_takes_the_model_and_validation_sizes_from_its_checkpoint_and_r
     scores, again = (json.loads(run.stdout.splitlines()[-1]) for run in (alone, repeated))
     # --batch-size is not the run's to keep: batches of 8 add the float32 losses in another order than one of 35
     assert scores.pop("val_loss") == pytest.approx(again.pop("val_loss"), rel=1e-6) and scores == again
-    expect_user_error([*command, "--model", "resnet18"], f"checkpoint {trained / 'last.pt'} is of model "
-                      "'test_resnet', but --model is 'resnet18'", trained)
+    expect_user_error([*command, "--model", "resnet18"], f"checkpoint {one_epoch_run / 'last.pt'} is of model "
+                      "'test_resnet', but --model is 'resnet18'", one_epoch_run)
 
 
-def test_checkpoint_with_another_class_count_is_refused(tmp_path, trained):
+def test_checkpoint_with_another_class_count_is_refused(tmp_path, one_epoch_run):
     data = make_image_folder(tmp_path / "data", classes=3, train_per_class=4, val_per_class=1)
-    ckpt = copy_trained(trained, tmp_path)
+    ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(data), *SMALL_RUN, "--checkpoints-path", str(ckpt), "--resume"],
                       "has 4 classes, the data has 3", ckpt)
 
 
-def test_truncated_last_checkpoint_is_reported_not_overwritten(tmp_path, image_folder, trained):
-    ckpt = copy_trained(trained, tmp_path)
+def test_truncated_last_checkpoint_is_reported_not_overwritten(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
     last = ckpt / "last.pt"
     last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
     expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(ckpt), "--resume"],
@@ -128,8 +119,8 @@ def test_missing_resume_path_is_named(tmp_path, image_folder):
                        "--resume", str(tmp_path / "gone.pt")], f"--resume {tmp_path / 'gone.pt'}", tmp_path)
 
 
-def test_fresh_start_refuses_to_overwrite_an_earlier_run(tmp_path, image_folder, trained):
-    ckpt = copy_trained(trained, tmp_path)
+def test_fresh_start_refuses_to_overwrite_an_earlier_run(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(ckpt)], "pass --resume", ckpt)
 
 

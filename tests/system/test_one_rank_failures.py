@@ -14,7 +14,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import fault_injection as fi
-import inprocess
 import pytest
 from conftest import REPO, SMALL_RUN, child_env, load_checkpoint, python_cmd, several_at_once
 
@@ -71,15 +70,7 @@ def digest(path: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def one_epoch(image_folder, tmp_path_factory) -> Path:
-    folder = tmp_path_factory.mktemp("one_epoch")
-    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "3",
-                     "--checkpoints-path", str(folder)])
-    return folder
-
-
-@pytest.fixture(scope="module")
-def jobs(image_folder, one_epoch, warm_python, tmp_path_factory) -> dict[str, tuple[Path, str, list]]:
+def jobs(image_folder, one_epoch_run, warm_python, tmp_path_factory) -> dict[str, tuple[Path, str, list]]:
     """The three failures' jobs, started side by side (rank 1 of each spends most of its time waiting for a
     launcher's stop that never comes, launch.processes.REPORT_GRACE_S): for each, its checkpoints folder, the
     digest of its last.pt before (or "") and the ranks' results."""
@@ -87,7 +78,7 @@ def jobs(image_folder, one_epoch, warm_python, tmp_path_factory) -> dict[str, tu
     run = [str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3"]
     folders = {name: base / name / "ckpt" for name in ("stale temp", "metrics.jsonl", "steps.jsonl")}
     for name in ("stale temp", "steps.jsonl"):
-        shutil.copytree(one_epoch, folders[name])
+        shutil.copytree(one_epoch_run, folders[name])
     (folders["stale temp"] / ".tmp-last.pt-abcd").mkdir()  # unlink() refuses a directory
     (folders["metrics.jsonl"] / "metrics.jsonl").mkdir(parents=True)  # a rename over it fails
     (folders["steps.jsonl"] / "steps.jsonl").unlink()
