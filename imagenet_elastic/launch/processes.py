@@ -35,7 +35,7 @@ from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import signal_numbers
 
 
-class LaunchSettings(Protocol):
+class StartSettings(Protocol):
     """What starting the ranks reads of the run's settings."""
 
     @property
@@ -45,7 +45,7 @@ class LaunchSettings(Protocol):
     def preempt_signals(self) -> tuple[str, ...]: ...
 
 
-Settings = TypeVar("Settings", bound=LaunchSettings)  # the entry point's config: whatever the caller's is
+Settings = TypeVar("Settings", bound=StartSettings)  # the entry point's config: whatever the caller's is
 Entry = Callable[[Settings, DistEnv], None]  # a module-level function: spawn pickles it by name
 
 
