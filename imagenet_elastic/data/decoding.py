@@ -13,11 +13,15 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from torch.utils.data import DataLoader
 
 from imagenet_elastic import options
 from imagenet_elastic.data import pipeline, pixels
 from imagenet_elastic.data.augment import Augment
 from imagenet_elastic.data.device import gpu_decode, jpeg_decoders
+from imagenet_elastic.data.resolution import TrainSizes
+from imagenet_elastic.data.sampler import TrainBatchSampler
+from imagenet_elastic.data.sources import Source
 from imagenet_elastic.options import option
 
 # Cores per training process from which --decode auto leaves decoding to CPU workers (no policy). On one H100 with
@@ -102,6 +106,17 @@ class Decoding:
         """How a worker's samples become one batch."""
         return gpu_decode.collate if self.mode == "gpu" else pipeline.collate
 
+    def feed(self, device: torch.device, workers: Optional[int], cores: int, local_world_size: int, batch_size: int,
+             largest_crop: int, warn: Callable[[str], None]) -> Feed:
+        """This decoding set up on this machine, asked once: loader workers (--workers, else this mode's default),
+        how far ahead each reads (within the pinned budget for batches of `batch_size` at `largest_crop`), and what
+        finishes each batch on the device. `warn`: each rank's, for the images the device decoder passes back."""
+        workers = workers if workers is not None else self.default_workers(cores, local_world_size)
+        pinned = device.type == "cuda"
+        batch = pipeline.batch_bytes(batch_size, largest_crop, encoded=self.mode == "gpu")
+        return Feed(self, workers, pipeline.prefetch_factor(workers, batch, pinned), pinned,
+                    self.finisher(device, warn, workers))
+
     def finisher(self, device: torch.device, warn: Callable[[str], None], workers: int
                  ) -> Optional[gpu_decode.BatchDecoder]:
         """What the training process does with a batch before it trains on it (None: nothing)."""
@@ -146,6 +161,29 @@ class Decoding:
             return "in loader workers" + chosen
         return (f"batched on {device}{chosen} by {self.library} ({self.library_why})"
                 + (", then the policy and erasing there" if augment.after_crop else ""))
+
+
+@dataclass(frozen=True)
+class Feed:
+    """A Decoding set up on this machine (`Decoding.feed`): the loaders it makes and what finishes their batches."""
+
+    decoding: Decoding
+    workers: int
+    prefetch: int  # batches each worker prepares ahead (pipeline.prefetch_factor)
+    pinned: bool  # on CUDA: the loaders pin their batches, within pipeline.PINNED_BUDGET
+    decoder: Optional[gpu_decode.BatchDecoder]  # --decode gpu: finishes each batch on the device
+
+    def train_loader(self, source: Source, sizes: TrainSizes, seed: int, augment: Augment,
+                     sampler: TrainBatchSampler, ignored: tuple[int, ...] = ()) -> DataLoader:
+        dataset = pipeline.TrainDataset(source, sizes, seed, self.decoding.load, augment)
+        return pipeline.train_loader(dataset, sampler, self.workers, self.pinned, ignored, self.decoding.collate,
+                                     self.prefetch)
+
+    def eval_loader(self, source: Source, crop: int, resize: int, batch_size: int, rank: int, world_size: int,
+                    ignored: tuple[int, ...] = (), interpolation: str = "bilinear") -> DataLoader:
+        dataset = pipeline.EvalDataset(source, crop, resize, self.decoding.eval_load, interpolation)
+        return pipeline.eval_loader(dataset, batch_size, rank, world_size, self.workers, self.pinned, ignored,
+                                    self.decoding.collate, self.prefetch)
 
 
 def way(saved: dict[str, str]) -> str:

@@ -145,7 +145,6 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
     """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
     once over all ranks (train/step.py evaluate), `on_scored` told of each set as it is done. The loaders' workers
     fork first, then the process group forms: the trainer's order (train/build.py)."""
-    from imagenet_elastic.data import pipeline
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
@@ -161,27 +160,21 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
     cores = distributed.available_cores()
     decoding = Decoding.choose(reading.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
                                reading.gpu_decoder)
-    workers = reading.workers if reading.workers is not None else decoding.default_workers(cores,
-                                                                                           env.local_world_size)
     if decoding.warning(device):
         console.warn(decoding.warning(device))
-    decoder = decoding.finisher(device, functools.partial(console.warn, every_rank=True), workers)
-    pinned = device.type == "cuda"
-    batch = pipeline.batch_bytes(reading.batch_size, prep.crop, decoding.mode == "gpu")
-    prefetch = pipeline.prefetch_factor(workers, batch, pinned)  # the sets are read one after another: one budget
-    loaders = []
+    # the sets are read one after another: one prefetch budget
+    feed = decoding.feed(device, reading.workers, cores, env.local_world_size, reading.batch_size, prep.crop,
+                         functools.partial(console.warn, every_rank=True))
     with contextlib.ExitStack() as stack:
-        for _, source, _ in sets:
-            dataset = pipeline.EvalDataset(source, prep.crop, prep.resize, decoding.eval_load, prep.interpolation)
-            loaders.append(pipeline.eval_loader(dataset, reading.batch_size, env.rank, env.world_size, workers,
-                                                pinned, collate_fn=decoding.collate, prefetch=prefetch))
+        loaders = [feed.eval_loader(source, prep.crop, prep.resize, reading.batch_size, env.rank, env.world_size,
+                                    interpolation=prep.interpolation) for _, source, _ in sets]
         build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
         build.join_process_group(env, device, reading.dist_timeout, stack)
         placed = {key: place_model(module, device, reading.channels_last) for key, module in modules.items()}
         to = ModelInput(device, precision.dtype, reading.channels_last, normalisation=prep.normalisation())
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = real_counts(counts_of) if counts_of is not None else None
-            results = {key: evaluate(to, module, device_batches(loader, device, decoder), reading.flip_average,
+            results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder), reading.flip_average,
                                      columns, counts, fit) for key, module in placed.items()}
             on_scored(Scored(location, source, results, precision.name))
         del placed, to  # before the process group goes (join_process_group's callbacks)

@@ -27,8 +27,7 @@ from imagenet_elastic.checkpoint import share, store
 from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import pipeline, sources
-from imagenet_elastic.data.decoding import Decoding
-from imagenet_elastic.data.device import gpu_decode
+from imagenet_elastic.data.decoding import Decoding, Feed
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler, resolve_global_batch
 from imagenet_elastic.data.sources import fingerprints
@@ -89,11 +88,7 @@ class Training:
 class Loaders:
     train: DataLoader
     val: DataLoader
-    decoding: Decoding  # where batches are decoded, and why there
-    decoder: Optional[gpu_decode.BatchDecoder]  # --decode gpu: finishes each batch on the device
-    workers: int
-    prefetch: int = pipeline.PREFETCH  # batches each worker prepares ahead (pipeline.prefetch_factor)
-    pinned: bool = False  # on CUDA: the loaders pin their batches, within pipeline.PINNED_BUDGET
+    feed: Feed  # where batches are decoded and why there, the workers, and what finishes each batch on the device
 
 
 LOCK_WAIT_S = 60.0  # how long rank 0 waits for a checkpoints folder held by another (dying) run
@@ -271,26 +266,20 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
     cores = distributed.available_cores()
     decoding = Decoding.choose(config.decode, inputs.device, cores // max(1, env.local_world_size), config.augment,
                                config.gpu_decoder)
-    workers = config.workers if config.workers is not None else decoding.default_workers(cores, env.local_world_size)
-    pin = inputs.device.type == "cuda"
-    ignored = preemption.worker_ignored(config.preempt_signals)  # by loader workers: see pipeline._worker_init
-    largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
-    batch = pipeline.batch_bytes(config.batch_size, largest, encoded=decoding.mode == "gpu")
-    prefetch = pipeline.prefetch_factor(workers, batch, pinned=pin)
     if decoding.warning(inputs.device):
         console.warn(decoding.warning(inputs.device))
     change = decoding.change_from(training.saved_decoding)
     if change is not None:
         warn_differences(config, console, [change])
-    decoder = decoding.finisher(inputs.device, functools.partial(console.warn, every_rank=True), workers)
-    train = pipeline.train_loader(pipeline.TrainDataset(inputs.train, config.train_sizes, config.seed, decoding.load,
-                                                config.augment),
-                              training.sampler, workers, pin, ignored, decoding.collate, prefetch)
-    val_set = pipeline.EvalDataset(inputs.val, config.eval_crop, config.eval_resize, decoding.eval_load)
-    val = pipeline.eval_loader(val_set, config.batch_size, env.rank, env.world_size, workers, pin, ignored,
-                               decoding.collate, prefetch)
+    largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
+    feed = decoding.feed(inputs.device, config.workers, cores, env.local_world_size, config.batch_size, largest,
+                         functools.partial(console.warn, every_rank=True))
+    ignored = preemption.worker_ignored(config.preempt_signals)  # by loader workers: see pipeline._worker_init
+    train = feed.train_loader(inputs.train, config.train_sizes, config.seed, config.augment, training.sampler, ignored)
+    val = feed.eval_loader(inputs.val, config.eval_crop, config.eval_resize, config.batch_size, env.rank,
+                           env.world_size, ignored)
     start_loader_workers([train, val], stack)
-    return Loaders(train, val, decoding, decoder, workers, prefetch, pin)
+    return Loaders(train, val, feed)
 
 
 def warn_differences(config: Config, console: Console, changes: list[str]) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from imagenet_elastic.config import Config
+from imagenet_elastic.data.decoding import Feed
 from imagenet_elastic.data.pipeline import PINNED_BUDGET
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT
 from imagenet_elastic.launch.distributed import group_options
@@ -73,8 +74,8 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
         ("channels_last / compile", f"{c.channels_last} / {compilation.describe()}"
                                     + ("; activations recomputed in the backward pass (--grad-checkpointing)"
                                        if c.grad_checkpointing else "")),
-        ("decode", loaders.decoding.describe(inputs.device, c.augment)),
-        ("threads / loader workers", describe_loader_workers(inputs.threads, loaders)),
+        ("decode", loaders.feed.decoding.describe(inputs.device, c.augment)),
+        ("threads / loader workers", describe_loader_workers(inputs.threads, loaders.feed)),
         ("checkpoints", f"{c.checkpoints_path} (each epoch{''.join(', ' + i for i in interval)}; "
                         f"{'background' if c.async_checkpoint else 'synchronous'} writes)"),
         ("curves", f"every {c.log_interval} steps: {'; '.join(sink.name for sink in inputs.sinks)}" if inputs.sinks
@@ -98,13 +99,13 @@ def describe_teacher(c: Config, teacher: Optional[TeacherWeights], distillation:
             f"{distillation.describe()}")
 
 
-def describe_loader_workers(threads: int, loaders: Loaders) -> str:
+def describe_loader_workers(threads: int, feed: Feed) -> str:
     """`8 / 14 per process, 2 batches ahead each (pinned budget 1 GiB)`: how far ahead the workers prepare, and on
     CUDA the page-locked memory that bounds it (pipeline.prefetch_factor)."""
-    text = f"{threads} / {loaders.workers} per process"
-    if loaders.workers:
-        text += f", {loaders.prefetch} batches ahead each"
-        if loaders.pinned:
+    text = f"{threads} / {feed.workers} per process"
+    if feed.workers:
+        text += f", {feed.prefetch} batches ahead each"
+        if feed.pinned:
             text += f" (pinned budget {PINNED_BUDGET / 2**30:g} GiB)"
     return text
 

@@ -224,7 +224,7 @@ class Trainer:
         return results
 
     def on_device(self, loader: DataLoader, kind: str = "training") -> Iterator[Batch]:
-        return device_batches(loader, self.ctx.input.device, self.loaders.decoder,
+        return device_batches(loader, self.ctx.input.device, self.loaders.feed.decoder,
                               functools.partial(self.decode_failed, kind))
 
     def decode_failed(self, kind: str, batch: Batch, error: str, again: bool) -> None:
@@ -254,7 +254,7 @@ class Trainer:
         return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
                 "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
                 "trackers": self.sinks.tracker_runs, **self.training.micro.saved(),
-                "decoding": self.loaders.decoding.saved(), "data": self.training.data,
+                "decoding": self.loaders.feed.decoding.saved(), "data": self.training.data,
                 "teacher": self.training.teacher.identity() if self.training.teacher is not None else None}
 
     def stop(self) -> None:

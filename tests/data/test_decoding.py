@@ -73,3 +73,32 @@ def test_a_resume_that_decodes_another_way_than_its_checkpoints_run_says_how_to_
     assert_names(single_line(change), "decoding", "gpu by torchvision", "cpu", "--decode gpu --gpu-decoder torchvision")
     assert gpu.change_from({"decode": "gpu", "gpu_decoder": "nvimgcodec"}).startswith(
         "decoding: checkpoint gpu by nvimgcodec, now gpu by torchvision (")
+
+
+@pytest.mark.parametrize("mode", ["cpu", "gpu"])
+def test_a_feed_makes_both_loaders_read_and_batch_as_its_mode_says_with_its_workers(mode):
+    """The build and `evaluate` ask a Decoding once (`feed`): the workers (--workers, else the mode's default), their
+    prefetch, and loaders whose workers read, and batch, as the mode has them."""
+    from inprocess import in_memory
+
+    from imagenet_elastic.data import pixels
+    from imagenet_elastic.data.device import gpu_decode
+    from imagenet_elastic.data.resolution import TrainSizes
+    from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
+
+    train, val = in_memory(2, 4, 2)
+    decoding = Decoding.choose(mode, CPU, 8, PLAIN)
+    feed = decoding.feed(CPU, None, 4, 2, 8, 64, print)
+    assert (feed.workers, feed.pinned) == (decoding.default_workers(4, 2), False)
+    assert feed.workers == (min(GPU_DECODE_WORKERS, pipeline.default_workers(4, 2)) if mode == "gpu"
+                            else pipeline.default_workers(4, 2))
+    assert (feed.decoder is None) == (mode == "cpu")
+    assert decoding.feed(CPU, 0, 4, 2, 8, 64, print).workers == 0  # --workers wins
+    sampler = TrainBatchSampler(len(train), BatchPlan(4, 1, 4), 0, 0)
+    loaders = (feed.train_loader(train, TrainSizes(32), 0, PLAIN, sampler),
+               feed.eval_loader(val, 32, 37, 4, 0, 1))
+    reads = (gpu_decode.encode_bytes, gpu_decode.encode_centre_crop) if mode == "gpu" else (
+        pixels.decode_bytes, pixels.decode_centre_crop)
+    assert tuple(loader.dataset.load for loader in loaders) == reads
+    collate = gpu_decode.collate if mode == "gpu" else pipeline.collate
+    assert all(loader.collate_fn is collate and loader.num_workers == feed.workers for loader in loaders)

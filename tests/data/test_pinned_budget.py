@@ -10,6 +10,7 @@ from inprocess import in_memory
 
 from imagenet_elastic import cli
 from imagenet_elastic.data import pipeline
+from imagenet_elastic.data.decoding import Feed
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -46,10 +47,9 @@ def test_the_largest_training_size_is_the_ramps_end():
 
 def test_the_start_up_table_says_how_far_ahead_the_workers_prepare_and_the_budget_where_they_pin():
     row = describe_loader_workers
-    assert row(8, build.Loaders(None, None, None, None, 14, 2, True)) == \
-        "8 / 14 per process, 2 batches ahead each (pinned budget 1 GiB)"
-    assert row(2, build.Loaders(None, None, None, None, 1, 4, False)) == "2 / 1 per process, 4 batches ahead each"
-    assert row(2, build.Loaders(None, None, None, None, 0)) == "2 / 0 per process"
+    assert row(8, Feed(None, 14, 2, True, None)) == "8 / 14 per process, 2 batches ahead each (pinned budget 1 GiB)"
+    assert row(2, Feed(None, 1, 4, False, None)) == "2 / 1 per process, 4 batches ahead each"
+    assert row(2, Feed(None, 0, 4, False, None)) == "2 / 0 per process"
 
 
 @pytest.mark.parametrize(("decode", "batch"), [("cpu", 8 * 96 * 96 * 3), ("gpu", 8 * 110_000)])
@@ -72,4 +72,4 @@ def test_the_build_step_gives_both_loaders_the_factor_of_its_largest_batch(monke
         training = build.prepare_training(run, inputs, snapshot)
         loaders = build.build_loaders(run, inputs, training, stack)
         assert asked == [(1, batch, False)]
-        assert (loaders.prefetch, loaders.train.prefetch_factor, loaders.val.prefetch_factor) == (3, 3, 3)
+        assert (loaders.feed.prefetch, loaders.train.prefetch_factor, loaders.val.prefetch_factor) == (3, 3, 3)
