@@ -2,8 +2,9 @@
 
 A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a collective; `Trainer`
 turns the flag into an agreed, collective stop. Ctrl-C asks for the same stop while the run trains, and exits 130:
-the steps since the last checkpoint are worth the one step and one write the stop costs. A second Ctrl-C stops at
-once, as does one before training begins or after it ends.
+the steps since the last checkpoint are worth the one step and one write the stop costs, and whoever stops a run at
+a terminal means to continue or change it, which wants the checkpoint. A second Ctrl-C stops at once, as does one
+before training begins or after it ends.
 """
 
 from __future__ import annotations

@@ -155,7 +155,8 @@ class MicroBatches:
 
     def decode_failed(self, kind: str, what: str, error: str, again: bool) -> None:
         """--decode gpu ran out of memory `what` (decoding for `kind`; `again`: that batch did before), to be
-        decoded again. Without `auto` the run ends; with it micro-batches halve to make room: training's at the step
+        decoded again: the decoding thread allocates beside the step it runs ahead of, so it can fail where the step
+        alone fits. Without `auto` the run ends; with it micro-batches halve to make room: training's at the step
         taking the batch (every rank; nothing lost), validation's at once; a second failure ends it."""
         if not self.auto:
             raise DecodeOutOfMemory(f"out of device memory {what} (--decode gpu: {error}); lower --batch-size, or add "
