@@ -15,11 +15,14 @@ GROUPS = {"model": "model and optimisation", "augment": "training augmentation",
 
 
 def option(default: Any, help: str, group: str, metavar: Any = None, shown_default: Optional[str] = None,
-           **argparse_options: Any) -> Any:
-    """A setting's field: its default, argparse keywords, and the default as docs/OPTIONS.md shows it if need be."""
+           exact: bool = False, **argparse_options: Any) -> Any:
+    """A setting's field: its default, argparse keywords, and the default as docs/OPTIONS.md shows it if need be.
+    `exact`: a changed value between a checkpoint and its resumed run breaks exact continuation (a warning says so:
+    config.RESUME_SENSITIVE)."""
     assert group in GROUPS, group
     return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
-                                            "shown_default": shown_default, "argparse": argparse_options})
+                                            "shown_default": shown_default, "exact": exact,
+                                            "argparse": argparse_options})
 
 
 class Parser(argparse.ArgumentParser):

@@ -28,16 +28,6 @@ LAST_FILE = "last.pt"  # the newest checkpoint of a folder: what a bare `--resum
 # timm's model-name prefixes that say where the weights are, not what the model is
 WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
-# Settings whose change between a checkpoint and a resumed run breaks exact continuation.
-RESUME_SENSITIVE = (
-    "batch_size", "lr", "opt", "sched", "lr_min", "decay_epochs", "decay_rate", "momentum", "weight_decay",
-    "warmup_epochs", "epochs", "label_smoothing", "seed", "image_size", "amp", "max_steps_per_epoch", "scale",
-    "ratio", "hflip", "auto_augment", "random_erase", "model_ema", "model_ema_decay", "model_ema_warmup",
-    "model_ema_steps", "clip_grad_norm",
-    "mixup_alpha", "cutmix_alpha", "drop_path", "bce_loss", "bce_target_thresh", "progressive_resize",
-    "progressive_epochs", "ra_reps", "layer_decay", "kd_temperature", "task_loss_weight", "distill_loss_weight",
-    "kd_token_distill_type",
-)  # --teacher: the identity of its weights is compared instead (models/teacher_weights.compare)
 # Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
 VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
 
@@ -62,7 +52,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "continues from its own checkpoint instead", "model", "PATH")
     image_size: int = option(
         224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
-        type=options.positive_int)
+        type=options.positive_int, exact=True)
     val_crop_size: Optional[int] = option(
         None, "val centre crop size; larger than the train size for FixRes recipes (train 176, val 224)", "model",
         "N", shown_default="image-size", type=options.positive_int)
@@ -75,16 +65,16 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     mixup_alpha: float = option(
         0.0, "mixup: images at positions 2k and 2k+1 of each global batch become weighted averages of the two, with "
         "a weight from Beta(A, A) per pair, and their targets the same mix of the labels (0: off)", "augment", "A",
-        type=options.non_negative_float)
+        type=options.non_negative_float, exact=True)
     cutmix_alpha: float = option(
         0.0, "cutmix: the same pairs swap a box whose area is drawn from Beta(A, A); with --mixup-alpha each pair "
         "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
         "(each micro-batch must then hold an even number of images)", "augment", "A",
-        type=options.non_negative_float)
-    epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int)
+        type=options.non_negative_float, exact=True)
+    epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int, exact=True)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
-        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int)
+        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int, exact=True)
     micro_batch: Optional[str] = option(
         None, "auto: before the first step, find the largest micro-batch (--batch-size, halved until it fits) that "
         "a training step of this model, precision and image size fits on this GPU, and accumulate up to the "
@@ -98,22 +88,24 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     model_ema: bool = option(
         False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
         "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
-        "metrics.jsonl; best.pt says which of the two was best)", "model", action=argparse.BooleanOptionalAction)
+        "metrics.jsonl; best.pt says which of the two was best)", "model", action=argparse.BooleanOptionalAction,
+        exact=True)
     model_ema_decay: float = option(0.9998, "EMA decay per update (see --model-ema-steps)", "model", "X",
-                                    type=options.probability)
+                                    type=options.probability, exact=True)
     model_ema_steps: int = option(1, "the EMA takes the weights every N optimizer steps (torchvision's "
-                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.positive_int)
+                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.positive_int,
+                                  exact=True)
     model_ema_warmup: bool = option(
         False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
-        "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction)
+        "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction, exact=True)
     label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
-                                    type=options.non_negative_float)
+                                    type=options.non_negative_float, exact=True)
     bce_loss: bool = option(
         False, "binary cross-entropy per class (timm's BinaryCrossEntropy, as in its \"ResNet strikes back\" "
-        "recipes) instead of softmax cross-entropy", "model", action=argparse.BooleanOptionalAction)
+        "recipes) instead of softmax cross-entropy", "model", action=argparse.BooleanOptionalAction, exact=True)
     bce_target_thresh: Optional[float] = option(
         None, "with --bce-loss: targets above X become 1, the rest 0 (timm's --bce-target-thresh)", "model", "X",
-        type=options.probability)
+        type=options.probability, exact=True)
     teacher: Optional[str] = option(
         None, "distil from this model: a timm name with published weights, read as --pretrained reads them "
         "(`resnet50.a1_in1k`, `hf-hub:ORG/NAME`, `local-dir:FOLDER`), one of our checkpoints (its raw weights; a "
@@ -126,32 +118,34 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "model", "MODEL")
     kd_temperature: float = option(4.0, "--teacher: the temperature both distributions are softened at before their "
                                    "KL divergence, which is then scaled by T^2 (timm's --kd-temperature)", "model", "T",
-                                   type=options.positive_float)
+                                   type=options.positive_float, exact=True)
     task_loss_weight: Optional[float] = option(
         None, "--teacher: the task loss's weight; given alone, the distillation loss's is 1 - X (timm's weights)",
-        "model", "X", shown_default="1", type=options.non_negative_float)
+        "model", "X", shown_default="1", type=options.non_negative_float, exact=True)
     distill_loss_weight: Optional[float] = option(
         None, "--teacher: the distillation loss's weight", "model", "X", shown_default="1, or 1 - task-loss-weight",
-        type=options.non_negative_float)
+        type=options.non_negative_float, exact=True)
     kd_token_distill_type: str = option(
         "soft", "--teacher, for a student with a distillation head: its loss, soft (KL at --kd-temperature, x T^2) "
-        "or hard (cross-entropy with the teacher's top class: DeiT's best)", "model", choices=["soft", "hard"])
+        "or hard (cross-entropy with the teacher's top class: DeiT's best)", "model", choices=["soft", "hard"],
+        exact=True)
     drop_path: float = option(
         0.0, "stochastic depth: the rate timm's model drops residual branches at (its drop_path_rate); drawn per "
-        "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability)
+        "micro-batch from (seed, step, position in the global batch)", "model", "X", type=options.probability,
+        exact=True)
     blurpool: bool = option(
         False, "blur the input of every strided convolution with 16 or more input channels (FFCV's BlurPool, on in "
         "its recipes; timm's BlurPool2d filter). Part of the model: a checkpoint resumes and evaluates only with "
         "the setting it was trained with, and --initial-checkpoint warns when they differ", "model",
         action=argparse.BooleanOptionalAction)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
-                       type=options.non_negative_int)
+                       type=options.non_negative_int, exact=True)
     amp: str = option(
         "auto", "auto: the fastest correct precision for this machine. GPUs: bf16 where native (Ampere and newer), "
         "else fp16 with a GradScaler whose state is checkpointed. CPUs: bf16 only where native (AVX512-BF16 or "
         "AMX), else fp32, because emulated bf16 is far slower (docs/BENCHMARKS.md). The start-up table says what "
         "was chosen and why; an explicit bf16 or fp16 that the device only emulates still runs, with one warning",
-        "model", choices=["auto", "bf16", "fp16", "none"])
+        "model", choices=["auto", "bf16", "fp16", "none"], exact=True)
     grad_checkpointing: bool = option(
         False, "recompute each block's activations in the backward pass instead of keeping them (timm's "
         "set_grad_checkpointing): less memory for large models, about a third more compute, the same numbers",
@@ -187,7 +181,9 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
                             "and exit, through `imagenet-elastic evaluate`'s code path; its model (--model, "
                             "--pretrained, --blurpool) and validation sizes (--image-size, --val-crop-size, "
                             "--val-resize) are the checkpoint's unless given", "run", action="store_true")
-    max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int)
+    max_steps_per_epoch: Optional[int] = option(None, "cap for smoke runs", "run", "N", type=options.positive_int,
+                                                exact=True)
+
     def __post_init__(self) -> None:
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
         check_range("--scale", self.scale, high=1.0)
@@ -238,11 +234,18 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         """Plain values only, so checkpoints load with weights_only=True."""
         return dataclasses.asdict(self)
 
-    def differences(self, saved: dict[str, Any], names: tuple[str, ...] = RESUME_SENSITIVE) -> list[str]:
+    def differences(self, saved: dict[str, Any], names: Optional[tuple[str, ...]] = None) -> list[str]:
         """Human-readable list of the settings `names` that differ from a checkpoint's."""
         mine = self.to_dict()
+        names = RESUME_SENSITIVE if names is None else names
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
 
+
+
+# Settings whose change between a checkpoint and a resumed run breaks exact continuation: each says so itself
+# (`option(..., exact=True)`). --teacher's identity (a hash of its weights) is compared instead
+# (models/teacher_weights.compare).
+RESUME_SENSITIVE = tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("exact"))
 
 def saved_setting(settings: dict[str, Any], name: str) -> Any:
     """A setting from a checkpoint's saved `config`; one saved before the setting existed ran with its default."""

@@ -189,23 +189,24 @@ class AugmentSettings:
 
     scale: tuple[float, float] = option(
         (0.08, 1.0), "random-resized crop: the range of its area, as a fraction of the image's", "augment",
-        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float)
+        ("MIN", "MAX"), shown_default="0.08 1", nargs=2, type=options.positive_float, exact=True)
     ratio: tuple[float, float] = option(
         (3 / 4, 4 / 3), "random-resized crop: the range of its aspect ratio (width / height)", "augment",
-        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float)
+        ("MIN", "MAX"), shown_default="3/4 4/3", nargs=2, type=options.positive_float, exact=True)
     hflip: float = option(0.5, "probability of a horizontal flip; 0 where a mirrored image means something else "
-                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability)
+                          "(text, handwriting, many medical scans)", "augment", "P", type=options.probability,
+                          exact=True)
     auto_augment: str = option(
         "none", "augmentation policy after the crop, torchvision's: ta_wide (TrivialAugmentWide), ra (RandAugment), "
         "imagenet (AutoAugment's ImageNet policy); in the loader workers, or on the device under --decode gpu",
-        "augment", choices=list(POLICIES))
+        "augment", choices=list(POLICIES), exact=True)
     random_erase: float = option(
         0.0, "probability of erasing a random rectangle (torchvision's RandomErasing), filled with the mean pixel",
-        "augment", "P", type=options.probability)
+        "augment", "P", type=options.probability, exact=True)
     ra_reps: int = option(
         1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
         "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
-        "it sees 1/N of the images", "augment", "N", type=options.positive_int)
+        "it sees 1/N of the images", "augment", "N", type=options.positive_int, exact=True)
 
     @property
     def augment(self) -> Augment:

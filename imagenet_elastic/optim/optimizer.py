@@ -35,21 +35,23 @@ class OptimizerSettings:
     """The optimizer (one of `OPTIMIZERS`), its LR and what it applies to."""
 
     lr: float = option(0.1, "LR for a global batch of 256, scaled linearly: `lr x global_batch / 256` (printed at "
-                       "start)", "model", "X", type=options.positive_float)
-    opt: str = option("sgd", "optimizer: " + options.described(OPTIMIZERS), "model", choices=list(OPTIMIZERS))
+                       "start)", "model", "X", type=options.positive_float, exact=True)
+    opt: str = option("sgd", "optimizer: " + options.described(OPTIMIZERS), "model", choices=list(OPTIMIZERS),
+                      exact=True)
     momentum: float = option(0.9, "momentum of sgd, nesterov and lars", "model", "X",
-                             type=options.non_negative_float)
+                             type=options.non_negative_float, exact=True)
     weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
                                  "those timm's model.no_weight_decay() names (a ViT's pos_embed and cls_token)",
                                  "model", "X",
-                                 type=options.non_negative_float)
+                                 type=options.non_negative_float, exact=True)
     layer_decay: Optional[float] = option(
         None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
         "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
-        type=options.positive_float)
+        type=options.positive_float, exact=True)
     clip_grad_norm: Optional[float] = option(
         None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
-        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float)
+        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float,
+        exact=True)
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:

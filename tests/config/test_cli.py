@@ -28,7 +28,7 @@ def test_config_differences_lists_only_changed_resume_sensitive_settings():
     saved = Config(data="/a", lr=0.1, batch_size=64, workers=4, log_interval=10).to_dict()
     now = Config(data="/b", lr=0.2, batch_size=32, workers=8, log_interval=99)
     differences = now.differences(saved)
-    assert differences == ["batch_size: checkpoint 64, now 32", "lr: checkpoint 0.1, now 0.2"]
+    assert differences == ["lr: checkpoint 0.1, now 0.2", "batch_size: checkpoint 64, now 32"]  # in field order
 
 
 def test_config_differences_is_empty_for_the_same_settings_and_ignores_missing_keys():
@@ -45,9 +45,13 @@ def test_evaluate_is_told_only_of_the_differences_that_change_validation():
                                                              "amp: checkpoint 'bf16', now 'none'"]
 
 
-def test_resume_sensitive_names_are_config_fields():
-    names = {f.name for f in dataclasses.fields(Config)}
-    assert set(RESUME_SENSITIVE) | set(VALIDATION_SENSITIVE) <= names
+def test_resume_sensitive_settings_are_those_whose_fields_say_exact_and_validation_ones_are_fields():
+    """A setting says itself that a change breaks exact continuation (`option(..., exact=True)`), beside its flag."""
+    fields = {f.name: f for f in dataclasses.fields(Config)}
+    assert set(VALIDATION_SENSITIVE) <= set(fields)
+    assert tuple(name for name, f in fields.items() if f.metadata.get("exact")) == RESUME_SENSITIVE
+    assert {"lr", "opt", "seed", "scale", "progressive_resize", "model_ema"} <= set(RESUME_SENSITIVE)
+    assert not {"workers", "log_interval", "checkpoints_path", "decode", "dist_timeout"} & set(RESUME_SENSITIVE)
 
 
 def test_config_to_dict_round_trips_through_torch_save_weights_only():
