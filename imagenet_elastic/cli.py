@@ -209,7 +209,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     from imagenet_elastic.launch.processes import run_worker, spawn_workers
 
     if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path
-        from imagenet_elastic.tools.evaluate import trainer_evaluate as entry
+        from imagenet_elastic.tools.evaluate import evaluate_checkpoint as entry
     else:
         from imagenet_elastic.train.trainer import run as entry
 

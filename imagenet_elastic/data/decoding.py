@@ -43,8 +43,8 @@ class DecodeSettings:
         "a thread of the training process decodes each batch on the device (--gpu-decoder) and crops, resizes, "
         "flips, runs the policy and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall "
         "back to the CPU, each kind reported once by each rank that meets it); auto: gpu on CUDA when there is a "
-        "policy or erasing, or fewer than 32 cores per process, else cpu (the start-up table says which and why)",
-        "run", choices=list(DECODE_MODES))
+        f"policy or erasing, or fewer than {CPU_DECODE_CORES} cores per process, else cpu (the start-up table says "
+        "which and why)", "run", choices=list(DECODE_MODES))
     gpu_decoder: str = option(
         "auto", "the JPEG library --decode gpu decodes with: " + options.described(jpeg_decoders.JPEG_DECODERS)
         + "; auto: the first of these that decodes on this device (the start-up table says which and why)", "run",

@@ -26,6 +26,7 @@ The trainer's `--evaluate` (pytorch/examples' flag) is a front of the same code 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import os
@@ -242,18 +243,14 @@ def run(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def trainer_evaluate(config: Config, env: DistEnv) -> None:
-    """The trainer's `DATA --evaluate --resume CHECKPOINT` (pytorch/examples' flag): cli.py runs it as a rank's entry
-    point under any launcher, instead of training."""
-    evaluate_checkpoint(config, env)
-
-
 def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = None) -> dict[str, Any]:
-    """--evaluate through this tool's one code path (`score`): the checkpoint's weights, and their average where it
-    keeps one, on the run's validation split (--val-path, else DATA's; `val`: a source the caller holds) at the
-    run's validation sizes (the checkpoint's unless given: cli.settings_from_checkpoint), as one JSON line in the
-    trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for that checkpoint). A
-    setting or a split that makes the scores differ from the run's own validation is one warning each."""
+    """The trainer's `DATA --evaluate --resume CHECKPOINT` (pytorch/examples' flag), the rank's entry point cli.py
+    hands to launch/ instead of training, through this tool's one code path (`score`): the checkpoint's weights, and
+    their average where it keeps one, on the run's validation split (--val-path, else DATA's; `val`: a source the
+    caller holds) at the run's validation sizes (the checkpoint's unless given: cli.settings_from_checkpoint), as one
+    JSON line in the trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for that
+    checkpoint). A setting or a split that makes the scores differ from the run's own validation is one warning
+    each."""
     from imagenet_elastic.checkpoint import store
     from imagenet_elastic.data import sources
     from imagenet_elastic.data.sources import fingerprints
@@ -271,14 +268,16 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
         if path is None:
             raise UserError(f"--evaluate needs a checkpoint: {config.checkpoints_path} has no {store.LAST}; pass "
                             "--resume PATH")
-        snapshot = store.load(path, lazy=True)  # its settings and names: the weights are read by load_model
+        snapshot = store.load(path, lazy=True)  # mapped: its settings, names and weight average
         if val is None:
             location = config.val_path or sources.split_locations(config.data, None)[1]  # DATA's unless given
             val = sources.open_source(location, "val", None, tuple(snapshot.get("classes", ())), config.val_labels)
         check_compatible(snapshot, path, config.model, val.classes, None, config.blurpool)
         models = {"": load_model(path, False, False)}
-        if snapshot.get("model_ema") is not None:
-            models["_ema"] = load_model(path, False, True)
+        if snapshot.get("model_ema") is not None:  # the same model: its average into a copy, the file not read again
+            average = copy.deepcopy(models[""].module)
+            average.load_state_dict(snapshot["model_ema"])
+            models["_ema"] = dataclasses.replace(models[""], module=average)
         changes = config.differences(snapshot["config"], VALIDATION_SENSITIVE)
         changes += [fingerprints.difference(models[""].val_print, val)] if env.is_main else []
         for change in filter(None, changes):

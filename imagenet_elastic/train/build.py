@@ -157,7 +157,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         check_compatible(snapshot, resume_from, config.model, train.classes, config.opt, config.blurpool)
         change = teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
         if change is not None:
-            warn_differences(config, console, [change])
+            warn_differences(console, [change])
     data = check_data(run, train, val, snapshot)
     initial = initial_weights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
         else None
@@ -186,14 +186,14 @@ def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay
 def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
                ) -> Optional[dict[str, Any]]:
     """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
-    config, console = run.config, run.console
+    console = run.console
     if not run.env.is_main:
         return None
     saved = (snapshot.get("data") if snapshot is not None else None) or {}
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
     changes = [fingerprints.difference(saved.get(role), source, taken[role]) for role, source in splits.items()]
-    warn_differences(config, console, [change for change in changes if change])
+    warn_differences(console, [change for change in changes if change])
     return {role: taken[role].saved() for role in taken}
 
 
@@ -251,7 +251,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
             if before.all_micro_slices() != plan.all_micro_slices():
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
-        warn_differences(config, console, changes)
+        warn_differences(console, changes)
     return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
                     resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
                     resumed_at=snapshot["saved_at"] if snapshot else None,
@@ -270,7 +270,7 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
         console.warn(decoding.warning(inputs.device))
     change = decoding.change_from(training.saved_decoding)
     if change is not None:
-        warn_differences(config, console, [change])
+        warn_differences(console, [change])
     largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
     feed = decoding.feed(inputs.device, config.workers, cores, env.local_world_size, config.batch_size, largest,
                          functools.partial(console.warn, every_rank=True))
@@ -282,7 +282,7 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
     return Loaders(train, val, feed)
 
 
-def warn_differences(config: Config, console: Console, changes: list[str]) -> None:
+def warn_differences(console: Console, changes: list[str]) -> None:
     """One warning for each way a resumed run differs from its checkpoint's run."""
     for change in changes:
         console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
