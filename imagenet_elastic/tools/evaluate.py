@@ -171,6 +171,8 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
                                     interpolation=prep.interpolation) for _, source, _ in sets]
         build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
         build.join_process_group(env, device, reading.dist_timeout, stack)
+        if env.world_size > 1:
+            check_same_scoring(modules, sets)
         placed = {key: place_model(module, device, reading.channels_last) for key, module in modules.items()}
         to = ModelInput(device, precision.dtype, reading.channels_last, normalisation=prep.normalisation())
         for (location, source, counts_of), loader in zip(sets, loaders):
@@ -179,6 +181,45 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
                                      columns, counts, fit) for key, module in placed.items()}
             on_scored(Scored(location, source, results, precision.name))
         del placed, to  # before the process group goes (join_process_group's callbacks)
+
+
+def scoring_print(modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]]) -> tuple[Any, ...]:
+    """What every rank must share to score one thing: the code, each model's weights (their sum: identical weights,
+    identical sums) and each set's file list (with the labels it is scored by)."""
+    import torch
+
+    from imagenet_elastic.train.consistency import code_version
+
+    with torch.no_grad():
+        weights = tuple(sum(float(t.double().sum()) for t in module.state_dict().values() if t.is_floating_point())
+                        for module in modules.values())
+    return code_version(), weights, tuple(source.fingerprint() for _, source, _ in sets)
+
+
+def check_same_scoring(modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]]) -> None:
+    """One all-gather: node-local copies that differ by a file (or a model, or the code) would each score without
+    error, and the summed counts would mean nothing. JobMismatch on every rank names the first difference."""
+    from imagenet_elastic.launch import distributed
+    from imagenet_elastic.train.consistency import JobMismatch, first_file_difference, listing
+
+    prints = distributed.all_gather_object(scoring_print(modules, sets))
+    rank = next((r for r, theirs in enumerate(prints) if theirs != prints[0]), None)
+    if rank is None:
+        return
+    (code, weights, lists), (own_code, own_weights, own_lists) = prints[0], prints[rank]
+    if code != own_code:
+        raise JobMismatch(f"ranks run different code: rank 0 runs {code}, rank {rank} runs {own_code}; install the "
+                          "same version on every node")
+    if weights != own_weights:
+        raise JobMismatch(f"ranks score different weights: rank {rank}'s copy of the model differs from rank 0's")
+    k = next(k for k, (main, own) in enumerate(zip(lists, own_lists)) if main != own)
+    source = sets[k][1]
+    where, listed = distributed.broadcast_object((source.where(), listing(source)) if distributed.rank() == 0
+                                                 else None, src=0)
+    detail = distributed.broadcast_object(first_file_difference(source, listed, distributed.rank()), src=rank)
+    raise JobMismatch(f"validation set {where} differs between ranks: rank 0 has {lists[k].count} images in "
+                      f"{lists[k].classes} classes, rank {rank} {own_lists[k].count} in {own_lists[k].classes}; "
+                      f"{detail}. Node-local copies of the data must be identical")
 
 
 def run(args: Any) -> list[dict[str, Any]]:

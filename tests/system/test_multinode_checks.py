@@ -88,7 +88,8 @@ def assert_nothing_written(folder: Path) -> None:
         os.close(fd)
 
 
-def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_at_start(warm_python, tmp_path):
+def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_at_start(warm_python, tmp_path,
+                                                                                        image_folder, one_epoch_run):
     node_a = make_image_folder(tmp_path / "node_a", classes=2, train_per_class=16, val_per_class=2)
     missing, moved = tmp_path / "missing", tmp_path / "moved"
     for copy in (missing, moved):
@@ -101,12 +102,18 @@ def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_a
     ck = {name: [tmp_path / f"{name}_ck", tmp_path / f"{name}_ck"] for name in ("missing", "moved", "settings",
                                                                                  "packs")}
     ck["folders"] = [tmp_path / "folders_ck_a", tmp_path / "folders_ck_b"]
+    val_missing = tmp_path / "val_missing"  # --evaluate: the checkpoint's data with a validation image less
+    shutil.copytree(image_folder, val_missing)
+    (val_missing / "val" / "class_002" / "val_002_00001.jpg").unlink()
+    scored = ["--evaluate", "--resume", str(one_epoch_run / "last.pt")]
     jobs = {
         "missing": two_nodes(warm_python, [node_a, missing], ck["missing"], [[], []], torchrun=True),
         "folders": two_nodes(warm_python, [node_a, node_a], ck["folders"], [[], []], torchrun=True),
         "moved": two_nodes(warm_python, [node_a, moved], ck["moved"], [[], []], torchrun=False),
         "settings": two_nodes(warm_python, [node_a, node_a], ck["settings"], [[], ["--seed", "7"]], torchrun=False),
         "packs": two_nodes(warm_python, packs, ck["packs"], [[], []], torchrun=False),
+        "evaluate": two_nodes(warm_python, [image_folder, val_missing], [tmp_path / "evaluate_ck"] * 2,
+                              [scored, scored], torchrun=False),
     }
     wait_all(jobs)
 
@@ -125,6 +132,10 @@ def test_nodes_with_different_data_settings_or_checkpoints_folders_are_refused_a
     assert_refused(jobs["folders"], "the checkpoints folder is not shared: rank 1 (",
                    "does not see the lock that rank 0 (", f"holds in {ck['folders'][0]} "
                    f"(it looks in {ck['folders'][1]})", "starts over from nothing")
+    assert_refused(jobs["evaluate"], f"validation set {image_folder / 'val'} differs between ranks: rank 0 has 35 "
+                   "images in 4 classes, rank 1 34 in 4", "image #19 is 'class_002/val_002_00001.jpg' on rank 0 but "
+                   "'class_002/val_002_00002.jpg' on rank 1")
+    assert not (tmp_path / "evaluate_ck").exists()
     for folders in ck.values():
         for folder in set(folders):
             if (folder / ".lock").exists():

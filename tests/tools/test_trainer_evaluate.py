@@ -97,3 +97,18 @@ def test_under_micro_batch_auto_a_batch_out_of_memory_is_scored_in_halves_once_w
     model.most = 1
     with pytest.raises(OutOfMemoryAgain, match="halved once already"):
         score_batches(to, model, batches, fit=fit)
+
+
+def test_ranks_scoring_prints_differ_when_one_weight_or_one_label_differs(averaged):
+    """What check_same_scoring gathers across ranks: equal for the same model and set, and apart when a single
+    weight of the model, or a single label of the set, differs."""
+    _, splits = averaged
+    val = splits[1]
+    model = nn.Linear(3, 2)
+    same = evaluate_tool.scoring_print({"": model}, [("val", val, None)])
+    assert evaluate_tool.scoring_print({"": model}, [("val", val, None)]) == same
+    with torch.no_grad():
+        model.weight[1, 2] += 1e-3
+    assert evaluate_tool.scoring_print({"": model}, [("val", val, None)])[1] != same[1]
+    relabelled = type(val)(val.role, val.classes, val.images, val.labels[::-1].copy())
+    assert evaluate_tool.scoring_print({"": model}, [("val", relabelled, None)])[2] != same[2]
