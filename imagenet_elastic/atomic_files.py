@@ -66,6 +66,14 @@ def atomic_write_bytes(data: bytes, path: str) -> None:
     commit(write_temp(folder, os.path.basename(path), lambda f: f.write(data)), path)
 
 
+def store_bytes(data: bytes, path: str) -> None:
+    """atomic_write_bytes for a file of the run's record: the OS's refusal is a StorageError (see storage_error)."""
+    try:
+        atomic_write_bytes(data, path)
+    except OSError as error:
+        raise storage_error(error, "writing", path) from None
+
+
 def fsync_dir(folder: str) -> None:
     """Make a rename durable (the directory entry itself must reach the disk)."""
     fd = os.open(folder, os.O_RDONLY)

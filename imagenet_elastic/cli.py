@@ -176,8 +176,6 @@ def shown_default(f: dataclasses.Field) -> str:
     value = f.default
     if value is None or value is False or value is dataclasses.MISSING:
         return ""
-    if value is True:
-        return "on"
     return f"`{shown(value)}`" if isinstance(value, (str, tuple)) else shown(value)
 
 
@@ -198,22 +196,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         return
     try:
         config, args = parse(argv)
-    except UserError as error:
-        report(error, rank=0)
-        sys.exit(error.exit_code)
-    if args.print_config:
-        sys.stdout.write(settings_yaml(config, "imagenet_elastic settings (--print-config); run them with --config"))
-        return
-    from imagenet_elastic.launch.distributed import uses_cuda, visible_gpu_count
-    from imagenet_elastic.launch.launchers import resolve_launch
-    from imagenet_elastic.launch.processes import run_worker, spawn_workers
+        if args.print_config:
+            sys.stdout.write(settings_yaml(config, "imagenet_elastic settings (--print-config); run them with "
+                                                   "--config"))
+            return
+        from imagenet_elastic.launch.distributed import uses_cuda, visible_gpu_count
+        from imagenet_elastic.launch.launchers import resolve_launch
 
-    if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path
-        from imagenet_elastic.tools.evaluate import evaluate_checkpoint as entry
-    else:
-        from imagenet_elastic.train.trainer import run as entry
-
-    try:
         plan = resolve_launch(config.dist_init_method, os.environ, local_rank_arg=args.local_rank,
                               nproc_per_node=config.nproc_per_node, master_port=config.master_port,
                               dist_url=config.dist_url, visible_gpus=visible_gpu_count(os.environ),
@@ -221,6 +210,13 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except UserError as error:  # no rank is known yet: every process reports
         report(error, rank=0)
         sys.exit(error.exit_code)
+    from imagenet_elastic.launch.processes import run_worker, spawn_workers
+
+    if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path
+        from imagenet_elastic.tools.evaluate import evaluate_checkpoint as entry
+    else:
+        from imagenet_elastic.train.trainer import run as entry
+
     try:
         if plan.spawns:
             spawn_workers(entry, config, plan.env, plan.procs_per_task)

@@ -80,7 +80,5 @@ def counted(number: int, noun: str, plural: Optional[str] = None) -> str:
 
 def report(error: UserError, rank: int, own: bool = False) -> None:
     """Rank 0 reports for all; other ranks only errors that are theirs alone (`every_rank`, or `own`)."""
-    if rank == 0:
-        print(f"{PROG}: error: {one_line(error)}", file=sys.stderr, flush=True)
-    elif error.every_rank or own:
-        print(f"{PROG}: error: [rank {rank}] {one_line(error)}", file=sys.stderr, flush=True)
+    if rank == 0 or error.every_rank or own:
+        print(f"{PROG}: error: {f'[rank {rank}] ' if rank else ''}{one_line(error)}", file=sys.stderr, flush=True)

@@ -18,17 +18,18 @@ if __name__ == "__main__":  # started as a script: the checkout's package, befor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from imagenet_elastic import cli  # noqa: E402
-from imagenet_elastic.tools import pack_shard  # noqa: E402
+from imagenet_elastic.data.sources import Source  # noqa: E402
+from imagenet_elastic.tools import pack  # noqa: E402
 
 HOLD_FROM, HOLDING, HOLD_S = "PACK_HOLD_FROM", "PACK_HOLDING", "PACK_HOLD_S"
 
 
 def install() -> None:
-    """Wrap pack_shard.samples (what write_shard reads a shard's samples through) before the pool forks."""
+    """Wrap pack.samples (what write_shard reads a shard's samples through) before the pool forks."""
     hold_from, holding, wait = int(os.environ[HOLD_FROM]), os.environ[HOLDING], float(os.environ.get(HOLD_S, "120"))
-    samples = pack_shard.samples
+    samples = pack.samples
 
-    def held(split: pack_shard.Split, start: int, stop: int):  # type: ignore[no-untyped-def]
+    def held(split: Source, start: int, stop: int):  # type: ignore[no-untyped-def]
         for n, sample in enumerate(samples(split, start, stop)):
             if n == 1 and split.role == "train" and start >= hold_from:  # the first sample is in the shard's file
                 with open(holding, "a") as f:
@@ -36,7 +37,7 @@ def install() -> None:
                 time.sleep(wait)
             yield sample
 
-    pack_shard.samples = held
+    pack.samples = held
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from imagenet_elastic.checkpoint.store import CheckpointFolder
+from imagenet_elastic.checkpoint.store import CheckpointFolder, map_tree
 from imagenet_elastic.config import Config
 from imagenet_elastic.errors import STORAGE_ERROR_EXIT, FailedOnRank0, StorageError, one_line
 from imagenet_elastic.launch import distributed
@@ -38,23 +38,15 @@ class HostCopy:
     def copy(self, state: Any) -> Any:
         used: dict[tuple, torch.Tensor] = {}
 
-        def walk(value: Any, path: tuple) -> Any:
-            if isinstance(value, torch.Tensor):
-                buffer = self.buffers.get(path)
-                if (buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype
-                        or buffer.stride() != value.stride()):
-                    buffer = torch.empty_like(value, device="cpu", pin_memory=self.pin)
-                used[path] = buffer
-                return buffer.copy_(value, non_blocking=self.pin)
-            if isinstance(value, dict):
-                return {key: walk(item, (*path, key)) for key, item in value.items()}
-            if isinstance(value, list):
-                return [walk(item, (*path, i)) for i, item in enumerate(value)]
-            if isinstance(value, tuple):
-                return tuple(walk(item, (*path, i)) for i, item in enumerate(value))
-            return value  # numbers and strings are immutable
+        def copy(value: torch.Tensor, path: tuple) -> torch.Tensor:
+            buffer = self.buffers.get(path)
+            if (buffer is None or buffer.shape != value.shape or buffer.dtype != value.dtype
+                    or buffer.stride() != value.stride()):
+                buffer = torch.empty_like(value, device="cpu", pin_memory=self.pin)
+            used[path] = buffer
+            return buffer.copy_(value, non_blocking=self.pin)
 
-        copied = walk(state, ())
+        copied = map_tree(copy, state)
         self.copied = torch.cuda.current_stream().record_event() if self.pin and torch.cuda.is_available() else None
         self.buffers = used  # buffers of tensors that went away are freed
         return copied
@@ -87,19 +79,16 @@ class CheckpointWriter:
         if self.host is None:
             self._write(state, epoch, is_best, after, start)
         else:
-            snapshot = self.host.copy(state)
-            self.thread = threading.Thread(target=self._write, args=(snapshot, epoch, is_best, after, start,
-                                                                     self.host.wait_copied),
-                                           name="checkpoint-writer", daemon=True)
+            self.thread = threading.Thread(target=self._write, args=(self.host.copy(state), epoch, is_best, after,
+                                                                     start), name="checkpoint-writer", daemon=True)
             self.thread.start()
         self.stall_seconds = time.perf_counter() - start
 
     def _write(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
-               after: Optional[Callable[[], None]], start: float,
-               copied: Optional[Callable[[], None]] = None) -> None:
+               after: Optional[Callable[[], None]], start: float) -> None:
         try:
-            if copied is not None:
-                copied()  # the host copy's bytes have landed
+            if self.host is not None:
+                self.host.wait_copied()  # the host copy's bytes have landed
             self.files.save(state, epoch, is_best)
             self.on_disk = (state.get("step", 0), state.get("epoch", 0),
                             state.get("epoch_progress", {}).get("samples", 0))

@@ -8,12 +8,14 @@ channels_last parameter fails CUDA's fused SGD at the first step of every rank b
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 
+from imagenet_elastic.checkpoint.store import map_tree
 from imagenet_elastic.launch import distributed
 
 ALIGN = 64  # each tensor's bytes start at a multiple of this, so a byte view can become any dtype
@@ -42,50 +44,36 @@ def dense_layout(tensor: torch.Tensor) -> bool:
 
 def pack(tree: Any) -> tuple[Any, torch.Tensor]:
     """`tree` with each tensor replaced by its Slot, and the buffer holding every tensor's bytes."""
-    parts: list[torch.Tensor] = []
+    parts: list[tuple[int, torch.Tensor]] = []  # each tensor's offset and bytes
     size = 0
 
-    def walk(value: Any) -> Any:
+    def slot(value: torch.Tensor, _: tuple) -> Slot:
         nonlocal size
-        if isinstance(value, torch.Tensor):
-            data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # in logical order
-            slot = Slot(size, value.dtype, tuple(value.shape),
-                        None if value.is_contiguous() or not dense_layout(value) else tuple(value.stride()))
-            parts.append(data)
-            size += -(-data.numel() // ALIGN) * ALIGN
-            return slot
-        if isinstance(value, dict):
-            return {k: walk(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(walk(v) for v in value)
-        return value
+        data = value.detach().cpu().contiguous().reshape(-1).view(torch.uint8)  # in logical order
+        parts.append((size, data))
+        slot = Slot(size, value.dtype, tuple(value.shape),
+                    None if value.is_contiguous() or not dense_layout(value) else tuple(value.stride()))
+        size += -(-data.numel() // ALIGN) * ALIGN
+        return slot
 
-    skeleton = walk(tree)
+    skeleton = map_tree(slot, tree)
     buffer = torch.empty(size, dtype=torch.uint8)
-    offset = 0
-    for data in parts:
+    for offset, data in parts:
         buffer[offset:offset + data.numel()] = data
-        offset += -(-data.numel() // ALIGN) * ALIGN
     return skeleton, buffer
 
 
 def unpack(skeleton: Any, buffer: torch.Tensor) -> Any:
     """The inverse of `pack`. Each tensor gets its own storage, as from torch.load: an optimizer keeps the state
     tensors it is given, and torch.save refuses tensors of several dtypes that share one."""
-    if isinstance(skeleton, Slot):
-        width = torch.empty((), dtype=skeleton.dtype).element_size()
-        numel = 1
-        for n in skeleton.shape:
-            numel *= n
-        data = buffer[skeleton.offset:skeleton.offset + numel * width].view(skeleton.dtype).reshape(skeleton.shape)
-        if skeleton.stride is None:
+    def tensor(slot: Slot, _: tuple) -> torch.Tensor:
+        data = buffer[slot.offset:slot.offset + math.prod(slot.shape) * slot.dtype.itemsize]
+        data = data.view(slot.dtype).reshape(slot.shape)
+        if slot.stride is None:
             return data.clone()
-        return torch.empty_strided(skeleton.shape, skeleton.stride, dtype=skeleton.dtype).copy_(data)
-    if isinstance(skeleton, dict):
-        return {k: unpack(v, buffer) for k, v in skeleton.items()}
-    if isinstance(skeleton, (list, tuple)):
-        return type(skeleton)(unpack(v, buffer) for v in skeleton)
-    return skeleton
+        return torch.empty_strided(slot.shape, slot.stride, dtype=slot.dtype).copy_(data)
+
+    return map_tree(tensor, skeleton, Slot)
 
 
 def from_main(tree: Optional[Any], device: torch.device) -> Any:

@@ -18,7 +18,7 @@ import shutil
 import socket
 import tempfile
 import time
-from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any, BinaryIO, Callable, Optional
 
 import torch
@@ -36,13 +36,13 @@ EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
 LINK_REFUSED = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 
 
+@dataclass
 class _RecordingFile:
     """torch.save's writer turns a failed write into `RuntimeError: ... unexpected pos`: keep the
     OSError (its errno says no space, I/O error or quota) so it can be reported instead."""
 
-    def __init__(self, file: BinaryIO) -> None:
-        self.file = file
-        self.error: Optional[OSError] = None
+    file: BinaryIO
+    error: Optional[OSError] = None
 
     def write(self, data: bytes) -> int:
         try:
@@ -66,20 +66,22 @@ def save_to(state: dict[str, Any], file: BinaryIO) -> None:
         raise
 
 
-def tensors_in(value: Any) -> Iterator[torch.Tensor]:
-    if isinstance(value, torch.Tensor):
-        yield value
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from tensors_in(item)
-    elif isinstance(value, (list, tuple)):
-        for item in value:
-            yield from tensors_in(item)
+def map_tree(fn: Callable[[Any, tuple], Any], tree: Any, leaf: type = torch.Tensor, path: tuple = ()) -> Any:
+    """A state's nested dicts, lists and tuples with each `leaf` replaced by `fn(leaf, its keys and indices)`."""
+    if isinstance(tree, leaf):
+        return fn(tree, path)
+    if isinstance(tree, dict):
+        return {key: map_tree(fn, item, leaf, (*path, key)) for key, item in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return type(tree)(map_tree(fn, item, leaf, (*path, i)) for i, item in enumerate(tree))
+    return tree  # numbers and strings
 
 
 def state_bytes(state: dict[str, Any]) -> int:
     """About what a save writes: the tensors' bytes (the rest is a few KB of structure)."""
-    return sum(t.numel() * t.element_size() for t in tensors_in(state))
+    sizes: list[int] = []
+    map_tree(lambda tensor, _: sizes.append(tensor.numel() * tensor.element_size()), state)
+    return sum(sizes)
 
 
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
@@ -208,27 +210,24 @@ def read_lock_token(folder: str) -> Optional[str]:
         return None
 
 
+@dataclass
 class CheckpointFolder:
     """Owns one checkpoints folder (rank 0 only): `last.pt`, `best.pt`, the newest K `epoch_NNNN.pt`."""
 
-    def __init__(self, folder: str, keep: int, warn: Callable[[str], None] = print) -> None:
-        self.folder = folder
-        self.keep = keep
-        self.warn = warn
-        self.links = True  # until the file system refuses one
+    folder: str
+    keep: int
+    warn: Callable[[str], None] = print
+    links: bool = True  # until the file system refuses one
 
     @property
     def last_path(self) -> str:
         return os.path.join(self.folder, LAST)
 
-    def epoch_path(self, epoch: int) -> str:
-        return os.path.join(self.folder, f"epoch_{epoch:04d}.pt")
-
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
         """One serialization and one write, committed as `last.pt`; `epoch` (just completed) and `is_best` add
         `epoch_NNNN.pt` and `best.pt` as links, each name replaced atomically, `last.pt` last. A refused write
         raises StorageError naming the file, leaving committed files as they were and no temp file."""
-        also = [self.epoch_path(epoch)] if self.keep > 0 and epoch is not None else []
+        also = [os.path.join(self.folder, f"epoch_{epoch:04d}.pt")] if self.keep > 0 and epoch is not None else []
         also += [os.path.join(self.folder, BEST)] if is_best else []
         doing, path = "writing", (also or [self.last_path])[0]
         try:
@@ -243,7 +242,8 @@ class CheckpointFolder:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(temp)  # gone once committed; here when an error came first
             doing, path = "removing old checkpoints in", self.folder
-            self.prune()
+            for old in self.epoch_files()[:-self.keep] if self.keep > 0 else self.epoch_files():
+                os.unlink(old)
         except OSError as error:
             previous = (f"; the previous checkpoint {self.last_path} is intact" if os.path.isfile(self.last_path)
                         else "")
@@ -278,10 +278,6 @@ class CheckpointFolder:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""
         found = ((m, n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
         return [os.path.join(self.folder, n) for m, n in sorted(found, key=lambda mn: int(mn[0].group(1)))]
-
-    def prune(self) -> None:
-        for path in self.epoch_files()[:-self.keep] if self.keep > 0 else self.epoch_files():
-            os.unlink(path)
 
     def stale_temp_files(self) -> list[str]:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))

@@ -241,15 +241,15 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
 
 
-
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation: each says so itself
 # (`option(..., exact=True)`). --teacher's identity (a hash of its weights) is compared instead
 # (models/teacher_weights.compare).
 RESUME_SENSITIVE = tuple(f.name for f in dataclasses.fields(Config) if f.metadata.get("exact"))
 
+
 def saved_setting(settings: dict[str, Any], name: str) -> Any:
     """A setting from a checkpoint's saved `config`; one saved before the setting existed ran with its default."""
-    return settings[name] if name in settings else Config.__dataclass_fields__[name].default
+    return settings.get(name, Config.__dataclass_fields__[name].default)
 
 
 def saved_eval_sizes(settings: dict[str, Any]) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 
 import yaml
 
-from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import store_bytes
 from imagenet_elastic.config import Config, flag, setting_fields
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import Parser
@@ -108,10 +108,6 @@ def file_value(name: str, value: Any) -> Any:
 def write(folder: str, config: Config) -> None:
     """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds, but RUN_LOCATION; written
     with its first checkpoint, so a run that fails before saving anything leaves the file as it was."""
-    path = os.path.join(folder, FILE_NAME)
     text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them as a new run with "
                                  "--config and a --checkpoints-path of its own (this file names none)", RUN_LOCATION)
-    try:
-        atomic_write_bytes(text.encode(), path)
-    except OSError as error:
-        raise storage_error(error, "writing", path) from None
+    store_bytes(text.encode(), os.path.join(folder, FILE_NAME))

@@ -79,13 +79,14 @@ class Augment:
         import torch
         from PIL import Image
 
+        policy, erasing = self.transforms
         with seeded(seed):
-            if self.policy_transform is not None and pil:
-                pixels = torch.from_numpy(np.array(self.policy_transform(Image.fromarray(pixels.numpy()))))
-            elif self.policy_transform is not None:
-                pixels = self.policy_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
-            if self.erase_transform is not None:
-                pixels = self.erase_transform(pixels.permute(2, 0, 1)).permute(1, 2, 0)
+            if policy is not None and pil:
+                pixels = torch.from_numpy(np.array(policy(Image.fromarray(pixels.numpy()))))
+            elif policy is not None:
+                pixels = policy(pixels.permute(2, 0, 1)).permute(1, 2, 0)
+            if erasing is not None:
+                pixels = erasing(pixels.permute(2, 0, 1)).permute(1, 2, 0)
         return pixels.contiguous() if pil else pixels
 
     def draws(self, seed: Optional[int], size: int) -> Optional[Draws]:
@@ -99,11 +100,12 @@ class Augment:
         ops, boxes = self.recorders
         with seeded(seed):
             for recorder in (ops, boxes):
+                recorder.seen.clear()
                 if recorder.transform is not None:
                     recorder.transform(stand_in)
-        erased = [params for (params,) in boxes.take() if params["v"] is not None]  # v None: nothing erased
+        erased = [params for (params,) in boxes.seen if params["v"] is not None]  # v None: nothing erased
         box = tuple(int(erased[0][k]) for k in "ijhw") if erased else None
-        return Draws(tuple((op, float(magnitude)) for op, magnitude, *_ in ops.take()), box)
+        return Draws(tuple((op, float(magnitude)) for op, magnitude, *_ in ops.seen), box)
 
     @functools.cached_property
     def recorders(self) -> tuple[Recorder, Recorder]:
@@ -113,12 +115,9 @@ class Augment:
         return Recorder(make_policy(self.policy), "_apply_image_or_video_transform"), Recorder(erasing, method)
 
     @functools.cached_property
-    def policy_transform(self) -> Optional[Callable]:
-        return make_policy(self.policy)
-
-    @functools.cached_property
-    def erase_transform(self) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
-        return make_erasing(self.erase)
+    def transforms(self) -> tuple[Optional[Callable], Optional[Callable]]:
+        """This process's policy and erasing (None: not asked for), made once."""
+        return make_policy(self.policy), make_erasing(self.erase)
 
 
 class Recorder:
@@ -134,10 +133,6 @@ class Recorder:
         self.seen.append(args)
         return image
 
-    def take(self) -> list[tuple]:
-        seen, self.seen = self.seen, []
-        return seen
-
 
 INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3, flip half the images
 
@@ -145,12 +140,10 @@ INCEPTION_CROP = Augment()  # the defaults: random-resized crop 0.08-1, 3/4-4/3,
 def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
     if name not in POLICY_TABLE:
         raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
-    build = POLICY_TABLE[name][1]
-    if build is None:
-        return None
-    from torchvision.transforms import v2
+    from torchvision.transforms import v2  # see make_erasing
 
-    return build(v2)
+    build = POLICY_TABLE[name][1]
+    return None if build is None else build(v2)
 
 
 def make_erasing(probability: float) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:

@@ -32,6 +32,11 @@ CPU_DECODE_CORES = 32
 GPU_DECODE_WORKERS = 4
 
 DECODE_MODES = ("auto", "cpu", "gpu")  # --decode
+# What each mode's loader workers do with a sample's bytes (training's, validation's), and how they make a batch
+WORKER_PARTS: dict[str, tuple[pipeline.Load, pipeline.EvalLoad, Callable[[list], pipeline.Batch]]] = {
+    "cpu": (pixels.decode_bytes, pixels.decode_centre_crop, pipeline.collate),
+    "gpu": (gpu_decode.encode_bytes, gpu_decode.encode_centre_crop, gpu_decode.collate),
+}
 
 
 @dataclass(frozen=True)
@@ -68,43 +73,26 @@ class Decoding:
                gpu_decoder: str = "auto") -> Decoding:
         """--decode as asked; `auto`: gpu on CUDA with a policy or erasing (on the device a few operators per batch,
         in the workers a pass over every image) or fewer than CPU_DECODE_CORES cores per process; else cpu."""
-        mode, why = cls.mode_for(requested, device, cores_per_process, augment)
+        if requested != "auto":
+            mode, why = requested, f"--decode {requested}"
+        elif device.type != "cuda":
+            mode, why = "cpu", "auto: no CUDA device"
+        elif augment.after_crop:
+            mode, why = "gpu", "auto: CUDA, with a policy or erasing to run"
+        elif cores_per_process < CPU_DECODE_CORES:
+            mode, why = "gpu", f"auto: CUDA, {cores_per_process} cores per process (< {CPU_DECODE_CORES})"
+        else:
+            mode = "cpu"
+            why = f"auto: CUDA, {cores_per_process} cores per process (>= {CPU_DECODE_CORES}) and no policy"
         if mode == "cpu":
             return cls(mode, why, unused=gpu_decoder if gpu_decoder != "auto" else "")
         library, library_why = jpeg_decoders.choose(gpu_decoder, device)
         return cls(mode, why, library, library_why, cores_per_process)
 
-    @staticmethod
-    def mode_for(requested: str, device: torch.device, cores_per_process: int, augment: Augment) -> tuple[str, str]:
-        if requested != "auto":
-            return requested, f"--decode {requested}"
-        if device.type != "cuda":
-            return "cpu", "auto: no CUDA device"
-        if augment.after_crop:
-            return "gpu", "auto: CUDA, with a policy or erasing to run"
-        if cores_per_process < CPU_DECODE_CORES:
-            return "gpu", f"auto: CUDA, {cores_per_process} cores per process (< {CPU_DECODE_CORES})"
-        return "cpu", f"auto: CUDA, {cores_per_process} cores per process (>= {CPU_DECODE_CORES}) and no policy"
-
     def default_workers(self, cores: int, local_world_size: int) -> int:
         """Loader workers per process when --workers does not say (pipeline.default_workers, fewer under gpu)."""
         workers = pipeline.default_workers(cores, local_world_size)
         return min(workers, GPU_DECODE_WORKERS) if self.mode == "gpu" else workers
-
-    @property
-    def load(self) -> pipeline.Load:
-        """What a loader worker does with a sample's bytes."""
-        return gpu_decode.encode_bytes if self.mode == "gpu" else pixels.decode_bytes
-
-    @property
-    def eval_load(self) -> pipeline.EvalLoad:
-        """What a validation loader's worker does with a sample's bytes."""
-        return gpu_decode.encode_centre_crop if self.mode == "gpu" else pixels.decode_centre_crop
-
-    @property
-    def collate(self) -> Callable[[list], pipeline.Batch]:
-        """How a worker's samples become one batch."""
-        return gpu_decode.collate if self.mode == "gpu" else pipeline.collate
 
     def feed(self, device: torch.device, workers: Optional[int], cores: int, local_world_size: int, batch_size: int,
              largest_crop: int, warn: Callable[[str], None]) -> Feed:
@@ -175,15 +163,16 @@ class Feed:
 
     def train_loader(self, source: Source, sizes: TrainSizes, seed: int, augment: Augment,
                      sampler: TrainBatchSampler, ignored: tuple[int, ...] = ()) -> DataLoader:
-        dataset = pipeline.TrainDataset(source, sizes, seed, self.decoding.load, augment)
-        return pipeline.train_loader(dataset, sampler, self.workers, self.pinned, ignored, self.decoding.collate,
-                                     self.prefetch)
+        load, _, collate = WORKER_PARTS[self.decoding.mode]
+        dataset = pipeline.TrainDataset(source, sizes, seed, load, augment)
+        return pipeline.train_loader(dataset, sampler, self.workers, self.pinned, ignored, collate, self.prefetch)
 
     def eval_loader(self, source: Source, crop: int, resize: int, batch_size: int, rank: int, world_size: int,
                     ignored: tuple[int, ...] = (), interpolation: str = "bilinear") -> DataLoader:
-        dataset = pipeline.EvalDataset(source, crop, resize, self.decoding.eval_load, interpolation)
+        _, load, collate = WORKER_PARTS[self.decoding.mode]
+        dataset = pipeline.EvalDataset(source, crop, resize, load, interpolation)
         return pipeline.eval_loader(dataset, batch_size, rank, world_size, self.workers, self.pinned, ignored,
-                                    self.decoding.collate, self.prefetch)
+                                    collate, self.prefetch)
 
 
 def way(saved: dict[str, str]) -> str:

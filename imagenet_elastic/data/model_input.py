@@ -23,9 +23,7 @@ class ModelInput:
     normalisation: tuple[tuple[float, ...], tuple[float, ...]] = (IMAGENET_MEAN, IMAGENET_STD)
 
     def __post_init__(self) -> None:
-        mean, std = self.normalisation
-        self.mean = torch.tensor(mean, device=self.device).view(1, 3, 1, 1)
-        self.std = torch.tensor(std, device=self.device).view(1, 3, 1, 1)
+        self.mean, self.std = (torch.tensor(rgb, device=self.device).view(1, 3, 1, 1) for rgb in self.normalisation)
 
     def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=self.amp_dtype or torch.float32,

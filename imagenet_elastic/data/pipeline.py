@@ -34,17 +34,10 @@ from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import SampleKey, TrainBatchSampler, eval_shard
 from imagenet_elastic.data.sources import Source
 
-# (encoded bytes, the sample's name for errors, choose_crop, size) -> what a worker hands over
+# What a worker hands over: (encoded bytes, the sample's name for errors, choose_crop, size) -> ..., and for
+# validation (encoded bytes, the sample's name, validation's view) -> ...
 Load = Callable[[bytes, str, ChooseCrop, int], Any]
-# (encoded bytes, the sample's name, validation's view) -> what a worker hands over
 EvalLoad = Callable[[bytes, str, CentreCrop], Any]
-# (what a Load made, the augmentation, the sample's seed for the policy and erasing, its size) -> the sample
-Augmented = Callable[[Any, Augment, Optional[int], int], Any]
-
-
-def augment_pixels(pixels: torch.Tensor, augment: Augment, seed: Optional[int], size: int) -> torch.Tensor:
-    """A decoded crop's policy and erasing, applied in the worker (the CPU path's)."""
-    return augment.apply(pixels, seed)
 
 
 @dataclasses.dataclass
@@ -75,10 +68,10 @@ class Batch:
                                    labels=self.labels.to(device, non_blocking=True))
 
 
-def collate(samples: list[tuple]) -> Batch:
-    """Dataset items (image, label[, index]) to a Batch; images of one size stack into one tensor."""
+def collate(samples: list[tuple], join: Callable[[list], Any] = default_collate) -> Batch:
+    """Dataset items (image, label[, index]) to a Batch; images of one size stack into one tensor (`join`)."""
     images, labels, *indices = zip(*samples)
-    return Batch(default_collate(list(images)), torch.tensor(labels, dtype=torch.int64),
+    return Batch(join(list(images)), torch.tensor(labels, dtype=torch.int64),
                  torch.tensor(indices[0], dtype=torch.int64) if indices else None)
 
 
@@ -94,8 +87,6 @@ class TrainDataset(Dataset):
     def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
                  augment: Augment = INCEPTION_CROP) -> None:
         self.source, self.seed, self.load, self.augment = source, seed, load, augment
-        # a load may take the policy and erasing its own way (gpu_decode.encode_bytes: the draws travel with the bytes)
-        self.augmented: Augmented = getattr(load, "augmented", augment_pixels)
         self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
 
     def __len__(self) -> int:
@@ -112,7 +103,11 @@ class TrainDataset(Dataset):
 
         size = self.sizes(epoch)
         image = self.load(self.source.read(i), self.source.name(i), choose_crop, size)
-        return self.augmented(image, augment, augment.draw_seed(rng), size), self.source.label(i), i
+        seed = augment.draw_seed(rng)
+        # a load may take the policy and erasing its own way (gpu_decode.encode_bytes: the draws travel with the bytes)
+        augmented = getattr(self.load, "augmented", None)
+        image = augmented(image, augment, seed, size) if augmented else augment.apply(image, seed)
+        return image, self.source.label(i), i
 
 
 class EvalDataset(Dataset):
@@ -155,9 +150,7 @@ def share_heap_with_workers() -> None:
     gc.freeze()
 
 
-def thaw_heap() -> None:
-    """Undo `share_heap_with_workers` as the rank ends: what it froze is collectable again."""
-    gc.unfreeze()
+thaw_heap = gc.unfreeze  # undoes `share_heap_with_workers` as the rank ends: what it froze is collectable again
 
 
 def stop_loader_workers() -> None:
@@ -198,15 +191,6 @@ def prefetch_factor(workers: int, batch_bytes: int, pinned: bool, budget: int = 
     return max(MIN_PREFETCH, min(PREFETCH, budget // max(1, workers * batch_bytes)))
 
 
-def _loader_options(workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
-                    collate_fn: Callable[[list], Batch], prefetch: int) -> dict:
-    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate_fn,
-               "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
-    if workers > 0:
-        options.update(persistent_workers=True, prefetch_factor=prefetch, multiprocessing_context=_WORKER_START)
-    return options
-
-
 class Gate:
     """A sampler that hands out nothing while it is closed (see `start_workers`)."""
 
@@ -237,16 +221,25 @@ def start_workers(loader: DataLoader) -> None:
         gate.open = True
 
 
+def make_loader(dataset: Dataset, workers: int, pin_memory: bool, ignored_signals: tuple[int, ...],
+                collate_fn: Callable[[list], Batch], prefetch: int, **sampling: Any) -> DataLoader:
+    """A DataLoader of `dataset` in the order `sampling` gives (a Gate in it: see `start_workers`)."""
+    options = {"num_workers": workers, "pin_memory": pin_memory, "collate_fn": collate_fn,
+               "worker_init_fn": functools.partial(_worker_init, ignored_signals)}
+    if workers > 0:
+        options.update(persistent_workers=True, prefetch_factor=prefetch, multiprocessing_context=_WORKER_START)
+    return DataLoader(dataset, generator=torch.Generator().manual_seed(0), **sampling, **options)
+
+
 def train_loader(dataset: TrainDataset, sampler: TrainBatchSampler, workers: int, pin_memory: bool,
                  ignored_signals: tuple[int, ...] = (), collate_fn: Callable[[list], Batch] = collate,
                  prefetch: int = PREFETCH) -> DataLoader:
-    return DataLoader(dataset, batch_sampler=Gate(sampler), generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn, prefetch))
+    return make_loader(dataset, workers, pin_memory, ignored_signals, collate_fn, prefetch,
+                       batch_sampler=Gate(sampler))
 
 
 def eval_loader(dataset: EvalDataset, batch_size: int, rank: int, world_size: int, workers: int,
                 pin_memory: bool, ignored_signals: tuple[int, ...] = (),
                 collate_fn: Callable[[list], Batch] = collate, prefetch: int = PREFETCH) -> DataLoader:
-    return DataLoader(dataset, batch_size=batch_size, sampler=Gate(eval_shard(len(dataset), rank, world_size)),
-                      generator=torch.Generator().manual_seed(0),
-                      **_loader_options(workers, pin_memory, ignored_signals, collate_fn, prefetch))
+    return make_loader(dataset, workers, pin_memory, ignored_signals, collate_fn, prefetch, batch_size=batch_size,
+                       sampler=Gate(eval_shard(len(dataset), rank, world_size)))

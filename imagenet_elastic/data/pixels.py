@@ -67,19 +67,13 @@ class CentreCrop:
         return TF.center_crop(resized, [self.size]).permute(1, 2, 0)
 
 
-def decode_full(raw: bytes, path: str) -> torch.Tensor:
-    """The whole image in RGB as the reference's `Image.open(...).convert("RGB")` gives it, HWC uint8: RGB or grey
-    JPEGs by torchvision's libjpeg-turbo decoder (Pillow's pixels, straight into a tensor), others by Pillow."""
-    with decoding(path), Image.open(io.BytesIO(raw)) as img:
-        if img.format == "JPEG" and img.mode in DECODED_BY_TORCHVISION:
-            from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
-            return decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
-        return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
-
-
 def decode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> torch.Tensor:
-    """Validation's size x size x 3 uint8 of an image's bytes; no DCT scaling (it is not the reference's pixels)."""
-    return view.apply(decode_full(raw, path))
+    """Validation's size x size x 3 uint8 of the whole image in RGB as the reference's `Image.open(...).convert("RGB")`
+    gives it: RGB or grey JPEGs by torchvision's libjpeg-turbo decoder (Pillow's pixels, straight into a tensor), others
+    by Pillow; no DCT scaling (it is not the reference's pixels)."""
+    with decoding(path), Image.open(io.BytesIO(raw)) as img:
+        pixels = rgb(img, raw, img.format == "JPEG" and img.mode in DECODED_BY_TORCHVISION)
+    return view.apply(pixels)
 
 
 def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
@@ -96,13 +90,17 @@ def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> t
         with decoding(path):
             if img.format == "JPEG" and shrink <= 0.5:
                 img.draft("RGB", (math.ceil(width * shrink), math.ceil(height * shrink)))
-            if img.format == "JPEG" and img.size == (width, height):
-                from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
-                pixels = decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
-            else:
-                pixels = torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
+            pixels = rgb(img, raw, img.format == "JPEG" and img.size == (width, height))
         fx, fy = img.size[0] / width, img.size[1] / height
     return crop_resize(pixels, (left * fx, top * fy, w * fx, h * fy), flip, size)
+
+
+def rgb(img: Image.Image, raw: bytes, by_torchvision: bool) -> torch.Tensor:
+    """An opened image's pixels, HWC uint8 RGB: decoded from `raw` by torchvision, or by Pillow."""
+    if by_torchvision:
+        from torchvision.io import ImageReadMode, decode_jpeg  # see pipeline.share_heap_with_workers
+        return decode_jpeg(byte_tensor(raw), mode=ImageReadMode.RGB).permute(1, 2, 0)
+    return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
 
 
 @contextlib.contextmanager
@@ -133,21 +131,14 @@ def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
-    """Antialiased bilinear resize of NCHW uint8; only the CPU has a uint8 kernel (elsewhere float32, rounded). On the
-    CPU the region is first made dense channels_last: faster, and its HWC output is contiguous (collation: one copy)."""
+    """Antialiased bilinear resize of NCHW uint8; only the CPU has a uint8 kernel (elsewhere float32, rounded back as
+    the uint8 kernel rounds: one rule for every path). On the CPU the region is first made dense channels_last:
+    faster, and its HWC output is contiguous (collation: one copy)."""
     if uint8_kernel:
         region = region.contiguous(memory_format=torch.channels_last)
-        return F.interpolate(region, size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-    return to_uint8(resize_float(region, size))
-
-
-def resize_float(region: torch.Tensor, size: int) -> torch.Tensor:
-    return F.interpolate(region.float(), size=(size, size), mode="bilinear", antialias=True, align_corners=False)
-
-
-def to_uint8(resized: torch.Tensor) -> torch.Tensor:
-    """A float resize's output back to uint8, rounded as the uint8 kernel rounds (one rule for every path)."""
-    return resized.round_().clamp_(0, 255).to(torch.uint8)
+    resized = F.interpolate(region if uint8_kernel else region.float(), size=(size, size), mode="bilinear",
+                            antialias=True, align_corners=False)
+    return resized if uint8_kernel else resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
 def pixel_span(start: float, length: float, limit: int) -> slice:

@@ -7,6 +7,7 @@ samples continues with sample `k` of the same permutation at any world size.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -67,12 +68,8 @@ class BatchPlan:
     def micro_slices(self, rank: int) -> list[slice]:
         """Positions in the global batch of rank `rank`'s micro-batches, in order."""
         base, extra = divmod(self.share, self.accum)
-        start, slices = rank * self.share, []
-        for j in range(self.accum):
-            size = base + (j < extra)
-            slices.append(slice(start, start + size))
-            start += size
-        return slices
+        ends = list(itertools.accumulate((base + (j < extra) for j in range(self.accum)), initial=rank * self.share))
+        return [slice(start, stop) for start, stop in zip(ends, ends[1:])]
 
     def all_micro_slices(self) -> list[slice]:
         """Every micro-batch of a step, over all ranks, in global-batch order."""
@@ -96,14 +93,10 @@ class TrainBatchSampler:
         if plan.global_batch % reps:
             raise UserError(f"--ra-reps {reps} must divide the global batch ({plan.global_batch}): each global "
                             f"batch holds global-batch / ra-reps images, each {reps} times")
-        self.num_samples = num_samples
-        self.plan = plan
-        self.seed = seed
-        self.reps = reps
+        self.num_samples, self.plan, self.seed, self.reps = num_samples, plan, seed, reps
         self.steps = steps_per_epoch(num_samples, plan.global_batch, max_steps)
         self.slices = plan.micro_slices(rank)
-        self.epoch = 0
-        self.start_sample = 0
+        self.epoch, self.start_sample = 0, 0
 
     @property
     def samples_per_epoch(self) -> int:
@@ -112,8 +105,7 @@ class TrainBatchSampler:
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
         if not 0 <= start_sample <= self.samples_per_epoch:
             raise ValueError(f"start_sample {start_sample} outside the epoch's {self.samples_per_epoch} samples")
-        self.epoch = epoch
-        self.start_sample = start_sample
+        self.epoch, self.start_sample = epoch, start_sample
 
     @property
     def steps_left(self) -> int:
@@ -124,25 +116,23 @@ class TrainBatchSampler:
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        g = self.plan.global_batch
-        if self.reps == 1:
-            for k in range(self.steps_left):
-                batch = order[self.start_sample + k * g:self.start_sample + (k + 1) * g]
-                for part in self.slices:
-                    yield [(self.epoch, int(i)) for i in batch[part]]
-            return
-        for step in range(self.start_sample // g, self.steps):
-            keys = repeated_batch(order, step, g, self.reps, self.epoch)
+        g, start = self.plan.global_batch, self.start_sample
+        if self.reps == 1:  # from any sample on (a checkpoint's global batch may differ)
+            steps = ([(self.epoch, int(i)) for i in order[start + k * g:start + (k + 1) * g]]
+                     for k in range(self.steps_left))
+        else:  # from any image on: `start` samples were start / reps images (reps divided every global batch)
+            unique, first = g // self.reps, start // self.reps
+            steps = (repeated_batch(order[first + k * unique:first + (k + 1) * unique], self.reps, self.epoch)
+                     for k in range(self.steps_left))
+        for keys in steps:
             for part in self.slices:
                 yield keys[part]
 
 
-def repeated_batch(order: np.ndarray, step: int, global_batch: int, reps: int, epoch: int) -> list[SampleKey]:
-    """Repeated augmentation (DeiT; torchvision's --ra-reps): global batch `step` holds the next global_batch / reps
-    images, `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on different
-    ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
-    unique = global_batch // reps
-    group = order[step * unique:(step + 1) * unique]
+def repeated_batch(group: np.ndarray, reps: int, epoch: int) -> list[SampleKey]:
+    """Repeated augmentation (DeiT; torchvision's --ra-reps): a global batch holds the next global_batch / reps images
+    (`group`), `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on
+    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
     return [(epoch, int(i), copy) for copy in range(reps) for i in group]
 
 

@@ -1,4 +1,4 @@
-"""Who am I in the job: rank discovery from launcher variables, process group, device and threads."""
+"""This process in the job (launchers.py says who it is): its device and threads, the process group, collectives."""
 
 from __future__ import annotations
 
@@ -39,13 +39,9 @@ def visible_gpu_count(environ: Mapping[str, str]) -> int:
     """GPUs this process may use: CUDA_VISIBLE_DEVICES's entries when set (Slurm sets it per task, also before a
     driver is loaded), else what CUDA reports."""
     visible = environ.get("CUDA_VISIBLE_DEVICES")
-    if visible is not None:
-        count = 0
-        for entry in visible.split(","):
-            if not entry.strip() or entry.strip().startswith("-"):  # CUDA hides everything after an invalid id
-                break
-            count += 1
-        return count
+    if visible is not None:  # CUDA hides everything from an invalid id on
+        entries = [entry.strip() for entry in visible.split(",")]
+        return next((i for i, entry in enumerate(entries) if not entry or entry.startswith("-")), len(entries))
     return torch.cuda.device_count()
 
 
@@ -81,16 +77,14 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     if not env.launched:
         return
     timeout = timedelta(seconds=timeout_s)
-    role = "waiting for the other ranks" if env.rank == 0 and not env.store_is_external else "connecting"
+    hosts = env.rank == 0 and not env.store_is_external
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size,
-                              is_master=env.rank == 0 and not env.store_is_external, timeout=timeout)
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts, timeout=timeout)
         namespace = join_round(store, env.rank, env.world_size, timeout_s)
     except (RuntimeError, OSError, TimeoutError) as error:
-        raise RendezvousError(
-            f"gave up {role} at MASTER_ADDR={env.master_addr} MASTER_PORT={env.master_port} "
-            f"after {timeout_s:g} s (--dist-timeout): {first_line(error)}"
-        ) from None
+        raise RendezvousError(f"gave up {'waiting for the other ranks' if hosts else 'connecting'} at MASTER_ADDR="
+                              f"{env.master_addr} MASTER_PORT={env.master_port} after {timeout_s:g} s "
+                              f"(--dist-timeout): {first_line(error)}") from None
     options = group_options(device)
     dist.init_process_group(store=dist.PrefixStore(namespace, store), rank=env.rank, world_size=env.world_size,
                             timeout=timeout, **options)
@@ -100,9 +94,7 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
 
 def group_options(device: torch.device) -> dict[str, Any]:
     """nccl bound to this rank's GPU (`device_id`: `barrier()` need not guess it, with a warning), or gloo on a CPU."""
-    if device.type == "cuda":
-        return {"backend": "nccl", "device_id": device}
-    return {"backend": "gloo"}
+    return {"backend": "nccl", "device_id": device} if device.type == "cuda" else {"backend": "gloo"}
 
 
 _ROUNDS = "imagenet_elastic/rounds"
@@ -161,7 +153,7 @@ def is_initialized() -> bool:
 def agree(flags: Sequence[bool]) -> list[bool]:
     """Each flag, true on any rank, becomes true on every rank: stop and checkpoint decisions are taken together at
     a step boundary, so no rank waits in a collective the others skipped."""
-    if not is_initialized():
+    if not is_initialized():  # one process: no tensor, so no host read in the step's audit
         return list(flags)
     votes = all_reduce_max(torch.tensor([int(f) for f in flags], dtype=torch.int32))
     return [bool(v) for v in votes.tolist()]
@@ -237,8 +229,3 @@ PEER_GONE = ("closed by peer", "reset by peer", "Broken pipe")  # gloo's words f
 def peer_left(error: BaseException) -> bool:
     """Whether a collective failed because another rank's process ended (e.g. after a second Ctrl-C)."""
     return isinstance(error, RuntimeError) and any(words in str(error) for words in PEER_GONE)
-
-
-def barrier() -> None:
-    if is_initialized():
-        dist.barrier()

@@ -5,6 +5,7 @@ Parsed here because ``scontrol show hostnames`` is often missing inside containe
 from __future__ import annotations
 
 import itertools
+import math
 import re
 
 from imagenet_elastic.errors import UserError
@@ -20,25 +21,19 @@ def _fail(text: str, problem: str) -> UserError:
 
 def _split_top_level(text: str) -> list[str]:
     """Split on commas outside brackets, checking that brackets are balanced and not nested."""
-    items: list[str] = []
-    depth = 0
-    start = 0
+    inside = False
     for i, char in enumerate(text):
         if char == "[":
-            if depth:
+            if inside:
                 raise _fail(text, f"nested '[' at position {i}")
-            depth = 1
+            inside = True
         elif char == "]":
-            if not depth:
+            if not inside:
                 raise _fail(text, f"']' without a matching '[' at position {i}")
-            depth = 0
-        elif char == "," and not depth:
-            items.append(text[start:i])
-            start = i + 1
-    if depth:
+            inside = False
+    if inside:
         raise _fail(text, "'[' is never closed")
-    items.append(text[start:])
-    return items
+    return re.split(r",(?![^\[]*\])", text)  # a comma inside brackets has a ']' ahead before any '['
 
 
 def _expand_range(text: str, body: str) -> list[str]:
@@ -64,34 +59,20 @@ def _expand_range(text: str, body: str) -> list[str]:
     return numbers
 
 
-def _expand_item(text: str, item: str) -> list[list[str]]:
-    """Pieces of one top-level item: fixed text and bracket expansions, whose product gives its hosts."""
-    pieces: list[list[str]] = []
-    for i, chunk in enumerate(re.split(r"\[([^\]]*)\]", item)):
-        if i % 2:
-            pieces.append(_expand_range(text, chunk))
-        elif chunk:
-            pieces.append([chunk])
-    return pieces
-
-
 def expand_hostlist(text: str) -> list[str]:
     """Hosts named by a Slurm hostlist expression, in Slurm's order, duplicates kept."""
     if not text or not text.strip():
         raise _fail(text, "it is empty")
-    items = [item.strip() for item in _split_top_level(text)]
-    expanded: list[list[list[str]]] = []
+    expanded: list[list[list[str]]] = []  # per item, its pieces (fixed text, bracket groups): their product
     total = 0
-    for item in items:
+    for item in (item.strip() for item in _split_top_level(text)):
         if not item:
             raise _fail(text, "empty item (two commas in a row, or a leading or trailing comma)")
         if any(char.isspace() for char in item):
             raise _fail(text, f"whitespace inside host name {item!r}")
-        pieces = _expand_item(text, item)
-        count = 1
-        for piece in pieces:
-            count *= len(piece)
-        total += count
+        chunks = re.split(r"\[([^\]]*)\]", item)  # text, group, text, ...
+        pieces = [_expand_range(text, chunk) if i % 2 else [chunk] for i, chunk in enumerate(chunks) if i % 2 or chunk]
+        total += math.prod(len(piece) for piece in pieces)
         if total > MAX_HOSTS:
             raise _fail(text, f"expands to more than {MAX_HOSTS} hosts")
         expanded.append(pieces)

@@ -65,7 +65,7 @@ class LaunchPlan:
 
 def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
     value = environ.get(name)
-    if value is None or value == "":
+    if not value:
         raise UserError(f"environment variable {name} is not set (it is set by {launcher})")
     try:
         return int(value)
@@ -73,24 +73,11 @@ def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
 
 
-def _require(environ: Mapping[str, str], names: tuple[str, ...], method: str, launcher: str) -> None:
-    missing = [n for n in names if not environ.get(n)]
-    if missing:
-        raise UserError(f"--dist-init-method {method} looked for {', '.join(names)} but {', '.join(missing)} "
-                        f"{'is' if len(missing) == 1 else 'are'} not set; these are set by {launcher}")
-
-
 def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
     """--master-port, else MASTER_PORT, else the launcher's default."""
     if explicit:
         return explicit
-    if environ.get("MASTER_PORT"):
-        return _int_var(environ, "MASTER_PORT", "the cluster or the user")
-    return default
-
-
-def has_torchrun_vars(environ: Mapping[str, str]) -> bool:
-    return "RANK" in environ and "WORLD_SIZE" in environ and "LOCAL_RANK" in environ
+    return _int_var(environ, "MASTER_PORT", "the cluster or the user") if environ.get("MASTER_PORT") else default
 
 
 def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
@@ -105,21 +92,17 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
                         f"{', '.join(missing)}; these variables are set by {TORCHRUN}")
     rank = _int_var(environ, "RANK", TORCHRUN)
     world_size = _int_var(environ, "WORLD_SIZE", TORCHRUN)
-    if "LOCAL_RANK" in environ:
-        local_rank = _int_var(environ, "LOCAL_RANK", TORCHRUN)
-    elif local_rank_arg is not None:
-        local_rank = local_rank_arg
-    else:
-        raise UserError(f"environment variable LOCAL_RANK is not set (it is set by {TORCHRUN})")
+    local_rank = (local_rank_arg if local_rank_arg is not None and "LOCAL_RANK" not in environ
+                  else _int_var(environ, "LOCAL_RANK", TORCHRUN))
     local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN)
                         if "LOCAL_WORLD_SIZE" in environ else world_size)
     if not (0 <= rank < world_size):
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
-    restarts = environ.get("TORCHELASTIC_RESTART_COUNT")
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN),
-        restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN) if restarts else 0,
+        restart_count=(_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN)
+                       if environ.get("TORCHELASTIC_RESTART_COUNT") else 0),
         launched=True, launcher="torchrun",
         # torchrun's agent hosts the store and tells its workers so (torch >= 2.2)
         store_is_external=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -153,31 +136,33 @@ def _scontrol_first_host(nodelist: str) -> str:
     return out.stdout.split()[0]
 
 
-def master_from_nodelist(nodelist: str, fallback: Callable[[str], str] = _scontrol_first_host) -> str:
-    """First host of the nodelist by our own parser; `scontrol show hostnames` only if that fails."""
-    try:
-        return first_host(nodelist)
-    except UserError:
-        return fallback(nodelist)
-
-
 def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None,
                    fallback: Callable[[str], str] = _scontrol_first_host) -> DistEnv:
     """One rank per Slurm task (`srun --ntasks-per-node=G`)."""
     names = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_NODEID", "SLURM_JOB_ID")
-    _require(environ, names, "slurm", "srun (inside salloc/sbatch allocations too)")
+    missing = [n for n in names if not environ.get(n)]
+    if missing:
+        raise UserError(f"--dist-init-method slurm looked for {', '.join(names)} but {', '.join(missing)} "
+                        f"{'is' if len(missing) == 1 else 'are'} not set; these are set by srun (inside "
+                        "salloc/sbatch allocations too)")
     nodelist = environ.get("SLURM_STEP_NODELIST") or environ.get("SLURM_JOB_NODELIST")
     if not nodelist:
         raise UserError("--dist-init-method slurm looked for SLURM_STEP_NODELIST and SLURM_JOB_NODELIST but "
                         "neither is set; these are set by srun")
     node_id = _int_var(environ, "SLURM_NODEID", "srun")
+    master_addr = environ.get("MASTER_ADDR")
+    if not master_addr:
+        try:
+            master_addr = first_host(nodelist)
+        except UserError:  # `scontrol show hostnames` only where our own parser fails
+            master_addr = fallback(nodelist)
     spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
     ntasks = _int_var(environ, "SLURM_NTASKS", "srun")
     return DistEnv(
         rank=_int_var(environ, "SLURM_PROCID", "srun"), world_size=ntasks,
         local_rank=_int_var(environ, "SLURM_LOCALID", "srun"),
         local_world_size=tasks_on_node(spec, node_id) if spec else ntasks,
-        master_addr=environ.get("MASTER_ADDR") or master_from_nodelist(nodelist, fallback),
+        master_addr=master_addr,
         master_port=_master_port(environ, master_port, slurm_master_port(_int_var(environ, "SLURM_JOB_ID", "srun"))),
         launched=True, launcher="srun",
         restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
@@ -252,28 +237,23 @@ class LaunchRequest:
 
 
 def plan_env(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
+    """N copies of a single-process run would overwrite each other's checkpoints: under another launcher, say what
+    to pass. SLURM_STEP_NUM_TASKS is set by srun for its tasks, not in an sbatch script, where one process is fine."""
     env = env_from_torchrun(environ, request.local_rank_arg)
-    if not env.launched:
-        _refuse_unnoticed_launcher(environ)
+    for var, method, launcher in (("SLURM_STEP_NUM_TASKS", "slurm", "srun"),
+                                  ("OMPI_COMM_WORLD_SIZE", "mpi", "mpirun"), ("PMI_SIZE", "mpi", "mpiexec")):
+        if not env.launched and environ.get(var, "").isdigit() and int(environ[var]) > 1:
+            raise UserError(f"started by {launcher} with {var}={environ[var]} but --dist-init-method is env "
+                            f"(torchrun variables); pass --dist-init-method {method}")
     return LaunchPlan(env)
 
 
 def plan_slurm(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
-    if has_torchrun_vars(environ):  # `srun torchrun ...`: torchrun's view of the job wins
+    if {"RANK", "WORLD_SIZE", "LOCAL_RANK"} <= environ.keys():  # `srun torchrun ...`: torchrun's view of the job wins
         return LaunchPlan(env_from_torchrun(environ, request.local_rank_arg))
     env = env_from_slurm(environ, request.master_port)
     procs = slurm_procs_per_task(environ, request.nproc_per_node, request.visible_gpus, request.uses_gpus)
     return LaunchPlan(env, procs)
-
-
-def plan_spawn(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
-    procs = request.nproc_per_node or max(1, request.visible_gpus)
-    port = request.master_port or 0  # 0: the parent's store picks a free port
-    return LaunchPlan(DistEnv(master_port=port, launcher="spawn", store_is_external=True), procs, starts_ranks=True)
-
-
-def plan_mpi(environ: Mapping[str, str], request: LaunchRequest) -> LaunchPlan:
-    return LaunchPlan(env_from_mpi(environ, request.dist_url, request.master_port))
 
 
 class LaunchMethod(NamedTuple):
@@ -284,8 +264,11 @@ class LaunchMethod(NamedTuple):
 METHODS: dict[str, LaunchMethod] = {
     "env": LaunchMethod(plan_env, "torchrun or torch.distributed.launch variables, or none for one process"),
     "slurm": LaunchMethod(plan_slurm, "srun's `SLURM_*`"),
-    "spawn": LaunchMethod(plan_spawn, "start --nproc-per-node local processes"),
-    "mpi": LaunchMethod(plan_mpi, "`OMPI_COMM_WORLD_*` or `PMI_*`"),
+    "spawn": LaunchMethod(lambda _, r: LaunchPlan(  # master port 0: the parent's store picks a free one
+        DistEnv(master_port=r.master_port or 0, launcher="spawn", store_is_external=True),
+        r.nproc_per_node or max(1, r.visible_gpus), starts_ranks=True), "start --nproc-per-node local processes"),
+    "mpi": LaunchMethod(lambda environ, r: LaunchPlan(env_from_mpi(environ, r.dist_url, r.master_port)),
+                        "`OMPI_COMM_WORLD_*` or `PMI_*`"),
 }
 
 
@@ -317,12 +300,3 @@ def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: O
     return METHODS[method].plan(environ, LaunchRequest(local_rank_arg, nproc_per_node, master_port, dist_url,
                                                   visible_gpus, uses_gpus))
 
-
-def _refuse_unnoticed_launcher(environ: Mapping[str, str]) -> None:
-    """N copies of a single-process run would overwrite each other's checkpoints: say what to pass.
-    SLURM_STEP_NUM_TASKS is set by srun for its tasks, not in an sbatch script, where one process is legitimate."""
-    for var, method, launcher in (("SLURM_STEP_NUM_TASKS", "slurm", "srun"),
-                                  ("OMPI_COMM_WORLD_SIZE", "mpi", "mpirun"), ("PMI_SIZE", "mpi", "mpiexec")):
-        if environ.get(var, "").isdigit() and int(environ[var]) > 1:
-            raise UserError(f"started by {launcher} with {var}={environ[var]} but --dist-init-method is env "
-                            f"(torchrun variables); pass --dist-init-method {method}")

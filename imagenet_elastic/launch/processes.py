@@ -102,7 +102,14 @@ def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, p
         task_env = dataclasses.replace(task_env, master_port=store.port)
     context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
-    forwarded = forward_signals(signal_numbers(config.preempt_signals), context.pids())
+
+    def forward(signum: int, _frame: object) -> None:  # to the ranks, rather than die (SIGUSR1) and orphan them
+        for pid in context.pids():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signum)
+
+    forwarded: dict[int, object] = {signum: signal.signal(signum, forward)
+                                    for signum in signal_numbers(config.preempt_signals)}
     # a terminal's Ctrl-C reaches the ranks themselves (one process group): the parent forwards none (a second each)
     forwarded[signal.SIGINT] = signal.signal(signal.SIGINT, lambda _signum, _frame: None)
     try:
@@ -149,12 +156,3 @@ def wait_for_ranks(processes: list, grace_s: float = STOP_GRACE_S) -> None:
             if process.exitcode in ASKED_STOPS and deadline is None:
                 deadline = time.monotonic() + grace_s
         pending = [p for p in pending if p.exitcode is None]
-
-
-def forward_signals(signums: tuple[int, ...], pids: list[int]) -> dict[int, object]:
-    """Pass preemption signals on to the ranks rather than die of one (SIGUSR1's default) and orphan the ranks."""
-    def forward(signum: int, _frame: object) -> None:
-        for pid in pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signum)
-    return {signum: signal.signal(signum, forward) for signum in signums}

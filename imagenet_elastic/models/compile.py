@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import importlib
 import time
 from typing import Any, Callable, Optional
 
@@ -43,27 +42,21 @@ def error_line(error: BaseException) -> str:
     return f"{type(inner).__name__}: {first_line(inner)}"
 
 
-@contextlib.contextmanager
 def backward_compiled_with_forward() -> Any:
     """Compile the backward with the forward, not at first use: its failures surface in that call (before DDP or the
     loss wait for a backward), its time in that measure. No-op without this private switch."""
-    try:
-        config: Any = importlib.import_module("torch._functorch.config")
-    except ImportError:
-        config = None
-    if config is None or not hasattr(config, "force_non_lazy_backward_lowering"):
-        yield
-        return
-    with config.patch(force_non_lazy_backward_lowering=True):
-        yield
+    from torch._functorch import config
+
+    if not hasattr(config, "force_non_lazy_backward_lowering"):
+        return contextlib.nullcontext()
+    return config.patch(force_non_lazy_backward_lowering=True)
 
 
 def graph_cache_counts() -> tuple[int, int]:
-    """Inductor's FX graph cache (hits, misses) so far in this process; (0, 0) with another backend or torch."""
-    try:
-        counted = importlib.import_module("torch._dynamo.utils").counters.get("inductor", {})
-    except (ImportError, AttributeError):
-        return 0, 0
+    """Inductor's FX graph cache (hits, misses) so far in this process; (0, 0) with another backend."""
+    from torch._dynamo.utils import counters
+
+    counted = counters.get("inductor", {})
     return int(counted.get("fxgraph_cache_hit", 0)), int(counted.get("fxgraph_cache_miss", 0))
 
 

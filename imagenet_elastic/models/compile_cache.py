@@ -35,14 +35,6 @@ def supported() -> bool:
     return hasattr(torch.compiler, "save_cache_artifacts") and hasattr(torch.compiler, "load_cache_artifacts")
 
 
-def device_name(device: torch.device) -> str:
-    """The device as compiled code depends on it: a GPU's name and compute capability; `cpu`."""
-    if device.type != "cuda":
-        return device.type
-    major, minor = torch.cuda.get_device_capability(device)
-    return f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
-
-
 def triton_version() -> Optional[str]:
     """Triton's version, under the names its wheels have (nightly torch installs pytorch-triton); None without it."""
     for name in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
@@ -54,16 +46,19 @@ def triton_version() -> Optional[str]:
 
 
 def cache_key(device: torch.device, **settings: Any) -> dict[str, Any]:
-    """What compiled graphs depend on besides shapes: versions, device, and the caller's code-changing `settings`."""
-    return {"torch": torch.__version__, "triton": triton_version(), "device": device_name(device), **settings}
+    """What compiled graphs depend on besides shapes: versions, the device (a GPU's name and compute capability),
+    and the caller's code-changing `settings`."""
+    name = device.type
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        name = f"{torch.cuda.get_device_name(device)} sm_{major}{minor}"
+    return {"torch": torch.__version__, "triton": triton_version(), "device": name, **settings}
 
 
 def mismatch(saved: dict[str, Any], mine: dict[str, Any]) -> str:
     """The first difference between two keys, as `torch 2.11.0, now 2.13.0`."""
-    for name in sorted(set(saved) | set(mine)):
-        if saved.get(name) != mine.get(name):
-            return f"{name} {saved.get(name)}, now {mine.get(name)}"
-    return "nothing"
+    return next((f"{name} {saved.get(name)}, now {mine.get(name)}" for name in sorted(set(saved) | set(mine))
+                 if saved.get(name) != mine.get(name)), "nothing")
 
 
 def encode(key: dict[str, Any], blob: bytes, artifacts: Iterable[str]) -> bytes:
@@ -110,11 +105,6 @@ def why_not_loaded(records: list[logging.LogRecord]) -> str:
     return f"torch could not read it: {records[0].getMessage()}" if records else "torch could not read it"
 
 
-def artifact_names(info: Any) -> frozenset[str]:
-    """torch's CacheInfo as `type:key` names: what a blob holds, to tell whether a newer one holds more."""
-    return frozenset(f"{kind}:{name}" for kind, names in getattr(info, "artifacts", {}).items() for name in names)
-
-
 @dataclass
 class CompileCache:
     """CHECKPOINTS/compile_cache.bin for one run: `load` on every rank before the first compiled call; rank 0
@@ -148,29 +138,20 @@ class CompileCache:
         except OSError as error:
             self.unreadable(error.strerror or first_line(error))
             return
-        self.load_into_torch(data)
-        self.load_seconds = time.perf_counter() - start
-
-    def load_into_torch(self, data: bytes) -> None:
         try:
             header, blob = decode(data)
-        except ValueError as error:
+            if header["key"] != self.key:
+                self.state = f"{self.path} ignored: written for {mismatch(header['key'], self.key)}"
+            else:
+                with torch_cache_log() as records:
+                    info = torch.compiler.load_cache_artifacts(blob)
+                if info is None:  # torch/compiler/_cache.py: deserialize() logs the error and returns None
+                    raise ValueError(why_not_loaded(records))
+                self.known = frozenset(header.get("artifacts", ()))
+                self.state, self.loaded = f"loaded from {self.path}", True
+        except Exception as error:  # a damaged file, or a local cache folder torch cannot write
             self.unreadable(first_line(error))
-            return
-        if header["key"] != self.key:
-            self.state = f"{self.path} ignored: written for {mismatch(header['key'], self.key)}"
-            return
-        try:
-            with torch_cache_log() as records:
-                info = torch.compiler.load_cache_artifacts(blob)
-        except Exception as error:  # a local cache folder it cannot write
-            self.unreadable(first_line(error))
-            return
-        if info is None:  # torch/compiler/_cache.py: deserialize() logs the error and returns None
-            self.unreadable(why_not_loaded(records))
-            return
-        self.known = frozenset(header.get("artifacts", ()))
-        self.state, self.loaded = f"loaded from {self.path}", True
+        self.load_seconds = time.perf_counter() - start
 
     def unreadable(self, why: str) -> None:
         self.warn(f"ignoring the compile cache {self.path} ({why}): compiling from scratch; rewritten once this run "
@@ -191,7 +172,8 @@ class CompileCache:
         if saved is None:  # nothing compiled through torch's caches (another backend, caches turned off)
             return None
         blob, info = saved
-        names = artifact_names(info)
+        # torch's CacheInfo as `type:key` names: what the blob holds, to tell whether a newer one holds more
+        names = frozenset(f"{kind}:{key}" for kind, keys in getattr(info, "artifacts", {}).items() for key in keys)
         if names <= self.known:  # a warm start: the same graphs came out of the loaded caches
             return None
         self.known = names

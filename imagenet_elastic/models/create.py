@@ -4,13 +4,13 @@ depth, BlurPool, checkpointed blocks, the sizes it takes; its weight average (EM
 from __future__ import annotations
 
 import difflib
-from typing import Optional
+from typing import Any, Optional
 
 from torch import nn
 
 from imagenet_elastic.config import WEIGHT_SOURCES
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.models import published_weights, tiny_models
+from imagenet_elastic.models import tiny_models
 from imagenet_elastic.models.blurpool import BLUR_MIN_CHANNELS, blur_strided_convs
 from imagenet_elastic.models.input_size import Sizes, input_options
 
@@ -29,16 +29,18 @@ def check_model_name(name: str) -> None:
 
 
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
-                 published: Optional[published_weights.Published] = None, grad_checkpointing: bool = False,
-                 sizes: Sizes = ()) -> nn.Module:
-    """A timm model with random weights, or `published` ones (--pretrained, already read); `blurpool`,
-    `grad_checkpointing` and `sizes`: see blur_strided_convs, recompute_activations and input_options."""
+                 published: Optional[Any] = None, grad_checkpointing: bool = False, sizes: Sizes = ()) -> nn.Module:
+    """A timm model with random weights, or `published` ones (--pretrained's, already read: weights.py's Weights,
+    which imports this module), loaded by timm's pretrained path with the tensors in hand, so nothing is read twice
+    and timm drops a classifier of another class count;
+    `blurpool`, `grad_checkpointing` and `sizes`: see blur_strided_convs, recompute_activations and input_options."""
     import timm
 
     check_model_name(name)
     extra: dict = {"drop_path_rate": drop_path} if drop_path else {}
     extra.update(input_options(name, sizes))
-    weights = published_weights.timm_options(published) if published is not None else {"pretrained": False}
+    weights: dict = {"pretrained": False} if published is None else {"pretrained": True, "pretrained_cfg_overlay": {
+        "source": "", "state_dict": published.model.state_dict(), "num_classes": published.classes}}
     try:
         model = timm.create_model(name, num_classes=num_classes, **weights, **extra)
     except TypeError as error:

@@ -75,10 +75,7 @@ def resolve_precision(amp: str, device: torch.device) -> Precision:
 
 def place_model(model: nn.Module, device: torch.device, channels_last: bool) -> nn.Module:
     """The model as training runs it: on its device, in its memory layout."""
-    model = model.to(device)
-    if channels_last:
-        model = model.to(memory_format=torch.channels_last)
-    return model
+    return model.to(device, memory_format=torch.channels_last if channels_last else torch.preserve_format)
 
 
 def use_fastest_kernels(device: torch.device) -> None:

@@ -41,7 +41,7 @@ class TeacherInput:
 
 @dataclass(frozen=True)
 class TeacherWeights:
-    """The teacher as read: its model on the CPU (train.teacher.Teacher freezes it), and what is known of it."""
+    """The teacher as read: its model on the CPU (train.distillation.Teacher freezes it), and what is known of it."""
 
     model: nn.Module
     spec: str  # what --teacher said
@@ -108,12 +108,9 @@ def check_classes(teacher: TeacherWeights, classes: tuple[str, ...]) -> None:
 def compare(saved: Optional[dict[str, Any]], teacher: Optional[TeacherWeights], path: str) -> Optional[str]:
     """A checkpoint's teacher (`saved`: its identity, None: none) against this run's: a UserError naming both when
     they differ (other weights, or another input); a change to warn of when one of the two has none; else None."""
-    if saved is None and teacher is None:
-        return None
-    if saved is None:
-        return f"teacher: checkpoint none, now {teacher.spec}"
-    if teacher is None:
-        return f"teacher: checkpoint {saved['spec']}, now none"
+    if saved is None or teacher is None:
+        was, now = saved["spec"] if saved else "none", teacher.spec if teacher else "none"
+        return None if saved is None and teacher is None else f"teacher: checkpoint {was}, now {now}"
     if saved["sha256"] != teacher.sha256 or saved["input"] != teacher.input.saved():
         was = "other weights" if saved["sha256"] != teacher.sha256 else "another input"
         raise UserError(f"checkpoint {path} was distilled from {FLAG} {saved['spec']} (sha256 {saved['sha256'][:12]}), "

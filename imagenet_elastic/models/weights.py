@@ -1,29 +1,41 @@
-"""A whole model from what a user names as its weights: the one loader behind --teacher and `imagenet-elastic
-evaluate MODEL`.
+"""Weights a user names: the one loader behind --pretrained, --initial-checkpoint, --teacher and `imagenet-elastic
+evaluate MODEL`, read once at the start, before any data scan, so a missing file costs seconds.
 
-Told apart by form first, then on disk (as timm's reader factory does): our checkpoint (a file, or a run's
-checkpoints folder: its best.pt), an export (a folder with config.json: timm's `local-dir:`), else a timm name with
-published weights (--pretrained's cache and offline rules). The model comes on the CPU with its classes and, for a
-checkpoint, its run's settings and validation data."""
+`load_weights` (--teacher, evaluate): a whole model on the CPU, with its classes and, for a checkpoint, its run's
+settings. A spec is told apart by form first, then on disk (as timm's reader factory does): our checkpoint (a file,
+or a run's checkpoints folder: its best.pt), an export (a folder with config.json: timm's `local-dir:`), else a timm
+name with published weights (`published_model`, also --pretrained's): timm resolves it (`resnet50`: its default tag;
+`resnet50.a1_in1k`; `hf-hub:ORG/NAME`; `local-dir:FOLDER`) through the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE,
+HF_HUB_OFFLINE), so an offline node reads what an earlier download left; ranks sharing a cache download once.
+
+--initial-checkpoint (`InitialWeights`): our checkpoints, a plain state dict as timm and torchvision save it (also
+under `state_dict` or `model`, with `module.` or `_orig_mod.` prefixes), or a `.safetensors` file. A classifier that
+misfits the class count keeps its fresh initialisation; any other mismatch means another model's file: refused."""
 
 from __future__ import annotations
 
 import json
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
+import torch
 from torch import nn
 
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import WEIGHT_SOURCES, saved_setting
-from imagenet_elastic.errors import UserError
-from imagenet_elastic.models import published_weights, tiny_models
+from imagenet_elastic.errors import UserError, first_line
+from imagenet_elastic.models import tiny_models
 from imagenet_elastic.models.blurpool import blur_strided_convs
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.models.input_size import saved_sizes
 
 CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
+
+
+def classifier(model: nn.Module) -> Optional[nn.Module]:
+    """timm's classifier head (`get_classifier`), None for a model without one."""
+    return model.get_classifier() if hasattr(model, "get_classifier") else None
 
 
 @dataclass(frozen=True)
@@ -39,8 +51,7 @@ class Weights:
     @property
     def classes(self) -> int:
         """The classifier's outputs; 0 for a model without one (a feature extractor)."""
-        head = self.model.get_classifier() if hasattr(self.model, "get_classifier") else None
-        return getattr(self.model, "num_classes", 0) if head is not None else 0
+        return getattr(self.model, "num_classes", 0) if classifier(self.model) is not None else 0
 
 
 def resolve(spec: str, flag: str) -> tuple[str, str]:
@@ -75,7 +86,7 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
         raise UserError(f"{flag} {spec} is a timm model name: reading its published weights needs --pretrained")
     if ema:
         raise UserError(f"--ema applies to our checkpoints only, not to {flag} {spec}")
-    model = published_weights.create(f"local-dir:{target}" if kind == EXPORT else target, flag)
+    model = published_model(f"local-dir:{target}" if kind == EXPORT else target, flag)
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
     if kind == EXPORT or spec.startswith("local-dir:"):
         config = folder_config(spec.removeprefix("local-dir:"))
@@ -83,7 +94,7 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
         return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
                        exported_class_names(config))
-    where = published_weights.describe_source(model, spec)
+    where = describe_source(model, spec)
     return Weights(model, kind, target,
                    f"published weights of {architecture}" + (f": {where}" if where != spec else ""), None)
 
@@ -126,3 +137,118 @@ def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
         names = [by_index[str(i)] for i in range(len(by_index))] if all(
             str(i) in by_index for i in range(len(by_index))) else None
     return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else None
+
+
+def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
+    """timm's model `model_name` with its published weights (on the CPU), or a UserError naming `flag` (the option
+    that asked: --pretrained, --teacher), the model and the cache."""
+    import timm
+    from huggingface_hub import constants, errors
+
+    tiny_models.register()  # an export of a run that trained one names it in its config.json
+    named = f"--pretrained --model {model_name}" if flag == "--pretrained" else f"{flag} {model_name}"
+    try:
+        return timm.create_model(model_name, pretrained=True)
+    except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
+        why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached")
+        raise UserError(f"{flag}: the weights of {model_name} are not in the Hugging Face cache "
+                        f"{constants.HF_HUB_CACHE} and {why}: download them once where the hub can be reached (run "
+                        f"with {flag}, or `hf download`), or set HF_HOME to the cache that holds them") from None
+    except errors.GatedRepoError:
+        raise UserError(f"{flag}: the weights of {model_name} are gated on the hub: accept their terms and "
+                        "log in (`hf auth login`) where the run downloads them") from None
+    except (errors.RepositoryNotFoundError, errors.EntryNotFoundError):
+        raise UserError(f"{flag}: the hub has no weights for {model_name}") from None
+    except errors.HfHubHTTPError as error:
+        raise UserError(f"{flag} {model_name}: the hub answered {first_line(error)[:200]}") from None
+    except FileNotFoundError as error:  # local-dir: without config.json
+        where_named = f"--model {model_name}" if flag == "--pretrained" else named
+        raise UserError(f"{where_named}: {first_line(error)[:200]}") from None
+    # an unknown tag, an architecture without published weights, a file that misfits or that a URL (torch hub) gave
+    except (RuntimeError, OSError) as error:
+        raise UserError(f"{named}: {first_line(error)[:300]}") from None
+
+
+def describe_source(model: nn.Module, model_name: str) -> str:
+    """Where timm took a model's published weights from: a hub repository (in the cache), a file, or the name."""
+    from huggingface_hub import constants
+
+    cfg = getattr(model, "pretrained_cfg", {}) or {}
+    source = cfg.get("hf_hub_id") or cfg.get("file") or model_name
+    return f"{source} (the Hugging Face cache {constants.HF_HUB_CACHE})" if cfg.get("hf_hub_id") else source
+
+
+def fetch_published(model_name: str) -> Weights:
+    """--pretrained: the published weights of --model; create_model builds the run's model from them."""
+    model = published_model(model_name)
+    return Weights(model, PUBLISHED, model_name, describe_source(model, model_name), None)
+
+
+def describe_published(published: Weights, classes: int) -> str:
+    """What the start-up table says of a fresh run's weights."""
+    if published.classes == classes:
+        return f"published: {published.source}"
+    if published.classes == 0:  # a feature extractor: there was no classifier to re-initialise
+        return f"published: {published.source} (headless: a new classifier for {classes} classes)"
+    return f"published: {published.source} (classifier re-initialised: {published.classes} classes there, " \
+           f"{classes} here)"
+
+
+class InitialWeights(NamedTuple):
+    """--initial-checkpoint's tensors by name."""
+
+    tensors: dict[str, torch.Tensor]
+    blurpool: Optional[bool]  # whether a checkpoint of ours was trained with --blurpool; None: another kind of file
+
+    @classmethod
+    def read(cls, path: str) -> InitialWeights:
+        """The file's tensors; a file that holds none is a UserError naming it."""
+        try:
+            if path.endswith(".safetensors"):
+                from safetensors.torch import load_file  # timm's dependency
+
+                loaded: Any = load_file(path)
+            else:
+                loaded = torch.load(path, map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise UserError(f"--initial-checkpoint {path}: no such file") from None
+        except OSError as error:
+            raise UserError(f"--initial-checkpoint {path}: {error.strerror or error}") from None
+        except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
+            raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict "
+                            f"({first_line(error)[:200]})") from None
+        settings = loaded.get("config") if isinstance(loaded, dict) and "model_name" in loaded else None  # ours
+        for key in ("model", "state_dict", "model_state_dict"):  # ours, Lightning-style, common scripts
+            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
+                loaded = loaded[key]
+                break
+        if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
+            raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
+        return cls({strip_prefixes(name): tensor for name, tensor in loaded.items()},
+                   saved_setting(settings, "blurpool") if isinstance(settings, dict) else None)
+
+    def load(self, model: nn.Module, path: str, model_name: str) -> str:
+        """Copy the weights into `model`; returns what the start-up table says of them."""
+        weights, own, head = self.tensors, model.state_dict(), classifier(model)
+        prefix = next((name for name, module in model.named_modules() if head is not None and module is head), None)
+        head_names = set() if prefix is None else {f"{prefix}.{n}" if prefix else n for n in head.state_dict()}
+        missing = sorted(set(own) - set(weights))
+        unexpected = sorted(set(weights) - set(own))
+        misfit = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape and k not in head_names)
+        problems = [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for label, keys in
+                    (("missing", missing), ("unexpected", unexpected), ("other shape", misfit)) if keys]
+        if problems:
+            raise UserError(f"--initial-checkpoint {path} does not fit --model {model_name}: {'; '.join(problems)}")
+        refit = sorted(k for k in head_names if own[k].shape != weights[k].shape)
+        model.load_state_dict({k: v for k, v in weights.items() if k not in refit}, strict=False)
+        if not refit:
+            return path
+        return f"{path} (classifier re-initialised: {weights[refit[0]].shape[0]} classes there, " \
+               f"{own[refit[0]].shape[0]} here)"
+
+
+def strip_prefixes(name: str) -> str:
+    for prefix in ("module.", "_orig_mod."):
+        while name.startswith(prefix):
+            name = name[len(prefix):]
+    return name

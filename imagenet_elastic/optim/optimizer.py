@@ -101,12 +101,8 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
         raise ValueError("the checkpoint's optimizer state holds other parameters than this model's")
     name_of = {index: name for names, group in zip(saved_names, saved) for index, name in zip(group["params"], names)}
     where = {name: index for index, name in enumerate(sum(own_names, []))}
-    groups, start = [], 0
-    for group in own:
-        count = len(group["params"])
-        settings = {k: v for k, v in group.items() if k != "params"}
-        groups.append({**settings, "params": list(range(start, start + count))})
-        start += count
+    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [where[name] for name in names]}
+              for group, names in zip(own, own_names)]
     state = {where[name_of[index]]: value for index, value in state_dict["state"].items()}
     return {**state_dict, "state": state, "param_groups": groups}
 

@@ -7,7 +7,7 @@ import json
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, Optional
 
 from rich.console import Console as RichConsole
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -58,26 +58,22 @@ class Console:
     @contextmanager
     def progress(self, description: str, total: int, done: int = 0) -> Iterator[EpochProgress]:
         """`done`: steps of the epoch finished before a resume."""
-        bar = None
-        if self.enabled and self.rich.is_terminal:
-            bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                           TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=self.rich,
-                           transient=False)
-        tracker = EpochProgress(self, description, total, bar)
-        if bar is None:
-            yield tracker
+        if not (self.enabled and self.rich.is_terminal):
+            yield EpochProgress(self, description, total)
             return
-        with bar:
-            tracker.task = bar.add_task(description, total=total, completed=done, stats="")
-            yield tracker
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                      TextColumn("{task.fields[stats]}"), TimeElapsedColumn(), console=self.rich,
+                      transient=False) as bar:
+            yield EpochProgress(self, description, total, bar,
+                                bar.add_task(description, total=total, completed=done, stats=""))
 
 
 class EpochProgress:
     """Per-step updates: a live bar on a terminal, one line every `log_interval` steps otherwise."""
 
-    def __init__(self, console: Console, description: str, total: int, bar: Progress | None) -> None:
-        self.console, self.description, self.total, self.bar = console, description, total, bar
-        self.task = None
+    def __init__(self, console: Console, description: str, total: int, bar: Optional[Progress] = None,
+                 task: Any = None) -> None:
+        self.console, self.description, self.total, self.bar, self.task = console, description, total, bar, task
 
     def update(self, step: int, stats: str = "") -> None:
         if not self.console.enabled:

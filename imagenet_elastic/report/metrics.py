@@ -8,7 +8,7 @@ import json
 import os
 from typing import Any, Protocol
 
-from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import store_bytes
 
 FILENAME = "metrics.jsonl"
 TRAIN, EPOCH = "train", "epoch"  # the scalars' prefixes: `train/loss` of a step row, `epoch/val_top1` of an epoch's
@@ -72,12 +72,7 @@ def scalars(kind: str, row: dict[str, Any]) -> dict[str, float]:
 def write(folder: str, history: list[dict[str, Any]]) -> None:
     """Rewrite metrics.jsonl from the checkpointed history (atomic; a few hundred bytes per epoch), so a run killed
     between the two writes, or resumed from an older checkpoint, never repeats or loses an epoch's row."""
-    data = "".join(json.dumps(row) + "\n" for row in history).encode()
-    path = os.path.join(folder, FILENAME)
-    try:
-        atomic_write_bytes(data, path)
-    except OSError as error:
-        raise storage_error(error, "writing", path) from None
+    store_bytes("".join(json.dumps(row) + "\n" for row in history).encode(), os.path.join(folder, FILENAME))
 
 
 def read(path: str) -> list[dict[str, Any]]:

@@ -16,6 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Optional
 
+from imagenet_elastic.report import metrics
+
 ENV_VAR = "IMAGENET_ELASTIC_SAMPLE_LOG"
 
 
@@ -54,11 +56,7 @@ class Coverage:
 
 
 def read(folder: str) -> list[dict]:
-    rows = []
-    for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))):
-        with open(path) as f:
-            rows.extend(json.loads(line) for line in f if line.strip())
-    return rows
+    return [row for path in sorted(glob.glob(os.path.join(folder, "*.jsonl"))) for row in metrics.read(path)]
 
 
 def coverage(folder: str, samples_per_epoch: int, global_batch: int) -> Coverage:

@@ -24,7 +24,7 @@ import json
 import resource
 import sys
 from collections.abc import Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
@@ -70,17 +70,14 @@ def loader_workers(args: argparse.Namespace) -> int:
 
 
 def emit(mode: str, **fields: Any) -> None:
-    """A mode's line: one JSON object with the peak memory of the process that measured it."""
-    print(json.dumps({"mode": mode, **fields, **memory_peaks()}), flush=True)
-
-
-def memory_peaks() -> dict[str, Optional[float]]:
-    """ru_maxrss is in KiB on Linux; RUSAGE_CHILDREN is the largest child that has been waited for."""
-    return {
+    """A mode's line: one JSON object with the peak memory of the process that measured it (ru_maxrss is in KiB on
+    Linux; RUSAGE_CHILDREN is the largest child that has been waited for)."""
+    peaks = {
         "peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
         "peak_child_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
         "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None,
     }
+    print(json.dumps({"mode": mode, **fields, **peaks}), flush=True)
 
 
 def reset_gpu_peak() -> None:
@@ -93,17 +90,14 @@ def main(argv: Sequence[str]) -> None:
     args = build_parser().parse_args(argv)
     workers = loader_workers(args)
     try:
-        modes = MODES if args.mode == "all" else (args.mode,)
         train = sources.open_source(sources.train_location(args.data), "train", None)
         against = tuple(sources.open_source(sources.train_location(other), "train", None) for other in args.against)
-        for mode in modes:
+        runs = {"loader": lambda: throughput.run_loader(args, train, workers, against),
+                "synthetic": lambda: throughput.run_synthetic(args, len(train.classes)),
+                "end_to_end": lambda: throughput.run_end_to_end(args, train, workers)}
+        for mode in MODES if args.mode == "all" else (args.mode,):
             reset_gpu_peak()
-            if mode == "loader":
-                emit(mode, **throughput.run_loader(args, train, workers, against))
-            elif mode == "synthetic":
-                emit(mode, **throughput.run_synthetic(args, len(train.classes)))
-            else:
-                emit(mode, **throughput.run_end_to_end(args, train, workers))
+            emit(mode, **runs[mode]())
     except UserError as error:
         report(error, rank=0)
         sys.exit(error.exit_code)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TextIO
 
 import numpy as np
 
@@ -55,14 +56,7 @@ def model_index(source: Source, classes: tuple[str, ...], where: str) -> np.ndar
 def read_subset(path: str, classes: tuple[str, ...]) -> np.ndarray:
     """--class-subset: the model's output indices of the names the file lists, in the model's order."""
     index = {name: k for k, name in enumerate(classes)}
-    try:
-        with open(path) as f:
-            lines = f.read().splitlines()
-    except FileNotFoundError:
-        raise UserError(f"--class-subset {path} does not exist") from None
-    except (OSError, UnicodeDecodeError) as error:
-        raise UserError(f"--class-subset {path} cannot be read: {getattr(error, 'strerror', None) or error}") \
-            from None
+    lines = read_file("--class-subset", path, lambda f: f.read().splitlines(), "cannot be read")
     chosen = set()
     for number, line in enumerate(lines, start=1):
         name = line.strip()
@@ -77,15 +71,19 @@ def read_subset(path: str, classes: tuple[str, ...]) -> np.ndarray:
     return np.array(sorted(chosen), dtype=np.int64)
 
 
-def read_real_labels(path: str) -> list[list[int]]:
+def read_file(option: str, path: str, read: Callable[[TextIO], Any], failing: str) -> Any:
+    """What `read` makes of an option's file, or a UserError saying why it cannot (`failing`: how it cannot)."""
     try:
         with open(path) as f:
-            real = json.load(f)
+            return read(f)
     except FileNotFoundError:
-        raise UserError(f"--real-labels {path} does not exist") from None
-    except (OSError, UnicodeDecodeError, ValueError) as error:
-        raise UserError(f"--real-labels {path} is not a JSON file: {getattr(error, 'strerror', None) or error}") \
-            from None
+        raise UserError(f"{option} {path} does not exist") from None
+    except (OSError, ValueError) as error:  # ValueError: UnicodeDecodeError, JSONDecodeError
+        raise UserError(f"{option} {path} {failing}: {getattr(error, 'strerror', None) or error}") from None
+
+
+def read_real_labels(path: str) -> list[list[int]]:
+    real = read_file("--real-labels", path, json.load, "is not a JSON file")
     if not isinstance(real, list) or not all(isinstance(labels, list) and all(isinstance(k, int) for k in labels)
                                             for labels in real):
         raise UserError(f"--real-labels {path} is not a list of lists of class numbers (ReaL's real.json)")

@@ -43,6 +43,12 @@ MARK_STYLES = {  # one style per kind of mark, the same in every panel and in th
     RESUME: {"color": "tab:red", "linestyle": ":", "linewidth": 1.4, "alpha": 0.9},
 }
 MARK_LEGEND = {WORLD: "world size changed", RESUME: "resumed from a checkpoint"}
+# (metrics key, label, style) of the epoch curves of the loss and accuracy panels
+LOSS_CURVES = (("train_loss", "train loss", {"color": "tab:blue"}), ("val_loss", "val loss", {"color": "tab:orange"}),
+               ("val_loss_ema", "val loss (EMA)", {"color": "tab:green", "linestyle": "--"}))
+ACCURACY_CURVES = (("val_top1", "top-1", {"color": "tab:orange"}),
+                   ("val_top5", "top-5", {"color": "tab:orange", "linestyle": "--", "alpha": 0.7}),
+                   ("val_top1_ema", "top-1 (EMA)", {"color": "tab:green"}))
 
 
 class Event(NamedTuple):
@@ -97,13 +103,12 @@ def read_steps(folder: str) -> list[dict[str, Any]]:
 
 def events(rows: Sequence[dict[str, Any]]) -> list[Event]:
     """World-size changes and resumes in epoch order, a world-size change before the resume that usually brought it."""
-    found = []
-    previous = None
+    found, previous = [], None
     for row in rows:
         world = row.get("world_size")
-        if previous is not None and world is not None and world != previous:
-            found.append(Event(row["epoch"], WORLD, f"world {previous} -> {world}"))
         if world is not None:
+            if previous is not None and world != previous:
+                found.append(Event(row["epoch"], WORLD, f"world {previous} -> {world}"))
             previous = world
         if row.get("resumed") is True:
             found.append(Event(row["epoch"], RESUME, "resumed"))
@@ -133,31 +138,19 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
         return [float(v) if is_number(v) else math.nan for v in values]
 
     if steps:
-        loss_ax.plot([s["epoch"] for s in steps], [s["loss"] for s in steps], color="tab:blue", linewidth=0.5,
+        step_epochs = [s["epoch"] for s in steps]
+        loss_ax.plot(step_epochs, [s["loss"] for s in steps], color="tab:blue", linewidth=0.5,
                      alpha=0.35 if len(steps) < 5000 else 0.25, label="train loss (per step)", zorder=1)
-    for key, label, style in (("train_loss", "train loss", {"color": "tab:blue"}),
-                              ("val_loss", "val loss", {"color": "tab:orange"}),
-                              ("val_loss_ema", "val loss (EMA)", {"color": "tab:green", "linestyle": "--"})):
-        values = column(key)
-        if values is not None:
-            loss_ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
+        lr_ax.plot(step_epochs, [s["lr"] for s in steps], color="tab:gray", linewidth=1.2, label="per step")
+    elif (values := column("lr")) is not None:
+        lr_ax.plot(epochs, values, color="tab:gray", linewidth=1.2, label="end of epoch", **marker)
+    for ax, curves in ((loss_ax, LOSS_CURVES), (acc_ax, ACCURACY_CURVES)):
+        for key, label, style in curves:
+            values = column(key)
+            if values is not None:
+                ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
     loss_ax.set_ylabel("loss")
-
-    for key, label, style in (("val_top1", "top-1", {"color": "tab:orange"}),
-                              ("val_top5", "top-5", {"color": "tab:orange", "linestyle": "--", "alpha": 0.7}),
-                              ("val_top1_ema", "top-1 (EMA)", {"color": "tab:green"})):
-        values = column(key)
-        if values is not None:
-            acc_ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
     acc_ax.set_ylabel("validation accuracy (%)")
-
-    if steps:
-        lr_ax.plot([s["epoch"] for s in steps], [s["lr"] for s in steps], color="tab:gray", linewidth=1.2,
-                   label="per step")
-    else:
-        values = column("lr")
-        if values is not None:
-            lr_ax.plot(epochs, values, color="tab:gray", linewidth=1.2, label="end of epoch", **marker)
     lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     lr_ax.set_xlabel("epoch")
@@ -202,21 +195,17 @@ def label_marks(ax: Any, marks: Sequence[Event]) -> None:
                     color=MARK_STYLES[WORLD]["color"])
 
 
-def best(rows: Sequence[dict[str, Any]], key: str) -> Optional[tuple[Any, float]]:
-    """(epoch, value) of the highest finite value of a column, or None."""
-    scored = [(row["epoch"], float(row[key])) for row in rows if is_number(row.get(key)) and math.isfinite(row[key])]
-    return max(scored, key=lambda item: item[1]) if scored else None
-
-
 def title_of(folder: str, rows: Sequence[dict[str, Any]]) -> str:
     """`run: 12 epochs, world size 4 at the end, best top-1 74.50% (epoch 12), EMA 76.42% (epoch 12)`."""
     parts = [f"{os.path.basename(os.path.abspath(folder))}: {len(rows)} epoch{'' if len(rows) == 1 else 's'}"]
     if is_number(rows[-1].get("world_size")):
         parts.append(f"world size {rows[-1]['world_size']} at the end")
-    for key, name in (("val_top1", "best top-1"), ("val_top1_ema", "EMA")):
-        found = best(rows, key)
-        if found:
-            parts.append(f"{name} {found[1]:.2f}% (epoch {found[0]})")
+    for key, name in (("val_top1", "best top-1"), ("val_top1_ema", "EMA")):  # the highest finite value
+        scored = [(row["epoch"], float(row[key])) for row in rows
+                  if is_number(row.get(key)) and math.isfinite(row[key])]
+        if scored:
+            epoch, value = max(scored, key=lambda item: item[1])
+            parts.append(f"{name} {value:.2f}% (epoch {epoch})")
     return ", ".join(parts)
 
 

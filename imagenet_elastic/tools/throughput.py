@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import multiprocessing
 import os
@@ -17,14 +18,15 @@ from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader
 
 from imagenet_elastic.data import pipeline, sources
-from imagenet_elastic.data.augment import INCEPTION_CROP, Augment, make_policy
-from imagenet_elastic.data.decoding import Decoding
+from imagenet_elastic.data.augment import Augment, make_policy
+from imagenet_elastic.data.decoding import Decoding, Feed
 from imagenet_elastic.data.device.feed import device_batches
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
 from imagenet_elastic.launch.distributed import available_cores
@@ -38,16 +40,26 @@ def endless(make_iter: Callable[[int], Iterator]) -> Iterator:
         yield from make_iter(epoch)
 
 
-def images_per_sec(batches: Iterator, count: int, warmup: int) -> float:
-    """Skips `warmup` batches (worker start-up), then times `count`; the consumer does no work, so the workers'
-    prefetch queue is empty in steady state and does not flatter the rate."""
-    for _ in range(warmup):
-        next(batches)
-    start, images = time.perf_counter(), 0
-    for _ in range(count):
+def images_per_sec(batches: Iterator, count: int, warmup: int, ctx: Optional[StepContext] = None) -> float:
+    """Images/s over `count` batches after `warmup` (worker start-up, compilation, cudnn autotuning), each a training
+    step of `ctx` where given. Without one the consumer does no work, so the workers' prefetch queue is empty in
+    steady state and does not flatter the rate."""
+    images, start = 0, time.perf_counter()
+    for i in range(warmup + count):
+        if i == warmup:
+            sync(ctx)
+            start, images = time.perf_counter(), 0
         batch = next(batches)
+        if ctx is not None:
+            train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
         images += len(batch) if isinstance(batch, Batch) else len(batch[0])  # ours, or the textbook's [x, y]
+    sync(ctx)
     return images / (time.perf_counter() - start)
+
+
+def sync(ctx: Optional[StepContext]) -> None:
+    if ctx is not None and ctx.input.device.type == "cuda":
+        torch.cuda.synchronize(ctx.input.device)
 
 
 # where a worker's other opens go (late imports, /proc, multiprocessing's temp files): not the data's
@@ -55,62 +67,52 @@ NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(o
                   "/sys", "/dev", os.path.join(tempfile.gettempdir(), "pymp-")})
 
 
-class OpenCounter:
-    """Files opened per sample read in the loader workers (audit hook), in counters shared with the forked workers."""
+class Counted:
+    """A source whose reads in the loader workers are counted with the files each opens (audit hook), in counters
+    shared with the forked workers (which never pickle it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, source: sources.Source) -> None:
         context = multiprocessing.get_context("fork")
-        self.opens, self.samples = context.Value("q", 0), context.Value("q", 0)
+        self.source, self.opens, self.samples = source, context.Value("q", 0), context.Value("q", 0)
         self.hooked: set[int] = set()  # processes whose hook is installed (a hook stays for the process's life)
 
-    def count_opens(self) -> None:
-        if os.getpid() in self.hooked:
-            return
-        self.hooked.add(os.getpid())
-        opens = self.opens
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.source, name)
 
-        def hook(event: str, args: tuple) -> None:
-            if event == "open" and isinstance(args[0], str) and not args[0].startswith(NOT_DATA):
-                with opens.get_lock():
-                    opens.value += 1
-        sys.addaudithook(hook)
+    def __len__(self) -> int:
+        return len(self.source)
 
-    def per_sample(self) -> Optional[float]:
+    def read(self, i: int) -> bytes:
+        if os.getpid() not in self.hooked:
+            self.hooked.add(os.getpid())
+            opens = self.opens
+
+            def hook(event: str, args: tuple) -> None:
+                if event == "open" and isinstance(args[0], str) and not args[0].startswith(NOT_DATA):
+                    with opens.get_lock():
+                        opens.value += 1
+            sys.addaudithook(hook)
+        with self.samples.get_lock():
+            self.samples.value += 1
+        return self.source.read(i)
+
+    def opens_per_sample(self) -> Optional[float]:
         return round(self.opens.value / self.samples.value, 3) if self.samples.value else None
 
 
-class Counted(Dataset):
-    """A dataset whose reads are counted by an OpenCounter."""
-
-    def __init__(self, dataset: Dataset, counter: OpenCounter) -> None:
-        self.dataset, self.counter = dataset, counter
-
-    def __len__(self) -> int:
-        return len(self.dataset)  # type: ignore[arg-type]
-
-    def __getitem__(self, key: Any) -> Any:
-        self.counter.count_opens()
-        with self.counter.samples.get_lock():
-            self.counter.samples.value += 1
-        return self.dataset[key]
+def make_feed(args: argparse.Namespace, device: torch.device, workers: int, augment: Augment,
+              gpu_decoder: str = "auto") -> Feed:
+    """--decode chosen and set up on this machine as the trainer does it for one rank."""
+    decoding = Decoding.choose(args.decode, device, available_cores(), augment, gpu_decoder)
+    return decoding.feed(device, workers, available_cores(), 1, args.batch_size, args.image_size,
+                         functools.partial(print, file=sys.stderr))
 
 
-def prefetch(batch: int, size: int, workers: int, decode: str) -> int:
-    """The batches ahead each worker of the trainer's loader would prepare here (pipeline.prefetch_factor)."""
-    return pipeline.prefetch_factor(workers, pipeline.batch_bytes(batch, size, encoded=decode == "gpu"),
-                                    pinned=torch.cuda.is_available())
-
-
-def ours_loader(source: sources.Source, size: int, batch: int, workers: int, decoding: Optional[Decoding] = None,
-                augment: Augment = INCEPTION_CROP, counter: Optional[OpenCounter] = None) -> Callable[[int], Iterator]:
-    """Our training loader over `source` (decoding: --decode cpu's unless given)."""
-    decoding = decoding or Decoding("cpu")
-    sampler = TrainBatchSampler(len(source), BatchPlan(batch, 1, batch), 0, seed=0)
-    dataset: Dataset = pipeline.TrainDataset(source, size, 0, decoding.load, augment)
-    if counter is not None:
-        dataset = Counted(dataset, counter)
-    loader = pipeline.train_loader(dataset, sampler, workers, torch.cuda.is_available(),  # type: ignore[arg-type]
-                                   collate_fn=decoding.collate, prefetch=prefetch(batch, size, workers, decoding.mode))
+def ours_loader(source: sources.Source, feed: Feed, args: argparse.Namespace,
+                augment: Augment) -> Callable[[int], Iterator]:
+    """Our training loader over `source`, as the trainer makes it."""
+    sampler = TrainBatchSampler(len(source), BatchPlan(args.batch_size, 1, args.batch_size), 0, seed=0)
+    loader = feed.train_loader(source, TrainSizes(args.image_size), 0, augment, sampler)
     pipeline.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -119,8 +121,7 @@ def ours_loader(source: sources.Source, size: int, batch: int, workers: int, dec
     return epoch
 
 
-def textbook_loader(root: str, size: int, batch: int, workers: int,
-                    augment: Augment = INCEPTION_CROP) -> Callable[[int], Iterator]:
+def textbook_loader(root: str, size: int, batch: int, workers: int, augment: Augment) -> Callable[[int], Iterator]:
     """torchvision's classification reference: PIL transforms, float tensors out of the workers; the policy before
     ToTensor and erasing after Normalize, as the reference places them."""
     import torchvision.datasets as datasets
@@ -141,25 +142,22 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
     alternating rounds; DATA with per-sample checksums is also read without them: what that check costs."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    decoding = Decoding.choose(args.decode, run_device(args), available_cores(), augment)  # gpu: the workers' part
-    counters = [OpenCounter() for _ in range(1 + len(against))]
-    contenders = {"ours": ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment,
-                                      counter=counters[0])}
+    feed = make_feed(args, run_device(args), workers, augment)  # gpu: the workers' part, not feed.decoder's
+    counted = [Counted(source) for source in (train, *against)]
+    contenders = {"ours": ours_loader(counted[0], feed, args, augment)}
     if isinstance(train, ImageFolder):
         contenders["textbook"] = textbook_loader(train.root, args.image_size, args.batch_size, workers, augment)
-    for k, other in enumerate(against):
-        contenders[f"against {k}"] = ours_loader(other, args.image_size, args.batch_size, workers, decoding, augment,
-                                                 counter=counters[k + 1])
+    for k, other in enumerate(counted[1:]):
+        contenders[f"against {k}"] = ours_loader(other, feed, args, augment)
     if getattr(train, "checksums", None) is not None:
-        contenders["unverified"] = ours_loader(dataclasses.replace(train, checksums=None), args.image_size,
-                                               args.batch_size, workers, decoding, augment)
+        contenders["unverified"] = ours_loader(dataclasses.replace(train, checksums=None), feed, args, augment)
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, make in contenders.items():
             rates[name].append(images_per_sec(endless(make), args.batches, warmup))
     rate = {name: statistics.median(values) for name, values in rates.items()}
     figures: dict[str, Any] = {"data": train.where(), "ours_images_per_sec": round(rate["ours"], 1),
-                               "files_opened_per_sample": counters[0].per_sample()}
+                               "files_opened_per_sample": counted[0].opens_per_sample()}
     if "textbook" in rate:
         figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
                        ratio=round(rate["ours"] / rate["textbook"], 2))
@@ -168,12 +166,12 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
                        verified_vs_unverified=round(rate["ours"] / rate["unverified"], 3))
     if against:
         figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
-                               "files_opened_per_sample": counters[k + 1].per_sample(),
+                               "files_opened_per_sample": other.opens_per_sample(),
                                "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
-                              for k, other in enumerate(against)]
+                              for k, other in enumerate(counted[1:])]
     return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
-            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size, "decode": decoding.mode,
-            "auto_augment": args.auto_augment, "random_erase": args.random_erase}
+            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+            "decode": feed.decoding.mode, "auto_augment": args.auto_augment, "random_erase": args.random_erase}
 
 
 def run_device(args: argparse.Namespace) -> torch.device:
@@ -192,38 +190,17 @@ def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContex
     precision = resolve_precision(args.amp, device)
     if precision.warning:
         print(f"warning: {precision.warning}", file=sys.stderr)
-    amp = precision.dtype
-    channels_last = args.channels_last
     model = place_model(create_model(args.model, num_classes, blurpool=args.blurpool,
-                                     sizes=((args.image_size, "--image-size"),)), device, channels_last)
+                                     sizes=((args.image_size, "--image-size"),)), device, args.channels_last)
     optimizer = create_optimizer(model, 0.1, 0.9, 1e-4, device)
     # compiled as the trainer compiles: the same graphs share caches, and a model that cannot compile is measured eager
     compiled = CompiledOrEager(model) if args.compile else model
-    ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=amp == torch.float16),
-                      nn.CrossEntropyLoss(), ModelInput(device, amp, channels_last))
+    ctx = StepContext(compiled, optimizer, torch.amp.GradScaler(device.type, enabled=precision.dtype == torch.float16),
+                      nn.CrossEntropyLoss(), ModelInput(device, precision.dtype, args.channels_last))
     settings = {"model": args.model, "batch_size": args.batch_size, "image_size": args.image_size,
                 "device": str(device), "amp": precision.name, "amp_reason": precision.reason,
-                "channels_last": channels_last, "compile": args.compile, "blurpool": args.blurpool}
+                "channels_last": args.channels_last, "compile": args.compile, "blurpool": args.blurpool}
     return ctx, settings
-
-
-def timed_steps(ctx: StepContext, batches: Iterator, count: int, warmup: int) -> float:
-    """Training images/s over `count` steps after `warmup` (compilation, cudnn autotuning)."""
-    images, start = 0, time.perf_counter()
-    for i in range(warmup + count):
-        if i == warmup:
-            sync(ctx.input.device)
-            start, images = time.perf_counter(), 0
-        batch = next(batches)
-        train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
-        images += len(batch)
-    sync(ctx.input.device)
-    return images / (time.perf_counter() - start)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def run_synthetic(args: argparse.Namespace, num_classes: int = 1000,
@@ -233,8 +210,7 @@ def run_synthetic(args: argparse.Namespace, num_classes: int = 1000,
     images = torch.randint(0, 256, (args.batch_size, args.image_size, args.image_size, 3), dtype=torch.uint8,
                            device=ctx.input.device)
     labels = torch.randint(0, num_classes, (args.batch_size,), device=ctx.input.device)
-    batch = Batch(images, labels)
-    rate = timed_steps(ctx, itertools.repeat(batch), args.batches, warmup=10 if args.compile else 3)
+    rate = images_per_sec(itertools.repeat(Batch(images, labels)), args.batches, 10 if args.compile else 3, ctx)
     return {"images_per_sec": round(rate, 1), "num_classes": num_classes, **settings, **compiled_how(ctx)}
 
 
@@ -243,16 +219,14 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     """`context`: a step_context to reuse; the loader, its workers and the decoding thread end with the run."""
     ctx, settings = context or step_context(args, len(train.classes))
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
-    decoding = Decoding.choose(args.decode, ctx.input.device, available_cores(), augment, args.gpu_decoder)
-    loader = ours_loader(train, args.image_size, args.batch_size, workers, decoding, augment)
-    decoder = decoding.finisher(ctx.input.device, lambda line: print(line, file=sys.stderr), workers)
-    batches = device_batches(endless(loader), ctx.input.device, decoder)
+    feed = make_feed(args, ctx.input.device, workers, augment, args.gpu_decoder)
+    batches = device_batches(endless(ours_loader(train, feed, args, augment)), ctx.input.device, feed.decoder)
     try:
-        rate = timed_steps(ctx, batches, args.batches, warmup=max(3, 2 * workers))
+        rate = images_per_sec(batches, args.batches, max(3, 2 * workers), ctx)
     finally:
         batches.close()  # the decoding thread stops before the loader's workers go
-    return {"images_per_sec": round(rate, 1), "workers": workers,
-            "prefetch": prefetch(args.batch_size, args.image_size, workers, decoding.mode), "images": len(train),
+    decoding = feed.decoding
+    return {"images_per_sec": round(rate, 1), "workers": workers, "prefetch": feed.prefetch, "images": len(train),
             "data": train.where(), "decode": decoding.mode, "decode_why": decoding.why,
             "gpu_decoder": decoding.library if decoding.mode == "gpu" else None,
             "auto_augment": args.auto_augment, "random_erase": args.random_erase, **settings, **compiled_how(ctx)}

@@ -1,7 +1,7 @@
 """A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains):
 
     check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
-    -> prepare_distillation -> wrap_model -> fit_micro_batches
+    -> step_context -> fit_micro_batches
 
 The order is the point: input errors fail in the first step, before any worker or process group exists (seconds
 lost, nothing left behind); loader workers fork before the process group's threads exist; ranks compare their inputs
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
@@ -34,22 +33,22 @@ from imagenet_elastic.data.sources import fingerprints
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.models import compile_cache, initial_weights, published_weights, teacher_weights
+from imagenet_elastic.models import compile_cache, teacher_weights
 from imagenet_elastic.models.compile import Compilation, compile_choice
 from imagenet_elastic.models.create import check_model_name, create_ema, create_model
 from imagenet_elastic.models.device import Precision, place_model, resolve_precision, use_fastest_kernels
 from imagenet_elastic.models.input_size import input_options, run_sizes, saved_sizes
 from imagenet_elastic.models.teacher_weights import TeacherWeights
+from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
-from imagenet_elastic.train.distillation import LOGIT, Distillation, has_distillation_head, loss_weights
+from imagenet_elastic.train.distillation import LOGIT, Distillation, Teacher, has_distillation_head, loss_weights
 from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.state import TrainState, check_compatible
-from imagenet_elastic.train.step import StepContext
-from imagenet_elastic.train.teacher import Teacher
+from imagenet_elastic.train.step import StepContext, TrainLoss
 
 
 @dataclass(frozen=True)
@@ -74,7 +73,6 @@ class Training:
     start: str  # where a fresh run's weights came from: the seed, --initial-checkpoint or --pretrained
     classes: tuple[str, ...]
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
-    load_seconds: float
     resumed_at: Optional[float]  # the checkpoint's time stamp
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
@@ -106,8 +104,8 @@ class Inputs:
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
-    initial_state: Optional[initial_weights.InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
-    published: Optional[published_weights.Published]  # --pretrained's weights, for a run that starts fresh
+    initial_state: Optional[InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
+    published: Optional[Weights]  # --pretrained's weights, for a run that starts fresh
     teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
@@ -123,9 +121,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     use_fastest_kernels(device)
     check_model_name(config.model)  # a typo costs no scan of the data and leaves no checkpoints folder
     # --pretrained's weights: now if surely a fresh start (a missing file costs no data scan), else once resume is known
-    weights = published_weights.fetch(config.model) if config.pretrained and not config.resume else None
-    check_model_options(config.model, config.drop_path, config.blurpool, config.layer_decay, config.grad_checkpointing,
-                        distillation_head=bool(config.teacher) and config.kd_token_distill_type != "soft")
+    weights = fetch_published(config.model) if config.pretrained and not config.resume else None
+    check_model_options(config)
     input_options(config.model, run_sizes(config))  # a model of one input size that cannot take the run's says so
     # --teacher's weights are read now (a missing file or name costs no scan of the data), their hash taken once
     teacher = teacher_weights.read(config.teacher) if config.teacher else None
@@ -155,31 +152,29 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train.classes, config.opt, config.blurpool)
-        change = teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)
-        if change is not None:
-            warn_differences(console, [change])
+        warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
-    initial = initial_weights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
+    initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
         else None
     if config.pretrained and weights is None and snapshot is None:
-        weights = published_weights.fetch(config.model)  # a bare --resume that found no checkpoint: a fresh start
+        weights = fetch_published(config.model)  # a bare --resume that found no checkpoint: a fresh start
     inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
                     time.perf_counter() - start, initial, weights, teacher, tuple(chosen), data)
     return inputs, snapshot
 
 
-def check_model_options(name: str, drop_path: float, blurpool: bool, layer_decay: Optional[float],
-                        grad_checkpointing: bool, distillation_head: bool = False) -> None:
+def check_model_options(c: Config) -> None:
     """Options asking for what a model may lack (--drop-path, --blurpool, --layer-decay, --grad-checkpointing,
     --kd-token-distill-type hard), tried on a meta-device copy built as the run's, before the data scan."""
-    if not (drop_path or blurpool or layer_decay is not None or grad_checkpointing or distillation_head):
+    head = bool(c.teacher) and c.kd_token_distill_type != "soft"
+    if not (c.drop_path or c.blurpool or c.layer_decay is not None or c.grad_checkpointing or head):
         return
     with torch.device("meta"):
-        model = create_model(name, 1, drop_path, blurpool, grad_checkpointing=grad_checkpointing)
-    if layer_decay is not None:
-        check_layer_decay(model, name)
-    if distillation_head and not has_distillation_head(model):
-        raise UserError(f"--kd-token-distill-type hard: timm's {name} has no distillation head (DeiT's "
+        model = create_model(c.model, 1, c.drop_path, c.blurpool, grad_checkpointing=c.grad_checkpointing)
+    if c.layer_decay is not None:
+        check_layer_decay(model, c.model)
+    if head and not has_distillation_head(model):
+        raise UserError(f"--kd-token-distill-type hard: timm's {c.model} has no distillation head (DeiT's "
                         "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
@@ -192,15 +187,16 @@ def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: O
     saved = (snapshot.get("data") if snapshot is not None else None) or {}
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
-    changes = [fingerprints.difference(saved.get(role), source, taken[role]) for role, source in splits.items()]
-    warn_differences(console, [change for change in changes if change])
+    warn_differences(console, [fingerprints.difference(saved.get(role), source, taken[role])
+                               for role, source in splits.items()])
     return {role: taken[role].saved() for role in taken}
 
 
 def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]]) -> Training:
     """Model, optimizer and GradScaler from the seed, then the checkpoint's state; the global batch and LR schedule."""
     config, env, console = run.config, run.env, run.console
-    saved_batch = snapshot.get("global_batch") if snapshot else None
+    saved = snapshot or {}
+    saved_batch = saved.get("global_batch")
     plan = BatchPlan(resolve_global_batch(config.global_batch_size, saved_batch, config.batch_size, env.world_size),
                      env.world_size, config.batch_size)
     sampler = TrainBatchSampler(len(inputs.train), plan, env.rank, config.seed, config.max_steps_per_epoch,
@@ -219,9 +215,9 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     if inputs.teacher is not None and has_distillation_head(model):
         model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average
     if inputs.published is not None:
-        start = published_weights.describe(inputs.published, classes)
+        start = describe_published(inputs.published, classes)
     elif inputs.initial_state is not None:
-        start = initial_weights.load(model, inputs.initial_state, config.initial_checkpoint, config.model)
+        start = inputs.initial_state.load(model, config.initial_checkpoint, config.model)
     else:
         start = "random (seed)"
     if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):
@@ -232,8 +228,6 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     schedule = LRSchedule(scaled_lr(config.lr, plan.global_batch), round(config.warmup_epochs * sampler.steps),
                           sampler.steps * config.epochs, config.lr_min, config.sched,
                           max(1, round(config.decay_epochs * sampler.steps)), config.decay_rate)
-    if config.layer_decay is not None:
-        check_layer_decay(model, config.model)
     optimizer = create_optimizer(model, schedule.peak, config.momentum, config.weight_decay, inputs.device,
                                  config.opt, layer_decay=config.layer_decay)
     scaler = torch.amp.GradScaler(inputs.device.type, enabled=precision.dtype == torch.float16)
@@ -243,8 +237,8 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         if not inputs.from_main:
             state.apply(snapshot)
         changes = config.differences(snapshot["config"])
-        if snapshot.get("global_batch") not in (None, plan.global_batch):
-            changes.append(f"global batch: checkpoint {snapshot['global_batch']}, now {plan.global_batch}")
+        if saved_batch not in (None, plan.global_batch):
+            changes.append(f"global batch: checkpoint {saved_batch}, now {plan.global_batch}")
         saved_world = snapshot.get("world_size")
         if saved_world not in (None, env.world_size) and saved_batch == plan.global_batch:
             before = BatchPlan(plan.global_batch, saved_world, config.batch_size)
@@ -252,12 +246,9 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
         warn_differences(console, changes)
-    return Training(state, plan, sampler, precision, schedule, start, classes=inputs.train.classes,
-                    resume_from=inputs.resume_from, load_seconds=inputs.load_seconds,
-                    resumed_at=snapshot["saved_at"] if snapshot else None,
-                    tracker_runs=dict(snapshot.get("trackers") or {}) if snapshot else {},
-                    saved_micro_batch=snapshot.get("micro_batch") if snapshot else None, teacher=inputs.teacher,
-                    saved_decoding=snapshot.get("decoding") if snapshot else None, data=inputs.data)
+    return Training(state, plan, sampler, precision, schedule, start, inputs.train.classes, inputs.resume_from,
+                    saved.get("saved_at"), dict(saved.get("trackers") or {}), saved.get("micro_batch"),
+                    saved.get("decoding"), teacher=inputs.teacher, data=inputs.data)
 
 
 def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextlib.ExitStack) -> Loaders:
@@ -268,9 +259,7 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
                                config.gpu_decoder)
     if decoding.warning(inputs.device):
         console.warn(decoding.warning(inputs.device))
-    change = decoding.change_from(training.saved_decoding)
-    if change is not None:
-        warn_differences(console, [change])
+    warn_differences(console, [decoding.change_from(training.saved_decoding)])
     largest = max(config.train_sizes.largest, config.eval_crop)  # progressive resizing ends at its largest
     feed = decoding.feed(inputs.device, config.workers, cores, env.local_world_size, config.batch_size, largest,
                          functools.partial(console.warn, every_rank=True))
@@ -282,9 +271,9 @@ def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextli
     return Loaders(train, val, feed)
 
 
-def warn_differences(console: Console, changes: list[str]) -> None:
-    """One warning for each way a resumed run differs from its checkpoint's run."""
-    for change in changes:
+def warn_differences(console: Console, changes: list[Optional[str]]) -> None:
+    """One warning for each way a resumed run differs from its checkpoint's run (None: no difference)."""
+    for change in filter(None, changes):
         console.warn(f"resumed run differs from its checkpoint, results will not match exactly: {change}")
 
 
@@ -351,22 +340,24 @@ def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation
     return compilation
 
 
-def prepare_distillation(config: Config, training: Training, student: ModelInput) -> Optional[Distillation]:
-    """--teacher's loss: token distillation where the student has a distillation head, else logit distillation."""
-    if training.teacher is None:
-        return None
-    kind = config.kd_token_distill_type if has_distillation_head(training.state.model) else LOGIT
-    return Distillation(Teacher(training.teacher, student), kind, config.kd_temperature,
-                        *loss_weights(config.task_loss_weight, config.distill_loss_weight))
-
-
-def wrap_model(model: nn.Module, compilation: Compilation, env: DistEnv, device: torch.device) -> nn.Module:
-    """The model as the step calls it: compiled (else eager), then DDP-wrapped; checkpoints save `model` (shared
-    parameters, no `_orig_mod.` prefix), so eager and compiled runs resume each other."""
-    wrapped = compilation.wrap(model)
-    if env.launched:
-        wrapped = DistributedDataParallel(wrapped, device_ids=[device.index] if device.type == "cuda" else None)
-    return wrapped
+def step_context(run: Run, inputs: Inputs, training: Training, compilation: Compilation) -> StepContext:
+    """What a step needs beside its batch: --teacher's token distillation where the student has a distillation head,
+    else logit distillation; the model compiled (else eager), then DDP-wrapped. Checkpoints save the unwrapped one
+    (shared parameters, no `_orig_mod.` prefix), so eager and compiled runs resume each other."""
+    config, state, device = run.config, training.state, inputs.device
+    student = ModelInput(device, training.precision.dtype, config.channels_last)
+    distillation = None
+    if training.teacher is not None:
+        kind = config.kd_token_distill_type if has_distillation_head(state.model) else LOGIT
+        distillation = Distillation(Teacher(training.teacher, student), kind, config.kd_temperature,
+                                    *loss_weights(config.task_loss_weight, config.distill_loss_weight))
+    model = compilation.wrap(state.model)
+    if run.env.launched:
+        model = DistributedDataParallel(model, device_ids=[device.index] if device.type == "cuda" else None)
+    mixer = mixing.Mixer(config.mixup_alpha, config.cutmix_alpha, len(training.classes)) if config.mixes else None
+    return StepContext(model, state.optimizer, state.scaler,
+                       TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), student, mixer,
+                       config.clip_grad_norm, config.grad_checkpointing, distillation)
 
 
 def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepContext) -> MicroBatches:

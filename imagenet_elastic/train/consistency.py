@@ -92,10 +92,6 @@ def first_difference(prints: list[Fingerprint]) -> Optional[tuple[str, list[int]
     return None
 
 
-def who(prints: list[Fingerprint], rank: int) -> str:
-    return f"rank {rank} ({prints[rank].host})"
-
-
 def setting_differences(mine: dict[str, Any], main: dict[str, Any], rank: int) -> list[str]:
     """`--flag is A on rank 0 but B on rank N` for each setting in which `mine` differs from rank 0's."""
     by_name = {f.name: f for f in fields(Config)}
@@ -129,38 +125,37 @@ def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray,
 def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,
              train: Source, val: Source) -> str:
     """The line saying what differs; a collective where fingerprints cannot say it (all ranks call it alike)."""
-    first, main = ranks[0], prints[0]
-    also = f" (and {len(ranks) - 1} other rank(s))" if len(ranks) > 1 else ""
+    first, main, other = ranks[0], prints[0], prints[ranks[0]]
+    zero = f"rank 0 ({main.host})"
+    them = f"rank {first} ({other.host})" + (f" (and {len(ranks) - 1} other rank(s))" if len(ranks) > 1 else "")
     if name == "software":
-        return (f"ranks run different code: {who(prints, 0)} runs {main.software}, {who(prints, first)}{also} runs "
-                f"{prints[first].software}; install the same version on every node")
+        return (f"ranks run different code: {zero} runs {main.software}, {them} runs {other.software}; install the "
+                "same version on every node")
     if name == "settings":
         main_settings = distributed.broadcast_object(shared_settings(config), src=0)
         found = distributed.broadcast_object(
             setting_differences(shared_settings(config), main_settings, distributed.rank()), src=first)
-        return (f"ranks were started with different settings: {who(prints, 0)} against {who(prints, first)}{also}: "
-                f"{'; '.join(found[:3])}; give every node the same command line")
+        return (f"ranks were started with different settings: {zero} against {them}: {'; '.join(found[:3])}; give "
+                "every node the same command line")
     if name == "folder_token":
-        return (f"the checkpoints folder is not shared: {who(prints, first)}{also} does not see the lock that "
-                f"{who(prints, 0)} holds in {main.folder} (it looks in {prints[first].folder}). --checkpoints-path "
-                "must be on storage that every node shares: otherwise only one node has the checkpoints, and a job "
-                "that re-forms with rank 0 on another node starts over from nothing")
+        return (f"the checkpoints folder is not shared: {them} does not see the lock that {zero} holds in "
+                f"{main.folder} (it looks in {other.folder}). --checkpoints-path must be on storage that every node "
+                "shares: otherwise only one node has the checkpoints, and a job that re-forms with rank 0 on another "
+                "node starts over from nothing")
     if name == "teacher":
-        return (f"ranks read different weights for --teacher {config.teacher}: {who(prints, 0)} sha256 "
-                f"{str(main.teacher)[:12]}, {who(prints, first)}{also} {str(prints[first].teacher)[:12]}; every node's "
-                "copy (its Hugging Face cache, its file) must hold the same weights")
+        return (f"ranks read different weights for --teacher {config.teacher}: {zero} sha256 {str(main.teacher)[:12]}, "
+                f"{them} {str(other.teacher)[:12]}; every node's copy (its Hugging Face cache, its file) must hold "
+                "the same weights")
     if name == "checkpoint":
-        def said(p: Fingerprint) -> str:
-            return "no checkpoint" if p.checkpoint is None else f"the checkpoint of step {p.checkpoint[0]}"
-        return (f"ranks loaded different checkpoints from {main.folder}: {who(prints, 0)} found {said(main)}, "
-                f"{who(prints, first)}{also} {said(prints[first])} (was it written to while this round started?)")
-    index, ours, theirs = (train if name == "train" else val), getattr(main, name), getattr(prints[first], name)
+        said = ["no checkpoint" if p.checkpoint is None else f"the checkpoint of step {p.checkpoint[0]}"
+                for p in (main, other)]
+        return (f"ranks loaded different checkpoints from {main.folder}: {zero} found {said[0]}, {them} {said[1]} "
+                "(was it written to while this round started?)")
+    index, ours, theirs = (train if name == "train" else val), getattr(main, name), getattr(other, name)
     listed = distributed.broadcast_object(listing(index) if distributed.rank() == 0 else None, src=0)
-    rank = distributed.rank()
-    detail = distributed.broadcast_object(first_file_difference(index, listed, rank), src=first)
-    return (f"{name} file lists differ: {who(prints, 0)} has {ours.count} images in {ours.classes} classes, "
-            f"{who(prints, first)}{also} {theirs.count} in {theirs.classes}; {detail}. Node-local copies of the "
-            "data must be identical")
+    detail = distributed.broadcast_object(first_file_difference(index, listed, distributed.rank()), src=first)
+    return (f"{name} file lists differ: {zero} has {ours.count} images in {ours.classes} classes, {them} "
+            f"{theirs.count} in {theirs.classes}; {detail}. Node-local copies of the data must be identical")
 
 
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],

@@ -4,7 +4,12 @@ temperature T, batch mean, times T^2 (so the gradient keeps its scale as T chang
 distillation, for a student with DeiT's distillation head (`*_distilled_*`), teaches the class head the task and the
 distillation head the teacher, soft (the same KL) or hard (cross-entropy with the teacher's top class); in eval mode
 timm averages the two heads, so validation scores that average. The total weighs task and distillation losses
-(`loss_weights`); the teacher sees the same mixed images (teacher.py)."""
+(`loss_weights`).
+
+The teacher (`Teacher`): frozen, in eval mode, without gradients, in the run's precision and memory layout, on the
+student's augmented and mixed batch as its own preprocessing would make it: renormalised to its mean and std and, for
+another input size, resized on the device (bilinear, antialiased, as torchvision and timm resize); else the student's
+very tensor. Not DDP-wrapped: each rank holds its own copy, and nothing of it is reduced."""
 
 from __future__ import annotations
 
@@ -13,6 +18,10 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from imagenet_elastic.data.model_input import ModelInput
+from imagenet_elastic.models.device import place_model
+from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
 
 LOGIT, SOFT, HARD = "logit", "soft", "hard"
 TOKEN_KINDS = (SOFT, HARD)  # --kd-token-distill-type
@@ -76,3 +85,36 @@ class Distillation:
                 SOFT: f"token distillation, soft: the distillation head's KL at T={self.temperature:g} (x T^2)",
                 HARD: "token distillation, hard: the distillation head's cross-entropy with the teacher's top class"}
         return f"{what[self.kind]}; loss = {self.task_weight:g} x task + {self.distill_weight:g} x distillation"
+
+
+class Teacher:
+    """`teacher(images)`: the teacher's logits (float32) for a batch the student's `input` prepared."""
+
+    def __init__(self, weights: TeacherWeights, student: ModelInput) -> None:
+        self.model = place_model(weights.model, student.device, student.channels_last).eval().requires_grad_(False)
+        self.student, self.wanted = student, weights.input
+        self.scale, self.shift = renormalisation(student, weights.input)
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        """`images`: the student's batch (NCHW, normalised for the student), given the teacher's own preprocessing
+        (both operations keep the student's memory layout)."""
+        with torch.no_grad(), self.student.autocast():
+            if self.scale is not None:
+                images = torch.addcmul(self.shift, images, self.scale)
+            if tuple(images.shape[-2:]) != self.wanted.size:
+                images = F.interpolate(images, size=self.wanted.size, mode="bilinear", antialias=True,
+                                       align_corners=False)
+            return self.model(images).float()
+
+
+def renormalisation(student: ModelInput, teacher: TeacherInput
+                    ) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(scale, shift) with teacher = student x scale + shift, per channel: undo the student's normalisation, apply the
+    teacher's ((x s_s + m_s - m_t) / s_t). (None, None) where the two are the same: the batch is left as it is."""
+    mean, std = (torch.tensor(v, dtype=torch.float64, device=student.device).view(1, 3, 1, 1)
+                 for v in (teacher.mean, teacher.std))
+    if torch.equal(mean.float(), student.mean.float()) and torch.equal(std.float(), student.std.float()):
+        return None, None
+    scale = student.std.double() / std
+    shift = (student.mean.double() - mean) / std
+    return scale.float(), shift.float()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import copy
 from collections.abc import Callable, Iterator
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -94,9 +94,11 @@ def untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[No
 
 
 def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    """A host copy of the optimizer's state and group settings (timm's LAMB counts steps in the group)."""
-    state = {param: {key: host_copy(value) for key, value in entries.items()}
-             for param, entries in optimizer.state.items()}  # each value with the device it was on
+    """A host copy of the optimizer's state, each value with the device it was on (None: not a tensor), and of the
+    group settings (timm's LAMB counts steps in the group)."""
+    state = {param: {key: (value.detach().to("cpu", copy=True), value.device) if isinstance(value, torch.Tensor)
+                     else (copy.deepcopy(value), None) for key, value in entries.items()}
+             for param, entries in optimizer.state.items()}
     groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups]
     return state, groups
@@ -127,13 +129,6 @@ def optimizer_restore(optimizer: torch.optim.Optimizer, snapshot: tuple[dict, li
         for key in [k for k in group if k != "params" and k not in saved]:
             del group[key]
         group.update(saved)
-
-
-def host_copy(value: Any) -> tuple[Any, Optional[torch.device]]:
-    """A copy of `value` in host memory, and the device a tensor was on (None: not a tensor)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().to("cpu", copy=True), value.device
-    return copy.deepcopy(value), None
 
 
 def probe(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, image_size: int,

@@ -69,20 +69,16 @@ def fitting_plan(global_batch: int, world_size: int, size: int, mixes: bool) -> 
 
 @dataclasses.dataclass(frozen=True)
 class Choice:
-    """--micro-batch auto's answer, and what it holds for: the checkpoint keeps it (`saved`) for a restart."""
+    """What --micro-batch auto's answer holds for: the checkpoint keeps it (`saved`, beside the size in use) for a
+    restart on the same kind of GPU with the same settings."""
 
-    size: int
     device: str  # the GPU's name; "cpu" on a CPU
     memory: int  # its total memory in bytes; 0 on a CPU
-    settings: dict  # the other settings that decide a step's memory (memory_settings)
-    how: str  # for the start-up table: probed, or the checkpoint's
+    settings: dict  # the other settings that decide a step's memory (build.fit_micro_batches)
+    how: str = ""  # for the start-up table: probed, or the checkpoint's
 
     def saved(self) -> dict[str, Any]:
-        return {"size": self.size, "device": self.device, "memory": self.memory, "settings": self.settings}
-
-    def holds_for(self, saved: Optional[dict[str, Any]]) -> bool:
-        """Whether a checkpoint's choice was made on this kind of GPU, with these settings."""
-        return bool(saved) and all(saved.get(k) == v for k, v in self.saved().items() if k != "size")
+        return {"device": self.device, "memory": self.memory, "settings": self.settings}
 
 
 class MicroBatches:
@@ -96,7 +92,7 @@ class MicroBatches:
                                                                         mixes))
         self.validation_batch: Optional[int] = loader.micro_batch if auto else None  # None: the loader's, whole
         self.halved = {"training": False, "validation": False}
-        self.buffers: Optional[BufferCopy] = None  # auto: made at the first step (`prepare`)
+        self.buffers: Optional[BufferCopy] = None  # auto: made at the first step
         self.decoding: Optional[tuple[str, str]] = None  # a training batch's decode ran out of memory: (what, line)
         self.ledger: Optional[CollectiveLedger] = None
 
@@ -112,7 +108,10 @@ class MicroBatches:
         if not self.auto:
             return train_step(ctx, regroup(batches, self.given, self.slices), self.slices, self.plan.share, lr, seed,
                               step)
-        self.prepare(ctx)
+        if self.buffers is None:  # the first step: the DDP ledger's hooks must precede DDP's first forward
+            self.buffers = BufferCopy(ctx.model.buffers())
+            if isinstance(ctx.model, DistributedDataParallel):
+                self.ledger = CollectiveLedger(ctx.model)
         while True:
             loss, error = self.attempt(ctx, regroup(batches, self.given, self.slices), seed, step)
             failed, decoding = distributed.agree([error is not None, self.decoding is not None])  # under DDP: on
@@ -128,13 +127,6 @@ class MicroBatches:
                 self.ledger.reset()
         apply_gradients(ctx, lr)
         return loss
-
-    def prepare(self, ctx: StepContext) -> None:
-        """Before the first step: the buffers' copy and the DDP ledger, whose hooks must precede DDP's first forward."""
-        if self.buffers is None:
-            self.buffers = BufferCopy(ctx.model.buffers())
-            if isinstance(ctx.model, DistributedDataParallel):
-                self.ledger = CollectiveLedger(ctx.model)
 
     def attempt(self, ctx: StepContext, micro_batches: list[Batch], seed: int, step: int
                 ) -> tuple[Optional[torch.Tensor], Optional[str]]:
@@ -197,7 +189,7 @@ class MicroBatches:
         """What the checkpoint keeps: the micro-batch in use (halved or not) and what it was chosen for."""
         if self.choice is None:
             return {}
-        return {"micro_batch": dict(self.choice.saved(), size=self.size)}
+        return {"micro_batch": {"size": self.size, **self.choice.saved()}}
 
     def describe(self) -> str:
         if not self.auto:
@@ -219,8 +211,9 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
     if not auto:
         return MicroBatches(loader, loader.micro_batch, rank)
     name, memory = device_identity(device)
+    held = Choice(name, memory, settings)
     first = max(s.stop - s.start for s in loader.all_micro_slices())  # no forward pass takes more
-    if saved and Choice(0, name, memory, settings, "").holds_for(saved):
+    if saved and all(saved.get(k) == v for k, v in held.saved().items()):
         size, how = min(int(saved["size"]), first), f"the checkpoint's for this GPU ({describe_gpu(name, memory)})"
     elif probes(device):
         start = time.perf_counter()
@@ -229,12 +222,14 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
                f"from {first}, eager)")
     else:
         size, how = first, "--batch-size's" + (" (nothing to probe on a CPU)" if device.type != "cuda" else "")
-    agreed = smallest_over_ranks(size)
+    # the smallest over ranks (they may sit on different GPUs), through the CPU control group
+    agreed = -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0]) \
+        if distributed.is_initialized() else size
     if agreed < size:
         how += f", {agreed} on another rank"
     plan = fitting_plan(loader.global_batch, loader.world_size, agreed, mixes)
     return MicroBatches(loader, plan.micro_batch, rank, auto=True, mixes=mixes,
-                        choice=Choice(plan.micro_batch, name, memory, settings, how), warn=warn)
+                        choice=dataclasses.replace(held, how=how), warn=warn)
 
 
 def next_smaller(loader: BatchPlan, size: int, mixes: bool) -> Optional[int]:
@@ -258,9 +253,3 @@ def device_identity(device: torch.device) -> tuple[str, int]:
 def describe_gpu(name: str, memory: int) -> str:
     return f"{name}, {memory / 2**30:.1f} GiB" if memory else name
 
-
-def smallest_over_ranks(size: int) -> int:
-    """The smallest of the ranks' sizes (ranks may sit on different GPUs), through the CPU control group."""
-    if not distributed.is_initialized():
-        return size
-    return -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0])

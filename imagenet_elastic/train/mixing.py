@@ -65,13 +65,12 @@ class Mixer:
         host = torch.from_numpy(np.repeat(np.stack([lam, cut, top, bottom, left, right]).astype(np.float32), 2, axis=1))
         if images.device.type == "cuda":  # a copy from pageable memory waits for the stream's queue: the last step
             host = host.pin_memory()
-        lam_t, cut_t, top_t, bottom_t, left_t, right_t = host.to(images.device, non_blocking=True)
+        lam_t, cut_t, top_t, bottom_t, left_t, right_t = host.to(images.device, non_blocking=True).view(6, n, 1, 1)
         partner = torch.arange(n, device=images.device) ^ 1  # 0<->1, 2<->3, ...
         rows = torch.arange(height, device=images.device, dtype=torch.float32).view(1, height, 1)
         cols = torch.arange(width, device=images.device, dtype=torch.float32).view(1, 1, width)
-        inside = ((rows >= top_t.view(n, 1, 1)) & (rows < bottom_t.view(n, 1, 1))
-                  & (cols >= left_t.view(n, 1, 1)) & (cols < right_t.view(n, 1, 1)))
-        own = torch.where(cut_t.view(n, 1, 1) > 0, (~inside).float(), lam_t.view(n, 1, 1)).unsqueeze(1)
+        inside = (rows >= top_t) & (rows < bottom_t) & (cols >= left_t) & (cols < right_t)
+        own = torch.where(cut_t > 0, (~inside).float(), lam_t).unsqueeze(1)
         mixed = images * own + images[partner] * (1.0 - own)
         onehot = F.one_hot(labels, self.num_classes).float()
         targets = onehot * lam_t.view(n, 1) + onehot[partner] * (1.0 - lam_t.view(n, 1))
@@ -97,10 +96,9 @@ def check_pairs(plan: BatchPlan) -> None:
     """Every micro-batch of every rank must hold whole pairs."""
     for rank in range(plan.world_size):
         slices = plan.micro_slices(rank)
-        for part in slices:
-            if not whole_pairs(part):
-                sizes = "/".join(str(s.stop - s.start) for s in slices)
-                raise UserError(
-                    f"--mixup-alpha/--cutmix-alpha mix the images of a global batch in pairs (positions 2k and "
-                    f"2k+1), so every micro-batch must hold whole pairs; {plan.describe()} gives rank {rank} "
-                    f"micro-batches of {sizes}: choose --global-batch-size and --batch-size so that each is even")
+        if not all(map(whole_pairs, slices)):
+            sizes = "/".join(str(s.stop - s.start) for s in slices)
+            raise UserError(
+                f"--mixup-alpha/--cutmix-alpha mix the images of a global batch in pairs (positions 2k and "
+                f"2k+1), so every micro-batch must hold whole pairs; {plan.describe()} gives rank {rank} "
+                f"micro-batches of {sizes}: choose --global-batch-size and --batch-size so that each is even")

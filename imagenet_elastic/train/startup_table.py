@@ -23,19 +23,12 @@ from imagenet_elastic.train.distillation import Distillation
 def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training: Training,
              loaders: Loaders, checked_s: Optional[float], compilation: Compilation,
              distillation: Optional[Distillation] = None) -> list[tuple[str, str]]:
-    """The start-up table's rows (trackers record them); `checked_s`: the rank check's seconds (None: one process)."""
-    found = rows(c, env, inputs, training, loaders, checked_s, compilation, distillation)
-    console.table("imagenet_elastic", found)
-    return found
-
-
-def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: Loaders,
-         checked_s: Optional[float], compilation: Compilation,
-         distillation: Optional[Distillation] = None) -> list[tuple[str, str]]:
+    """Prints the start-up table and returns its rows (trackers record them); `checked_s`: the rank check's seconds
+    (None: one process)."""
     plan = training.plan
     interval = [f"every {c.checkpoint_every_steps} steps"] if c.checkpoint_every_steps else []
     interval += [f"every {c.checkpoint_every_seconds:g} s"] if c.checkpoint_every_seconds else []
-    return [
+    rows = [
         ("model", f"{c.model} ({count_parameters(training.state.model) / 1e6:.2f} M parameters)"
                   + (f", BlurPool before {blurred(training.state.model)} strided convolutions" if c.blurpool else "")),
         ("classes", str(len(inputs.train.classes))),
@@ -85,6 +78,8 @@ def rows(c: Config, env: DistEnv, inputs: Inputs, training: Training, loaders: L
                        + ("" if "SIGINT" in c.preempt_signals else f"; Ctrl-C: checkpoint and exit {INTERRUPTED_EXIT} "
                           "(twice: at once)")),
     ]
+    console.table("imagenet_elastic", rows)
+    return rows
 
 
 def describe_teacher(c: Config, teacher: Optional[TeacherWeights], distillation: Optional[Distillation]) -> str:

@@ -25,7 +25,8 @@ def capture_rng() -> dict[str, Any]:
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *map(_plain, np_state[2:])],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
+                  *(v.item() if isinstance(v, np.generic) else v for v in np_state[2:])],  # plain for the pickle
     }
 
 
@@ -39,10 +40,6 @@ def apply_rng(rng: dict[str, Any]) -> None:
     np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
 
 
-def _plain(value: Any) -> Any:
-    return value.item() if isinstance(value, np.generic) else value
-
-
 @dataclass
 class EpochTally:
     """How far into the current epoch training got, in terms that do not depend on the world size."""
@@ -53,13 +50,12 @@ class EpochTally:
     seconds: float = 0.0  # training time, for the epoch's images/s
     parts: dict[str, float] = field(default_factory=dict)  # the loss's parts' sums, by name
 
-    def add(self, samples: int, steps: int, loss_sum: float, seconds: float,
-            parts: Optional[dict[str, float]] = None) -> None:
-        self.samples += samples
-        self.steps += steps
-        self.loss_sum += loss_sum
-        self.seconds += seconds
-        for name, value in (parts or {}).items():
+    def add(self, other: EpochTally) -> None:
+        self.samples += other.samples
+        self.steps += other.steps
+        self.loss_sum += other.loss_sum
+        self.seconds += other.seconds
+        for name, value in other.parts.items():
             self.parts[name] = self.parts.get(name, 0.0) + value
 
 
@@ -84,7 +80,7 @@ class PendingSteps:
         loss_sum, *parts = (value / world_size for value in distributed.all_reduce_sum(self.loss.clone()).tolist())
         added = EpochTally(self.steps * global_batch, self.steps, loss_sum, time.perf_counter() - self.start,
                            dict(zip(self.names, parts)))
-        tally.add(added.samples, added.steps, added.loss_sum, added.seconds, added.parts)
+        tally.add(added)
         self.loss.zero_()
         self.steps = 0
         self.start = time.perf_counter()

@@ -1,4 +1,4 @@
-"""One training step (with gradient accumulation) and one exact validation pass."""
+"""One training step (with gradient accumulation) and its loss, and one exact validation pass."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ class StepContext:
     model: nn.Module  # the DDP wrapper when distributed
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
-    criterion: nn.Module  # loss.TrainLoss: takes class labels or soft targets
+    criterion: nn.Module  # TrainLoss: takes class labels or soft targets
     input: ModelInput
     mixer: Optional[Mixer] = None  # --mixup-alpha / --cutmix-alpha
     clip_grad_norm: Optional[float] = None  # --clip-grad-norm
@@ -42,6 +42,28 @@ class StepContext:
     def parts(self) -> tuple[str, ...]:
         """What a step tallies beside its loss (the names of the rest of the vector `train_step` returns)."""
         return self.distillation.parts if self.distillation is not None else ()
+
+
+class TrainLoss(nn.Module):
+    """Cross-entropy or timm's binary cross-entropy, with label smoothing. `loss(logits, targets)`: targets are class
+    indices, or probabilities not yet smoothed (mixing.Mixer's). Smoothing moves a probability target towards uniform
+    (t (1 - s) + s / classes), as torch's cross-entropy and timm's BCE do for an index; timm's BCE expects smoothed
+    targets (its Mixup smooths them), so they are smoothed here."""
+
+    def __init__(self, label_smoothing: float, bce: bool = False, bce_threshold: Optional[float] = None) -> None:
+        super().__init__()
+        self.smoothing, self.bce = label_smoothing, bce
+        if bce:
+            from timm.loss import BinaryCrossEntropy
+
+            self.loss: nn.Module = BinaryCrossEntropy(smoothing=label_smoothing, target_threshold=bce_threshold)
+        else:
+            self.loss = nn.CrossEntropyLoss(label_smoothing=label_smoothing)
+
+    def forward(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        if self.bce and targets.is_floating_point() and self.smoothing:
+            targets = targets * (1.0 - self.smoothing) + self.smoothing / logits.shape[-1]
+        return self.loss(logits, targets)
 
 
 @dataclass(frozen=True)
@@ -61,11 +83,6 @@ class Counts:
     names: tuple[str, ...]
     count: Callable[[torch.Tensor, Batch], torch.Tensor]
 
-
-def seed_micro_batch(seed: int, step: int, position: int) -> None:
-    """Model-side randomness (dropout, drop-path) of a micro-batch from (seed, step, its position in
-    the global batch): a resumed step, or the same step at another world size, draws the same."""
-    torch.manual_seed(int(np.random.SeedSequence([seed, step, position]).generate_state(1)[0]))
 
 class BufferCopy:
     """Buffers copied by `keep` and put back in place by `restore` (DDP keeps references to them): one multi-tensor
@@ -147,7 +164,9 @@ def accumulate(ctx: StepContext, micro_batches: list[Batch], slices: list[slice]
         images, targets = prepare_batch(batch.images, batch.labels, ctx.input)
         if ctx.mixer is not None:
             images, targets = ctx.mixer(images, targets, seed, step, part.start, ctx.input.channels_last)
-        seed_micro_batch(seed, step, part.start)
+        # model-side randomness (dropout, drop path) from (seed, step, position in the global batch): a resumed step,
+        # or the same step at another world size, draws the same
+        torch.manual_seed(int(np.random.SeedSequence([seed, step, part.start]).generate_state(1)[0]))
         last = j == len(micro_batches) - 1
         with contextlib.ExitStack() as stack:
             if not last and hasattr(ctx.model, "no_sync"):

@@ -19,7 +19,6 @@ from imagenet_elastic.checkpoint.saving import Checkpointer
 from imagenet_elastic.checkpoint.store import BEST
 from imagenet_elastic.config import RESUME_AUTO, Config, yaml_file
 from imagenet_elastic.data.device.feed import LoaderWaits, device_batches, step_groups
-from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sources import Source
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, UserError, counted, one_line
@@ -43,13 +42,10 @@ from imagenet_elastic.train.build import (
     fit_micro_batches,
     join_job,
     prepare_compile,
-    prepare_distillation,
     prepare_training,
     share_checkpoint,
-    wrap_model,
+    step_context,
 )
-from imagenet_elastic.train.loss import TrainLoss
-from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import StepContext, evaluate, train_step
 
@@ -70,18 +66,15 @@ class Trainer:
         self.config, self.env, self.console, self.preempt = run.config, run.env, run.console, run.preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
         self.slices = self.plan.micro_slices(self.env.rank)  # this rank's micro-batches in the global batch
-        self.training, self.loaders, self.ctx = training, loaders, ctx
-        self.checkpointer, self.sample_log = checkpointer, reports.sample_log
-        self.compilation = reports.compilation
+        self.training, self.loaders, self.ctx, self.checkpointer = training, loaders, ctx, checkpointer
+        self.sinks, self.sample_log, self.compilation = reports.sinks, reports.sample_log, reports.compilation
         self.restart_cost = reports.restart_cost  # said after the first step of a resumed run, then dropped
+        self.waits, self.since_log = LoaderWaits(), EpochTally()  # since_log: the steps since the last log line
+        state, resumed = training.state, training.resume_from
+        self.resumed_into = state.epoch if resumed else None  # marked in its metrics row
+        # where the run starts: the checkpoint kept until this run saves one
+        self.started_from = (resumed, (state.step, state.epoch, state.tally.samples)) if resumed else None
         self.stepped = False  # this process trained a step
-        self.sinks = reports.sinks
-        self.waits = LoaderWaits()
-        self.since_log = EpochTally()  # the steps since the last log line
-        self.resumed_into = training.state.epoch if training.resume_from else None  # marked in its metrics row
-        state = training.state  # where the run starts: the checkpoint kept until this run saves one
-        self.started_from = (training.resume_from, (state.step, state.epoch, state.tally.samples)) \
-            if training.resume_from else None
         self.finished = False
         self.saved_once = False  # this run saved a checkpoint (its first is followed by config.yaml)
 
@@ -117,12 +110,11 @@ class Trainer:
             row = self.run_epoch(epoch)
             state.epoch, state.tally = epoch + 1, EpochTally()
             top1, ema = scored(row)
-            best_of = "model_ema" if ema else "model"
             is_best = top1 > state.best_top1
             state.best_top1 = max(state.best_top1, top1)
             state.history.append(row)
             self.sinks.epoch(row)
-            self.save(epoch_end=True, is_best=is_best, best_of=best_of)
+            self.save(epoch_end=True, is_best=is_best, best_of="model_ema" if ema else "model")
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             taught = f" (task {row['train_task_loss']:.4f}, distillation {row['train_distill_loss']:.4f})" \
                 if "train_distill_loss" in row else ""
@@ -188,8 +180,7 @@ class Trainer:
 
     def fold(self, pending: PendingSteps) -> None:
         """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
-        added = pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size)
-        self.since_log.add(added.samples, added.steps, added.loss_sum, added.seconds, added.parts)
+        self.since_log.add(pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size))
 
     def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
         """The steps since the last log line: mean loss over all ranks, images/s, the share of time spent waiting
@@ -344,13 +335,11 @@ def scored(row: dict[str, Any]) -> tuple[float, bool]:
 
 
 def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], bool]]:
-    """The row of the epoch best.pt holds, and whether its EMA weights scored it (as `fit` decides)."""
-    best, found = -1.0, None
-    for row in history:
-        top1, ema = scored(row)
-        if top1 > best:
-            best, found = top1, (row, ema)
-    return found
+    """The row of the epoch best.pt holds (the first best), and whether its EMA weights scored it (as `fit` does)."""
+    if not history:
+        return None
+    row = max(history, key=lambda r: scored(r)[0])
+    return row, scored(row)[1]
 
 
 # ------------------------------------------------------------------ the run: its entry point and its build
@@ -368,14 +357,8 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
     del snapshot  # its tensors are in the model and optimizer now
     state = training.state
     preempt.steps_done = state.step
-    classes = len(inputs.train.classes)
     compilation = prepare_compile(run, inputs, training)
-    student = ModelInput(inputs.device, training.precision.dtype, config.channels_last)
-    distillation = prepare_distillation(config, training, student)
-    ctx = StepContext(wrap_model(state.model, compilation, env, inputs.device), state.optimizer, state.scaler,
-                      TrainLoss(config.label_smoothing, config.bce_loss, config.bce_target_thresh), student,
-                      Mixer(config.mixup_alpha, config.cutmix_alpha, classes) if config.mixes else None,
-                      config.clip_grad_norm, config.grad_checkpointing, distillation)
+    ctx = step_context(run, inputs, training, compilation)
     training.micro = fit_micro_batches(run, inputs, training, ctx)
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
@@ -384,7 +367,8 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
     sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
     trainer = Trainer(run, training, loaders, ctx, checkpointer, Reports(sinks, sample_log, compilation, cost))
     stack.callback(trainer.close)  # first out: DDP and tensors go before the process group does
-    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation, distillation)
+    facts = startup_table.describe(console, config, env, inputs, training, loaders, checked, compilation,
+                                     ctx.distillation)
     distributed.rank_0_does(lambda: sinks.start(
         state.step, state.history, training.tracker_runs, continuing=config.resume is not None or env.restart_count > 0,
         started_from=training.resumed_at, name=os.path.basename(os.path.abspath(config.checkpoints_path)),
@@ -397,7 +381,11 @@ def run(config: Config, env: DistEnv) -> None:
     # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
     preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:
-        run_with(Run(config, env, console, preempt))
+        with contextlib.ExitStack() as stack:
+            # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's
+            # second, a spawn parent stopping the ranks after another failed) would only make it -15 and hide why.
+            stack.callback(preempt.ignore_from_now)
+            build(Run(config, env, console, preempt), stack).fit()
     except UserError as error:
         # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the SIG_IGN
         # the unwinding ends with: the report then stays rank 0's (launch/processes.leave_the_report_to_rank_0)
@@ -407,11 +395,3 @@ def run(config: Config, env: DistEnv) -> None:
         if not preempt.training_began:  # once it began, the trainer said what was kept (or the stop's line did)
             console.info("Ctrl-C: stopped before training began: nothing trained, no checkpoint written")
         raise
-
-
-def run_with(run: Run) -> None:
-    with contextlib.ExitStack() as stack:
-        # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's
-        # second, or a spawn parent stopping the ranks after another failed) would only turn it into -15 and hide why.
-        stack.callback(run.preempt.ignore_from_now)
-        build(run, stack).fit()

@@ -189,6 +189,17 @@ def test_repeated_augmentation_does_not_depend_on_world_size_or_resume_point(sta
     assert global_batches(1, 4, reps=2)[start // GLOBAL_BATCH:] == reference
 
 
+def test_repeated_augmentation_resumed_with_another_global_batch_goes_on_from_the_next_image():
+    """A checkpoint of 3 steps of 12 (18 images, twice each) resumed with global batches of 8 (4 images each): the
+    steps it says it has, each the next 4 images of the permutation twice over, none seen twice or skipped."""
+    order = epoch_permutation(NUM_SAMPLES, SEED, 4).tolist()
+    tail = global_batches(1, 4, reps=2, start_sample=3 * 12)
+    assert len(tail) == (NUM_SAMPLES // GLOBAL_BATCH * GLOBAL_BATCH - 36) // GLOBAL_BATCH == 7
+    for step, batch in enumerate(tail):
+        images = order[18 + 4 * step:18 + 4 * step + 4]
+        assert batch == [(4, i, copy) for copy in range(2) for i in images]
+
+
 def test_the_copies_of_an_image_go_to_different_ranks():
     plan = BatchPlan(GLOBAL_BATCH, 4, GLOBAL_BATCH)
     first_step = [next(iter(TrainBatchSampler(NUM_SAMPLES, plan, rank, SEED, reps=4))) for rank in range(4)]

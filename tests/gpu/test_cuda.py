@@ -46,10 +46,9 @@ from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.data.sources.image_folder import ImageFolder, scan_image_folder
 from imagenet_elastic.models.create import create_ema, create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
-from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.mixing import Mixer
 from imagenet_elastic.train.state import PendingSteps, TrainState
-from imagenet_elastic.train.step import StepContext, train_step
+from imagenet_elastic.train.step import StepContext, TrainLoss, train_step
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)

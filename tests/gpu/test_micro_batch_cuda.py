@@ -14,10 +14,9 @@ from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
 from imagenet_elastic.train import memory_probe
-from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.step import StepContext
+from imagenet_elastic.train.step import StepContext, TrainLoss
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 GPU = torch.device("cuda", 0)

@@ -9,8 +9,8 @@ from conftest import assert_names
 from safetensors.torch import save_file
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.models import initial_weights
 from imagenet_elastic.models.create import create_model
+from imagenet_elastic.models.weights import InitialWeights
 
 
 def source_model(classes: int = 10) -> torch.nn.Module:
@@ -37,7 +37,7 @@ def test_a_timm_state_dict_of_another_class_count_loads_all_but_the_classifier(t
     source = source_model(10)
     torch.save(source.state_dict(), tmp_path / "timm.pth")
     model = fresh(4)
-    said = initial_weights.load(model, initial_weights.read(str(tmp_path / "timm.pth")), "timm.pth", "test_resnet")
+    said = InitialWeights.read(str(tmp_path / "timm.pth")).load(model, "timm.pth", "test_resnet")
     assert said == "timm.pth (classifier re-initialised: 10 classes there, 4 here)"
     assert_loaded_except_the_head(model, source, head_refit=True)
 
@@ -47,7 +47,7 @@ def test_our_checkpoint_with_ddp_and_compile_prefixes_loads_everything(tmp_path)
     prefixed = {f"module._orig_mod.{k}": v for k, v in source.state_dict().items()}
     torch.save({"model": prefixed, "epoch": 3, "config": {"lr": 0.1}}, tmp_path / "last.pt")
     model = fresh(4)
-    said = initial_weights.load(model, initial_weights.read(str(tmp_path / "last.pt")), "last.pt", "test_resnet")
+    said = InitialWeights.read(str(tmp_path / "last.pt")).load(model, "last.pt", "test_resnet")
     assert said == "last.pt"
     assert_loaded_except_the_head(model, source, head_refit=False)
 
@@ -57,7 +57,7 @@ def test_reading_tells_whether_a_checkpoint_of_ours_was_trained_with_blurpool(tm
     for name, saved in (("blurred.pt", {"blurpool": True}), ("plain.pt", {"blurpool": False}), ("old.pt", {})):
         torch.save({"model": state, "model_name": "test_resnet", "config": saved}, tmp_path / name)
     torch.save(state, tmp_path / "timm.pth")
-    assert [initial_weights.read(str(tmp_path / name)).blurpool for name in ("blurred.pt", "plain.pt", "old.pt",
+    assert [InitialWeights.read(str(tmp_path / name)).blurpool for name in ("blurred.pt", "plain.pt", "old.pt",
                                                                             "timm.pth")] == [True, False, False, None]
 
 
@@ -65,15 +65,15 @@ def test_a_safetensors_file_loads(tmp_path):
     source = source_model(7)
     save_file({k: v.contiguous() for k, v in source.state_dict().items()}, str(tmp_path / "w.safetensors"))
     model = fresh(4)
-    initial_weights.load(model, initial_weights.read(str(tmp_path / "w.safetensors")), "w", "test_resnet")
+    InitialWeights.read(str(tmp_path / "w.safetensors")).load(model, "w", "test_resnet")
     assert_loaded_except_the_head(model, source, head_refit=True)
 
 
 def test_weights_of_another_model_are_refused_naming_the_file_and_the_model(tmp_path):
     torch.save(timm.create_model("resnet18", num_classes=4).state_dict(), tmp_path / "r18.pth")
-    weights = initial_weights.read(str(tmp_path / "r18.pth"))
+    weights = InitialWeights.read(str(tmp_path / "r18.pth"))
     with pytest.raises(UserError) as caught:
-        initial_weights.load(fresh(4), weights, "r18.pth", "test_resnet")
+        weights.load(fresh(4), "r18.pth", "test_resnet")
     assert_names(str(caught.value), "--initial-checkpoint r18.pth", "--model test_resnet")
 
 
@@ -89,9 +89,9 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, content,
     else:
         path.write_bytes(content)
     with pytest.raises(UserError, match=f"--initial-checkpoint {path} {message}"):
-        initial_weights.read(str(path))
+        InitialWeights.read(str(path))
 
 
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(UserError, match="no such file"):
-        initial_weights.read(str(tmp_path / "absent.pth"))
+        InitialWeights.read(str(tmp_path / "absent.pth"))

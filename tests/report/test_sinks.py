@@ -18,7 +18,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from imagenet_elastic.config import Config
 from imagenet_elastic.report import metrics
-from imagenet_elastic.report.sinks import TRACKERS, Sink, Sinks, steps_file, wandb_log
+from imagenet_elastic.report.sinks import TRACKERS, Sink, Sinks, steps_file, wandb_tracker
 from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD
 from imagenet_elastic.tools import plot
 
@@ -60,7 +60,7 @@ def test_a_metric_added_where_the_rows_are_built_reaches_every_sink(tmp_path, mo
     assert {e.step: e.value for e in events.Scalars("epoch/epoch_probe")} == epochs
 
     (log,) = glob.glob(os.path.join(tmp_path, "wandb_dir", "wandb", "offline-run-*", "run-*.wandb"))
-    history = list(wandb_log.wandb_history(log))
+    history = list(wandb_tracker.wandb_history(log))
     assert {step: values["train/probe"] for step, values in history if "train/probe" in values} == steps
     assert {step: values["epoch/epoch_probe"] for step, values in history if "epoch/epoch_probe" in values} == epochs
 

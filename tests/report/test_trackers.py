@@ -20,9 +20,9 @@ from conftest import SMALL_RUN, assert_names, python_cmd, run, run_and_kill
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import sinks
 from imagenet_elastic.report.sinks import tracker as trackers
-from imagenet_elastic.report.sinks import wandb_log
-from imagenet_elastic.report.sinks.runs import TrackerRuns
+from imagenet_elastic.report.sinks import wandb_tracker
 from imagenet_elastic.report.sinks.steps_file import FILENAME as STEPS
+from imagenet_elastic.report.sinks.tracker import TrackerRuns
 from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
 EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
@@ -84,8 +84,8 @@ def assert_mlflow_holds(store: str, ckpt: Path) -> None:
 
 def wandb_history(run_id: str) -> list[tuple[int, dict]]:
     """Every history row of the run's transaction logs, in the order `wandb sync` uploads them (start time)."""
-    logs = wandb_log.transaction_logs(os.path.join(os.environ["WANDB_DIR"], "wandb"), run_id)
-    return [row for path in logs for row in wandb_log.wandb_history(path)]
+    logs = wandb_tracker.transaction_logs(os.path.join(os.environ["WANDB_DIR"], "wandb"), run_id)
+    return [row for path in logs for row in wandb_tracker.wandb_history(path)]
 
 
 def assert_wandb_holds(ckpt: Path) -> None:

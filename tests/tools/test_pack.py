@@ -415,7 +415,7 @@ def test_ctrl_c_during_a_pack_says_one_line_exits_130_and_the_rerun_completes_it
     assert not [name for name in os.listdir(tmp_path / "out" / "train") if name.startswith(".tmp")]
 
 
-def sleeping_shard_task(_task) -> None:  # a pool worker's task that writes nothing for half a minute
+def sleeping_shard_task(*_task) -> None:  # a pool worker's task that writes nothing for half a minute
     time.sleep(30)
 
 
@@ -423,7 +423,7 @@ def test_a_ctrl_c_while_the_pool_writes_is_raised_between_two_waits_and_the_pool
     """Raised wherever the signal came, a KeyboardInterrupt could leave one of concurrent.futures' locks held (a
     future's, taken one by one in wait() and as_completed()), and the pool's thread or this one would hang on it for
     ever at the stop: the pack's Ctrl-C is raised by the pool's own loop, between two waits."""
-    monkeypatch.setattr(pack, "_write_shard_task", sleeping_shard_task)  # the workers are forks: they see it
+    monkeypatch.setattr(pack, "write_shard", sleeping_shard_task)  # the workers are forks: they see it
     before = signal.getsignal(signal.SIGINT)
     started = time.monotonic()
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()

@@ -24,10 +24,9 @@ from imagenet_elastic.models.create import create_model
 from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
 from imagenet_elastic.models.weights import CHECKPOINT, EXPORT, PUBLISHED, exported_class_names
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
-from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, loss_weights
+from imagenet_elastic.train.distillation import HARD, LOGIT, SOFT, Distillation, Teacher, loss_weights
 from imagenet_elastic.train.state import EpochTally, PendingSteps
 from imagenet_elastic.train.step import evaluate
-from imagenet_elastic.train.teacher import Teacher
 
 CPU = torch.device("cpu")
 QUICK = ["--workers", "0", "--threads", "1"]

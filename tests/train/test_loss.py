@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.models.create import create_model
-from imagenet_elastic.train.loss import TrainLoss
+from imagenet_elastic.train.step import TrainLoss
 
 
 @pytest.mark.parametrize("bce", [False, True])

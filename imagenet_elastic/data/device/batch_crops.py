@@ -10,7 +10,6 @@ pixels within float32 rounding, and within one level of the CPU path's uint8 ker
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 
 import torch
 
@@ -25,28 +24,17 @@ CANVAS_BUDGET = 1 << 28
 INT32_POSITIONS = (1 << 31) - 1  # the most image bytes a batch may hold for its canvas's positions to be int32
 
 
-@dataclass(frozen=True)
-class Axis:
-    """One axis of one image's view: input pixels [start, start + length) resized to `full` pixels, of which the
-    output keeps `size` from `offset` on."""
-
-    start: int
-    length: int
-    full: int
-    offset: int
-
-    FIELDS = 4  # numbers per axis in a view row
-
-    def row(self) -> list[int]:
-        return [self.start, self.length, self.full, self.offset]
+# An image's view, one row of numbers: for its rows, then its columns, AXIS numbers each (input pixels
+# [start, start + length) resized to `full` pixels, of which the output keeps `size` from `offset` on), then the flip.
+AXIS = 4  # start, length, full, offset
+VIEW_FIELDS = 2 * AXIS + 1
 
 
 def train_view(box: Box, flip: bool, width: int, height: int, size: int) -> list[float]:
     """A training crop's row: the box's whole pixels (pixels.crop_region's) resized to size x size."""
     left, top, w, h = box
     rows, cols = pixel_span(top, h, height), pixel_span(left, w, width)
-    return [*Axis(rows.start, rows.stop - rows.start, size, 0).row(),
-            *Axis(cols.start, cols.stop - cols.start, size, 0).row(), float(flip)]
+    return [rows.start, rows.stop - rows.start, size, 0, cols.start, cols.stop - cols.start, size, 0, float(flip)]
 
 
 def centre_view(view: CentreCrop, width: int, height: int) -> list[float]:
@@ -56,10 +44,7 @@ def centre_view(view: CentreCrop, width: int, height: int) -> list[float]:
     resized_long = int(view.resize * long / short)
     full_h, full_w = (view.resize, resized_long) if height <= width else (resized_long, view.resize)
     top, left = int(round((full_h - view.size) / 2.0)), int(round((full_w - view.size) / 2.0))
-    return [*Axis(0, height, full_h, top).row(), *Axis(0, width, full_w, left).row(), 0.0]
-
-
-VIEW_FIELDS = 2 * Axis.FIELDS + 1  # rows, columns, flip
+    return [0, height, full_h, top, 0, width, full_w, left, 0.0]
 
 
 def filter_weights(x: torch.Tensor, interpolation: str) -> torch.Tensor:
@@ -77,7 +62,7 @@ def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str)
     """(N, 4) float32 axis rows -> (N, size, extent) weights: output pixel o of image n is the weighted sum of its
     input pixels 0..extent-1 along this axis. PyTorch's antialiased weights: the filter stretched by the scale
     when shrinking, centred at scale * (o + 0.5), cut to the pixels PyTorch visits, normalised to sum 1."""
-    start, length, full, offset = (axis[:, k, None, None] for k in range(Axis.FIELDS))
+    start, length, full, offset = (axis[:, k, None, None] for k in range(AXIS))
     scale = length / full
     shrinking = scale >= 1
     support = torch.where(shrinking, SUPPORT[interpolation] * scale, torch.full_like(scale, SUPPORT[interpolation]))
@@ -98,16 +83,16 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
     views -> N x size x size x 3 uint8, contiguous. One padded float32 canvas, then out[n] = rows[n] @ image[n] @
     columns[n]^T as two batched products on transposed views, so the result comes out NHWC with no copy; a canvas
     over CANVAS_BUDGET is done in parts."""
-    parts = canvas_parts([tuple(im.shape[-2:]) for im in images])
+    parts = canvas_parts([tuple(im.shape[-2:]) for im in images], CANVAS_BUDGET)
     if len(parts) > 1:
         return torch.cat([crop_resize(images[s], views[s], size, interpolation) for s in parts])
     height = max(im.shape[-2] for im in images)
     width = max(im.shape[-1] for im in images)
     canvas = padded_canvas(images, height, width)  # N x C x H x W float32
     n, channels = canvas.shape[:2]
-    rows = axis_weights(views[:, :Axis.FIELDS], size, height, interpolation)
-    columns = axis_weights(views[:, Axis.FIELDS:2 * Axis.FIELDS], size, width, interpolation)
-    flipped = views[:, 2 * Axis.FIELDS, None, None] > 0.5
+    rows = axis_weights(views[:, :AXIS], size, height, interpolation)
+    columns = axis_weights(views[:, AXIS:2 * AXIS], size, width, interpolation)
+    flipped = views[:, 2 * AXIS, None, None] > 0.5
     columns = torch.where(flipped, columns.flip(1), columns)
     # (N, size_x, W) @ (N, W, C*H) -> (N, size_x, C, H); then (N, size_y, H) @ (N, H, size_x*C) -> N, y, x, C
     across = torch.bmm(columns, canvas.view(n, channels * height, width).transpose(1, 2))

@@ -53,16 +53,14 @@ def inverse_affine(op: str, magnitude: float, size: int) -> list[float]:
     image's centre) for a geometric operation on a size x size image."""
     from torchvision.transforms.functional import _get_inverse_affine_matrix  # torchvision's own, for its numbers
 
-    corner = [-size * 0.5, -size * 0.5]  # `center=[0, 0]` (the top-left corner) in centred coordinates
-    if op == "ShearX":
-        return _get_inverse_affine_matrix(corner, 0.0, [0.0, 0.0], 1.0, [math.degrees(math.atan(magnitude)), 0.0])
-    if op == "ShearY":
-        return _get_inverse_affine_matrix(corner, 0.0, [0.0, 0.0], 1.0, [0.0, math.degrees(math.atan(magnitude))])
-    if op == "TranslateX":
-        return _get_inverse_affine_matrix([0.0, 0.0], 0.0, [float(int(magnitude)), 0.0], 1.0, [0.0, 0.0])
-    if op == "TranslateY":
-        return _get_inverse_affine_matrix([0.0, 0.0], 0.0, [0.0, float(int(magnitude))], 1.0, [0.0, 0.0])
-    return _get_inverse_affine_matrix([0.0, 0.0], -(magnitude % 360), [0.0, 0.0], 1.0, [0.0, 0.0])  # Rotate
+    corner, none = [-size * 0.5, -size * 0.5], [0.0, 0.0]  # `center=[0, 0]` (the top-left corner), centred
+    shear, shift = math.degrees(math.atan(magnitude)), float(int(magnitude))
+    centre, angle, translate, shears = {  # torchvision's arguments of `affine` for each operation
+        "ShearX": (corner, 0.0, none, [shear, 0.0]), "ShearY": (corner, 0.0, none, [0.0, shear]),
+        "TranslateX": (none, 0.0, [shift, 0.0], none), "TranslateY": (none, 0.0, [0.0, shift], none),
+        "Rotate": (none, -(magnitude % 360), none, none),
+    }[op]
+    return _get_inverse_affine_matrix(centre, angle, translate, 1.0, shears)
 
 
 @dataclass

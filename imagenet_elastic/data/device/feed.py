@@ -40,16 +40,14 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
     if device.type != "cuda":
         yield from (batch.to(device) for batch in batches)
         return
-    side, main = streams.feeding_stream(device), torch.cuda.current_stream(device)
+    side = streams.feeding_stream(device)
     ahead = None
     for batch in batches:
         with torch.cuda.stream(side):
             staged = batch.to(device)
         if ahead is not None:
             yield ahead
-        main.wait_stream(side)
-        for tensor in (staged.images, staged.labels):
-            tensor.record_stream(main)  # allocated on `side`: not reused before `main` is done with it
+        take_on_current_stream(staged, side.record_event(), device)  # once the previous batch's work is queued
         ahead = staged
     if ahead is not None:
         yield ahead
@@ -113,11 +111,9 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
 
     def hand_over(item: Any) -> None:
         while not stop.is_set():
-            try:
+            with contextlib.suppress(queue.Full):
                 results.put(item, timeout=0.1)
                 return
-            except queue.Full:
-                continue
 
     def ask(batch: Any, line: str, again: bool) -> bool:
         """The taking thread's answer to a batch that ran out of memory: False when it stopped instead."""
@@ -244,9 +240,8 @@ class LoaderWaits:
         batches = iter(batches)
         while True:
             start = time.perf_counter()
-            try:
-                batch = next(batches)
-            except StopIteration:
+            batch = next(batches, _DONE)
+            if batch is _DONE:
                 return
             self.seconds += time.perf_counter() - start
             yield batch

@@ -1,19 +1,18 @@
 """`--decode gpu`: loader workers read files and draw every random choice; the device decodes and augments whole
 batches.
 
-A worker parses the header and draws the crop, flip, policy and erasing from the sample's stream exactly as the CPU
-path does (the same choices for the same (seed, epoch, index)), and hands over the bytes and those numbers
-(`EncodedBatch`). The training process decodes a batch with one batched library call in one thread while another
-crops, resizes and flips the previous batch (batch_crops.py) and runs its policy and erasing (batch_policy.py): a
-fixed number of operators per batch, none per image, and no random draw. Validation takes the same way with
-pixels.CentreCrop in float32, rounded: the CPU path's pixels within a level where the decoders agree. Images nvJPEG
-cannot take are decoded on the CPU, each reason reported once: PNGs, other formats and CMYK/YCCK JPEGs by the worker,
-a JPEG the device rejects by the training process; a file neither can decode is a CorruptImageError naming it.
+A worker parses the header and draws the crop, flip, policy and erasing exactly as the CPU path does, and hands over
+the bytes and those numbers (`EncodedBatch`). The training process decodes a batch with one library call in one thread
+while another crops the previous one (batch_crops.py) and runs its policy and erasing (batch_policy.py): a fixed number
+of operators per batch, none per image. Validation takes the same way (pixels.CentreCrop in float32, rounded). Images
+nvJPEG cannot take are decoded on the CPU, each reason reported once: PNGs, other formats and CMYK/YCCK JPEGs by the
+worker, a JPEG the device rejects by the training process; a file neither can decode is a CorruptImageError naming it.
 """
 
 from __future__ import annotations
 
 import collections
+import functools
 import io
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
@@ -22,6 +21,7 @@ from typing import Any, Optional
 import torch
 from PIL import Image
 
+from imagenet_elastic.data import pipeline
 from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device import batch_crops, jpeg_decoders, streams
 from imagenet_elastic.data.device.batch_policy import PolicyPlan
@@ -36,10 +36,6 @@ from imagenet_elastic.data.pixels import (
     decode_centre_crop,
 )
 from imagenet_elastic.errors import CorruptImageError
-
-DEVICE_DECODABLE_MODES = DECODED_BY_TORCHVISION  # JPEG colour modes nvJPEG turns into RGB
-
-EMPTY = torch.empty(0, dtype=torch.uint8)
 
 
 @dataclass
@@ -58,12 +54,6 @@ class EncodedImage:
     draws: Optional[Draws] = None  # what they drew
     centre: Optional[CentreCrop] = None  # validation: this view of the whole image instead of `box` and `flip`
 
-    def decode_on_cpu(self, raw: bytes) -> torch.Tensor:
-        """The worker path's pixels of these bytes (before the policy)."""
-        if self.centre is not None:
-            return decode_centre_crop(raw, self.path, self.centre)
-        return decode_bytes(raw, self.path, lambda w, h: (self.box, self.flip), self.size)
-
     def view(self) -> list[float]:
         """The device's row of numbers for this image's crop (batch_crops.VIEW_FIELDS)."""
         if self.centre is not None:
@@ -71,27 +61,32 @@ class EncodedImage:
         return batch_crops.train_view(self.box, self.flip, self.width, self.height, self.size)
 
 
-def read_header(raw: bytes, path: str) -> tuple[int, int, Optional[str]]:
-    """Width, height, and why the device cannot decode the image (None: it can)."""
-    try:
-        with Image.open(io.BytesIO(raw)) as img:
-            width, height = img.size
-            kind, mode = img.format, img.mode
-    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-        raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-    if kind == "JPEG" and mode in DEVICE_DECODABLE_MODES:
-        return width, height, None
-    return width, height, f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
+def cpu_pixels(raw: bytes, path: str, box: Box, flip: bool, size: int, centre: Optional[CentreCrop]) -> torch.Tensor:
+    """The worker path's pixels of an image's bytes (before the policy): validation's `centre`, else the crop."""
+    if centre is not None:
+        return decode_centre_crop(raw, path, centre)
+    return decode_bytes(raw, path, lambda w, h: (box, flip), size)
 
 
 class EncodeBytes:
     """The worker's part (a pipeline.Load): parses the header and draws the crop; the draws travel with the bytes."""
 
-    def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> EncodedImage:
-        width, height, reason = read_header(raw, path)
+    def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
+                 centre: Optional[CentreCrop] = None) -> EncodedImage:
+        """The bytes and the crop `choose_crop` draws from the header's size; an image the device cannot decode
+        (PNGs, other formats, CMYK/YCCK JPEGs: not RGB or grey, as nvJPEG needs) is decoded here instead."""
+        try:
+            with Image.open(io.BytesIO(raw)) as img:
+                width, height = img.size
+                kind, mode = img.format, img.mode
+        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
+            raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
+        reason = None
+        if kind != "JPEG" or mode not in DECODED_BY_TORCHVISION:
+            reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
         box, flip = choose_crop(width, height)
-        image = EncodedImage(path, byte_tensor(raw), box, flip, size, width, height, reason)
-        return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+        data = byte_tensor(raw) if reason is None else cpu_pixels(raw, path, box, flip, size, centre)
+        return EncodedImage(path, data, box, flip, size, width, height, reason, centre=centre)
 
     @staticmethod
     def augmented(image: EncodedImage, augment: Augment, seed: Optional[int], size: int) -> EncodedImage:
@@ -103,10 +98,7 @@ encode_bytes = EncodeBytes()
 
 def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
     """Validation's worker part (a pipeline.EvalLoad): the bytes, and the view the device takes of the image."""
-    width, height, reason = read_header(raw, path)
-    image = EncodedImage(path, byte_tensor(raw), (0.0, 0.0, float(width), float(height)), False, view.size, width,
-                         height, reason, centre=view)
-    return image if reason is None else replace(image, data=image.decode_on_cpu(raw))
+    return encode_bytes(raw, path, lambda w, h: ((0.0, 0.0, float(w), float(h)), False), view.size, view)
 
 
 @dataclass
@@ -145,27 +137,14 @@ class EncodedBatch:
         """Each image's bytes (or fallback pixels, flattened): views into `data`, no copy."""
         return torch.split(self.data, self.lengths)
 
-    def pixels(self, i: int) -> torch.Tensor:
-        """Image i's fallback pixels (size x size x 3), as its worker decoded them."""
-        return self.pieces()[i].view(self.size, self.size, 3)
-
-    def decode_on_cpu(self, i: int) -> torch.Tensor:
-        """Image i's bytes decoded by the worker path (a JPEG the device decoder rejected)."""
-        box, flip = self.crops[i]
-        image = EncodedImage(self.paths[i], EMPTY, box, flip, self.size, 0, 0, centre=self.centre)
-        return image.decode_on_cpu(self.pieces()[i].numpy().tobytes())
-
     def pin_memory(self) -> EncodedBatch:
         """Every tensor pinned (for DataLoader's pin_memory thread), so each reaches the device without waiting."""
         return replace(self, data=self.data.pin_memory(), views=self.views.pin_memory(),
                        policy=self.policy.pin_memory() if self.policy is not None else None)
 
 
-def collate(samples: list[tuple]) -> Batch:
-    """Encoded images become one EncodedBatch (their byte strings differ in length)."""
-    images, labels, *indices = zip(*samples)
-    return Batch(EncodedBatch.pack(images), torch.tensor(labels, dtype=torch.int64),
-                 torch.tensor(indices[0], dtype=torch.int64) if indices else None)
+# Encoded images become one EncodedBatch (their byte strings differ in length)
+collate = functools.partial(pipeline.collate, join=EncodedBatch.pack)
 
 
 class BatchDecoder:
@@ -205,11 +184,12 @@ class BatchDecoder:
         if decoded is None:
             decoded = self.decode_on_device([pieces[i] for i in wanted])
         on_device = [(i, image) for i, image in zip(wanted, decoded) if image is not None]
-        cpu: dict[int, torch.Tensor] = {i: encoded.pixels(i) for i in fallbacks}
+        cpu = {i: pieces[i].view(encoded.size, encoded.size, 3) for i in fallbacks}  # as the worker decoded them
         for i, image in zip(wanted, decoded):
             if image is None:  # the device decoder refused it; the CPU decoder names a corrupt file
                 fallbacks[i] = "a JPEG the device decoder rejected"
-                cpu[i] = encoded.decode_on_cpu(i)
+                cpu[i] = cpu_pixels(pieces[i].numpy().tobytes(), encoded.paths[i], *encoded.crops[i], encoded.size,
+                                    encoded.centre)
         for i in sorted(fallbacks):
             self.report(encoded.paths[i], fallbacks[i])
         views = encoded.views.to(self.device, non_blocking=True)

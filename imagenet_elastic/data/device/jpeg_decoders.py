@@ -1,13 +1,13 @@
-"""--gpu-decoder: the library that turns a batch of JPEG bytes into pixels on the device under --decode gpu. The
-one list of them (`JPEG_DECODERS`); a new library is a class here and a line in that list.
+"""--gpu-decoder: the library that decodes a batch of JPEG bytes on the device under --decode gpu; a new one is a
+class here and a line in `JPEG_DECODERS`.
 
 torchvision (nvJPEG, always there) fills 4:2:0 chroma by nearest sample, ~0.7 level from the CPU path on photos;
-nvimgcodec (nvImageCodec) gives libjpeg-turbo's, so the CPU path's, pixels. Beside a compiled ResNet-50 step
-torchvision supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md, 2026-11-27),
-so `auto` takes it. Both leave their images on the calling thread's current stream, in memory from torch's caching
-allocator (so its counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, and return
-C x H x W uint8 in any dense layout (None for a rejected image). Both hold the calling thread: torchvision until its
-decode has run on the device, nvImageCodec until its host share is done.
+nvimgcodec (nvImageCodec) gives libjpeg-turbo's, the CPU path's, pixels. Beside a compiled ResNet-50 step torchvision
+supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md, 2026-11-27), so `auto`
+takes it. Both leave their images on the calling thread's current stream in memory from torch's caching allocator (its
+counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, return C x H x W uint8 in any dense
+layout (None: rejected), and hold the calling thread: torchvision until the device decoded, nvImageCodec until its
+host share is done.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
 
-from imagenet_elastic.errors import first_line
+from imagenet_elastic.errors import UserError, first_line
 
 if TYPE_CHECKING:  # torch is imported where it is used: the command line reads JPEG_DECODERS
     import torch
@@ -37,8 +37,6 @@ def device_index(device: torch.device) -> int:
 
 
 class JpegDecoder(Protocol):
-    name: str
-
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         """JPEG bytes (1-D uint8 on the host) -> C x H x W uint8 RGB on the device, any layout; None: rejected."""
 
@@ -46,8 +44,6 @@ class JpegDecoder(Protocol):
 class TorchvisionJpeg:
     """torchvision's `decode_jpeg` (nvJPEG on CUDA, libjpeg-turbo on the CPU). One bad image fails its whole
     batched call, so a failed batch is decoded again image by image to find which."""
-
-    name = "torchvision"
 
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         import torch
@@ -100,8 +96,6 @@ class NvImageCodecJpeg:
     pool (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
     cannot see, and which gives memory back at every synchronisation."""
 
-    name = "nvimgcodec"
-
     def __init__(self, device: torch.device, cpu_threads: int = 0, backends: Optional[tuple[str, ...]] = None,
                  options: str = "") -> None:
         """`backends`: on CUDA, the library's backend kinds by name (None: all); `options`: more decoder options.
@@ -112,17 +106,14 @@ class NvImageCodecJpeg:
 
     def make_decoder(self) -> None:
         nvimgcodec = import_nvimgcodec()
-        # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said: nvImageCodec 0.8 defaulted it off, 0.9 on
-        options = " ".join([":fancy_upsampling=1", self.options]).strip()
-        if self.device.type == "cuda":
-            backends = None if self.backends is None else \
-                [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in self.backends]
-            self.decoder = nvimgcodec.Decoder(device_id=device_index(self.device),
-                                              max_num_cpu_threads=self.cpu_threads, backends=backends, options=options)
-        else:
-            self.decoder = nvimgcodec.Decoder(device_id=nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-                                              max_num_cpu_threads=self.cpu_threads,
-                                              backends=[nvimgcodec.Backend(nvimgcodec.CPU_ONLY)], options=options)
+        on_gpu = self.device.type == "cuda"
+        kinds = self.backends if on_gpu else ("CPU_ONLY",)
+        self.decoder = nvimgcodec.Decoder(
+            device_id=device_index(self.device) if on_gpu else nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+            max_num_cpu_threads=self.cpu_threads,
+            backends=None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in kinds],
+            # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said: nvImageCodec 0.8 defaulted it off, 0.9 on
+            options=" ".join([":fancy_upsampling=1", self.options]).strip())
         # pixels as stored: the CPU path, decode_jpeg and the worker's crop box all ignore the EXIF orientation
         self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
 
@@ -219,11 +210,14 @@ def import_nvimgcodec():
     TIFF: not ours): that text is kept from the console and given back only if the import fails."""
     if sys.modules.get("nvidia.nvimgcodec") is not None:  # imported before: nothing to say, nothing to capture
         return sys.modules["nvidia.nvimgcodec"]
+    failed = None
     with captured_output() as text:
         try:
             nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
         except ImportError as error:
-            raise ImportError(f"{error}{': ' + text() if text() else ''}") from None
+            failed = error
+    if failed is not None:  # what it printed is known once the capture ends
+        raise ImportError(f"{failed}{': ' + text() if text() else ''}") from None
     return nvimgcodec
 
 
@@ -234,27 +228,17 @@ def captured_output() -> Iterator[Callable[[], str]]:
     with tempfile.TemporaryFile() as sink:
         sys.stdout.flush()
         sys.stderr.flush()
-        saved = [os.dup(1), os.dup(2)]
+        saved = {fd: os.dup(fd) for fd in (1, 2)}
         try:
-            os.dup2(sink.fileno(), 1)
-            os.dup2(sink.fileno(), 2)
+            for fd in saved:
+                os.dup2(sink.fileno(), fd)
             yield lambda: captured
         finally:
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
+            for fd, copy in saved.items():
+                os.dup2(copy, fd)
+                os.close(copy)
             sink.seek(0)
             captured = " ".join(sink.read().decode(errors="replace").split())
-
-
-def tiny_jpeg() -> bytes:
-    """A JPEG of 16 x 16 pixels, to check that a decoder works on this machine."""
-    from PIL import Image
-
-    out = io.BytesIO()
-    Image.new("RGB", (16, 16), (200, 30, 90)).save(out, "JPEG")
-    return out.getvalue()
 
 
 def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
@@ -269,15 +253,18 @@ def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
     if device.type != "cuda":
         return None
     import torch
+    from PIL import Image
 
     if not torch.cuda.is_available():
         return f"cannot decode on {device}: no CUDA device"
+    tiny = io.BytesIO()  # a JPEG to check that the GPU decoder works on this machine
+    Image.new("RGB", (16, 16), (200, 30, 90)).save(tiny, "JPEG")
     with captured_output() as said:
         try:
             gpu = nvimgcodec.Decoder(device_id=device_index(device), max_num_cpu_threads=1,  # a 16 x 16 image
                                      backends=[nvimgcodec.Backend(nvimgcodec.GPU_ONLY),
                                                nvimgcodec.Backend(nvimgcodec.HYBRID_CPU_GPU)])
-            decoded = gpu.decode(tiny_jpeg())
+            decoded = gpu.decode(tiny.getvalue())
         except RuntimeError as error:
             return f"cannot decode on {device}: {error}"
     if decoded is None:
@@ -308,8 +295,6 @@ def choose(requested: str, device: torch.device) -> tuple[str, str]:
     if requested != "auto":
         reason = JPEG_DECODERS[requested].unavailable(device)
         if reason is not None:
-            from imagenet_elastic.errors import UserError
-
             raise UserError(f"--gpu-decoder {requested}: {reason}")
         return requested, f"--gpu-decoder {requested}"
     passed = []

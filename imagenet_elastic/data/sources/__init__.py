@@ -16,14 +16,14 @@ from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Optional
 
-from imagenet_elastic.data.sources import image_folder, labelled_folder, object_store, parquet, tar_shards
+from imagenet_elastic.data.sources import image_folder, object_store, parquet, tar_shards
 from imagenet_elastic.data.sources.base import FileList, Source
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
 # In the order they are asked: the first that claims a location opens it (parquet before tar shards: a
-# `*.parquet` glob is a pattern to both; a labels file before class folders: a flat folder is a folder too).
-KINDS: tuple[ModuleType, ...] = (parquet, tar_shards, labelled_folder, image_folder)
+# `*.parquet` glob is a pattern to both).
+KINDS: tuple[ModuleType, ...] = (parquet, tar_shards, image_folder)
 _PREFIXED = re.compile(r"([a-z][a-z0-9+.-]*):(?!//)(.*)", re.DOTALL)  # `wds:/data`, not `s3://bucket`
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://")
 
@@ -75,7 +75,6 @@ def _isdir(path: str) -> bool:
         return any(object_store.exists(object_store.join(path, *parts), timeout)
                    for parts in ((tar_shards.INDEX_NAME,), ("train", tar_shards.INDEX_NAME)))
     return object_store.isdir(path, timeout)
-
 
 
 def prefixed(prefix: Optional[str], location: str) -> str:
@@ -141,11 +140,12 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     train = train_location(data)
     if is_pattern(data) and val_path is None:
         raise UserError(f"DATA {data} is a pattern of files: pass --val-path for the validation split")
-    both = None if val_path or is_pattern(data) else both_splits(data)
-    val = val_path or (both[1] if both else prefixed(kind_of(data)[0], os.path.join(kind_of(data)[1], "val")))
-    if not is_pattern(val) and not _isdir(kind_of(val)[1]):
-        raise UserError(f"validation folder {kind_of(val)[1]} does not exist" + ("" if val_path else
-                                                                               "; pass --val-path"))
+    prefix, path = kind_of(data)
+    both = None if val_path else both_splits(data)
+    val = val_path or (both[1] if both else prefixed(prefix, os.path.join(path, "val")))
+    folder = kind_of(val)[1]
+    if not is_pattern(val) and not _isdir(folder):
+        raise UserError(f"validation folder {folder} does not exist" + ("" if val_path else "; pass --val-path"))
     return train, val
 
 

@@ -1,4 +1,5 @@
-"""A folder of class folders of image files (torchvision's ImageFolder layout): DIR/CLASS/**/IMAGE.
+"""Folders of image files (`folder:DIR`): class folders (torchvision's ImageFolder layout: DIR/CLASS/**/IMAGE), or a
+flat folder whose classes a labels file gives (ImageNet's validation set as distributed, with --val-labels FILE).
 
 Listing 1.28 M files costs minutes on a network file system at every restart, so the list is kept beside the
 checkpoints with every walked folder's mtime (`keep`) and re-read while every folder keeps its mtime (an added,
@@ -6,26 +7,30 @@ removed or renamed file changes it): ~1,000 `stat` calls. Nodes share the checkp
 own copy of the data at the same path, and `rsync -a` or `cp -a` keep mtimes even where a file is missing; so the
 cache also holds the root's inode number, which a shared file system shows every node alike: a node with its own copy
 scans it. Reading a sample is one open per image per epoch, which tar shards save a cluster's file system.
+
+A labels file is a CSV of `filename,class` (a header line allowed; the filename with or without extension), or Kaggle's
+LOC_val_solution.csv (`ImageId,PredictionString`, first word the class), with the training split's class names. The
+samples are the listed files in name order; it must list every image of the folder.
 """
 
 from __future__ import annotations
 
-import io
+import csv
 import os
 from dataclasses import dataclass, replace
 from typing import Optional
 
 import numpy as np
 
-from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.data.sources import index_file
-from imagenet_elastic.data.sources.base import Source
+from imagenet_elastic.data.sources.base import Source, whose
 from imagenet_elastic.errors import CorruptImageError, UserError
 
 PREFIX = "folder"  # `folder:DIR` (sources.kind_of)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
 CACHE_VERSION = 2  # 2: the root folder's inode number
 CACHE_ARRAYS = ("root", "root_inode", "classes", "paths", "targets", "folders", "mtimes")
+HEADER_WORDS = {"filename", "file", "image", "imageid", "image_id", "path", "name"}  # a labels file's first line
 
 
 class FilesUnder(Source):
@@ -38,7 +43,11 @@ class FilesUnder(Source):
         return os.path.join(self.root, self.paths[i].decode())
 
     def read(self, i: int) -> bytes:
-        return read_file(self.path(i))
+        try:
+            with open(self.path(i), "rb") as f:
+                return f.read()
+        except OSError as error:
+            raise CorruptImageError(f"cannot read image file {self.path(i)}: {error.strerror or error}") from None
 
     def name(self, i: int) -> str:
         return self.path(i)
@@ -70,14 +79,6 @@ class ImageFolder(FilesUnder):
     def keep(self, cache_dir: str) -> None:
         if not self.cached:
             write_cache(self, cache_path(cache_dir, self.role))
-
-
-def read_file(path: str) -> bytes:
-    try:
-        with open(path, "rb") as f:
-            return f.read()
-    except OSError as error:
-        raise CorruptImageError(f"cannot read image file {path}: {error.strerror or error}") from None
 
 
 def scan_image_folder(root: str, role: str) -> ImageFolder:
@@ -120,12 +121,15 @@ def cache_path(cache_dir: str, role: str) -> str:
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
-    return os.path.isdir(location)
+    return labels_file is not None or os.path.isdir(location)
 
 
 def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
-               labels_file: Optional[str] = None) -> ImageFolder:
-    """The cached list of `root` when it is still current, else a fresh scan (its class folders name the classes)."""
+               labels_file: Optional[str] = None) -> FilesUnder:
+    """The cached list of `root` when it is still current, else a fresh scan (its class folders name the classes);
+    with `labels_file`, the flat folder's images it lists."""
+    if labels_file is not None:
+        return open_labelled(root, role, classes, labels_file)
     try:
         cached = read_cache(cache_path(cache_dir, role), root, role) if cache_dir else None
     except index_file.Unreadable as error:
@@ -135,11 +139,9 @@ def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional
 
 
 def write_cache(index: ImageFolder, path: str) -> None:
-    buffer = io.BytesIO()
-    np.savez(buffer, version=np.int64(CACHE_VERSION), root=np.array(os.path.abspath(index.root)),
-             root_inode=np.int64(os.stat(index.root).st_ino), classes=np.array(index.classes), paths=index.paths,
-             targets=index.labels, folders=index.folders, mtimes=index.mtimes)
-    atomic_write_bytes(buffer.getvalue(), path)
+    index_file.write(path, CACHE_VERSION, root=np.array(os.path.abspath(index.root)),
+                     root_inode=np.int64(os.stat(index.root).st_ino), classes=np.array(index.classes),
+                     paths=index.paths, targets=index.labels, folders=index.folders, mtimes=index.mtimes)
 
 
 def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolder]:
@@ -157,3 +159,74 @@ def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolde
         return None
     return ImageFolder(root, role, tuple(str(c) for c in saved["classes"]), saved["paths"], saved["targets"],
                        saved["folders"], saved["mtimes"], cached=True)
+
+
+# ----------------------------------------------------------------------------- a flat folder and a labels file
+
+@dataclass(frozen=True)
+class LabelledFolder(FilesUnder):
+    root: str
+    role: str
+    labels_file: str
+    classes: tuple[str, ...]
+    paths: np.ndarray  # fixed-width bytes: file names in root
+    labels: np.ndarray  # int64
+
+    def where(self) -> str:
+        return f"{self.root} (labels from {self.labels_file})"
+
+
+def read_rows(labels_file: str) -> list[tuple[int, str, str]]:
+    """(line, file name, class) of each row of the labels file."""
+    try:
+        with open(labels_file, newline="") as f:
+            rows = list(csv.reader(f))
+    except FileNotFoundError:
+        raise UserError(f"--val-labels {labels_file} does not exist") from None
+    except (OSError, UnicodeDecodeError, csv.Error) as error:
+        raise UserError(f"--val-labels {labels_file} cannot be read: {getattr(error, 'strerror', None) or error}") \
+            from None
+    found = []
+    for line, row in enumerate(rows, start=1):
+        cells = [cell.strip() for cell in row]
+        if not any(cells):
+            continue
+        if line == 1 and cells[0].lower() in HEADER_WORDS:
+            continue
+        if len(cells) < 2 or not cells[0] or not cells[1]:
+            raise UserError(f"--val-labels {labels_file} line {line}: expected `filename,class`, got {','.join(row)!r}")
+        found.append((line, cells[0], cells[1].split()[0]))  # LOC_val_solution: the class, then its boxes
+    if not found:
+        raise UserError(f"--val-labels {labels_file} lists no images")
+    return found
+
+
+def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], labels_file: str) -> LabelledFolder:
+    if classes is None:
+        raise UserError("--val-labels names the classes of a validation folder by the training set's classes")
+    if not os.path.isdir(location):
+        raise UserError(f"{role} folder {location} does not exist")
+    files = {entry.name for entry in os.scandir(location) if entry.is_file()}
+    by_stem: dict[str, str] = {}
+    for name in sorted(files):
+        by_stem.setdefault(os.path.splitext(name)[0], name)
+    number = {name: k for k, name in enumerate(classes)}
+    chosen: dict[str, int] = {}
+    for line, name, label in read_rows(labels_file):
+        file = name if name in files else by_stem.get(name)
+        if file is None:
+            raise UserError(f"--val-labels {labels_file} line {line}: {name} is not in {location}")
+        if label not in number:
+            raise UserError(f"--val-labels {labels_file} line {line}: class {label!r} of {name} is not a class of "
+                            f"{whose(classes)} ({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
+        if file in chosen:
+            raise UserError(f"--val-labels {labels_file} line {line}: {name} is listed twice")
+        chosen[file] = number[label]
+    images = sorted(name for name in files if name.lower().endswith(IMAGE_EXTENSIONS))
+    unlisted = [name for name in images if name not in chosen]
+    if unlisted:  # it would be left out of the scores without a word
+        raise UserError(f"--val-labels {labels_file} gives no class to {len(unlisted)} of the {len(images)} images in "
+                        f"{location}, the first {unlisted[0]}")
+    names = sorted(chosen)
+    return LabelledFolder(location, role, labels_file, classes, np.array([n.encode() for n in names]),
+                          np.array([chosen[n] for n in names], dtype=np.int64))

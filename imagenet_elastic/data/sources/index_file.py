@@ -1,5 +1,5 @@
-"""The index files (.npz) sources keep of their samples, read back: the file-list cache of a folder, the index of
-tar shards (a cache in the checkpoints folder, or the one `pack` wrote beside its shards).
+"""The index files (.npz) sources keep of their samples: the file-list cache of a folder, the index of tar shards (a
+cache in the checkpoints folder, or the one `pack` wrote beside its shards).
 
 Whatever numpy raises for a damaged, cut-short or empty file becomes `Unreadable`, naming it: a cache is then rebuilt
 with a warning, a pack's own index refused in one line; an absent file or another version is rebuilt silently.
@@ -7,12 +7,14 @@ with a warning, a pack's own index refused in one line; an absent file or anothe
 
 from __future__ import annotations
 
+import io
 import os
 import zipfile
 from typing import Optional
 
 import numpy as np
 
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import first_line
 
 # What np.load and reading an array of the file it opened raise for a file that is not a whole .npz
@@ -21,6 +23,13 @@ DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
 
 class Unreadable(Exception):
     """An index file numpy cannot read; the message names it and says why."""
+
+
+def write(path: str, version: int, **arrays: np.ndarray) -> None:
+    """The arrays and `version` as one .npz, written atomically."""
+    buffer = io.BytesIO()
+    np.savez(buffer, version=np.int64(version), **arrays)
+    atomic_write_bytes(buffer.getvalue(), path)
 
 
 def read(path: str, version: int, names: tuple[str, ...],

@@ -130,22 +130,14 @@ def filesystem(url: str, timeout: float):
 
         made = fsspec.filesystem("http", skip_instance_cache=True, client_kwargs={
             "timeout": aiohttp.ClientTimeout(total=None, sock_connect=per_request, sock_read=per_request)})
-    else:
-        made = _gcs(per_request)
+    elif os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):  # gcsfs's JSON-API class, anonymous:
+        from gcsfs.core import GCSFileSystem  # the default asks a bucket's layout over gRPC, which emulators lack
+
+        made = GCSFileSystem(token="anon", timeout=per_request, skip_instance_cache=True)
+    else:  # gcsfs's `timeout` bounds a call, its retries included
+        made = fsspec.filesystem("gcs", skip_instance_cache=True, timeout=per_request)
     _FILESYSTEMS[key] = made
     return made
-
-
-def _gcs(per_request: float):
-    """gcsfs's file system; against STORAGE_EMULATOR_HOST its JSON-API class, anonymous (the default asks a bucket's
-    layout over gRPC, which such servers lack, at every call). `timeout` bounds a call, gcsfs's retries included."""
-    import fsspec
-
-    if os.environ.get("STORAGE_EMULATOR_HOST", "") not in ("", "default"):
-        from gcsfs.core import GCSFileSystem
-
-        return GCSFileSystem(token="anon", timeout=per_request, skip_instance_cache=True)
-    return fsspec.filesystem("gcs", skip_instance_cache=True, timeout=per_request)
 
 
 def _path(url: str) -> str:
@@ -154,12 +146,6 @@ def _path(url: str) -> str:
 
 
 T = TypeVar("T")
-
-
-def backoff(attempt: int, rng: random.Random) -> float:
-    """Seconds before retry `attempt` (from 0): full jitter over 0.5 s doubling (at most 20 s), so that a node's
-    workers that failed together do not retry together."""
-    return rng.uniform(0, min(20.0, 0.5 * 2 ** attempt))
 
 
 def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[[float], None] = time.sleep,
@@ -183,7 +169,8 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             if now - first_failure >= timeout:
                 raise StoreUnavailable(f"the store did not answer for {what} for {timeout:g} s "
                                        f"({_reason(error)}): run again with --resume once it is back") from None
-            sleep(min(backoff(attempt, rng), max(0.0, first_failure + timeout - now)))
+            # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
+            sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
             attempt += 1
 
 
@@ -194,9 +181,8 @@ def transient() -> tuple[type[BaseException], ...]:
     found: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError]
     for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",)),
                           ("fsspec.exceptions", ("FSTimeoutError",)), ("gcsfs.retry", ("HttpError",))):
-        if module.split(".")[0] in sys.modules:  # imported by the client in use, if at all: never imported here
-            loaded = sys.modules.get(module)
-            found.extend(getattr(loaded, name) for name in names if loaded is not None and hasattr(loaded, name))
+        loaded = sys.modules.get(module)  # imported by the client in use, if at all: never imported here
+        found.extend(getattr(loaded, name) for name in names if hasattr(loaded, name))
     return tuple(found)
 
 
@@ -237,10 +223,9 @@ def find(url: str, timeout: float) -> Optional[Entry]:
     fs = filesystem(url, timeout)
 
     def call() -> Optional[dict]:
-        try:
+        with contextlib.suppress(FileNotFoundError):
             return fs.info(_path(url))
-        except FileNotFoundError:
-            return None
+        return None
 
     found = patiently(url, call, timeout)
     return None if found is None or found.get("type") == "directory" else describe(url, found)
@@ -299,7 +284,6 @@ class RangedFile:
     def __init__(self, entry: Entry, timeout: float, block: int = 64 << 10) -> None:
         self.entry, self.timeout, self.block = entry, timeout, block
         self.position, self.cached_at, self.cached = 0, 0, b""
-        self.requests = 0
 
     def read(self, size: int = -1) -> bytes:
         end = self.entry.size if size is None or size < 0 else min(self.entry.size, self.position + size)
@@ -309,7 +293,6 @@ class RangedFile:
                 fetch_end = min(self.entry.size, max(end, self.position + self.block))
                 self.cached = read_range(self.entry.url, self.position, fetch_end, self.timeout)
                 self.cached_at = self.position
-                self.requests += 1
             piece = self.cached[self.position - self.cached_at:end - self.cached_at]
             out += piece
             self.position += len(piece)
@@ -340,7 +323,8 @@ class ShardCache:
         """The path of the whole shard on this node: there already (use recorded for eviction), or fetched now."""
         path = self.path(entry)
         if _whole(path, entry.size):
-            _touch(path)
+            with contextlib.suppress(OSError):
+                os.utime(path)  # its use, for eviction
             return path
         try:
             os.makedirs(self.folder, exist_ok=True)
@@ -364,29 +348,28 @@ class ShardCache:
                     out.write(read_range(entry.url, start, min(entry.size, start + CHUNK), self.settings.timeout))
             os.replace(partial, path)
         finally:
-            if os.path.exists(partial):
-                os.unlink(partial)
+            _unlink(partial)
 
     def make_room(self, entry: Entry, path: str) -> str:
         """Unlink the least recently used shards (and killed fetches' files) until `entry` fits under the cap, or 10%
         of the disk free; then reserve its room: its temporary file at full size (sparse), which other fetches count."""
-        incoming = entry.size
+        cap = self.settings.cache_bytes
         with _locked(os.path.join(self.folder, ".evict.lock")):
             files = list(_cached_files(self.folder))
             for name, _, _ in files:
-                if ".part-" in name and not _fetching(name.rsplit(".part-", 1)[0]):
-                    _unlink(name)  # what a killed fetch left
+                if ".part-" in name:
+                    with _locked(name.rsplit(".part-", 1)[0] + ".lock", blocking=False) as free:
+                        if free:  # no process of the node fetches it: what a killed fetch left
+                            _unlink(name)
             shards = sorted((used, size, name) for name, size, used in files if ".part-" not in name)
             fetching = sum(size for name, size, _ in files if ".part-" in name and os.path.exists(name))
-            total = sum(size for _, size, _ in shards) + fetching
-            disk = shutil.disk_usage(self.folder)
-            if self.settings.cache_bytes is not None:
-                over = total + incoming - self.settings.cache_bytes
-                if incoming > self.settings.cache_bytes:
-                    raise UserError(f"store cache {self.folder}: a shard of {incoming / 2 ** 30:.1f} GiB exceeds "
-                                    "IMAGENET_ELASTIC_STORE_CACHE_GB")
-            else:  # the reserved files are sparse: the room they will take is not yet gone from the disk
-                over = incoming + fetching - (disk.free - disk.total // 10)
+            if cap is None:  # the reserved files are sparse: the room they will take is not yet gone from the disk
+                over = entry.size + fetching - _room(self.folder)
+            elif entry.size > cap:
+                raise UserError(f"store cache {self.folder}: a shard of {entry.size / 2 ** 30:.1f} GiB exceeds "
+                                "IMAGENET_ELASTIC_STORE_CACHE_GB")
+            else:
+                over = sum(size for _, size, _ in shards) + fetching + entry.size - cap
             for _, size, name in shards:
                 if over <= 0:
                     break
@@ -394,7 +377,7 @@ class ShardCache:
                 over -= size
             partial = f"{path}.part-{os.getpid()}"
             with open(partial, "wb") as out:
-                out.truncate(incoming)
+                out.truncate(entry.size)
             return partial
 
 
@@ -403,11 +386,10 @@ def short_cache_note(settings: Settings, split_bytes: int, where: str) -> Option
     room = settings.cache_bytes
     if room is None:
         try:
-            disk = shutil.disk_usage(settings.cache if os.path.isdir(settings.cache) else
-                                     os.path.dirname(settings.cache.rstrip("/")) or "/")
+            room = _room(settings.cache if os.path.isdir(settings.cache) else
+                         os.path.dirname(settings.cache.rstrip("/")) or "/")
         except OSError:
             return None
-        room = disk.free - disk.total // 10
     if room >= split_bytes:
         return None
     return (f"the store cache {settings.cache} has room for {room / 2 ** 30:.1f} GiB, less than {where} "
@@ -422,26 +404,15 @@ def _whole(path: str, size: int) -> bool:
         return False
 
 
-def _touch(path: str) -> None:
-    with contextlib.suppress(OSError):
-        os.utime(path)
+def _room(folder: str) -> int:
+    """What a file system has free beyond the tenth of it kept free (the cache's room where it has no cap)."""
+    disk = shutil.disk_usage(folder)
+    return disk.free - disk.total // 10
 
 
 def _unlink(path: str) -> None:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
-
-
-def _fetching(shard: str) -> bool:
-    """Whether a process (of this node, in any container) holds shard's lock: its fetch is under way."""
-    fd = os.open(shard + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
 
 
 def _cached_files(folder: str) -> Iterator[tuple[str, int, float]]:
@@ -456,18 +427,20 @@ def _cached_files(folder: str) -> Iterator[tuple[str, int, float]]:
         yield path, stat.st_size, stat.st_mtime
 
 
-class _locked:
-    """An exclusive flock on `path` (made if absent) for the block: released by the kernel when a holder dies."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __enter__(self) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc) -> None:
-        os.close(self.fd)
+@contextlib.contextmanager
+def _locked(path: str, blocking: bool = True) -> Iterator[bool]:
+    """An exclusive flock on `path` (made if absent) for the block: released by the kernel when a holder dies. Not
+    `blocking`: yields False at once where a process of the node (in any container) holds it."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        except BlockingIOError:
+            yield False
+        else:
+            yield True
+    finally:
+        os.close(fd)
 
 
 def cache() -> ShardCache:

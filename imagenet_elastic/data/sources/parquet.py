@@ -81,12 +81,10 @@ def role_files(location: str, role: str) -> list[str]:
     if not files:
         raise UserError(f"{role} data {location} holds no .parquet files")
     named = [p for p in files if split_of(p) == role]
-    if named or any(split_of(p) for p in files):
-        if not named:
-            words = " or ".join(f"{w}-*{SUFFIX}" for w in SPLIT_WORDS[role])
-            raise UserError(f"{location} holds no {role} parquet files (named {words})")
-        return named
-    return files
+    if not named and any(split_of(p) for p in files):
+        words = " or ".join(f"{w}-*{SUFFIX}" for w in SPLIT_WORDS[role])
+        raise UserError(f"{location} holds no {role} parquet files (named {words})")
+    return named or files
 
 
 @dataclass(frozen=True)
@@ -162,6 +160,8 @@ _PID = [0]
 
 def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
     """Row group g: this process's one kept group, or read now (the image column when `images`, else the paths)."""
+    import pyarrow as pa
+
     if _PID[0] != os.getpid():  # a forked worker opens its own files and keeps its own group
         _OPEN.clear()
         _LAST[0] = None
@@ -174,39 +174,17 @@ def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
         file = _OPEN.get(path)
         if file is None:
             file = _OPEN[path] = pyarrow_parquet().ParquetFile(path)
-        if not images and not _keeps_paths(file.schema_arrow):
-            column = None
-        else:
-            column = file.read_row_group(number, columns=["image"] if images else ["image.path"],
-                                         use_threads=False).column("image").combine_chunks()
+        image = file.schema_arrow.field("image").type
+        has_paths = pa.types.is_struct(image) and image.get_field_index("path") >= 0
+        if not images and not has_paths:
+            return _Group((path, number), None, None)
+        column = file.read_row_group(number, columns=["image"] if images else ["image.path"],
+                                     use_threads=False).column("image").combine_chunks()
     except (OSError, ValueError, KeyError) as error:  # pyarrow's ArrowInvalid is a ValueError
         raise CorruptImageError(f"cannot read row group {number} of parquet file {path}: {error}") from None
-    if column is None:
-        return _Group((path, number), None, None)
-    kept = _Group((path, number), _paths(column), _images(column) if images else None)
-    _LAST[0] = kept
-    return kept
-
-
-def _keeps_paths(schema: Any) -> bool:
-    import pyarrow as pa
-
-    image = schema.field("image").type
-    return pa.types.is_struct(image) and image.get_field_index("path") >= 0
-
-
-def _paths(column: Any) -> Any:
-    import pyarrow as pa
-
-    if pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0:
-        return column.field("path")
-    return None
-
-
-def _images(column: Any) -> Any:
-    import pyarrow as pa
-
-    return column.field("bytes") if pa.types.is_struct(column.type) else column
+    encoded = (column.field("bytes") if pa.types.is_struct(image) else column) if images else None
+    _LAST[0] = _Group((path, number), column.field("path") if has_paths else None, encoded)
+    return _LAST[0]
 
 
 # ----------------------------------------------------------------------------- opening a split
@@ -214,8 +192,7 @@ def _images(column: Any) -> Any:
 def label_names(schema: Any) -> Optional[tuple[str, ...]]:
     """The ClassLabel names the `datasets` library writes into a parquet file's metadata, if it did."""
     try:
-        info = json.loads(schema.metadata[b"huggingface"])
-        names = info["info"]["features"]["label"]["names"]
+        names = json.loads(schema.metadata[b"huggingface"])["info"]["features"]["label"]["names"]
         return tuple(str(n) for n in names) or None
     except (TypeError, KeyError, ValueError):
         return None
@@ -265,7 +242,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
             group_file.append(f)
             group_number.append(g)
         labels.append(read.to_numpy().astype(np.int64))
-    all_labels = np.concatenate(labels) if labels else np.zeros(0, dtype=np.int64)
+    all_labels = np.concatenate(labels)  # role_files gives at least one file
     if not len(all_labels):
         raise UserError(f"{role} data {location} holds no rows")
     known = named or classes or tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1))
@@ -283,15 +260,18 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     return source
 
 
+def _label_of_row(source: ParquetFiles, i: int) -> str:
+    """Sample i's label, by its file and row there, as an error names it."""
+    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
+    return (f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
+            f"{i - int(source.file_starts[f])}")
+
+
 def check_labels(source: ParquetFiles, named_by: str) -> None:
     bad = np.flatnonzero((source.labels < 0) | (source.labels >= len(source.classes)))
-    if not len(bad):
-        return
-    i = int(bad[0])
-    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
-    bound = f": {named_by} {len(source.classes)} classes" if named_by else ""
-    raise UserError(f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
-                    f"{i - int(source.file_starts[f])} is out of range{bound}")
+    if len(bad):
+        bound = f": {named_by} {len(source.classes)} classes" if named_by else ""
+        raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
 
 
 def check_numbered(source: ParquetFiles) -> None:
@@ -303,9 +283,7 @@ def check_numbered(source: ParquetFiles) -> None:
         return
     gap = int(np.argmin(used))
     after = gap + int(np.argmax(used[gap:]))  # the first label used past the gap
-    i = int(np.flatnonzero(source.labels == after)[0])
-    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
     unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
-    raise UserError(f"{source.role} parquet file {source.files[f]}: label {after} of row "
-                    f"{i - int(source.file_starts[f])} leaves labels {unused} unused; files without class names "
-                    "(ClassLabel metadata) must number their classes 0..N-1 without gaps")
+    raise UserError(f"{_label_of_row(source, int(np.flatnonzero(source.labels == after)[0]))} leaves labels "
+                    f"{unused} unused; files without class names (ClassLabel metadata) must number their classes "
+                    "0..N-1 without gaps")

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import fnmatch
 import glob
-import io
+import itertools
 import json
 import mmap
 import os
@@ -28,11 +28,10 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
-from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.data.sources import index_file, object_store
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
@@ -86,7 +85,7 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
     """A brace or glob pattern's files, in order; a missing one is a UserError naming it as the split's `what`."""
     paths = []
     for part in expand_braces(location):
-        found = sorted(glob.glob(part)) if any(c in part for c in "*?[") else [part]
+        found = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
         missing = next((p for p in found if not os.path.isfile(p)), None) if found else part
         if missing is not None:
             raise UserError(f"{role} {what} {missing} does not exist (from {location})")
@@ -96,16 +95,14 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
 
 def shard_paths(location: str, role: str) -> list[str]:
     """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
-    if not is_pattern(location):
-        paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
-    else:
-        paths = pattern_files(location, role, "shard")
+    paths = pattern_files(location, role, "shard") if is_pattern(location) else sorted(
+        os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
     if not paths:
         raise UserError(f"{role} data {location} holds no .tar shards")
     return paths
 
 
-def split_patterns(folder: str) -> Optional[tuple[str, str]]:
+def split_folder(folder: str) -> Optional[tuple[str, str]]:
     """Train and val shard patterns of a folder of both (timm's imagenet-1k-wds), else None; unclear names refused."""
     try:
         names = sorted(n for n in _names(folder) if n.endswith(".tar"))
@@ -116,13 +113,14 @@ def split_patterns(folder: str) -> Optional[tuple[str, str]]:
         val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
         if not (train and val):
             continue
+        patterns = os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
         unclear = [n for n in names if (n in train) == (n in val)]
         if unclear:
             raise UserError(f"{folder} holds train shards ({min(train - val or train)} ...) and {word} shards "
                             f"({min(val - train or val)} ...), and {unclear[0]}, whose name says "
                             f"{'both' if unclear[0] in train else 'neither'}: name each split's shards with a pattern "
-                            f"({os.path.join(folder, '*train*.tar')}, {os.path.join(folder, f'*{word}*.tar')})")
-        return os.path.join(folder, "*train*.tar"), os.path.join(folder, f"*{word}*.tar")
+                            f"({', '.join(patterns)})")
+        return patterns
     return None
 
 
@@ -138,9 +136,9 @@ def _names(folder: str) -> list[str]:
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
     """A store split's shards, in order, with size and ETag; each folder listed once (http(s) asks each shard)."""
     timeout = object_store.settings().timeout
-    if not is_pattern(location) and object_store.scheme(location) in ("http", "https"):
-        return _indexed_shards(location, role, timeout)
     if not is_pattern(location):
+        if object_store.scheme(location) in ("http", "https"):
+            return _indexed_shards(location, role, timeout)
         found = [e for e in object_store.listing(location, timeout) if e.url.endswith(".tar")]
         if not found:
             raise UserError(f"{role} data {location} holds no .tar shards")
@@ -148,10 +146,10 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
     folders: dict[str, dict[str, object_store.Entry]] = {}
     found = []
     for part in expand_braces(location):
-        folder = posixpath.dirname(part)
-        if object_store.scheme(part) in ("http", "https") and not any(c in part for c in "*?["):
+        if object_store.scheme(part) in ("http", "https") and not glob.has_magic(part):
             found.append(object_store.info(part, timeout))
             continue
+        folder = posixpath.dirname(part)
         if folder not in folders:
             folders[folder] = {e.url: e for e in object_store.listing(folder, timeout)}
         matched = sorted(url for url in folders[folder] if fnmatch.fnmatchcase(url, part))
@@ -168,25 +166,12 @@ def _indexed_shards(folder: str, role: str, timeout: float) -> list[object_store
     if found is None:
         raise UserError(f"{role} data {folder} has no {INDEX_NAME} (an https:// folder cannot be listed): give a "
                         "pack's folder, or name the shards with a brace pattern (https://host/train-{0000..1023}.tar)")
-    local = object_store.cache().local_copy(found)
-    try:
-        saved = index_file.read(local, INDEX_VERSION, ("shards",))
-    except index_file.Unreadable as error:
-        raise UserError(f"shard index {str(error).replace(local, beside)}: {pack_again(beside)}") from None
+    saved = _read_pack(object_store.cache().local_copy(found), beside, ("shards",))
     if saved is None:
         raise UserError(f"shard index {beside} is of another version: {pack_again(beside)}")
     urls = [str(s) if object_store.is_url(str(s)) else object_store.join(folder, str(s)) for s in saved["shards"]]
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(lambda url: object_store.info(url, timeout), urls))
-
-
-split_folder = split_patterns  # the name the registry asks every kind by (sources.both_splits)
-
-
-def split_location(location: str, role: str) -> str:
-    """`location` itself, or this split's shards where it is a folder of train and validation shards side by side."""
-    both = None if is_pattern(location) else split_patterns(location)
-    return location if both is None else both[0] if role == "train" else both[1]
 
 
 # ----------------------------------------------------------------------------- the index as a Source
@@ -310,20 +295,16 @@ def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
         _MAPS.clear()
         _STORE_MAPS.clear()
         _MAPS_PID[0] = os.getpid()
+    maps = _STORE_MAPS if store else _MAPS
+    found = maps.get(path)
+    if found is None:
+        found = maps[path] = _map(path)
     if store:
-        found = _STORE_MAPS.get(path)
-        if found is not None:
-            _STORE_MAPS.move_to_end(path)
-            return found
-        found = _STORE_MAPS[path] = _map(path)
+        _STORE_MAPS.move_to_end(path)
         while len(_STORE_MAPS) > STORE_MAPS:
             mapped, fd = _STORE_MAPS.popitem(last=False)[1]
             mapped.close()
             os.close(fd)
-        return found
-    found = _MAPS.get(path)
-    if found is None:
-        found = _MAPS[path] = _map(path)
     return found
 
 
@@ -355,49 +336,49 @@ def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> Non
     """The index as one .npz, written atomically; shard paths relative to `relative_to` (pack's), else absolute."""
     names = [os.path.relpath(p, relative_to) if relative_to else _absolute(p) for p in source.shards]
     optional = {"checksums": source.checksums, "etags": None if source.etags is None else np.array(source.etags)}
-    buffer = io.BytesIO()
-    np.savez(buffer, version=np.int64(INDEX_VERSION), location=np.array(_absolute(source.location)),
-             shards=np.array(names), sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes),
-             labels=source.labels, shard=source.shard, offsets=source.offsets, lengths=source.lengths,
-             **{k: v for k, v in optional.items() if v is not None})
-    atomic_write_bytes(buffer.getvalue(), path)
+    index_file.write(path, INDEX_VERSION, location=np.array(_absolute(source.location)), shards=np.array(names),
+                     sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes), labels=source.labels,
+                     shard=source.shard, offsets=source.offsets, lengths=source.lengths,
+                     **{k: v for k, v in optional.items() if v is not None})
 
 
 def _absolute(path: str) -> str:
     return path if object_store.is_url(path) else os.path.abspath(path)
 
 
+def _read_pack(path: str, named: str, names: tuple[str, ...] = INDEX_ARRAYS) -> Optional[dict[str, np.ndarray]]:
+    """A pack's index file (at `path`, a local copy of `named` for a store's): one numpy cannot read is refused."""
+    try:
+        return index_file.read(path, INDEX_VERSION, names, OPTIONAL_ARRAYS)
+    except index_file.Unreadable as error:
+        raise UserError(f"shard index {str(error).replace(path, named)}: {pack_again(named)}") from None
+
+
 def read_index(path: str, location: str, role: str, shards: list[str], packed: bool,
                named: Optional[str] = None) -> Optional[TarShards]:
     """The index at `path` if it is of these shards (else None for a cache, an error for a pack's). `named`: the
     index's own place where `path` is a local copy of it, which its relative shard names are relative to."""
-    saved = index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
+    named = named or path
+    saved = (_read_pack(path, named) if packed else
+             index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS))
     if saved is None:
         return None
-    named = named or path
 
-    def resolved(name: str) -> str:  # a store's URL as it is; a path relative to the index's folder
-        if object_store.is_url(name):
-            return name
-        if object_store.is_url(named):
-            return object_store.join(posixpath.dirname(named), name)
-        return os.path.normpath(os.path.abspath(os.path.join(os.path.dirname(named), name)))
-
-    listed = [resolved(str(s)) for s in saved["shards"]]
-    current = [p if object_store.is_url(p) else os.path.normpath(os.path.abspath(p)) for p in shards]
-    sizes, mtimes = saved["sizes"], saved["mtimes"]
-    arrays = {k: saved[k] for k in ("labels", "shard", "offsets", "lengths")}
-    classes = tuple(str(c) for c in saved["classes"])
+    folder = os.path.dirname(named)  # what relative shard names are relative to (a URL's too: object_store.join)
+    listed = [s if object_store.is_url(s) else _absolute(os.path.join(folder, s)) for s in map(str, saved["shards"])]
+    current = [_absolute(p) for p in shards]
     if listed != current:
         if packed:
-            missing = sorted(set(listed) ^ set(current))[:1]
-            raise UserError(f"shard index {named} lists other shards than {location} holds ({missing[0]}): was the "
-                            "pack changed after it was written?")
+            extra = sorted(set(listed) ^ set(current))  # none: the same shards in another order
+            differs = f"other shards than {location} holds ({extra[0]})" if extra else \
+                f"the shards of {location} in another order ({len(listed)} entries for {len(set(listed))} shards)"
+            raise UserError(f"shard index {named} lists {differs}: was the pack changed after it was written?")
         return None
     etags = saved.get("etags")
-    return TarShards(location, role, tuple(shards), sizes, mtimes, classes, arrays["labels"], arrays["shard"],
-                     arrays["offsets"], arrays["lengths"], cached=True, packed=packed, checksums=saved.get("checksums"),
-                     index=named, etags=None if etags is None else tuple(str(e) for e in etags))
+    return TarShards(location, role, tuple(shards), saved["sizes"], saved["mtimes"],
+                     tuple(str(c) for c in saved["classes"]), saved["labels"], saved["shard"], saved["offsets"],
+                     saved["lengths"], cached=True, packed=packed, checksums=saved.get("checksums"), index=named,
+                     etags=None if etags is None else tuple(str(e) for e in etags))
 
 
 def pack_again(index: str) -> str:
@@ -445,41 +426,40 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     found = Found([], [], [], [] if checksums else None)
     size = entry.size if entry else os.stat(path).st_size
     key: Optional[str] = None
-    image: Optional[tarfile.TarInfo] = None
-    label: Optional[int] = None
-
-    def finish() -> None:
-        if key is None or (image is None and label is None):  # not a sample (another file kept in the shard)
-            return
-        if image is None:
-            kinds = ", ".join("." + e for e in IMAGE_EXTENSIONS)
-            raise UserError(f"{role} shard {path}: sample {key} has no image ({kinds})")
-        if label is None:
-            raise UserError(f"{role} shard {path}: sample {key} has no label (.{LABEL_EXTENSION})")
-        if image.offset_data + image.size > size:
-            raise UserError(f"{role} shard {path} is truncated: sample {key} ({image.name}) ends at byte "
-                            f"{image.offset_data + image.size}, the file has {size} bytes")
-        found.offsets.append(image.offset_data)
-        found.lengths.append(image.size)
-        found.labels.append(label)
-        if found.checksums is not None:
-            found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
-
     try:
         with (tarfile.open(fileobj=object_store.RangedFile(entry, object_store.settings().timeout), mode="r:")
               if entry else tarfile.open(path, "r:")) as tar:
-            for member in tar:
-                if not member.isfile():
+            for key, members in itertools.groupby((m for m in tar if m.isfile()), lambda m: split_name(m.name)[0]):
+                image: Optional[tarfile.TarInfo] = None
+                label: Optional[int] = None
+                for member in members:
+                    extension = split_name(member.name)[1]
+                    if extension in IMAGE_EXTENSIONS and (image is None or IMAGE_EXTENSIONS.index(extension)
+                                                          < IMAGE_EXTENSIONS.index(split_name(image.name)[1])):
+                        image = member
+                    elif extension == LABEL_EXTENSION:
+                        stream = tar.extractfile(member)
+                        text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
+                        try:
+                            label = int(text)
+                        except ValueError:
+                            raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is "
+                                            f"{text[:20]!r}, not an integer") from None
+                if image is None and label is None:  # not a sample (another file kept in the shard)
                     continue
-                member_key, extension = split_name(member.name)
-                if member_key != key:
-                    finish()
-                    key, image, label = member_key, None, None
-                if extension in IMAGE_EXTENSIONS and (image is None or preferred(extension, image.name)):
-                    image = member
-                elif extension == LABEL_EXTENSION:
-                    label = _read_label(tar, member, path, key, role)
-            finish()
+                if image is None:
+                    kinds = ", ".join("." + e for e in IMAGE_EXTENSIONS)
+                    raise UserError(f"{role} shard {path}: sample {key} has no image ({kinds})")
+                if label is None:
+                    raise UserError(f"{role} shard {path}: sample {key} has no label (.{LABEL_EXTENSION})")
+                if image.offset_data + image.size > size:
+                    raise UserError(f"{role} shard {path} is truncated: sample {key} ({image.name}) ends at byte "
+                                    f"{image.offset_data + image.size}, the file has {size} bytes")
+                found.offsets.append(image.offset_data)
+                found.lengths.append(image.size)
+                found.labels.append(label)
+                if found.checksums is not None:
+                    found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
     except tarfile.TarError as error:
         after = f" after sample {key}" if key else ""
         raise UserError(f"{role} shard {path} is truncated or not a tar file{after}: {error}") from None
@@ -488,21 +468,6 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     if not found.labels:
         raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
     return found
-
-
-def preferred(extension: str, than: str) -> bool:
-    """An image of this extension is preferred to the same sample's member `than` (IMAGE_EXTENSIONS' order)."""
-    return IMAGE_EXTENSIONS.index(extension) < IMAGE_EXTENSIONS.index(split_name(than)[1])
-
-
-def _read_label(tar: tarfile.TarFile, member: tarfile.TarInfo, path: str, key: Optional[str], role: str) -> int:
-    stream = tar.extractfile(member)
-    text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
-    try:
-        return int(text)
-    except ValueError:
-        raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is {text[:20]!r}, not an "
-                        "integer") from None
 
 
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
@@ -556,36 +521,31 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
     """The index of walked shards, with checksums where every walk took them; `entries`: a store's (no mtimes)."""
     named = class_names(location, paths)
     stats = [(e.size, 0) for e in entries] if entries else [(s.st_size, s.st_mtime_ns) for s in map(os.stat, paths)]
-    labels = np.concatenate([np.array(f.labels, dtype=np.int64) for f in per_shard])
+    sizes, mtimes = (np.array(column, dtype=np.int64) for column in zip(*stats))
+
+    def joined(field: str, dtype: type) -> np.ndarray:
+        return np.concatenate([np.array(getattr(f, field), dtype=dtype) for f in per_shard])
+
+    labels = joined("labels", np.int64)
     known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
-    check_labels(labels, known, per_shard, paths, role,
-                 "the classes file lists" if named else f"{whose(classes)} has" if classes else "")
-    return TarShards(location, role, tuple(paths), np.array([size for size, _ in stats], dtype=np.int64),
-                     np.array([mtime for _, mtime in stats], dtype=np.int64), tuple(known), labels,
+    bad = np.flatnonzero((labels < 0) | (labels >= len(known)))
+    if len(bad):
+        i = int(bad[0])
+        shard = int(np.searchsorted(np.cumsum([len(f.labels) for f in per_shard]), i, side="right"))
+        named_by = "the classes file lists" if named else f"{whose(classes)} has" if classes else ""
+        bound = f": {named_by} {len(known)} classes" if named_by else ""
+        raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range{bound}")
+    return TarShards(location, role, tuple(paths), sizes, mtimes, tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
-                     np.concatenate([np.array(f.offsets, dtype=np.int64) for f in per_shard]),
-                     np.concatenate([np.array(f.lengths, dtype=np.int64) for f in per_shard]),
-                     checksums=None if any(f.checksums is None for f in per_shard) else
-                     np.concatenate([np.array(f.checksums, dtype=np.uint32) for f in per_shard]),
+                     joined("offsets", np.int64), joined("lengths", np.int64),
+                     checksums=None if any(f.checksums is None for f in per_shard) else joined("checksums", np.uint32),
                      etags=tuple(e.etag for e in entries) if entries else None)
-
-
-def check_labels(labels: np.ndarray, classes: tuple[str, ...], per_shard: list[Found], paths: list[str], role: str,
-                 named_by: str) -> None:
-    """Every label is one of `classes`; `named_by` says whose they are, "" where the labels numbered them."""
-    bad = np.flatnonzero((labels < 0) | (labels >= len(classes)))
-    if not len(bad):
-        return
-    i = int(bad[0])
-    shard = int(np.searchsorted(np.cumsum([len(f.labels) for f in per_shard]), i, side="right"))
-    bound = f": {named_by} {len(classes)} classes" if named_by else ""
-    raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range{bound}")
 
 
 # ----------------------------------------------------------------------------- an index held against its shards
 
-def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """The index `source` (read from `index`) if its shards are still the ones it describes.
+def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -> TarShards:
+    """The index `source` if its shards are still the ones it describes.
 
     Each shard's indexed size and st_mtime_ns against a `stat` now: milliseconds for 1,024 shards, where a digest
     would read 140 GB and their headers 2.5 M scattered blocks at every start. Any write changes the mtime (`cp -a`
@@ -597,7 +557,7 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
     if source.packed and resized:
-        raise resized_shard(source, resized[0], stats[resized[0]].st_size, index)
+        raise resized_shard(source, resized[0], stats[resized[0]].st_size)
     if not resized and not touched:
         return source
     start = time.perf_counter()
@@ -607,27 +567,33 @@ def check_shards(source: TarShards, index: str, classes: Optional[tuple[str, ...
     if source.packed:
         if changed:
             k = changed[0]
-            raise UserError(f"shard {source.shards[k]} differs from its index {index} "
+            raise UserError(f"shard {source.shards[k]} differs from its index {source.index} "
                             f"({first_difference(indexed_samples(source, k), walked[k])}): it was changed after it "
-                            f"was packed; {pack_again(index)}")
+                            f"was packed; {pack_again(source.index)}")
         return replace(source, notes=(touched_note(source, len(touched), seconds),))
     if not changed:  # touched alone: the index holds, with the shards' mtimes of now
         return replace(source, sizes=np.array([stat.st_size for stat in stats], dtype=np.int64),
                        mtimes=np.array([stat.st_mtime_ns for stat in stats], dtype=np.int64), cached=False)
-    k = changed[0]
-    others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
     if source.checksums is not None:  # the rebuilt index keeps them: the changed shards' bytes are read for theirs
-        walked = {j: walk_shard(source.shards[j], source.role, checksums=True) for j in changed}
-    found = [walked[j] if j in changed else indexed_samples(source, j) for j in range(len(source.shards))]
-    rebuilt = assemble(source.location, source.role, list(source.shards), found, classes)
+        walked = {k: walk_shard(source.shards[k], source.role, checksums=True) for k in changed}
+    return reindexed(source, changed, walked, classes)
+
+
+def reindexed(source: TarShards, changed: list[int], walked: dict[int, Found], classes: Optional[tuple[str, ...]],
+              entries: Optional[list[object_store.Entry]] = None) -> TarShards:
+    """The index with the `changed` shards' new walks in place of what it held of them, said in a note."""
+    found = [walked[k] if k in changed else indexed_samples(source, k) for k in range(len(source.shards))]
+    rebuilt = assemble(source.location, source.role, list(source.shards), found, classes, entries)
+    others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
     return replace(rebuilt, index=source.index,
-                   notes=(f"shard {source.shards[k]}{others} changed since it was indexed: indexed again",))
+                   notes=(f"shard {source.shards[changed[0]]}{others} changed since it was indexed: indexed again",))
 
 
-def resized_shard(source: TarShards, k: int, size: int, index: str) -> UserError:
+def resized_shard(source: TarShards, k: int, size: int) -> UserError:
     """A pack's shard k, now of `size` bytes, where its index says otherwise: refused, naming it."""
-    return UserError(f"shard {source.shards[k]} has {size} bytes but its index {index} says {int(source.sizes[k])}: "
-                     f"the shard was replaced or cut short after it was packed; {pack_again(index)}")
+    return UserError(f"shard {source.shards[k]} has {size} bytes but its index {source.index} says "
+                     f"{int(source.sizes[k])}: the shard was replaced or cut short after it was packed; "
+                     f"{pack_again(source.index)}")
 
 
 def touched_note(source: TarShards, touched: int, seconds: float) -> str:
@@ -667,57 +633,50 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     if labels_file is not None:
         raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
                         f".{LABEL_EXTENSION} members are the labels)")
-    location = split_location(location, role)
+    both = None if is_pattern(location) else split_folder(location)  # a folder of train and val shards side by side
+    location = location if both is None else both[0] if role == "train" else both[1]
+    kept = cache_path(cache_dir, role) if cache_dir else None  # where a walk's index is kept (`keep`)
     if object_store.is_url(location):
-        return _named(open_store_split(location, role, cache_dir, classes), classes)
+        return _named(open_store_split(location, role, kept, classes), classes)
     paths = shard_paths(location, role)
     beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
-    kept = cache_path(cache_dir, role) if cache_dir else None  # where a walk's index is kept (`keep`)
-    index = beside if os.path.isfile(beside) else kept
+    source = _indexed(location, role, paths, beside if os.path.isfile(beside) else None, beside, kept,
+                      lambda: walk(location, role, classes))
+    return _named(check_shards(source, classes), classes) if source.cached else source
+
+
+def _indexed(location: str, role: str, shards: list[str], packed: Optional[str], beside: str, kept: Optional[str],
+             walked: Callable[[], TarShards]) -> TarShards:
+    """The index read (`cached`, not yet held against the shards): the pack's beside them (`packed`: it, or a store's
+    copy of it; None where there is none), else the one kept at `kept`; else `walked()`, to be kept there."""
+    index = packed or kept
     try:
-        source = read_index(index, location, role, paths, packed=index == beside) if index else None
-    except index_file.Unreadable as error:
-        if index == beside:
-            raise UserError(f"shard index {error}: {pack_again(beside)}") from None
-        return replace(walk(location, role, classes), index=kept,
-                       notes=(f"the shard index cache {error}: the shards were indexed again",))
-    if source is None:
-        return replace(walk(location, role, classes), index=kept)
-    return _named(check_shards(source, index, classes), classes)
+        source = read_index(index, location, role, shards, bool(packed), beside if packed else None) if index else None
+    except index_file.Unreadable as error:  # the kept one's: a pack's is refused
+        return replace(walked(), index=kept, notes=(f"the shard index cache {error}: the shards were indexed again",))
+    return replace(walked(), index=kept) if source is None else source
 
 
 def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
-    numbered = source.classes == tuple(map(str, range(len(source.classes))))
-    if classes is not None and source.classes != classes and numbered:
-        source = _with_classes(source, classes)
-    return source
+    """A split that numbers its labels takes the training split's names for them."""
+    if classes is None or source.classes == classes or source.classes != tuple(map(str, range(len(source.classes)))):
+        return source
+    if int(source.labels.max()) >= len(classes):
+        raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
+                        f"{whose(classes)} has {len(classes)} classes")
+    return replace(source, classes=classes)
 
 
-def open_store_split(location: str, role: str, cache_dir: Optional[str],
+def open_store_split(location: str, role: str, kept: Optional[str],
                      classes: Optional[tuple[str, ...]] = None) -> TarShards:
     """A store's shards: pack's index, else a cached one, else a ranged-read walk; listed sizes and ETags checked."""
     entries = store_shards(location, role)
-    urls = [e.url for e in entries]
-    timeout = object_store.settings().timeout
-    beside = object_store.join(posixpath.dirname(urls[0]), INDEX_NAME)
-    kept = cache_path(cache_dir, role) if cache_dir else None
-    found = object_store.find(beside, timeout)
-    source = None
-    if found is not None:
-        local = object_store.cache().local_copy(found)
-        try:
-            source = read_index(local, location, role, urls, packed=True, named=beside)
-        except index_file.Unreadable as error:
-            raise UserError(f"shard index {str(error).replace(local, beside)}: {pack_again(beside)}") from None
-    elif kept and os.path.isfile(kept):
-        try:
-            source = read_index(kept, location, role, urls, packed=False)
-        except index_file.Unreadable as error:
-            return replace(walk_store(entries, location, role, classes), index=kept,
-                           notes=(f"the shard index cache {error}: the shards were indexed again",))
-    if source is None:
-        source = replace(walk_store(entries, location, role, classes), index=kept)
-    else:
+    beside = object_store.join(posixpath.dirname(entries[0].url), INDEX_NAME)
+    found = object_store.find(beside, object_store.settings().timeout)
+    packed = object_store.cache().local_copy(found) if found else None
+    source = _indexed(location, role, [e.url for e in entries], packed, beside, kept,
+                      lambda: walk_store(entries, location, role, classes))
+    if source.cached:
         source = check_store_shards(source, entries, classes)
     short = object_store.short_cache_note(object_store.settings(), sum(e.size for e in entries), location)
     return replace(source, notes=(*source.notes, short)) if short else source
@@ -735,27 +694,14 @@ def check_store_shards(source: TarShards, entries: list[object_store.Entry],
                        classes: Optional[tuple[str, ...]] = None) -> TarShards:
     """The index of a store's shards, held against their listing: a pack's (sizes, no ETags) refuses a shard of
     another size; a cached one (ETags) has a changed shard walked again and is rebuilt, said in a note."""
-    urls = [e.url for e in entries]
     resized = [k for k, e in enumerate(entries) if e.size != int(source.sizes[k])]
     if source.packed:
         if resized:
-            raise resized_shard(source, resized[0], entries[resized[0]].size, source.index or INDEX_NAME)
+            raise resized_shard(source, resized[0], entries[resized[0]].size)
         return replace(source, etags=tuple(e.etag for e in entries))
     changed = [k for k, e in enumerate(entries)
                if k in resized or source.etags is None or source.etags[k] != e.etag]
     if not changed:
         return source
-    found = [walk_shard(urls[k], source.role, entry=entries[k]) if k in changed else indexed_samples(source, k)
-             for k in range(len(entries))]
-    rebuilt = assemble(source.location, source.role, urls, found, classes, entries=entries)
-    others = f" (and {len(changed) - 1} other shards)" if len(changed) > 1 else ""
-    return replace(rebuilt, index=source.index,
-                   notes=(f"shard {urls[changed[0]]}{others} changed since it was indexed: indexed again",))
-
-
-def _with_classes(source: TarShards, classes: tuple[str, ...]) -> TarShards:
-    """A split that numbers its labels takes the training split's names for them."""
-    if int(source.labels.max()) >= len(classes):
-        raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
-                        f"{whose(classes)} has {len(classes)} classes")
-    return replace(source, classes=classes)
+    walked = {k: walk_shard(entries[k].url, source.role, entry=entries[k]) for k in changed}
+    return reindexed(source, changed, walked, classes, entries)

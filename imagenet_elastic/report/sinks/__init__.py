@@ -19,10 +19,9 @@ from imagenet_elastic.options import option
 from imagenet_elastic.report.sinks import steps_file, tensorboard_events
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 from imagenet_elastic.report.sinks.mlflow_tracker import MlflowTracker
-from imagenet_elastic.report.sinks.runs import TrackerRuns
 from imagenet_elastic.report.sinks.steps_file import StepsFile
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
-from imagenet_elastic.report.sinks.tracker import Tracker
+from imagenet_elastic.report.sinks.tracker import Tracker, TrackerRuns
 from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
 
@@ -31,6 +30,7 @@ class SinkSettings(Protocol):
 
     tensorboard: Optional[bool]
     checkpoints_path: str
+
 
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
 
@@ -58,7 +58,7 @@ class ReportSettings(TrackerSettings):
 
 def installed(package: str) -> bool:
     """Whether `package` can be imported, once the None cli.program left in sys.modules for it is removed."""
-    if package in sys.modules and sys.modules[package] is None:
+    if sys.modules.get(package, False) is None:
         del sys.modules[package]
     return importlib.util.find_spec(package) is not None
 

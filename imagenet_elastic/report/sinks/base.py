@@ -6,8 +6,6 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any
 
-from imagenet_elastic.report.sinks.runs import TrackerRuns
-
 
 @dataclass(frozen=True)
 class Beginning:
@@ -16,7 +14,7 @@ class Beginning:
     step: int  # the checkpoint's optimizer step; 0 for a fresh start
     rows: list[dict[str, Any]]  # steps.jsonl's rows up to `step` (the record, trimmed to the checkpoint)
     history: list[dict[str, Any]]  # the checkpoint's epoch rows (metrics.jsonl)
-    runs: TrackerRuns  # which tracker run each tracker continues
+    runs: Any  # tracker.py's TrackerRuns (it imports this module): which tracker run each tracker continues
     name: str  # the run's name in the trackers: its checkpoints folder's
     settings: dict[str, Any]  # the resolved settings
     facts: dict[str, str]  # the start-up table

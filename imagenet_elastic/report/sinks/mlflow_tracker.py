@@ -55,14 +55,13 @@ class MlflowTracker(Tracker):
     def open(self, run_id: Optional[str], name: str, settings: dict[str, Any]) -> str:
         from mlflow.entities import Param
 
-        if run_id is not None:
+        if run_id is None:
+            self.run_id = self.client.create_run(self.experiment_id, run_name=name).info.run_id
+            # params are written once: MLflow refuses a changed value, and a restart may change a node-local setting
+            self.client.log_batch(self.run_id, params=[Param(key, str(v)[:6000]) for key, v in settings.items()])
+        else:
             self.client.update_run(run_id, status="RUNNING")
             self.run_id = run_id
-            return run_id
-        run = self.client.create_run(self.experiment_id, run_name=name)
-        self.run_id = run.info.run_id
-        # params are written once: MLflow refuses a changed value, and a restart may change a node-local setting
-        self.client.log_batch(self.run_id, params=[Param(key, str(value)[:6000]) for key, value in settings.items()])
         return self.run_id
 
     def held(self) -> dict[str, int]:
@@ -95,7 +94,7 @@ class MlflowTracker(Tracker):
         self.client.log_batch(self.run_id, tags=[RunTag(f"startup.{key}", value[:5000])
                                                  for key, value in facts.items()])
 
-    def finish(self, finished: bool) -> None:
+    def close(self, finished: bool) -> None:
         if self.sender is not None:
             self.rows.put(None)
             self.sender.join(self.CLOSE_WAIT_S)

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterator
 from typing import IO, Any, Optional
 
-from imagenet_elastic.atomic_files import atomic_write_bytes, storage_error
+from imagenet_elastic.atomic_files import storage_error, store_bytes
 from imagenet_elastic.report.metrics import is_number
 from imagenet_elastic.report.sinks.base import Sink
 
@@ -45,10 +45,7 @@ def trim(folder: str, last_step: int) -> list[dict[str, Any]]:
         raise storage_error(error, "reading", path) from None
     kept = kept_rows(text, last_step)
     if kept != text.splitlines():
-        try:
-            atomic_write_bytes("".join(line + "\n" for line in kept).encode(), path)
-        except OSError as error:
-            raise storage_error(error, "writing", path) from None
+        store_bytes("".join(line + "\n" for line in kept).encode(), path)
     return [json.loads(line) for line in kept]
 
 

@@ -17,16 +17,70 @@ one warning, after which that tracker is left out.
 
 from __future__ import annotations
 
+import json
+import os
 from abc import abstractmethod
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional
 
+from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import UserError, one_line
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.sinks.base import Beginning, Sink
-from imagenet_elastic.report.sinks.runs import PENDING, TrackerRuns  # noqa: F401  (the trackers' state, re-exported)
 
 TRAIN_KEY = f"{metrics.TRAIN}/loss"  # in every step row: the step the tracker last holds of steps.jsonl
 EPOCH_KEY = f"{metrics.EPOCH}/epoch"  # in every epoch row: ... of metrics.jsonl
+PENDING = "trackers.json"  # keeps a new run's id until a checkpoint does (the first rule)
+
+
+class TrackerRuns:
+    """Which tracker run each tracker continues, and what checkpoints save of them (`ids`: option -> run id)."""
+
+    def __init__(self, folder: str, warn: Callable[[str], None]) -> None:
+        self.path = os.path.join(folder, PENDING)
+        self.warn = warn
+        self.ids: dict[str, str] = {}
+        self.saved: dict[str, str] = {}  # the checkpoint's
+        self.pending: dict[str, Any] = {}  # PENDING's: option -> {"id", "from": the checkpoint's time stamp}
+        self.started_from: Optional[float] = None
+
+    def begin(self, saved: dict[str, str], continuing: bool, started_from: Optional[float]) -> None:
+        """`saved`: the checkpoint's runs; `continuing`: this start continues the folder, so that a run PENDING holds
+        from the same checkpoint (`started_from`) is continued."""
+        self.saved, self.started_from = dict(saved), started_from
+        self.pending = {}
+        if continuing:
+            try:
+                with open(self.path) as f:
+                    found = json.load(f)
+                self.pending = found if isinstance(found, dict) else {}
+            except (OSError, ValueError):
+                pass
+
+    def earlier(self, option: str) -> Optional[str]:
+        """The run to continue: the checkpoint's, else the one a start from this same point made and recorded."""
+        if option in self.saved:
+            return self.saved[option]
+        earlier = self.pending.get(option)
+        if isinstance(earlier, dict) and earlier.get("from") == self.started_from:
+            return earlier.get("id")
+        return None
+
+    def made(self, option: str, run_id: str) -> None:
+        """A run is made or continued: checkpoints save it from now on, PENDING until one does."""
+        recorded = {"id": run_id, "from": self.started_from}
+        if option not in self.saved and self.pending.get(option) != recorded:
+            self.pending[option] = recorded
+            atomic_write_bytes(json.dumps(self.pending).encode(), self.path)
+        self.ids[option] = run_id
+
+    def forget_pending(self) -> None:
+        """After a checkpoint that holds the runs' ids (the first of this start)."""
+        try:
+            os.unlink(self.path)
+        except FileNotFoundError:
+            pass
+        except OSError as error:
+            self.warn(f"could not remove {self.path}: {error.strerror or error}")
 
 
 class Tracker(Sink):
@@ -75,7 +129,7 @@ class Tracker(Sink):
         """The start-up table of this start, which a restart may change (world size, where it resumed from)."""
 
     @abstractmethod
-    def finish(self, finished: bool) -> None:
+    def close(self, finished: bool) -> None:
         """Mark the run finished (`finished`) or killed, after the rows still in flight."""
 
     def start(self, beginning: Beginning) -> None:
@@ -109,6 +163,3 @@ class Tracker(Sink):
         if step > self.last[key]:
             self.log(step, values)
             self.last[key] = step
-
-    def close(self, finished: bool) -> None:
-        self.finish(finished)

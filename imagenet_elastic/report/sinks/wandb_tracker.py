@@ -1,15 +1,68 @@
 """Weights & Biases (--wandb PROJECT): a tracker (tracker.py's rules), through W&B's own service process, so a row
-never holds the training loop up."""
+never holds the training loop up; and W&B's transaction log (run-ID.wandb), read as `wandb sync` reads it: the
+history rows an earlier start of a run already sent, so that a resumed run sends no step twice."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import secrets
+import struct
+import zlib
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from imagenet_elastic.report.sinks.tracker import EPOCH_KEY, TRAIN_KEY, Tracker
-from imagenet_elastic.report.sinks.wandb_log import transaction_logs, wandb_history
+
+# a 7-byte header, then LevelDB's log format (32 KiB blocks of records: crc32 of type and data, length, type, data)
+# whose payloads are wandb's protobuf `Record`s. wandb >= 0.23 writes it from Go and ships no Python reader.
+WANDB_HEADER = b":W&B\xe1\xbe\x00"
+BLOCK = 32768
+FULL, FIRST, LAST = 1, 2, 4  # a record whole, or its first and last part (MIDDLE, 3: a part between)
+
+
+def transaction_logs(wandb_dir: str, run_id: str) -> list[str]:
+    """The transaction logs of run `run_id` in W&B's folder, one per start, oldest first (a start within the same
+    second as an earlier one gets a `-1`, `-2`, ... suffix)."""
+    folder = re.compile(rf"(?:offline-)?run-(\d{{8}}_\d{{6}})-{re.escape(run_id)}(?:-(\d+))?")
+    found = []
+    for name in os.listdir(wandb_dir) if os.path.isdir(wandb_dir) else ():
+        started = folder.fullmatch(name)
+        log = os.path.join(wandb_dir, name, f"run-{run_id}.wandb")
+        if started and os.path.isfile(log):
+            found.append(((started.group(1), int(started.group(2) or 0)), log))
+    return [log for _, log in sorted(found)]
+
+
+def wandb_history(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(step, {key: value}) of each history row of a W&B transaction log, up to the first torn or damaged record (a
+    killed writer's last)."""
+    from wandb.proto import wandb_internal_pb2
+
+    with open(path, "rb") as f:
+        data = f.read()
+    if not data.startswith(WANDB_HEADER):
+        return
+    at, payload = len(WANDB_HEADER), b""
+    while True:
+        if BLOCK - at % BLOCK < 7:  # a block's tail too short for a record header is padding
+            at += BLOCK - at % BLOCK
+        if at + 7 > len(data):
+            return
+        checksum, length, kind = struct.unpack("<IHB", data[at:at + 7])
+        body = data[at + 7:at + 7 + length]
+        if len(body) < length or zlib.crc32(body, zlib.crc32(bytes([kind]))) != checksum:
+            return
+        at += 7 + length
+        payload = body if kind in (FULL, FIRST) else payload + body
+        if kind not in (FULL, LAST):
+            continue
+        record = wandb_internal_pb2.Record()
+        record.ParseFromString(payload)
+        if record.WhichOneof("record_type") == "history":
+            yield record.history.step.num, {item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                                            for item in record.history.item}
 
 
 class WandbTracker(Tracker):
@@ -44,7 +97,7 @@ class WandbTracker(Tracker):
         import wandb
 
         # console="off": W&B would wrap stdout and stderr
-        self.run = wandb.init(project=self.where, id=run_id or self.new_id(), resume="allow", name=name,
+        self.run = wandb.init(project=self.where, id=run_id, resume="allow", name=name,
                               dir=self.dir, settings=wandb.Settings(console="off", silent=True))
         self.run.config.update({"settings": settings}, allow_val_change=True)
         return self.run.id
@@ -71,7 +124,7 @@ class WandbTracker(Tracker):
     def describe(self, facts: dict[str, str]) -> None:
         self.run.config.update({"startup": facts}, allow_val_change=True)
 
-    def finish(self, finished: bool) -> None:
+    def close(self, finished: bool) -> None:
         if self.run is not None:
             self.run.finish(exit_code=0 if finished else 1)
             self.run = None

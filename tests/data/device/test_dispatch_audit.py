@@ -28,10 +28,9 @@ from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.optim.optimizer import create_optimizer
-from imagenet_elastic.train.loss import TrainLoss
 from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.mixing import Mixer
-from imagenet_elastic.train.step import StepContext
+from imagenet_elastic.train.step import StepContext, TrainLoss
 
 SHAPES = [(375, 500), (500, 333), (64, 120), (33, 33), (200, 150), (12, 300), (481, 640)]  # (height, width)
 MAGNITUDES = {"ShearX": 0.2, "ShearY": -0.2, "TranslateX": 5.0, "TranslateY": -3.0, "Rotate": 12.0, "Posterize": 4.0,

@@ -5,6 +5,7 @@ not take it; a library that cannot run is one line. tests/gpu/test_cuda.py compa
 from __future__ import annotations
 
 import io
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -146,6 +147,18 @@ def test_importing_nvimgcodec_keeps_its_paragraphs_about_codecs_we_do_not_use_of
                              "jpeg_decoders.import_nvimgcodec(); print('imported')"],
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and result.stdout == "imported\n" and result.stderr == "", result
+
+
+def test_a_failed_nvimgcodec_import_gives_back_what_its_libraries_printed(monkeypatch):
+    def failing(name):
+        os.write(2, b"libnvjpeg.so.13: cannot open\n  shared object file\n")
+        raise ImportError(f"no {name}")
+
+    monkeypatch.delitem(sys.modules, "nvidia.nvimgcodec", raising=False)
+    monkeypatch.setattr(jpeg_decoders.importlib, "import_module", failing)
+    with pytest.raises(ImportError) as caught:
+        jpeg_decoders.import_nvimgcodec()
+    assert str(caught.value) == "no nvidia.nvimgcodec: libnvjpeg.so.13: cannot open shared object file"
 
 
 def test_the_command_line_offers_each_library_with_its_help(capsys):

@@ -1,4 +1,4 @@
-"""A flat validation folder with a labels file (sources/labelled_folder.py): ImageNet's own layout, a plain CSV or
+"""A flat validation folder with a labels file (sources/image_folder.py): ImageNet's own layout, a plain CSV or
 Kaggle's LOC_val_solution.csv, and every mistake in the labels file named by its line."""
 
 from __future__ import annotations

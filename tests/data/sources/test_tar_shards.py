@@ -300,6 +300,21 @@ def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shar
         tar_shards.open_split(str(folder), "train", None)
 
 
+def test_a_pack_index_listing_its_shards_in_another_order_is_refused_in_one_line(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "packed"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    index = folder / tar_shards.INDEX_NAME
+    tar_shards.write_index(tar_shards.open_split(str(folder), "train", None), str(index), relative_to=str(folder))
+    with np.load(index) as saved:
+        arrays = dict(saved)
+    arrays["shards"] = arrays["shards"][::-1]
+    np.savez(index, **arrays)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(folder), "train", None)
+    assert_names(str(caught.value), index, "lists the shards of", folder, "in another order", len(paths), "entries")
+
+
 def test_a_val_split_of_numbered_shards_takes_the_training_splits_class_names(written, tmp_path):
     paths, folder = written
     root = tmp_path / "data"
