@@ -99,6 +99,6 @@ def test_the_proof_skips_what_would_not_fit_and_the_rest_runs_just_that(python, 
     assert tests["failed"] == [] and "skipped" in tests["summary"]  # no CUDA device here: every CUDA test skips
     marked = sorted(str(p.relative_to(REPO)) for p in (REPO / "tests").rglob("test_*.py")
                     if CUDA_MARK.search(p.read_text()))
-    assert {"tests/checkpoint/test_checkpointer.py", "tests/gpu/test_cuda.py",
+    assert {"tests/checkpoint/test_saving.py", "tests/gpu/test_cuda.py",
             "tests/gpu/test_micro_batch_cuda.py"} <= set(marked)
     assert tests["tests"].split() == marked  # every module that holds a CUDA test, whichever they are
