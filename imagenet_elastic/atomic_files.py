@@ -58,7 +58,11 @@ def commit(temp: str, path: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
         raise
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def atomic_write_bytes(data: bytes, path: str) -> None:
@@ -72,12 +76,3 @@ def store_bytes(data: bytes, path: str) -> None:
         atomic_write_bytes(data, path)
     except OSError as error:
         raise storage_error(error, "writing", path) from None
-
-
-def fsync_dir(folder: str) -> None:
-    """Make a rename durable (the directory entry itself must reach the disk)."""
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -17,7 +17,6 @@ from imagenet_elastic.config import (
     RESUME_AUTO,
     Config,
     add_setting,
-    flag,
     saved_setting,
     setting_fields,
 )
@@ -149,23 +148,14 @@ def config_from_args(args: argparse.Namespace) -> Config:
 
 
 def options_table() -> str:
-    """docs/OPTIONS.md's option table, from the same fields as the parser (scripts/options_table.py prints it)."""
+    """docs/OPTIONS.md's option table, from the same fields as the parser (scripts/options_table.py prints it), each
+    option written as --help writes it."""
+    actions = {action.dest: action for action in build_parser()._actions}
+    formatter = HelpFormatter(PROG)
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for f in setting_fields():
-        meta = f.metadata
-        usage = flag(f)
-        extra = meta.get("argparse", {})
-        if extra.get("action") is argparse.BooleanOptionalAction:
-            usage = f"{usage} / --no-{usage[2:]}"
-        elif "choices" in extra:
-            usage = f"{usage} {{{','.join(extra['choices'])}}}"
-        elif extra.get("nargs") == "?":
-            usage = f"{usage} [{meta['metavar']}]"
-        elif isinstance(meta.get("metavar"), tuple):
-            usage = f"{usage} {' '.join(meta['metavar'])}"
-        elif meta.get("metavar") and not meta.get("positional"):
-            usage = f"{usage} {meta['metavar']}"
-        rows.append(f"| `{usage}` | {shown_default(f)} | {meta['help']} |")
+        usage = formatter._format_action_invocation(actions[f.name]).replace(", ", " / ")  # --x / --no-x
+        rows.append(f"| `{usage}` | {shown_default(f)} | {f.metadata['help']} |")
     return "\n".join(rows)
 
 

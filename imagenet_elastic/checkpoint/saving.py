@@ -9,6 +9,7 @@ One save at a time (at most one extra copy, in reused buffers); whoever needs th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 import threading
@@ -106,7 +107,8 @@ class CheckpointWriter:
     def wait(self) -> Optional[Exception]:
         """Until the save in flight is on disk (or has failed); returns the failure, if any."""
         if self.thread is not None:
-            self.thread.join()
+            with contextlib.suppress(RuntimeError):  # never started: a second Ctrl-C came between its making and start
+                self.thread.join()
             self.thread = None
         return self.error
 
@@ -129,7 +131,7 @@ class Checkpointer:
     def __init__(self, files: CheckpointFolder, config: Config, device: torch.device, is_main: bool) -> None:
         self.files = files
         self.writer = CheckpointWriter(files, config.async_checkpoint, device)
-        self.every_steps, self.every_seconds = config.checkpoint_every_steps, config.checkpoint_every_seconds
+        self.every_steps, self.every_seconds = config.checkpoint_interval
         self.is_main = is_main
         self.last_save = time.monotonic()
 
@@ -148,8 +150,7 @@ class Checkpointer:
         to follow it onto the disk, in order (metrics.jsonl, config.yaml, compile cache). A synchronous save is on
         disk before any rank goes on; a background one is awaited by the next save, `settle`, `close`."""
         if self.is_main:
-            then = list(then)
-            self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, then) if then else None)
+            self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, list(then)))
         if not self.writer.background:
             self.settle()
         self.last_save = time.monotonic()

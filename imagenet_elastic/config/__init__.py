@@ -263,8 +263,8 @@ def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Option
     return crop, val_resize or round(crop / 0.875)
 
 
-def setting_fields() -> list[dataclasses.Field]:
-    return [f for f in dataclasses.fields(Config) if "help" in f.metadata]
+def setting_fields() -> tuple[dataclasses.Field, ...]:
+    return dataclasses.fields(Config)
 
 
 def flag(f: dataclasses.Field) -> str:
@@ -274,7 +274,7 @@ def flag(f: dataclasses.Field) -> str:
 
 def add_setting(parser: Any, name: str, **overrides: Any) -> None:
     """The option of setting `name` on `parser`, as the trainer's command line has it (`overrides`: what differs)."""
-    f = next(f for f in setting_fields() if f.name == name)
+    f = Config.__dataclass_fields__[name]
     meta = f.metadata
     options: dict[str, Any] = dict(meta["argparse"])
     if meta["metavar"]:

@@ -47,9 +47,9 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
             hint = f" (did you mean {close[0]}?)" if close else " (see --help)"
             raise UserError(f"config file {path}: unknown option {key!r}{hint}")
         if value is None:  # null: the default, where the default is itself "nothing" (as settings_yaml writes it)
-            if f.default is not None and file_value(f.name, f.default) is not None:
+            if file_value(f.name, f.default) is not None:  # DATA's default, MISSING, too
                 raise UserError(f"config file {path}: {key} needs a value")
-            nulls[f.name] = None if f.default is dataclasses.MISSING else f.default
+            nulls[f.name] = f.default
             continue
         named.append(f.name)
         if f.metadata.get("positional"):

@@ -31,8 +31,7 @@ CPU_DECODE_CORES = 32
 # Loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU (docs/BENCHMARKS.md)
 GPU_DECODE_WORKERS = 4
 
-DECODE_MODES = ("auto", "cpu", "gpu")  # --decode
-# What each mode's loader workers do with a sample's bytes (training's, validation's), and how they make a batch
+# --decode's modes: what their loader workers do with a sample's bytes (training's, validation's), how they batch
 WORKER_PARTS: dict[str, tuple[pipeline.Load, pipeline.EvalLoad, Callable[[list], pipeline.Batch]]] = {
     "cpu": (pixels.decode_bytes, pixels.decode_centre_crop, pipeline.collate),
     "gpu": (gpu_decode.encode_bytes, gpu_decode.encode_centre_crop, gpu_decode.collate),
@@ -49,7 +48,7 @@ class DecodeSettings:
         "flips, runs the policy and erases it on the GPU, two batches ahead (PNG, CMYK and rejected JPEGs fall "
         "back to the CPU, each kind reported once by each rank that meets it); auto: gpu on CUDA when there is a "
         f"policy or erasing, or fewer than {CPU_DECODE_CORES} cores per process, else cpu (the start-up table says "
-        "which and why)", "run", choices=list(DECODE_MODES))
+        "which and why)", "run", choices=["auto", *WORKER_PARTS])
     gpu_decoder: str = option(
         "auto", "the JPEG library --decode gpu decodes with: " + options.described(jpeg_decoders.JPEG_DECODERS)
         + "; auto: the first of these that decodes on this device (the start-up table says which and why)", "run",

@@ -101,12 +101,10 @@ class TrainDataset(Dataset):
             box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
             return box, rng.random() < augment.hflip
 
-        size = self.sizes(epoch)
-        image = self.load(self.source.read(i), self.source.name(i), choose_crop, size)
+        image = self.load(self.source.read(i), self.source.name(i), choose_crop, self.sizes(epoch))
         seed = augment.draw_seed(rng)
-        # a load may take the policy and erasing its own way (gpu_decode.encode_bytes: the draws travel with the bytes)
-        augmented = getattr(self.load, "augmented", None)
-        image = augmented(image, augment, seed, size) if augmented else augment.apply(image, seed)
+        # pixels take the policy and erasing here; an EncodedImage (--decode gpu) carries their draws to the device
+        image = augment.apply(image, seed) if isinstance(image, torch.Tensor) else image.augmented(augment, seed)
         return image, self.source.label(i), i
 
 

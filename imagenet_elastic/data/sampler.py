@@ -116,15 +116,10 @@ class TrainBatchSampler:
 
     def __iter__(self) -> Iterator[list[SampleKey]]:
         order = epoch_permutation(self.num_samples, self.seed, self.epoch)
-        g, start = self.plan.global_batch, self.start_sample
-        if self.reps == 1:  # from any sample on (a checkpoint's global batch may differ)
-            steps = ([(self.epoch, int(i)) for i in order[start + k * g:start + (k + 1) * g]]
-                     for k in range(self.steps_left))
-        else:  # from any image on: `start` samples were start / reps images (reps divided every global batch)
-            unique, first = g // self.reps, start // self.reps
-            steps = (repeated_batch(order[first + k * unique:first + (k + 1) * unique], self.reps, self.epoch)
-                     for k in range(self.steps_left))
-        for keys in steps:
+        # from any image on, as a checkpoint's global batch may differ (reps divided each: start / reps images)
+        unique, first = self.plan.global_batch // self.reps, self.start_sample // self.reps
+        for k in range(self.steps_left):
+            keys = repeated_batch(order[first + k * unique:first + (k + 1) * unique], self.reps, self.epoch)
             for part in self.slices:
                 yield keys[part]
 
@@ -132,8 +127,9 @@ class TrainBatchSampler:
 def repeated_batch(group: np.ndarray, reps: int, epoch: int) -> list[SampleKey]:
     """Repeated augmentation (DeiT; torchvision's --ra-reps): a global batch holds the next global_batch / reps images
     (`group`), `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on
-    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
-    return [(epoch, int(i), copy) for copy in range(reps) for i in group]
+    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does.
+    Without repetition (reps 1) a key is (epoch, index)."""
+    return [(epoch, int(i), copy) if reps > 1 else (epoch, int(i)) for copy in range(reps) for i in group]
 
 
 def eval_shard(num_samples: int, rank: int, world_size: int) -> range:

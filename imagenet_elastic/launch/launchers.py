@@ -52,19 +52,21 @@ class DistEnv:
 
 @dataclass(frozen=True)
 class LaunchPlan:
-    """This process's DistEnv; with procs_per_task > 1 or `starts_ranks`, a task that starts its ranks itself."""
+    """This process's DistEnv; with procs_per_task > 1 or under spawn, a task that starts its ranks itself."""
 
     env: DistEnv
     procs_per_task: int = 1
-    starts_ranks: bool = False
 
     @property
     def spawns(self) -> bool:
-        return self.starts_ranks or self.procs_per_task > 1
+        return self.procs_per_task > 1 or self.env.launcher == "spawn"
 
 
-def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
+def _int_var(environ: Mapping[str, str], name: str, launcher: str, default: Optional[int] = None) -> int:
+    """`default` where the variable is unset or empty, if given."""
     value = environ.get(name)
+    if not value and default is not None:
+        return default
     if not value:
         raise UserError(f"environment variable {name} is not set (it is set by {launcher})")
     try:
@@ -75,9 +77,7 @@ def _int_var(environ: Mapping[str, str], name: str, launcher: str) -> int:
 
 def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
     """--master-port, else MASTER_PORT, else the launcher's default."""
-    if explicit:
-        return explicit
-    return _int_var(environ, "MASTER_PORT", "the cluster or the user") if environ.get("MASTER_PORT") else default
+    return explicit or _int_var(environ, "MASTER_PORT", "the cluster or the user", default)
 
 
 def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
@@ -101,8 +101,7 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN),
-        restart_count=(_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN)
-                       if environ.get("TORCHELASTIC_RESTART_COUNT") else 0),
+        restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN, default=0),
         launched=True, launcher="torchrun",
         # torchrun's agent hosts the store and tells its workers so (torch >= 2.2)
         store_is_external=environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True",
@@ -149,7 +148,7 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
     if not nodelist:
         raise UserError("--dist-init-method slurm looked for SLURM_STEP_NODELIST and SLURM_JOB_NODELIST but "
                         "neither is set; these are set by srun")
-    node_id = _int_var(environ, "SLURM_NODEID", "srun")
+    rank, ntasks, local_rank, node_id, job_id = (_int_var(environ, name, "srun") for name in names)
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
         try:
@@ -157,16 +156,10 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
         except UserError:  # `scontrol show hostnames` only where our own parser fails
             master_addr = fallback(nodelist)
     spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    ntasks = _int_var(environ, "SLURM_NTASKS", "srun")
-    return DistEnv(
-        rank=_int_var(environ, "SLURM_PROCID", "srun"), world_size=ntasks,
-        local_rank=_int_var(environ, "SLURM_LOCALID", "srun"),
-        local_world_size=tasks_on_node(spec, node_id) if spec else ntasks,
-        master_addr=master_addr,
-        master_port=_master_port(environ, master_port, slurm_master_port(_int_var(environ, "SLURM_JOB_ID", "srun"))),
-        launched=True, launcher="srun",
-        restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0),
-    )
+    return DistEnv(rank=rank, world_size=ntasks, local_rank=local_rank,
+                   local_world_size=tasks_on_node(spec, node_id) if spec else ntasks, master_addr=master_addr,
+                   master_port=_master_port(environ, master_port, slurm_master_port(job_id)), launched=True,
+                   launcher="srun", restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0))
 
 
 def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int,
@@ -201,10 +194,8 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
     gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
     if environ.get("OMPI_COMM_WORLD_SIZE"):
         launcher = "OpenMPI's mpirun"
-        rank = _int_var(environ, "OMPI_COMM_WORLD_RANK", launcher)
-        world = _int_var(environ, "OMPI_COMM_WORLD_SIZE", launcher)
-        local_rank = _int_var(environ, "OMPI_COMM_WORLD_LOCAL_RANK", launcher)
-        local_world = _int_var(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", launcher)
+        rank, world, local_rank, local_world = (_int_var(environ, f"OMPI_COMM_WORLD_{name}", launcher)
+                                                for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
     elif environ.get("PMI_SIZE"):
         launcher = "MPICH/Intel MPI's mpiexec"
         rank, world = _int_var(environ, "PMI_RANK", launcher), _int_var(environ, "PMI_SIZE", launcher)
@@ -266,7 +257,7 @@ METHODS: dict[str, LaunchMethod] = {
     "slurm": LaunchMethod(plan_slurm, "srun's `SLURM_*`"),
     "spawn": LaunchMethod(lambda _, r: LaunchPlan(  # master port 0: the parent's store picks a free one
         DistEnv(master_port=r.master_port or 0, launcher="spawn", store_is_external=True),
-        r.nproc_per_node or max(1, r.visible_gpus), starts_ranks=True), "start --nproc-per-node local processes"),
+        r.nproc_per_node or max(1, r.visible_gpus)), "start --nproc-per-node local processes"),
     "mpi": LaunchMethod(lambda environ, r: LaunchPlan(env_from_mpi(environ, r.dist_url, r.master_port)),
                         "`OMPI_COMM_WORLD_*` or `PMI_*`"),
 }

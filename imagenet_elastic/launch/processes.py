@@ -16,7 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from datetime import timedelta
-from typing import Protocol, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -34,22 +34,12 @@ from imagenet_elastic.errors import (
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import signal_numbers
 
-
-class StartSettings(Protocol):
-    """What starting the ranks reads of the run's settings."""
-
-    @property
-    def dist_timeout(self) -> float: ...
-
-    @property
-    def preempt_signals(self) -> tuple[str, ...]: ...
+# a module-level function (spawn pickles it by name), given the caller's config as it came (spawn_workers reads its
+# dist_timeout and preempt_signals) and this rank's DistEnv
+Entry = Callable[[Any, DistEnv], None]
 
 
-Settings = TypeVar("Settings", bound=StartSettings)  # the entry point's config: whatever the caller's is
-Entry = Callable[[Settings, DistEnv], None]  # a module-level function: spawn pickles it by name
-
-
-def run_worker(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
+def run_worker(entry: Entry, config: Any, env: DistEnv) -> None:
     """One rank, wrapped with torch's elastic `record` so a crash reaches torchrun's error summary; user errors and
     preemption end inside it as plain exit codes (SystemExit), so the summary holds no traceback for them."""
     from torch.distributed.elastic.multiprocessing.errors import record
@@ -57,7 +47,7 @@ def run_worker(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
     record(_run_to_exit_code)(entry, config, env)
 
 
-def _run_to_exit_code(entry: Entry[Settings], config: Settings, env: DistEnv) -> None:
+def _run_to_exit_code(entry: Entry, config: Any, env: DistEnv) -> None:
     try:
         entry(config, env)
     except UserError as error:
@@ -91,11 +81,11 @@ def leave_the_report_to_rank_0(error: UserError, rank: int) -> None:
         report(error, rank, own=True)
 
 
-def _child(index: int, entry: Entry[Settings], config: Settings, task_env: DistEnv, procs: int) -> None:
+def _child(index: int, entry: Entry, config: Any, task_env: DistEnv, procs: int) -> None:
     run_worker(entry, config, task_env.child(index, procs))
 
 
-def spawn_workers(entry: Entry[Settings], config: Settings, task_env: DistEnv, procs: int) -> None:
+def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> None:
     if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)

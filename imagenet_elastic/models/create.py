@@ -1,18 +1,26 @@
 """A timm model as a run, a checkpoint or an export needs it: its name checked, random or published weights, stochastic
-depth, BlurPool, checkpointed blocks, the sizes it takes; its weight average (EMA)."""
+depth, BlurPool, checkpointed blocks; its weight average (EMA); the image sizes it must take (a run's validation crop
+and training sizes, a checkpoint's crop), with timm's options that make a model built for one input size (ViT, DeiT,
+Swin, ...) take them."""
 
 from __future__ import annotations
 
 import difflib
-from typing import Any, Optional
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Optional
 
+import torch
 from torch import nn
 
-from imagenet_elastic.config import WEIGHT_SOURCES
+from imagenet_elastic.config import WEIGHT_SOURCES, saved_eval_sizes
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.models import tiny_models
 from imagenet_elastic.models.blurpool import BLUR_MIN_CHANNELS, blur_strided_convs
-from imagenet_elastic.models.input_size import Sizes, input_options
+
+if TYPE_CHECKING:
+    from imagenet_elastic.config import Config
+
+Sizes = Sequence[tuple[int, str]]  # image sizes in pixels, each with the flag that asks for it
 
 
 def check_model_name(name: str) -> None:
@@ -75,3 +83,86 @@ def create_ema(model: nn.Module, decay: float, warmup: bool) -> nn.Module:
     from timm.utils import ModelEmaV3
 
     return ModelEmaV3(model, decay=decay, use_warmup=warmup)
+
+
+def run_sizes(config: Config, built_for: Optional[int] = None) -> tuple[tuple[int, str], ...]:
+    """The sizes a run's model takes: validation's crop first (the size its weights are made for, unless
+    `built_for`: a checkpoint's crop, at resume), then each epoch's training size."""
+    crop = (config.eval_crop, "--val-crop-size" if config.val_crop_size else "--image-size")
+    train = sorted({config.train_sizes(epoch) for epoch in range(config.epochs)})
+    flag = "--progressive-resize" if config.progressive_resize else "--image-size"
+    made = ((built_for, "the checkpoint's --val-crop-size"),) if built_for not in (None, config.eval_crop) else ()
+    return (*made, crop, *((size, flag) for size in train))
+
+
+def saved_sizes(settings: dict[str, Any]) -> tuple[tuple[int, str], ...]:
+    """The size a checkpoint's model was made for (its run's validation crop), from its saved settings."""
+    return ((saved_eval_sizes(settings)[0], "the checkpoint's --val-crop-size"),)
+
+
+def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
+    """timm's `img_size` / `dynamic_img_size` that make model `name`, built by timm for one input size
+    (fixed_input_size: ViT, DeiT, Swin, ...), take every size in `sizes` (the first: its weights'); {} where none is
+    needed. `img_size` sizes the position embeddings, `dynamic_img_size` resamples them per forward. Tried on
+    meta-device copies (no memory, no initialisation); a model taking none is a UserError naming it, its size and
+    the flag, before anything is read, not a traceback at its first step."""
+    import timm
+
+    wanted = list(dict.fromkeys(size for size, _ in sizes))
+    if not wanted:
+        return {}
+    tiny_models.register()
+    cfg = _pretrained_cfg(name)
+    native = tuple(cfg.get("input_size", (3, 224, 224))[-2:])
+    if not cfg.get("fixed_input_size") or all((size, size) == native for size in wanted):
+        return {}
+    built = wanted[0]
+    made = {} if (built, built) == native else {"img_size": built}
+    others: list[int] = []  # sizes refused by a model that took the first
+    as_timm_builds = None
+    for options in ({}, *([made] if made else []), {**made, "dynamic_img_size": True}):
+        try:
+            with torch.device("meta"):
+                model = timm.create_model(name, num_classes=1, pretrained=False, **options)
+        except (TypeError, ValueError, AssertionError):  # an argument this architecture lacks, or a size it refuses
+            continue
+        as_timm_builds = as_timm_builds or model
+        refused = next((size for size in wanted if not _takes(model, (size, size))), None)
+        if refused is None:
+            return options
+        if refused != built:
+            others.append(refused)
+    if as_timm_builds is None or not _takes(as_timm_builds, native):
+        return {}  # a forward the meta device cannot run tells nothing: the model is built as timm builds it
+    flag = dict(reversed(sizes))  # the first flag that asks for each size
+    side = f"{native[0]}" if native[0] == native[1] else f"{native[0]}x{native[1]}"
+    if others:
+        raise UserError(f"--model {name} takes one image size (timm builds it for {side} px, or for another): it "
+                        f"can be made for {flag[built]} {built} but then not for {flag[others[-1]]} {others[-1]}; "
+                        "train and validate at one size, or choose a model that takes any size")
+    raise UserError(f"--model {name} takes {side} px images only: timm cannot build it for {flag[built]} {built}; "
+                    f"pass {flag[built]} {native[0]}, or choose a model that takes any size")
+
+
+def _pretrained_cfg(name: str) -> dict[str, Any]:
+    """timm's pretrained_cfg of a model name (its default tag's where it names none); for `hf-hub:` and `local-dir:`
+    names, that of a meta-device copy built from their config.json."""
+    import timm
+
+    if not name.startswith(WEIGHT_SOURCES):
+        try:
+            return timm.models.get_pretrained_cfg(name).to_dict()
+        except (RuntimeError, AttributeError):  # a name timm knows without a pretrained_cfg
+            pass
+    with torch.device("meta"):
+        return dict(getattr(timm.create_model(name, num_classes=1, pretrained=False), "pretrained_cfg", {}) or {})
+
+
+def _takes(model: nn.Module, size: tuple[int, int]) -> bool:
+    """Whether a meta-device model runs a `size` (height, width) image in eval mode (shape checks fail there too)."""
+    try:
+        with torch.device("meta"), torch.no_grad():
+            model.eval()(torch.empty(1, 3, *size))
+    except (AssertionError, RuntimeError, ValueError):
+        return False
+    return True

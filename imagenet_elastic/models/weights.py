@@ -27,8 +27,7 @@ from imagenet_elastic.config import WEIGHT_SOURCES, saved_setting
 from imagenet_elastic.errors import UserError, first_line
 from imagenet_elastic.models import tiny_models
 from imagenet_elastic.models.blurpool import blur_strided_convs
-from imagenet_elastic.models.create import create_model
-from imagenet_elastic.models.input_size import saved_sizes
+from imagenet_elastic.models.create import create_model, saved_sizes
 
 CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
 
@@ -105,18 +104,24 @@ def from_checkpoint(path: str, flag: str, ema: bool) -> Weights:
         snapshot = store.load(path)
     except UserError as error:
         raise UserError(f"{flag}: {error}") from None
+    which = "weight average" if ema else "raw weights"
+    return Weights(saved_model(snapshot, path, ema), CHECKPOINT, path, f"our checkpoint of {snapshot['model_name']}, "
+                   f"its {which} after step {snapshot['step']}", tuple(snapshot["classes"]), snapshot.get("config", {}),
+                   (snapshot.get("data") or {}).get("val"))
+
+
+def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "use it") -> nn.Module:
+    """A checkpoint's model built as its run built it (its blur, the size it was made for), with its raw weights or
+    (`ema`) their average; `instead`: what the message for a checkpoint without an average says to do."""
     weights = snapshot.get("model_ema") if ema else snapshot.get("model")
     if weights is None:
-        raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): use it "
+        raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): {instead} "
                         "without --ema" if ema else f"checkpoint {path} holds no model weights")
     settings = snapshot.get("config", {})
-    names = tuple(snapshot["classes"])
-    model = create_model(snapshot["model_name"], len(names), blurpool=saved_setting(settings, "blurpool"),
+    model = create_model(snapshot["model_name"], len(snapshot["classes"]), blurpool=saved_setting(settings, "blurpool"),
                          sizes=saved_sizes(settings))
     model.load_state_dict(weights)
-    which = "weight average" if ema else "raw weights"
-    return Weights(model, CHECKPOINT, path, f"our checkpoint of {snapshot['model_name']}, its {which} after step "
-                   f"{snapshot['step']}", names, settings, (snapshot.get("data") or {}).get("val"))
+    return model
 
 
 def folder_config(folder: str) -> dict[str, Any]:

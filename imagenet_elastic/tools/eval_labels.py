@@ -102,9 +102,9 @@ def check_real_classes(real: list[list[int]], path: str, classes: int) -> None:
                             f"is out of range: the model has {classes} classes")
 
 
-def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarray) -> list[frozenset[int]]:
-    """Each image's real labels, as positions among the scored classes (a label outside them cannot be predicted)."""
-    position = {int(k): j for j, k in enumerate(scored)}
+def real_sets(source: Source, real: list[list[int]], path: str, position: np.ndarray) -> list[frozenset[int]]:
+    """Each image's real labels, as positions among the scored classes (`position`: each of the model's classes',
+    -1 where it is not scored: a label outside them cannot be predicted)."""
     found = []
     for i in range(len(source)):
         match = REAL_NAME.search(os.path.basename(source.name(i)))
@@ -115,7 +115,7 @@ def real_sets(source: Source, real: list[list[int]], path: str, scored: np.ndarr
         if not 1 <= number <= len(real):
             raise UserError(f"--real-labels {path} has {counted(len(real), 'entry', 'entries')}: none for "
                             f"{source.name(i)}")
-        found.append(frozenset(position[k] for k in real[number - 1] if k in position))
+        found.append(frozenset(int(position[k]) for k in real[number - 1] if position[k] >= 0))
     return found
 
 

@@ -29,6 +29,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
@@ -37,7 +38,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.config import VALIDATION_SENSITIVE, Config, add_setting
+from imagenet_elastic.config import VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
+from imagenet_elastic.data.pixels import INTERPOLATIONS
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser, positive_int
@@ -50,11 +52,11 @@ from imagenet_elastic.tools.eval_labels import (
     real_counts,
     real_sets,
 )
-from imagenet_elastic.tools.eval_model import load_model, ours
 
 if TYPE_CHECKING:
     from imagenet_elastic.data.sources import Source
     from imagenet_elastic.launch.launchers import DistEnv
+    from imagenet_elastic.models.weights import Weights
 
 PREPROCESSING = ("model", "ours")
 
@@ -74,8 +76,8 @@ def build_parser() -> Parser:
                    "folders; see the trainer's --val-labels)")
     p.add_argument("--real-labels", metavar="FILE", help="ReaL labels (real.json): also score ReaL top-1")
     p.add_argument("--class-subset", metavar="FILE", help="score only these classes (one name a line)")
-    p.add_argument("--flip-average", action="store_true", help="the mean of the logits of each image and of its "
-                   "mirror image (the trainer's --val-flip-average)")
+    p.add_argument("--flip-average", action="store_true", dest="val_flip_average", help="the mean of the logits of "
+                   "each image and of its mirror image (the trainer's --val-flip-average)")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N",
                    help="images per forward pass and process")
     add_setting(p, "workers")
@@ -117,35 +119,86 @@ def labels_file(location: str, val_labels: str | None) -> str | None:
 
 
 @dataclass(frozen=True)
-class Reading:
-    """How the sets are read and the models run: the settings the tool and the trainer's --evaluate both take."""
+class Preprocessing:
+    """How a model's images are made: its own (timm's data config, or its run's validation), or ours."""
 
-    batch_size: int
-    workers: Optional[int]
-    amp: str
-    channels_last: bool
-    decode: str
-    gpu_decoder: str
-    dist_timeout: float
-    flip_average: bool
+    crop: int
+    resize: int
+    interpolation: str
+    mean: tuple[float, ...]  # as timm gives them: on 0-1 values
+    std: tuple[float, ...]
 
+    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
+        """Mean and std on 0-255 levels, as data/model_input.ModelInput takes them."""
+        return tuple(m * 255 for m in self.mean), tuple(s * 255 for s in self.std)
 
-@dataclass(frozen=True)
-class Scored:
-    """One set's scores by each model (by its key), with how they were made."""
-
-    location: str
-    source: Any  # the Source scored (relabelled to the scored classes)
-    results: dict[str, Any]  # model key -> train/step.py's EvalResult
-    precision: str
+    def describe(self) -> dict[str, Any]:
+        return {"crop": self.crop, "resize": self.resize, "interpolation": self.interpolation,
+                "mean": [round(m, 4) for m in self.mean], "std": [round(s, 4) for s in self.std]}
 
 
-def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Any,
-          reading: Reading, console: Any, on_scored: Callable[[Scored], None], columns: Any = None,
+def ours(crop: int, resize: Optional[int] = None) -> Preprocessing:
+    """The trainer's validation at this crop (by default cut from config.eval_sizes' resize), bilinear, with
+    ImageNet's statistics."""
+    from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
+    return Preprocessing(crop, eval_sizes(crop, None, resize)[1], "bilinear", IMAGENET_MEAN_FRACTIONS,
+                         IMAGENET_STD_FRACTIONS)
+
+
+def timm_preprocessing(module: Any, what: str) -> Preprocessing:
+    """timm's resolve_data_config for the model, in our terms (resize = floor(crop / crop_pct), as timm computes it)."""
+    from timm.data import resolve_data_config
+
+    data = resolve_data_config({}, model=module)
+    _, height, width = data["input_size"]
+    if height != width:
+        raise UserError(f"{what} takes {height}x{width} images: evaluate takes square inputs only")
+    if data.get("crop_mode", "center") != "center":
+        raise UserError(f"{what} preprocesses with crop_mode {data['crop_mode']!r}: evaluate does the centre crop "
+                        "only; pass --preprocessing ours")
+    if data["interpolation"] not in INTERPOLATIONS:
+        raise UserError(f"{what} resizes with {data['interpolation']!r} interpolation: evaluate offers "
+                        f"{', '.join(INTERPOLATIONS)}; pass --preprocessing ours")
+    return Preprocessing(height, math.floor(height / data["crop_pct"]), data["interpolation"],
+                         tuple(data["mean"]), tuple(data["std"]))
+
+
+def load_model(name: str, pretrained: bool, ema: bool) -> tuple[Weights, Preprocessing]:
+    """Our checkpoint, an export folder, or a timm name (--pretrained), read by models/weights.py, its class_names
+    always said, and its own preprocessing."""
+    from imagenet_elastic.models import weights
+
+    loaded = weights.load_weights(name, "MODEL", ema, published=pretrained)
+    if loaded.kind == weights.CHECKPOINT:
+        return loaded, ours(*saved_eval_sizes(loaded.settings))
+    module = loaded.model
+    classes = ((loaded.class_names or tuple(module.pretrained_cfg.get("label_names") or ()))
+               if loaded.kind == weights.EXPORT else imagenet_classes(module))
+    if len(classes) != module.num_classes:
+        raise UserError(f"MODEL {name} names {len(classes)} classes for its {module.num_classes} outputs")
+    return dataclasses.replace(loaded, class_names=classes), timm_preprocessing(module, f"MODEL {name}")
+
+
+def imagenet_classes(module: Any) -> tuple[str, ...]:
+    """The wnids of a timm ImageNet model's outputs (n01440764, ...), as ImageNet's class folders name them."""
+    from timm.data import ImageNetInfo, infer_imagenet_subset
+
+    subset = infer_imagenet_subset(module)
+    if subset is None:
+        raise UserError(f"timm model {module.default_cfg.get('architecture')} was not trained on an ImageNet "
+                        f"subset timm knows: its {module.num_classes} classes have no names to match VAL's")
+    return tuple(ImageNetInfo(subset).label_names())
+
+
+def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Preprocessing,
+          settings: Any, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None], columns: Any = None,
           fit: Any = None) -> None:
     """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
-    once over all ranks (train/step.py evaluate), `on_scored` told of each set as it is done. The loaders' workers
-    fork first, then the process group forms: the trainer's order (train/build.py)."""
+    once over all ranks (train/step.py evaluate); `on_scored(location, source, results by model key, precision)` is
+    told of each set as it is done. `settings`: the run's Config, or the tool's arguments, which take the trainer's
+    settings under their names (add_setting): batch_size, workers, amp, channels_last, decode, gpu_decoder,
+    dist_timeout, val_flip_average. The loaders' workers fork first, then the process group forms: the trainer's
+    order (train/build.py)."""
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
@@ -155,31 +208,31 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
     from imagenet_elastic.train import build
     from imagenet_elastic.train.step import evaluate
 
-    precision = resolve_precision(reading.amp, device)
+    precision = resolve_precision(settings.amp, device)
     if precision.warning:
         console.warn(precision.warning)
     cores = distributed.available_cores()
-    decoding = Decoding.choose(reading.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
-                               reading.gpu_decoder)
+    decoding = Decoding.choose(settings.decode, device, cores // max(1, env.local_world_size), INCEPTION_CROP,
+                               settings.gpu_decoder)
     if decoding.warning(device):
         console.warn(decoding.warning(device))
     # the sets are read one after another: one prefetch budget
-    feed = decoding.feed(device, reading.workers, cores, env.local_world_size, reading.batch_size, prep.crop,
+    feed = decoding.feed(device, settings.workers, cores, env.local_world_size, settings.batch_size, prep.crop,
                          functools.partial(console.warn, every_rank=True))
     with contextlib.ExitStack() as stack:
-        loaders = [feed.eval_loader(source, prep.crop, prep.resize, reading.batch_size, env.rank, env.world_size,
+        loaders = [feed.eval_loader(source, prep.crop, prep.resize, settings.batch_size, env.rank, env.world_size,
                                     interpolation=prep.interpolation) for _, source, _ in sets]
         build.start_loader_workers(loaders, stack)  # before the process group's threads, as the trainer does
-        build.join_process_group(env, device, reading.dist_timeout, stack)
+        build.join_process_group(env, device, settings.dist_timeout, stack)
         if env.world_size > 1:
             check_same_scoring(modules, sets)
-        placed = {key: place_model(module, device, reading.channels_last) for key, module in modules.items()}
-        to = ModelInput(device, precision.dtype, reading.channels_last, normalisation=prep.normalisation())
+        placed = {key: place_model(module, device, settings.channels_last) for key, module in modules.items()}
+        to = ModelInput(device, precision.dtype, settings.channels_last, normalisation=prep.normalisation())
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = real_counts(counts_of) if counts_of is not None else None
-            results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder), reading.flip_average,
-                                     columns, counts, fit) for key, module in placed.items()}
-            on_scored(Scored(location, source, results, precision.name))
+            results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
+                                     settings.val_flip_average, columns, counts, fit) for key, module in placed.items()}
+            on_scored(location, source, results, precision.name)
         del placed, to  # before the process group goes (join_process_group's callbacks)
 
 
@@ -237,48 +290,46 @@ def run(args: Any) -> list[dict[str, Any]]:
     device = distributed.select_device(args.device, env)
     check_val_exists(args.val)
     real = read_real_labels(args.real_labels) if args.real_labels else None
-    model = load_model(args.model, args.pretrained, args.ema)
+    model, own = load_model(args.model, args.pretrained, args.ema)
+    classes = model.class_names
     if real is not None:
-        check_real_classes(real, args.real_labels, len(model.classes))
-    prep = model.own if args.preprocessing == "model" else ours(model.input_size)
-    scored = (read_subset(args.class_subset, model.classes) if args.class_subset
-              else np.arange(len(model.classes), dtype=np.int64))
-    position = np.full(len(model.classes), -1, dtype=np.int64)
+        check_real_classes(real, args.real_labels, len(classes))
+    prep = own if args.preprocessing == "model" else ours(own.crop)
+    scored = read_subset(args.class_subset, classes) if args.class_subset else np.arange(len(classes), dtype=np.int64)
+    position = np.full(len(classes), -1, dtype=np.int64)
     position[scored] = np.arange(len(scored))
     sets = []
     for location in map(sources.evaluated_split, args.val):
-        source = sources.open_source(location, "val", None, Classes(model.classes, "the model"),
+        source = sources.open_source(location, "val", None, Classes(classes, "the model"),
                                      labels_file(location, args.val_labels))
-        labels = position[model_index(source, model.classes, location)[source.labels]]
+        labels = position[model_index(source, classes, location)[source.labels]]
         if (labels < 0).any():
             outside = source.name(int(np.flatnonzero(labels < 0)[0]))
             raise UserError(f"VAL {location}: {outside} is of a class outside --class-subset {args.class_subset}")
-        relabelled = Relabelled(source, labels, tuple(model.classes[k] for k in scored))
-        sets.append((location, relabelled, real_sets(source, real, args.real_labels, scored) if real else None))
+        relabelled = Relabelled(source, labels, tuple(classes[k] for k in scored))
+        sets.append((location, relabelled, real_sets(source, real, args.real_labels, position) if real else None))
     rows: list[dict[str, Any]] = []
 
-    def told(done: Scored) -> None:
-        result = done.results[""]
-        row: dict[str, Any] = {"model": args.model, "val": done.location, "images": result.samples,
+    def told(location: str, source: Relabelled, results: dict[str, Any], precision: str) -> None:
+        result = results[""]
+        row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
                                "top1": result.top1, "top5": result.top5, "loss": result.loss}
         if real is not None:
             seen = result.counts["real_images"]
             row.update(real_top1=100 * result.counts["real_right"] / max(seen, 1.0), real_images=int(seen))
         if args.class_subset:
             row["classes"] = len(scored)
-        if args.flip_average:
+        if args.val_flip_average:
             row["flip_average"] = True
         if model.val_print is not None:
-            row["val_as_trained"] = fingerprints.difference(model.val_print, done.source.source) is None
-        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=done.precision,
+            row["val_as_trained"] = fingerprints.difference(model.val_print, source.source) is None
+        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision,
                    world_size=env.world_size)
         console.result(row)
         rows.append(row)
 
-    reading = Reading(args.batch_size, args.workers, args.amp, args.channels_last, args.decode, args.gpu_decoder,
-                      args.dist_timeout, args.flip_average)
     columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
-    score(env, device, {"": model.module}, sets, prep, reading, console, told, columns)
+    score(env, device, {"": model.model}, sets, prep, args, console, told, columns)
     if len(rows) > 1:
         console.table("scores", [(row["val"], summary(row)) for row in rows])
     return rows
@@ -296,6 +347,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
     from imagenet_elastic.data import sources
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
+    from imagenet_elastic.models.weights import saved_model
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train.state import check_compatible
 
@@ -309,35 +361,31 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
         if path is None:
             raise UserError(f"--evaluate needs a checkpoint: {config.checkpoints_path} has no {store.LAST}; pass "
                             "--resume PATH")
-        snapshot = store.load(path, lazy=True)  # mapped: its settings, names and weight average
+        snapshot = store.load(path, lazy=True)  # mapped: each weight read once, as the models load it
         if val is None:
             location = config.val_path or sources.split_locations(config.data, None)[1]  # DATA's unless given
             val = sources.open_source(location, "val", None, tuple(snapshot.get("classes", ())), config.val_labels)
         check_compatible(snapshot, path, config.model, val.classes, None, config.blurpool)
-        models = {"": load_model(path, False, False)}
-        if snapshot.get("model_ema") is not None:  # the same model: its average into a copy, the file not read again
-            average = copy.deepcopy(models[""].module)
-            average.load_state_dict(snapshot["model_ema"])
-            models["_ema"] = dataclasses.replace(models[""], module=average)
+        modules = {"": saved_model(snapshot, path, ema=False)}
+        if snapshot.get("model_ema") is not None:  # the same model: its average into a copy
+            modules["_ema"] = copy.deepcopy(modules[""])
+            modules["_ema"].load_state_dict(snapshot["model_ema"])
         changes = config.differences(snapshot["config"], VALIDATION_SENSITIVE)
-        changes += [fingerprints.difference(models[""].val_print, val)] if env.is_main else []
+        changes += [fingerprints.difference((snapshot.get("data") or {}).get("val"), val)] if env.is_main else []
         for change in filter(None, changes):
             console.warn(f"--evaluate differs from its checkpoint's run, results will not match exactly: {change}")
         del snapshot
-        prep = dataclasses.replace(ours(config.eval_crop), resize=config.eval_resize)
-        reading = Reading(config.batch_size, config.workers, config.amp, config.channels_last, config.decode,
-                          config.gpu_decoder, config.dist_timeout, config.val_flip_average)
+        prep = ours(config.eval_crop, config.eval_resize)
         fit = HalvedOnce(config.batch_size, functools.partial(console.warn, every_rank=True)) \
             if config.micro_batch == "auto" else None
         scores: dict[str, Any] = {"checkpoint": path, **({"val_flip_average": True} if config.val_flip_average else {})}
 
-        def told(done: Scored) -> None:
-            for key, result in done.results.items():
+        def told(location: str, source: Source, results: dict[str, Any], precision: str) -> None:
+            for key, result in results.items():
                 scores.update({f"val_loss{key}": result.loss, f"val_top1{key}": result.top1,
                                f"val_top5{key}": result.top5, "val_samples": result.samples})
 
-        score(env, device, {key: model.module for key, model in models.items()}, [(path, val, None)], prep, reading,
-              console, told, fit=fit)
+        score(env, device, modules, [(path, val, None)], prep, config, console, told, fit=fit)
     except KeyboardInterrupt:
         console.info("Ctrl-C: --evaluate stopped, nothing written")
         raise

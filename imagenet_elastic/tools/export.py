@@ -19,7 +19,7 @@ from typing import Any
 from imagenet_elastic.atomic_files import process_umask
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import saved_eval_sizes, saved_setting
-from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
+from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser
 
@@ -48,8 +48,7 @@ def preprocessing(settings: dict[str, Any]) -> dict[str, Any]:
     """Our validation's preprocessing in timm's terms."""
     crop, resize = saved_eval_sizes(settings)
     return {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
-            "interpolation": "bilinear", "mean": tuple(m / 255 for m in IMAGENET_MEAN),
-            "std": tuple(s / 255 for s in IMAGENET_STD)}
+            "interpolation": "bilinear", "mean": IMAGENET_MEAN_FRACTIONS, "std": IMAGENET_STD_FRACTIONS}
 
 
 def export(path: str, out_dir: str, ema: bool) -> str:
@@ -59,21 +58,16 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"export folder {out_dir} is a file")
     snapshot = store.load(path)
-    weights = snapshot.get("model_ema") if ema else snapshot["model"]
-    if weights is None:
-        raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): "
-                        "export it without --ema")
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
     from imagenet_elastic.models import tiny_models
-    from imagenet_elastic.models.create import create_model
-    from imagenet_elastic.models.input_size import input_options, saved_sizes
+    from imagenet_elastic.models.create import input_options, saved_sizes
+    from imagenet_elastic.models.weights import saved_model
 
+    model = saved_model(snapshot, path, ema, "export it")
     classes = list(snapshot["classes"])
     blurpool = saved_setting(snapshot["config"], "blurpool")
     sizes = saved_sizes(snapshot["config"])
-    model = create_model(snapshot["model_name"], len(classes), blurpool=blurpool, sizes=sizes)
-    model.load_state_dict(weights)
     # a model timm builds for one input size (img_size): config.json's model_args make timm's local-dir: loader do so
     model_args = input_options(snapshot["model_name"], sizes)
     data_config = preprocessing(snapshot["config"])

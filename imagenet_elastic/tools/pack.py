@@ -71,7 +71,8 @@ class Options:
 
 
 def samples(split: sources.Source, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
-    """(name, bytes, label) of samples [start, stop), bytes first (a parquet source names a sample after reading it)."""
+    """(name, bytes, label) of samples [start, stop), bytes first (a parquet source names a sample after reading it).
+    tests/pack_held.py holds a pack in the middle here."""
     for i in range(start, stop):
         raw = split.read(i)
         yield split.name(i), raw, split.label(i)
@@ -175,20 +176,26 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     present = os.listdir(out)
     if not present:
         return False
-    marker = os.path.join(out, PACK_FILE)
+    marker, previous = os.path.join(out, PACK_FILE), pack_record(out)
     if not os.path.isfile(marker):
         raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
-    try:
-        with open(marker) as f:
-            previous = json.load(f)
-    except (OSError, ValueError):
-        raise UserError(f"pack: {marker} is damaged: remove {out} to pack again") from None
+    if previous is None:
+        raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
     if any(previous.get(key) != record[key] for key in ("source", "options", "splits")):
         raise UserError(f"pack: OUT {out} holds an interrupted pack of {previous.get('source')} with other options "
                         f"({previous.get('options')}): remove it, or rerun that pack")
     return True
+
+
+def pack_record(folder: str) -> Optional[dict[str, Any]]:
+    """A folder's pack.json, or None where it has none readable."""
+    try:
+        with open(os.path.join(folder, PACK_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
 
 
 def done_shards(folder: str, split: sources.Source, options: Options) -> dict[int, tar_shards.Found]:
@@ -388,18 +395,10 @@ def pack_to_store(src: str, out: str, args: argparse.Namespace) -> dict[str, Any
         raise UserError(f"pack: OUT {out} already holds a complete pack")
     # staged in a folder that is the same for the same URL on a node, so a rerun continues it
     staged = os.path.join(settings.cache, f"pack-{hashlib.blake2b(out.encode(), digest_size=8).hexdigest()}")
-    result = pack(src, staged, args) if not _complete(staged) else {"images": 0, "out": staged}
+    result = {"images": 0, "out": staged} if (pack_record(staged) or {}).get("complete") else pack(src, staged, args)
     result = {**result, **upload(staged, out), "out": out}
     shutil.rmtree(staged, ignore_errors=True)
     return result
-
-
-def _complete(folder: str) -> bool:
-    try:
-        with open(os.path.join(folder, PACK_FILE)) as f:
-            return bool(json.load(f).get("complete"))
-    except (OSError, ValueError):
-        return False
 
 
 def main(argv: Sequence[str]) -> None:

@@ -29,7 +29,7 @@ from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.data.sources.image_folder import ImageFolder
-from imagenet_elastic.launch.distributed import available_cores
+from imagenet_elastic.launch.distributed import available_cores, uses_cuda
 from imagenet_elastic.models.compile import CompiledOrEager
 from imagenet_elastic.train.step import StepContext, train_step
 
@@ -176,8 +176,7 @@ def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
 
 def run_device(args: argparse.Namespace) -> torch.device:
     """--device: cuda, cpu, or auto (cuda where there is one)."""
-    return torch.device("cuda" if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
-                        else "cpu")
+    return torch.device("cuda" if uses_cuda(args.device) else "cpu")
 
 
 def step_context(args: argparse.Namespace, num_classes: int) -> tuple[StepContext, dict[str, Any]]:

@@ -35,9 +35,15 @@ from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.models import compile_cache, teacher_weights
 from imagenet_elastic.models.compile import Compilation, compile_choice
-from imagenet_elastic.models.create import check_model_name, create_ema, create_model
+from imagenet_elastic.models.create import (
+    check_model_name,
+    create_ema,
+    create_model,
+    input_options,
+    run_sizes,
+    saved_sizes,
+)
 from imagenet_elastic.models.device import Precision, place_model, resolve_precision, use_fastest_kernels
-from imagenet_elastic.models.input_size import input_options, run_sizes, saved_sizes
 from imagenet_elastic.models.teacher_weights import TeacherWeights
 from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
@@ -181,14 +187,13 @@ def check_model_options(c: Config) -> None:
 def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
                ) -> Optional[dict[str, Any]]:
     """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
-    console = run.console
     if not run.env.is_main:
         return None
     saved = (snapshot.get("data") if snapshot is not None else None) or {}
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
-    warn_differences(console, [fingerprints.difference(saved.get(role), source, taken[role])
-                               for role, source in splits.items()])
+    warn_differences(run.console, [fingerprints.difference(saved.get(role), source, taken[role])
+                                   for role, source in splits.items()])
     return {role: taken[role].saved() for role in taken}
 
 

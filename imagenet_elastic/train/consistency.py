@@ -69,17 +69,6 @@ def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
-def fingerprint(config: Config, train: Source, val: Source, folder_token: Optional[str],
-                checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> Fingerprint:
-    mark = None
-    if checkpoint is not None:
-        mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
-                float(checkpoint["saved_at"]))
-    return Fingerprint(code_version(), settings_digest(shared_settings(config)), folder_token, mark,
-                       train.fingerprint(), val.fingerprint(), socket.gethostname(),
-                       os.path.abspath(config.checkpoints_path), teacher)
-
-
 COMPARED = tuple(f.name for f in fields(Fingerprint) if f.name not in ("host", "folder"))
 
 
@@ -161,7 +150,13 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
                    checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> None:
     """One all-gather of the ranks' fingerprints; JobMismatch on every rank when they differ."""
-    prints = distributed.all_gather_object(fingerprint(config, train, val, folder_token, checkpoint, teacher))
+    mark = None
+    if checkpoint is not None:
+        mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
+                float(checkpoint["saved_at"]))
+    prints = distributed.all_gather_object(Fingerprint(
+        code_version(), settings_digest(shared_settings(config)), folder_token, mark, train.fingerprint(),
+        val.fingerprint(), socket.gethostname(), os.path.abspath(config.checkpoints_path), teacher))
     found = first_difference(prints)
     if found is not None:
         raise JobMismatch(describe(*found, prints, config, train, val))

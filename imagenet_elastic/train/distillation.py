@@ -23,9 +23,7 @@ from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.models.device import place_model
 from imagenet_elastic.models.teacher_weights import TeacherInput, TeacherWeights
 
-LOGIT, SOFT, HARD = "logit", "soft", "hard"
-TOKEN_KINDS = (SOFT, HARD)  # --kd-token-distill-type
-PARTS = ("task_loss", "distill_loss")  # what a distilling step tallies beside its loss (state.EpochTally.parts)
+LOGIT, SOFT, HARD = "logit", "soft", "hard"  # SOFT and HARD: --kd-token-distill-type's
 
 
 def loss_weights(task: Optional[float], distill: Optional[float]) -> tuple[float, float]:
@@ -38,18 +36,6 @@ def loss_weights(task: Optional[float], distill: Optional[float]) -> tuple[float
     return 1.0, 1.0
 
 
-def soft_distillation(student: torch.Tensor, teacher: torch.Tensor, temperature: float) -> torch.Tensor:
-    """KL(teacher || student) of the distributions at `temperature`, the batch's mean, x temperature^2."""
-    log_student = F.log_softmax(student.float() / temperature, dim=-1)
-    log_teacher = F.log_softmax(teacher.float() / temperature, dim=-1)
-    return F.kl_div(log_student, log_teacher, reduction="batchmean", log_target=True) * temperature ** 2
-
-
-def hard_distillation(student: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-    """Cross-entropy of the student's logits with the teacher's top class (DeiT's hard distillation)."""
-    return F.cross_entropy(student.float(), teacher.argmax(dim=-1))
-
-
 def has_distillation_head(model: nn.Module) -> bool:
     """timm's models with DeiT's distillation token and head (VisionTransformerDistilled) say so by this method."""
     return hasattr(model, "set_distilled_training")
@@ -59,7 +45,7 @@ class Distillation:
     """`distillation(outputs, targets, images, criterion)`: the micro-batch's loss and its parts (float32, detached:
     [loss, task loss, distillation loss]) from the student's `outputs` on `images` and the teacher's on the same."""
 
-    parts = PARTS
+    parts = ("task_loss", "distill_loss")  # what a step tallies beside its loss (state.EpochTally.parts)
 
     def __init__(self, teacher: Callable[[torch.Tensor], torch.Tensor], kind: str, temperature: float,
                  task_weight: float, distill_weight: float) -> None:
@@ -74,8 +60,12 @@ class Distillation:
         else:
             own, learner = outputs  # the class head's logits, the distillation head's
         task = criterion(own, targets)
-        distill = hard_distillation(learner, taught) if self.kind == HARD else \
-            soft_distillation(learner, taught, self.temperature)
+        if self.kind == HARD:  # DeiT's: cross-entropy with the teacher's top class
+            distill = F.cross_entropy(learner.float(), taught.argmax(dim=-1))
+        else:  # KL(teacher || student) at temperature T, the batch's mean, x T^2
+            t = self.temperature
+            distill = F.kl_div(F.log_softmax(learner.float() / t, dim=-1), F.log_softmax(taught.float() / t, dim=-1),
+                               reduction="batchmean", log_target=True) * t ** 2
         loss = self.task_weight * task + self.distill_weight * distill
         return loss, torch.stack([loss, task, distill]).detach().float()
 

@@ -105,7 +105,8 @@ def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
 
 
 def optimizer_restore(optimizer: torch.optim.Optimizer, snapshot: tuple[dict, list[dict]]) -> None:
-    """The snapshot written back into the optimizer's tensors (layout, device kept); state made since is dropped."""
+    """The snapshot written back into the optimizer's tensors (layout, device kept); state made since is dropped.
+    Copies, never the snapshot's own tensors: it is written back again after each trial."""
     state, groups = snapshot
     for param in list(optimizer.state):
         if param not in state:

@@ -13,7 +13,6 @@ optimizer's step is not caught: the weights have changed, and the probe ran that
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any, Callable, Optional
 
@@ -67,29 +66,18 @@ def fitting_plan(global_batch: int, world_size: int, size: int, mixes: bool) -> 
     return None
 
 
-@dataclasses.dataclass(frozen=True)
-class Choice:
-    """What --micro-batch auto's answer holds for: the checkpoint keeps it (`saved`, beside the size in use) for a
-    restart on the same kind of GPU with the same settings."""
-
-    device: str  # the GPU's name; "cpu" on a CPU
-    memory: int  # its total memory in bytes; 0 on a CPU
-    settings: dict  # the other settings that decide a step's memory (build.fit_micro_batches)
-    how: str = ""  # for the start-up table: probed, or the checkpoint's
-
-    def saved(self) -> dict[str, Any]:
-        return {"device": self.device, "memory": self.memory, "settings": self.settings}
-
-
 class MicroBatches:
-    """Recuts the loader's micro-batches into `plan`'s and sizes validation's; with `auto` each halves once on OOM."""
+    """Recuts the loader's micro-batches into `plan`'s and sizes validation's; with `auto` each halves once on OOM.
+    `chosen_for`: what auto's size holds for (`choose`), kept in checkpoints beside the size in use; `how`: how it was
+    found, for the start-up table."""
 
     def __init__(self, loader: BatchPlan, size: int, rank: int, auto: bool = False, mixes: bool = False,
-                 choice: Optional[Choice] = None, warn: Callable[[str], None] = print) -> None:
-        self.loader, self.rank, self.auto, self.mixes, self.choice, self.warn = loader, rank, auto, mixes, choice, warn
+                 chosen_for: Optional[dict[str, Any]] = None, how: str = "", warn: Callable[[str], None] = print
+                 ) -> None:
+        self.loader, self.rank, self.auto, self.mixes, self.warn = loader, rank, auto, mixes, warn
+        self.chosen_for, self.how = chosen_for, how
         self.given = loader.micro_slices(rank)  # where the loader's micro-batches sit in the global batch
-        self.use(loader if size == loader.micro_batch else fitting_plan(loader.global_batch, loader.world_size, size,
-                                                                        mixes))
+        self.use(fitting_plan(loader.global_batch, loader.world_size, size, mixes))
         self.validation_batch: Optional[int] = loader.micro_batch if auto else None  # None: the loader's, whole
         self.halved = {"training": False, "validation": False}
         self.buffers: Optional[BufferCopy] = None  # auto: made at the first step
@@ -187,14 +175,12 @@ class MicroBatches:
 
     def saved(self) -> dict[str, Any]:
         """What the checkpoint keeps: the micro-batch in use (halved or not) and what it was chosen for."""
-        if self.choice is None:
-            return {}
-        return {"micro_batch": {"size": self.size, **self.choice.saved()}}
+        return {} if self.chosen_for is None else {"micro_batch": {"size": self.size, **self.chosen_for}}
 
     def describe(self) -> str:
         if not self.auto:
             return f"at most {self.size} images a forward pass (--batch-size)"
-        text = f"auto: at most {self.size} images a forward pass" + (f", {self.choice.how}" if self.choice else "")
+        text = f"auto: at most {self.size} images a forward pass" + (f", {self.how}" if self.how else "")
         if self.slices != self.given:
             text += f"; the loader's micro-batches of {self.loader.micro_batch} regrouped"
         return text + "; a step or validation that runs out of memory is redone in halves (once per run each)"
@@ -211,9 +197,10 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
     if not auto:
         return MicroBatches(loader, loader.micro_batch, rank)
     name, memory = device_identity(device)
-    held = Choice(name, memory, settings)
+    # what the choice holds for: this kind of GPU, and the settings that decide a step's memory (fit_micro_batches)
+    held = {"device": name, "memory": memory, "settings": settings}
     first = max(s.stop - s.start for s in loader.all_micro_slices())  # no forward pass takes more
-    if saved and all(saved.get(k) == v for k, v in held.saved().items()):
+    if saved and all(saved.get(k) == v for k, v in held.items()):
         size, how = min(int(saved["size"]), first), f"the checkpoint's for this GPU ({describe_gpu(name, memory)})"
     elif probes(device):
         start = time.perf_counter()
@@ -223,13 +210,10 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
     else:
         size, how = first, "--batch-size's" + (" (nothing to probe on a CPU)" if device.type != "cuda" else "")
     # the smallest over ranks (they may sit on different GPUs), through the CPU control group
-    agreed = -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0]) \
-        if distributed.is_initialized() else size
+    agreed = -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0])
     if agreed < size:
         how += f", {agreed} on another rank"
-    plan = fitting_plan(loader.global_batch, loader.world_size, agreed, mixes)
-    return MicroBatches(loader, plan.micro_batch, rank, auto=True, mixes=mixes,
-                        choice=dataclasses.replace(held, how=how), warn=warn)
+    return MicroBatches(loader, agreed, rank, auto=True, mixes=mixes, chosen_for=held, how=how, warn=warn)
 
 
 def next_smaller(loader: BatchPlan, size: int, mixes: bool) -> Optional[int]:

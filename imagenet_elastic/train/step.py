@@ -196,7 +196,7 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
 
 
 class ValidationFit(Protocol):
-    """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches)."""
+    """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches, tools/evaluate.py's)."""
 
     validation_batch: Optional[int]  # most images a forward pass takes; None: the whole batch, and OOM ends the run
 
@@ -218,12 +218,12 @@ def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_ave
     for batch in loader:
         start = 0
         while start < len(batch):
-            stop = len(batch) if fit is None or fit.validation_batch is None else \
-                min(len(batch), start + fit.validation_batch)
+            piece = fit.validation_batch if fit is not None else None
+            stop = len(batch) if piece is None else min(len(batch), start + piece)
             try:
                 totals += batch_sums(to, model, batch.part(slice(start, stop)), flip_average, columns, counts)
             except torch.OutOfMemoryError as error:
-                if fit is None or fit.validation_batch is None:
+                if piece is None:
                     raise
                 fit.validation_failed(stop - start, one_line(error))
                 continue

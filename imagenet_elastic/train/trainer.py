@@ -65,7 +65,6 @@ class Trainer:
                  reports: Reports) -> None:
         self.config, self.env, self.console, self.preempt = run.config, run.env, run.console, run.preempt
         self.state, self.plan, self.sampler = training.state, training.plan, training.sampler
-        self.slices = self.plan.micro_slices(self.env.rank)  # this rank's micro-batches in the global batch
         self.training, self.loaders, self.ctx, self.checkpointer = training, loaders, ctx, checkpointer
         self.sinks, self.sample_log, self.compilation = reports.sinks, reports.sample_log, reports.compilation
         self.restart_cost = reports.restart_cost  # said after the first step of a resumed run, then dropped
@@ -85,7 +84,6 @@ class Trainer:
             self.preempt.training_began = self.preempt.checkpoint_on_interrupt = True
             self.train_epochs()
         except KeyboardInterrupt:
-            self.preempt.checkpoint_on_interrupt = False
             self.say_what_an_interrupt_kept()
             raise
         except RuntimeError as error:
@@ -93,7 +91,6 @@ class Trainer:
                 raise
             # a rank stopped at once on the second Ctrl-C while this one waited in a collective: the same stop here
             # (the second Ctrl-C reaches this rank's handler only after the collective fails)
-            self.preempt.checkpoint_on_interrupt = False
             self.say_what_an_interrupt_kept()
             raise KeyboardInterrupt from None
         finally:
@@ -139,11 +136,11 @@ class Trainer:
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
-                lr = r.schedule.at(state.step)
-                if r.micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
-                    loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
-                else:
-                    loss = train_step(self.ctx, micro_batches, self.slices, plan.share, lr, c.seed, state.step)
+                lr, micro = r.schedule.at(state.step), r.micro
+                if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
+                    loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                else:  # the loader's micro-batches as they are
+                    loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
@@ -267,6 +264,7 @@ class Trainer:
     def say_what_an_interrupt_kept(self) -> None:
         """After a Ctrl-C that stopped at once: the checkpoint on disk (the write in flight ends first, and counts)
         and the steps trained since, which are lost."""
+        self.preempt.checkpoint_on_interrupt = False  # a Ctrl-C during the wait stops it at once
         self.checkpointer.writer.wait()
         path, saved = self.checkpointer.files.last_path, self.checkpointer.writer.on_disk
         if saved is None and self.started_from is not None:

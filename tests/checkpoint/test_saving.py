@@ -131,6 +131,23 @@ def test_a_bug_in_the_writer_is_not_disguised_as_a_storage_error(tmp_path, monke
     assert isinstance(writer.wait(), KeyError)
 
 
+def test_a_ctrl_c_between_the_writers_making_and_its_start_leaves_close_nothing_to_wait_for(tmp_path, monkeypatch):
+    """The second Ctrl-C raises wherever the training thread is: here inside submit, after the writer thread was made
+    and before it started. Closing then ends without an error (the save never began), and the last file is kept."""
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=0), background=False, device=CPU)
+    writer.submit({"step": 1, "epoch": 0, "model": {"x": torch.ones(2)}}, epoch=None, is_best=False)  # on disk
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=0), background=True, device=CPU)
+
+    def interrupted(self):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(threading.Thread, "start", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        writer.submit({"step": 2, "epoch": 0, "model": {"x": torch.zeros(2)}}, epoch=None, is_best=False)
+    assert writer.close() is None
+    assert load(str(tmp_path / "last.pt"))["step"] == 1
+
+
 def test_a_synchronous_writer_has_the_file_on_disk_when_submit_returns(tmp_path):
     writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=3), background=False, device=CPU)
     writer.submit(live_state(3.0), 1, True)

@@ -14,7 +14,7 @@ from inprocess import command, in_memory, train
 from makers import cached, timm_model
 
 from imagenet_elastic.models import teacher_weights
-from imagenet_elastic.tools.eval_model import load_model
+from imagenet_elastic.tools.evaluate import load_model
 from imagenet_elastic.tools.export import export
 
 RUN = ["unused", "--batch-size", "8", "--workers", "0", "--threads", "1", "--log-interval", "1",
@@ -85,8 +85,8 @@ def test_a_checkpoint_of_a_vit_made_for_its_size_is_rebuilt_so_by_export_evaluat
     export(str(small_deit / "last.pt"), str(tmp_path / "export"), ema=False)
     exported = timm.create_model(f"local-dir:{tmp_path / 'export'}", pretrained=True).eval()  # timm alone
     assert torch.equal(exported.pos_embed, saved["pos_embed"]) and exported(images).shape == (2, 4)
-    evaluated = load_model(str(small_deit / "last.pt"), pretrained=False, ema=False)
-    assert evaluated.input_size == 32 and torch.equal(evaluated.module.pos_embed, saved["pos_embed"])
+    evaluated, own = load_model(str(small_deit / "last.pt"), pretrained=False, ema=False)
+    assert own.crop == 32 and torch.equal(evaluated.model.pos_embed, saved["pos_embed"])
     teacher = teacher_weights.read(str(small_deit / "last.pt"))
     assert teacher.input.size == (32, 32) and teacher.model.eval()(images).shape == (2, 4)
 

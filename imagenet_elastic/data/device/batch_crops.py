@@ -64,9 +64,8 @@ def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str)
     when shrinking, centred at scale * (o + 0.5), cut to the pixels PyTorch visits, normalised to sum 1."""
     start, length, full, offset = (axis[:, k, None, None] for k in range(AXIS))
     scale = length / full
-    shrinking = scale >= 1
-    support = torch.where(shrinking, SUPPORT[interpolation] * scale, torch.full_like(scale, SUPPORT[interpolation]))
-    inverse = torch.where(shrinking, 1 / scale, torch.ones_like(scale))
+    stretch = scale.clamp(min=1.0)  # the filter widens only when shrinking
+    support, inverse = SUPPORT[interpolation] * stretch, 1 / stretch
     out = torch.arange(size, device=axis.device, dtype=torch.float32)[None, :, None] + offset
     centre = scale * (out + 0.5)
     first = (centre - support + 0.5).floor_().clamp_(min=0)  # int() of a non-negative number
@@ -92,8 +91,7 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
     n, channels = canvas.shape[:2]
     rows = axis_weights(views[:, :AXIS], size, height, interpolation)
     columns = axis_weights(views[:, AXIS:2 * AXIS], size, width, interpolation)
-    flipped = views[:, 2 * AXIS, None, None] > 0.5
-    columns = torch.where(flipped, columns.flip(1), columns)
+    columns = torch.where(views[:, 2 * AXIS, None, None] > 0.5, columns.flip(1), columns)  # flipped
     # (N, size_x, W) @ (N, W, C*H) -> (N, size_x, C, H); then (N, size_y, H) @ (N, H, size_x*C) -> N, y, x, C
     across = torch.bmm(columns, canvas.view(n, channels * height, width).transpose(1, 2))
     out = torch.bmm(rows, across.view(n, size * channels, height).transpose(1, 2))

@@ -134,18 +134,6 @@ def grey(images: torch.Tensor) -> torch.Tensor:
     return r.mul(0.2989).add_(g, alpha=0.587).add_(b, alpha=0.114).floor_().unsqueeze(1)
 
 
-def brightness(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return images.mul(column(params, FACTOR)).clamp_(0, 255).to(torch.uint8)
-
-
-def saturation(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return blend(images, grey(images), params)
-
-
-def contrast(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return blend(images, grey(images).mean(dim=(1, 2, 3), keepdim=True), params)
-
-
 def sharpness(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
     """torchvision's: inner pixels moved towards a 3 x 3 smoothing (5/13 centre, 1/13 each neighbour), rounded."""
     if images.shape[-1] <= 2 or images.shape[-2] <= 2:
@@ -162,14 +150,6 @@ def smoothing_kernel(device: torch.device) -> torch.Tensor:
     edge, centre = 1.0 / 13.0, 5.0 / 13.0
     kernel = torch.tensor([[edge, edge, edge], [edge, centre, edge], [edge, edge, edge]], dtype=torch.float32)
     return kernel.expand(3, 1, 3, 3).to(device)
-
-
-def posterize(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return images & column(params, MASK).to(torch.uint8)
-
-
-def solarize(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
-    return torch.where(images >= column(params, THRESHOLD), images.bitwise_not(), images)
 
 
 def affine(images: torch.Tensor, params: torch.Tensor) -> torch.Tensor:
@@ -201,9 +181,14 @@ def parameterless(name: str) -> Callable[[torch.Tensor, torch.Tensor], torch.Ten
 
 
 KERNELS: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    **dict.fromkeys(GEOMETRIC, affine), "Brightness": brightness, "Color": saturation, "Contrast": contrast,
-    "Sharpness": sharpness, "Posterize": posterize, "Solarize": solarize, "AutoContrast": parameterless("autocontrast"),
-    "Equalize": parameterless("equalize"), "Invert": parameterless("invert"),
+    **dict.fromkeys(GEOMETRIC, affine),
+    "Brightness": lambda images, params: images.mul(column(params, FACTOR)).clamp_(0, 255).to(torch.uint8),
+    "Color": lambda images, params: blend(images, grey(images), params),
+    "Contrast": lambda images, params: blend(images, grey(images).mean(dim=(1, 2, 3), keepdim=True), params),
+    "Sharpness": sharpness,
+    "Posterize": lambda images, params: images & column(params, MASK).to(torch.uint8),
+    "Solarize": lambda images, params: torch.where(images >= column(params, THRESHOLD), images.bitwise_not(), images),
+    **{op: parameterless(op.lower()) for op in ("AutoContrast", "Equalize", "Invert")},
 }
 
 

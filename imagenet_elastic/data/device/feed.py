@@ -29,28 +29,25 @@ def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Opti
     On CUDA the next batch's copy or decoding runs while the current one trains; the training stream waits for it only
     when it gets there. Sample indices stay on the host, so reading them never waits for the device. A decode out of
     device memory is told to `out_of_memory` in this thread."""
-    if decoder is not None:
-        if reads_in_this_thread(batches):
-            yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
-            return
+    if decoder is not None and reads_in_this_thread(batches):
+        yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
+    elif decoder is not None:
         for staged, ready in decoded_in_two_threads(batches, decoder, device, out_of_memory):
             take_on_current_stream(staged, ready, device)
             yield staged
-        return
-    if device.type != "cuda":
+    elif device.type != "cuda":
         yield from (batch.to(device) for batch in batches)
-        return
-    side = streams.feeding_stream(device)
-    ahead = None
-    for batch in batches:
-        with torch.cuda.stream(side):
-            staged = batch.to(device)
+    else:
+        side, ahead = streams.feeding_stream(device), None
+        for batch in batches:
+            with torch.cuda.stream(side):
+                staged = batch.to(device)
+            if ahead is not None:
+                yield ahead
+            take_on_current_stream(staged, side.record_event(), device)  # once the previous batch's work is queued
+            ahead = staged
         if ahead is not None:
             yield ahead
-        take_on_current_stream(staged, side.record_event(), device)  # once the previous batch's work is queued
-        ahead = staged
-    if ahead is not None:
-        yield ahead
 
 
 def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, device: torch.device,
@@ -158,7 +155,7 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
                 return
             if isinstance(item, OutOfMemoryMet) and out_of_memory not in (None, pass_on):
                 try:
-                    out_of_memory(loader_batch(item.batch), item.line, item.again)  # raises, or prepared again
+                    out_of_memory(item.batch, item.line, item.again)  # raises, or prepared again
                 except BaseException:
                     item.answer(False)
                     raise
@@ -182,8 +179,7 @@ _STOPPED = object()
 
 
 def pass_on(batch: Any, line: str, again: bool) -> None:
-    """decoded_ahead's policy that answers nothing itself: the notice goes to whoever reads that decoded_ahead."""
-    raise AssertionError("pass_on is a marker, never called")
+    """decoded_ahead's marker policy, never called: the notice goes on to whoever reads that decoded_ahead."""
 
 
 @dataclass
@@ -238,13 +234,11 @@ class LoaderWaits:
 
     def timed(self, batches: Iterable) -> Iterator:
         batches = iter(batches)
-        while True:
-            start = time.perf_counter()
-            batch = next(batches, _DONE)
-            if batch is _DONE:
-                return
+        start = time.perf_counter()
+        for batch in batches:
             self.seconds += time.perf_counter() - start
             yield batch
+            start = time.perf_counter()
 
     def take(self) -> float:
         seconds, self.seconds = self.seconds, 0.0

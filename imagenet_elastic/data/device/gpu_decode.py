@@ -1,12 +1,10 @@
-"""`--decode gpu`: loader workers read files and draw every random choice; the device decodes and augments whole
-batches.
-
-A worker parses the header and draws the crop, flip, policy and erasing exactly as the CPU path does, and hands over
-the bytes and those numbers (`EncodedBatch`). The training process decodes a batch with one library call in one thread
-while another crops the previous one (batch_crops.py) and runs its policy and erasing (batch_policy.py): a fixed number
-of operators per batch, none per image. Validation takes the same way (pixels.CentreCrop in float32, rounded). Images
-nvJPEG cannot take are decoded on the CPU, each reason reported once: PNGs, other formats and CMYK/YCCK JPEGs by the
-worker, a JPEG the device rejects by the training process; a file neither can decode is a CorruptImageError naming it.
+"""`--decode gpu`: a loader worker parses the header and draws the crop, flip, policy and erasing exactly as the CPU
+path does, and hands over the bytes and those numbers (`EncodedBatch`). The training process decodes a batch with one
+library call in one thread while another crops the previous one (batch_crops.py) and runs its policy and erasing
+(batch_policy.py): a fixed number of operators per batch, none per image. Validation takes the same way
+(pixels.CentreCrop in float32, rounded). Images nvJPEG cannot take are decoded on the CPU, each reason reported once:
+PNGs, other formats and CMYK/YCCK JPEGs by the worker, a JPEG the device rejects by the training process; a file
+neither can decode is a CorruptImageError naming it.
 """
 
 from __future__ import annotations
@@ -34,8 +32,8 @@ from imagenet_elastic.data.pixels import (
     byte_tensor,
     decode_bytes,
     decode_centre_crop,
+    decoding,
 )
-from imagenet_elastic.errors import CorruptImageError
 
 
 @dataclass
@@ -60,6 +58,10 @@ class EncodedImage:
             return batch_crops.centre_view(self.centre, self.width, self.height)
         return batch_crops.train_view(self.box, self.flip, self.width, self.height, self.size)
 
+    def augmented(self, augment: Augment, seed: Optional[int]) -> EncodedImage:
+        """With the draws of its policy and erasing (pipeline.TrainDataset), which the device applies to the batch."""
+        return self if seed is None else replace(self, augment_seed=seed, draws=augment.draws(seed, self.size))
+
 
 def cpu_pixels(raw: bytes, path: str, box: Box, flip: bool, size: int, centre: Optional[CentreCrop]) -> torch.Tensor:
     """The worker path's pixels of an image's bytes (before the policy): validation's `centre`, else the crop."""
@@ -68,32 +70,20 @@ def cpu_pixels(raw: bytes, path: str, box: Box, flip: bool, size: int, centre: O
     return decode_bytes(raw, path, lambda w, h: (box, flip), size)
 
 
-class EncodeBytes:
-    """The worker's part (a pipeline.Load): parses the header and draws the crop; the draws travel with the bytes."""
-
-    def __call__(self, raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
+def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
                  centre: Optional[CentreCrop] = None) -> EncodedImage:
-        """The bytes and the crop `choose_crop` draws from the header's size; an image the device cannot decode
-        (PNGs, other formats, CMYK/YCCK JPEGs: not RGB or grey, as nvJPEG needs) is decoded here instead."""
-        try:
-            with Image.open(io.BytesIO(raw)) as img:
-                width, height = img.size
-                kind, mode = img.format, img.mode
-        except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
-            raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
-        reason = None
-        if kind != "JPEG" or mode not in DECODED_BY_TORCHVISION:
-            reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
-        box, flip = choose_crop(width, height)
-        data = byte_tensor(raw) if reason is None else cpu_pixels(raw, path, box, flip, size, centre)
-        return EncodedImage(path, data, box, flip, size, width, height, reason, centre=centre)
-
-    @staticmethod
-    def augmented(image: EncodedImage, augment: Augment, seed: Optional[int], size: int) -> EncodedImage:
-        return image if seed is None else replace(image, augment_seed=seed, draws=augment.draws(seed, size))
-
-
-encode_bytes = EncodeBytes()
+    """The worker's part (a pipeline.Load): the bytes and the crop `choose_crop` draws from the header's size; an
+    image the device cannot decode (PNGs, other formats, CMYK/YCCK JPEGs: not RGB or grey, as nvJPEG needs) is
+    decoded here instead."""
+    with decoding(path), Image.open(io.BytesIO(raw)) as img:
+        width, height = img.size
+        kind, mode = img.format, img.mode
+    reason = None
+    if kind != "JPEG" or mode not in DECODED_BY_TORCHVISION:
+        reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
+    box, flip = choose_crop(width, height)
+    data = byte_tensor(raw) if reason is None else cpu_pixels(raw, path, box, flip, size, centre)
+    return EncodedImage(path, data, box, flip, size, width, height, reason, centre=centre)
 
 
 def encode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> EncodedImage:
@@ -122,8 +112,6 @@ class EncodedBatch:
 
     @classmethod
     def pack(cls, images: Sequence[EncodedImage]) -> EncodedBatch:
-        if not images:
-            raise ValueError("an empty batch")
         size, centre = images[0].size, images[0].centre
         if any(im.size != size for im in images):  # a batch comes from one epoch: its size is the epoch's
             raise ValueError(f"one batch, several crop sizes: {sorted({im.size for im in images})}")
@@ -183,7 +171,6 @@ class BatchDecoder:
         wanted = device_decodable(encoded)
         if decoded is None:
             decoded = self.decode_on_device([pieces[i] for i in wanted])
-        on_device = [(i, image) for i, image in zip(wanted, decoded) if image is not None]
         cpu = {i: pieces[i].view(encoded.size, encoded.size, 3) for i in fallbacks}  # as the worker decoded them
         for i, image in zip(wanted, decoded):
             if image is None:  # the device decoder refused it; the CPU decoder names a corrupt file
@@ -192,15 +179,15 @@ class BatchDecoder:
                                     encoded.centre)
         for i in sorted(fallbacks):
             self.report(encoded.paths[i], fallbacks[i])
+        images = [image for image in decoded if image is not None]
         views = encoded.views.to(self.device, non_blocking=True)
         if not cpu:
-            crops = batch_crops.crop_resize(decoded, views, encoded.size, encoded.interpolation)
-            self.hold(decoded)
+            crops = batch_crops.crop_resize(images, views, encoded.size, encoded.interpolation)
+            self.hold(images)
             return crops
         out = torch.empty((len(encoded), encoded.size, encoded.size, 3), dtype=torch.uint8, device=self.device)
-        if on_device:
-            rows = self.index([i for i, _ in on_device])
-            images = [image for _, image in on_device]
+        if images:
+            rows = self.index([i for i in range(len(encoded)) if i not in cpu])
             out.index_copy_(0, rows, batch_crops.crop_resize(images, views.index_select(0, rows), encoded.size,
                                                               encoded.interpolation))
             self.hold(images)

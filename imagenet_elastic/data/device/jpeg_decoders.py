@@ -101,30 +101,24 @@ class NvImageCodecJpeg:
         """`backends`: on CUDA, the library's backend kinds by name (None: all); `options`: more decoder options.
         Both are left to the library in training; bench/gpu_decoder_settings.py tries others."""
         self.device, self.cpu_threads, self.backends, self.options = device, cpu_threads, backends, options
-        self.decoder = None  # made at the first batch: its thread pool must not exist when loader workers fork
-        self.params = None  # its DecodeParams, made with it (make_decoder)
-
-    def make_decoder(self) -> None:
-        nvimgcodec = import_nvimgcodec()
-        on_gpu = self.device.type == "cuda"
-        kinds = self.backends if on_gpu else ("CPU_ONLY",)
-        self.decoder = nvimgcodec.Decoder(
-            device_id=device_index(self.device) if on_gpu else nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
-            max_num_cpu_threads=self.cpu_threads,
-            backends=None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in kinds],
-            # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said: nvImageCodec 0.8 defaulted it off, 0.9 on
-            options=" ".join([":fancy_upsampling=1", self.options]).strip())
-        # pixels as stored: the CPU path, decode_jpeg and the worker's crop box all ignore the EXIF orientation
-        self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+        self.on_gpu = device.type == "cuda"
+        self.decoder = self.params = None  # made at the first batch: its thread pool must not exist when workers fork
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
         import torch
 
-        if self.decoder is None:
-            self.make_decoder()
         nvimgcodec = import_nvimgcodec()
-        on_gpu = self.device.type == "cuda"
-        stream = torch.cuda.current_stream(self.device).cuda_stream if on_gpu else 0
+        if self.decoder is None:
+            kinds = self.backends if self.on_gpu else ("CPU_ONLY",)
+            self.decoder = nvimgcodec.Decoder(
+                device_id=device_index(self.device) if self.on_gpu else nvimgcodec.NVIMGCODEC_DEVICE_CPU_ONLY,
+                max_num_cpu_threads=self.cpu_threads,
+                backends=None if kinds is None else [nvimgcodec.Backend(getattr(nvimgcodec, kind)) for kind in kinds],
+                # libjpeg-turbo's chroma upsampling (the CPU path's pixels), said: 0.8 defaulted it off, 0.9 on
+                options=" ".join([":fancy_upsampling=1", self.options]).strip())
+            # pixels as stored: the CPU path, decode_jpeg and the worker's crop box all ignore the EXIF orientation
+            self.params = nvimgcodec.DecodeParams(apply_exif_orientation=False)
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.on_gpu else 0
         headers = [parsed(nvimgcodec, d) for d in data]  # None: a header it cannot read
         kept = [i for i, header in enumerate(headers) if header is not None]
         sizes = [headers[i][1:] for i in kept]
@@ -132,7 +126,7 @@ class NvImageCodecJpeg:
             whole = torch.empty(sum(h * w * 3 for h, w in sizes), dtype=torch.uint8, device=self.device)
             into = [view.view(h, w, 3) for view, (h, w) in zip(whole.split([h * w * 3 for h, w in sizes]), sizes)]
             # the same stream as the decode's, or the library would make the host wait for the images' stream
-            targets = [nvimgcodec.as_image(t if on_gpu else t.numpy(), cuda_stream=stream) for t in into]
+            targets = [nvimgcodec.as_image(t if self.on_gpu else t.numpy(), cuda_stream=stream) for t in into]
             images = self.decoder.decode([headers[i][0] for i in kept], images=targets, params=self.params,
                                          cuda_stream=stream) if kept else []
         except RuntimeError as error:
@@ -149,7 +143,7 @@ class NvImageCodecJpeg:
         """The decoded H x W x 3 image as a tensor over nvImageCodec's memory (kept alive by the tensor)."""
         import torch
 
-        if self.device.type == "cuda":
+        if self.on_gpu:
             return torch.from_dlpack(image)  # on the current stream, which the decode already made wait
         import numpy as np
 
@@ -210,15 +204,12 @@ def import_nvimgcodec():
     TIFF: not ours): that text is kept from the console and given back only if the import fails."""
     if sys.modules.get("nvidia.nvimgcodec") is not None:  # imported before: nothing to say, nothing to capture
         return sys.modules["nvidia.nvimgcodec"]
-    failed = None
     with captured_output() as text:
         try:
-            nvimgcodec = importlib.import_module("nvidia.nvimgcodec")
+            return importlib.import_module("nvidia.nvimgcodec")
         except ImportError as error:
             failed = error
-    if failed is not None:  # what it printed is known once the capture ends
-        raise ImportError(f"{failed}{': ' + text() if text() else ''}") from None
-    return nvimgcodec
+    raise ImportError(f"{failed}{': ' + text() if text() else ''}") from None  # what it printed, once captured
 
 
 @contextlib.contextmanager

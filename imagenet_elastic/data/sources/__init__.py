@@ -70,11 +70,10 @@ def _isdir(path: str) -> bool:
     """A folder on disk, or a prefix with objects under it in a store."""
     if not object_store.is_url(path):
         return os.path.isdir(path)
-    timeout = object_store.settings().timeout
     if object_store.scheme(path) in ("http", "https"):  # nothing to list: a folder there is a pack's, or a split of it
-        return any(object_store.exists(object_store.join(path, *parts), timeout)
+        return any(object_store.exists(object_store.join(path, *parts))
                    for parts in ((tar_shards.INDEX_NAME,), ("train", tar_shards.INDEX_NAME)))
-    return object_store.isdir(path, timeout)
+    return object_store.isdir(path)
 
 
 def prefixed(prefix: Optional[str], location: str) -> str:

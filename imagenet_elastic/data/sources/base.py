@@ -85,7 +85,7 @@ class Source(abc.ABC):
 
     def describe(self) -> str:
         """The start-up table's line."""
-        return f"{len(self)} in {self.where()}" + (" (list from the cache)" if self.cached else "")
+        return f"{len(self)} in {self.where()}" + (" (file list from the cache)" if self.cached else "")
 
     def keep(self, cache_dir: str) -> None:  # noqa: B027 (most sources have nothing to keep)
         """Rank 0, once every rank agreed on the data: save what makes the next start faster (OSError: a warning)."""

@@ -33,15 +33,11 @@ class Fingerprint:
         return {"count": self.count, "block": self.block, "blocks": self.blocks}
 
 
-def block_size(count: int) -> int:
-    return max(1, -(-count // MAX_BLOCKS))
-
-
 def fingerprint(source: Source, block: Optional[int] = None) -> Fingerprint:
     """`source`'s fingerprint in blocks of `block` samples (default: as few as make at most MAX_BLOCKS)."""
     columns = source.sample_columns()
     count = len(source)
-    block = block or block_size(count)
+    block = block or max(1, -(-count // MAX_BLOCKS))
     digests = []
     chunk = max(1, CHUNK_SAMPLES // block) * block
     for start in range(0, count, chunk):

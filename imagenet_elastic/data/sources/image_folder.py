@@ -33,11 +33,15 @@ CACHE_ARRAYS = ("root", "root_inode", "classes", "paths", "targets", "folders", 
 HEADER_WORDS = {"filename", "file", "image", "imageid", "image_id", "path", "name"}  # a labels file's first line
 
 
+@dataclass(frozen=True)
 class FilesUnder(Source):
     """Samples that are image files under a folder, at fixed-width relative paths: read with one open each."""
 
     root: str
+    role: str
+    classes: tuple[str, ...]
     paths: np.ndarray  # fixed-width bytes, relative to root
+    labels: np.ndarray  # int64 class index per image
 
     def path(self, i: int) -> str:
         return os.path.join(self.root, self.paths[i].decode())
@@ -52,29 +56,21 @@ class FilesUnder(Source):
     def name(self, i: int) -> str:
         return self.path(i)
 
+    def where(self) -> str:
+        return self.root
+
     def entries(self) -> np.ndarray:
         return self.paths
 
 
 @dataclass(frozen=True)
 class ImageFolder(FilesUnder):
-    """Every image of one split, in numpy arrays (fixed-width relative paths)."""
+    """Every image of one split's class folders, and the folders the scan walked (what tells the cache is current)."""
 
-    root: str
-    role: str
-    classes: tuple[str, ...]
-    paths: np.ndarray  # fixed-width bytes, relative to root
-    labels: np.ndarray  # int64 class index per image
-    folders: np.ndarray  # every folder the scan walked (bytes, relative to root; b"." is root)
+    folders: np.ndarray  # bytes, relative to root; b"." is root
     mtimes: np.ndarray  # their st_mtime_ns at scan time
     cached: bool = False  # read from the cache rather than scanned
     notes: tuple[str, ...] = ()
-
-    def where(self) -> str:
-        return self.root
-
-    def describe(self) -> str:
-        return f"{len(self)} in {self.root}" + (" (file list from the cache)" if self.cached else "")
 
     def keep(self, cache_dir: str) -> None:
         if not self.cached:
@@ -165,12 +161,7 @@ def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolde
 
 @dataclass(frozen=True)
 class LabelledFolder(FilesUnder):
-    root: str
-    role: str
     labels_file: str
-    classes: tuple[str, ...]
-    paths: np.ndarray  # fixed-width bytes: file names in root
-    labels: np.ndarray  # int64
 
     def where(self) -> str:
         return f"{self.root} (labels from {self.labels_file})"
@@ -228,5 +219,5 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
         raise UserError(f"--val-labels {labels_file} gives no class to {len(unlisted)} of the {len(images)} images in "
                         f"{location}, the first {unlisted[0]}")
     names = sorted(chosen)
-    return LabelledFolder(location, role, labels_file, classes, np.array([n.encode() for n in names]),
-                          np.array([chosen[n] for n in names], dtype=np.int64))
+    return LabelledFolder(location, role, classes, np.array([n.encode() for n in names]),
+                          np.array([chosen[n] for n in names], dtype=np.int64), labels_file)

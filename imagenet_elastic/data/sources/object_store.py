@@ -32,14 +32,15 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Callable, Optional, TypeVar
+from typing import Any, Callable, Optional, TypeVar
 
 from imagenet_elastic.errors import UserError
 
 SCHEMES = {"s3": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "http": "aiohttp", "https": "aiohttp"}  # scheme: package
 EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "aiohttp": "https"}  # package: the extra that installs it
-_URL = re.compile(r"(s3|gs|gcs|https?)://", re.IGNORECASE)
+_URL = re.compile(f"({'|'.join(SCHEMES)})://", re.IGNORECASE)
 CHUNK = 16 << 20  # bytes per ranged GET of a whole-shard fetch
+RANGE = 64 << 10  # bytes per ranged GET of a header walk (RangedFile)
 STORE_UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE
 
 
@@ -213,76 +214,74 @@ def describe(url: str, info: dict) -> Entry:
     return Entry(url, int(info.get("size") or 0), etag.strip('"'))
 
 
-def info(url: str, timeout: float) -> Entry:
+def _ask(url: str, timeout: Optional[float], request: Callable[[Any, str], T]) -> T:
+    """`request(fs, path)` on `url`'s file system, retried as `patiently` says; `timeout`: the node's where None."""
+    timeout = settings().timeout if timeout is None else timeout
     fs = filesystem(url, timeout)
-    return describe(url, patiently(url, lambda: fs.info(_path(url)), timeout))
+    return patiently(url, lambda: request(fs, _path(url)), timeout)
 
 
-def find(url: str, timeout: float) -> Optional[Entry]:
+def info(url: str, timeout: Optional[float] = None) -> Entry:
+    return describe(url, _ask(url, timeout, lambda fs, path: fs.info(path)))
+
+
+def find(url: str, timeout: Optional[float] = None) -> Optional[Entry]:
     """The object at `url`, or None where there is none (a store that does not answer is not "none")."""
-    fs = filesystem(url, timeout)
 
-    def call() -> Optional[dict]:
+    def request(fs: Any, path: str) -> Optional[dict]:
         with contextlib.suppress(FileNotFoundError):
-            return fs.info(_path(url))
+            return fs.info(path)
         return None
 
-    found = patiently(url, call, timeout)
+    found = _ask(url, timeout, request)
     return None if found is None or found.get("type") == "directory" else describe(url, found)
 
 
-def exists(url: str, timeout: float) -> bool:
+def exists(url: str, timeout: Optional[float] = None) -> bool:
     return find(url, timeout) is not None
 
 
-def isdir(url: str, timeout: float) -> bool:
+def isdir(url: str, timeout: Optional[float] = None) -> bool:
     """A prefix with objects under it (a store's folder); http(s) has none to list."""
-    if scheme(url) in ("http", "https"):
-        return False
-    fs = filesystem(url, timeout)
-    return patiently(url, lambda: fs.isdir(_path(url).rstrip("/")), timeout)
+    return scheme(url) not in ("http", "https") and _ask(url, timeout, lambda fs, path: fs.isdir(path.rstrip("/")))
 
 
-def listing(folder: str, timeout: float) -> list[Entry]:
+def listing(folder: str, timeout: Optional[float] = None) -> list[Entry]:
     """The objects right under `folder`, by name, with size and ETag: one LIST a thousand objects, no HEAD each."""
     if scheme(folder) in ("http", "https"):
         raise UserError(f"{folder}: an https:// location cannot be listed: name its shards with a brace pattern "
                         "(https://host/train-{0000..1023}.tar), or give a pack's folder (its index lists them)")
-    fs = filesystem(folder, timeout)
-    found = patiently(folder, lambda: fs.ls(_path(folder).rstrip("/"), detail=True, refresh=True), timeout)
+    found = _ask(folder, timeout, lambda fs, path: fs.ls(path.rstrip("/"), detail=True, refresh=True))
     prefix = scheme(folder) + "://"
     return sorted((describe(prefix + f["name"], f) for f in found if f.get("type") == "file"), key=lambda e: e.url)
 
 
-def read_range(url: str, start: int, end: int, timeout: float) -> bytes:
+def read_range(url: str, start: int, end: int, timeout: Optional[float] = None) -> bytes:
     """Bytes [start, end) of an object; an answer of another length (range ignored) is retried, never taken."""
-    fs = filesystem(url, timeout)
 
-    def call() -> bytes:
-        data = fs.cat_file(_path(url), start=start, end=end)
+    def request(fs: Any, path: str) -> bytes:
+        data = fs.cat_file(path, start=start, end=end)
         if len(data) != end - start:
             raise OSError(f"asked bytes {start}-{end - 1}, got {len(data)} bytes")
         return data
 
-    return patiently(url, call, timeout)
+    return _ask(url, timeout, request)
 
 
-def read_whole(url: str, timeout: float) -> bytes:
-    fs = filesystem(url, timeout)
-    return patiently(url, lambda: fs.cat_file(_path(url)), timeout)
+def read_whole(url: str, timeout: Optional[float] = None) -> bytes:
+    return _ask(url, timeout, lambda fs, path: fs.cat_file(path))
 
 
-def write_file(local: str, url: str, timeout: float) -> None:
+def write_file(local: str, url: str, timeout: Optional[float] = None) -> None:
     """A local file to the object at `url` (a multipart upload where the library makes one), retried as reads are."""
-    fs = filesystem(url, timeout)
-    patiently(url, lambda: fs.put_file(local, _path(url)), timeout)
+    _ask(url, timeout, lambda fs, path: fs.put_file(local, path))
 
 
 class RangedFile:
-    """A read-only file over an object, by ranged reads of `block` bytes (a tar header and its label in one read)."""
+    """A read-only file over an object, by ranged reads of RANGE bytes (a tar header and its label in one read)."""
 
-    def __init__(self, entry: Entry, timeout: float, block: int = 64 << 10) -> None:
-        self.entry, self.timeout, self.block = entry, timeout, block
+    def __init__(self, entry: Entry) -> None:
+        self.entry, self.timeout = entry, settings().timeout
         self.position, self.cached_at, self.cached = 0, 0, b""
 
     def read(self, size: int = -1) -> bytes:
@@ -290,7 +289,7 @@ class RangedFile:
         out = bytearray()
         while self.position < end:
             if not self.cached_at <= self.position < self.cached_at + len(self.cached):
-                fetch_end = min(self.entry.size, max(end, self.position + self.block))
+                fetch_end = min(self.entry.size, max(end, self.position + RANGE))
                 self.cached = read_range(self.entry.url, self.position, fetch_end, self.timeout)
                 self.cached_at = self.position
             piece = self.cached[self.position - self.cached_at:end - self.cached_at]
@@ -308,16 +307,15 @@ class RangedFile:
 
 # ----------------------------------------------------------------------------- the node-local cache
 
+@dataclass(frozen=True)
 class ShardCache:
-    """Whole shards in a node-local folder, named by their URL and ETag (a changed object is another file)."""
+    """Whole shards in the node-local folder settings.cache, named by URL and ETag (a changed object is a new file)."""
 
-    def __init__(self, settings: Settings) -> None:
-        self.settings = settings
-        self.folder = settings.cache
+    settings: Settings
 
     def path(self, entry: Entry) -> str:
         digest = hashlib.blake2b(f"{entry.url}\0{entry.etag}\0{entry.size}".encode(), digest_size=12).hexdigest()
-        return os.path.join(self.folder, f"{digest}-{posixpath.basename(entry.url)}")
+        return os.path.join(self.settings.cache, f"{digest}-{posixpath.basename(entry.url)}")
 
     def local_copy(self, entry: Entry) -> str:
         """The path of the whole shard on this node: there already (use recorded for eviction), or fetched now."""
@@ -327,14 +325,14 @@ class ShardCache:
                 os.utime(path)  # its use, for eviction
             return path
         try:
-            os.makedirs(self.folder, exist_ok=True)
+            os.makedirs(self.settings.cache, exist_ok=True)
             with _locked(path + ".lock"):
                 if not _whole(path, entry.size):
                     for stale in glob.glob(glob.escape(path) + ".part-*"):  # a killed fetch's: the lock is ours
                         _unlink(stale)
                     self.fetch(entry, path, self.make_room(entry, path))
         except OSError as error:
-            raise UserError(f"store cache {self.folder}: cannot keep {entry.url} there "
+            raise UserError(f"store cache {self.settings.cache}: cannot keep {entry.url} there "
                             f"({error.strerror or error}): set IMAGENET_ELASTIC_STORE_CACHE to a node-local folder "
                             "with room") from None
         return path
@@ -354,8 +352,8 @@ class ShardCache:
         """Unlink the least recently used shards (and killed fetches' files) until `entry` fits under the cap, or 10%
         of the disk free; then reserve its room: its temporary file at full size (sparse), which other fetches count."""
         cap = self.settings.cache_bytes
-        with _locked(os.path.join(self.folder, ".evict.lock")):
-            files = list(_cached_files(self.folder))
+        with _locked(os.path.join(self.settings.cache, ".evict.lock")):
+            files = list(_cached_files(self.settings.cache))
             for name, _, _ in files:
                 if ".part-" in name:
                     with _locked(name.rsplit(".part-", 1)[0] + ".lock", blocking=False) as free:
@@ -364,9 +362,9 @@ class ShardCache:
             shards = sorted((used, size, name) for name, size, used in files if ".part-" not in name)
             fetching = sum(size for name, size, _ in files if ".part-" in name and os.path.exists(name))
             if cap is None:  # the reserved files are sparse: the room they will take is not yet gone from the disk
-                over = entry.size + fetching - _room(self.folder)
+                over = entry.size + fetching - _room(self.settings.cache)
             elif entry.size > cap:
-                raise UserError(f"store cache {self.folder}: a shard of {entry.size / 2 ** 30:.1f} GiB exceeds "
+                raise UserError(f"store cache {self.settings.cache}: a shard of {entry.size / 2 ** 30:.1f} GiB exceeds "
                                 "IMAGENET_ELASTIC_STORE_CACHE_GB")
             else:
                 over = sum(size for _, size, _ in shards) + fetching + entry.size - cap

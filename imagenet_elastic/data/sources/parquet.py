@@ -249,7 +249,11 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(known), all_labels,
                           np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
-    check_labels(source, "the files name" if named else f"{whose(classes)} has" if classes else "")
+    bad = np.flatnonzero((all_labels < 0) | (all_labels >= len(known)))
+    if len(bad):
+        named_by = "the files name" if named else f"{whose(classes)} has" if classes else ""
+        bound = f": {named_by} {len(known)} classes" if named_by else ""
+        raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
     if not named and not classes:
         check_numbered(source)
     rows = len(all_labels) / max(1, len(group_file))
@@ -265,13 +269,6 @@ def _label_of_row(source: ParquetFiles, i: int) -> str:
     f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
     return (f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
             f"{i - int(source.file_starts[f])}")
-
-
-def check_labels(source: ParquetFiles, named_by: str) -> None:
-    bad = np.flatnonzero((source.labels < 0) | (source.labels >= len(source.classes)))
-    if len(bad):
-        bound = f": {named_by} {len(source.classes)} classes" if named_by else ""
-        raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
 
 
 def check_numbered(source: ParquetFiles) -> None:

@@ -28,7 +28,7 @@ import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Callable, Optional
+from typing import Optional
 
 import numpy as np
 
@@ -130,16 +130,15 @@ def _names(folder: str) -> list[str]:
         return os.listdir(folder)
     if object_store.scheme(folder) in ("http", "https"):
         return []
-    return [posixpath.basename(e.url) for e in object_store.listing(folder, object_store.settings().timeout)]
+    return [posixpath.basename(e.url) for e in object_store.listing(folder)]
 
 
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
     """A store split's shards, in order, with size and ETag; each folder listed once (http(s) asks each shard)."""
-    timeout = object_store.settings().timeout
     if not is_pattern(location):
         if object_store.scheme(location) in ("http", "https"):
-            return _indexed_shards(location, role, timeout)
-        found = [e for e in object_store.listing(location, timeout) if e.url.endswith(".tar")]
+            return _indexed_shards(location, role)
+        found = [e for e in object_store.listing(location) if e.url.endswith(".tar")]
         if not found:
             raise UserError(f"{role} data {location} holds no .tar shards")
         return found
@@ -147,11 +146,11 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
     found = []
     for part in expand_braces(location):
         if object_store.scheme(part) in ("http", "https") and not glob.has_magic(part):
-            found.append(object_store.info(part, timeout))
+            found.append(object_store.info(part))
             continue
         folder = posixpath.dirname(part)
         if folder not in folders:
-            folders[folder] = {e.url: e for e in object_store.listing(folder, timeout)}
+            folders[folder] = {e.url: e for e in object_store.listing(folder)}
         matched = sorted(url for url in folders[folder] if fnmatch.fnmatchcase(url, part))
         if not matched:
             raise UserError(f"{role} shard {part} does not exist (from {location})")
@@ -159,10 +158,10 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
     return found
 
 
-def _indexed_shards(folder: str, role: str, timeout: float) -> list[object_store.Entry]:
+def _indexed_shards(folder: str, role: str) -> list[object_store.Entry]:
     """The shards a pack's index names, of a folder that cannot be listed (https://), each asked for size and ETag."""
     beside = object_store.join(folder, INDEX_NAME)
-    found = object_store.find(beside, timeout)
+    found = object_store.find(beside)
     if found is None:
         raise UserError(f"{role} data {folder} has no {INDEX_NAME} (an https:// folder cannot be listed): give a "
                         "pack's folder, or name the shards with a brace pattern (https://host/train-{0000..1023}.tar)")
@@ -171,7 +170,7 @@ def _indexed_shards(folder: str, role: str, timeout: float) -> list[object_store
         raise UserError(f"shard index {beside} is of another version: {pack_again(beside)}")
     urls = [str(s) if object_store.is_url(str(s)) else object_store.join(folder, str(s)) for s in saved["shards"]]
     with ThreadPoolExecutor(8) as pool:
-        return list(pool.map(lambda url: object_store.info(url, timeout), urls))
+        return list(pool.map(object_store.info, urls))
 
 
 # ----------------------------------------------------------------------------- the index as a Source
@@ -278,7 +277,7 @@ class TarShards(Source):
         return f"{len(self)} in {self.where()}" + (f" ({how}{unverified})" if how else "")
 
     def keep(self, cache_dir: str) -> None:
-        if not self.cached and not self.packed:
+        if not self.cached:  # a pack's index is read, never walked: cached
             write_index(self, cache_path(cache_dir, self.role), relative_to=None)
 
 
@@ -296,25 +295,20 @@ def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
         _STORE_MAPS.clear()
         _MAPS_PID[0] = os.getpid()
     maps = _STORE_MAPS if store else _MAPS
-    found = maps.get(path)
-    if found is None:
-        found = maps[path] = _map(path)
+    if path not in maps:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
+        except BaseException:
+            os.close(fd)
+            raise
     if store:
         _STORE_MAPS.move_to_end(path)
         while len(_STORE_MAPS) > STORE_MAPS:
             mapped, fd = _STORE_MAPS.popitem(last=False)[1]
             mapped.close()
             os.close(fd)
-    return found
-
-
-def _map(path: str) -> tuple[mmap.mmap, int]:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
-    except BaseException:
-        os.close(fd)
-        raise
+    return maps[path]
 
 
 def _header_size(mapped: mmap.mmap, data_offset: int) -> Optional[int]:
@@ -334,12 +328,10 @@ def cache_path(cache_dir: str, role: str) -> str:
 
 def write_index(source: TarShards, path: str, relative_to: Optional[str]) -> None:
     """The index as one .npz, written atomically; shard paths relative to `relative_to` (pack's), else absolute."""
-    names = [os.path.relpath(p, relative_to) if relative_to else _absolute(p) for p in source.shards]
-    optional = {"checksums": source.checksums, "etags": None if source.etags is None else np.array(source.etags)}
-    index_file.write(path, INDEX_VERSION, location=np.array(_absolute(source.location)), shards=np.array(names),
-                     sizes=source.sizes, mtimes=source.mtimes, classes=np.array(source.classes), labels=source.labels,
-                     shard=source.shard, offsets=source.offsets, lengths=source.lengths,
-                     **{k: v for k, v in optional.items() if v is not None})
+    arrays = {name: getattr(source, name) for name in (*INDEX_ARRAYS, *OPTIONAL_ARRAYS)}
+    arrays["shards"] = [os.path.relpath(p, relative_to) if relative_to else _absolute(p) for p in source.shards]
+    index_file.write(path, INDEX_VERSION, location=np.array(_absolute(source.location)),
+                     **{name: np.asarray(value) for name, value in arrays.items() if value is not None})
 
 
 def _absolute(path: str) -> str:
@@ -374,11 +366,10 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
                 f"the shards of {location} in another order ({len(listed)} entries for {len(set(listed))} shards)"
             raise UserError(f"shard index {named} lists {differs}: was the pack changed after it was written?")
         return None
-    etags = saved.get("etags")
-    return TarShards(location, role, tuple(shards), saved["sizes"], saved["mtimes"],
-                     tuple(str(c) for c in saved["classes"]), saved["labels"], saved["shard"], saved["offsets"],
-                     saved["lengths"], cached=True, packed=packed, checksums=saved.get("checksums"), index=named,
-                     etags=None if etags is None else tuple(str(e) for e in etags))
+    fields = {**saved, "shards": tuple(shards), "classes": tuple(str(c) for c in saved["classes"])}
+    if "etags" in saved:
+        fields["etags"] = tuple(str(e) for e in saved["etags"])
+    return TarShards(location, role, cached=True, packed=packed, index=named, **fields)
 
 
 def pack_again(index: str) -> str:
@@ -427,8 +418,7 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     size = entry.size if entry else os.stat(path).st_size
     key: Optional[str] = None
     try:
-        with (tarfile.open(fileobj=object_store.RangedFile(entry, object_store.settings().timeout), mode="r:")
-              if entry else tarfile.open(path, "r:")) as tar:
+        with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
             for key, members in itertools.groupby((m for m in tar if m.isfile()), lambda m: split_name(m.name)[0]):
                 image: Optional[tarfile.TarInfo] = None
                 label: Optional[int] = None
@@ -498,8 +488,7 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
 def _text(path: str) -> Optional[str]:
     """A small file's text, on disk or in a store; None where there is none."""
     if object_store.is_url(path):
-        timeout = object_store.settings().timeout
-        return object_store.read_whole(path, timeout).decode() if object_store.exists(path, timeout) else None
+        return object_store.read_whole(path).decode() if object_store.exists(path) else None
     try:
         with open(path) as f:
             return f.read()
@@ -509,8 +498,14 @@ def _text(path: str) -> Optional[str]:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
 
 
-def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """Index the shards of `location` by walking their headers, each image's checksum taken."""
+def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None,
+         entries: Optional[list[object_store.Entry]] = None) -> TarShards:
+    """Index the shards of `location` by walking their headers, each image's checksum taken; a store's (`entries`) by
+    ranged reads, eight shards at a time (each read a round trip), without checksums."""
+    if entries:
+        with ThreadPoolExecutor(8) as pool:
+            found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
+        return assemble(location, role, [e.url for e in entries], found, classes, entries)
     paths = shard_paths(location, role)
     return assemble(location, role, paths, [walk_shard(p, role, checksums=True) for p in paths], classes)
 
@@ -570,7 +565,13 @@ def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -
             raise UserError(f"shard {source.shards[k]} differs from its index {source.index} "
                             f"({first_difference(indexed_samples(source, k), walked[k])}): it was changed after it "
                             f"was packed; {pack_again(source.index)}")
-        return replace(source, notes=(touched_note(source, len(touched), seconds),))
+        tells = ("; each sample's checksum, compared as it is read, stops the run at a changed one"
+                 if source.checksums is not None else
+                 ", which this index cannot tell apart (it has no checksums: pack again to have them)")
+        return replace(source, notes=(
+            f"{len(touched)} shards of {source.location} have other mtimes than its index records and the same "
+            "members: a copy that did not keep mtimes (`cp -a` or `rsync -a` keep them), or bytes changed in "
+            f"place{tells}; checking their headers took {seconds:.1f} s",))
     if not changed:  # touched alone: the index holds, with the shards' mtimes of now
         return replace(source, sizes=np.array([stat.st_size for stat in stats], dtype=np.int64),
                        mtimes=np.array([stat.st_mtime_ns for stat in stats], dtype=np.int64), cached=False)
@@ -596,16 +597,6 @@ def resized_shard(source: TarShards, k: int, size: int) -> UserError:
                      f"{pack_again(source.index)}")
 
 
-def touched_note(source: TarShards, touched: int, seconds: float) -> str:
-    """What a pack's shards of other mtimes and the same headers are, and what will tell."""
-    tells = ("; each sample's checksum, compared as it is read, stops the run at a changed one"
-             if source.checksums is not None else
-             ", which this index cannot tell apart (it has no checksums: pack again to have them)")
-    return (f"{touched} shards of {source.location} have other mtimes than its index records and the same members: a "
-            f"copy that did not keep mtimes (`cp -a` or `rsync -a` keep them), or bytes changed in place{tells}; "
-            f"checking their headers took {seconds:.1f} s")
-
-
 def indexed_samples(source: TarShards, k: int) -> Found:
     """Shard k's samples as the index holds them."""
     lo, hi = np.searchsorted(source.shard, [k, k + 1]).tolist()
@@ -629,32 +620,37 @@ def first_difference(indexed: Found, walked: Found) -> str:
 
 def open_split(location: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                labels_file: Optional[str] = None) -> TarShards:
-    """The shards at `location`: pack's index beside them, else a cached index, else a walk of their headers."""
+    """The shards at `location`: pack's index beside them, else the one kept in `cache_dir`, each held against the
+    shards (a store's against their listing); else a walk of their headers, to be kept there."""
     if labels_file is not None:
         raise UserError(f"--val-labels is for a flat folder of images, but {location} holds tar shards (their "
                         f".{LABEL_EXTENSION} members are the labels)")
     both = None if is_pattern(location) else split_folder(location)  # a folder of train and val shards side by side
     location = location if both is None else both[0] if role == "train" else both[1]
-    kept = cache_path(cache_dir, role) if cache_dir else None  # where a walk's index is kept (`keep`)
-    if object_store.is_url(location):
-        return _named(open_store_split(location, role, kept, classes), classes)
-    paths = shard_paths(location, role)
-    beside = os.path.join(os.path.dirname(paths[0]), INDEX_NAME)
-    source = _indexed(location, role, paths, beside if os.path.isfile(beside) else None, beside, kept,
-                      lambda: walk(location, role, classes))
-    return _named(check_shards(source, classes), classes) if source.cached else source
-
-
-def _indexed(location: str, role: str, shards: list[str], packed: Optional[str], beside: str, kept: Optional[str],
-             walked: Callable[[], TarShards]) -> TarShards:
-    """The index read (`cached`, not yet held against the shards): the pack's beside them (`packed`: it, or a store's
-    copy of it; None where there is none), else the one kept at `kept`; else `walked()`, to be kept there."""
-    index = packed or kept
+    entries = store_shards(location, role) if object_store.is_url(location) else None
+    shards = [e.url for e in entries] if entries else shard_paths(location, role)
+    beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
+    if entries:
+        found = object_store.find(beside)
+        packed = object_store.cache().local_copy(found) if found else None  # the local copy of a store's
+    else:
+        packed = beside if os.path.isfile(beside) else None
+    kept = cache_path(cache_dir, role) if cache_dir else None
+    index, notes = packed or kept, ()
     try:
         source = read_index(index, location, role, shards, bool(packed), beside if packed else None) if index else None
     except index_file.Unreadable as error:  # the kept one's: a pack's is refused
-        return replace(walked(), index=kept, notes=(f"the shard index cache {error}: the shards were indexed again",))
-    return replace(walked(), index=kept) if source is None else source
+        source, notes = None, (f"the shard index cache {error}: the shards were indexed again",)
+    if source is None:
+        source = replace(walk(location, role, classes, entries), index=kept, notes=notes)
+    elif entries:
+        source = check_store_shards(source, entries, classes)
+    else:
+        source = check_shards(source, classes)
+    if entries:
+        short = object_store.short_cache_note(object_store.settings(), sum(e.size for e in entries), location)
+        source = replace(source, notes=(*source.notes, short)) if short else source
+    return _named(source, classes)
 
 
 def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
@@ -665,29 +661,6 @@ def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
         raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
                         f"{whose(classes)} has {len(classes)} classes")
     return replace(source, classes=classes)
-
-
-def open_store_split(location: str, role: str, kept: Optional[str],
-                     classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """A store's shards: pack's index, else a cached one, else a ranged-read walk; listed sizes and ETags checked."""
-    entries = store_shards(location, role)
-    beside = object_store.join(posixpath.dirname(entries[0].url), INDEX_NAME)
-    found = object_store.find(beside, object_store.settings().timeout)
-    packed = object_store.cache().local_copy(found) if found else None
-    source = _indexed(location, role, [e.url for e in entries], packed, beside, kept,
-                      lambda: walk_store(entries, location, role, classes))
-    if source.cached:
-        source = check_store_shards(source, entries, classes)
-    short = object_store.short_cache_note(object_store.settings(), sum(e.size for e in entries), location)
-    return replace(source, notes=(*source.notes, short)) if short else source
-
-
-def walk_store(entries: list[object_store.Entry], location: str, role: str,
-               classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """Index a store's shards by ranged reads of their headers, eight at a time (each read a round trip)."""
-    with ThreadPoolExecutor(8) as pool:
-        found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
-    return assemble(location, role, [e.url for e in entries], found, classes, entries=entries)
 
 
 def check_store_shards(source: TarShards, entries: list[object_store.Entry],

@@ -11,7 +11,7 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Protocol
+from typing import Any, Callable, Optional
 
 from imagenet_elastic import options
 from imagenet_elastic.errors import UserError, one_line
@@ -23,14 +23,6 @@ from imagenet_elastic.report.sinks.steps_file import StepsFile
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
 from imagenet_elastic.report.sinks.tracker import Tracker, TrackerRuns
 from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
-
-
-class SinkSettings(Protocol):
-    """What `chosen` reads of the run's settings (config.Config), and each tracker's own setting by its name."""
-
-    tensorboard: Optional[bool]
-    checkpoints_path: str
-
 
 TRACKERS: dict[str, type[Tracker]] = {cls.option: cls for cls in (WandbTracker, MlflowTracker)}
 
@@ -63,9 +55,10 @@ def installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def chosen(config: SinkSettings, is_main: bool) -> list[Sink]:
-    """Rank 0's sinks the settings name (steps.jsonl always; none on other ranks), each checked before anything
-    starts (no thread, no worker); a setting a sink cannot use is a UserError."""
+def chosen(config: Any, is_main: bool) -> list[Sink]:
+    """Rank 0's sinks (none on other ranks): steps.jsonl always, and those the settings name (config.Config's
+    tensorboard and each tracker's setting, by its name), each checked before anything starts (no thread, no worker);
+    a setting a sink cannot use is a UserError."""
     tensorboard = tensorboard_events.wanted(config.tensorboard)  # on every rank: each says the same line
     if not is_main:
         return []

@@ -36,18 +36,13 @@ class TensorBoard(Sink):
     def start(self, beginning: Beginning) -> None:
         self.purge_step = beginning.step + 1
 
-    def events(self) -> Any:
-        """The writer, made at the first event: a run that fails before logging anything leaves no event file."""
-        if self.writer is None:
+    def add(self, kind: str, row: dict[str, Any]) -> None:
+        if self.writer is None:  # made at the first event: a run that fails before logging leaves no event file
             from torch.utils.tensorboard import SummaryWriter
 
             self.writer = SummaryWriter(self.folder, purge_step=self.purge_step)
-        return self.writer
-
-    def add(self, kind: str, row: dict[str, Any]) -> None:
-        writer = self.events()
         for tag, value in metrics.scalars(kind, row).items():
-            writer.add_scalar(tag, value, row["step"])
+            self.writer.add_scalar(tag, value, row["step"])
 
     def step(self, row: dict[str, Any]) -> None:
         self.add(metrics.TRAIN, row)
