@@ -199,8 +199,9 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
     elif environ.get("PMI_SIZE"):
         launcher = "MPICH/Intel MPI's mpiexec"
         rank, world = _int_var(environ, "PMI_RANK", launcher), _int_var(environ, "PMI_SIZE", launcher)
-        local_rank = int(environ.get("MPI_LOCALRANKID") or environ.get("PMI_LOCAL_RANK") or 0)
-        local_world = int(environ.get("MPI_LOCALNRANKS") or environ.get("PMI_LOCAL_SIZE") or world)
+        local_rank = _int_var(environ, "MPI_LOCALRANKID", launcher, _int_var(environ, "PMI_LOCAL_RANK", launcher, 0))
+        local_world = _int_var(environ, "MPI_LOCALNRANKS", launcher,
+                               _int_var(environ, "PMI_LOCAL_SIZE", launcher, world))
     else:
         raise UserError("--dist-init-method mpi looked for OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI) and "
                         "PMI_RANK/PMI_SIZE (MPICH, Intel MPI) but none is set; these are set by mpirun/mpiexec")

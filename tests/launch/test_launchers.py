@@ -389,6 +389,13 @@ def test_env_from_mpi_single_node_pmi_without_local_variables_uses_world():
     assert (env.local_rank, env.local_world_size, env.master_addr) == (0, 3, "127.0.0.1")
 
 
+@pytest.mark.parametrize("name", ["MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"])
+def test_an_mpi_local_variable_that_is_not_an_integer_is_one_line_naming_it(name):
+    with pytest.raises(UserError) as caught:
+        env_from_mpi({"PMI_RANK": "1", "PMI_SIZE": "2", name: "one"})
+    assert_names(str(caught.value), f"{name}='one'", "not an integer")
+
+
 @pytest.mark.parametrize(("url", "addr", "port"), [
     ("tcp://host:1234", "host", 1234),
     ("tcp://10.1.2.3:29501", "10.1.2.3", 29501),
