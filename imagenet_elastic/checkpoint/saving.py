@@ -1,9 +1,6 @@
-"""When checkpoints are saved, and how rank 0 saves them: in the training thread, or in the
-background from a host copy.
-
-`Checkpointer` owns the policy, on every rank: a save is due every N steps, every T seconds, at each epoch's end and
-at an agreed preemption stop, decided by all ranks at one step boundary. `CheckpointWriter` owns rank 0's writes: a
-background save costs the loop a copy into (pinned) host memory; a thread serializes, writes, fsyncs and renames.
+"""When checkpoints are saved (`Checkpointer`, on every rank: every N steps, every T seconds, at each epoch's end and
+at an agreed preemption stop, decided by all ranks at one step boundary), and how rank 0 writes them
+(`CheckpointWriter`: in the training thread, or in the background, costing the loop a copy into (pinned) host memory).
 One save at a time (at most one extra copy, in reused buffers); whoever needs the file on disk waits (`settle`,
 `close`); a failed write is kept, not raised in the thread, and all ranks stop at the next step boundary."""
 
@@ -182,7 +179,6 @@ class Checkpointer:
                                    f"{error.strerror or error}; remove it by hand") from None
 
     def close(self) -> Optional[Exception]:
-        """Wait for the write in flight; returns a failure nobody took."""
         return self.writer.close()
 
 

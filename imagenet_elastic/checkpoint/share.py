@@ -1,10 +1,8 @@
-"""Load once: rank 0 reads the checkpoint, and the other ranks receive it over the process group.
-
-Each rank reading the file at every restart meant, for a thousand ranks, a thousand reads of a ResNet-50 state (~200
-MB) from the network file system at its busiest. The others map it (`load(lazy=True)`) for the few KB they need
-before the process group exists; then rank 0 broadcasts the structure and one buffer of every tensor's bytes. The
-result is `load`'s down to dtypes, strides and bits: a channels_last momentum buffer received as NCHW beside its
-channels_last parameter fails CUDA's fused SGD at the first step of every rank but 0."""
+"""Load once: rank 0 reads the checkpoint, and the other ranks receive it over the process group, rather than every
+rank reading it from the network file system at every restart, when it is busiest. The others map it
+(`load(lazy=True)`) for the few KB they need before the process group exists. The result is `load`'s down to dtypes,
+strides and bits: a channels_last momentum buffer received as NCHW beside its channels_last parameter fails CUDA's
+fused SGD at the first step of every rank but 0."""
 
 from __future__ import annotations
 

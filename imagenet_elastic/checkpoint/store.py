@@ -118,8 +118,8 @@ _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this pro
 
 def _drop_locks_in_child() -> None:
     """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the
-    open file, which a copy shares, and a worker outlives a `kill -9` of its process by seconds, so a `--resume`
-    right away found the folder "locked by" a process that was gone."""
+    open file, which a copy shares, and a worker outlives a `kill -9` of its process by seconds, in which a
+    `--resume` would find the folder "locked by" a process that is gone."""
     for fd in _HELD_LOCKS:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -252,32 +252,26 @@ class CheckpointFolder:
 
     def add_name(self, committed: str, path: str) -> None:
         """`path` atomically becomes a hard link to `committed` (a copy where the file system has no links)."""
-        temp = os.path.join(self.folder, f"{TEMP_PREFIX}{os.path.basename(path)}-{secrets.token_hex(4)}")
-        try:
-            if self.links:
-                try:
-                    os.link(committed, temp)
-                except OSError as error:
-                    if error.errno not in LINK_REFUSED:
-                        raise
-                    self.links = False
-                    self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
-                              "best.pt are written as copies of last.pt from now on (one more write each)")
-            if not self.links:
-                with open(committed, "rb") as source, open(temp, "wb") as copy:
-                    shutil.copyfileobj(source, copy, 16 << 20)
-                    copy.flush()
-                    os.fsync(copy.fileno())
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(temp)
-            raise
+        name = os.path.basename(path)
+        if self.links:
+            temp = os.path.join(self.folder, f"{TEMP_PREFIX}{name}-{secrets.token_hex(4)}")
+            try:
+                os.link(committed, temp)
+            except OSError as error:
+                if error.errno not in LINK_REFUSED:
+                    raise
+                self.links = False
+                self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
+                          "best.pt are written as copies of last.pt from now on (one more write each)")
+        if not self.links:
+            with open(committed, "rb") as source:
+                temp = write_temp(self.folder, name, lambda copy: shutil.copyfileobj(source, copy, 16 << 20))
+        commit(temp, path)
 
     def epoch_files(self) -> list[str]:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""
-        found = ((m, n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
-        return [os.path.join(self.folder, n) for m, n in sorted(found, key=lambda mn: int(mn[0].group(1)))]
+        found = sorted((int(m.group(1)), n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
+        return [os.path.join(self.folder, n) for _, n in found]
 
     def stale_temp_files(self) -> list[str]:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))

@@ -263,10 +263,6 @@ def eval_sizes(image_size: int, val_crop_size: Optional[int], val_resize: Option
     return crop, val_resize or round(crop / 0.875)
 
 
-def setting_fields() -> tuple[dataclasses.Field, ...]:
-    return dataclasses.fields(Config)
-
-
 def flag(f: dataclasses.Field) -> str:
     """`--batch-size` for batch_size; DATA for the positional data folder."""
     return f.metadata.get("metavar", "DATA") if f.metadata.get("positional") else "--" + f.name.replace("_", "-")

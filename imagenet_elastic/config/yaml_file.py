@@ -14,7 +14,7 @@ from typing import Any, Optional
 import yaml
 
 from imagenet_elastic.atomic_files import store_bytes
-from imagenet_elastic.config import Config, flag, setting_fields
+from imagenet_elastic.config import Config, flag
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import Parser
 
@@ -34,7 +34,7 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
         return {}
     if not isinstance(loaded, dict):
         raise UserError(f"config file {path}: expected option names and values, got a {type(loaded).__name__}")
-    fields = {f.name: f for f in setting_fields()}
+    fields = Config.__dataclass_fields__
     tokens: list[str] = []
     positional: list[str] = []
     nulls: dict[str, Any] = {}  # settings the file resets to their default
@@ -87,7 +87,7 @@ RUN_LOCATION = ("checkpoints_path", "resume")
 
 def settings_yaml(config: Config, header: Optional[str] = None, leave_out: tuple[str, ...] = ()) -> str:
     """Every setting of `config` but `leave_out`, in the form read_settings reads."""
-    values = {f.name.replace("_", "-"): file_value(f.name, getattr(config, f.name)) for f in setting_fields()
+    values = {f.name.replace("_", "-"): file_value(f.name, getattr(config, f.name)) for f in dataclasses.fields(Config)
               if f.name not in leave_out}
     text = yaml.safe_dump(values, sort_keys=False, default_flow_style=None, width=120)
     return (f"# {header}\n" if header else "") + text

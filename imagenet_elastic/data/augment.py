@@ -1,10 +1,8 @@
-"""What a training sample goes through: the crop and flip it draws, then an optional augmentation
-policy and random erasing on its uint8 pixels, all drawn from the sample's own random stream.
-
-The policies and erasing are torchvision's (transforms.v2) and draw from torch's global generator, so each sample's
-pass runs under it seeded from one number its stream draws after its crop and flip: the pixels are a function of
-(seed, epoch, index) alone, whatever worker, rank, restart or device applies them. Under --decode gpu the worker
-makes the draws without the pixels (`Augment.draws`) and the device applies them to the whole batch.
+"""What a training sample goes through: the crop and flip it draws, then an optional augmentation policy and random
+erasing on its uint8 pixels. The policies and erasing are torchvision's (transforms.v2) and draw from torch's global
+generator, so each sample's pass runs under it seeded from one number its own stream draws after its crop and flip:
+the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies them. Under
+--decode gpu the worker makes the draws without the pixels (`Augment.draws`) and the device applies them to the batch.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
-"""--decode: which process turns a sample's bytes into pixels, chosen for the machine. The one place that knows
-both ways.
-
-cpu: loader workers decode and augment; uint8 pixels cross to the training process. gpu: workers parse headers and draw
-every random choice; bytes and numbers cross, and the training process decodes and augments whole batches on the
-device. Validation takes the same two ways. auto picks by a stated rule (`Decoding.choose`).
-"""
+"""--decode: which process turns a sample's bytes into pixels (cpu: the loader workers; gpu: the training process,
+on the device, from the bytes and the random choices the workers drew), for training and validation alike, chosen
+for the machine (`Decoding.choose`). The one place that knows both ways."""
 
 from __future__ import annotations
 
@@ -24,9 +20,8 @@ from imagenet_elastic.data.sampler import TrainBatchSampler
 from imagenet_elastic.data.sources import Source
 from imagenet_elastic.options import option
 
-# Cores per training process from which --decode auto leaves decoding to CPU workers (no policy). On one H100 with
-# 16 cores (docs/BENCHMARKS.md) 14 workers fed resnet50 (bf16, 224 px, batch 256) at 0.85 of the eager model's rate
-# (3,381 of 3,956 img/s), 0.83 compiled, 0.66 at 176 px: fewer than twice those cores starve an H100.
+# Cores per training process from which --decode auto leaves decoding to CPU workers (no policy): 14 workers on an
+# H100's 16 cores fed resnet50 short of the model's rate (docs/BENCHMARKS.md), so fewer than twice those starve it.
 CPU_DECODE_CORES = 32
 # Loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU (docs/BENCHMARKS.md)
 GPU_DECODE_WORKERS = 4

@@ -1,10 +1,7 @@
-"""A source's samples to uint8 batches: each sample's random stream, datasets, the batch type, loaders and
-their workers.
-
-Workers decode, crop, resize and flip on uint8 (pixels.py) and hand over HWC uint8 (under --decode gpu, the bytes);
-float conversion and normalisation happen on the device. Every random choice a training sample gets comes from
-(seed, epoch, sample index) alone, so a restarted run, any worker count and any world size see the same pixels.
-"""
+"""A source's samples to uint8 batches: datasets, the batch type, loaders and their workers. Workers hand over HWC
+uint8 (under --decode gpu, the bytes); float conversion and normalisation happen on the device. Every random choice a
+training sample gets comes from (seed, epoch, sample index) alone, so a restarted run, any worker count and any world
+size see the same pixels."""
 
 from __future__ import annotations
 

@@ -127,8 +127,7 @@ class TrainBatchSampler:
 def repeated_batch(group: np.ndarray, reps: int, epoch: int) -> list[SampleKey]:
     """Repeated augmentation (DeiT; torchvision's --ra-reps): a global batch holds the next global_batch / reps images
     (`group`), `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on
-    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does.
-    Without repetition (reps 1) a key is (epoch, index)."""
+    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
     return [(epoch, int(i), copy) if reps > 1 else (epoch, int(i)) for copy in range(reps) for i in group]
 
 

@@ -54,8 +54,7 @@ def _expand_range(text: str, body: str) -> list[str]:
             raise _fail(text, f"range '{part}' ends below its start")
         if len(numbers) + end - start + 1 > MAX_HOSTS:
             raise _fail(text, f"expands to more than {MAX_HOSTS} hosts")
-        width = len(low)
-        numbers.extend(str(n).zfill(width) for n in range(start, end + 1))
+        numbers.extend(str(n).zfill(len(low)) for n in range(start, end + 1))
     return numbers
 
 
@@ -63,8 +62,7 @@ def expand_hostlist(text: str) -> list[str]:
     """Hosts named by a Slurm hostlist expression, in Slurm's order, duplicates kept."""
     if not text or not text.strip():
         raise _fail(text, "it is empty")
-    expanded: list[list[list[str]]] = []  # per item, its pieces (fixed text, bracket groups): their product
-    total = 0
+    hosts: list[str] = []
     for item in (item.strip() for item in _split_top_level(text)):
         if not item:
             raise _fail(text, "empty item (two commas in a row, or a leading or trailing comma)")
@@ -72,11 +70,10 @@ def expand_hostlist(text: str) -> list[str]:
             raise _fail(text, f"whitespace inside host name {item!r}")
         chunks = re.split(r"\[([^\]]*)\]", item)  # text, group, text, ...
         pieces = [_expand_range(text, chunk) if i % 2 else [chunk] for i, chunk in enumerate(chunks) if i % 2 or chunk]
-        total += math.prod(len(piece) for piece in pieces)
-        if total > MAX_HOSTS:
+        if len(hosts) + math.prod(len(piece) for piece in pieces) > MAX_HOSTS:
             raise _fail(text, f"expands to more than {MAX_HOSTS} hosts")
-        expanded.append(pieces)
-    return ["".join(parts) for pieces in expanded for parts in itertools.product(*pieces)]
+        hosts += ["".join(parts) for parts in itertools.product(*pieces)]
+    return hosts
 
 
 def first_host(text: str) -> str:

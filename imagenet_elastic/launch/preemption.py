@@ -1,11 +1,9 @@
-"""Preemption: signals only raise a flag; the training loop checkpoints and stops at a step boundary.
+"""Preemption: signals only raise a flag, which `Trainer` turns into an agreed checkpoint and stop at a step boundary
+(a handler that wrote the checkpoint itself could run in the middle of an optimizer step or a collective).
 
-A handler that wrote a checkpoint itself could run in the middle of an optimizer step or a collective; `Trainer`
-turns the flag into an agreed, collective stop. Ctrl-C asks for the same stop while the run trains, and exits 130:
-the steps since the last checkpoint are worth the one step and one write the stop costs, and whoever stops a run at
-a terminal means to continue or change it, which wants the checkpoint. A second Ctrl-C stops at once, as does one
-before training begins or after it ends.
-"""
+Ctrl-C asks for the same stop while the run trains, and exits 130: the steps since the last checkpoint are worth the
+one step and one write the stop costs, and whoever stops a run at a terminal means to continue or change it, which
+wants the checkpoint. A second Ctrl-C stops at once, as does one before training begins or after it ends."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
-"""Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node).
-
-The worker is the entry point the caller hands in; its config is passed on as it came. For `spawn` the parent hosts
-the rendezvous store on a free port before starting its children, so no port is guessed and none can be taken in
-between. A child that stopped as asked (Ctrl-C, a preemption signal, which every rank takes) is not a failure: the
-others are left to stop on their own."""
+"""Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node). A child that stopped
+as asked (Ctrl-C, a preemption signal, which every rank takes) is not a failure: the others are left to stop on their
+own."""
 
 from __future__ import annotations
 
@@ -86,7 +83,9 @@ def _child(index: int, entry: Entry, config: Any, task_env: DistEnv, procs: int)
 
 
 def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> None:
-    if task_env.store_is_external:  # single-node spawn: this parent hosts the store until its children end
+    if task_env.store_is_external:
+        # single-node spawn: this parent hosts the store until its children end, on a free port it holds before they
+        # start, so no port is guessed and none can be taken in between
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)

@@ -1,8 +1,6 @@
-"""torch.compile for the training step: whether it runs (on CUDA unless told otherwise), what happens when the
-model cannot compile (eager, with one warning), and its caches beside the checkpoints (compile_cache.py).
-
-On an H100 compiling gave ResNet-50 1.40x eager throughput for 57 s per cold start (a restart's first step 81 s
-after the checkpoint; 21 s eager, 29 s warm): on by default there, with a cache. On CPUs it is slower: off there."""
+"""torch.compile for the training step: on by default on CUDA, where it pays for its compile time, with a cache beside
+the checkpoints (compile_cache.py); off on CPUs, where it is slower (docs/BENCHMARKS.md). A model that cannot compile
+trains eager, with one warning."""
 
 from __future__ import annotations
 

@@ -1,12 +1,9 @@
-"""torch.compile's caches beside the checkpoints: CHECKPOINTS/compile_cache.bin.
-
-A restart often lands on a node whose own compile cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty, and
-compiling a ResNet-50 again took 57 s on an H100. torch's Mega-Cache (torch >= 2.7) packs every cache a compile
-filled into one blob; rank 0 keeps it here, beside the checkpoints every restart reads anyway, and every rank loads
-it into its local caches before its first compiled call. Only a cache: a missing, mismatched or unreadable file
-costs a cold compile, never the run. Its key is what decides the graphs (torch and Triton versions, the device, the
-model and the settings that change its code; torch's own keys tell shapes apart); a file under another key is left
-unread, and replaced once this run has compiled."""
+"""torch.compile's caches in CHECKPOINTS/compile_cache.bin, since a restart often lands on a node whose own compile
+cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty. torch's Mega-Cache (torch >= 2.7) packs every cache a
+compile filled into one blob; rank 0 keeps it beside the checkpoints every restart reads anyway, and every rank loads
+it into its local caches before its first compiled call. Only a cache: a missing, mismatched or unreadable file costs
+a cold compile, never the run. Its key is what decides the graphs (`cache_key`; torch's own keys tell shapes apart);
+a file under another key is left unread, and replaced once this run has compiled."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""A timm model as a run, a checkpoint or an export needs it: its name checked, random or published weights, stochastic
-depth, BlurPool, checkpointed blocks; its weight average (EMA); the image sizes it must take (a run's validation crop
-and training sizes, a checkpoint's crop), with timm's options that make a model built for one input size (ViT, DeiT,
-Swin, ...) take them."""
+"""A timm model as a run, a checkpoint or an export needs it, its weight average (EMA), and the image sizes it must
+take, with timm's options that make a model built for one input size (ViT, DeiT, Swin, ...) take them."""
 
 from __future__ import annotations
 
@@ -38,10 +36,10 @@ def check_model_name(name: str) -> None:
 
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
                  published: Optional[Any] = None, grad_checkpointing: bool = False, sizes: Sizes = ()) -> nn.Module:
-    """A timm model with random weights, or `published` ones (--pretrained's, already read: weights.py's Weights,
-    which imports this module), loaded by timm's pretrained path with the tensors in hand, so nothing is read twice
-    and timm drops a classifier of another class count;
-    `blurpool`, `grad_checkpointing` and `sizes`: see blur_strided_convs, recompute_activations and input_options."""
+    """A timm model with random weights, or `published` ones (--pretrained's, already read: weights.py's Weights, which
+    imports this module), loaded by timm's pretrained path with the tensors in hand, so nothing is read twice and timm
+    drops a classifier of another class count. `blurpool`, `grad_checkpointing`, `sizes`: see blur_strided_convs,
+    recompute_activations, input_options."""
     import timm
 
     check_model_name(name)

@@ -1,8 +1,7 @@
-"""--teacher: the model a run distils from, read once at the start, before any data is scanned.
-
-models/weights.py reads it. Its expected input (timm's pretrained_cfg; for our checkpoint, our validation's crop and
-normalisation) and classes come with it; the classes must be the data's, in order (`check_classes`). Checkpoints
-keep its identity (`identity`), never its weights; a resume with another teacher is refused (`compare`)."""
+"""--teacher: the model a run distils from, read once at the start (weights.py), before any data is scanned, with the
+input it expects (timm's pretrained_cfg; for our checkpoint, our validation's crop and normalisation). Its classes
+must be the data's, in order; checkpoints keep its identity, never its weights; a resume with another teacher is
+refused."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ from torch import nn
 from imagenet_elastic.config import saved_eval_sizes
 from imagenet_elastic.data.model_input import IMAGENET_MEAN, IMAGENET_STD
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.models import weights
-from imagenet_elastic.models.weights import CHECKPOINT
+from imagenet_elastic.models.weights import CHECKPOINT, Weights, load_weights
 
 FLAG = "--teacher"
 
@@ -40,15 +38,10 @@ class TeacherInput:
 
 
 @dataclass(frozen=True)
-class TeacherWeights:
-    """The teacher as read: its model on the CPU (train.distillation.Teacher freezes it), and what is known of it."""
+class TeacherWeights(Weights):
+    """The teacher as read (train.distillation.Teacher freezes its model), with what a run checks and keeps of it."""
 
-    model: nn.Module
     spec: str  # what --teacher said
-    kind: str  # CHECKPOINT, EXPORT or PUBLISHED
-    source: str  # what its weights are and where they came from, for the start-up table
-    classes: int
-    class_names: Optional[tuple[str, ...]]  # a checkpoint's classes, an export's label_names; None where unsaid
     input: TeacherInput
     sha256: str  # of its weights (weights_hash)
 
@@ -59,7 +52,7 @@ class TeacherWeights:
 
 def read(spec: str) -> TeacherWeights:
     """The teacher `spec` names, frozen, its identity computed; a UserError naming --teacher where it cannot be read."""
-    loaded = weights.load_weights(spec, FLAG)
+    loaded = load_weights(spec, FLAG)
     if not loaded.classes:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")
     source = loaded.source
@@ -69,8 +62,8 @@ def read(spec: str) -> TeacherWeights:
         source += f" ({loaded.read})" if loaded.read != spec else ""
     else:
         wanted = timm_input(loaded.model)
-    return TeacherWeights(loaded.model, spec, loaded.kind, source, loaded.classes, loaded.class_names, wanted,
-                          weights_hash(loaded.model))
+    return TeacherWeights(loaded.model, loaded.kind, loaded.read, source, loaded.class_names, loaded.settings,
+                          loaded.val_print, spec=spec, input=wanted, sha256=weights_hash(loaded.model))
 
 
 def timm_input(model: nn.Module) -> TeacherInput:

@@ -1,7 +1,6 @@
-"""Tiny models timm lacks, registered in timm's model registry under their own names, for the tests and the CPU
-recipes: `test_vit_distilled` is timm's `test_vit` (patch 16, 64 wide, 6 blocks, 2 heads, any size) plus DeiT's
-distillation token and head: `deit_tiny_distilled_patch16_224`'s shape, 0.3 M parameters. Registered on first use
-(`register`), before a name is looked up or an export of it built; a timm that ships the name keeps its own."""
+"""Tiny models timm lacks, for the tests and the CPU recipes: `test_vit_distilled` is timm's `test_vit` plus DeiT's
+distillation token and head (`deit_tiny_distilled_patch16_224`'s shape). Registered on first use, before a name is
+looked up or an export of it built; a timm that ships the name keeps its own."""
 
 from __future__ import annotations
 

@@ -1,16 +1,14 @@
-"""Weights a user names: the one loader behind --pretrained, --initial-checkpoint, --teacher and `imagenet-elastic
-evaluate MODEL`, read once at the start, before any data scan, so a missing file costs seconds.
+"""Weights a user names (--pretrained, --initial-checkpoint, --teacher, `imagenet-elastic evaluate MODEL`), read once
+at the start, before any data scan, so a missing file costs seconds.
 
-`load_weights` (--teacher, evaluate): a whole model on the CPU, with its classes and, for a checkpoint, its run's
-settings. A spec is told apart by form first, then on disk (as timm's reader factory does): our checkpoint (a file,
-or a run's checkpoints folder: its best.pt), an export (a folder with config.json: timm's `local-dir:`), else a timm
-name with published weights (`published_model`, also --pretrained's): timm resolves it (`resnet50`: its default tag;
-`resnet50.a1_in1k`; `hf-hub:ORG/NAME`; `local-dir:FOLDER`) through the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE,
-HF_HUB_OFFLINE), so an offline node reads what an earlier download left; ranks sharing a cache download once.
+`load_weights` (--teacher, evaluate): a whole model on the CPU. A spec is told apart by form first, then on disk (as
+timm's reader factory does): our checkpoint, an export (timm's `local-dir:`), else a timm name with published weights,
+which timm resolves through the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE), so an offline node
+reads what an earlier download left, and ranks sharing a cache download once.
 
---initial-checkpoint (`InitialWeights`): our checkpoints, a plain state dict as timm and torchvision save it (also
-under `state_dict` or `model`, with `module.` or `_orig_mod.` prefixes), or a `.safetensors` file. A classifier that
-misfits the class count keeps its fresh initialisation; any other mismatch means another model's file: refused."""
+--initial-checkpoint (`InitialWeights`): our checkpoints, a plain state dict as timm and torchvision save it, or a
+`.safetensors` file. A classifier that misfits the class count keeps its fresh initialisation; any other mismatch
+means another model's file: refused."""
 
 from __future__ import annotations
 
@@ -44,8 +42,8 @@ class Weights:
     read: str  # the file, folder or timm name read (a run's checkpoints folder: its best.pt)
     source: str  # what the weights are and where they came from, in words
     class_names: Optional[tuple[str, ...]]  # a checkpoint's classes, an export's label_names; None where unsaid
-    settings: Optional[dict[str, Any]] = None  # a checkpoint's run's settings (how it validated)
-    val_print: Optional[dict[str, Any]] = None  # a checkpoint's fingerprint of its run's validation split
+    settings: Optional[dict[str, Any]]  # a checkpoint's run's settings (how it validated)
+    val_print: Optional[dict[str, Any]]  # a checkpoint's fingerprint of its run's validation split
 
     @property
     def classes(self) -> int:
@@ -80,7 +78,14 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
     `published`: whether a timm name's published weights may be read (`evaluate` asks for --pretrained first)."""
     kind, target = resolve(spec, flag)
     if kind == CHECKPOINT:
-        return from_checkpoint(target, flag, ema)
+        try:
+            snapshot = store.load(target)
+        except UserError as error:
+            raise UserError(f"{flag}: {error}") from None
+        which = "weight average" if ema else "raw weights"
+        source = f"our checkpoint of {snapshot['model_name']}, its {which} after step {snapshot['step']}"
+        return Weights(saved_model(snapshot, target, ema), CHECKPOINT, target, source, tuple(snapshot["classes"]),
+                       snapshot.get("config", {}), (snapshot.get("data") or {}).get("val"))
     if kind == PUBLISHED and not published:
         raise UserError(f"{flag} {spec} is a timm model name: reading its published weights needs --pretrained")
     if ema:
@@ -92,22 +97,10 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
         if isinstance(config.get("imagenet_elastic"), dict) and config["imagenet_elastic"].get("blurpool"):
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
         return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
-                       exported_class_names(config))
+                       exported_class_names(config), None, None)
     where = describe_source(model, spec)
     return Weights(model, kind, target,
-                   f"published weights of {architecture}" + (f": {where}" if where != spec else ""), None)
-
-
-def from_checkpoint(path: str, flag: str, ema: bool) -> Weights:
-    """One of our checkpoints: its model with its raw weights (or their average), its classes and its run's settings."""
-    try:
-        snapshot = store.load(path)
-    except UserError as error:
-        raise UserError(f"{flag}: {error}") from None
-    which = "weight average" if ema else "raw weights"
-    return Weights(saved_model(snapshot, path, ema), CHECKPOINT, path, f"our checkpoint of {snapshot['model_name']}, "
-                   f"its {which} after step {snapshot['step']}", tuple(snapshot["classes"]), snapshot.get("config", {}),
-                   (snapshot.get("data") or {}).get("val"))
+                   f"published weights of {architecture}" + (f": {where}" if where != spec else ""), None, None, None)
 
 
 def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "use it") -> nn.Module:
@@ -186,7 +179,7 @@ def describe_source(model: nn.Module, model_name: str) -> str:
 def fetch_published(model_name: str) -> Weights:
     """--pretrained: the published weights of --model; create_model builds the run's model from them."""
     model = published_model(model_name)
-    return Weights(model, PUBLISHED, model_name, describe_source(model, model_name), None)
+    return Weights(model, PUBLISHED, model_name, describe_source(model, model_name), None, None, None)
 
 
 def describe_published(published: Weights, classes: int) -> str:

@@ -3,10 +3,12 @@ is loaded from a checkpoint (its own kernels, its parameters' memory layout, no 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple, Optional
 
 from imagenet_elastic import options
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
 if TYPE_CHECKING:
@@ -71,8 +73,6 @@ def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[fl
 def check_layer_decay(model: nn.Module, model_name: str) -> None:
     """--layer-decay needs the model's own layer numbering (`group_matcher`): timm's fallback means nothing."""
     if not hasattr(model, "group_matcher"):
-        from imagenet_elastic.errors import UserError
-
         raise UserError(f"--layer-decay: timm's {model_name} has no group_matcher (its layers are not numbered); "
                         "leave --layer-decay out for this model")
 
@@ -111,8 +111,6 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
                      device: torch.device, name: str = "sgd", fused: Optional[bool] = None,
                      layer_decay: Optional[float] = None) -> torch.optim.Optimizer:
     """The optimizer OPTIMIZERS names, over `param_groups`; torch's SGD is fused on CUDA unless `fused` says no."""
-    import functools
-
     import torch
 
     maker, takes_momentum, _ = OPTIMIZERS[name]

@@ -48,7 +48,6 @@ class RestartCost:
     load_seconds: float  # reading (or, on ranks other than 0, mapping) the checkpoint
 
     def describe(self, stepped: float, first: FirstStep = FirstStep()) -> str:
-        """`first`: what the first step went on."""
         parts = [f"process started {self.started - self.resumed_at:.1f} s after it, imports "
                  f"{self.began - self.started:.1f} s"] if self.started is not None else []
         cache = f", compile cache load {first.cache_load_seconds:.2f} s" if first.cache_load_seconds is not None else ""

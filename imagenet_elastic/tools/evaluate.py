@@ -1,24 +1,18 @@
 """`imagenet-elastic evaluate MODEL VAL [VAL ...]`: a model's scores on validation sets, with no training folder.
 
-MODEL is a checkpoint of ours (best.pt, last.pt, or a run's checkpoints folder: its best.pt; --ema for its weight
-average), a folder `imagenet-elastic export` wrote, or a timm model name with --pretrained (its weights as timm fetches
-them). VAL is any validation split the trainer reads: class folders (named by the model's classes, or numbered 0..N-1 as
-ImageNet-V2's), a flat folder with --val-labels, tar shards, parquet files, each with or without its prefix
-(`parquet:DIR`), or a data root as training takes it (its val split). Each VAL is scored by our exact validation
-(train/step.py evaluate: every image once over all ranks, whatever the world size; `torchrun ... -m imagenet_elastic
-evaluate ...`), with the model's own preprocessing (what timm's `resolve_data_config` gives it, as timm's validate.py)
-or ours (--preprocessing ours: the trainer's validation, bilinear, crop / 0.875, ImageNet's mean and std), computed as
-the reference computes it (data/pixels.py CentreCrop). Rank 0 prints one JSON line per VAL, and a table when there are
-several. For our checkpoint (one that keeps its data's fingerprints) each line says whether VAL is the very split its
-run validated on (`val_as_trained`): then its top-1 is the run's; scoring other sets is this tool's purpose, so no
-warning.
+Each VAL (class folders may also be numbered 0..N-1, as ImageNet-V2's) is scored by our exact validation (train/step.py
+evaluate: every image once over all ranks, whatever the world size; `torchrun ... -m imagenet_elastic evaluate ...`),
+with the model's own preprocessing (timm's `resolve_data_config`, as timm's validate.py) or ours, computed as the
+reference computes it (data/pixels.py CentreCrop). For our checkpoint (one that keeps its data's fingerprints) each
+JSON line says whether VAL is the very split its run validated on (`val_as_trained`): then its top-1 is the run's;
+scoring other sets is this tool's purpose, so no warning.
 
 --real-labels real.json: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it: an image counts when
 its list of real labels is not empty, and is right when its top-1 class is in it. real.json lists the 50,000 images
 of ImageNet's validation set in the order of their file names; an image of VAL is looked up by the number in its
 name (ILSVRC2012_val_00000001 is the first entry), whatever the folder or shard holds it.
---class-subset FILE: the class names (one a line; wnids for ImageNet-A and -R's 200) whose logits are scored: the
-others are left out before the top-k and the loss.
+--class-subset FILE (wnids for ImageNet-A and -R's 200): the other classes' logits are left out before the top-k and
+the loss.
 
 The trainer's `--evaluate` (pytorch/examples' flag) is a front of the same code path: `evaluate_checkpoint`.
 """
@@ -34,7 +28,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
@@ -58,8 +52,6 @@ if TYPE_CHECKING:
     from imagenet_elastic.launch.launchers import DistEnv
     from imagenet_elastic.models.weights import Weights
 
-PREPROCESSING = ("model", "ours")
-
 
 def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic evaluate", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
@@ -68,7 +60,7 @@ def build_parser() -> Parser:
     p.add_argument("val", metavar="VAL", nargs="+", help=f"validation sets: {FORMS}")
     p.add_argument("--pretrained", action="store_true", help="MODEL is a timm model name: its pretrained weights")
     p.add_argument("--ema", action="store_true", help="our checkpoint's weight average (--model-ema)")
-    p.add_argument("--preprocessing", choices=PREPROCESSING, default="model",
+    p.add_argument("--preprocessing", choices=("model", "ours"), default="model",
                    help="model: the model's own (timm's resolve_data_config: input size, crop fraction, "
                    "interpolation, mean and std; for our checkpoint, its run's validation); ours: the trainer's "
                    "validation at the model's input size")
@@ -80,13 +72,8 @@ def build_parser() -> Parser:
                    "each image and of its mirror image (the trainer's --val-flip-average)")
     p.add_argument("--batch-size", type=positive_int, default=64, metavar="N",
                    help="images per forward pass and process")
-    add_setting(p, "workers")
-    add_setting(p, "amp")
-    add_setting(p, "device")
-    add_setting(p, "channels_last")
-    add_setting(p, "decode")
-    add_setting(p, "gpu_decoder")
-    add_setting(p, "dist_timeout")
+    for name in ("workers", "amp", "device", "channels_last", "decode", "gpu_decoder", "dist_timeout"):
+        add_setting(p, name)
     return p
 
 
@@ -95,9 +82,7 @@ FORMS = ("class folders, a flat folder of images with --val-labels, tar shards o
 
 
 def check_val_exists(locations: Sequence[str]) -> None:
-    """Each VAL names a folder or a pattern of files, after its prefix if it has one (`parquet:DIR`, as training
-    takes them); said before the model is loaded (the trainer's message for a missing folder would point at its
-    --val-path)."""
+    """Said before the model is loaded: the trainer's message for a missing folder would point at its --val-path."""
     from imagenet_elastic.data import sources
 
     for location in locations:
@@ -190,14 +175,25 @@ def imagenet_classes(module: Any) -> tuple[str, ...]:
     return tuple(ImageNetInfo(subset).label_names())
 
 
+class Scoring(NamedTuple):
+    """The settings `score` reads: the run's (--evaluate), or the tool's options of the same names."""
+
+    batch_size: int
+    workers: Optional[int]
+    amp: str
+    channels_last: bool
+    decode: str
+    gpu_decoder: str
+    dist_timeout: float
+    flip_average: bool
+
+
 def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Preprocessing,
-          settings: Any, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None], columns: Any = None,
-          fit: Any = None) -> None:
+          settings: Scoring, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None],
+          columns: Any = None, fit: Any = None) -> None:
     """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
     once over all ranks (train/step.py evaluate); `on_scored(location, source, results by model key, precision)` is
-    told of each set as it is done. `settings`: the run's Config, or the tool's arguments, which take the trainer's
-    settings under their names (add_setting): batch_size, workers, amp, channels_last, decode, gpu_decoder,
-    dist_timeout, val_flip_average. The loaders' workers fork first, then the process group forms: the trainer's
+    told of each set as it is done. The loaders' workers fork first, then the process group forms: the trainer's
     order (train/build.py)."""
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
@@ -231,7 +227,7 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = real_counts(counts_of) if counts_of is not None else None
             results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
-                                     settings.val_flip_average, columns, counts, fit) for key, module in placed.items()}
+                                     settings.flip_average, columns, counts, fit) for key, module in placed.items()}
             on_scored(location, source, results, precision.name)
         del placed, to  # before the process group goes (join_process_group's callbacks)
 
@@ -329,26 +325,27 @@ def run(args: Any) -> list[dict[str, Any]]:
         rows.append(row)
 
     columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
-    score(env, device, {"": model.model}, sets, prep, args, console, told, columns)
+    settings = Scoring(args.batch_size, args.workers, args.amp, args.channels_last, args.decode, args.gpu_decoder,
+                       args.dist_timeout, args.val_flip_average)
+    score(env, device, {"": model.model}, sets, prep, settings, console, told, columns)
     if len(rows) > 1:
         console.table("scores", [(row["val"], summary(row)) for row in rows])
     return rows
 
 
 def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = None) -> dict[str, Any]:
-    """The trainer's `DATA --evaluate --resume CHECKPOINT` (pytorch/examples' flag), the rank's entry point cli.py
-    hands to launch/ instead of training, through this tool's one code path (`score`): the checkpoint's weights, and
-    their average where it keeps one, on the run's validation split (--val-path, else DATA's; `val`: a source the
-    caller holds) at the run's validation sizes (the checkpoint's unless given: cli.settings_from_checkpoint), as one
-    JSON line in the trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for that
-    checkpoint). A setting or a split that makes the scores differ from the run's own validation is one warning
-    each."""
+    """The trainer's `DATA --evaluate --resume CHECKPOINT`, a rank's entry point (cli.py): the checkpoint's weights,
+    and their average where it keeps one, on the run's validation split (`val`: a source the caller holds), as one
+    JSON line in the trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for it). A
+    setting or a split that makes the scores differ from the run's own validation is one warning each."""
     from imagenet_elastic.checkpoint import store
     from imagenet_elastic.data import sources
+    from imagenet_elastic.data.sampler import BatchPlan
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
     from imagenet_elastic.models.weights import saved_model
     from imagenet_elastic.report.console import Console
+    from imagenet_elastic.train.micro_batch import MicroBatches
     from imagenet_elastic.train.state import check_compatible
 
     console = Console(env.is_main, config.log_interval, env.rank)
@@ -376,8 +373,10 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
             console.warn(f"--evaluate differs from its checkpoint's run, results will not match exactly: {change}")
         del snapshot
         prep = ours(config.eval_crop, config.eval_resize)
-        fit = HalvedOnce(config.batch_size, functools.partial(console.warn, every_rank=True)) \
-            if config.micro_batch == "auto" else None
+        fit = None  # --micro-batch auto: a batch out of memory is scored again in halves, once, as in training
+        if config.micro_batch == "auto":
+            fit = MicroBatches(BatchPlan(config.batch_size, 1, config.batch_size), config.batch_size, 0, auto=True,
+                               warn=functools.partial(console.warn, every_rank=True))
         scores: dict[str, Any] = {"checkpoint": path, **({"val_flip_average": True} if config.val_flip_average else {})}
 
         def told(location: str, source: Source, results: dict[str, Any], precision: str) -> None:
@@ -385,32 +384,14 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
                 scores.update({f"val_loss{key}": result.loss, f"val_top1{key}": result.top1,
                                f"val_top5{key}": result.top5, "val_samples": result.samples})
 
-        score(env, device, modules, [(path, val, None)], prep, config, console, told, fit=fit)
+        settings = Scoring(config.batch_size, config.workers, config.amp, config.channels_last, config.decode,
+                           config.gpu_decoder, config.dist_timeout, config.val_flip_average)
+        score(env, device, modules, [(path, val, None)], prep, settings, console, told, fit=fit)
     except KeyboardInterrupt:
         console.info("Ctrl-C: --evaluate stopped, nothing written")
         raise
     console.result(scores)
     return scores
-
-
-class HalvedOnce:
-    """--micro-batch auto under --evaluate: a batch that runs out of memory is scored again in halves for the rest
-    of the run, once, as training's validation is (train/micro_batch.py); a second time ends the run."""
-
-    def __init__(self, batch_size: int, warn: Callable[[str], None]) -> None:
-        self.validation_batch: Optional[int] = batch_size
-        self.halved, self.warn = False, warn
-
-    def validation_failed(self, size: int, error: str) -> None:
-        from imagenet_elastic.train.micro_batch import OutOfMemoryAgain
-
-        if self.halved or size < 2:
-            why = "halved once already in this run" if self.halved else "nothing smaller to try"
-            raise OutOfMemoryAgain(f"out of memory again validating a batch of {size} ({why}): {error}; lower "
-                                   "--batch-size")
-        self.halved, self.validation_batch = True, size // 2
-        self.warn(f"out of memory validating a batch of {size} ({error}): validating in batches of {size // 2} "
-                  "for the rest of the run")
 
 
 def summary(row: dict[str, Any]) -> str:

@@ -14,7 +14,6 @@ import math
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
 
 from imagenet_elastic.atomic_files import process_umask
 from imagenet_elastic.checkpoint import store
@@ -44,13 +43,6 @@ def crop_fraction(crop: int, resize: int) -> float:
     return fraction
 
 
-def preprocessing(settings: dict[str, Any]) -> dict[str, Any]:
-    """Our validation's preprocessing in timm's terms."""
-    crop, resize = saved_eval_sizes(settings)
-    return {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
-            "interpolation": "bilinear", "mean": IMAGENET_MEAN_FRACTIONS, "std": IMAGENET_STD_FRACTIONS}
-
-
 def export(path: str, out_dir: str, ema: bool) -> str:
     """Write OUT_DIR; returns what to tell the user."""
     if os.path.isdir(out_dir) and os.listdir(out_dir):
@@ -70,7 +62,9 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     sizes = saved_sizes(snapshot["config"])
     # a model timm builds for one input size (img_size): config.json's model_args make timm's local-dir: loader do so
     model_args = input_options(snapshot["model_name"], sizes)
-    data_config = preprocessing(snapshot["config"])
+    crop, resize = saved_eval_sizes(snapshot["config"])  # our validation's preprocessing in timm's terms
+    data_config = {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
+                   "interpolation": "bilinear", "mean": IMAGENET_MEAN_FRACTIONS, "std": IMAGENET_STD_FRACTIONS}
     # tag and license would otherwise be those of timm's own pretrained weights for this architecture
     model_config = {"label_names": classes, "pretrained_cfg": {**data_config, "tag": "imagenet_elastic",
                                                                "license": None}}

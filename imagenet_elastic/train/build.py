@@ -1,8 +1,4 @@
-"""A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains):
-
-    check_inputs -> prepare_training -> build_loaders -> join_job -> share_checkpoint -> prepare_compile
-    -> step_context -> fit_micro_batches
-
+"""A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains).
 The order is the point: input errors fail in the first step, before any worker or process group exists (seconds
 lost, nothing left behind); loader workers fork before the process group's threads exist; ranks compare their inputs
 (consistency.py) and receive rank 0's checkpoint only once they can talk. Each step that takes something registers
@@ -164,9 +160,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         else None
     if config.pretrained and weights is None and snapshot is None:
         weights = fetch_published(config.model)  # a bare --resume that found no checkpoint: a fresh start
-    inputs = Inputs(device, threads, train, val, checkpoints, resume_from, from_main,
-                    time.perf_counter() - start, initial, weights, teacher, tuple(chosen), data)
-    return inputs, snapshot
+    return Inputs(device, threads, train, val, checkpoints, resume_from, from_main, time.perf_counter() - start,
+                  initial, weights, teacher, tuple(chosen), data), snapshot
 
 
 def check_model_options(c: Config) -> None:

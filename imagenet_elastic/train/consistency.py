@@ -69,12 +69,9 @@ def settings_digest(settings: dict[str, Any]) -> str:
     return hashlib.blake2b(json.dumps(settings, sort_keys=True, default=str).encode(), digest_size=8).hexdigest()
 
 
-COMPARED = tuple(f.name for f in fields(Fingerprint) if f.name not in ("host", "folder"))
-
-
 def first_difference(prints: list[Fingerprint]) -> Optional[tuple[str, list[int]]]:
     """The first compared field in which a rank differs from rank 0, and every rank that does."""
-    for name in COMPARED:
+    for name in (f.name for f in fields(Fingerprint) if f.name not in ("host", "folder")):
         ranks = [r for r, p in enumerate(prints) if getattr(p, name) != getattr(prints[0], name)]
         if ranks:
             return name, ranks

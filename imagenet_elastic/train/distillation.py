@@ -4,12 +4,7 @@ temperature T, batch mean, times T^2 (so the gradient keeps its scale as T chang
 distillation, for a student with DeiT's distillation head (`*_distilled_*`), teaches the class head the task and the
 distillation head the teacher, soft (the same KL) or hard (cross-entropy with the teacher's top class); in eval mode
 timm averages the two heads, so validation scores that average. The total weighs task and distillation losses
-(`loss_weights`).
-
-The teacher (`Teacher`): frozen, in eval mode, without gradients, in the run's precision and memory layout, on the
-student's augmented and mixed batch as its own preprocessing would make it: renormalised to its mean and std and, for
-another input size, resized on the device (bilinear, antialiased, as torchvision and timm resize); else the student's
-very tensor. Not DDP-wrapped: each rank holds its own copy, and nothing of it is reduced."""
+(`loss_weights`)."""
 
 from __future__ import annotations
 
@@ -78,7 +73,11 @@ class Distillation:
 
 
 class Teacher:
-    """`teacher(images)`: the teacher's logits (float32) for a batch the student's `input` prepared."""
+    """`teacher(images)`: the teacher's logits (float32) for the student's augmented and mixed batch (NCHW, normalised
+    for the student) as the teacher's own preprocessing would make it: renormalised to its mean and std and, for
+    another input size, resized on the device (bilinear, antialiased, as torchvision and timm resize), both keeping
+    the student's memory layout; else the student's very tensor. Frozen, in eval mode, without gradients, in the
+    run's precision; not DDP-wrapped: each rank holds its own copy, and nothing of it is reduced."""
 
     def __init__(self, weights: TeacherWeights, student: ModelInput) -> None:
         self.model = place_model(weights.model, student.device, student.channels_last).eval().requires_grad_(False)
@@ -86,8 +85,6 @@ class Teacher:
         self.scale, self.shift = renormalisation(student, weights.input)
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        """`images`: the student's batch (NCHW, normalised for the student), given the teacher's own preprocessing
-        (both operations keep the student's memory layout)."""
         with torch.no_grad(), self.student.autocast():
             if self.scale is not None:
                 images = torch.addcmul(self.shift, images, self.scale)

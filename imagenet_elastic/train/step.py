@@ -111,8 +111,8 @@ class RunningStats:
     share updates the running averages (`frozen` around the others): under DDP the surviving averages are rank 0's,
     the global batch's first slice's, so an elastic run evaluates like an uninterrupted one. The batch counter is
     put back too, or it would differ between world sizes. Frozen means copied and written back, not momentum set to
-    0: a compiled forward guards on the momentum (a float), so every accumulating run recompiled at its second
-    micro-batch (as long as the cold first compile) and kept two graphs."""
+    0: a compiled forward guards on the momentum (a float), so an accumulating run would recompile at its second
+    micro-batch and keep two graphs."""
 
     def __init__(self, batch_norms: list[nn.Module]) -> None:
         self.batch_norms = batch_norms

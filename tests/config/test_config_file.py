@@ -96,7 +96,7 @@ def test_print_config_prints_yaml_and_needs_no_data_folder(capsys):
     cli.main(["--print-config", "--batch-size", "48", "--hflip", "0.2"])
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["batch-size"] == 48 and printed["hflip"] == 0.2 and printed["data"] is None
-    assert set(printed) == {f.name.replace("_", "-") for f in cli.setting_fields()}
+    assert set(printed) == {f.name.replace("_", "-") for f in dataclasses.fields(Config)}
 
 
 def test_read_settings_returns_only_what_the_file_sets(tmp_path):

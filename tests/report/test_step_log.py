@@ -5,6 +5,7 @@ through a real SIGKILL and resume is in test_training.py; every sink getting eve
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -13,7 +14,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from imagenet_elastic import cli
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.report.console import Console, clock
-from imagenet_elastic.report.sinks import Sinks, chosen, tensorboard_events
+from imagenet_elastic.report.sinks import Sinks, chosen, tensorboard_wanted
 from imagenet_elastic.report.sinks.steps_file import FILENAME, StepsFile, kept_rows
 from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD_DIR
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
@@ -82,12 +83,12 @@ def test_only_rank_0_writes(tmp_path):
 
 
 def test_tensorboard_when_installed_unless_refused_and_a_clear_error_when_asked_for_but_missing(monkeypatch):
-    assert tensorboard_events.wanted(None) is True and tensorboard_events.wanted(False) is False
-    monkeypatch.setattr(tensorboard_events.importlib.util, "find_spec", lambda name: None)
-    assert tensorboard_events.wanted(None) is False
+    assert tensorboard_wanted(None) is True and tensorboard_wanted(False) is False
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert tensorboard_wanted(None) is False
     with pytest.raises(UserError, match=r'--tensorboard needs the tensorboard package: pip install '
                                         r'"imagenet_elastic\[tensorboard\]"'):
-        tensorboard_events.wanted(True)
+        tensorboard_wanted(True)
 
 
 @pytest.mark.parametrize("seconds, shown", [(0, "0:00"), (59.6, "1:00"), (754, "12:34"), (3723, "1:02:03"),

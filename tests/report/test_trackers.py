@@ -23,7 +23,6 @@ from imagenet_elastic.report.sinks import tracker as trackers
 from imagenet_elastic.report.sinks import wandb_tracker
 from imagenet_elastic.report.sinks.steps_file import FILENAME as STEPS
 from imagenet_elastic.report.sinks.tracker import TrackerRuns
-from imagenet_elastic.report.sinks.wandb_tracker import WandbTracker
 
 EPOCHS, STEPS_PER_EPOCH = 2, 12  # 96 images, a global batch of 8
 
@@ -115,7 +114,7 @@ def test_wandbs_logs_of_a_run_are_each_of_its_starts_oldest_first_those_in_the_s
         (wandb_dir / name).mkdir(parents=True)
         (wandb_dir / name / f"run-{'other123' if 'other123' in name else 'abcd1234'}.wandb").touch()
     (wandb_dir / "offline-run-20260102_030407-abcd1234").mkdir()  # a start killed before its log was made
-    assert WandbTracker("tests", "unused").logs("abcd1234") == [
+    assert wandb_tracker.transaction_logs(str(wandb_dir), "abcd1234") == [
         str(wandb_dir / name / "run-abcd1234.wandb") for name in (
             "offline-run-20260102_030405-abcd1234", "offline-run-20260102_030405-abcd1234-1",
             "offline-run-20260102_030405-abcd1234-2", "offline-run-20260102_030405-abcd1234-10",

@@ -12,9 +12,9 @@ from torch import nn
 
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
+from imagenet_elastic.data.sampler import BatchPlan
 from imagenet_elastic.tools import evaluate as evaluate_tool
-from imagenet_elastic.tools.evaluate import HalvedOnce
-from imagenet_elastic.train.micro_batch import OutOfMemoryAgain
+from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain
 from imagenet_elastic.train.step import evaluate as score_batches
 
 NOWHERE = "/nonexistent-data"  # DATA is not read when the splits are given
@@ -86,7 +86,7 @@ def test_under_micro_batch_auto_a_batch_out_of_memory_is_scored_in_halves_once_w
     batches = [Batch(torch.randint(0, 256, (n, 4, 4, 3), dtype=torch.uint8, generator=generator),
                      torch.randint(0, 5, (n,), generator=generator)) for n in (6, 5, 2)]
     warnings: list[str] = []
-    fit = HalvedOnce(6, warnings.append)
+    fit = MicroBatches(BatchPlan(6, 1, 6), 6, 0, auto=True, warn=warnings.append)  # as evaluate_checkpoint's
     halved = score_batches(to, model, batches, fit=fit)
     model.most = 100
     whole = score_batches(to, model, batches)

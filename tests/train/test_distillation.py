@@ -140,8 +140,8 @@ class Recording(torch.nn.Module):
 
 def recording_teacher(size: tuple[int, int], mean, std, channels_last: bool = True) -> tuple[Teacher, Recording]:
     model = Recording()
-    weights = TeacherWeights(model, "recording", CHECKPOINT, "", 4, None, TeacherInput(size, mean, std),
-                             "0" * 64)
+    weights = TeacherWeights(model, CHECKPOINT, "", "", None, None, None, spec="recording",
+                             input=TeacherInput(size, mean, std), sha256="0" * 64)
     return Teacher(weights, ModelInput(CPU, None, channels_last)), model
 
 
@@ -221,8 +221,8 @@ def test_a_resume_with_another_teacher_is_refused_in_one_line_and_the_same_one_c
 
 def test_a_teacher_added_or_dropped_at_resume_is_a_warning_and_another_input_a_refusal():
     """Only another teacher is refused; a teacher added or dropped changes the loss, as other settings do (warned)."""
-    mine = TeacherWeights(Recording(), "t.pt", CHECKPOINT, "", 4, None,
-                          TeacherInput((32, 32), IMAGENET_MEAN, IMAGENET_STD), "a" * 64)
+    mine = TeacherWeights(Recording(), CHECKPOINT, "t.pt", "", None, None, None, spec="t.pt",
+                          input=TeacherInput((32, 32), IMAGENET_MEAN, IMAGENET_STD), sha256="a" * 64)
     assert teacher_weights.compare(None, None, "last.pt") is None
     assert teacher_weights.compare(mine.identity(), mine, "last.pt") is None
     moved = dict(mine.identity(), spec="/elsewhere/t.pt")  # the same weights and input under another path

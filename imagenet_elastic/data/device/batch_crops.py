@@ -79,9 +79,8 @@ def axis_weights(axis: torch.Tensor, size: int, extent: int, interpolation: str)
 def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
                 interpolation: str = "bilinear") -> torch.Tensor:
     """Decoded C x H x W uint8 images (any sizes and dense layouts, one device) and their (N, VIEW_FIELDS) float32
-    views -> N x size x size x 3 uint8, contiguous. One padded float32 canvas, then out[n] = rows[n] @ image[n] @
-    columns[n]^T as two batched products on transposed views, so the result comes out NHWC with no copy; a canvas
-    over CANVAS_BUDGET is done in parts."""
+    views -> N x size x size x 3 uint8, contiguous: out[n] = rows[n] @ image[n] @ columns[n]^T as two batched products
+    on transposed views of one padded float32 canvas, so the result comes out NHWC with no copy."""
     parts = canvas_parts([tuple(im.shape[-2:]) for im in images], CANVAS_BUDGET)
     if len(parts) > 1:
         return torch.cat([crop_resize(images[s], views[s], size, interpolation) for s in parts])

@@ -174,7 +174,7 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
         thread.join()
 
 
-OutOfMemoryPolicy = Callable[[Any, str, bool], Optional[bool]]  # (batch, the error's line, whether it failed before)
+OutOfMemoryPolicy = Callable[[Any, str, bool], None]  # (batch, the error's line, failed before): raises to end the run
 _STOPPED = object()
 
 
@@ -206,11 +206,12 @@ def loader_batch(item: Any) -> Any:
     return item
 
 
-def prepared(prepare: Callable[[Any], Any], batch: Any, out_of_memory: Optional[OutOfMemoryPolicy],
-             device: torch.device) -> Any:
-    """`prepare(batch)`. A device out-of-memory error in it goes to `out_of_memory(batch, line, again)`, which raises
-    to end the run, returns False to stop (`_STOPPED`), or else has the same batch prepared again once the allocator
-    has returned its cache to the device: no sample lost or repeated. Without `out_of_memory` it propagates."""
+def prepared(prepare: Callable[[Any], Any], batch: Any,
+             out_of_memory: Optional[Callable[[Any, str, bool], Optional[bool]]], device: torch.device) -> Any:
+    """`prepare(batch)`. A device out-of-memory error in it goes to `out_of_memory(batch, line, again)`: an
+    OutOfMemoryPolicy, or decoded_ahead's `ask`, False once its taker stopped (`_STOPPED`). Else the same batch is
+    prepared again once the allocator has returned its cache to the device: no sample lost or repeated. Without
+    `out_of_memory` it propagates."""
     again = False
     while True:
         try:

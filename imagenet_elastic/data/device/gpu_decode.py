@@ -1,10 +1,9 @@
 """`--decode gpu`: a loader worker parses the header and draws the crop, flip, policy and erasing exactly as the CPU
-path does, and hands over the bytes and those numbers (`EncodedBatch`). The training process decodes a batch with one
-library call in one thread while another crops the previous one (batch_crops.py) and runs its policy and erasing
-(batch_policy.py): a fixed number of operators per batch, none per image. Validation takes the same way
-(pixels.CentreCrop in float32, rounded). Images nvJPEG cannot take are decoded on the CPU, each reason reported once:
-PNGs, other formats and CMYK/YCCK JPEGs by the worker, a JPEG the device rejects by the training process; a file
-neither can decode is a CorruptImageError naming it.
+path does, and hands over the bytes and those numbers (`EncodedBatch`); the training process decodes, crops
+(batch_crops.py) and augments (batch_policy.py) whole batches, a fixed number of operators per batch. Validation takes
+the same way (pixels.CentreCrop in float32, rounded). Images nvJPEG cannot take are decoded on the CPU, each reason
+reported once: PNGs, other formats and CMYK/YCCK JPEGs by the worker, a JPEG the device rejects by the training
+process; a file neither can decode is a CorruptImageError naming it.
 """
 
 from __future__ import annotations
@@ -232,7 +231,6 @@ class Held:
         self.batches: collections.deque[tuple[Any, list[torch.Tensor]]] = collections.deque()
 
     def keep(self, tensors: list[torch.Tensor], event: Any) -> None:
-        """`event`: a torch.cuda.Event recorded after the kernels that read `tensors`."""
         self.batches.append((event, tensors))
         while len(self.batches) > self.limit:
             event, _ = self.batches.popleft()

@@ -1,13 +1,9 @@
 """--gpu-decoder: the library that decodes a batch of JPEG bytes on the device under --decode gpu; a new one is a
-class here and a line in `JPEG_DECODERS`.
-
-torchvision (nvJPEG, always there) fills 4:2:0 chroma by nearest sample, ~0.7 level from the CPU path on photos;
-nvimgcodec (nvImageCodec) gives libjpeg-turbo's, the CPU path's, pixels. Beside a compiled ResNet-50 step torchvision
-supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md, 2026-11-27), so `auto`
+class here and a line in `JPEG_DECODERS` (whose help says how their pixels differ). Beside a compiled ResNet-50 step
+torchvision supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md), so `auto`
 takes it. Both leave their images on the calling thread's current stream in memory from torch's caching allocator (its
-counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, return C x H x W uint8 in any dense
-layout (None: rejected), and hold the calling thread: torchvision until the device decoded, nvImageCodec until its
-host share is done.
+counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, and hold the calling thread:
+torchvision until the device decoded, nvImageCodec until its host share is done.
 """
 
 from __future__ import annotations
@@ -38,7 +34,7 @@ def device_index(device: torch.device) -> int:
 
 class JpegDecoder(Protocol):
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        """JPEG bytes (1-D uint8 on the host) -> C x H x W uint8 RGB on the device, any layout; None: rejected."""
+        """JPEG bytes (1-D uint8 on the host) -> C x H x W uint8 RGB on the device, any dense layout; None: rejected."""
 
 
 class TorchvisionJpeg:

@@ -7,13 +7,11 @@ IMAGENET_ELASTIC_STORE_CACHE (the node's folder of whole shards, shared by its r
 IMAGENET_ELASTIC_STORE_CACHE_GB (its cap; default: keep 10% of the file system free) and
 IMAGENET_ELASTIC_STORE_TIMEOUT (seconds a store may fail to answer before the run ends; default 300).
 
-Why whole shards: one ranged GET per 16 MiB, once per node per epoch, where per-sample reads would take a round trip
-per image; the shards then read as local files. One process of the node fetches a shard while the others wait on its
-lock, into a temporary file renamed when whole (safe under a kill); LRU eviction unlinks files that readers may still
-have mapped, which Linux keeps until they unmap them. Transient faults (a time-out, a reset, a 5xx, throttling) are
-retried with backoff and full jitter until the store has failed to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds
-in a row; then `StoreUnavailable` ends the run in one line (the last checkpoint untouched; --resume continues). A
-missing object and refused credentials are errors at once.
+Why whole shards: a few large ranged GETs, once per node per epoch, where per-sample reads would take a round trip
+per image; the shards then read as local files. LRU eviction unlinks files that readers may still have mapped, which
+Linux keeps until they unmap them. A store that fails to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds in a row
+ends the run in one line (`StoreUnavailable`: the last checkpoint untouched; --resume continues); a missing object
+and refused credentials are errors at once.
 """
 
 from __future__ import annotations
@@ -106,8 +104,7 @@ _CLIENT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "
 def filesystem(url: str, timeout: float):
     """This process's fsspec file system for `url`'s scheme (made at first use: fsspec's event loop does not survive
     a fork). Each request's time-outs are bounded by `timeout` so a stalled connection is retried here rather than
-    waited on, and the libraries make one attempt a call: their retry loops nest (s3fs's two around botocore's),
-    which made a stalled read take 12 attempts, not 1."""
+    waited on, and the libraries make one attempt a call: their retry loops nest (s3fs's two around botocore's)."""
     key = (os.getpid(), scheme(url), timeout, *(os.environ.get(name) for name in _CLIENT_VARIABLES))
     found = _FILESYSTEMS.get(key)
     if found is not None:

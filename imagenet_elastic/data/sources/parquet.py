@@ -106,8 +106,7 @@ class ParquetFiles(Source):
 
     def read(self, i: int) -> bytes:
         g = self.group(i)
-        images = _row_group(self, g, images=True).images
-        raw = images[i - int(self.starts[g])].as_py() if images is not None else None
+        raw = _row_group(self, g, images=True).images[i - int(self.starts[g])].as_py()
         if not raw:
             raise CorruptImageError(f"{self.name(i)} has no image bytes")
         return raw

@@ -1,6 +1,5 @@
-"""Where a run's rows go: steps.jsonl, TensorBoard and the experiment trackers, each a `Sink` (base.py) with
-`step(row)`, `epoch(row)`, `flush()` and `close()`, behind one container the trainer holds (`Sinks`). Rows are built
-once (report/metrics.py), so every sink gets every number; metrics.jsonl is the checkpointer's to write."""
+"""Where a run's rows go: steps.jsonl, TensorBoard and the experiment trackers, each a `Sink` (base.py), behind one
+container the trainer holds (`Sinks`). metrics.jsonl is the checkpointer's to write."""
 
 from __future__ import annotations
 
@@ -10,13 +9,12 @@ import dataclasses
 import importlib.util
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from imagenet_elastic import options
 from imagenet_elastic.errors import UserError, one_line
 from imagenet_elastic.options import option
-from imagenet_elastic.report.sinks import steps_file, tensorboard_events
+from imagenet_elastic.report.sinks import steps_file
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 from imagenet_elastic.report.sinks.mlflow_tracker import MlflowTracker
 from imagenet_elastic.report.sinks.steps_file import StepsFile
@@ -36,7 +34,7 @@ def tracker_settings(trackers: dict[str, type[Tracker]]) -> type:
 TrackerSettings = tracker_settings(TRACKERS)
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class ReportSettings(TrackerSettings):
     """Where a run's rows go besides metrics.jsonl: steps.jsonl, TensorBoard, and each tracker of `TRACKERS`."""
 
@@ -48,18 +46,26 @@ class ReportSettings(TrackerSettings):
         shown_default="when installed", action=argparse.BooleanOptionalAction)
 
 
-def installed(package: str) -> bool:
-    """Whether `package` can be imported, once the None cli.program left in sys.modules for it is removed."""
+def installed(package: str, option: Optional[str] = None) -> bool:
+    """Whether `package` can be imported, once the None cli.program left in sys.modules for it is removed; where
+    `option` (the setting and its extra) asks for it, a UserError if not."""
     if sys.modules.get(package, False) is None:
         del sys.modules[package]
-    return importlib.util.find_spec(package) is not None
+    found = importlib.util.find_spec(package) is not None
+    if option and not found:
+        raise UserError(f'--{option} needs the {package} package: pip install "imagenet_elastic[{option}]"')
+    return found
+
+
+def tensorboard_wanted(setting: Optional[bool]) -> bool:
+    """--tensorboard: always (an error without the package); --no-tensorboard: never; neither: when installed."""
+    return setting is not False and installed("tensorboard", "tensorboard" if setting else None)
 
 
 def chosen(config: Any, is_main: bool) -> list[Sink]:
-    """Rank 0's sinks (none on other ranks): steps.jsonl always, and those the settings name (config.Config's
-    tensorboard and each tracker's setting, by its name), each checked before anything starts (no thread, no worker);
-    a setting a sink cannot use is a UserError."""
-    tensorboard = tensorboard_events.wanted(config.tensorboard)  # on every rank: each says the same line
+    """Rank 0's sinks (none on other ranks): steps.jsonl always, and those the settings name, each checked before
+    anything starts (no thread, no worker); a setting a sink cannot use is a UserError."""
+    tensorboard = tensorboard_wanted(config.tensorboard)  # on every rank: each says the same line
     if not is_main:
         return []
     folder = config.checkpoints_path
@@ -69,9 +75,7 @@ def chosen(config: Any, is_main: bool) -> list[Sink]:
         if where is None:
             continue
         tracker = cls(where, folder)
-        if not installed(tracker.package):
-            raise UserError(f'{tracker.flag} needs the {tracker.package} package: pip install '
-                            f'"imagenet_elastic[{name}]"')
+        installed(tracker.package, name)
         tracker.check()
         sinks.append(tracker)
     return sinks
@@ -103,11 +107,9 @@ class Sinks:
         self.each(lambda sink: sink.epoch(row))
 
     def flush(self) -> None:
-        """Before each checkpoint: the curves up to its step are on disk with it."""
         self.each(lambda sink: sink.flush())
 
     def close(self, finished: bool) -> None:
-        """`finished`: the run trained its last epoch (the trackers mark their runs so)."""
         self.each(lambda sink: sink.close(finished), closing=True)
         self.sinks = []
 
@@ -117,7 +119,6 @@ class Sinks:
         return dict(self.runs.ids)
 
     def forget_pending(self) -> None:
-        """After the first checkpoint of this start, which holds `tracker_runs`."""
         self.runs.forget_pending()
 
     def each(self, action: Callable[[Sink], None], closing: bool = False) -> None:

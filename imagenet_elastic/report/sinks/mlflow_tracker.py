@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import threading
@@ -14,9 +15,8 @@ from imagenet_elastic.report.sinks.tracker import EPOCH_KEY, TRAIN_KEY, Tracker
 
 class MlflowTracker(Tracker):
     """A tracking URI (a server's http(s)://..., sqlite:///PATH, file:PATH). MLflow's client waits for its store (a
-    row to sqlite took 70 ms here; a gone server, minutes of retries), so rows go in order through a queue to a thread
-    of their own: the store holds a prefix of what was sent, and the next start sends the rest. A failure in the
-    thread is raised by the next `log`."""
+    gone server: minutes of retries), so rows go in order through a queue to a thread of their own: the store holds a
+    prefix of what was sent, and the next start sends the rest. A failure in the thread is raised by the next `log`."""
 
     option, package, metavar = "mlflow", "mlflow", "URI"
     help = ("the same to MLflow at this tracking URI: a server (`http://HOST:5000`) or a local store "
@@ -34,8 +34,6 @@ class MlflowTracker(Tracker):
         self.failure: Optional[Exception] = None  # the sender's, raised by the next `log`
 
     def check(self) -> None:
-        import logging
-
         from mlflow import MlflowClient
 
         logging.getLogger("mlflow").setLevel(logging.WARNING)  # a new sqlite store's "creating tables" lines

@@ -1,29 +1,18 @@
-"""TensorBoard (--tensorboard, on when the package is installed): every number of every row, as the trackers name
-them (`train/loss`, `epoch/val_top1`), in CHECKPOINTS/tensorboard.
+"""TensorBoard (--tensorboard): every number of every row, as the trackers name them (`train/loss`,
+`epoch/val_top1`), in CHECKPOINTS/tensorboard.
 
 A resumed run continues the same curves: the writer's `purge_step` hides the events beyond the checkpoint's step,
 which the resumed run logs again."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
-from typing import Any, Optional
+from typing import Any
 
-from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 
 FOLDER = "tensorboard"
-INSTALL = 'pip install "imagenet_elastic[tensorboard]"'
-
-
-def wanted(setting: Optional[bool]) -> bool:
-    """--tensorboard: always (an error without the package); --no-tensorboard: never; neither: when installed."""
-    installed = importlib.util.find_spec("tensorboard") is not None
-    if setting and not installed:
-        raise UserError(f"--tensorboard needs the tensorboard package: {INSTALL}")
-    return installed if setting is None else setting
 
 
 class TensorBoard(Sink):

@@ -10,13 +10,11 @@ trackers cannot delete rows (MLflow has no API, W&B's rewind needs its server), 
 it holds of each kind of row (`held`), and rows up to it are not sent again. The kinds are counted apart: a run
 killed while validating has sent its epoch's last step, not the epoch's row. (W&B's server refuses a step not past a
 resumed run's last one, so online that one epoch row may be lost; untested without a W&B server.)
-
-A tracker never stops training: a setting it cannot use is one line and exit 2 before training; a later failure is
-one warning, after which that tracker is left out.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from abc import abstractmethod
@@ -49,12 +47,9 @@ class TrackerRuns:
         self.saved, self.started_from = dict(saved), started_from
         self.pending = {}
         if continuing:
-            try:
-                with open(self.path) as f:
-                    found = json.load(f)
+            with contextlib.suppress(OSError, ValueError), open(self.path) as f:
+                found = json.load(f)
                 self.pending = found if isinstance(found, dict) else {}
-            except (OSError, ValueError):
-                pass
 
     def earlier(self, option: str) -> Optional[str]:
         """The run to continue: the checkpoint's, else the one a start from this same point made and recorded."""
@@ -94,12 +89,9 @@ class Tracker(Sink):
 
     def __init__(self, where: str, folder: str) -> None:
         self.where, self.folder = where, folder
+        self.flag = f"--{self.option}"
         self.name = f"{self.flag} {where}"
         self.last = {TRAIN_KEY: 0, EPOCH_KEY: 0}  # the last step the run holds of each kind of row
-
-    @property
-    def flag(self) -> str:
-        return f"--{self.option}"
 
     def refuse(self, problem: str) -> UserError:
         return UserError(f"{self.flag} {self.where}: {problem}")

@@ -102,14 +102,10 @@ class WandbTracker(Tracker):
         self.run.config.update({"settings": settings}, allow_val_change=True)
         return self.run.id
 
-    def logs(self, run_id: str) -> list[str]:
-        """This run's transaction logs, one per start, oldest first."""
-        return transaction_logs(os.path.join(self.dir, "wandb"), run_id)
-
     def held(self) -> dict[str, int]:
         last = {TRAIN_KEY: 0, EPOCH_KEY: 0}
         mine = os.path.realpath(os.path.dirname(self.run.dir))  # run.dir is the run folder's files/
-        for path in self.logs(self.run.id):
+        for path in transaction_logs(os.path.join(self.dir, "wandb"), self.run.id):
             if os.path.realpath(os.path.dirname(path)) == mine:  # this start's own log: nothing sent yet
                 continue
             for step, values in wandb_history(path):
