@@ -142,12 +142,26 @@ def options_table() -> str:
     """docs/OPTIONS.md's option table, from the same fields as the parser (scripts/options_table.py prints it), each
     option written as --help writes it."""
     actions = {action.dest: action for action in build_parser()._actions}
-    formatter = HelpFormatter(PROG)
     rows = ["| option | default | meaning |", "| --- | --- | --- |"]
     for f in dataclasses.fields(Config):
-        usage = formatter._format_action_invocation(actions[f.name]).replace(", ", " / ")  # --x / --no-x
-        rows.append(f"| `{usage}` | {shown_default(f)} | {f.metadata['help']} |")
+        rows.append(f"| `{invocation(actions[f.name])}` | {shown_default(f)} | {f.metadata['help']} |")
     return "\n".join(rows)
+
+
+def invocation(action: argparse.Action) -> str:
+    """`--batch-size N`, `--amp {auto,bf16,fp16,off}`, `--x / --no-x`: an option as --help writes it (argparse's own
+    rendering is private API)."""
+    if not action.option_strings:
+        return action.metavar
+    flags = " / ".join(action.option_strings)
+    if action.nargs == 0:
+        return flags
+    metavar = action.metavar or ("{" + ",".join(map(str, action.choices)) + "}" if action.choices else
+                                 action.dest.upper())
+    if action.nargs == "?":
+        return f"{flags} [{metavar}]"
+    words = metavar if isinstance(metavar, tuple) else (metavar,) * (action.nargs or 1)
+    return f"{flags} {' '.join(words)}"
 
 
 def shown_default(f: dataclasses.Field) -> str:

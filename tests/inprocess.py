@@ -99,7 +99,7 @@ def train(argv: Sequence[str], signal_during_step: Optional[int] = None,
     outcome = Outcome(stopped=False)
     try:
         with contextlib.ExitStack() as stack:
-            trainer = trainer_module.build(Run(config, DistEnv(), Console(True, config.log_interval), preempt), stack,
+            trainer = trainer_module.build(Run(config, DistEnv(), Console(True), preempt), stack,
                                     splits)
             watch(trainer, preempt, signal_during_step, outcome)
             if before_fit is not None:

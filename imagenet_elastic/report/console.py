@@ -15,9 +15,8 @@ from rich.table import Table
 
 
 class Console:
-    def __init__(self, enabled: bool, log_interval: int = 50, rank: int = 0) -> None:
+    def __init__(self, enabled: bool, rank: int = 0) -> None:
         self.enabled, self.rank = enabled, rank
-        self.log_interval = max(1, log_interval)
         # a bar and colours only on a real terminal, whatever FORCE_COLOR or TTY_COMPATIBLE say (rich believes them)
         self.rich = RichConsole(highlight=False, soft_wrap=True, width=None if sys.stdout.isatty() else 120,
                                 force_terminal=sys.stdout.isatty())
@@ -69,7 +68,8 @@ class Console:
 
 
 class EpochProgress:
-    """Per-step updates: a live bar on a terminal, one line every `log_interval` steps otherwise."""
+    """Per-step updates: a live bar on a terminal, otherwise a line for each update with stats (the trainer gives
+    them every --log-interval steps)."""
 
     def __init__(self, console: Console, description: str, total: int, bar: Optional[Progress] = None,
                  task: Any = None) -> None:

@@ -348,7 +348,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
     from imagenet_elastic.train.micro_batch import MicroBatches
     from imagenet_elastic.train.state import check_compatible
 
-    console = Console(env.is_main, config.log_interval, env.rank)
+    console = Console(env.is_main, env.rank)
     try:
         distributed.configure_threads(config.threads, env.local_world_size)
         device = distributed.select_device(config.device, env)

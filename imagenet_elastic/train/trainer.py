@@ -375,7 +375,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
 
 
 def run(config: Config, env: DistEnv) -> None:
-    console = Console(env.is_main, config.log_interval, env.rank)
+    console = Console(env.is_main, env.rank)
     # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
     preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:

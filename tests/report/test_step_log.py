@@ -108,7 +108,7 @@ def test_the_best_epoch_is_the_one_fit_saves_as_best_pt_with_the_weights_that_sc
 def test_a_log_file_gets_plain_lines_whatever_force_color_and_tty_compatible_say(monkeypatch, capsys):
     monkeypatch.setenv("FORCE_COLOR", "1")
     monkeypatch.setenv("TTY_COMPATIBLE", "1")
-    console = Console(enabled=True, log_interval=2)
+    console = Console(enabled=True)
     with console.progress("epoch 1/1", total=4) as progress:
         for step in range(1, 5):
             progress.update(step, f"loss {step}" if step % 2 == 0 else "")
