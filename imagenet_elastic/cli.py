@@ -121,7 +121,7 @@ def settings_from_checkpoint(config: Config, names: Sequence[str]) -> Config:
         return config
     from imagenet_elastic.checkpoint import store
 
-    path = (os.path.join(config.checkpoints_path, store.LAST) if config.resume == RESUME_AUTO
+    path = (os.path.join(config.checkpoints_path, LAST_FILE) if config.resume == RESUME_AUTO
             else store.resume_file(config.resume))
     if not os.path.isfile(path):
         return config

@@ -27,7 +27,6 @@ from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, wr
 from imagenet_elastic.config import LAST_FILE, RESUME_AUTO
 from imagenet_elastic.errors import UserError, first_line
 
-LAST = LAST_FILE
 LOCK = ".lock"
 LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
 BEST = "best.pt"
@@ -100,7 +99,7 @@ def load(path: str, lazy: bool = False) -> dict[str, Any]:
 
 def resume_file(resume: str) -> str:
     """The checkpoint `--resume PATH` names: PATH, or PATH/last.pt where PATH is a folder (a run's checkpoints)."""
-    return os.path.join(resume, LAST) if os.path.isdir(resume) else resume
+    return os.path.join(resume, LAST_FILE) if os.path.isdir(resume) else resume
 
 
 def check_writable(folder: str) -> None:
@@ -221,7 +220,7 @@ class CheckpointFolder:
 
     @property
     def last_path(self) -> str:
-        return os.path.join(self.folder, LAST)
+        return os.path.join(self.folder, LAST_FILE)
 
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
         """One serialization and one write, committed as `last.pt`; `epoch` (just completed) and `is_best` add
@@ -231,7 +230,7 @@ class CheckpointFolder:
         also += [os.path.join(self.folder, BEST)] if is_best else []
         doing, path = "writing", (also or [self.last_path])[0]
         try:
-            temp = write_temp(self.folder, LAST, functools.partial(save_to, state))
+            temp = write_temp(self.folder, LAST_FILE, functools.partial(save_to, state))
             try:
                 for path in also:
                     doing = "linking" if self.links else "copying to"
@@ -284,7 +283,7 @@ class CheckpointFolder:
         if resume not in (None, RESUME_AUTO):
             path = resume_file(resume)
             if not os.path.isfile(path):
-                raise UserError(f"--resume {resume}: " + (f"a folder without {LAST}" if os.path.isdir(resume)
+                raise UserError(f"--resume {resume}: " + (f"a folder without {LAST_FILE}" if os.path.isdir(resume)
                                                            else "no such checkpoint file or folder"))
             return path
         if os.path.exists(self.last_path):

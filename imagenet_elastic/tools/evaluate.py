@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Optional
 
 import numpy as np
 
-from imagenet_elastic.config import VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
+from imagenet_elastic.config import LAST_FILE, VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
 from imagenet_elastic.data.pixels import INTERPOLATIONS
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
@@ -356,7 +356,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
             raise UserError("--evaluate needs a checkpoint: pass --resume PATH")
         path = store.CheckpointFolder(config.checkpoints_path, 0).resume_path(config.resume, restarted=False)
         if path is None:
-            raise UserError(f"--evaluate needs a checkpoint: {config.checkpoints_path} has no {store.LAST}; pass "
+            raise UserError(f"--evaluate needs a checkpoint: {config.checkpoints_path} has no {LAST_FILE}; pass "
                             "--resume PATH")
         snapshot = store.load(path, lazy=True)  # mapped: each weight read once, as the models load it
         if val is None:
