@@ -63,7 +63,7 @@ class Run:
     preempt: preemption.PreemptionFlag
 
 
-@dataclass
+@dataclass(frozen=True)
 class Training:
     """The training state, new or as the checkpoint left it, and the schedule that follows from it."""
 
@@ -79,7 +79,7 @@ class Training:
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
     saved_decoding: Optional[dict[str, str]] = None  # how the checkpoint's run decoded (decoding.Decoding.saved)
-    micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (fit_micro_batches)
+    micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (set on a copy: fit_micro_batches)
     teacher: Optional[TeacherWeights] = None  # --teacher's, read by check_inputs; its identity goes in checkpoints
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, kept in checkpoints (fingerprints.py)
 

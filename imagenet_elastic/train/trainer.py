@@ -9,7 +9,7 @@ import functools
 import os
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import torch
@@ -357,7 +357,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
     preempt.steps_done = state.step
     compilation = prepare_compile(run, inputs, training)
     ctx = step_context(run, inputs, training, compilation)
-    training.micro = fit_micro_batches(run, inputs, training, ctx)
+    training = replace(training, micro=fit_micro_batches(run, inputs, training, ctx))
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
     sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
