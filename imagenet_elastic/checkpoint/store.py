@@ -251,21 +251,27 @@ class CheckpointFolder:
 
     def add_name(self, committed: str, path: str) -> None:
         """`path` atomically becomes a hard link to `committed` (a copy where the file system has no links)."""
-        name = os.path.basename(path)
-        if self.links:
-            temp = os.path.join(self.folder, f"{TEMP_PREFIX}{name}-{secrets.token_hex(4)}")
-            try:
-                os.link(committed, temp)
-            except OSError as error:
-                if error.errno not in LINK_REFUSED:
-                    raise
-                self.links = False
-                self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
-                          "best.pt are written as copies of last.pt from now on (one more write each)")
-        if not self.links:
-            with open(committed, "rb") as source:
-                temp = write_temp(self.folder, name, lambda copy: shutil.copyfileobj(source, copy, 16 << 20))
-        commit(temp, path)
+        temp = os.path.join(self.folder, f"{TEMP_PREFIX}{os.path.basename(path)}-{secrets.token_hex(4)}")
+        try:
+            if self.links:
+                try:
+                    os.link(committed, temp)
+                except OSError as error:
+                    if error.errno not in LINK_REFUSED:
+                        raise
+                    self.links = False
+                    self.warn(f"{self.folder} does not allow hard links ({error.strerror}): epoch_NNNN.pt and "
+                              "best.pt are written as copies of last.pt from now on (one more write each)")
+            if not self.links:
+                with open(committed, "rb") as source, open(temp, "wb") as copy:
+                    shutil.copyfileobj(source, copy, 16 << 20)
+                    copy.flush()
+                    os.fsync(copy.fileno())
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(temp)
+            raise
 
     def epoch_files(self) -> list[str]:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""

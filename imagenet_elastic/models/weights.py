@@ -82,10 +82,11 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
             snapshot = store.load(target)
         except UserError as error:
             raise UserError(f"{flag}: {error}") from None
+        model = saved_model(snapshot, target, ema)  # first: its one-line refusals of a file that is not ours
         which = "weight average" if ema else "raw weights"
         source = f"our checkpoint of {snapshot['model_name']}, its {which} after step {snapshot['step']}"
-        return Weights(saved_model(snapshot, target, ema), CHECKPOINT, target, source, tuple(snapshot["classes"]),
-                       snapshot.get("config", {}), (snapshot.get("data") or {}).get("val"))
+        return Weights(model, CHECKPOINT, target, source, tuple(snapshot["classes"]), snapshot.get("config", {}),
+                       (snapshot.get("data") or {}).get("val"))
     if kind == PUBLISHED and not published:
         raise UserError(f"{flag} {spec} is a timm model name: reading its published weights needs --pretrained")
     if ema:

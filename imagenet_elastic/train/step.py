@@ -196,7 +196,8 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
 
 
 class ValidationFit(Protocol):
-    """What halves validation's batches on an out-of-memory error (micro_batch.MicroBatches, tools/evaluate.py's)."""
+    """What halves validation's batches on an out-of-memory error: micro_batch.MicroBatches (which imports this
+    module), in training and under --evaluate."""
 
     validation_batch: Optional[int]  # most images a forward pass takes; None: the whole batch, and OOM ends the run
 

@@ -110,3 +110,33 @@ def test_a_failed_write_removes_its_temp_file_and_names_the_checkpoint_it_was_wr
     with pytest.raises(StorageError, match=r"^disk quota exceeded writing .*last\.pt \(4 kB\)$"):
         manager.save(state(1), None)  # nothing before it: no "previous checkpoint" to speak of
     assert os.listdir(tmp_path) == []
+
+
+
+@pytest.mark.parametrize("links", [True, False], ids=["just after the link", "at the copy's rename"])
+def test_a_ctrl_c_while_an_epoch_file_is_named_leaves_no_temp_file_and_last_pt_as_it_was(tmp_path, monkeypatch,
+                                                                                         links):
+    """A second Ctrl-C stops a save at once: the temp file of an extra name (a link, or a copy) goes with it, or a
+    checkpoint's worth of disk stays taken until the next start."""
+    manager = CheckpointFolder(str(tmp_path), keep=3)
+    manager.save(state(1), 1, is_best=True)
+    manager.links = links
+    real_link, real_replace = os.link, os.replace
+
+    def link_then_interrupted(src, dst):
+        real_link(src, dst)
+        raise KeyboardInterrupt
+
+    def interrupted_at_epoch_file(src, dst):
+        if os.path.basename(dst) == "epoch_0002.pt":
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    if links:
+        monkeypatch.setattr(store.os, "link", link_then_interrupted)
+    else:
+        monkeypatch.setattr(store.os, "replace", interrupted_at_epoch_file)
+    with pytest.raises(KeyboardInterrupt):
+        manager.save(state(2), 2, is_best=False)
+    assert sorted(os.listdir(tmp_path)) == ["best.pt", "epoch_0001.pt", "last.pt"]
+    assert version(tmp_path / "last.pt") == 1
