@@ -95,3 +95,17 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, content,
 def test_a_missing_file_is_named(tmp_path):
     with pytest.raises(UserError, match="no such file"):
         InitialWeights.read(str(tmp_path / "absent.pth"))
+
+
+
+def test_a_foreign_pt_without_a_model_name_asked_for_its_average_is_one_line_not_a_key_error(tmp_path):
+    """load_weights (--teacher, evaluate MODEL --ema) on a .pt with weights but no model name: what it lacks for
+    --ema is said before anything reads the name."""
+    from imagenet_elastic.models.weights import load_weights
+
+    path = tmp_path / "foreign.pt"
+    torch.save({"model": {}, "epoch": 0, "classes": ["a"]}, path)
+    with pytest.raises(UserError) as caught:
+        load_weights(str(path), "MODEL", ema=True)
+    assert str(caught.value) == (f"checkpoint {path} has no weight average (it was trained without --model-ema): use "
+                                 "it without --ema")
