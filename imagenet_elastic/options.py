@@ -5,6 +5,7 @@ argparse pieces every command line uses: one-line errors, and help that shows de
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Mapping
 from dataclasses import field
 from typing import Any, Callable, NoReturn, Optional
@@ -69,6 +70,8 @@ def bounded(kind: type, low: float, high: Optional[float] = None, inclusive: boo
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
+        if not math.isfinite(value):  # nan would pass every comparison below
+            raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (not inclusive and value == low):
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")
         if high is not None and value > high:
@@ -100,6 +103,8 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected steps (500), a time (10m, 90s, 2h) or both (500,10m), got {text!r}") from None
+    if seconds is not None and not math.isfinite(seconds):
+        raise argparse.ArgumentTypeError(f"must be a finite time, got {text!r}")
     if (steps is not None and steps <= 0) or (seconds is not None and seconds <= 0):
         raise argparse.ArgumentTypeError(f"must be positive, got {text!r}")
     return steps, seconds

@@ -28,6 +28,9 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
             loaded = yaml.safe_load(f)
     except OSError as error:
         raise UserError(f"cannot read config file {path}: {error.strerror or error}") from None
+    except UnicodeDecodeError as error:
+        raise UserError(f"config file {path} is not UTF-8 text ({error.reason}: byte "
+                        f"{error.object[error.start]:#04x})") from None
     except yaml.YAMLError as error:
         raise UserError(f"config file {path} is not valid YAML: {' '.join(str(error).split())}") from None
     if loaded is None:

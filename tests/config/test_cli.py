@@ -152,7 +152,11 @@ def test_batch_size_zero_exits_2_with_one_line_naming_the_flag(capsys):
 
 
 @pytest.mark.parametrize(("flag", "value"), [("--lr", "0"), ("--lr", "abc"), ("--momentum", "-1"),
-                                             ("--epochs", "1.5"), ("--workers", "-2")])
+                                             ("--epochs", "1.5"), ("--workers", "-2"),
+                                             # nan passes every comparison; inf is no rate, probability or time
+                                             ("--lr", "nan"), ("--hflip", "nan"), ("--label-smoothing", "nan"),
+                                             ("--cutmix-alpha", "inf"), ("--warmup-epochs", "inf"),
+                                             ("--dist-timeout", "nan"), ("--momentum", "nan")])
 def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
     with pytest.raises(SystemExit) as caught:
         build_parser().parse_args(["/data", flag, value])
@@ -170,7 +174,7 @@ def test_checkpoint_interval_takes_steps_time_or_both(text, expected):
     assert checkpoint_interval(text) == expected
 
 
-@pytest.mark.parametrize("text", ["0", "-5", "10x", "m", "", "5,", "0s"])
+@pytest.mark.parametrize("text", ["0", "-5", "10x", "m", "", "5,", "0s", "nans", "infm", "1e400s"])
 def test_bad_checkpoint_interval_is_refused(text):
     with pytest.raises(argparse.ArgumentTypeError):
         checkpoint_interval(text)

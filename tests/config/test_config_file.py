@@ -64,9 +64,14 @@ def test_an_empty_file_changes_nothing(tmp_path):
     ("compile: maybe\n", "compile must be true or false, got 'maybe'"),
     ("scale: 0.5\n", "scale takes a list of 2 values, got 0.5"),
     ("epochs:\n", "epochs needs a value"),
+    (b"model: \xff\xfe\n", "is not UTF-8 text (invalid start byte: byte 0xff)"),
 ])
 def test_a_bad_file_is_one_user_error_naming_the_file(tmp_path, text, message):
-    path = write(tmp_path, text)
+    if isinstance(text, bytes):
+        (tmp_path / "config.yaml").write_bytes(text)
+        path = str(tmp_path / "config.yaml")
+    else:
+        path = write(tmp_path, text)
     with pytest.raises(UserError) as raised:
         cli.parse(["/data", "--config", path])
     assert path in str(raised.value) and message in str(raised.value)
@@ -76,6 +81,7 @@ def test_a_bad_file_is_one_user_error_naming_the_file(tmp_path, text, message):
     ("batch-size: 0\n", "argument --batch-size: must be >= 1, got 0"),
     ("auto-augment: fancy\n", "argument --auto-augment: invalid choice: 'fancy'"),
     ("hflip: 2\n", "argument --hflip: must be <= 1.0, got 2"),
+    ("lr: .nan\n", "argument --lr: must be a finite number, got nan"),
 ])
 def test_a_bad_value_in_a_file_fails_as_on_the_command_line_naming_the_file(tmp_path, capsys, text, message):
     path = write(tmp_path, text)
