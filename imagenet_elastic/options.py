@@ -70,7 +70,7 @@ def bounded(kind: type, low: float, high: Optional[float] = None, inclusive: boo
             value = kind(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected {kind.__name__}, got {text!r}") from None
-        if not math.isfinite(value):  # nan would pass every comparison below
+        if kind is float and not math.isfinite(value):  # nan would pass every comparison below
             raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
         if value < low or (not inclusive and value == low):
             raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low}, got {text}")

@@ -166,6 +166,12 @@ def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
     assert flag in err
 
 
+def test_an_integer_flag_takes_an_integer_too_large_for_a_float():
+    """The finite-number check is for floats: an int of 400 digits has no float, and asking would raise OverflowError,
+    which argparse does not turn into its one line."""
+    assert build_parser().parse_args(["/data", "--seed", "1" + "0" * 400]).seed == 10 ** 400
+
+
 @pytest.mark.parametrize("text,expected", [
     ("500", (500, None)), ("10m", (None, 600.0)), ("90s", (None, 90.0)), ("2h", (None, 7200.0)),
     ("500,10m", (500, 600.0)), ("0.5m", (None, 30.0)),
