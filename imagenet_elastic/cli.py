@@ -49,6 +49,12 @@ def build_parser() -> Parser:
 NOT_SETTINGS = ("local_rank", "config", "print_config")
 
 
+def names_a_checkpoint(word: str) -> bool:
+    """Whether the word after `--resume` is its PATH: a file, a `.pt` path, or a folder holding last.pt."""
+    return not word.startswith("-") and (word.endswith(".pt") or os.path.isfile(word)
+                                         or os.path.isfile(os.path.join(word, LAST_FILE)))
+
+
 def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
     """`--resume` takes the next word only when it names a checkpoint; else the flag is bare and the word stays
     (argparse's optional value would take `--resume /data/imagenet`'s data folder for the checkpoint). Also returns
@@ -58,16 +64,21 @@ def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
         if word == "--":
             return out + words[i:], left
         if word == "--resume":
-            following = words[i + 1] if i + 1 < len(words) and not words[i + 1].startswith("-") else None
-            # it is PATH where it is a file, a `.pt` path, or a folder holding last.pt
-            path = following is not None and (following.endswith(".pt") or os.path.isfile(following)
-                                              or os.path.isfile(os.path.join(following, LAST_FILE)))
+            following = words[i + 1] if i + 1 < len(words) else None
+            path = following is not None and names_a_checkpoint(following)
             out.append("--resume" if path else f"--resume={RESUME_AUTO}")
-            if following is not None and not path:
+            if following is not None and not path and not following.startswith("-"):
                 left = following
             continue
         out.append(word)
     return out, left
+
+
+def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
+    """The line for `--resume WORD DATA` (or `DATA --resume WORD`) where WORD names no checkpoint: a second DATA."""
+    why = f"a folder without {LAST_FILE}" if os.path.isdir(word) else "no such checkpoint file or folder"
+    return UserError(f"--resume {word}: {why}, so it was read as a second DATA beside {' '.join(others)}; --resume "
+                     f"takes a checkpoint file, a folder holding {LAST_FILE} or, bare, CHECKPOINTS/{LAST_FILE}")
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
@@ -81,11 +92,8 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     from_file = read_settings(found.config, build_parser()) if found.config else {}
     parser.set_defaults(**from_file)
     args, extra = parser.parse_known_args(argv)
-    if extra and left is not None and left in (args.data, *extra):  # a second DATA: meant as --resume's checkpoint
-        why = f"a folder without {LAST_FILE}" if os.path.isdir(left) else "no such checkpoint file or folder"
-        others = " ".join(word for word in (args.data, *extra) if word != left)
-        raise UserError(f"--resume {left}: {why}, so it was read as a second DATA beside {others}; --resume "
-                        f"takes a checkpoint file, a folder holding {LAST_FILE} or, bare, CHECKPOINTS/{LAST_FILE}")
+    if extra and left is not None and left in (args.data, *extra):
+        raise not_a_checkpoint(left, [word for word in (args.data, *extra) if word != left])
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:
