@@ -138,7 +138,11 @@ class CheckpointLock:
         self.fd: Optional[int] = None
 
     def acquire(self, wait_s: float, on_wait: Callable[[str], None]) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)  # open() applies the umask itself
+        except OSError as error:  # e.g. a folder of that name
+            raise UserError(f"checkpoints path {os.path.dirname(self.path)}: cannot open its lock file {self.path} "
+                            f"({error.strerror or error})") from None
         deadline = time.monotonic() + wait_s
         told = False
         while True:
@@ -280,6 +284,17 @@ class CheckpointFolder:
 
     def stale_temp_files(self) -> list[str]:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))
+
+    def check_same_run(self, path: str, run: Optional[str]) -> None:
+        """A run continued here from a checkpoint elsewhere overwrites this folder's last.pt, epoch files and
+        metrics.jsonl: refused where they are another run's (a copy or backup of this run's own may; so may any
+        checkpoint of this folder: a rollback). `run`: the resumed checkpoint's `run_id`; None where it has none."""
+        if not os.path.isfile(self.last_path) or os.path.samefile(os.path.dirname(path) or ".", self.folder):
+            return
+        here = load(self.last_path, lazy=True).get("run_id")
+        if run is None or here != run:
+            raise UserError(f"--checkpoints-path {self.folder} holds another run's checkpoints than --resume {path}: "
+                            "continuing there would overwrite them; choose another --checkpoints-path")
 
     def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
         """The checkpoint this run starts from, or None. A torchrun restart continues from `last.pt` whenever it

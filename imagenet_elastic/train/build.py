@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -49,7 +50,7 @@ from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
 from imagenet_elastic.train.distillation import LOGIT, Distillation, Teacher, has_distillation_head, loss_weights
 from imagenet_elastic.train.micro_batch import MicroBatches
-from imagenet_elastic.train.state import TrainState, check_compatible
+from imagenet_elastic.train.state import TrainState, apply_checkpoint, check_compatible, check_resumable
 from imagenet_elastic.train.step import StepContext, TrainLoss
 
 
@@ -76,6 +77,7 @@ class Training:
     classes: tuple[str, ...]
     resume_from: Optional[str]  # the checkpoint the run started from; None: from scratch
     resumed_at: Optional[float]  # the checkpoint's time stamp
+    run_id: str  # the run's identity, kept by every checkpoint it writes and by runs resumed from them
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
     saved_decoding: Optional[dict[str, str]] = None  # how the checkpoint's run decoded (decoding.Decoding.saved)
@@ -154,6 +156,9 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train.classes, config.opt, config.blurpool)
+        check_resumable(snapshot, resume_from)
+        if env.is_main:  # rank 0's folder, as its lock is
+            checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
     initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
@@ -235,7 +240,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     state = TrainState(model, optimizer, scaler, ema=ema)
     if snapshot is not None:
         if not inputs.from_main:
-            state.apply(snapshot)
+            apply_checkpoint(state, snapshot, inputs.resume_from)
         changes = config.differences(snapshot["config"])
         if saved_batch not in (None, plan.global_batch):
             changes.append(f"global batch: checkpoint {saved_batch}, now {plan.global_batch}")
@@ -246,8 +251,9 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
         warn_differences(console, changes)
+    run_id = saved.get("run_id") or secrets.token_hex(8)  # a fresh run's is new; a resumed run keeps its own
     return Training(state, plan, sampler, precision, schedule, start, inputs.train.classes, inputs.resume_from,
-                    saved.get("saved_at"), dict(saved.get("trackers") or {}), saved.get("micro_batch"),
+                    saved.get("saved_at"), run_id, dict(saved.get("trackers") or {}), saved.get("micro_batch"),
                     saved.get("decoding"), teacher=inputs.teacher, data=inputs.data)
 
 

@@ -6,14 +6,14 @@ import dataclasses
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 import torch
 from torch import nn
 
 from imagenet_elastic.config import saved_setting
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, one_line
 from imagenet_elastic.launch import distributed
 
 FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
@@ -140,10 +140,55 @@ class TrainState:
         apply_rng(snapshot["rng"])
 
 
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _dict_or_none(value: Any) -> bool:
+    return value is None or isinstance(value, dict)
+
+
+# What `TrainState.apply` and the build read from a checkpoint, each with what it must be (None: the key is absent)
+RESUMED: dict[str, Callable[[Any], bool]] = {
+    "model": lambda v: isinstance(v, dict), "optimizer": lambda v: isinstance(v, dict), "scaler": _dict_or_none,
+    "model_ema": _dict_or_none, "epoch": _count, "step": _count,
+    "best_top1": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
+    "history": lambda v: isinstance(v, list) and all(isinstance(row, dict) for row in v),
+    "epoch_progress": lambda v: v is None or isinstance(v, dict) and v.keys() <= EpochTally.__dataclass_fields__.keys(),
+    "rng": lambda v: isinstance(v, dict) and {"torch", "python", "numpy"} <= v.keys(),
+    "world_size": lambda v: v is None or _count(v) and v > 0,
+    "global_batch": lambda v: v is None or _count(v) and v > 0,
+}
+
+
+def check_resumable(snapshot: dict[str, Any], path: str) -> None:
+    """Refuse a checkpoint whose state a resume cannot take (hand-edited, or another program's) in one line naming
+    the key, before the build reads it."""
+    for key, valid in RESUMED.items():
+        if not valid(snapshot.get(key)):
+            found = repr(snapshot[key])[:60] if key in snapshot else "missing"
+            raise UserError(f"checkpoint {path} cannot be resumed: its {key!r} is {found}")
+
+
+def apply_checkpoint(state: TrainState, snapshot: dict[str, Any], path: str) -> None:
+    """`state.apply(snapshot)`: weights or optimizer state that do not fit this run's model (a checkpoint edited by
+    hand; its model name and classes were checked) said in one line naming the file."""
+    try:
+        state.apply(snapshot)
+    except (RuntimeError, ValueError, KeyError, TypeError) as error:
+        raise UserError(f"checkpoint {path} does not fit this run's model: {one_line(error)[:200]}") from None
+
+
 def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...],
                      optimizer: Optional[str] = None, blurpool: bool = False) -> None:
     """Refuse a checkpoint of another model (--blurpool included: its state dict is the plain model's),
     class list or (when training goes on) optimizer before touching any state."""
+    version = snapshot.get("format_version", 1)
+    if not _count(version) or version > FORMAT_VERSION:
+        raise UserError(f"checkpoint {path} has format version {version!r}: this imagenet_elastic reads versions up to "
+                        f"{FORMAT_VERSION} (a newer one wrote it?)")
+    if not isinstance(snapshot.get("config", {}), dict):
+        raise UserError(f"checkpoint {path} is damaged: its 'config' is not a mapping")
     saved_model = snapshot.get("model_name")
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:

@@ -239,8 +239,8 @@ class Trainer:
                                epoch=state.epoch if epoch_end else None, is_best=is_best, then=then)
 
     def checkpoint_meta(self, best_of: Optional[str]) -> dict[str, Any]:
-        return {"model_name": self.config.model, "classes": list(self.training.classes), "best_of": best_of,
-                "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
+        return {"model_name": self.config.model, "run_id": self.training.run_id, "classes": list(self.training.classes),
+                "best_of": best_of, "world_size": self.env.world_size, "global_batch": self.plan.global_batch,
                 "trackers": self.sinks.tracker_runs, **self.training.micro.saved(),
                 "decoding": self.loaders.feed.decoding.saved(), "data": self.training.data,
                 "teacher": self.training.teacher.identity() if self.training.teacher is not None else None}

@@ -126,6 +126,51 @@ def test_fresh_start_over_an_existing_last_raises_user_error_mentioning_resume(t
     assert "--checkpoints-path" in str(caught.value)
 
 
+def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
+    (tmp_path / ".lock").mkdir()  # a folder where the lock file goes
+    with pytest.raises(UserError) as caught:
+        CheckpointLock(str(tmp_path)).acquire(0, print)
+    assert str(tmp_path / ".lock") in str(caught.value)
+
+
+def run_folder(folder, run_id) -> CheckpointFolder:
+    os.makedirs(folder, exist_ok=True)
+    manager = CheckpointFolder(str(folder), 3)
+    manager.save({**fake_state(1), "run_id": run_id}, 1, is_best=False)
+    return manager
+
+
+@pytest.mark.parametrize("resumed", ["another-run", None])
+def test_a_checkpoint_from_elsewhere_may_not_continue_in_a_folder_of_another_run(tmp_path, resumed):
+    manager = run_folder(tmp_path / "here", "this-run")
+    with pytest.raises(UserError, match="--checkpoints-path") as caught:
+        manager.check_same_run(str(tmp_path / "elsewhere.pt"), resumed)
+    assert str(tmp_path / "here") in str(caught.value)
+
+
+def test_a_folder_without_a_run_id_is_another_runs_for_any_checkpoint_from_elsewhere(tmp_path):
+    os.makedirs(tmp_path / "here")
+    manager = CheckpointFolder(str(tmp_path / "here"), 3)
+    manager.save(fake_state(1), 1, is_best=False)  # written before checkpoints named their run
+    for resumed in ("this-run", None):
+        with pytest.raises(UserError):
+            manager.check_same_run(str(tmp_path / "elsewhere.pt"), resumed)
+
+
+def test_the_same_runs_checkpoint_from_elsewhere_may_continue_in_its_folder(tmp_path):
+    run_folder(tmp_path / "here", "this-run").check_same_run(str(tmp_path / "backup.pt"), "this-run")
+
+
+def test_a_checkpoint_of_the_folder_itself_may_roll_it_back_whatever_its_run(tmp_path):
+    manager = run_folder(tmp_path, "this-run")
+    manager.check_same_run(str(tmp_path / "epoch_0001.pt"), None)
+    manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "another-run")
+
+
+def test_any_checkpoint_may_continue_in_a_folder_without_last(tmp_path):
+    CheckpointFolder(str(tmp_path / "empty"), 3).check_same_run(str(tmp_path / "elsewhere.pt"), "a-run")
+
+
 def test_restarted_round_continues_from_last_whatever_resume_says(tmp_path):
     manager = two_epochs_saved(tmp_path)
     last = str(tmp_path / "last.pt")

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import inprocess
 import pytest
+import torch
 from conftest import SMALL_RUN, expect_user_error, make_image_folder
 
 
@@ -122,6 +123,25 @@ def test_missing_resume_path_is_named(tmp_path, image_folder):
 def test_fresh_start_refuses_to_overwrite_an_earlier_run(tmp_path, image_folder, one_epoch_run):
     ckpt = copy_run(one_epoch_run, tmp_path)
     expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(ckpt)], "pass --resume", ckpt)
+
+
+def test_a_resume_into_a_folder_holding_another_runs_checkpoints_is_refused(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
+    other = torch.load(ckpt / "last.pt", weights_only=True)
+    torch.save({**other, "run_id": "another-run"}, ckpt / "last.pt")  # its run, unlike the one resumed, wrote it
+    expect_user_error([str(image_folder), *SMALL_RUN, "--epochs", "2", "--checkpoints-path", str(ckpt), "--resume",
+                       str(one_epoch_run / "last.pt")], f"--checkpoints-path {ckpt}", ckpt)
+
+
+def test_a_run_continued_from_its_own_backup_in_its_folder_keeps_its_run_id(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
+    backup = shutil.copy(one_epoch_run / "last.pt", tmp_path / "backup.pt")
+    run_id = torch.load(backup, weights_only=True)["run_id"]
+    assert len(run_id) == 16
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "2", "--max-steps-per-epoch", "3",
+                     "--checkpoints-path", str(ckpt), "--resume", str(backup)])
+    resumed = torch.load(ckpt / "last.pt", weights_only=True)
+    assert (resumed["epoch"], resumed["run_id"]) == (2, run_id)
 
 
 @pytest.mark.parametrize("value", ["0", "-3", "eight"])

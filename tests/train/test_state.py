@@ -14,7 +14,14 @@ from makers import CLASSES, make_state
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.models.create import create_ema
-from imagenet_elastic.train.state import EpochTally, PendingSteps, TrainState, check_compatible
+from imagenet_elastic.train.state import (
+    EpochTally,
+    PendingSteps,
+    TrainState,
+    apply_checkpoint,
+    check_compatible,
+    check_resumable,
+)
 
 # ----------------------------------------------------------------------------- TrainState
 
@@ -167,6 +174,55 @@ def test_a_checkpoint_of_another_optimizer_is_refused_for_training_but_not_for_e
     check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, "adamw")
     check_compatible(adamw, "/ck/last.pt", "test_resnet", CLASSES, None)  # weights only (--evaluate)
     check_compatible({**snapshot_of(), "config": {}}, "/ck/last.pt", "test_resnet", CLASSES, "sgd")  # before --opt
+
+
+def test_a_checkpoint_of_a_newer_format_is_refused():
+    with pytest.raises(UserError, match="format version 99"):
+        check_compatible({**snapshot_of(), "format_version": 99}, "/ck/last.pt", "test_resnet", CLASSES)
+
+
+def test_a_checkpoint_whose_settings_are_not_a_mapping_is_refused_naming_it():
+    with pytest.raises(UserError, match="'config'") as caught:
+        check_compatible({**snapshot_of(), "config": "lr: 0.1"}, "/ck/last.pt", "test_resnet", CLASSES)
+    assert "/ck/last.pt" in str(caught.value)
+
+
+# ----------------------------------------------------------------------------- check_resumable, apply_checkpoint
+
+def saved_state() -> dict:
+    return make_state(seed=0).capture({"lr": 0.1}, {"model_name": "test_resnet", "classes": list(CLASSES),
+                                                    "world_size": 2, "global_batch": 16})
+
+
+def test_a_checkpoint_the_trainer_wrote_is_resumable():
+    check_resumable(saved_state(), "/ck/last.pt")
+
+
+@pytest.mark.parametrize(("key", "value"), [
+    ("epoch", "3"), ("epoch", -2), ("step", True), ("best_top1", "a"), ("history", 5), ("history", [1]),
+    ("rng", {}), ("world_size", 0), ("global_batch", 0), ("scaler", 5), ("epoch_progress", {"x": 1}),
+    ("optimizer", None), ("model", [])])
+def test_a_hand_edited_checkpoint_is_refused_naming_the_key(key, value):
+    with pytest.raises(UserError) as caught:
+        check_resumable({**saved_state(), key: value}, "/ck/last.pt")
+    assert_names(str(caught.value), "/ck/last.pt", repr(key))
+
+
+def test_a_checkpoint_missing_what_a_resume_reads_is_refused_naming_the_key():
+    snapshot = saved_state()
+    del snapshot["rng"]
+    with pytest.raises(UserError, match="'rng' is missing"):
+        check_resumable(snapshot, "/ck/last.pt")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: {**s, "model": {}},  # weights of another shape or none
+    lambda s: {**s, "optimizer": {"state": {}, "param_groups": []}},
+])
+def test_weights_or_optimizer_state_that_do_not_fit_the_model_are_one_line_naming_the_file(edit):
+    with pytest.raises(UserError) as caught:
+        apply_checkpoint(make_state(seed=1), edit(saved_state()), "/ck/last.pt")
+    assert "/ck/last.pt" in str(caught.value)
 
 
 def test_the_weight_average_takes_the_weights_every_model_ema_steps_and_counts_its_updates():
