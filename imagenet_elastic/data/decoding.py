@@ -50,7 +50,7 @@ class DecodeSettings:
         choices=["auto", *jpeg_decoders.JPEG_DECODERS])
     workers: Optional[int] = option(None, "DataLoader processes per rank", "run", "N",
                                     shown_default="cores per process - 1 (max 8; max 4 under --decode gpu)",
-                                    type=options.non_negative_int)
+                                    type=options.worker_count)
 
 
 @dataclass(frozen=True)

@@ -54,7 +54,7 @@ class ResolutionSettings:
     progressive_resize: Optional[tuple[int, int]] = option(
         None, "train at LOW px until --progressive-epochs START, then larger each epoch up to HIGH px at END "
         "(FFCV's progressive resizing; sizes rounded to multiples of 32); validation keeps its size", "augment",
-        "LOW,HIGH", type=options.increasing_pair, exact=True)
+        "LOW,HIGH", type=options.side_pair, exact=True)
     progressive_epochs: Optional[tuple[int, int]] = option(
         None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
         "augment", "START,END", type=options.increasing_pair, exact=True)

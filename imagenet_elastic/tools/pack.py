@@ -107,6 +107,8 @@ def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, i
             scale = options.max_side / max(width, height)
             size = (max(1, round(width * scale)), max(1, round(height * scale)))
             resized = img.convert("RGB").resize(size, Image.Resampling.LANCZOS)
+    except Image.UnidentifiedImageError:  # Pillow's message names the buffer (`<_io.BytesIO object at ..>`)
+        raise UserError(f"pack: cannot decode image {name}: not an image of a format Pillow reads") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise UserError(f"pack: cannot decode image {name}: {error}") from None
     out = io.BytesIO()

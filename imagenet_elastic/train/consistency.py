@@ -90,6 +90,10 @@ def listing(source: Source) -> tuple[tuple[str, ...], np.ndarray, np.ndarray]:
     return source.classes, source.entries(), source.labels
 
 
+def _text(entry: bytes) -> str:
+    return f"'{entry.decode(errors='backslashreplace')}'"  # quoted; a file name's bytes need not be UTF-8
+
+
 def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray, np.ndarray], rank: int) -> str:
     """Where this rank's list departs from rank 0's: the first differing entry, or where one list ends."""
     classes, entries, labels = main
@@ -101,11 +105,11 @@ def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray,
     differs = np.flatnonzero((entries[:common] != own[:common]) | (labels[:common] != own_labels[:common]))
     if len(differs):
         i = int(differs[0])
-        return f"image #{i} is {entries[i].decode()!r} on rank 0 but {own[i].decode()!r} on rank {rank}"
+        return f"image #{i} is {_text(entries[i])} on rank 0 but {_text(own[i])} on rank {rank}"
     if len(entries) == len(own):
         return "the lists are the same"  # rank 0, and others not asked
     longer, name = (entries, "rank 0") if len(entries) > common else (own, f"rank {rank}")
-    return f"the lists agree up to image #{common}, where only {name} goes on, with {longer[common].decode()!r}"
+    return f"the lists agree up to image #{common}, where only {name} goes on, with {_text(longer[common])}"
 
 
 def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,

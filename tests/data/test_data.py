@@ -169,6 +169,20 @@ def test_corrupt_image_raises_corrupt_image_error_naming_the_file(tmp_path):
     assert str(bad) in str(caught.value)
 
 
+def test_a_file_pillow_cannot_identify_is_named_by_its_path_not_by_pillows_buffer(tmp_path):
+    """Pillow's own message names the in-memory buffer it was given (`<_io.BytesIO object at 0x..>`), not the file."""
+    root = tmp_path / "train"
+    bad = root / "a" / "broken.jpg"
+    bad.parent.mkdir(parents=True)
+    bad.write_bytes(b"not an image at all")
+    index = scan_image_folder(str(root), "train")
+    for load in (lambda: TrainDataset(index, size=16, seed=0)[(0, 0)], lambda: EvalDataset(index, 16, 18)[0]):
+        with pytest.raises(CorruptImageError) as caught:
+            load()
+        assert str(bad) in str(caught.value)
+        assert "object at 0x" not in str(caught.value)
+
+
 def test_truncated_jpeg_raises_corrupt_image_error_naming_the_file(tmp_path):
     root = tmp_path / "train"
     path = root / "a" / "cut.jpg"

@@ -125,6 +125,17 @@ def test_a_flat_val_folder_with_its_labels_file_is_packed_as_a_split(image_folde
     assert_same_samples(val, labelled)
 
 
+def test_an_image_whose_file_name_is_not_utf8_is_packed_under_a_key_that_shows_its_byte(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    odd = sorted((src / "train").rglob("*.jpg"))[1]
+    os.rename(odd, os.fsencode(odd.parent) + b"/caf\xff.jpg")
+    run_pack(str(src), str(tmp_path / "out"), "--workers", "1")
+    with tarfile.open(tmp_path / "out" / "train" / pack.shard_name(0)) as tar:
+        assert "00000000_caf_xff.jpg" in tar.getnames()
+    assert_same_samples(sources.open_source(str(tmp_path / "out" / "train"), "train", None),
+                        scan_image_folder(str(src / "train"), "train"))
+
+
 def test_hugging_face_parquet_files_are_packed_through_their_source_with_their_names(image_folder, tmp_path):
     hub = hub_folder(image_folder, tmp_path / "imagenet-1k", rows_per_group=7)
     run_pack(str(hub), str(tmp_path / "out"), "--shard-size", "20", "--workers", "2")
@@ -290,6 +301,7 @@ def test_a_corrupt_image_is_named_and_leaves_no_index(tmp_path, capsys):
     bad.write_bytes(b"\xff\xd8\xff garbage")
     said = refused(capsys, str(src), str(tmp_path / "out"), "--workers", "2")
     assert said.startswith(f"imagenet-elastic: error: pack: cannot decode image {bad}: "), said
+    assert "object at 0x" not in said  # Pillow's name for the buffer it read, not the file's
     assert not (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).exists()
     assert json.loads((tmp_path / "out" / "pack.json").read_text())["complete"] is False
 

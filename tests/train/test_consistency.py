@@ -5,6 +5,7 @@ test_multinode_checks.py."""
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import numpy as np
 from conftest import assert_names, single_line
@@ -25,7 +26,7 @@ from imagenet_elastic.train.consistency import (
 def index(entries: list[str], classes: tuple[str, ...] = ("cat", "dog")) -> ImageFolder:
     """An image folder of CLASS/NAME entries, in the order given (scan order)."""
     labels = [classes.index(e.split("/")[0]) for e in entries]
-    return ImageFolder("/data/train", "train", classes, np.array([e.encode() for e in entries]),
+    return ImageFolder("/data/train", "train", classes, np.array([os.fsencode(e) for e in entries]),
                        np.array(labels, dtype=np.int64), np.array([b"."]), np.array([0]))
 
 
@@ -47,6 +48,12 @@ def test_a_missing_file_changes_the_list_and_is_named_with_where_the_lists_part(
     main = index(FILES)
     said = first_file_difference(missing, consistency.listing(main), rank=1)
     assert said == "image #1 is 'cat/b.jpg' on rank 0 but 'cat/c.jpg' on rank 1"
+
+
+def test_a_file_name_that_is_not_utf8_is_named_with_its_byte_shown():
+    odd = os.fsdecode(b"cat/caf\xff.jpg")  # as a scan of the file system gives it
+    said = first_file_difference(index(["cat/a.jpg", odd]), consistency.listing(index(FILES)), rank=1)
+    assert said == "image #1 is 'cat/b.jpg' on rank 0 but 'cat/caf\\xff.jpg' on rank 1"
 
 
 def test_a_file_moved_to_another_class_keeps_the_count_and_is_named():

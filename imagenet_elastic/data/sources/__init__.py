@@ -149,13 +149,15 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
 
 
 def evaluated_split(location: str) -> str:
-    """The split `evaluate` scores for VAL `location`: a data root's DATA/val, as training takes it, else `location`."""
+    """The split `evaluate` scores for VAL `location`: a data root's (a folder holding val/, or train/) DATA/val, as
+    training takes it, else `location`: a split holds class folders, not one named `val`."""
     prefix, path = kind_of(location)
-    if not _isdir(os.path.join(path, "train")):
-        return location
-    if not _isdir(os.path.join(path, "val")):
+    val = os.path.join(path, "val")
+    if _isdir(val):
+        return prefixed(prefix, val)
+    if _isdir(os.path.join(path, "train")):
         raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
-    return prefixed(prefix, os.path.join(path, "val"))
+    return location
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],

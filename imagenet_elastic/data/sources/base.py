@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import abc
 import hashlib
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -35,6 +36,12 @@ class Classes(tuple):
         made = super().__new__(cls, names)
         made.whose = whose
         return made
+
+
+def shown(path: str) -> str:
+    """`path` as a message prints it: a file name's bytes that are not UTF-8 (kept as surrogates by os.fsdecode, so
+    that the file reopens) as `\\xff`, since a surrogate cannot be written to a UTF-8 stream or file."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
 
 
 def whose(classes: tuple[str, ...]) -> str:

@@ -22,7 +22,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.data.sources import index_file
-from imagenet_elastic.data.sources.base import Source, whose
+from imagenet_elastic.data.sources.base import Source, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError
 
 PREFIX = "folder"  # `folder:DIR` (sources.kind_of)
@@ -39,21 +39,21 @@ class FilesUnder(Source):
     root: str
     role: str
     classes: tuple[str, ...]
-    paths: np.ndarray  # fixed-width bytes, relative to root
+    paths: np.ndarray  # fixed-width bytes, relative to root: the names' bytes on disk (os.fsencode), UTF-8 or not
     labels: np.ndarray  # int64 class index per image
 
     def path(self, i: int) -> str:
-        return os.path.join(self.root, self.paths[i].decode())
+        return os.path.join(self.root, os.fsdecode(self.paths[i]))
 
     def read(self, i: int) -> bytes:
         try:
             with open(self.path(i), "rb") as f:
                 return f.read()
         except OSError as error:
-            raise CorruptImageError(f"cannot read image file {self.path(i)}: {error.strerror or error}") from None
+            raise CorruptImageError(f"cannot read image file {self.name(i)}: {error.strerror or error}") from None
 
     def name(self, i: int) -> str:
-        return self.path(i)
+        return shown(self.path(i))
 
     def where(self) -> str:
         return self.root
@@ -83,6 +83,7 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
+    check_class_names(root, classes)
     paths: list[str] = []
     labels: list[int] = []
     folders = {".": os.stat(root).st_mtime_ns}
@@ -93,9 +94,20 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
             raise UserError(f"class folder {os.path.join(root, name)} has no images")
         paths.extend(sorted(found))
         labels.extend([label] * len(found))
-    return ImageFolder(root, role, tuple(classes), np.array([p.encode() for p in paths]),
-                       np.array(labels, dtype=np.int64), np.array([f.encode() for f in folders]),
+    return ImageFolder(root, role, tuple(classes), np.array([os.fsencode(p) for p in paths]),
+                       np.array(labels, dtype=np.int64), np.array([os.fsencode(f) for f in folders]),
                        np.array(list(folders.values()), dtype=np.int64))
+
+
+def check_class_names(root: str, classes: list[str]) -> None:
+    """A class name is kept as text (checkpoints, exported models, classes.txt): a folder name that is not UTF-8 has
+    none, and is refused; image file names are kept as their bytes, whatever they are."""
+    for name in classes:
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise UserError(f"class folder {shown(os.path.join(root, name))} has a name that is not UTF-8: rename "
+                            "it (a class name is kept as text)") from None
 
 
 def _walk(root: str, relative: str, folders: dict[str, int], found: list[str]) -> None:
@@ -148,7 +160,7 @@ def read_cache(path: str, root: str, role: str = "train") -> Optional[ImageFolde
         if str(saved["root"]) != os.path.abspath(root) or int(saved["root_inode"]) != os.stat(root).st_ino:
             return None
         for folder, mtime in zip(saved["folders"], saved["mtimes"]):
-            if os.stat(os.path.join(root, folder.decode())).st_mtime_ns != mtime:
+            if os.stat(os.path.join(root, os.fsdecode(folder))).st_mtime_ns != mtime:
                 return None
     except OSError:  # a folder gone: scan again
         return None
@@ -216,7 +228,7 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
     unlisted = [name for name in images if name not in chosen]
     if unlisted:  # it would be left out of the scores without a word
         raise UserError(f"--val-labels {labels_file} gives no class to {len(unlisted)} of the {len(images)} images in "
-                        f"{location}, the first {unlisted[0]}")
+                        f"{location}, the first {shown(unlisted[0])}")
     names = sorted(chosen)
-    return LabelledFolder(location, role, classes, np.array([n.encode() for n in names]),
+    return LabelledFolder(location, role, classes, np.array([os.fsencode(n) for n in names]),
                           np.array([chosen[n] for n in names], dtype=np.int64), labels_file)

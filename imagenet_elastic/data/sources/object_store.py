@@ -21,6 +21,7 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import math
 import os
 import posixpath
 import random
@@ -82,6 +83,7 @@ def settings(environ: Optional[dict] = None) -> Settings:
 
 
 def _number(environ: dict, name: str, unit: float) -> Optional[float]:
+    """The variable's positive, finite number (float() also reads `nan` and `inf`) in `unit`s; None where unset."""
     text = environ.get(name)
     if not text:
         return None
@@ -89,7 +91,7 @@ def _number(environ: dict, name: str, unit: float) -> Optional[float]:
         value = float(text)
     except ValueError:
         value = -1.0
-    if value <= 0:
+    if not 0 < value < math.inf:  # False for nan too
         raise UserError(f"{name}={text!r} is not a positive number")
     return int(value * unit) if unit > 1 else value
 
@@ -154,7 +156,7 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
     attempt = 0
     while True:
         try:
-            return call()
+            return answered(call)
         except (UserError, MemoryError):
             raise
         except FileNotFoundError:
@@ -170,6 +172,20 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
             sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
             attempt += 1
+
+
+def answered(call: Callable[[], T]) -> T:
+    """`call()`. fsspec's https:// file system raises every failure to describe an object as FileNotFoundError, a
+    refused connection, a time-out and a 5xx too: the failure itself is raised instead where it was not a 404, so a
+    store out of reach is retried and then said to be, not called a missing object."""
+    try:
+        return call()
+    except FileNotFoundError as error:
+        cause = error.__cause__
+        if cause is None or isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) == 404 \
+                or not isinstance(cause, transient()):
+            raise
+        raise cause from None
 
 
 def transient() -> tuple[type[BaseException], ...]:
@@ -227,7 +243,7 @@ def find(url: str, timeout: Optional[float] = None) -> Optional[Entry]:
 
     def request(fs: Any, path: str) -> Optional[dict]:
         with contextlib.suppress(FileNotFoundError):
-            return fs.info(path)
+            return answered(lambda: fs.info(path))
         return None
 
     found = _ask(url, timeout, request)

@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
@@ -229,6 +229,9 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
             check_columns(file.schema_arrow, path)
             read = file.read(columns=["label"], use_threads=False).column("label")
             sizes.append(os.path.getsize(path))
+        except UnicodeEncodeError:  # a ValueError: pyarrow takes a path as UTF-8 text
+            raise UserError(f"{role} parquet file {shown(path)}: pyarrow opens no file whose name is not UTF-8: rename "
+                            "it") from None
         except (OSError, ValueError) as error:  # pyarrow's ArrowInvalid is a ValueError
             raise UserError(f"{role} parquet file {path} is not readable: {error}") from None
         if read.null_count:

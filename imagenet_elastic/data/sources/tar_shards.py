@@ -33,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.data.sources import index_file, object_store
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of, whose
+from imagenet_elastic.data.sources.base import FileList, Source, digest_of, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "wds"  # `wds:PATTERN` names shards whatever the file system says (sources.kind_of)
@@ -235,7 +235,7 @@ class TarShards(Source):
                 f"{index} differs): the shard changed since; restore it, or {again}")
 
     def name(self, i: int) -> str:
-        return f"{self.shards[int(self.shard[i])]}:{self.member(i)}"
+        return shown(f"{self.shards[int(self.shard[i])]}:{self.member(i)}")
 
     def member(self, i: int) -> str:
         """Sample i's image member's name, from the ustar name and prefix fields alone (asked for every sample read,
@@ -257,16 +257,16 @@ class TarShards(Source):
     def entries(self) -> np.ndarray:
         """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""
         names = [os.path.basename(p) for p in self.shards]
-        return np.array([f"{names[int(self.shard[i])]}:{self.member(i)}".encode() for i in range(len(self))])
+        return np.array([os.fsencode(f"{names[int(self.shard[i])]}:{self.member(i)}") for i in range(len(self))])
 
     def sample_columns(self) -> tuple[np.ndarray, ...]:
         """Each sample's shard (by name), where its image lies in it and how long it is, and its label."""
-        names = np.array([os.path.basename(p).encode() for p in self.shards])
+        names = np.array([os.fsencode(os.path.basename(p)) for p in self.shards])
         return names[self.shard], self.offsets, self.lengths, self.labels
 
     def fingerprint(self) -> FileList:
         """The index's own arrays: no entry strings are built at every start."""
-        names = np.array([os.path.basename(p).encode() for p in self.shards])
+        names = np.array([os.fsencode(os.path.basename(p)) for p in self.shards])
         versions = () if self.etags is None else (np.array([e.encode() for e in self.etags]),)
         return FileList(len(self), len(self.classes), digest_of(self.classes, names, self.sizes, self.shard,
                                                                 self.offsets, self.lengths, self.labels, *versions))
@@ -486,16 +486,21 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
 
 
 def _text(path: str) -> Optional[str]:
-    """A small file's text, on disk or in a store; None where there is none."""
+    """A small file's UTF-8 text, on disk or in a store; None where there is none."""
     if object_store.is_url(path):
-        return object_store.read_whole(path).decode() if object_store.exists(path) else None
+        data = object_store.read_whole(path) if object_store.exists(path) else None
+    else:
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+        except OSError as error:
+            raise UserError(f"cannot read {shown(path)}: {error.strerror or error}") from None
     try:
-        with open(path) as f:
-            return f.read()
-    except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
-        return None
-    except OSError as error:
-        raise UserError(f"cannot read {path}: {error.strerror or error}") from None
+        return None if data is None else data.decode()
+    except UnicodeDecodeError as error:
+        raise UserError(f"{shown(path)} is not UTF-8 text (byte {error.start})") from None
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None,

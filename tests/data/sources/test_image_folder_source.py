@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from makers import damage, make_split, write_jpeg
 
-from imagenet_elastic.data.sources import check_same_classes
+from imagenet_elastic.data.sources import check_same_classes, evaluated_split
 from imagenet_elastic.data.sources import split_locations as resolve_split_dirs
 from imagenet_elastic.data.sources.image_folder import (
     cache_path,
@@ -66,6 +66,35 @@ def test_scan_image_folder_with_an_empty_class_folder_names_it(tmp_path):
     assert str(root / "empty") in str(caught.value)
 
 
+def test_an_image_whose_name_is_not_utf8_is_read_and_cached_by_its_bytes_and_named_printably(tmp_path):
+    """Linux file names are bytes: one that is not UTF-8 (os.fsdecode keeps it as a surrogate) is listed, read,
+    fingerprinted and cached by its bytes, and messages show its odd byte as \\xff."""
+    root = tmp_path / "train"
+    make_split(root, {"a": 2})
+    odd = os.fsencode(root / "a") + b"/caf\xff.jpg"
+    os.rename(root / "a" / "img1.jpg", odd)
+    index = scan_image_folder(str(root), "train")
+    i = [index.path(k) for k in range(len(index))].index(os.fsdecode(odd))
+    assert index.paths[i] == b"a/caf\xff.jpg"
+    assert index.read(i) == (root / "a" / os.fsdecode(b"caf\xff.jpg")).read_bytes()
+    assert index.name(i) == str(root / "a" / "caf") + "\\xff.jpg"
+    assert index.fingerprint().count == 2
+    (tmp_path / "ckpt").mkdir()
+    index.keep(str(tmp_path / "ckpt"))
+    loaded = load_index(str(root), "train", str(tmp_path / "ckpt"))
+    assert loaded.cached and loaded.read(i) == index.read(i)
+
+
+def test_a_class_folder_whose_name_is_not_utf8_is_refused_naming_it(tmp_path):
+    """A class name is kept as text (checkpoints, exported models): a folder name that is not UTF-8 has none."""
+    root = tmp_path / "train"
+    make_split(root, {"ant": 1, "bee": 1})
+    os.rename(root / "bee", os.fsencode(root) + b"/b\xffe")
+    with pytest.raises(UserError) as caught:
+        scan_image_folder(str(root), "train")
+    assert str(root / "b") + "\\xffe" in str(caught.value)
+
+
 def test_resolve_split_dirs_finds_train_and_val(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()
@@ -102,6 +131,14 @@ def test_resolve_split_dirs_missing_explicit_val_path_names_it(tmp_path):
         resolve_split_dirs(str(tmp_path), str(tmp_path / "other"))
     assert str(tmp_path / "other") in str(caught.value)
     assert "--val-path" not in str(caught.value)
+
+
+def test_evaluate_scores_the_val_split_of_a_root_that_holds_val_alone_not_a_class_named_val(tmp_path):
+    root = tmp_path / "root"
+    make_split(root / "val", {"a": 1, "b": 1})
+    assert evaluated_split(str(root)) == str(root / "val")
+    assert evaluated_split(f"folder:{root}") == f"folder:{root / 'val'}"
+    assert evaluated_split(str(root / "val")) == str(root / "val")  # a split itself: its class folders
 
 
 def test_check_same_classes_accepts_equal_class_lists(tmp_path):

@@ -9,6 +9,7 @@ import multiprocessing
 import os
 import shutil
 import signal
+import socket
 import tarfile
 import time
 from pathlib import Path
@@ -29,6 +30,14 @@ def test_settings_come_from_the_environment_and_a_bad_value_names_its_variable(t
     for name in ("IMAGENET_ELASTIC_STORE_CACHE_GB", "IMAGENET_ELASTIC_STORE_TIMEOUT"):
         with pytest.raises(UserError, match=f"^{name}='-3' is not a positive number$"):
             object_store.settings({name: "-3"})
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf", "1e999"])
+@pytest.mark.parametrize("name", ["IMAGENET_ELASTIC_STORE_CACHE_GB", "IMAGENET_ELASTIC_STORE_TIMEOUT"])
+def test_a_setting_that_is_not_a_finite_number_is_refused_naming_its_variable(name, value):
+    with pytest.raises(UserError) as raised:
+        object_store.settings({name: value})
+    assert f"{name}={value!r}" in str(raised.value)
 
 
 class FakeClock:
@@ -109,6 +118,42 @@ def test_a_missing_object_or_refused_credentials_are_the_users_at_once(error, sa
     with pytest.raises(UserError, match=f"^s3://b/k.*{says}") as raised:
         object_store.patiently("s3://b/k", call, timeout=60, sleep=clock.sleep, clock=clock)
     assert len(calls) == 1 and clock.slept == [] and not isinstance(raised.value, StoreUnavailable)
+
+
+def https_not_found(cause: BaseException) -> FileNotFoundError:
+    """What fsspec's https:// file system raises for any failure to describe an object: FileNotFoundError from it."""
+    try:
+        raise FileNotFoundError("https://host/k") from cause
+    except FileNotFoundError as error:
+        return error
+
+
+@pytest.mark.parametrize("cause", [ConnectionRefusedError(111, "Connect call failed"), aiohttp_answer(503)],
+                         ids=["connection refused", "503"])
+def test_an_https_store_out_of_reach_is_retried_then_said_to_be_not_called_a_missing_object(cause):
+    clock = FakeClock()
+    call, calls = failing(10 ** 6, https_not_found(cause))
+    with pytest.raises(StoreUnavailable):
+        object_store.patiently("https://host/k", call, timeout=45, sleep=clock.sleep, clock=clock)
+    assert len(calls) > 1
+
+
+def test_an_https_404_is_a_missing_object_at_once():
+    clock = FakeClock()
+    call, calls = failing(1, https_not_found(aiohttp_answer(404)))
+    with pytest.raises(UserError, match="does not exist") as raised:
+        object_store.patiently("https://host/k", call, timeout=45, sleep=clock.sleep, clock=clock)
+    assert len(calls) == 1 and not isinstance(raised.value, StoreUnavailable)
+
+
+@pytest.mark.parametrize("ask", [object_store.find, object_store.info], ids=["find", "info"])
+def test_an_https_url_where_nothing_listens_ends_naming_its_host_and_port_not_as_missing(ask):
+    with socket.socket() as taken:  # a port free a moment ago: nothing listens there
+        taken.bind(("127.0.0.1", 0))
+        port = taken.getsockname()[1]
+    with pytest.raises(StoreUnavailable) as raised:
+        ask(f"http://127.0.0.1:{port}/pack/{tar_shards.INDEX_NAME}", timeout=1)
+    assert f"127.0.0.1:{port}" in str(raised.value)
 
 
 @pytest.fixture

@@ -121,6 +121,16 @@ def test_a_label_equal_to_the_class_count_is_one_line_naming_its_row(image_folde
     assert str(raised.value) == f"train parquet file {path}: label 4 of row 4 is out of range: {bound}"
 
 
+def test_a_file_whose_name_is_not_utf8_is_one_line_naming_it_printably(image_folder, tmp_path):
+    """pyarrow opens only paths that are UTF-8."""
+    train, _ = sources.open_splits(str(image_folder), None, None, None)
+    write_parquet(tmp_path / "train-0.parquet", [train.read(0)], [1], train.classes, 1)
+    os.rename(tmp_path / "train-0.parquet", os.fsencode(tmp_path) + b"/train-\xff.parquet")
+    with pytest.raises(UserError) as caught:
+        sources.open_source(str(tmp_path), "train", None)
+    assert f"{tmp_path}/train-\\xff.parquet" in str(caught.value)
+
+
 def test_a_damaged_file_is_one_line_naming_it(tmp_path):
     (tmp_path / "train-00000-of-00001.parquet").write_bytes(b"PAR1 not really")
     with pytest.raises(UserError) as caught:

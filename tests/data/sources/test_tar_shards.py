@@ -227,6 +227,32 @@ def test_classes_txt_names_the_classes_and_bounds_the_labels(written, tmp_path):
     assert_names(str(caught.value), "label 3", "sample #", "3 classes")
 
 
+def test_a_classes_txt_that_is_not_utf8_is_refused_naming_it(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "named" / "train"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    (tmp_path / "named" / "classes.txt").write_bytes(b"ant\nb\xffe\ncat\ndog\n")
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(folder), "train", None)
+    assert str(tmp_path / "named" / "classes.txt") in str(caught.value)
+
+
+def test_shards_and_members_whose_names_are_not_utf8_are_read_fingerprinted_and_named_printably(tmp_path):
+    """Names are bytes in a tar header and on Linux: kept as their bytes where they identify a sample, shown with
+    \\xff in messages."""
+    shard = os.fsencode(tmp_path) + b"/p\xff-0.tar"
+    with tarfile.open(shard, "w", format=tarfile.USTAR_FORMAT, errors="surrogateescape") as tar:
+        for name, data in (("s\udcff.jpg", JPEG), ("s\udcff.cls", b"0")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    split = tar_shards.open_split(str(tmp_path), "train", None)
+    assert split.read(0) == JPEG
+    assert split.entries().tolist() == [b"p\xff-0.tar:s\xff.jpg"]
+    assert split.name(0) == f"{tmp_path}/p\\xff-0.tar:s\\xff.jpg"
+    assert split.fingerprint() == tar_shards.open_split(str(tmp_path), "train", None).fingerprint()
+
+
 def write_tar(path, members: list[tuple[str, bytes]]) -> None:
     with tarfile.open(path, "w") as tar:
         for name, data in members:
