@@ -195,7 +195,12 @@ SUBCOMMANDS = {
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # a data folder called "export" is ./export
-        importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
+        try:
+            importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
+        except KeyboardInterrupt:  # as the trainer's: one line (rank 0's), no traceback; pack says its own line
+            if os.environ.get("RANK", "0") == "0":
+                print(f"{PROG}: {argv[0]} stopped by Ctrl-C", file=sys.stderr, flush=True)
+            sys.exit(INTERRUPTED_EXIT)
         return
     try:
         config, args = parse(argv)
@@ -239,6 +244,8 @@ def program() -> NoReturn:
     try:
         main()
         code = 0
+    except KeyboardInterrupt:  # before anything started (parsing, imports): nothing to say
+        code = INTERRUPTED_EXIT
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0

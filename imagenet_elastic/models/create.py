@@ -21,8 +21,9 @@ if TYPE_CHECKING:
 Sizes = Sequence[tuple[int, str]]  # image sizes in pixels, each with the flag that asks for it
 
 
-def check_model_name(name: str) -> None:
-    """A misspelt --model, with timm's closest names; asked before the data scan and the checkpoints folder."""
+def check_model_name(name: str, named: Optional[str] = None) -> None:
+    """A misspelt --model, with timm's closest names; asked before the data scan and the checkpoints folder. `named`:
+    where the name came from, where not --model (a checkpoint's)."""
     import timm  # slow to import: deferred so that input errors are reported at once
 
     tiny_models.register()
@@ -31,7 +32,7 @@ def check_model_name(name: str) -> None:
     if not timm.is_model(name):
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
-        raise UserError(f"--model {name!r} is not a timm model{hint}")
+        raise UserError(f"{named or f'--model {name!r}'} is not a timm model{hint}")
 
 
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,

@@ -25,7 +25,7 @@ from imagenet_elastic.config import WEIGHT_SOURCES, saved_setting
 from imagenet_elastic.errors import UserError, first_line
 from imagenet_elastic.models import tiny_models
 from imagenet_elastic.models.blurpool import blur_strided_convs
-from imagenet_elastic.models.create import create_model, saved_sizes
+from imagenet_elastic.models.create import check_model_name, create_model, saved_sizes
 
 CHECKPOINT, EXPORT, PUBLISHED = "checkpoint", "export", "published"
 
@@ -54,15 +54,15 @@ class Weights:
 def resolve(spec: str, flag: str) -> tuple[str, str]:
     """What `spec` is (CHECKPOINT, EXPORT, PUBLISHED) and what to read; what is none of these is one line saying
     every reading tried (not timm's `local-dir:...` or "Unknown model")."""
-    if spec.endswith(".pt") or os.path.isfile(spec):
-        return CHECKPOINT, spec
-    if os.path.isdir(spec):
+    if os.path.isdir(spec):  # first: a folder may be called last.pt
         if os.path.isfile(os.path.join(spec, "config.json")):
             return EXPORT, spec
         if os.path.isfile(os.path.join(spec, store.BEST)):
             return CHECKPOINT, os.path.join(spec, store.BEST)
         raise UserError(f"{flag} {spec}: a folder with neither config.json (an export: imagenet-elastic export) nor "
                         f"{store.BEST} (a run's checkpoints folder)")
+    if spec.endswith(".pt") or os.path.isfile(spec):
+        return CHECKPOINT, spec
     if not spec.startswith(WEIGHT_SOURCES):
         import timm
 
@@ -84,7 +84,8 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
             raise UserError(f"{flag}: {error}") from None
         model = saved_model(snapshot, target, ema)  # first: its one-line refusals of a file that is not ours
         which = "weight average" if ema else "raw weights"
-        source = f"our checkpoint of {snapshot['model_name']}, its {which} after step {snapshot['step']}"
+        step = f" after step {snapshot['step']}" if "step" in snapshot else ""
+        source = f"our checkpoint of {snapshot['model_name']}, its {which}{step}"
         return Weights(model, CHECKPOINT, target, source, tuple(snapshot["classes"]), snapshot.get("config", {}),
                        (snapshot.get("data") or {}).get("val"))
     if kind == PUBLISHED and not published:
@@ -94,7 +95,7 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
     model = published_model(f"local-dir:{target}" if kind == EXPORT else target, flag)
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
     if kind == EXPORT or spec.startswith("local-dir:"):
-        config = folder_config(spec.removeprefix("local-dir:"))
+        config = folder_config(spec.removeprefix("local-dir:"), flag)
         if isinstance(config.get("imagenet_elastic"), dict) and config["imagenet_elastic"].get("blurpool"):
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
         return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
@@ -106,26 +107,63 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
 
 def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "use it") -> nn.Module:
     """A checkpoint's model built as its run built it (its blur, the size it was made for), with its raw weights or
-    (`ema`) their average; `instead`: what the message for a checkpoint without an average says to do."""
-    weights = snapshot.get("model_ema") if ema else snapshot.get("model")
+    (`ema`) their average; `instead`: what the message for a checkpoint without an average says to do. A checkpoint
+    edited by hand or of another program is refused by what it lacks or what does not fit, naming the file."""
+    key = "model_ema" if ema else "model"
+    weights = snapshot.get(key)
     if weights is None:
         raise UserError(f"checkpoint {path} has no weight average (it was trained without --model-ema): {instead} "
                         "without --ema" if ema else f"checkpoint {path} holds no model weights")
-    settings = snapshot.get("config", {})
-    model = create_model(snapshot["model_name"], len(snapshot["classes"]), blurpool=saved_setting(settings, "blurpool"),
+    lacking = [name for name, kind in (("model_name", str), ("classes", (list, tuple)))
+               if not isinstance(snapshot.get(name), kind)]
+    if lacking:
+        raise UserError(f"checkpoint {path} has no valid {' or '.join(lacking)}: it is not a checkpoint of "
+                        "imagenet_elastic, or was edited")
+    name, settings = snapshot["model_name"], snapshot.get("config", {})
+    check_model_name(name, f"checkpoint {path}'s model {name!r}")
+    model = create_model(name, len(snapshot["classes"]), blurpool=saved_setting(settings, "blurpool"),
                          sizes=saved_sizes(settings))
-    model.load_state_dict(weights)
+    load_fitting(model, weights, f"checkpoint {path}: its {key!r} weights", name)
     return model
 
 
-def folder_config(folder: str) -> dict[str, Any]:
-    """A folder's config.json (an export's, or timm's save_for_hf's), or {} where it has none readable."""
+def load_fitting(model: nn.Module, weights: Any, what: str, model_name: str) -> None:
+    """`weights` into `model`, or one line saying that `what` does not fit it and where (not torch's list of every
+    key, in a RuntimeError)."""
+    if not isinstance(weights, dict):
+        raise UserError(f"{what} are not a state dict but {type(weights).__name__}")
+    problems = misfits(model.state_dict(), weights)
+    if problems:
+        raise UserError(f"{what} do not fit model {model_name}: {'; '.join(problems)}")
+    model.load_state_dict(weights)
+
+
+def misfits(own: dict[str, Any], weights: dict[str, Any], exempt: frozenset[str] = frozenset()) -> list[str]:
+    """Why `weights` do not load into a model whose state dict is `own`: its first missing, unexpected and
+    other-shaped names (`exempt`: names whose shape may differ); empty where they fit."""
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    misfit = sorted(k for k in set(own) & set(weights)
+                    if getattr(own[k], "shape", None) != getattr(weights[k], "shape", None) and k not in exempt)
+    return [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for label, keys in
+            (("missing", missing), ("unexpected", unexpected), ("other shape", misfit)) if keys]
+
+
+def folder_config(folder: str, flag: str) -> dict[str, Any]:
+    """A folder's config.json (an export's, or timm's save_for_hf's), {} where it has none (timm says so); one that
+    is not a JSON object is a UserError naming it (timm's reader would raise JSONDecodeError)."""
+    path = os.path.join(folder, "config.json")
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(path) as f:
             config = json.load(f)
-    except (OSError, ValueError):
+    except FileNotFoundError:
         return {}
-    return config if isinstance(config, dict) else {}
+    except (OSError, ValueError) as error:  # ValueError: JSONDecodeError, UnicodeDecodeError
+        raise UserError(f"{flag} {folder}: {path} cannot be read as JSON "
+                        f"({getattr(error, 'strerror', None) or first_line(error)[:200]})") from None
+    if not isinstance(config, dict):
+        raise UserError(f"{flag} {folder}: {path} is not a JSON object")
+    return config
 
 
 def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
@@ -143,11 +181,19 @@ def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
     that asked: --pretrained, --teacher), the model and the cache."""
     import timm
     from huggingface_hub import constants, errors
+    from safetensors import SafetensorError  # timm's dependency
 
     tiny_models.register()  # an export of a run that trained one names it in its config.json
     named = f"--pretrained --model {model_name}" if flag == "--pretrained" else f"{flag} {model_name}"
+    folder = model_name.removeprefix("local-dir:") if model_name.startswith("local-dir:") else None
+    if folder is not None:
+        folder_config(folder, flag)  # a damaged config.json: named here, not timm's JSONDecodeError
     try:
         return timm.create_model(model_name, pretrained=True)
+    except SafetensorError as error:  # a weights file cut short or overwritten
+        where = (os.path.join(folder, "model.safetensors") if folder is not None
+                 else f"its file in the Hugging Face cache {constants.HF_HUB_CACHE}")
+        raise UserError(f"{named}: {where} is damaged ({first_line(error)[:200]})") from None
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled):
         why = ("HF_HUB_OFFLINE is set" if constants.HF_HUB_OFFLINE else "the hub could not be reached")
         raise UserError(f"{flag}: the weights of {model_name} are not in the Hugging Face cache "
@@ -231,11 +277,7 @@ class InitialWeights(NamedTuple):
         weights, own, head = self.tensors, model.state_dict(), classifier(model)
         prefix = next((name for name, module in model.named_modules() if head is not None and module is head), None)
         head_names = set() if prefix is None else {f"{prefix}.{n}" if prefix else n for n in head.state_dict()}
-        missing = sorted(set(own) - set(weights))
-        unexpected = sorted(set(weights) - set(own))
-        misfit = sorted(k for k in set(own) & set(weights) if own[k].shape != weights[k].shape and k not in head_names)
-        problems = [f"{label} {', '.join(keys[:3])}{' ...' if len(keys) > 3 else ''}" for label, keys in
-                    (("missing", missing), ("unexpected", unexpected), ("other shape", misfit)) if keys]
+        problems = misfits(own, weights, frozenset(head_names))
         if problems:
             raise UserError(f"--initial-checkpoint {path} does not fit --model {model_name}: {'; '.join(problems)}")
         refit = sorted(k for k in head_names if own[k].shape != weights[k].shape)

@@ -84,9 +84,12 @@ def read_file(option: str, path: str, read: Callable[[TextIO], Any], failing: st
 
 def read_real_labels(path: str) -> list[list[int]]:
     real = read_file("--real-labels", path, json.load, "is not a JSON file")
-    if not isinstance(real, list) or not all(isinstance(labels, list) and all(isinstance(k, int) for k in labels)
+    # JSON's true and false are Python's bools, which are ints
+    if not isinstance(real, list) or not all(isinstance(labels, list) and all(type(k) is int for k in labels)
                                             for labels in real):
         raise UserError(f"--real-labels {path} is not a list of lists of class numbers (ReaL's real.json)")
+    if not real:
+        raise UserError(f"--real-labels {path} is an empty list: ReaL's real.json has an entry per image")
     if len(real) > REAL_ENTRIES:
         raise UserError(f"--real-labels {path} has {len(real)} entries, ReaL's real.json {REAL_ENTRIES} (one per "
                         f"image of ImageNet's validation set): entry {REAL_ENTRIES + 1} and on name no image")

@@ -343,7 +343,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
     from imagenet_elastic.data.sampler import BatchPlan
     from imagenet_elastic.data.sources import fingerprints
     from imagenet_elastic.launch import distributed
-    from imagenet_elastic.models.weights import saved_model
+    from imagenet_elastic.models.weights import load_fitting, saved_model
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train.micro_batch import MicroBatches
     from imagenet_elastic.train.state import check_compatible
@@ -366,7 +366,8 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
         modules = {"": saved_model(snapshot, path, ema=False)}
         if snapshot.get("model_ema") is not None:  # the same model: its average into a copy
             modules["_ema"] = copy.deepcopy(modules[""])
-            modules["_ema"].load_state_dict(snapshot["model_ema"])
+            load_fitting(modules["_ema"], snapshot["model_ema"], f"checkpoint {path}: its 'model_ema' weights",
+                         snapshot["model_name"])
         changes = config.differences(snapshot["config"], VALIDATION_SENSITIVE)
         changes += [fingerprints.difference((snapshot.get("data") or {}).get("val"), val)] if env.is_main else []
         for change in filter(None, changes):

@@ -12,14 +12,16 @@ import inspect
 import json
 import math
 import os
+import shutil
 import sys
-from collections.abc import Sequence
+import tempfile
+from collections.abc import Callable, Sequence
 
-from imagenet_elastic.atomic_files import process_umask
+from imagenet_elastic.atomic_files import process_umask, storage_error
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import saved_eval_sizes, saved_setting
 from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
-from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.errors import StorageError, UserError, first_line, report
 from imagenet_elastic.options import HelpFormatter, Parser
 
 # gives a model timm rebuilt from a --blurpool run's export its blur back
@@ -28,7 +30,8 @@ BLURPOOL_CALL = "from imagenet_elastic.models.blurpool import blur_strided_convs
 
 def build_parser() -> Parser:
     p = Parser(prog="imagenet-elastic export", description=__doc__.splitlines()[0], formatter_class=HelpFormatter)
-    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint of ours (best.pt, last.pt, epoch_NNNN.pt)")
+    p.add_argument("checkpoint", metavar="CHECKPOINT", help="a checkpoint of ours (best.pt, last.pt, epoch_NNNN.pt), "
+                   "or a run's checkpoints folder: its best.pt")
     p.add_argument("out_dir", metavar="OUT_DIR", help="new or empty folder for model.safetensors and config.json")
     p.add_argument("--ema", action="store_true", help="export the weight average (--model-ema) instead of the "
                    "raw weights")
@@ -43,12 +46,56 @@ def crop_fraction(crop: int, resize: int) -> float:
     return fraction
 
 
+def checkpoint_file(path: str) -> str:
+    """CHECKPOINT as `evaluate` reads it: a run's checkpoints folder stands for its best.pt."""
+    if not os.path.isdir(path):
+        return path
+    if os.path.isfile(os.path.join(path, store.BEST)):
+        return os.path.join(path, store.BEST)
+    raise UserError(f"export CHECKPOINT {path} is a folder without {store.BEST}: pass one of its checkpoints "
+                    "(last.pt, epoch_NNNN.pt)")
+
+
+def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
+    """OUT_DIR whole or not at all: `write` fills a temp folder beside it, renamed to OUT_DIR once complete (an empty
+    OUT_DIR the user made is kept: the files move into it, config.json last); a failure leaves nothing behind. The
+    OS's refusal (no space, quota) is one line naming OUT_DIR."""
+    from safetensors import SafetensorError  # safetensors words the OS's refusal its own way
+
+    parent = os.path.dirname(os.path.abspath(out_dir))
+    try:
+        os.makedirs(parent, exist_ok=True)
+        # not atomic_files.TEMP_PREFIX: a run whose checkpoints folder holds OUT_DIR would remove it as its own
+        temp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}-export-", dir=parent)
+    except OSError as error:
+        raise storage_error(error, "making", out_dir) from None
+    try:
+        write(temp)
+        for name in os.listdir(temp):  # safetensors writes 0600: a model to share is readable like our checkpoints
+            os.chmod(os.path.join(temp, name), 0o666 & ~process_umask())
+        os.chmod(temp, 0o777 & ~process_umask())  # mkdtemp's 0700 likewise
+        if os.path.isdir(out_dir):  # empty, as export checked
+            for name in sorted(os.listdir(temp), key=lambda name: name == "config.json"):
+                os.replace(os.path.join(temp, name), os.path.join(out_dir, name))
+            os.rmdir(temp)
+        else:
+            os.rename(temp, out_dir)
+    except (OSError, SafetensorError) as error:
+        shutil.rmtree(temp, ignore_errors=True)
+        raise StorageError(f"could not write export folder {out_dir}: "
+                           f"{getattr(error, 'strerror', None) or first_line(error)[:200]}") from None
+    except BaseException:  # Ctrl-C included
+        shutil.rmtree(temp, ignore_errors=True)
+        raise
+
+
 def export(path: str, out_dir: str, ema: bool) -> str:
     """Write OUT_DIR; returns what to tell the user."""
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"export folder {out_dir} is not empty: choose a new or empty folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"export folder {out_dir} is a file")
+    path = checkpoint_file(path)
     snapshot = store.load(path)
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 
@@ -56,13 +103,13 @@ def export(path: str, out_dir: str, ema: bool) -> str:
     from imagenet_elastic.models.create import input_options, saved_sizes
     from imagenet_elastic.models.weights import saved_model
 
-    model = saved_model(snapshot, path, ema, "export it")
-    classes = list(snapshot["classes"])
-    blurpool = saved_setting(snapshot["config"], "blurpool")
-    sizes = saved_sizes(snapshot["config"])
+    model = saved_model(snapshot, path, ema, "export it")  # first: its one-line refusals of a file that is not ours
+    classes, settings = list(snapshot["classes"]), snapshot.get("config", {})
+    blurpool = saved_setting(settings, "blurpool")
+    sizes = saved_sizes(settings)
     # a model timm builds for one input size (img_size): config.json's model_args make timm's local-dir: loader do so
     model_args = input_options(snapshot["model_name"], sizes)
-    crop, resize = saved_eval_sizes(snapshot["config"])  # our validation's preprocessing in timm's terms
+    crop, resize = saved_eval_sizes(settings)  # our validation's preprocessing in timm's terms
     data_config = {"input_size": (3, crop, crop), "crop_pct": crop_fraction(crop, resize), "crop_mode": "center",
                    "interpolation": "bilinear", "mean": IMAGENET_MEAN_FRACTIONS, "std": IMAGENET_STD_FRACTIONS}
     # tag and license would otherwise be those of timm's own pretrained weights for this architecture
@@ -77,12 +124,8 @@ def export(path: str, out_dir: str, ema: bool) -> str:
             raise UserError(f"{snapshot['model_name']} was made for {sizes[0][0]} px images, which this timm cannot "
                             "write in config.json (save_for_hf has no model_args): upgrade timm to export it")
         extra["model_args"] = model_args
-    try:
-        save_for_hf(model, out_dir, model_config=model_config, safe_serialization=True, **extra)
-        for name in os.listdir(out_dir):  # safetensors writes 0600: a model to share is readable like our checkpoints
-            os.chmod(os.path.join(out_dir, name), 0o666 & ~process_umask())
-    except OSError as error:
-        raise UserError(f"could not write {out_dir}: {error.strerror or error}") from None
+    write_folder(out_dir, lambda folder: save_for_hf(model, folder, model_config=model_config,
+                                                     safe_serialization=True, **extra))
     which = "weight average" if ema else "raw weights"
     hint = ("; its weight average scored best: add --ema to export that" if not ema and
             snapshot.get("best_of") == "model_ema" else "")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import timm
 import torch
@@ -109,3 +111,66 @@ def test_a_foreign_pt_without_a_model_name_asked_for_its_average_is_one_line_not
         load_weights(str(path), "MODEL", ema=True)
     assert str(caught.value) == (f"checkpoint {path} has no weight average (it was trained without --model-ema): use "
                                  "it without --ema")
+
+
+def our_checkpoint(path) -> dict:
+    snapshot = {"model": fresh(3).state_dict(), "model_ema": None, "epoch": 1, "step": 2, "model_name": "test_resnet",
+                "classes": ["a", "b", "c"], "config": {"image_size": 32}}
+    torch.save(snapshot, path)
+    return snapshot
+
+
+@pytest.mark.parametrize("damage, culprit", [
+    (lambda folder: (folder / "config.json").write_text("{"), "config.json"),
+    (lambda folder: (folder / "config.json").write_text("[]"), "config.json"),
+    (lambda folder: os.truncate(folder / "model.safetensors", 100), "model.safetensors"),
+    (lambda folder: os.truncate(folder / "model.safetensors", (folder / "model.safetensors").stat().st_size - 100),
+     "model.safetensors"),
+], ids=["config_cut", "config_not_an_object", "weights_cut_in_the_header", "weights_cut_at_the_end"])
+@pytest.mark.parametrize("flag", ["MODEL", "--teacher"])
+def test_a_damaged_export_folder_is_one_line_naming_the_damaged_file(tmp_path, damage, culprit, flag):
+    """evaluate MODEL and --teacher read an export alike (load_weights)."""
+    from imagenet_elastic.models import teacher_weights
+    from imagenet_elastic.models.weights import load_weights
+    from imagenet_elastic.tools.export import export
+
+    our_checkpoint(tmp_path / "best.pt")
+    export(str(tmp_path / "best.pt"), str(tmp_path / "export"), ema=False)
+    damage(tmp_path / "export")
+    with pytest.raises(UserError) as caught:
+        teacher_weights.read(str(tmp_path / "export")) if flag == "--teacher" else load_weights(
+            str(tmp_path / "export"), flag)
+    assert_names(str(caught.value), flag, tmp_path / "export" / culprit)
+
+
+@pytest.mark.parametrize("edit, culprit", [
+    (lambda s: s.update(model=source_model(3).state_dict() | {"extra.weight": torch.zeros(1)}), "extra.weight"),
+    (lambda s: s["model"].update({"fc.bias": torch.zeros(7)}), "fc.bias"),
+    (lambda s: s.update(model=[1, 2]), "'model'"),
+    (lambda s: s.pop("classes"), "classes"),
+    (lambda s: s.update(classes=3), "classes"),
+    (lambda s: s.pop("model_name"), "model_name"),
+    (lambda s: s.update(model_name="no_such_net"), "'no_such_net'"),
+], ids=["unexpected_key", "other_shape", "not_a_state_dict", "no_classes", "classes_not_a_list", "no_model_name",
+        "unknown_model"])
+def test_a_hand_edited_checkpoint_read_whole_is_one_line_naming_it_and_what_is_wrong(tmp_path, edit, culprit):
+    """load_weights (evaluate MODEL, --teacher) and saved_model (export, --evaluate): not torch's RuntimeError, nor a
+    KeyError, nor `--model` the user never gave."""
+    from imagenet_elastic.models.weights import load_weights
+
+    snapshot = our_checkpoint(tmp_path / "edited.pt")
+    edit(snapshot)
+    torch.save(snapshot, tmp_path / "edited.pt")
+    with pytest.raises(UserError) as caught:
+        load_weights(str(tmp_path / "edited.pt"), "MODEL")
+    assert_names(str(caught.value), tmp_path / "edited.pt", culprit)
+    assert "--model" not in str(caught.value)
+
+
+def test_a_folder_named_as_a_checkpoint_is_said_to_be_a_folder(tmp_path):
+    from imagenet_elastic.models.weights import load_weights
+
+    (tmp_path / "last.pt").mkdir()
+    with pytest.raises(UserError) as caught:
+        load_weights(str(tmp_path / "last.pt"), "MODEL")
+    assert_names(str(caught.value), tmp_path / "last.pt", "folder")

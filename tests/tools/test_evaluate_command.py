@@ -308,6 +308,14 @@ def test_real_labels_of_exactly_imagenets_50000_validation_images_are_read_and_o
     assert_names(str(caught.value), tmp_path / "long.json", "50001 entries", "50000", "entry 50001")
 
 
+@pytest.mark.parametrize("entries", [[], [[True], [0]]], ids=["empty", "a_boolean"])
+def test_real_labels_that_are_no_list_of_class_numbers_are_one_line_naming_the_file(tmp_path, entries):
+    (tmp_path / "real.json").write_text(json.dumps(entries))
+    with pytest.raises(UserError) as caught:
+        read_real_labels(str(tmp_path / "real.json"))
+    assert_names(str(caught.value), "--real-labels", tmp_path / "real.json")
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.usefixtures("warm_ranks")  # the ranks torchrun starts: forks of the warm python

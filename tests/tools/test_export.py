@@ -3,19 +3,23 @@ and preprocessing, and timm's own evaluation pipeline scores it as our validatio
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import subprocess
 import sys
 
 import pytest
+import safetensors.torch
 import timm
 import torch
-from conftest import child_env
+from conftest import assert_names, child_env
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from timm.data import create_transform, resolve_data_config
 from torchvision.datasets import ImageFolder
 
+from imagenet_elastic.errors import STORAGE_ERROR_EXIT
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.report.metrics import read as read_metrics
 from imagenet_elastic.tools.export import crop_fraction, main
@@ -91,6 +95,64 @@ def test_user_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     (tmp_path / "full" / "keep.txt").write_text("mine")
     assert "is not empty" in one_line_error(capsys, str(tmp_path / "plain.pt"), str(tmp_path / "full"))
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+
+
+def failing_writer(error: BaseException):
+    """A writer that starts its file, then fails as a full disk makes it."""
+    def write(tensors, path, *args, **kwargs):
+        with open(path, "wb") as f:
+            f.write(b"half")
+        raise error
+    return write
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"),
+                                   SafetensorError("Error while serializing: I/O error: No space left on device (os "
+                                                   "error 28)")], ids=["OSError", "SafetensorError"])
+@pytest.mark.parametrize("made", [False, True], ids=["new", "empty"])
+def test_a_full_disk_is_one_line_naming_out_and_leaves_out_as_it_was(tmp_path, capsys, monkeypatch, error, made):
+    """An OUT_DIR the user made, empty, stays so; one export made is not left behind; nor is any temp folder."""
+    write_checkpoint(tmp_path / "best.pt")
+    out = tmp_path / "export"
+    if made:
+        out.mkdir()
+    monkeypatch.setattr(safetensors.torch, "save_file", failing_writer(error))
+    with pytest.raises(SystemExit) as stop:
+        main([str(tmp_path / "best.pt"), str(out)])
+    assert stop.value.code == STORAGE_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert_names(err, out, "No space left on device")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "export"] if made else ["best.pt"]
+    assert not made or not any(out.iterdir())
+
+
+def test_checkpoint_folders_are_read_as_evaluate_reads_them(tmp_path, capsys):
+    """A run's checkpoints folder is its best.pt; a folder without one is said to be a folder, not missing."""
+    saved = write_checkpoint(tmp_path / "best.pt")
+    main([str(tmp_path), str(tmp_path / "export")])
+    weights = load_file(tmp_path / "export" / "model.safetensors")
+    assert all(torch.equal(weights[k], saved["model"][k]) for k in weights)
+    (tmp_path / "last.pt").mkdir()
+    said = one_line_error(capsys, str(tmp_path / "last.pt"), str(tmp_path / "other"))
+    assert_names(said, tmp_path / "last.pt", "folder", "best.pt")
+    assert not (tmp_path / "other").exists()
+
+
+@pytest.mark.parametrize("edit, culprit", [
+    (lambda s: s.update(model=create_model("test_vit_distilled", 3).state_dict()), "'model' weights"),
+    (lambda s: s["model"].update({"fc.weight": torch.zeros(1)}), "fc.weight"),
+    (lambda s: s.pop("classes"), "classes"),
+    (lambda s: s.pop("model_name"), "model_name"),
+    (lambda s: s.update(model_name="no_such_net"), "'no_such_net'"),
+], ids=["other_model", "other_shape", "no_classes", "no_model_name", "unknown_model"])
+def test_a_foreign_or_hand_edited_checkpoint_is_one_line_naming_it_and_what_is_wrong(tmp_path, capsys, edit, culprit):
+    snapshot = write_checkpoint(tmp_path / "best.pt")
+    edit(snapshot)
+    torch.save(snapshot, tmp_path / "edited.pt")
+    said = one_line_error(capsys, str(tmp_path / "edited.pt"), str(tmp_path / "export"))
+    assert_names(said, tmp_path / "edited.pt", culprit)
+    assert "--model" not in said and not (tmp_path / "export").exists()
 
 
 @pytest.mark.slow  # a fresh interpreter, whose timm knows only its own models

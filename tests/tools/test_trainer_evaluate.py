@@ -6,13 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import SMALL_RUN, load_checkpoint
+from conftest import SMALL_RUN, assert_names, load_checkpoint
 from inprocess import command, evaluate, in_memory, train
 from torch import nn
 
 from imagenet_elastic.data.model_input import ModelInput
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sampler import BatchPlan
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.tools import evaluate as evaluate_tool
 from imagenet_elastic.train.micro_batch import MicroBatches, OutOfMemoryAgain
 from imagenet_elastic.train.step import evaluate as score_batches
@@ -63,6 +64,16 @@ def test_ctrl_c_during_evaluate_says_nothing_was_written_and_exits_130(averaged,
     assert done.returncode == 130, done.stderr
     assert "Ctrl-C: --evaluate stopped, nothing written" in done.stdout + done.stderr
     assert sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*")) == before
+
+
+def test_a_weight_average_edited_to_another_shape_is_one_line_naming_the_checkpoint(averaged, tmp_path):
+    folder, splits = averaged
+    snapshot = load_checkpoint(folder / "last.pt")
+    snapshot["model_ema"]["fc.bias"] = torch.zeros(7)
+    torch.save(snapshot, tmp_path / "edited.pt")
+    with pytest.raises(UserError) as caught:
+        evaluate([*args(tmp_path / "ck"), "--evaluate", "--resume", str(tmp_path / "edited.pt")], splits=splits)
+    assert_names(str(caught.value), tmp_path / "edited.pt", "'model_ema'", "fc.bias")
 
 
 class RunsOutOfMemoryAbove(nn.Module):
