@@ -86,6 +86,13 @@ non_negative_float = bounded(float, 0.0)
 positive_float = bounded(float, 0.0, inclusive=False)
 port_number = bounded(int, 1, 65535)
 probability = bounded(float, 0.0, 1.0)
+# Bounds far beyond any real use: a larger value would end in an overflow or out-of-memory traceback, not one line
+seed_number = bounded(int, 0, 2**64 - 1)  # torch.manual_seed takes 64 bits
+MAX_SIDE = 4096  # px of a crop or resize: the largest ImageNet models test at 800
+image_side = bounded(int, 1, MAX_SIDE)
+worker_count = bounded(int, 0, 128)  # DataLoader processes per rank, each a copy of the process (the default: <= 8)
+per_node_count = bounded(int, 1, 1024)  # threads per rank, processes per node: more than any node's cores
+epoch_count = bounded(int, 1, 100_000)  # start-up goes over every epoch's sizes; recipes train <= 1600 epochs
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -110,13 +117,20 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     return steps, seconds
 
 
-def increasing_pair(text: str) -> tuple[int, int]:
-    """`160,192` -> (160, 192): two non-negative integers, the first below the second."""
+def increasing_pair(text: str, most: Optional[int] = None) -> tuple[int, int]:
+    """`160,192` -> (160, 192): two non-negative integers, the first below the second (and HIGH <= `most`)."""
     try:
         low, high = (int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
     if not 0 <= low < high:
         raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
+    if most is not None and high > most:
+        raise argparse.ArgumentTypeError(f"HIGH must be <= {most}, got {text!r}")
     return low, high
+
+
+def side_pair(text: str) -> tuple[int, int]:
+    """`increasing_pair` of image sides, up to MAX_SIDE."""
+    return increasing_pair(text, MAX_SIDE)
 

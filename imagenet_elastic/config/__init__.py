@@ -52,13 +52,13 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "continues from its own checkpoint instead", "model", "PATH")
     image_size: int = option(
         224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
-        type=options.positive_int, exact=True)
+        type=options.image_side, exact=True)
     val_crop_size: Optional[int] = option(
         None, "val centre crop size; larger than the train size for FixRes recipes (train 176, val 224)", "model",
-        "N", shown_default="image-size", type=options.positive_int)
+        "N", shown_default="image-size", type=options.image_side)
     val_resize: Optional[int] = option(None, "val short side before the centre crop (256 for 224, 232 in "
                                        "torchvision's v2 recipe)", "model", "N",
-                                       shown_default="val crop / 0.875", type=options.positive_int)
+                                       shown_default="val crop / 0.875", type=options.image_side)
     val_flip_average: bool = option(
         False, "validate on the mean of the logits of each image and of its mirror image (FFCV's lr_tta: its "
         "published results use it); an exported model does not do it", "model", action=argparse.BooleanOptionalAction)
@@ -71,7 +71,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "takes one of the two at random. Partners and draws depend on (seed, step) only, not on the world size "
         "(each micro-batch must then hold an even number of images)", "augment", "A",
         type=options.non_negative_float, exact=True)
-    epochs: int = option(90, "training epochs", "model", "N", type=options.positive_int, exact=True)
+    epochs: int = option(90, "training epochs", "model", "N", type=options.epoch_count, exact=True)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
         "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int, exact=True)
@@ -99,7 +99,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
         "average is not dominated by its first weights", "model", action=argparse.BooleanOptionalAction, exact=True)
     label_smoothing: float = option(0.1, "training loss only; validation loss is plain cross-entropy", "model", "X",
-                                    type=options.non_negative_float, exact=True)
+                                    type=options.probability, exact=True)
     bce_loss: bool = option(
         False, "binary cross-entropy per class (timm's BinaryCrossEntropy, as in its \"ResNet strikes back\" "
         "recipes) instead of softmax cross-entropy", "model", action=argparse.BooleanOptionalAction, exact=True)
@@ -139,7 +139,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "the setting it was trained with, and --initial-checkpoint warns when they differ", "model",
         action=argparse.BooleanOptionalAction)
     seed: int = option(0, "model init, data order and augmentation all derive from it", "model", "N",
-                       type=options.non_negative_int, exact=True)
+                       type=options.seed_number, exact=True)
     amp: str = option(
         "auto", "auto: the fastest correct precision for this machine. GPUs: bf16 where native (Ampere and newer), "
         "else fp16 with a GradScaler whose state is checkpointed. CPUs: bf16 only where native (AVX512-BF16 or "

@@ -21,6 +21,8 @@ from imagenet_elastic.options import option
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN = "torchrun or torch.distributed.launch"
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+# What the rendezvous store (TCPStore) takes: a port, and a world size that fits a C int
+PORTS, WORLD_SIZES = (1, 65535), (1, 2**31 - 1)
 
 
 @dataclass(frozen=True)
@@ -62,22 +64,26 @@ class LaunchPlan:
         return self.procs_per_task > 1 or self.env.launcher == "spawn"
 
 
-def _int_var(environ: Mapping[str, str], name: str, launcher: str, default: Optional[int] = None) -> int:
-    """`default` where the variable is unset or empty, if given."""
+def _int_var(environ: Mapping[str, str], name: str, launcher: str, default: Optional[int] = None,
+             within: Optional[tuple[int, int]] = None) -> int:
+    """`default` where the variable is unset or empty, if given; `within`: the range (LOW, HIGH) it must be in."""
     value = environ.get(name)
     if not value and default is not None:
         return default
     if not value:
         raise UserError(f"environment variable {name} is not set (it is set by {launcher})")
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise UserError(f"environment variable {name}={value!r} is not an integer") from None
+    if within and not within[0] <= number <= within[1]:
+        raise UserError(f"environment variable {name}={value} is outside {within[0]}..{within[1]}")
+    return number
 
 
 def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
     """--master-port, else MASTER_PORT, else the launcher's default."""
-    return explicit or _int_var(environ, "MASTER_PORT", "the cluster or the user", default)
+    return explicit or _int_var(environ, "MASTER_PORT", "the cluster or the user", default, within=PORTS)
 
 
 def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] = None) -> DistEnv:
@@ -91,7 +97,7 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
         raise UserError(f"--dist-init-method env found {', '.join(present) or '--local-rank'} but not "
                         f"{', '.join(missing)}; these variables are set by {TORCHRUN}")
     rank = _int_var(environ, "RANK", TORCHRUN)
-    world_size = _int_var(environ, "WORLD_SIZE", TORCHRUN)
+    world_size = _int_var(environ, "WORLD_SIZE", TORCHRUN, within=WORLD_SIZES)
     local_rank = (local_rank_arg if local_rank_arg is not None and "LOCAL_RANK" not in environ
                   else _int_var(environ, "LOCAL_RANK", TORCHRUN))
     local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN)
@@ -100,7 +106,7 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
         raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
-        master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN),
+        master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN, within=PORTS),
         restart_count=_int_var(environ, "TORCHELASTIC_RESTART_COUNT", TORCHRUN, default=0),
         launched=True, launcher="torchrun",
         # torchrun's agent hosts the store and tells its workers so (torch >= 2.2)
@@ -148,7 +154,8 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
     if not nodelist:
         raise UserError("--dist-init-method slurm looked for SLURM_STEP_NODELIST and SLURM_JOB_NODELIST but "
                         "neither is set; these are set by srun")
-    rank, ntasks, local_rank, node_id, job_id = (_int_var(environ, name, "srun") for name in names)
+    rank, ntasks, local_rank, node_id, job_id = (
+        _int_var(environ, name, "srun", within=WORLD_SIZES if name == "SLURM_NTASKS" else None) for name in names)
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
         try:
@@ -194,11 +201,13 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
     gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
     if environ.get("OMPI_COMM_WORLD_SIZE"):
         launcher = "OpenMPI's mpirun"
-        rank, world, local_rank, local_world = (_int_var(environ, f"OMPI_COMM_WORLD_{name}", launcher)
+        rank, world, local_rank, local_world = (_int_var(environ, f"OMPI_COMM_WORLD_{name}", launcher,
+                                                         within=WORLD_SIZES if name == "SIZE" else None)
                                                 for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
     elif environ.get("PMI_SIZE"):
         launcher = "MPICH/Intel MPI's mpiexec"
-        rank, world = _int_var(environ, "PMI_RANK", launcher), _int_var(environ, "PMI_SIZE", launcher)
+        rank = _int_var(environ, "PMI_RANK", launcher)
+        world = _int_var(environ, "PMI_SIZE", launcher, within=WORLD_SIZES)
         local_rank = _int_var(environ, "MPI_LOCALRANKID", launcher, _int_var(environ, "PMI_LOCAL_RANK", launcher, 0))
         local_world = _int_var(environ, "MPI_LOCALNRANKS", launcher,
                                _int_var(environ, "PMI_LOCAL_SIZE", launcher, world))
@@ -273,7 +282,7 @@ class LaunchSettings:
         choices=list(METHODS))
     nproc_per_node: Optional[int] = option(None, "processes to start: spawn, and Slurm with one task per node",
                                            "distributed", "N", shown_default="visible GPUs, else 1",
-                                           type=options.positive_int)
+                                           type=options.per_node_count)
     master_port: Optional[int] = option(None, "rendezvous port for slurm/mpi/spawn (Slurm default: from the job id)",
                                         "distributed", "N", type=options.port_number)
     dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
@@ -281,7 +290,7 @@ class LaunchSettings:
     dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
                                  "SECONDS", type=options.positive_float)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
-                                    shown_default="cores / processes per node", type=options.positive_int)
+                                    shown_default="cores / processes per node", type=options.per_node_count)
 
 
 def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,

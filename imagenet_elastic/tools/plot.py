@@ -18,6 +18,7 @@ matplotlib is an optional extra: pip install "imagenet_elastic[plot]".
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import sys
@@ -76,7 +77,9 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
     if not os.path.exists(path):
         raise UserError(f"no {path}: the run has not completed an epoch yet")
     try:
-        rows = metrics.read(path)
+        with open(path, encoding="utf-8") as f:
+            lines = untorn(f.read(), path)
+        rows = [json.loads(line) for line in lines if line.strip()]
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
     except ValueError as error:  # json.JSONDecodeError, UnicodeDecodeError
@@ -89,13 +92,23 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
     return rows
 
 
+def untorn(text: str, path: str) -> list[str]:
+    """The lines of a JSON-lines file but a torn last one (no newline, not a whole row: a write or a copy cut short),
+    with a warning, as a resumed run rewrites the file without it; damage anywhere else stays an error."""
+    lines = text.splitlines()
+    if lines and not text.endswith("\n") and not any(steps_file.whole_rows(lines[-1])):
+        print(f"warning: {path}: its last line is torn (cut short); plotting the rows before it", file=sys.stderr,
+              flush=True)
+        return lines[:-1]
+    return lines
+
+
 def read_steps(folder: str) -> list[dict[str, Any]]:
     """The per-step rows the plot can use; none when the file is absent or unreadable; torn lines are skipped."""
     path = os.path.join(folder, steps_file.FILENAME)
     try:
-        with open(path) as f:
-            text = f.read()
-    except (OSError, UnicodeDecodeError):
+        text = steps_file.read_text(path)
+    except OSError:
         return []
     used = ("epoch", "loss", "lr")
     return [row for _, row in steps_file.whole_rows(text) if all(is_number(row.get(key)) for key in used)]

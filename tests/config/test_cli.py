@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import io
+import os
 import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO
+from conftest import REPO, assert_names, child_env, single_line
 
 from imagenet_elastic import cli
 from imagenet_elastic.checkpoint.store import CheckpointFolder
@@ -169,7 +174,31 @@ def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
 def test_an_integer_flag_takes_an_integer_too_large_for_a_float():
     """The finite-number check is for floats: an int of 400 digits has no float, and asking would raise OverflowError,
     which argparse does not turn into its one line."""
-    assert build_parser().parse_args(["/data", "--seed", "1" + "0" * 400]).seed == 10 ** 400
+    args = build_parser().parse_args(["/data", "--max-steps-per-epoch", "1" + "0" * 400])
+    assert args.max_steps_per_epoch == 10 ** 400
+
+
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--seed", "1" + "0" * 20), ("--seed", str(2**64)),  # torch.manual_seed: overflow
+    ("--threads", "1" + "0" * 20), ("--nproc-per-node", "5000"),  # torch.set_num_threads: overflow; a fork bomb
+    ("--label-smoothing", "1.5"),  # torch's cross-entropy refuses it at the first step
+    ("--image-size", "100000"), ("--val-crop-size", "5000"), ("--val-resize", "1" + "0" * 20),  # out of memory
+    ("--progressive-resize", "32,100000"), ("--workers", "1000"),  # out of memory; the OOM killer
+    ("--epochs", "1" + "0" * 30),  # start-up went over every epoch's training size: no end, deaf to SIGTERM
+])
+def test_values_torch_or_the_machine_cannot_take_exit_2_naming_the_flag(capsys, flag, value):
+    with pytest.raises(SystemExit) as caught:
+        build_parser().parse_args(["/data", flag, value])
+    assert caught.value.code == 2
+    assert_names(single_line(capsys.readouterr().err), flag, value)
+
+
+def test_the_largest_values_a_bound_allows_are_taken():
+    args = build_parser().parse_args(["/data", "--seed", str(2**64 - 1), "--threads", "1024", "--label-smoothing", "1",
+                                      "--image-size", "4096", "--val-resize", "4096", "--workers", "128",
+                                      "--progressive-resize", "32,4096", "--epochs", "100000"])
+    assert (args.seed, args.threads, args.label_smoothing, args.image_size, args.val_resize, args.workers,
+            args.progressive_resize, args.epochs) == (2**64 - 1, 1024, 1.0, 4096, 4096, 128, (32, 4096), 100000)
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -331,3 +360,69 @@ def test_a_tracker_in_TRACKERS_is_a_setting_and_a_flag_with_its_own_help():
     assert {f.name for f in dataclasses.fields(sinks.TrackerSettings)} == set(sinks.TRACKERS) == {"wandb", "mlflow"}
     config = config_from_args(build_parser().parse_args(["data", "--wandb", "proj", "--mlflow", "file:./runs"]))
     assert (config.wandb, config.mlflow) == ("proj", "file:./runs")
+
+
+def test_ctrl_c_in_a_command_is_one_line_naming_it_and_exit_130(monkeypatch):
+    """As the trainer's: no traceback. The command's own work is stood in for by one that is interrupted."""
+    from inprocess import command
+
+    from imagenet_elastic.errors import INTERRUPTED_EXIT
+    from imagenet_elastic.tools import evaluate
+
+    def interrupted(_args):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(evaluate, "run", interrupted)
+    try:
+        done = command(["evaluate", "model.pt", "val"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left the command: the interpreter would print its traceback")
+    assert done.returncode == INTERRUPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "evaluate" in done.stderr
+
+
+def ctrl_c_once(cmd: list[str], ready: str, stream: str) -> subprocess.CompletedProcess:
+    """`cmd` in a process group of its own, sent a SIGINT (as a terminal's Ctrl-C) once a line of `stream` ("out",
+    "err") holds `ready`; the other stream is read whole after it ends."""
+    proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    watched = proc.stdout if stream == "out" else proc.stderr
+    try:
+        seen = []
+        for line in watched:
+            seen.append(line)
+            if ready in line:
+                os.killpg(proc.pid, signal.SIGINT)
+                break
+        rest, other = proc.communicate(timeout=120)
+        if stream == "err":
+            rest, other = other, rest
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert ready in "".join(seen), "".join(seen) + rest
+    out, err = ("".join(seen) + rest, other) if stream == "out" else (other, "".join(seen) + rest)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_evaluate_scores_exits_130_with_one_line(tmp_path):
+    """A real process and a real SIGINT; scoring is stood in for by a wait that says it started."""
+    from imagenet_elastic.errors import INTERRUPTED_EXIT
+
+    code = ("import runpy, sys, time; from imagenet_elastic.tools import evaluate; "
+            "evaluate.run = lambda args: (print('scoring', flush=True), time.sleep(120)); "
+            "sys.argv = ['imagenet_elastic', 'evaluate', 'model.pt', 'val']; "
+            "runpy.run_module('imagenet_elastic', run_name='__main__')")
+    done = ctrl_c_once([sys.executable, "-c", code], "scoring", "out")
+    assert done.returncode == INTERRUPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and "evaluate" in done.stderr
+
+
+@pytest.mark.slow
+def test_ctrl_c_while_torch_is_imported_exits_130_without_a_traceback():
+    """`-X importtime` tells each import as it ends: the SIGINT comes once one of torch's modules is in, torch not."""
+    from imagenet_elastic.errors import INTERRUPTED_EXIT
+
+    done = ctrl_c_once([sys.executable, "-X", "importtime", "-m", "imagenet_elastic", "--help"], " torch.", "err")
+    said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
+    assert done.returncode == INTERRUPTED_EXIT and not said and "usage" not in done.stdout, done.stderr[-3000:]

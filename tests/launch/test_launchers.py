@@ -536,3 +536,31 @@ def test_resolve_mpi_reads_mpi_variables_and_dist_url():
 def test_resolve_mpi_without_mpi_variables_is_refused():
     with pytest.raises(UserError, match="OMPI_COMM_WORLD_RANK.*PMI_RANK"):
         resolve_launch("mpi", {})
+
+
+# ----------------------------------------------------------------------------- what reaches the rendezvous store
+
+READ_BY = {  # each launcher's reading of a valid environment of its own, with `changes` made to it
+    "torchrun": lambda **changes: env_from_torchrun({**WORKER_ENV, **changes}),
+    "slurm": lambda **changes: env_from_slurm(slurm(**changes), fallback=never_called),
+    "mpi": lambda **changes: env_from_mpi({**OMPI_ENV, **changes}),
+}
+
+
+@pytest.mark.parametrize("port", ["99999", "-5", "0"])
+@pytest.mark.parametrize("launcher", READ_BY)
+def test_a_master_port_variable_that_is_no_port_is_refused_naming_it(launcher, port):
+    """TCPStore would raise a TypeError, a traceback, at the rendezvous."""
+    with pytest.raises(UserError) as info:
+        READ_BY[launcher](MASTER_PORT=port)
+    assert_names(str(info.value), f"MASTER_PORT={port}")
+
+
+@pytest.mark.parametrize(("read", "name"), [(READ_BY["torchrun"], "WORLD_SIZE"), (READ_BY["slurm"], "SLURM_NTASKS"),
+                                            (READ_BY["mpi"], "OMPI_COMM_WORLD_SIZE"),
+                                            (lambda **changes: env_from_mpi({**PMI_ENV, **changes}), "PMI_SIZE")])
+def test_a_world_size_variable_too_large_for_the_store_is_refused_naming_it(read, name):
+    """TCPStore takes a C int: a larger world raises a TypeError at the rendezvous."""
+    with pytest.raises(UserError) as info:
+        read(**{name: str(2**40)})
+    assert_names(str(info.value), f"{name}={2**40}")

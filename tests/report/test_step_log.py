@@ -15,7 +15,7 @@ from imagenet_elastic import cli
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.report.console import Console, clock
 from imagenet_elastic.report.sinks import Sinks, chosen, tensorboard_wanted
-from imagenet_elastic.report.sinks.steps_file import FILENAME, StepsFile, kept_rows
+from imagenet_elastic.report.sinks.steps_file import FILENAME, StepsFile, kept_rows, trim
 from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD_DIR
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
 from imagenet_elastic.train.trainer import best_epoch
@@ -29,6 +29,17 @@ def test_rows_beyond_the_checkpoint_and_a_torn_last_line_are_dropped():
     text = "".join(json.dumps(row(s, 1.0)) + "\n" for s in (2, 4, 6, 8)) + '{"step": 10, "lo'
     assert [json.loads(line)["step"] for line in kept_rows(text, 6)] == [2, 4, 6]
     assert kept_rows(text, 0) == []
+
+
+def test_bytes_that_are_not_utf8_in_steps_jsonl_cost_their_line_alone_at_resume(tmp_path):
+    """A damaged byte made the resumed run's trim raise UnicodeDecodeError (a traceback); metrics.jsonl is rewritten
+    from the checkpoint anyway. Each line stays as any damaged line is: kept if it is still a row, else dropped."""
+    lines = [json.dumps(row(s, 1.0)).encode() for s in (2, 4, 6, 8)]
+    lines[1] = lines[1].replace(b'"loss"', b'"lo\xffss"')  # still a row
+    lines[2] = lines[2].replace(b'"lr": 0.1', b'"lr": 0.\xfe1')  # no longer one
+    (tmp_path / FILENAME).write_bytes(b"\n".join(lines) + b"\n")
+    assert [r["step"] for r in trim(str(tmp_path), 6)] == [2, 4]
+    assert [json.loads(line)["step"] for line in (tmp_path / FILENAME).read_text().splitlines()] == [2, 4]
 
 
 def started(folder, start_step: int, tensorboard: bool = True) -> Sinks:

@@ -202,6 +202,31 @@ def test_empty_or_broken_metrics(tmp_path, capsys):
     assert "line 1: expected an object with an epoch number" in error_line(capsys, [str(tmp_path)])
 
 
+def test_a_torn_last_metrics_line_is_left_out_with_a_warning_as_resuming_does(run_dir, capsys):
+    path = run_dir / "metrics.jsonl"
+    path.write_bytes(path.read_bytes() + b'{"epoch": 13, "train_loss": 0.9')  # the copy or the write cut short
+    plot.main([str(run_dir)])
+    captured = capsys.readouterr()
+    assert (run_dir / "curves.png").stat().st_size > 0 and "Traceback" not in captured.err
+    assert_names(single_line(captured.err), "warning", str(path))
+    assert [row["epoch"] for row in plot.read_metrics(str(run_dir))] == list(range(1, EPOCHS + 1))
+
+
+def test_a_damaged_metrics_line_before_the_last_is_still_refused(run_dir, capsys):
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    lines[3] = lines[3][:20]
+    path.write_text("\n".join(lines))  # and no newline after the last, which is whole
+    assert_names(error_line(capsys, [str(run_dir)]), str(path))
+
+
+def test_steps_with_bytes_that_are_not_utf8_lose_their_line_alone(run_dir):
+    path = run_dir / "steps.jsonl"
+    step_7 = b'"step": 7, "epoch": 0.35, "loss"'
+    path.write_bytes(path.read_bytes().replace(step_7, step_7.replace(b"loss", b"l\xffss")))
+    assert [row["step"] for row in plot.read_steps(str(run_dir))] == [s for s in range(1, 241) if s != 7]
+
+
 def test_unwritable_output(run_dir, tmp_path, capsys):
     line = error_line(capsys, [str(run_dir), "-o", str(tmp_path / "missing" / "curves.png")])
     assert "cannot write" in line and "missing" in line

@@ -17,6 +17,13 @@ from imagenet_elastic.report.sinks.base import Sink
 FILENAME = "steps.jsonl"
 
 
+def read_text(path: str) -> str:
+    """The file's text; a byte that is not UTF-8 (damage) reads as U+FFFD, so that its line is kept or dropped as any
+    other damaged line is (`whole_rows`), never the whole file."""
+    with open(path, encoding="utf-8", errors="replace") as f:
+        return f.read()
+
+
 def whole_rows(text: str) -> Iterator[tuple[str, dict[str, Any]]]:
     """(line, row) for each line that is a whole JSON object: a killed run's last line may be torn."""
     for line in text.splitlines():
@@ -37,8 +44,7 @@ def trim(folder: str, last_step: int) -> list[dict[str, Any]]:
     """Before the first step: drop rows beyond the step the run starts from; returns the rest (StorageError on I/O)."""
     path = os.path.join(folder, FILENAME)
     try:
-        with open(path) as f:
-            text = f.read()
+        text = read_text(path)
     except FileNotFoundError:
         text = ""
     except OSError as error:
