@@ -244,6 +244,7 @@ class InitialWeights(NamedTuple):
 
     tensors: dict[str, torch.Tensor]
     blurpool: Optional[bool]  # whether a checkpoint of ours was trained with --blurpool; None: another kind of file
+    classes: Optional[tuple[str, ...]] = None  # a checkpoint of ours: its classifier's class names, in order
 
     @classmethod
     def read(cls, path: str) -> InitialWeights:
@@ -262,7 +263,9 @@ class InitialWeights(NamedTuple):
         except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
             raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict "
                             f"({first_line(error)[:200]})") from None
-        settings = loaded.get("config") if isinstance(loaded, dict) and "model_name" in loaded else None  # ours
+        ours = isinstance(loaded, dict) and "model_name" in loaded
+        settings = loaded.get("config") if ours else None
+        classes = tuple(loaded["classes"]) if ours and isinstance(loaded.get("classes"), (list, tuple)) else None
         for key in ("model", "state_dict", "model_state_dict"):  # ours, Lightning-style, common scripts
             if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
                 loaded = loaded[key]
@@ -270,10 +273,12 @@ class InitialWeights(NamedTuple):
         if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
             raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
         return cls({strip_prefixes(name): tensor for name, tensor in loaded.items()},
-                   saved_setting(settings, "blurpool") if isinstance(settings, dict) else None)
+                   saved_setting(settings, "blurpool") if isinstance(settings, dict) else None, classes)
 
-    def load(self, model: nn.Module, path: str, model_name: str) -> str:
-        """Copy the weights into `model`; returns what the start-up table says of them."""
+    def load(self, model: nn.Module, path: str, model_name: str, classes: Optional[tuple[str, ...]] = None) -> str:
+        """Copy the weights into `model`; returns what the start-up table says of them. The classifier is kept only
+        for as many classes (and, where both name them, the same names in the same order: the data's `classes`);
+        else it is re-initialised, its rows being other classes'."""
         weights, own, head = self.tensors, model.state_dict(), classifier(model)
         prefix = next((name for name, module in model.named_modules() if head is not None and module is head), None)
         head_names = set() if prefix is None else {f"{prefix}.{n}" if prefix else n for n in head.state_dict()}
@@ -281,9 +286,15 @@ class InitialWeights(NamedTuple):
         if problems:
             raise UserError(f"--initial-checkpoint {path} does not fit --model {model_name}: {'; '.join(problems)}")
         refit = sorted(k for k in head_names if own[k].shape != weights[k].shape)
+        renamed = not refit and None not in (self.classes, classes) and self.classes != classes
+        if renamed:
+            refit = sorted(head_names)
         model.load_state_dict({k: v for k, v in weights.items() if k not in refit}, strict=False)
         if not refit:
             return path
+        if renamed:
+            there, here = next((a, b) for a, b in zip(self.classes, classes) if a != b)
+            return f"{path} (classifier re-initialised: its classes are others: {there!r} there, {here!r} here)"
         return f"{path} (classifier re-initialised: {weights[refit[0]].shape[0]} classes there, " \
                f"{own[refit[0]].shape[0]} here)"
 

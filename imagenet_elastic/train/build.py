@@ -184,6 +184,24 @@ def check_model_options(c: Config) -> None:
                         "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
+def check_one_image_micro_batches(c: Config, classes: int, plan: BatchPlan, sizes: tuple[tuple[int, str], ...]
+                                  ) -> None:
+    """A micro-batch of one image leaves a batch norm after global pooling one value per channel, which torch refuses
+    at the first step: tried on a meta-device copy at the smallest training size, it is one line before training."""
+    with torch.device("meta"):
+        model = create_model(c.model, classes, c.drop_path, c.blurpool, sizes=sizes)
+        try:
+            side = min(size for size, flag in sizes if flag in ("--image-size", "--progressive-resize"))
+            model.train()(torch.empty(1, 3, side, side))
+        except ValueError as error:
+            if "more than 1 value per channel" in str(error):
+                raise UserError(f"the global batch {plan.describe()} has micro-batches of 1 image, on which "
+                                f"{c.model}'s batch norm cannot train: choose a --global-batch-size, --batch-size or "
+                                "number of processes that gives every micro-batch 2 images or more") from None
+        except (RuntimeError, NotImplementedError, AssertionError):
+            pass  # a forward the meta device cannot run tells nothing: the first step will
+
+
 def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: Optional[dict[str, Any]]
                ) -> Optional[dict[str, Any]]:
     """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
@@ -214,6 +232,8 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
     built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
+    if min(part.stop - part.start for part in plan.all_micro_slices()) == 1:
+        check_one_image_micro_batches(config, classes, plan, run_sizes(config, built_for))
     model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
                                      config.grad_checkpointing, run_sizes(config, built_for)),
                         inputs.device, config.channels_last)
@@ -222,7 +242,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     if inputs.published is not None:
         start = describe_published(inputs.published, classes)
     elif inputs.initial_state is not None:
-        start = inputs.initial_state.load(model, config.initial_checkpoint, config.model)
+        start = inputs.initial_state.load(model, config.initial_checkpoint, config.model, inputs.train.classes)
     else:
         start = "random (seed)"
     if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):

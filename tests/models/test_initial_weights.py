@@ -54,6 +54,20 @@ def test_our_checkpoint_with_ddp_and_compile_prefixes_loads_everything(tmp_path)
     assert_loaded_except_the_head(model, source, head_refit=False)
 
 
+def test_our_checkpoint_of_other_class_names_gives_all_but_its_classifier(tmp_path):
+    source = source_model(4)
+    saved = ("ant", "bee", "cat", "dog")
+    torch.save({"model": source.state_dict(), "model_name": "test_resnet", "classes": list(saved)}, tmp_path / "b.pt")
+    weights = InitialWeights.read(str(tmp_path / "b.pt"))
+    same = fresh(4)
+    assert weights.load(same, "b.pt", "test_resnet", saved) == "b.pt"
+    assert_loaded_except_the_head(same, source, head_refit=False)
+    renamed = fresh(4)
+    said = weights.load(renamed, "b.pt", "test_resnet", ("ant", "bee", "cat", "eel"))
+    assert_names(said, "re-initialised", "'dog'", "'eel'")
+    assert_loaded_except_the_head(renamed, source, head_refit=True)
+
+
 def test_reading_tells_whether_a_checkpoint_of_ours_was_trained_with_blurpool(tmp_path):
     state = source_model(4).state_dict()
     for name, saved in (("blurred.pt", {"blurpool": True}), ("plain.pt", {"blurpool": False}), ("old.pt", {})):

@@ -144,6 +144,11 @@ def test_a_run_continued_from_its_own_backup_in_its_folder_keeps_its_run_id(tmp_
     assert (resumed["epoch"], resumed["run_id"]) == (2, run_id)
 
 
+def test_micro_batches_of_one_image_a_batch_norm_cannot_train_on_are_refused_before_training(tmp_path, image_folder):
+    expect_user_error([str(image_folder), *SMALL_RUN, "--global-batch-size", "3", "--batch-size", "2",
+                       "--checkpoints-path", str(tmp_path / "c")], ("3 = 1 process x 3", "--batch-size"), tmp_path)
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "eight"])
 def test_bad_batch_size_is_named(tmp_path, image_folder, value):
     expect_user_error([str(image_folder), "--batch-size", value], "--batch-size", tmp_path)
