@@ -98,12 +98,16 @@ _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 
 def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
-    """`500` (steps), `10m` / `90s` / `2h` (time), or both: `500,10m` -> (500, 600.0)."""
+    """`500` (steps), `10m` / `90s` / `2h` (time), or both: `500,10m` -> (500, 600.0); not two of a kind (`1m,2m`),
+    of which one would be dropped unsaid."""
     steps: Optional[int] = None
     seconds: Optional[float] = None
     try:
         for item in (part.strip().lower() for part in text.split(",")):
-            if item and item[-1] in _UNITS:
+            timed = bool(item) and item[-1] in _UNITS
+            if (seconds if timed else steps) is not None:
+                raise argparse.ArgumentTypeError(f"expected one step count and one time at most, got {text!r}")
+            if timed:
                 seconds = float(item[:-1]) * _UNITS[item[-1]]
             else:
                 steps = int(item)

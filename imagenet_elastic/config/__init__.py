@@ -48,8 +48,8 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         action=argparse.BooleanOptionalAction)
     initial_checkpoint: Optional[str] = option(
         None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
-        "dict, or a .safetensors file; a classifier of another class count is re-initialised. A resumed run "
-        "continues from its own checkpoint instead", "model", "PATH")
+        "dict, or a .safetensors file; a classifier of another class count (or, in our checkpoint, of other class "
+        "names) is re-initialised. A resumed run continues from its own checkpoint instead", "model", "PATH")
     image_size: int = option(
         224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
         type=options.image_side, exact=True)
@@ -186,8 +186,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
 
     def __post_init__(self) -> None:
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
-        check_range("--scale", self.scale, high=1.0)
-        check_range("--ratio", self.ratio)
+        check_each(vars(self))
         if (self.progressive_resize is None) != (self.progressive_epochs is None):
             given, missing = (("--progressive-resize", "--progressive-epochs") if self.progressive_epochs is None
                               else ("--progressive-epochs", "--progressive-resize"))
@@ -239,6 +238,15 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         mine = self.to_dict()
         names = RESUME_SENSITIVE if names is None else names
         return [f"{k}: checkpoint {saved[k]!r}, now {mine[k]!r}" for k in names if k in saved and saved[k] != mine[k]]
+
+
+def check_each(values: dict[str, Any]) -> None:
+    """What the types of a pair of values cannot check, for those of `values`: for a --config file's values too,
+    which its error then names."""
+    if "scale" in values:
+        check_range("--scale", values["scale"], high=1.0)
+    if "ratio" in values:
+        check_range("--ratio", values["ratio"])
 
 
 # Settings whose change between a checkpoint and a resumed run breaks exact continuation: each says so itself

@@ -14,7 +14,7 @@ from typing import Any, Optional
 import yaml
 
 from imagenet_elastic.atomic_files import store_bytes
-from imagenet_elastic.config import Config, flag
+from imagenet_elastic.config import Config, check_each, flag
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import Parser
 
@@ -25,7 +25,9 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
     """The file's settings, converted and checked by `parser` (a fresh one: its errors name the file)."""
     try:
         with open(path) as f:
-            loaded = yaml.safe_load(f)
+            loaded = yaml.load(f, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
+    except SetTwice as error:
+        raise UserError(f"config file {path}: {error}") from None
     except OSError as error:
         raise UserError(f"cannot read config file {path}: {error.strerror or error}") from None
     except UnicodeDecodeError as error:
@@ -61,24 +63,57 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
             tokens += option_tokens(f, value, path)
     parser.source = path
     parsed = parser.parse_args(tokens + positional)
-    return {**nulls, **{name: getattr(parsed, name) for name in named}}
+    values = {**nulls, **{name: getattr(parsed, name) for name in named}}
+    try:
+        check_each(values)
+    except UserError as error:
+        raise UserError(f"config file {path}: {error}") from None
+    return values
+
+
+class SetTwice(Exception):
+    """A key of a config file given twice (UniqueKeyLoader): the message names it and its lines."""
+
+
+class UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load's, but a key set twice is refused, where safe_load keeps the last silently; `batch-size` and
+    `batch_size` are one key, as they are one option."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
+        lines: dict[str, int] = {}
+        for key_node, _ in node.value:
+            key = str(self.construct_object(key_node, deep=deep)).replace("_", "-")
+            if key in lines:
+                raise SetTwice(f"{key} is set twice (lines {lines[key]} and {key_node.start_mark.line + 1})")
+            lines[key] = key_node.start_mark.line + 1
+        return super().construct_mapping(node, deep)
 
 
 def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
-    """One file entry as the command line would say it: `hflip: 0` -> ['--hflip', '0']."""
+    """One file entry as the command line would say it: `hflip: 0` -> ['--hflip', '0']; `resume: true` -> the
+    bare flag, `resume: false` nothing (its default)."""
     action = f.metadata["argparse"].get("action")
+    nargs = f.metadata["argparse"].get("nargs")
     name = flag(f)
+    key = f"config file {path}: {f.name.replace('_', '-')}"
     if action is argparse.BooleanOptionalAction or action == "store_true":
         if not isinstance(value, bool):
-            raise UserError(f"config file {path}: {f.name.replace('_', '-')} must be true or false, got {value!r}")
+            raise UserError(f"{key} must be true or false, got {value!r}")
         return [name] if value else [] if action == "store_true" else ["--no-" + name[2:]]
-    nargs = f.metadata["argparse"].get("nargs")
+    if isinstance(value, bool):  # not the words "True" and "False": a path, a model, a signal named so
+        if nargs == "?":
+            return [name] if value else []
+        raise UserError(f"{key} takes a value, not {str(value).lower()} (YAML reads yes/no/on/off as true/false: "
+                        f"quote a word)")
     if isinstance(nargs, int):
         if not isinstance(value, list) or len(value) != nargs:
-            raise UserError(f"config file {path}: {f.name.replace('_', '-')} takes a list of {nargs} values, "
-                            f"got {value!r}")
+            raise UserError(f"{key} takes a list of {nargs} values, got {value!r}")
         return [name, *map(str, value)]
-    if isinstance(value, list):  # preempt-signals: [SIGTERM, SIGUSR1]
+    if isinstance(value, list):  # preempt-signals: [SIGTERM, SIGUSR1]; progressive-resize: [160, 192]
+        if "tuple[" not in str(f.type):  # a setting of one value
+            raise UserError(f"{key} takes one value, not a list: got {value!r}")
+        if not value and f.name == "preempt_signals":  # none, as settings_yaml writes it (file_value)
+            return [name, "none"]
         return [name, ",".join(map(str, value))]
     return [name, str(value)]
 

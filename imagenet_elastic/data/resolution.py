@@ -22,7 +22,8 @@ class TrainSizes:
 
     def __call__(self, epoch: int) -> int:
         """LOW up to epoch START, HIGH from epoch END, exactly; linear in between, rounded to a multiple
-        of 32 (half to even, as FFCV's numpy rounding does: 160 -> 192 over epochs 11-13 gives 192 at 12)."""
+        of 32 (half to even, as FFCV's numpy rounding does: 160 -> 192 over epochs 11-13 gives 192 at 12), not 0,
+        and held within LOW..HIGH, which ends that are not multiples of 32 (10,20; 170,300) would round past."""
         if self.ramp is None or self.epochs is None:
             return self.size
         (low, high), (start, end) = self.ramp, self.epochs
@@ -30,7 +31,8 @@ class TrainSizes:
             return low
         if epoch >= end:
             return high
-        return max(MULTIPLE, round((low + (epoch - start) / (end - start) * (high - low)) / MULTIPLE) * MULTIPLE)
+        rounded = round((low + (epoch - start) / (end - start) * (high - low)) / MULTIPLE) * MULTIPLE
+        return min(max(rounded, MULTIPLE, low), high)
 
     @property
     def largest(self) -> int:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Optional
 
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import metrics
 
 ENV_VAR = "IMAGENET_ELASTIC_SAMPLE_LOG"
@@ -27,9 +28,7 @@ class SampleLog:
         self.writer = uuid.uuid4().hex[:12]  # one per process and round: tells attempts of a step apart
         self.file: Optional[IO[str]] = None
         if folder:
-            os.makedirs(folder, exist_ok=True)
-            path = os.path.join(folder, f"rank{rank}-{self.writer}.jsonl")
-            self.file = open(path, "a")  # noqa: SIM115 (open for the whole run, closed by close())
+            self.file = open_log(folder, f"rank{rank}-{self.writer}.jsonl")
 
     def record(self, epoch: int, step: int, samples: Iterable[int]) -> None:
         if self.file is not None:
@@ -42,6 +41,23 @@ class SampleLog:
         if self.file is not None:
             self.file.close()
             self.file = None
+
+
+class SampleLogError(UserError):
+    """The variable's folder cannot take this rank's log: said once by each node, whose ranks share its disks."""
+
+    every_node = True
+
+
+def open_log(folder: str, name: str) -> IO[str]:
+    """FOLDER/NAME, a file of its own beside the logs of earlier runs, which it never touches. FOLDER must be a
+    folder (made if missing): an existing file there is refused, not replaced or appended to."""
+    try:
+        os.makedirs(folder, exist_ok=True)
+        return open(os.path.join(folder, name), "a")  # noqa: SIM115 (open for the whole run, closed by close())
+    except OSError as error:
+        why = "a file, not a folder" if os.path.exists(folder) and not os.path.isdir(folder) else error.strerror
+        raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {why or error}") from None
 
 
 @dataclass(frozen=True)

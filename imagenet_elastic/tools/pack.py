@@ -34,7 +34,7 @@ from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commi
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UserError, report
-from imagenet_elastic.options import HelpFormatter, Parser, positive_int
+from imagenet_elastic.options import HelpFormatter, Parser, bounded, positive_int
 
 PACK_FILE = tar_shards.PACK_FILE
 PACK_VERSION = 1
@@ -49,7 +49,7 @@ def build_parser() -> Parser:
     p.add_argument("--val-labels", metavar="FILE", help="the classes of a flat validation folder, as the trainer's")
     p.add_argument("--max-side", type=positive_int, metavar="N",
                    help="resize images larger than N pixels on their longer side (FFCV: 256 to 512); default: keep all")
-    p.add_argument("--quality", type=int, choices=range(1, 101), metavar="Q", default=90,
+    p.add_argument("--quality", type=bounded(int, 1, 100), metavar="Q", default=90,
                    help="JPEG quality of the images --max-side resizes")
     p.add_argument("--shard-size", type=positive_int, metavar="N", default=1024, help="samples per shard")
     p.add_argument("--workers", type=positive_int, metavar="N", help="processes writing shards (default: the cores)")
@@ -178,9 +178,16 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
         raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
-    if any(previous.get(key) != record[key] for key in ("source", "options", "splits")):
-        raise UserError(f"pack: OUT {out} holds an interrupted pack of {previous.get('source')} with other options "
-                        f"({previous.get('options')}): remove it, or rerun that pack")
+    if previous.get("source") != record["source"] or previous.get("options") != record["options"]:
+        raise UserError(f"pack: OUT {out} holds an interrupted pack of {previous.get('source')} with options "
+                        f"{previous.get('options')}: remove it, or rerun that pack")
+    splits = previous.get("splits") if isinstance(previous.get("splits"), dict) else {}
+    for role, now in record["splits"].items():
+        if splits.get(role) != now:
+            then = splits.get(role) if isinstance(splits.get(role), dict) else {}
+            raise UserError(f"pack: OUT {out} holds an interrupted pack of {record['source']} whose {role} split has "
+                            f"changed since: {then.get('samples')} samples in {then.get('from')} then, "
+                            f"{now['samples']} in {now['from']} now: remove it to pack the source as it is now")
     return True
 
 
@@ -244,6 +251,7 @@ class Progress:
 
 def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     options = Options(args.max_side, args.quality, args.shard_size)
+    sources.check_apart(out, "pack: OUT", sources.split_locations(src, args.val_path), containing=True)
     splits = sources.open_splits(src, args.val_path, args.val_labels, cache_dir=None)
     for note in (*splits[0].notes, *splits[1].notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)

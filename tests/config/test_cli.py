@@ -215,6 +215,13 @@ def test_bad_checkpoint_interval_is_refused(text):
         checkpoint_interval(text)
 
 
+@pytest.mark.parametrize("text", ["500,500", "1m,2m", "500,1m,2m", "10m,500,90s"])
+def test_two_step_counts_or_two_times_in_one_checkpoint_interval_are_refused(text):
+    """One of the two would be dropped unsaid."""
+    with pytest.raises(argparse.ArgumentTypeError, match=text):
+        checkpoint_interval(text)
+
+
 def test_checkpoint_interval_reaches_the_config():
     config = config_from_args(build_parser().parse_args(["/data", "--checkpoint-interval", "20,30s"]))
     assert (config.checkpoint_every_steps, config.checkpoint_every_seconds) == (20, 30.0)

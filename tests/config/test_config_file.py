@@ -10,7 +10,7 @@ import yaml
 from conftest import REPO, VAL_IMAGES, assert_names
 
 from imagenet_elastic import cli
-from imagenet_elastic.config import Config
+from imagenet_elastic.config import RESUME_AUTO, Config
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.report.metrics import read as read_metrics
@@ -65,6 +65,12 @@ def test_an_empty_file_changes_nothing(tmp_path):
     ("scale: 0.5\n", "scale takes a list of 2 values, got 0.5"),
     ("epochs:\n", "epochs needs a value"),
     (b"model: \xff\xfe\n", "is not UTF-8 text (invalid start byte: byte 0xff)"),
+    ("epochs: 2\nepochs: 3\n", "epochs is set twice (lines 1 and 2)"),
+    ("batch-size: 8\nlr: 0.1\nbatch_size: 16\n", "batch-size is set twice (lines 1 and 3)"),
+    ("val-labels: [a.csv]\n", "val-labels takes one value, not a list"),
+    ("model: yes\n", "model takes a value, not true"),
+    ("ratio: [1, 0.5]\n", "--ratio: MIN must not exceed MAX"),
+    ("scale: [0.5, 2]\n", "--scale: at most 1"),
 ])
 def test_a_bad_file_is_one_user_error_naming_the_file(tmp_path, text, message):
     if isinstance(text, bytes):
@@ -90,6 +96,26 @@ def test_a_bad_value_in_a_file_fails_as_on_the_command_line_naming_the_file(tmp_
     assert raised.value.code == 2
     err = capsys.readouterr().err
     assert f"config file {path}: {message}" in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize(("text", "resume"), [
+    ("resume: true\n", RESUME_AUTO), ("resume: false\n", None), ("resume: runs/a/last.pt\n", "runs/a/last.pt"),
+    ("resume: 'true'\n", "true"),
+])
+def test_resume_true_in_a_file_is_the_bare_flag_and_false_no_resume(tmp_path, text, resume):
+    """Not the paths `True` and `False`; a string is a path, as on the command line."""
+    assert cli.parse(["/data", "--config", write(tmp_path, text)])[0].resume == resume
+
+
+def test_resume_true_in_a_file_keeps_the_files_data_folder(tmp_path):
+    config, _ = cli.parse(["--config", write(tmp_path, "resume: true\ndata: /from/file\n")])
+    assert (config.resume, config.data) == (RESUME_AUTO, "/from/file")
+
+
+def test_an_empty_list_of_preempt_signals_means_none(tmp_path):
+    """The empty set of signals, as `none` says it and --print-config writes it."""
+    config, _ = cli.parse(["/data", "--config", write(tmp_path, "preempt-signals: []\n")])
+    assert config.preempt_signals == () == cli.parse(["/data", "--preempt-signals", "none"])[0].preempt_signals
 
 
 def test_a_missing_file_is_named():

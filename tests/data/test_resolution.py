@@ -31,6 +31,16 @@ def test_a_wide_ramp_steps_through_multiples_of_32_and_stays_at_its_ends():
     assert TrainSizes(224).describe(9) == "224 px"
 
 
+@pytest.mark.parametrize(("ramp", "epochs", "expected"), [
+    ((10, 20), (0, 2), [10, 20, 20]),  # 15 rounds to 0, and 32 would be above HIGH
+    ((170, 200), (0, 10), [170, 170, 192, 192, 192, 192, 192, 192, 192, 192, 200]),  # 173 rounds to 160 < LOW
+    ((8, 35), (1, 5), [8, 8, 32, 32, 32, 35]),  # in range already: as before
+])
+def test_ramp_sizes_stay_within_low_and_high_and_never_shrink(ramp, epochs, expected):
+    sizes = [TrainSizes(224, ramp, epochs)(e) for e in range(len(expected))]
+    assert sizes == expected and sizes == sorted(sizes)
+
+
 def test_each_epochs_samples_come_at_that_epochs_size(tmp_path):
     make_split(tmp_path / "train", {"a": 2, "b": 2}, size=(64, 48))
     dataset = TrainDataset(scan_image_folder(str(tmp_path / "train"), "train"), TrainSizes(24, (32, 64), (0, 1)), 0)

@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
-from imagenet_elastic.report.samplelog import SampleLog, coverage
+from imagenet_elastic.errors import UserError
+from imagenet_elastic.report.samplelog import ENV_VAR, SampleLog, coverage
 
 SAMPLES, GLOBAL = 24, 4
 
@@ -59,3 +60,19 @@ def test_attempts_of_one_step_that_disagree_are_an_error(tmp_path):
         path.write_text(path.read_text().replace('"epoch": 1', '"epoch": 0'))
     with pytest.raises(AssertionError, match="distinct samples"):
         coverage(str(tmp_path), SAMPLES, GLOBAL)
+
+
+def test_a_file_where_the_log_folder_goes_is_refused_naming_the_variable_and_left_as_it_was(tmp_path):
+    earlier = tmp_path / "samples.jsonl"
+    earlier.write_text('{"epoch": 0}\n')
+    for folder in (earlier, earlier / "sub"):
+        with pytest.raises(UserError) as raised:
+            SampleLog(str(folder), 0, 1)
+        assert ENV_VAR in str(raised.value) and str(folder) in str(raised.value)
+    assert earlier.read_text() == '{"epoch": 0}\n'
+
+
+def test_a_folder_of_earlier_logs_takes_a_new_file_beside_them(tmp_path):
+    log_epoch(tmp_path / "log", 0, 1, world_size=1)
+    log_epoch(tmp_path / "log", 0, 1, world_size=1)
+    assert len(list((tmp_path / "log").iterdir())) == 2

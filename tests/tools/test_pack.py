@@ -170,6 +170,37 @@ def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(im
         assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
 
 
+@pytest.mark.parametrize(("src", "out", "split"), [
+    ("data", "data/train/pk", "data/train"), ("data", "data/val", "data/val"), ("data/train", "data", "data/train")])
+def test_an_out_inside_a_split_it_reads_or_holding_one_is_refused_naming_both_before_anything_is_written(
+        tmp_path, capsys, src, out, split):
+    make_image_folder(tmp_path / "data", classes=2, train_per_class=2, val_per_class=1)
+    listed = {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")}
+    said = refused(capsys, str(tmp_path / src), str(tmp_path / out), "--val-path", str(tmp_path / "data" / "val"))
+    assert_names(said, "OUT", tmp_path / out, tmp_path / split)
+    assert {p: p.stat().st_mtime_ns for p in tmp_path.rglob("*")} == listed
+
+
+def test_an_interrupted_pack_of_a_source_changed_since_is_refused_saying_what_changed(tmp_path, capsys):
+    src, out = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1), tmp_path / "out"
+    run_pack(str(src), str(out), "--shard-size", "2")
+    (out / "train" / tar_shards.INDEX_NAME).unlink()  # interrupted before its indexes
+    record = json.loads((out / pack.PACK_FILE).read_text())
+    (out / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    shutil.copy(sorted((src / "train").rglob("*.jpg"))[0], src / "train" / "class_000" / "added.jpg")
+    listed = {p: p.stat().st_mtime_ns for p in out.rglob("*")}
+    said = refused(capsys, str(src), str(out), "--shard-size", "2")
+    assert_names(said, out, "train", "4", src / "train", "5")
+    assert "options" not in said
+    assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listed
+
+
+def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
+    said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
+    assert_names(said, "--quality", "1", "0")
+    assert len(said) < 100, said
+
+
 def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the_pack_command(image_folder, packed,
                                                                                               tmp_path, capsys):
     out, _ = packed

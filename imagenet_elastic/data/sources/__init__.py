@@ -162,12 +162,34 @@ def evaluated_split(location: str) -> str:
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
                 cache_dir: Optional[str]) -> tuple[Source, Source]:
-    """The train and val sources of a run, with the same classes (checked)."""
+    """The train and val sources of a run, with the same classes (checked); `cache_dir`: the checkpoints folder, where
+    indexes are kept, outside the splits."""
     train_location, val_location = split_locations(data, val_path)
+    if cache_dir is not None:
+        check_apart(cache_dir, "--checkpoints-path", (train_location, val_location))
     train = open_source(train_location, "train", cache_dir)
     val = open_source(val_location, "val", cache_dir, train.classes, val_labels)
     check_same_classes(train, val)
     return train, val
+
+
+def check_apart(folder: str, what: str, splits: tuple[str, str], containing: bool = False) -> None:
+    """Refuse a folder written to that is (or lies inside, or with `containing` holds) a split's folder on disk: what
+    is written there would be read as the split's samples (a class folder, a shard), or break it, at the next start.
+    A pattern names its files (what is written there is not among them), and a store's URL is no folder on disk."""
+    if object_store.is_url(folder):
+        return
+    real = os.path.realpath(folder)
+    for role, location in zip(("train", "val"), splits):
+        path = kind_of(location)[1]
+        if is_pattern(location) or object_store.is_url(path):
+            continue
+        split = os.path.realpath(path)
+        common = os.path.commonpath((real, split))
+        if common == split or (containing and common == real):
+            how = "is" if real == split else "lies inside" if common == split else "holds"
+            raise UserError(f"{what} {folder} {how} the {role} split {path}: what is written there would be read "
+                            "with it; choose a folder outside the data")
 
 
 def check_same_classes(train: Source, val: Source) -> None:
@@ -183,5 +205,5 @@ def check_same_classes(train: Source, val: Source) -> None:
 
 is_url = object_store.is_url
 
-__all__ = ["KINDS", "FileList", "Source", "both_splits", "check_same_classes", "evaluated_split", "is_pattern",
-           "is_url", "kind_of", "open_source", "open_splits", "split_locations", "train_location"]
+__all__ = ["KINDS", "FileList", "Source", "both_splits", "check_apart", "check_same_classes", "evaluated_split",
+           "is_pattern", "is_url", "kind_of", "open_source", "open_splits", "split_locations", "train_location"]

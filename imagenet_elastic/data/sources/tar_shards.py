@@ -19,6 +19,7 @@ import glob
 import itertools
 import json
 import mmap
+import operator
 import os
 import posixpath
 import re
@@ -88,7 +89,8 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
         found = sorted(glob.glob(part)) if glob.has_magic(part) else [part]
         missing = next((p for p in found if not os.path.isfile(p)), None) if found else part
         if missing is not None:
-            raise UserError(f"{role} {what} {missing} does not exist (from {location})")
+            how = "is a folder, not a file" if os.path.isdir(missing) else "does not exist"
+            raise UserError(f"{role} {what} {missing} {how} (from {location})")
         paths.extend(found)
     return paths
 
@@ -419,11 +421,16 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     key: Optional[str] = None
     try:
         with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
-            for key, members in itertools.groupby((m for m in tar if m.isfile()), lambda m: split_name(m.name)[0]):
+            named = ((m, *split_name(m.name)) for m in tar if m.isfile())
+            for key, members in itertools.groupby(named, operator.itemgetter(1)):
                 image: Optional[tarfile.TarInfo] = None
                 label: Optional[int] = None
-                for member in members:
-                    extension = split_name(member.name)[1]
+                seen: set[str] = set()
+                for member, _, extension in members:
+                    if extension in seen:  # two samples under one key, which would be read as one (as WebDataset)
+                        raise UserError(f"{role} shard {path}: sample {key} has a second {member.name} (a key "
+                                        "repeated in consecutive members): give each sample its own key")
+                    seen.add(extension)
                     if extension in IMAGE_EXTENSIONS and (image is None or IMAGE_EXTENSIONS.index(extension)
                                                           < IMAGE_EXTENSIONS.index(split_name(image.name)[1])):
                         image = member

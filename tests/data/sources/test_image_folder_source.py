@@ -9,9 +9,10 @@ import time
 
 import numpy as np
 import pytest
+from conftest import assert_names, single_line
 from makers import damage, make_split, write_jpeg
 
-from imagenet_elastic.data.sources import check_same_classes, evaluated_split
+from imagenet_elastic.data.sources import check_same_classes, evaluated_split, open_splits
 from imagenet_elastic.data.sources import split_locations as resolve_split_dirs
 from imagenet_elastic.data.sources.image_folder import (
     cache_path,
@@ -131,6 +132,31 @@ def test_resolve_split_dirs_missing_explicit_val_path_names_it(tmp_path):
         resolve_split_dirs(str(tmp_path), str(tmp_path / "other"))
     assert str(tmp_path / "other") in str(caught.value)
     assert "--val-path" not in str(caught.value)
+
+
+@pytest.fixture
+def small_root(tmp_path):
+    for split in ("train", "val"):
+        make_split(tmp_path / "data" / split, {"a": 1, "b": 1}, size=(8, 8))
+    return tmp_path / "data"
+
+
+@pytest.mark.parametrize(("inside", "split"), [("train", "train"), ("train/newclass", "train"), ("val/a/b", "val"),
+                                               ("link/ck", "train")])
+def test_a_checkpoints_folder_inside_a_split_is_refused_naming_flag_and_split_before_anything_is_written(
+        small_root, inside, split):
+    (small_root / "link").symlink_to(small_root / "train")  # the same folder by another name
+    listed = sorted(small_root.rglob("*"))
+    with pytest.raises(UserError) as caught:
+        open_splits(str(small_root), None, None, str(small_root / inside))
+    assert_names(single_line(str(caught.value)), "--checkpoints-path", small_root / inside, small_root / split)
+    assert sorted(small_root.rglob("*")) == listed
+
+
+@pytest.mark.parametrize("beside", ["../checkpoints", ".", "runs/1"])
+def test_a_checkpoints_folder_beside_the_splits_or_holding_them_is_accepted(small_root, beside):
+    train, val = open_splits(str(small_root), None, None, os.path.normpath(small_root / beside))
+    assert len(train) == len(val) == 2
 
 
 def test_evaluate_scores_the_val_split_of_a_root_that_holds_val_alone_not_a_class_named_val(tmp_path):

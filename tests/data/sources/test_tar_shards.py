@@ -278,6 +278,34 @@ def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, m
     assert said.startswith(f"train shard {tmp_path / 's-0.tar'}") and said.endswith(message) or message in said, said
 
 
+@pytest.mark.parametrize("members", [
+    [("s0.jpg", JPEG), ("s0.cls", b"0"), ("s0.jpg", JPEG), ("s0.cls", b"1"), ("s1.jpg", JPEG), ("s1.cls", b"0")],
+    [("s0.jpg", JPEG), ("s0.JPG", JPEG), ("s0.cls", b"0")],
+    [("s0.png", JPEG), ("s0.cls", b"0"), ("s0.cls", b"1")],
+])
+def test_a_key_repeated_in_consecutive_members_is_refused_naming_shard_and_key(tmp_path, members):
+    write_tar(tmp_path / "s-0.tar", members)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / "s-0.tar", "s0")
+
+
+def test_a_key_repeated_after_another_keys_members_is_another_sample_as_in_webdataset(tmp_path):
+    write_tar(tmp_path / "s-0.tar", [("a.jpg", b"1"), ("a.cls", b"0"), ("b.jpg", b"2"), ("b.cls", b"1"),
+                                     ("a.jpg", b"3"), ("a.cls", b"1")])
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    assert [shards.read(i) for i in range(3)] == [b"1", b"2", b"3"] and shards.labels.tolist() == [0, 1, 1]
+
+
+@pytest.mark.parametrize("pattern", ["s-0001.tar", "s-{0000..0001}.tar", "s-*.tar"])
+def test_a_shard_path_that_is_a_folder_is_named_as_a_folder(tmp_path, pattern):
+    write_tar(tmp_path / "s-0000.tar", [("a.jpg", JPEG), ("a.cls", b"0")])
+    (tmp_path / "s-0001.tar").mkdir()
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path / pattern), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / "s-0001.tar", "folder")
+
+
 def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(written, tmp_path):
     paths, _ = written
     cut = tmp_path / "cut"
