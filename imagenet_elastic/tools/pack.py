@@ -52,7 +52,8 @@ def build_parser() -> Parser:
     p.add_argument("--quality", type=bounded(int, 1, 100), metavar="Q", default=90,
                    help="JPEG quality of the images --max-side resizes")
     p.add_argument("--shard-size", type=positive_int, metavar="N", default=1024, help="samples per shard")
-    p.add_argument("--workers", type=positive_int, metavar="N", help="processes writing shards (default: the cores)")
+    p.add_argument("--workers", type=bounded(int, 1, 128), metavar="N",
+                   help="processes writing shards (default: the cores)")
     return p
 
 

@@ -201,6 +201,11 @@ def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     assert len(said) < 100, said
 
 
+def test_more_workers_than_any_machine_could_hold_are_refused_before_one_starts(tmp_path, capsys):
+    said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--workers", "1000")
+    assert_names(said, "--workers", "128", "1000")
+
+
 def test_a_packs_shard_changed_in_place_at_its_size_is_refused_naming_it_and_the_pack_command(image_folder, packed,
                                                                                               tmp_path, capsys):
     out, _ = packed
