@@ -285,16 +285,21 @@ class CheckpointFolder:
     def stale_temp_files(self) -> list[str]:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))
 
-    def check_same_run(self, path: str, run: Optional[str]) -> None:
+    def check_same_run(self, path: str, run: Optional[str]) -> bool:
         """A run continued here from a checkpoint elsewhere overwrites this folder's last.pt, epoch files and
         metrics.jsonl: refused where they are another run's (a copy or backup of this run's own may; so may any
-        checkpoint of this folder: a rollback). `run`: the resumed checkpoint's `run_id`; None where it has none."""
-        if not os.path.isfile(self.last_path) or os.path.samefile(os.path.dirname(path) or ".", self.folder):
-            return
+        checkpoint of this folder: a rollback). `run`: the resumed checkpoint's `run_id`; None where it has none.
+        Returns whether the run goes on as itself: False for a fork (into a folder without last.pt), a new run."""
+        if os.path.samefile(os.path.dirname(path) or ".", self.folder):
+            return True
+        if not os.path.isfile(self.last_path):
+            return False
         here = load(self.last_path, lazy=True).get("run_id")
         if run is None or here != run:
             raise UserError(f"--checkpoints-path {self.folder} holds another run's checkpoints than --resume {path}: "
-                            "continuing there would overwrite them; choose another --checkpoints-path")
+                            f"continuing there would overwrite them: --resume {self.folder} continues them, or "
+                            "choose another --checkpoints-path")
+        return True
 
     def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
         """The checkpoint this run starts from, or None. A torchrun restart continues from `last.pt` whenever it

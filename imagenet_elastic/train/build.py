@@ -113,6 +113,7 @@ class Inputs:
     teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
+    forked: bool = False  # rank 0: continues a checkpoint from elsewhere in a new folder, as a run of its own
 
 
 def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[sources.Source, sources.Source]] = None
@@ -154,11 +155,12 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     # load once (checkpoint/share.py): the other ranks map it, and receive its tensors in share_checkpoint
     from_main = env.launched and not env.is_main and resume_from is not None
     snapshot = store.load(resume_from, lazy=from_main) if resume_from else None
+    forked = False
     if snapshot is not None:
         check_compatible(snapshot, resume_from, config.model, train.classes, config.opt, config.blurpool)
         check_resumable(snapshot, resume_from)
-        if env.is_main:  # rank 0's folder, as its lock is
-            checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
+        # rank 0's folder, as its lock is; a fork (a checkpoint from elsewhere into a new folder) is a run of its own
+        forked = env.is_main and not checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
     initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
@@ -166,7 +168,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     if config.pretrained and weights is None and snapshot is None:
         weights = fetch_published(config.model)  # a bare --resume that found no checkpoint: a fresh start
     return Inputs(device, threads, train, val, checkpoints, resume_from, from_main, time.perf_counter() - start,
-                  initial, weights, teacher, tuple(chosen), data), snapshot
+                  initial, weights, teacher, tuple(chosen), data, forked), snapshot
 
 
 def check_model_options(c: Config) -> None:
@@ -271,7 +273,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
                 changes.append(f"micro-batches: checkpoint {before.describe()}, now {plan.describe()} (batch-norm "
                                "statistics, dropout and drop path are computed per micro-batch)")
         warn_differences(console, changes)
-    run_id = saved.get("run_id") or secrets.token_hex(8)  # a fresh run's is new; a resumed run keeps its own
+    run_id = (None if inputs.forked else saved.get("run_id")) or secrets.token_hex(8)  # new for a fresh run or fork
     return Training(state, plan, sampler, precision, schedule, start, inputs.train.classes, inputs.resume_from,
                     saved.get("saved_at"), run_id, dict(saved.get("trackers") or {}), saved.get("micro_batch"),
                     saved.get("decoding"), teacher=inputs.teacher, data=inputs.data)

@@ -157,18 +157,19 @@ def test_a_folder_without_a_run_id_is_another_runs_for_any_checkpoint_from_elsew
             manager.check_same_run(str(tmp_path / "elsewhere.pt"), resumed)
 
 
-def test_the_same_runs_checkpoint_from_elsewhere_may_continue_in_its_folder(tmp_path):
-    run_folder(tmp_path / "here", "this-run").check_same_run(str(tmp_path / "backup.pt"), "this-run")
+def test_the_same_runs_checkpoint_from_elsewhere_continues_it_in_its_folder(tmp_path):
+    assert run_folder(tmp_path / "here", "this-run").check_same_run(str(tmp_path / "backup.pt"), "this-run")
 
 
 def test_a_checkpoint_of_the_folder_itself_may_roll_it_back_whatever_its_run(tmp_path):
     manager = run_folder(tmp_path, "this-run")
-    manager.check_same_run(str(tmp_path / "epoch_0001.pt"), None)
-    manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "another-run")
+    assert manager.check_same_run(str(tmp_path / "epoch_0001.pt"), None)
+    assert manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "another-run")
 
 
-def test_any_checkpoint_may_continue_in_a_folder_without_last(tmp_path):
-    CheckpointFolder(str(tmp_path / "empty"), 3).check_same_run(str(tmp_path / "elsewhere.pt"), "a-run")
+def test_any_checkpoint_may_continue_in_a_folder_without_last_as_a_fork(tmp_path):
+    os.makedirs(tmp_path / "empty")
+    assert not CheckpointFolder(str(tmp_path / "empty"), 3).check_same_run(str(tmp_path / "elsewhere.pt"), "a-run")
 
 
 def test_restarted_round_continues_from_last_whatever_resume_says(tmp_path):

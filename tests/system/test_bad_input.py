@@ -149,6 +149,13 @@ def test_micro_batches_of_one_image_a_batch_norm_cannot_train_on_are_refused_bef
                        "--checkpoints-path", str(tmp_path / "c")], ("3 = 1 process x 3", "--batch-size"), tmp_path)
 
 
+def test_a_checkpoint_continued_in_a_new_folder_is_a_run_of_its_own(tmp_path, image_folder, one_epoch_run):
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "2", "--max-steps-per-epoch", "3",
+                     "--checkpoints-path", str(tmp_path / "fork"), "--resume", str(one_epoch_run / "last.pt")])
+    origin, fork = (torch.load(folder / "last.pt", weights_only=True) for folder in (one_epoch_run, tmp_path / "fork"))
+    assert fork["epoch"] == 2 and len(fork["run_id"]) == 16 and fork["run_id"] != origin["run_id"]
+
+
 @pytest.mark.parametrize("value", ["0", "-3", "eight"])
 def test_bad_batch_size_is_named(tmp_path, image_folder, value):
     expect_user_error([str(image_folder), "--batch-size", value], "--batch-size", tmp_path)
