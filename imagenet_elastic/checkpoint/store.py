@@ -289,13 +289,22 @@ class CheckpointFolder:
         """A run continued here from a checkpoint elsewhere overwrites this folder's last.pt, epoch files and
         metrics.jsonl: refused where they are another run's (a copy or backup of this run's own may; so may any
         checkpoint of this folder: a rollback). `run`: the resumed checkpoint's `run_id`; None where it has none.
-        Returns whether the run goes on as itself: False for a fork (into a folder without last.pt), a new run."""
+        Returns whether the run goes on as itself: False for a fork (into a folder without last.pt), a new run. Where
+        either side cannot tell its run (written before checkpoints kept one, or a damaged last.pt), a warning."""
         if os.path.samefile(os.path.dirname(path) or ".", self.folder):
             return True
         if not os.path.isfile(self.last_path):
             return False
-        here = load(self.last_path, lazy=True).get("run_id")
-        if run is None or here != run:
+        try:
+            here = load(self.last_path, lazy=True).get("run_id")
+        except UserError as error:  # damaged: a backup elsewhere is how such a run goes on
+            self.warn(f"{error}: continuing from --resume {path}, whose checkpoints will replace it")
+            return True
+        if run is None or here is None:
+            self.warn(f"cannot tell whether {self.last_path} and --resume {path} are of one run (written before "
+                      "checkpoints named their run): continuing over the folder's checkpoints")
+            return True
+        if here != run:
             raise UserError(f"--checkpoints-path {self.folder} holds another run's checkpoints than --resume {path}: "
                             f"continuing there would overwrite them: --resume {self.folder} continues them, or "
                             "choose another --checkpoints-path")

@@ -82,6 +82,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
     def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict:
         lines: dict[str, int] = {}
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # `<<: *defaults`: SafeLoader's to merge
+                continue
             key = str(self.construct_object(key_node, deep=deep)).replace("_", "-")
             if key in lines:
                 raise SetTwice(f"{key} is set twice (lines {lines[key]} and {key_node.start_mark.line + 1})")

@@ -286,7 +286,8 @@ class InitialWeights(NamedTuple):
         if problems:
             raise UserError(f"--initial-checkpoint {path} does not fit --model {model_name}: {'; '.join(problems)}")
         refit = sorted(k for k in head_names if own[k].shape != weights[k].shape)
-        renamed = not refit and None not in (self.classes, classes) and self.classes != classes
+        renamed = not refit and None not in (self.classes, classes) and self.classes != classes and not any(
+            names == tuple(map(str, range(len(names)))) for names in (self.classes, classes))  # numbers: unnamed
         if renamed:
             refit = sorted(head_names)
         model.load_state_dict({k: v for k, v in weights.items() if k not in refit}, strict=False)

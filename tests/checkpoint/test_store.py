@@ -140,21 +140,30 @@ def run_folder(folder, run_id) -> CheckpointFolder:
     return manager
 
 
-@pytest.mark.parametrize("resumed", ["another-run", None])
-def test_a_checkpoint_from_elsewhere_may_not_continue_in_a_folder_of_another_run(tmp_path, resumed):
+def test_a_checkpoint_from_elsewhere_may_not_continue_in_a_folder_of_another_run(tmp_path):
     manager = run_folder(tmp_path / "here", "this-run")
     with pytest.raises(UserError, match="--checkpoints-path") as caught:
-        manager.check_same_run(str(tmp_path / "elsewhere.pt"), resumed)
+        manager.check_same_run(str(tmp_path / "elsewhere.pt"), "another-run")
     assert str(tmp_path / "here") in str(caught.value)
 
 
-def test_a_folder_without_a_run_id_is_another_runs_for_any_checkpoint_from_elsewhere(tmp_path):
+@pytest.mark.parametrize(("saved", "resumed"), [(None, "this-run"), ("this-run", None), (None, None)])
+def test_a_side_written_before_checkpoints_named_their_run_continues_with_a_warning(tmp_path, saved, resumed):
     os.makedirs(tmp_path / "here")
-    manager = CheckpointFolder(str(tmp_path / "here"), 3)
-    manager.save(fake_state(1), 1, is_best=False)  # written before checkpoints named their run
-    for resumed in ("this-run", None):
-        with pytest.raises(UserError):
-            manager.check_same_run(str(tmp_path / "elsewhere.pt"), resumed)
+    warnings: list[str] = []
+    manager = CheckpointFolder(str(tmp_path / "here"), 3, warnings.append)
+    manager.save({**fake_state(1), **({"run_id": saved} if saved else {})}, 1, is_best=False)
+    assert manager.check_same_run(str(tmp_path / "backup.pt"), resumed)
+    assert len(warnings) == 1 and str(tmp_path / "here" / "last.pt") in warnings[0]
+
+
+def test_a_damaged_last_pt_does_not_stop_a_backup_from_continuing_with_a_warning(tmp_path):
+    warnings: list[str] = []
+    manager = run_folder(tmp_path / "here", "this-run")
+    manager.warn = warnings.append
+    (tmp_path / "here" / "last.pt").write_bytes(b"not a checkpoint")
+    assert manager.check_same_run(str(tmp_path / "backup.pt"), "this-run")
+    assert len(warnings) == 1 and str(tmp_path / "here" / "last.pt") in warnings[0]
 
 
 def test_the_same_runs_checkpoint_from_elsewhere_continues_it_in_its_folder(tmp_path):

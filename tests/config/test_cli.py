@@ -387,11 +387,13 @@ def test_ctrl_c_in_a_command_is_one_line_naming_it_and_exit_130(monkeypatch):
     assert len(done.stderr.strip().splitlines()) == 1 and "evaluate" in done.stderr
 
 
-def ctrl_c_once(cmd: list[str], ready: str, stream: str) -> subprocess.CompletedProcess:
+def ctrl_c_once(cmd: list[str], ready: str, stream: str, ignored: bool = False) -> subprocess.CompletedProcess:
     """`cmd` in a process group of its own, sent a SIGINT (as a terminal's Ctrl-C) once a line of `stream` ("out",
-    "err") holds `ready`; the other stream is read whole after it ends."""
+    "err") holds `ready`; the other stream is read whole after it ends. `ignored`: started with SIGINT ignored, as a
+    script's `cmd &` starts it."""
     proc = subprocess.Popen(cmd, cwd=REPO, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
+                            start_new_session=True,
+                            preexec_fn=(lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if ignored else None)
     watched = proc.stdout if stream == "out" else proc.stderr
     try:
         seen = []
@@ -433,3 +435,10 @@ def test_ctrl_c_while_torch_is_imported_exits_130_without_a_traceback():
     done = ctrl_c_once([sys.executable, "-X", "importtime", "-m", "imagenet_elastic", "--help"], " torch.", "err")
     said = [line for line in done.stderr.splitlines() if not line.startswith("import time:")]
     assert done.returncode == INTERRUPTED_EXIT and not said and "usage" not in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.slow
+def test_a_process_that_ignores_ctrl_c_goes_on_after_one_during_its_imports():
+    done = ctrl_c_once([sys.executable, "-X", "importtime", "-m", "imagenet_elastic", "--help"], " torch.", "err",
+                       ignored=True)
+    assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-3000:]

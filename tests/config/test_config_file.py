@@ -112,6 +112,11 @@ def test_resume_true_in_a_file_keeps_the_files_data_folder(tmp_path):
     assert (config.resume, config.data) == (RESUME_AUTO, "/from/file")
 
 
+def test_a_yaml_merge_key_gives_its_settings(tmp_path):
+    config, _ = cli.parse(["/data", "--config", write(tmp_path, "<<: {lr: 0.3, epochs: 7}\nepochs: 4\n")])
+    assert (config.lr, config.epochs) == (0.3, 4)  # a key beside the merge wins, as YAML says
+
+
 def test_an_empty_list_of_preempt_signals_means_none(tmp_path):
     """The empty set of signals, as `none` says it and --print-config writes it."""
     config, _ = cli.parse(["/data", "--config", write(tmp_path, "preempt-signals: []\n")])

@@ -68,6 +68,16 @@ def test_our_checkpoint_of_other_class_names_gives_all_but_its_classifier(tmp_pa
     assert_loaded_except_the_head(renamed, source, head_refit=True)
 
 
+def test_numbered_classes_are_unnamed_and_keep_the_classifier(tmp_path):
+    source = source_model(4)
+    torch.save({"model": source.state_dict(), "model_name": "test_resnet", "classes": ["n01", "n02", "n03", "n04"]},
+               tmp_path / "b.pt")
+    model = fresh(4)  # trained on the same images, read from shards without class names
+    said = InitialWeights.read(str(tmp_path / "b.pt")).load(model, "b.pt", "test_resnet", ("0", "1", "2", "3"))
+    assert said == "b.pt"
+    assert_loaded_except_the_head(model, source, head_refit=False)
+
+
 def test_reading_tells_whether_a_checkpoint_of_ours_was_trained_with_blurpool(tmp_path):
     state = source_model(4).state_dict()
     for name, saved in (("blurred.pt", {"blurpool": True}), ("plain.pt", {"blurpool": False}), ("old.pt", {})):
