@@ -58,11 +58,13 @@ def checkpoint_file(path: str) -> str:
 
 def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
     """OUT_DIR whole or not at all: `write` fills a temp folder beside it, renamed to OUT_DIR once complete (an empty
-    OUT_DIR the user made is kept: the files move into it, config.json last); a failure leaves nothing behind. The
-    OS's refusal (no space, quota) is one line naming OUT_DIR."""
+    OUT_DIR the user made is kept: the temp folder is made inside it, so a mount point or a parent we may not write
+    works, and the files move up, config.json last); a failure leaves nothing behind. The OS's refusal (no space,
+    quota) is one line naming OUT_DIR."""
     from safetensors import SafetensorError  # safetensors words the OS's refusal its own way
 
-    parent = os.path.dirname(os.path.abspath(out_dir))
+    existing = os.path.isdir(out_dir)  # empty, as export checked
+    parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
     try:
         os.makedirs(parent, exist_ok=True)
         # not atomic_files.TEMP_PREFIX: a run whose checkpoints folder holds OUT_DIR would remove it as its own
@@ -74,7 +76,7 @@ def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
         for name in os.listdir(temp):  # safetensors writes 0600: a model to share is readable like our checkpoints
             os.chmod(os.path.join(temp, name), 0o666 & ~process_umask())
         os.chmod(temp, 0o777 & ~process_umask())  # mkdtemp's 0700 likewise
-        if os.path.isdir(out_dir):  # empty, as export checked
+        if existing:
             for name in sorted(os.listdir(temp), key=lambda name: name == "config.json"):
                 os.replace(os.path.join(temp, name), os.path.join(out_dir, name))
             os.rmdir(temp)

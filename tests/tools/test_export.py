@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -125,6 +126,24 @@ def test_a_full_disk_is_one_line_naming_out_and_leaves_out_as_it_was(tmp_path, c
     assert_names(err, out, "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "export"] if made else ["best.pt"]
     assert not made or not any(out.iterdir())
+
+
+def test_an_empty_out_that_is_a_mount_point_is_filled_without_crossing_file_systems(tmp_path, capsys, monkeypatch):
+    """OUT_DIR a mount point: a file moved into it from outside (its parent) fails with EXDEV, as the OS does."""
+    write_checkpoint(tmp_path / "best.pt")
+    out = tmp_path / "export"
+    out.mkdir()
+    real_replace = os.replace
+
+    def replace_on_one_file_system(src, dst, *args, **kwargs):
+        if os.path.commonpath([out, src]) != str(out) and os.path.commonpath([out, dst]) == str(out):
+            raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real_replace(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "replace", replace_on_one_file_system)
+    main([str(tmp_path / "best.pt"), str(out)])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "export"]
 
 
 def test_checkpoint_folders_are_read_as_evaluate_reads_them(tmp_path, capsys):

@@ -149,15 +149,22 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
 
 
 def evaluated_split(location: str) -> str:
-    """The split `evaluate` scores for VAL `location`: a data root's (a folder holding val/, or train/) DATA/val, as
-    training takes it, else `location`: a split holds class folders, not one named `val`."""
+    """The split `evaluate` scores for VAL `location`: a data root's (a folder holding train/, or val/ alone) DATA/val,
+    as training takes it, else `location`: a split of class folders may have a class named `val` among others."""
     prefix, path = kind_of(location)
     val = os.path.join(path, "val")
-    if _isdir(val):
-        return prefixed(prefix, val)
     if _isdir(os.path.join(path, "train")):
-        raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
-    return location
+        if not _isdir(val):
+            raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
+        return prefixed(prefix, val)
+    return prefixed(prefix, val) if _isdir(val) and _val_alone(path) else location
+
+
+def _val_alone(path: str) -> bool:
+    """val/ is the only (not hidden) folder in `path`; a store's folder holds shards, never class folders."""
+    if object_store.is_url(path):
+        return True
+    return [entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith(".")] == ["val"]
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],

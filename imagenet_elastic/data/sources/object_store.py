@@ -182,10 +182,19 @@ def answered(call: Callable[[], T]) -> T:
         return call()
     except FileNotFoundError as error:
         cause = error.__cause__
-        if cause is None or isinstance(cause, FileNotFoundError) or getattr(cause, "status", None) == 404 \
+        if cause is None or isinstance(cause, FileNotFoundError) or not_found(cause) \
                 or not isinstance(cause, transient()):
             raise
         raise cause from None
+
+
+def not_found(cause: BaseException) -> bool:
+    """A 404 as aiohttp says it (`status`) or botocore does (the ClientError s3fs raises a missing object from)."""
+    response = getattr(cause, "response", None)
+    response = response if isinstance(response, dict) else {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    return 404 in (getattr(cause, "status", None), response.get("ResponseMetadata", {}).get("HTTPStatusCode")) \
+        or code in ("NoSuchKey", "NoSuchBucket", "404", "NotFound")
 
 
 def transient() -> tuple[type[BaseException], ...]:

@@ -427,7 +427,8 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                 label: Optional[int] = None
                 seen: set[str] = set()
                 for member, _, extension in members:
-                    if extension in seen:  # two samples under one key, which would be read as one (as WebDataset)
+                    read = extension in IMAGE_EXTENSIONS or extension == LABEL_EXTENSION  # other files: not ours
+                    if read and extension in seen:  # two samples under one key, read as one (as WebDataset)
                         raise UserError(f"{role} shard {path}: sample {key} has a second {member.name} (a key "
                                         "repeated in consecutive members): give each sample its own key")
                     seen.add(extension)

@@ -167,6 +167,16 @@ def test_evaluate_scores_the_val_split_of_a_root_that_holds_val_alone_not_a_clas
     assert evaluated_split(str(root / "val")) == str(root / "val")  # a split itself: its class folders
 
 
+def test_evaluate_scores_a_split_with_a_class_named_val_among_others_as_the_split_itself(tmp_path):
+    split = tmp_path / "split"
+    make_split(split, {"apple": 1, "val": 1})
+    assert evaluated_split(str(split)) == str(split)
+    root = tmp_path / "root"
+    make_split(root / "val", {"apple": 1, "val": 1})
+    (root / ".cache").mkdir()  # hidden: val/ is still the root's only folder
+    assert evaluated_split(str(root)) == str(root / "val")
+
+
 def test_check_same_classes_accepts_equal_class_lists(tmp_path):
     make_split(tmp_path / "train", {"a": 1, "b": 1})
     make_split(tmp_path / "val", {"a": 1, "b": 1})

@@ -146,6 +146,32 @@ def test_an_https_404_is_a_missing_object_at_once():
     assert len(calls) == 1 and not isinstance(raised.value, StoreUnavailable)
 
 
+def botocore_answer(code: str, status: int = 404) -> Exception:
+    from botocore.exceptions import ClientError
+
+    return ClientError({"Error": {"Code": code, "Message": "x"}, "ResponseMetadata": {"HTTPStatusCode": status}},
+                       "GetObject")
+
+
+@pytest.mark.parametrize("cause", [botocore_answer("NoSuchKey"), botocore_answer("NoSuchBucket"),
+                                   botocore_answer("404")], ids=["NoSuchKey", "NoSuchBucket", "404"])
+def test_an_s3_object_or_bucket_missing_is_said_at_once_not_retried_as_the_store_away(cause):
+    """s3fs raises a missing object's FileNotFoundError from botocore's ClientError, a class retried otherwise."""
+    clock = FakeClock()
+    call, calls = failing(10 ** 6, https_not_found(cause))
+    with pytest.raises(UserError, match="does not exist") as raised:
+        object_store.patiently("s3://b/k", call, timeout=45, sleep=clock.sleep, clock=clock)
+    assert len(calls) == 1 and not isinstance(raised.value, StoreUnavailable)
+
+
+def test_an_s3_server_error_behind_a_file_not_found_is_still_retried():
+    clock = FakeClock()
+    call, calls = failing(10 ** 6, https_not_found(botocore_answer("InternalError", 500)))
+    with pytest.raises(StoreUnavailable):
+        object_store.patiently("s3://b/k", call, timeout=45, sleep=clock.sleep, clock=clock)
+    assert len(calls) > 1
+
+
 @pytest.mark.parametrize("ask", [object_store.find, object_store.info], ids=["find", "info"])
 def test_an_https_url_where_nothing_listens_ends_naming_its_host_and_port_not_as_missing(ask):
     with socket.socket() as taken:  # a port free a moment ago: nothing listens there

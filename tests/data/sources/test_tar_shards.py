@@ -290,6 +290,13 @@ def test_a_key_repeated_in_consecutive_members_is_refused_naming_shard_and_key(t
     assert_names(single_line(str(caught.value)), tmp_path / "s-0.tar", "s0")
 
 
+def test_a_repeated_member_that_is_neither_image_nor_label_is_not_read_and_not_refused(tmp_path):
+    write_tar(tmp_path / "s-0.tar", [("a.jpg", b"1"), ("a.cls", b"0"), ("a.txt", b"x"), ("a.txt", b"y"),
+                                     ("notes.txt", b"x"), ("notes.txt", b"y"), ("b.jpg", b"2"), ("b.cls", b"1")])
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    assert [shards.read(i) for i in range(2)] == [b"1", b"2"] and shards.labels.tolist() == [0, 1]
+
+
 def test_a_key_repeated_after_another_keys_members_is_another_sample_as_in_webdataset(tmp_path):
     write_tar(tmp_path / "s-0.tar", [("a.jpg", b"1"), ("a.cls", b"0"), ("b.jpg", b"2"), ("b.cls", b"1"),
                                      ("a.jpg", b"3"), ("a.cls", b"1")])
