@@ -33,6 +33,10 @@ class CorruptImageError(UserError):
     every_rank = True
 
 
+# Pillow's own words for a file it cannot identify name its buffer (`<_io.BytesIO object at ..>`), not the file
+UNIDENTIFIED_IMAGE = "not an image of a format Pillow reads (JPEG, PNG, ...)"
+
+
 class RendezvousError(UserError):
     """Peers or the rendezvous store did not show up within --dist-timeout."""
 

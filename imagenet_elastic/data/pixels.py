@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from imagenet_elastic.errors import CorruptImageError
+from imagenet_elastic.errors import UNIDENTIFIED_IMAGE, CorruptImageError
 
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
 ChooseCrop = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box, and whether to flip it
@@ -103,17 +103,14 @@ def rgb(img: Image.Image, raw: bytes, by_torchvision: bool) -> torch.Tensor:
     return torch.from_numpy(np.array(img if img.mode == "RGB" else img.convert("RGB")))
 
 
-UNIDENTIFIED = "not an image of a format Pillow reads (JPEG, PNG, ...)"
-
-
 @contextlib.contextmanager
 def decoding(path: str) -> Iterator[None]:
     """The decoders' own failures as a CorruptImageError naming the file; around decoding alone, so that a failure
     of ours is not called a bad file. torchvision's JPEG decoder reports a corrupt file as a RuntimeError."""
     try:
         yield
-    except Image.UnidentifiedImageError:  # Pillow's message names the buffer it read (`<_io.BytesIO object at ..>`)
-        raise CorruptImageError(f"cannot decode image file {path}: {UNIDENTIFIED}") from None
+    except Image.UnidentifiedImageError:
+        raise CorruptImageError(f"cannot decode image file {path}: {UNIDENTIFIED_IMAGE}") from None
     except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
         raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
 

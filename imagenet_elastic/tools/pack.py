@@ -33,7 +33,7 @@ from typing import Any, Optional
 from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
-from imagenet_elastic.errors import PROG, UserError, report
+from imagenet_elastic.errors import PROG, UNIDENTIFIED_IMAGE, UserError, report
 from imagenet_elastic.options import HelpFormatter, Parser, bounded, positive_int
 
 PACK_FILE = tar_shards.PACK_FILE
@@ -108,8 +108,8 @@ def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, i
             scale = options.max_side / max(width, height)
             size = (max(1, round(width * scale)), max(1, round(height * scale)))
             resized = img.convert("RGB").resize(size, Image.Resampling.LANCZOS)
-    except Image.UnidentifiedImageError:  # Pillow's message names the buffer (`<_io.BytesIO object at ..>`)
-        raise UserError(f"pack: cannot decode image {name}: not an image of a format Pillow reads") from None
+    except Image.UnidentifiedImageError:
+        raise UserError(f"pack: cannot decode image {name}: {UNIDENTIFIED_IMAGE}") from None
     except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as error:
         raise UserError(f"pack: cannot decode image {name}: {error}") from None
     out = io.BytesIO()
