@@ -6,7 +6,7 @@ from typing import Optional
 PROG = "imagenet-elastic"  # every error line starts "imagenet-elastic: error: "
 USER_ERROR_EXIT = 2
 STORAGE_ERROR_EXIT = 74  # EX_IOERR: a checkpoint could not be written (no space, I/O error, quota)
-PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped by a preemption signal after a checkpoint; run again to continue
+PREEMPTED_EXIT = 75  # EX_TEMPFAIL: stopped by a preemption signal (with a checkpoint, or before training began)
 INTERRUPTED_EXIT = 130  # Ctrl-C (128 + SIGINT), with a checkpoint at the step (the first) or at once (the second)
 
 

@@ -113,11 +113,10 @@ def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
     if rank == 0:
         members = [f"{_ROUNDS}/{ticket}/member{r}" for r in range(1, world_size)]
         store.set(f"{_ROUNDS}/leader", ticket)
-        if members:
-            store.wait(members, timedelta(seconds=timeout_s))
+        wait_for_keys(store, members, deadline, poll_s)
         store.set(f"{_ROUNDS}/{ticket}/go", ",".join(store.get(k).decode() for k in members))
         return f"imagenet_elastic/round{ticket}"
-    store.wait([f"{_ROUNDS}/leader"], timedelta(seconds=timeout_s))
+    wait_for_keys(store, [f"{_ROUNDS}/leader"], deadline, poll_s)
     while time.monotonic() < deadline:
         leader = store.get(f"{_ROUNDS}/leader").decode()
         store.set(f"{_ROUNDS}/{leader}/member{rank}", ticket)
@@ -133,6 +132,15 @@ def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
                 break
             time.sleep(poll_s)
     raise TimeoutError(f"rank 0 of this round did not answer within {timeout_s:g} s")
+
+
+def wait_for_keys(store: dist.Store, keys: list[str], deadline: float, poll_s: float) -> None:
+    """`store.wait` in short sleeps: a signal's Python handler runs only once the C++ wait returns, so a preemption
+    signal to a rank waiting for a late peer would otherwise wait up to --dist-timeout (see launch/preemption.py)."""
+    while keys and not store.check(keys):
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"wait timeout, keys: {', '.join(keys)}")
+        time.sleep(poll_s)
 
 
 def destroy_process_group() -> None:

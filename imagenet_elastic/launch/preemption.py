@@ -1,6 +1,13 @@
 """Preemption: signals only raise a flag, which `Trainer` turns into an agreed checkpoint and stop at a step boundary
 (a handler that wrote the checkpoint itself could run in the middle of an optimizer step or a collective).
 
+Before training begins (`starting`: a rendezvous with late peers, a first scan of the data, a checkpoint's load can
+take minutes) there is nothing to checkpoint, and waiting for a first step could outlast the scheduler's grace
+period, whose SIGKILL would skip the requeue: the first signal stops the rank at once (StoppedAtOnce, exit 75), as
+Ctrl-C does then. Only the first, and only until start-up ends or fails: a launcher's stop arriving while the rank
+unwinds just sets the flag. A handler runs only once a wait in C++ returns: the rendezvous waits in Python's sleeps
+(distributed.join_round), and a collective whose peer stopped first fails, which trainer.run takes for the same stop.
+
 Ctrl-C asks for the same stop while the run trains, and exits 130: the steps since the last checkpoint are worth the
 one step and one write the stop costs, and whoever stops a run at a terminal means to continue or change it, which
 wants the checkpoint. A second Ctrl-C stops at once, as does one before training begins or after it ends."""
@@ -8,10 +15,11 @@ wants the checkpoint. A second Ctrl-C stops at once, as does one before training
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
 import subprocess
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from types import FrameType
 from typing import Optional
@@ -70,6 +78,15 @@ INTERRUPT_NOTE = (b"Ctrl-C: stopping after the step in flight (after validation,
                   b"Ctrl-C again stops at once, keeping only the last checkpoint\n")
 
 
+class StoppedAtOnce(BaseException):
+    """A preemption signal during start-up. A BaseException, as KeyboardInterrupt is: raised wherever start-up code
+    happens to be, it must not be taken by an `except Exception` there for that code's own failure."""
+
+    def __init__(self, signal_name: str) -> None:
+        super().__init__(signal_name)
+        self.signal_name = signal_name
+
+
 class PreemptionFlag:
     """Installs the handlers; `received` names the first signal that came, None until then. `interrupts`: Ctrl-C too;
     while `checkpoint_on_interrupt`, the first Ctrl-C is a stop like the others, else a KeyboardInterrupt."""
@@ -81,6 +98,7 @@ class PreemptionFlag:
         self.interrupted = False  # the stop is a Ctrl-C's
         self.checkpoint_on_interrupt = False
         self.training_began = False  # from then on the trainer says what a Ctrl-C kept (before, trainer.run does)
+        self.stops_at_once = False  # while `starting`
         self.speaks = speaks
         self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
         if interrupts and signal.SIGINT not in self._previous:
@@ -90,6 +108,20 @@ class PreemptionFlag:
         if self.received is None:
             self.received = signal.Signals(signum).name
             self.received_after = self.steps_done
+            if self.stops_at_once:
+                raise StoppedAtOnce(self.received)
+
+    @contextlib.contextmanager
+    def starting(self) -> Iterator[None]:
+        """Start-up: the first preemption signal raises StoppedAtOnce (see above), also one that came since the handlers
+        were installed; no longer once start-up ended or failed, before the caller's cleanups run."""
+        self.stops_at_once = True
+        try:
+            if self.received is not None:
+                raise StoppedAtOnce(self.received)
+            yield
+        finally:
+            self.stops_at_once = False
 
     def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is not None or not self.checkpoint_on_interrupt:

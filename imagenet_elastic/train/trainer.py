@@ -21,7 +21,15 @@ from imagenet_elastic.config import RESUME_AUTO, Config, yaml_file
 from imagenet_elastic.data.device.feed import LoaderWaits, device_batches, step_groups
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.data.sources import Source
-from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, Preempted, UserError, counted, one_line
+from imagenet_elastic.errors import (
+    INTERRUPTED_EXIT,
+    PREEMPTED_EXIT,
+    Preempted,
+    RendezvousError,
+    UserError,
+    counted,
+    one_line,
+)
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import PreemptionFlag
@@ -255,10 +263,8 @@ class Trainer:
                 if flag.received else "a preemption signal came to another rank")
         self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
                           f"{self.checkpointer.files.last_path}; exiting with code {code}")
-        if c.requeue_on_preempt and self.env.is_main and not flag.interrupted:
-            job = preemption.slurm_job_to_requeue(os.environ)
-            problem = preemption.requeue_slurm_job(job)
-            self.console.info(f"requeued Slurm job {job}" if not problem else f"could not requeue {job}: {problem}")
+        if not flag.interrupted:
+            requeue_if_asked(c, self.env, self.console)
         raise Preempted(code)
 
     def say_what_an_interrupt_kept(self) -> None:
@@ -316,6 +322,31 @@ class Trainer:
         self.sample_log.close()
         self.sinks.close(self.finished)
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
+
+
+def requeue_if_asked(config: Config, env: DistEnv, console: Console) -> None:
+    """After a preemption's stop, with --requeue-on-preempt: rank 0 puts the Slurm job back in the queue."""
+    if not (config.requeue_on_preempt and env.is_main):
+        return
+    job = preemption.slurm_job_to_requeue(os.environ)  # None only before build's check of it
+    problem = preemption.requeue_slurm_job(job) if job else "SLURM_JOB_ID is not set"
+    console.info(f"requeued Slurm job {job}" if not problem else f"could not requeue {job or 'the job'}: {problem}")
+
+
+def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name: str) -> Preempted:
+    """A preemption signal before training began (launch/preemption.py): the stop a checkpointed one is, without the
+    checkpoint (none to write), exit 75 and the requeue included."""
+    console.info(f"{signal_name}: stopped before training began: nothing trained, no checkpoint written; "
+                 f"exiting with code {PREEMPTED_EXIT}")
+    requeue_if_asked(config, env, console)
+    return Preempted(PREEMPTED_EXIT)
+
+
+def peer_stopped_first(error: BaseException, preempt: PreemptionFlag) -> bool:
+    """A start-up that failed on a vanished peer (the rendezvous, a collective) on a rank that was sent a preemption
+    signal too, which it took only once the wait in C++ returned: the peer's stop, met first, is this rank's too."""
+    return (preempt.received is not None and not preempt.training_began and not preempt.interrupted
+            and (isinstance(error, RendezvousError) or distributed.peer_left(error)))
 
 
 def nothing_to_do(done: int, epochs: int) -> str:
@@ -383,11 +414,18 @@ def run(config: Config, env: DistEnv) -> None:
             # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's
             # second, a spawn parent stopping the ranks after another failed) would only make it -15 and hide why.
             stack.callback(preempt.ignore_from_now)
-            build(Run(config, env, console, preempt), stack).fit()
-    except UserError as error:
-        # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the SIG_IGN
-        # the unwinding ends with: the report then stays rank 0's (launch/processes.leave_the_report_to_rank_0)
-        error.stopped_by = preempt.received
+            with preempt.starting():  # a preemption signal stops at once: nothing to checkpoint yet
+                trainer = build(Run(config, env, console, preempt), stack)
+            trainer.fit()
+    except preemption.StoppedAtOnce as stop:  # the cleanups ran: the stop's line comes last
+        raise stopped_at_once(config, env, console, stop.signal_name) from None
+    except (UserError, RuntimeError) as error:
+        if peer_stopped_first(error, preempt):
+            raise stopped_at_once(config, env, console, str(preempt.received)) from None
+        if isinstance(error, UserError):
+            # a stop that came while the rank unwound (its launcher's, once rank 0 reported) is not lost to the
+            # SIG_IGN the unwinding ends with: the report then stays rank 0's (processes.leave_the_report_to_rank_0)
+            error.stopped_by = preempt.received
         raise
     except KeyboardInterrupt:
         if not preempt.training_began:  # once it began, the trainer said what was kept (or the stop's line did)

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.launch.preemption import PreemptionFlag, parse_signals, slurm_job_to_requeue
+from imagenet_elastic.launch.preemption import PreemptionFlag, StoppedAtOnce, parse_signals, slurm_job_to_requeue
 
 
 @pytest.mark.parametrize("text,expected", [
@@ -40,6 +40,50 @@ def test_flag_records_the_first_signal_and_the_previous_handler_comes_back():
     finally:
         flag.restore()
     assert signal.getsignal(signal.SIGUSR2) == before
+
+
+def signal_self(signum: int, seconds: float = 2) -> None:
+    """`signum` to this process, and time for its handler to run (a handler that raises ends the wait)."""
+    os.kill(os.getpid(), signum)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
+def test_a_signal_during_start_up_stops_at_once_past_except_exception_and_only_the_first():
+    flag = PreemptionFlag(("SIGUSR2",))
+    try:
+        with flag.starting():
+            with pytest.raises(StoppedAtOnce) as stop:
+                try:
+                    signal_self(signal.SIGUSR2)
+                except Exception:  # start-up code's own handling must not take the stop for its failure
+                    pytest.fail("StoppedAtOnce was caught by `except Exception`")
+            signal_self(signal.SIGUSR2, 0.2)  # a second one (a launcher's, while the rank unwinds): no raise
+        assert (stop.value.signal_name, flag.received, flag.stops_at_once) == ("SIGUSR2", "SIGUSR2", False)
+    finally:
+        flag.restore()
+
+
+def test_a_signal_before_start_up_began_stops_it_as_it_begins():
+    flag = PreemptionFlag(("SIGUSR2",))
+    try:
+        signal_self(signal.SIGUSR2, 0.2)  # between the handler's install and the start-up
+        with pytest.raises(StoppedAtOnce), flag.starting():
+            pass
+    finally:
+        flag.restore()
+
+
+def test_a_signal_once_start_up_ended_only_sets_the_flag():
+    flag = PreemptionFlag(("SIGUSR2",))
+    try:
+        with flag.starting():
+            pass
+        signal_self(signal.SIGUSR2, 0.2)  # the process is still alive: the agreed stop at the step boundary
+        assert flag.received == "SIGUSR2"
+    finally:
+        flag.restore()
 
 
 def interrupt_self(flag: PreemptionFlag) -> None:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -60,7 +63,7 @@ def test_followers_that_start_before_rank_0_do_not_take_the_previous_round(store
 def test_previous_round_that_died_mid_handshake_does_not_block_the_next(store_port):
     """A round whose rank 1 never arrived leaves an announcement without a member list behind."""
     client = dist.TCPStore("127.0.0.1", store_port, is_master=False, timeout=timedelta(seconds=20))
-    with pytest.raises(RuntimeError, match="timeout"):  # DistStoreError
+    with pytest.raises(TimeoutError, match="timeout"):
         join_round(client, 0, 2, timeout_s=0.5)
     names = run_round(store_port, 2, {0: 0.3})
     assert names[0] == names[1]
@@ -68,11 +71,37 @@ def test_previous_round_that_died_mid_handshake_does_not_block_the_next(store_po
 
 def test_rank_0_alone_times_out_with_an_error():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
-    with pytest.raises(RuntimeError, match="timeout"):
+    with pytest.raises(TimeoutError, match="timeout"):
         join_round(server, 0, 2, timeout_s=0.5)
 
 
 def test_follower_without_rank_0_times_out_with_an_error():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
-    with pytest.raises(RuntimeError, match="timeout"):
+    with pytest.raises(TimeoutError, match="timeout"):
         join_round(server, 1, 2, timeout_s=0.5)
+
+
+class Stop(BaseException):
+    pass
+
+
+@pytest.mark.parametrize("rank", [0, 1])
+def test_a_signal_to_a_rank_waiting_for_its_peers_is_taken_at_once_not_after_the_timeout(rank):
+    """A preemption signal's handler runs only between Python's steps: a rank waiting for a late peer must not sit in
+    one C++ wait of --dist-timeout (launch/preemption.py stops start-up at once)."""
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=30))
+
+    def stop(_signum, _frame):
+        raise Stop
+
+    previous = signal.signal(signal.SIGUSR2, stop)
+    timer = threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGUSR2))
+    started = time.monotonic()
+    timer.start()
+    try:
+        with pytest.raises(Stop):
+            join_round(server, rank, 2, timeout_s=20)
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGUSR2, previous)
+    assert time.monotonic() - started < 5

@@ -25,6 +25,7 @@ from conftest import (
     start,
 )
 
+from imagenet_elastic.checkpoint.store import CheckpointLock
 from imagenet_elastic.report.samplelog import ENV_VAR, coverage
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess]  # every test here starts processes on the one local cluster
@@ -195,3 +196,32 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
                         load_checkpoint(tmp_path / "clean" / "last.pt")["model"])
     report = coverage(str(tmp_path / "samples"), 96, 8)
     assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 0)
+
+
+def test_usr1_during_start_up_stops_at_once_requeues_and_the_requeued_job_trains(slurm_env, image_folder, tmp_path):
+    """The signal while rank 0 still waits for a checkpoints folder another run holds (a start-up that outlasts a
+    grace period): no step to wait for, so the rank stops at once and requeues the job (launch/preemption.py)."""
+    folder = tmp_path / "ckpt"
+    folder.mkdir()
+    lock = CheckpointLock(str(folder))
+    lock.acquire(0, lambda _holder: None)
+    log, script = tmp_path / "job.out", str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
+                                "--cpus-per-task=1", f"--output={log}", script, str(folder), str(image_folder),
+                                *SMALL_RUN, "--epochs", "1", "--threads", "1"],
+                               cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    job = submitted.stdout.strip().split(";")[0]
+    try:
+        wait_until(lambda: log.exists() and "is locked by" in log.read_text(), 120, "rank 0 to wait for the folder")
+        subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
+        wait_until(lambda: "requeued Slurm job" in log.read_text(), 30, "the requeue, at once")
+        lock.release()  # the requeued job finds the folder free
+        wait_until(lambda: job_field(job, "JobState", slurm_env) == "COMPLETED", 180, "the requeued job to finish")
+    finally:
+        lock.release()
+        subprocess.run(["scancel", job], env=slurm_env, timeout=30)
+    output = log.read_text()  # --open-mode=append (in the script): both runs' output
+    assert job_field(job, "Restarts", slurm_env) == "1", output
+    assert "SIGUSR1: stopped before training began" in output and f"requeued Slurm job {job}" in output, output
+    assert "Traceback" not in output and "epoch 1/1: train loss" in output, output

@@ -1,0 +1,84 @@
+"""A preemption signal before training began (launch/preemption.py): the rank stops at once, exit 75, one line,
+rank 0 requeues as the stop at a step does; a peer's stop met first in a start-up collective is the same stop."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import inprocess
+import pytest
+from conftest import SMALL_RUN, assert_names
+
+from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.launch import preemption
+from imagenet_elastic.train import trainer as trainer_module
+
+PEER_GONE = "[../gloo/transport/tcp/pair.cc:534] Connection closed by peer [127.0.0.1]:4242"  # gloo's words
+
+
+def args(image_folder, folder, *extra: str) -> list[str]:
+    return [str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--max-steps-per-epoch", "2",
+            "--checkpoints-path", str(folder), *extra]
+
+
+def stop_line(output: str) -> str:
+    said = [line for line in output.splitlines() if "before training began" in line]
+    assert len(said) == 1, output
+    return said[0]
+
+
+def assert_nothing_written(folder) -> None:
+    """No checkpoint, no temp file a later start could meet: start-up writes none."""
+    assert not [name for name in os.listdir(folder) if name.endswith(".pt") or name.startswith(".tmp-")]
+
+
+@pytest.fixture
+def requeued(monkeypatch) -> list[str]:
+    """The jobs `scontrol requeue` was asked for, in a Slurm job's environment."""
+    jobs: list[str] = []
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+    monkeypatch.setattr(preemption, "requeue_slurm_job", lambda job: jobs.append(job) or "")
+    return jobs
+
+
+def test_sigterm_during_start_up_stops_at_once_with_exit_75_one_line_and_the_requeue(image_folder, tmp_path,
+                                                                                      monkeypatch, requeued):
+    def signalled(*_args, **_kwargs):  # the scheduler's signal comes while the run builds (a compile, a scan, ...)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(5)
+        raise AssertionError("the signal did not stop the start-up at once")
+    monkeypatch.setattr(trainer_module, "fit_micro_batches", signalled)
+    done = inprocess.command(args(image_folder, tmp_path, "--requeue-on-preempt"))
+    assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert_names(stop_line(done.stdout), "SIGTERM", "nothing trained", "no checkpoint", PREEMPTED_EXIT)
+    assert requeued == ["4242"]
+    assert_nothing_written(tmp_path)
+
+
+def failing_start_up(received, message: str):
+    """A build step that fails as a start-up collective does, on a rank whose flag holds `received`: the handler
+    only recorded the signal, had it come while the rank already unwound (its C++ wait returned with the error)."""
+    def step(run, *_args, **_kwargs):
+        run.preempt.received = received
+        raise RuntimeError(message)
+    return step
+
+
+def test_a_vanished_peer_in_start_up_on_a_signalled_rank_is_the_same_stop(image_folder, tmp_path, monkeypatch,
+                                                                          requeued):
+    monkeypatch.setattr(trainer_module, "fit_micro_batches", failing_start_up("SIGUSR1", PEER_GONE))
+    done = inprocess.command(args(image_folder, tmp_path, "--requeue-on-preempt"))
+    assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert_names(stop_line(done.stdout), "SIGUSR1")
+    assert requeued == ["4242"]
+
+
+@pytest.mark.parametrize("received,message", [(None, PEER_GONE), ("SIGTERM", "an unrelated bug")])
+def test_a_vanished_peer_without_a_signal_or_another_error_with_one_stays_a_crash(image_folder, tmp_path,
+                                                                                  monkeypatch, received, message):
+    monkeypatch.setattr(trainer_module, "fit_micro_batches", failing_start_up(received, message))
+    with pytest.raises(RuntimeError, match=re.escape(message)):
+        inprocess.command(args(image_folder, tmp_path))
