@@ -19,9 +19,9 @@ from imagenet_elastic.config import (
     add_setting,
     saved_setting,
 )
-from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
+from imagenet_elastic.config.yaml_file import named_by_file, read_settings, settings_yaml
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
-from imagenet_elastic.options import GROUPS, HelpFormatter, Parser, non_negative_int, shown
+from imagenet_elastic.options import GROUPS, HelpFormatter, Parser, non_negative_int
 
 
 def build_parser() -> Parser:
@@ -74,11 +74,15 @@ def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
     return out, left
 
 
+def no_checkpoint(word: str) -> str:
+    return f"a folder without {LAST_FILE}" if os.path.isdir(word) else "no such checkpoint file or folder"
+
+
 def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
     """The line for `--resume WORD DATA` (or `DATA --resume WORD`) where WORD names no checkpoint: a second DATA."""
-    why = f"a folder without {LAST_FILE}" if os.path.isdir(word) else "no such checkpoint file or folder"
-    return UserError(f"--resume {word}: {why}, so it was read as a second DATA beside {' '.join(others)}; --resume "
-                     f"takes a checkpoint file, a folder holding {LAST_FILE} or, bare, CHECKPOINTS/{LAST_FILE}")
+    return UserError(f"--resume {word}: {no_checkpoint(word)}, so it was read as a second DATA beside "
+                     f"{' '.join(others)}; --resume takes a checkpoint file, a folder holding {LAST_FILE} or, bare, "
+                     f"CHECKPOINTS/{LAST_FILE}")
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
@@ -98,7 +102,15 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:
         parser.error("the following arguments are required: DATA")
-    config = config_from_args(args)
+    try:
+        config = config_from_args(args)
+        if config.resume not in (None, RESUME_AUTO) and config.resume == from_file.get("resume") \
+                and not args.print_config:
+            check_resume(config)
+    except UserError as error:
+        if not from_file:
+            raise
+        raise named_by_file(error, found.config, set(from_file) - given_settings(argv, list(from_file))) from None
     if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
             and "checkpoints_path" not in given_settings(argv, ["checkpoints_path"]) | set(from_file):
         config = dataclasses.replace(config, checkpoints_path=config.resume)
@@ -106,6 +118,14 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
         given = given_settings(argv, FROM_CHECKPOINT) | set(from_file)
         config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
     return config, args
+
+
+def check_resume(config: Config) -> None:
+    """A --resume PATH naming no checkpoint, said now (the run's own check comes after the data scan) where it
+    will be refused: unless a restart continues from CHECKPOINTS/last.pt instead (store.resume_path)."""
+    path = os.path.join(config.resume, LAST_FILE) if os.path.isdir(config.resume) else config.resume
+    if not os.path.isfile(path) and not os.path.isfile(os.path.join(config.checkpoints_path, LAST_FILE)):
+        raise UserError(f"--resume {config.resume}: {no_checkpoint(config.resume)}")
 
 
 # What --evaluate takes from its checkpoint unless given: what its weights are (--pretrained, without which an
@@ -146,42 +166,6 @@ def config_from_args(args: argparse.Namespace) -> Config:
     return Config(**values)
 
 
-def options_table() -> str:
-    """docs/OPTIONS.md's option table, from the same fields as the parser (scripts/options_table.py prints it), each
-    option written as --help writes it."""
-    actions = {action.dest: action for action in build_parser()._actions}
-    rows = ["| option | default | meaning |", "| --- | --- | --- |"]
-    for f in dataclasses.fields(Config):
-        rows.append(f"| `{invocation(actions[f.name])}` | {shown_default(f)} | {f.metadata['help']} |")
-    return "\n".join(rows)
-
-
-def invocation(action: argparse.Action) -> str:
-    """`--batch-size N`, `--amp {auto,bf16,fp16,off}`, `--x / --no-x`: an option as --help writes it (argparse's own
-    rendering is private API)."""
-    if not action.option_strings:
-        return action.metavar
-    flags = " / ".join(action.option_strings)
-    if action.nargs == 0:
-        return flags
-    metavar = action.metavar or ("{" + ",".join(map(str, action.choices)) + "}" if action.choices else
-                                 action.dest.upper())
-    if action.nargs == "?":
-        return f"{flags} [{metavar}]"
-    words = metavar if isinstance(metavar, tuple) else (metavar,) * (action.nargs or 1)
-    return f"{flags} {' '.join(words)}"
-
-
-def shown_default(f: dataclasses.Field) -> str:
-    """The option table's default column: what --help says (options.shown), as code where it is a value."""
-    if f.metadata.get("shown_default") is not None:
-        return f.metadata["shown_default"]
-    value = f.default
-    if value is None or value is False or value is dataclasses.MISSING:
-        return ""
-    return f"`{shown(value)}`" if isinstance(value, (str, tuple)) else shown(value)
-
-
 # each a module with `main(argv)`, imported only when asked for
 SUBCOMMANDS = {
     "benchmark": ("imagenet_elastic.tools.benchmark", "measure the loader, the model and both together"),
@@ -192,10 +176,22 @@ SUBCOMMANDS = {
 }
 
 
+def check_environment() -> None:
+    """What every command meets before its first import of timm (which imports torch's compiler), said in one line."""
+    from imagenet_elastic.models.compile_cache import check_cache_folders
+
+    try:
+        check_cache_folders(os.environ)
+    except UserError as error:
+        report(error, rank=0)
+        sys.exit(error.exit_code)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] and argv[0] in SUBCOMMANDS:  # a data folder called "export" is ./export
         try:
+            check_environment()
             importlib.import_module(SUBCOMMANDS[argv[0]][0]).main(argv[1:])
         except KeyboardInterrupt:  # as the trainer's: one line (rank 0's), no traceback; pack says its own line
             if os.environ.get("RANK", "0") == "0":
@@ -218,6 +214,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     except UserError as error:  # no rank is known yet: every process reports
         report(error, rank=0)
         sys.exit(error.exit_code)
+    check_environment()
     from imagenet_elastic.launch.processes import run_worker, spawn_workers
 
     if config.evaluate:  # pytorch/examples' flag, in front of `imagenet-elastic evaluate`'s one code path

@@ -92,7 +92,13 @@ MAX_SIDE = 4096  # px of a crop or resize: the largest ImageNet models test at 8
 image_side = bounded(int, 1, MAX_SIDE)
 worker_count = bounded(int, 0, 128)  # DataLoader processes per rank, each a copy of the process (the default: <= 8)
 per_node_count = bounded(int, 1, 1024)  # threads per rank, processes per node: more than any node's cores
-epoch_count = bounded(int, 1, 100_000)  # start-up goes over every epoch's sizes; recipes train <= 1600 epochs
+MAX_EPOCHS = 100_000  # start-up goes over every epoch's sizes; recipes train <= 1600 epochs
+epoch_count = bounded(int, 1, MAX_EPOCHS)
+batch_count = bounded(int, 1, 2**20)  # images in a batch: a million 32 px crops fill 12 GB before the model runs
+step_count = bounded(int, 1, 10**9)  # steps between two things (log lines, EMA updates): no run takes 10**9 steps
+repeat_count = bounded(int, 1, 64)  # copies of each image in a batch (--ra-reps): DeiT's recipes use 3
+kept_count = bounded(int, 0, 10**6)  # files kept: a million checkpoints fill any disk
+jpeg_side = bounded(int, 1, 65535)  # px of a stored image's side: JPEG's largest
 
 _UNITS = {"s": 1, "m": 60, "h": 3600}
 
@@ -137,4 +143,9 @@ def increasing_pair(text: str, most: Optional[int] = None) -> tuple[int, int]:
 def side_pair(text: str) -> tuple[int, int]:
     """`increasing_pair` of image sides, up to MAX_SIDE."""
     return increasing_pair(text, MAX_SIDE)
+
+
+def epoch_pair(text: str) -> tuple[int, int]:
+    """`increasing_pair` of epochs, up to --epochs' bound."""
+    return increasing_pair(text, MAX_EPOCHS)
 

@@ -74,7 +74,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     epochs: int = option(90, "training epochs", "model", "N", type=options.epoch_count, exact=True)
     batch_size: int = option(
         64, "per process and forward pass; a larger per-process share of the global batch is split into "
-        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.positive_int, exact=True)
+        "micro-batches of at most N (gradient accumulation)", "model", "N", type=options.batch_count, exact=True)
     micro_batch: Optional[str] = option(
         None, "auto: before the first step, find the largest micro-batch (--batch-size, halved until it fits) that "
         "a training step of this model, precision and image size fits on this GPU, and accumulate up to the "
@@ -84,7 +84,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     global_batch_size: Optional[int] = option(
         None, "samples per optimizer step over all processes; kept when the world size changes, so the "
         "optimisation does not (docs/LAUNCHING.md, Fault tolerance)", "model", "N",
-        shown_default="checkpoint's, else batch-size x processes", type=options.positive_int)
+        shown_default="checkpoint's, else batch-size x processes", type=options.batch_count)
     model_ema: bool = option(
         False, "keep an exponential moving average of the weights (timm's ModelEmaV3), updated every optimizer "
         "step, kept in every checkpoint and validated every epoch beside the raw weights (`val_*_ema` in "
@@ -93,7 +93,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     model_ema_decay: float = option(0.9998, "EMA decay per update (see --model-ema-steps)", "model", "X",
                                     type=options.probability, exact=True)
     model_ema_steps: int = option(1, "the EMA takes the weights every N optimizer steps (torchvision's "
-                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.positive_int,
+                                  "--model-ema-steps; its v2 recipe uses 32)", "model", "N", type=options.step_count,
                                   exact=True)
     model_ema_warmup: bool = option(
         False, "EMA decay ramps up as 1 - (1 + step)^(-2/3) to --model-ema-decay (timm's warmup), so a short run's "
@@ -162,7 +162,7 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     device: str = option("auto", "`cuda:LOCAL_RANK` when CUDA is visible", "run", choices=["auto", "cpu", "cuda"])
     checkpoints_path: str = option("./checkpoints", "where checkpoints and `metrics.jsonl` go", "checkpoints", "DIR")
     keep_checkpoints: int = option(3, "newest `epoch_NNNN.pt` files kept (0: none, `last.pt`/`best.pt` only)",
-                                   "checkpoints", "K", type=options.non_negative_int)
+                                   "checkpoints", "K", type=options.kept_count)
     async_checkpoint: bool = option(
         True, "write checkpoints in a background thread: training waits only for a copy of the state in host "
         "memory; a stop, the end of the run and errors wait for the write in flight (docs/OUTPUTS.md, Checkpoints)",

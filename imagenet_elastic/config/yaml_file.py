@@ -9,6 +9,8 @@ import argparse
 import dataclasses
 import difflib
 import os
+import re
+from collections.abc import Iterable
 from typing import Any, Optional
 
 import yaml
@@ -69,6 +71,14 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
     except UserError as error:
         raise UserError(f"config file {path}: {error}") from None
     return values
+
+
+def named_by_file(error: UserError, path: str, file_only: Iterable[str]) -> UserError:
+    """A merged settings' error naming a flag whose value came from the config file alone (not the command line),
+    with the file and key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`."""
+    text = str(error)
+    keys = [key for key in (name.replace("_", "-") for name in file_only) if re.search(rf"--{key}(?![\w-])", text)]
+    return UserError(f"config file {path} sets {', '.join(sorted(keys))}: {text}") if keys else error
 
 
 class SetTwice(Exception):

@@ -197,7 +197,7 @@ class AugmentSettings:
     ra_reps: int = option(
         1, "repeated augmentation (DeiT, torchvision's --ra-reps): each global batch holds global-batch / N images, "
         "each N times with augmentations of its own, the copies on different ranks; an epoch keeps its steps, so "
-        "it sees 1/N of the images", "augment", "N", type=options.positive_int, exact=True)
+        "it sees 1/N of the images", "augment", "N", type=options.repeat_count, exact=True)
 
     @property
     def augment(self) -> Augment:

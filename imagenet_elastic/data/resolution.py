@@ -59,4 +59,4 @@ class ResolutionSettings:
         "LOW,HIGH", type=options.side_pair, exact=True)
     progressive_epochs: Optional[tuple[int, int]] = option(
         None, "the epochs (counted from 0, as in FFCV's configs) where --progressive-resize starts and ends its ramp",
-        "augment", "START,END", type=options.increasing_pair, exact=True)
+        "augment", "START,END", type=options.epoch_pair, exact=True)

@@ -14,17 +14,31 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.errors import first_line
+from imagenet_elastic.errors import UserError, first_line
 
 FILE_NAME = "compile_cache.bin"
 MAGIC = b"imagenet_elastic compile cache 1\n"  # then one line of JSON (key, checksum, artifacts), then torch's blob
+# the local cache folders torch and Triton make where these name (torch's at its compiler's import, e.g. by timm's)
+CACHE_VARIABLES = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+
+
+def check_cache_folders(environ: Mapping[str, str]) -> None:
+    """A cache variable naming a file (or a path through one) is one line before anything is done: torch would meet
+    it with a FileExistsError traceback at the import of its compiler. Nothing is made: a check of the path alone."""
+    for name in CACHE_VARIABLES:
+        path = os.path.abspath(environ.get(name) or ".")
+        while not os.path.exists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)  # the nearest part that exists, which must be a folder
+        if not os.path.isdir(path):
+            raise UserError(f"{name}={environ[name]}: {path} is a file, not a folder: name a folder for torch's "
+                            "compile cache, or unset it")
 
 
 def supported() -> bool:

@@ -49,6 +49,20 @@ class SampleLogError(UserError):
     every_node = True
 
 
+def check_folder(folder: Optional[str]) -> None:
+    """The variable's FOLDER, checked with the run's other inputs (before the data scan), making nothing: its
+    nearest existing part must be a folder this process may write in (open_log makes the rest at the first step)."""
+    if not folder:
+        return
+    path = os.path.abspath(folder)
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    if not os.path.isdir(path):
+        raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {path} is a file, not a folder")
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {path} is not writable")
+
+
 def open_log(folder: str, name: str) -> IO[str]:
     """FOLDER/NAME, a file of its own beside the logs of earlier runs, which it never touches. FOLDER must be a
     folder (made if missing): an existing file there is refused, not replaced or appended to."""

@@ -8,6 +8,7 @@ it back (the printed line says how).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import math
@@ -56,20 +57,37 @@ def checkpoint_file(path: str) -> str:
                     "(last.pt, epoch_NNNN.pt)")
 
 
+def missing_folders(path: str) -> list[str]:
+    """The folders of `path` that do not exist yet, deepest first: those makedirs makes, which a failure removes."""
+    missing, path = [], os.path.abspath(path)
+    while not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
+
+
+def remove_folders(folders: list[str]) -> None:
+    for folder in folders:  # deepest first; rmdir removes only an empty one: never what another wrote meanwhile
+        with contextlib.suppress(OSError):
+            os.rmdir(folder)
+
+
 def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
     """OUT_DIR whole or not at all: `write` fills a temp folder beside it, renamed to OUT_DIR once complete (an empty
     OUT_DIR the user made is kept: the temp folder is made inside it, so a mount point or a parent we may not write
-    works, and the files move up, config.json last); a failure leaves nothing behind. The OS's refusal (no space,
-    quota) is one line naming OUT_DIR."""
+    works, and the files move up, config.json last); a failure leaves nothing behind, the parent folders it made
+    included. The OS's refusal (no space, quota) is one line naming OUT_DIR."""
     from safetensors import SafetensorError  # safetensors words the OS's refusal its own way
 
     existing = os.path.isdir(out_dir)  # empty, as export checked
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
+    made = missing_folders(parent)
     try:
         os.makedirs(parent, exist_ok=True)
         # not atomic_files.TEMP_PREFIX: a run whose checkpoints folder holds OUT_DIR would remove it as its own
         temp = tempfile.mkdtemp(prefix=f".{os.path.basename(os.path.abspath(out_dir))}-export-", dir=parent)
     except OSError as error:
+        remove_folders(made)
         raise storage_error(error, "making", out_dir) from None
     try:
         write(temp)
@@ -84,10 +102,12 @@ def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
             os.rename(temp, out_dir)
     except (OSError, SafetensorError) as error:
         shutil.rmtree(temp, ignore_errors=True)
+        remove_folders(made)
         raise StorageError(f"could not write export folder {out_dir}: "
                            f"{getattr(error, 'strerror', None) or first_line(error)[:200]}") from None
     except BaseException:  # Ctrl-C included
         shutil.rmtree(temp, ignore_errors=True)
+        remove_folders(made)
         raise
 
 

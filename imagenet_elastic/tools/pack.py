@@ -34,7 +34,7 @@ from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commi
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UNIDENTIFIED_IMAGE, UserError, report
-from imagenet_elastic.options import HelpFormatter, Parser, bounded, positive_int
+from imagenet_elastic.options import HelpFormatter, Parser, bounded, jpeg_side, positive_int
 
 PACK_FILE = tar_shards.PACK_FILE
 PACK_VERSION = 1
@@ -47,7 +47,7 @@ def build_parser() -> Parser:
     p.add_argument("out", metavar="OUT", help="a new or empty folder (or an interrupted pack of the same SRC)")
     p.add_argument("--val-path", metavar="PATH", help="the validation split, as the trainer's --val-path")
     p.add_argument("--val-labels", metavar="FILE", help="the classes of a flat validation folder, as the trainer's")
-    p.add_argument("--max-side", type=positive_int, metavar="N",
+    p.add_argument("--max-side", type=jpeg_side, metavar="N",
                    help="resize images larger than N pixels on their longer side (FFCV: 256 to 512); default: keep all")
     p.add_argument("--quality", type=bounded(int, 1, 100), metavar="Q", default=90,
                    help="JPEG quality of the images --max-side resizes")

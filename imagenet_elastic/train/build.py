@@ -45,7 +45,7 @@ from imagenet_elastic.models.teacher_weights import TeacherWeights
 from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
-from imagenet_elastic.report import sinks
+from imagenet_elastic.report import samplelog, sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
 from imagenet_elastic.train.distillation import LOGIT, Distillation, Teacher, has_distillation_head, loss_weights
@@ -121,6 +121,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     """Every check that can fail on the user's input: data, checkpoints folder (locked by rank 0), the checkpoint to
     resume from (loaded, returned beside the inputs). `splits`: the caller's sources, else DATA's."""
     config, env, console = run.config, run.env, run.console
+    compile_cache.check_cache_folders(os.environ)  # before torch's compiler is imported (by timm): it makes them
+    samplelog.check_folder(os.environ.get(samplelog.ENV_VAR))
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
     use_fastest_kernels(device)
@@ -275,8 +277,8 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         warn_differences(console, changes)
     run_id = (None if inputs.forked else saved.get("run_id")) or secrets.token_hex(8)  # new for a fresh run or fork
     return Training(state, plan, sampler, precision, schedule, start, inputs.train.classes, inputs.resume_from,
-                    saved.get("saved_at"), run_id, dict(saved.get("trackers") or {}), saved.get("micro_batch"),
-                    saved.get("decoding"), teacher=inputs.teacher, data=inputs.data)
+                    saved.get("saved_at"), run_id, {} if inputs.forked else dict(saved.get("trackers") or {}),
+                    saved.get("micro_batch"), saved.get("decoding"), teacher=inputs.teacher, data=inputs.data)
 
 
 def build_loaders(run: Run, inputs: Inputs, training: Training, stack: contextlib.ExitStack) -> Loaders:

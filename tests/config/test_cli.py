@@ -1,4 +1,4 @@
-"""The frozen Config, the command line built from its fields, and docs/OPTIONS.md's option table made from them."""
+"""The frozen Config and the command line built from its fields."""
 
 from __future__ import annotations
 
@@ -19,13 +19,10 @@ from conftest import REPO, assert_names, child_env, single_line
 
 from imagenet_elastic import cli
 from imagenet_elastic.checkpoint.store import CheckpointFolder
-from imagenet_elastic.cli import build_parser, config_from_args, options_table
+from imagenet_elastic.cli import build_parser, config_from_args
 from imagenet_elastic.config import RESUME_AUTO, RESUME_SENSITIVE, VALIDATION_SENSITIVE, Config
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import checkpoint_interval
-
-OPTIONS = REPO / "docs" / "OPTIONS.md"
-
 
 # ----------------------------------------------------------------------------- Config
 
@@ -193,6 +190,25 @@ def test_values_torch_or_the_machine_cannot_take_exit_2_naming_the_flag(capsys, 
     assert_names(single_line(capsys.readouterr().err), flag, value)
 
 
+@pytest.mark.parametrize(("flag", "largest"), [
+    ("--batch-size", 2**20), ("--global-batch-size", 2**20), ("--log-interval", 10**9), ("--ra-reps", 64),
+    ("--model-ema-steps", 10**9), ("--keep-checkpoints", 10**6), ("--progressive-epochs", "0,100000"),
+    ("pack --max-side", 65535),
+])
+def test_a_size_beyond_its_bound_exits_2_naming_the_flag_and_the_bound_itself_is_taken(capsys, flag, largest):
+    """Sizes without an upper bound ended in an overflow or out-of-memory traceback, far into the run."""
+    from imagenet_elastic.tools import pack
+
+    parser, words = (pack.build_parser(), ["SRC", "OUT"]) if flag.startswith("pack ") else (build_parser(), ["/data"])
+    name = flag.split()[-1]
+    too_large = str(largest + 1) if isinstance(largest, int) else "0,100001"
+    assert getattr(parser.parse_args([*words, name, str(largest)]), name[2:].replace("-", "_")) is not None
+    with pytest.raises(SystemExit) as caught:
+        parser.parse_args([*words, name, too_large])
+    assert caught.value.code == 2
+    assert_names(single_line(capsys.readouterr().err), name, too_large)
+
+
 def test_the_largest_values_a_bound_allows_are_taken():
     args = build_parser().parse_args(["/data", "--seed", str(2**64 - 1), "--threads", "1024", "--label-smoothing", "1",
                                       "--image-size", "4096", "--val-resize", "4096", "--workers", "128",
@@ -227,14 +243,6 @@ def test_checkpoint_interval_reaches_the_config():
     assert (config.checkpoint_every_steps, config.checkpoint_every_seconds) == (20, 30.0)
     plain = config_from_args(build_parser().parse_args(["/data"]))
     assert (plain.checkpoint_every_steps, plain.checkpoint_every_seconds) == (None, None)
-
-
-def test_the_option_table_is_the_one_the_parser_is_built_from():
-    text = OPTIONS.read_text()
-    table = re.search(r"<!-- options table: .*? -->\n(.*?)\n<!-- end of options table -->", text, re.DOTALL)
-    assert table, "docs/OPTIONS.md lost its option table markers"
-    stale = "docs/OPTIONS.md's table is stale: python scripts/options_table.py --write"
-    assert table.group(1) == options_table(), stale
 
 
 def test_every_setting_has_exactly_one_option_and_help_shows_them_all(capsys):
@@ -442,3 +450,15 @@ def test_a_process_that_ignores_ctrl_c_goes_on_after_one_during_its_imports():
     done = ctrl_c_once([sys.executable, "-X", "importtime", "-m", "imagenet_elastic", "--help"], " torch.", "err",
                        ignored=True)
     assert done.returncode == 0 and "usage" in done.stdout, done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("command", [["evaluate"], ["export"], ["benchmark"], ["pack"], ["plot"],
+                                     ["--evaluate", "--resume", "x.pt", "--checkpoints-path"]])
+def test_a_compile_cache_variable_naming_a_file_stops_every_command_in_one_line(tmp_path, capsys, monkeypatch,
+                                                                                 command):
+    (tmp_path / "cache").write_text("")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "cache" / "inductor"))
+    with pytest.raises(SystemExit) as stop:
+        cli.main([*command, str(tmp_path / "in"), str(tmp_path / "out")])
+    assert stop.value.code == 2 and not (tmp_path / "out").exists()
+    assert_names(capsys.readouterr().err, "TORCHINDUCTOR_CACHE_DIR", tmp_path / "cache")

@@ -102,9 +102,39 @@ def test_a_bad_value_in_a_file_fails_as_on_the_command_line_naming_the_file(tmp_
     ("resume: true\n", RESUME_AUTO), ("resume: false\n", None), ("resume: runs/a/last.pt\n", "runs/a/last.pt"),
     ("resume: 'true'\n", "true"),
 ])
-def test_resume_true_in_a_file_is_the_bare_flag_and_false_no_resume(tmp_path, text, resume):
+def test_resume_true_in_a_file_is_the_bare_flag_and_false_no_resume(tmp_path, monkeypatch, text, resume):
     """Not the paths `True` and `False`; a string is a path, as on the command line."""
+    monkeypatch.chdir(tmp_path)
+    for path in ("runs/a/last.pt", "true"):  # a path that names nothing is refused (test_a_files_bad_setting_...)
+        (tmp_path / path).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / path).touch()
     assert cli.parse(["/data", "--config", write(tmp_path, text)])[0].resume == resume
+
+
+@pytest.mark.parametrize(("text", "key", "message"), [
+    ("resume: nosuch\n", "resume", "--resume nosuch"),
+    ("progressive-resize: [16, 24]\n", "progressive-resize", "--progressive-resize needs --progressive-epochs"),
+    ("pretrained: true\ninitial-checkpoint: a.pt\n", "initial-checkpoint, pretrained", "--pretrained"),
+])
+def test_a_files_bad_setting_found_once_merged_names_the_file_and_the_key(tmp_path, monkeypatch, text, key, message):
+    monkeypatch.chdir(tmp_path)
+    path = write(tmp_path, text)
+    with pytest.raises(UserError) as raised:
+        cli.parse(["/data", "--config", path])
+    assert_names(str(raised.value), path, key, message)
+    assert len(str(raised.value).splitlines()) == 1
+
+
+def test_a_bad_setting_given_on_the_command_line_beside_a_file_names_no_file(tmp_path):
+    path = write(tmp_path, "epochs: 3\n")
+    with pytest.raises(UserError) as raised:
+        cli.parse(["/data", "--config", path, "--progressive-resize", "16,24"])
+    assert "--progressive-resize" in str(raised.value) and path not in str(raised.value)
+
+
+def test_a_bare_resume_on_the_command_line_overrides_a_files_resume_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the file's path names nothing: only the command line's bare flag counts
+    assert cli.parse(["/data", "--config", write(tmp_path, "resume: nosuch.pt\n"), "--resume"])[0].resume == RESUME_AUTO
 
 
 def test_resume_true_in_a_file_keeps_the_files_data_folder(tmp_path):

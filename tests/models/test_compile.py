@@ -14,6 +14,7 @@ import importlib
 import re
 import shutil
 import subprocess
+import sys
 from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
@@ -23,7 +24,16 @@ import pytest
 import torch
 import torch.distributed as dist
 from compiled_small import small_model
-from conftest import SMALL_RUN, assert_names, compiled_run, load_checkpoint, restart_cost, single_line
+from conftest import (
+    REPO,
+    SMALL_RUN,
+    assert_names,
+    child_env,
+    compiled_run,
+    load_checkpoint,
+    restart_cost,
+    single_line,
+)
 from inprocess import command
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -499,3 +509,33 @@ def test_a_restart_with_empty_local_caches_compiles_from_the_checkpoints_cache_f
     assert served and int(served.group(1)) == int(served.group(2)) >= 2, restart  # forward and backward, at least
     assert "compile" not in resumed.stderr
 
+
+
+@pytest.mark.parametrize("variable", compile_cache.CACHE_VARIABLES)
+def test_a_compile_cache_variable_naming_a_file_is_one_line_before_the_data_is_read(variable, tmp_path, monkeypatch):
+    """torch makes TORCHINDUCTOR_CACHE_DIR at its compiler's import (timm's): a file there was a FileExistsError
+    traceback. It is refused first, naming the variable and the file, also for a path through the file."""
+    taken = tmp_path / "cache"
+    taken.write_text("mine")
+    for value in (taken, taken / "sub"):
+        monkeypatch.setenv(variable, str(value))
+        finished = command([str(tmp_path / "no-data"), *RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
+        assert finished.returncode == 2
+        assert_names(single_line(finished.stderr), f"{variable}={value}", taken)
+    assert taken.read_text() == "mine" and not (tmp_path / "ckpt").exists()
+
+
+def test_compile_cache_variables_naming_folders_or_new_paths_pass(tmp_path):
+    compile_cache.check_cache_folders({"TORCHINDUCTOR_CACHE_DIR": str(tmp_path),
+                                       "TRITON_CACHE_DIR": str(tmp_path / "a" / "b")})
+    compile_cache.check_cache_folders({})
+
+
+def test_a_compile_cache_variable_naming_a_file_exits_2_without_a_traceback(tmp_path):
+    """In a process of its own, where torch's compiler is not imported yet: the real import would raise."""
+    (tmp_path / "cache").write_text("")
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"))
+    result = subprocess.run([sys.executable, "-m", "imagenet_elastic", str(tmp_path), *RUN], cwd=REPO, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 2
+    assert_names(single_line(result.stderr), "TORCHINDUCTOR_CACHE_DIR", tmp_path / "cache")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from conftest import SMALL_RUN, assert_names, single_line
+from inprocess import command
 
 from imagenet_elastic.data.sampler import BatchPlan, TrainBatchSampler
 from imagenet_elastic.errors import UserError
-from imagenet_elastic.report.samplelog import ENV_VAR, SampleLog, coverage
+from imagenet_elastic.report.samplelog import ENV_VAR, SampleLog, check_folder, coverage
 
 SAMPLES, GLOBAL = 24, 4
 
@@ -76,3 +78,20 @@ def test_a_folder_of_earlier_logs_takes_a_new_file_beside_them(tmp_path):
     log_epoch(tmp_path / "log", 0, 1, world_size=1)
     log_epoch(tmp_path / "log", 0, 1, world_size=1)
     assert len(list((tmp_path / "log").iterdir())) == 2
+
+
+def test_a_bad_log_folder_is_refused_before_the_data_is_read(tmp_path, monkeypatch):
+    """Checked with the run's inputs: the variable's line comes, not DATA's (a folder that does not exist)."""
+    earlier = tmp_path / "samples.jsonl"
+    earlier.write_text("mine")
+    monkeypatch.setenv(ENV_VAR, str(earlier / "log"))
+    finished = command([str(tmp_path / "no-data"), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert finished.returncode == 2
+    assert_names(single_line(finished.stderr), f"{ENV_VAR}={earlier / 'log'}", earlier)
+    assert earlier.read_text() == "mine" and not (tmp_path / "ckpt").exists()
+
+
+def test_checking_a_new_log_folder_makes_nothing(tmp_path):
+    check_folder(str(tmp_path / "a" / "b"))
+    check_folder(None)
+    assert list(tmp_path.iterdir()) == []

@@ -9,6 +9,7 @@ import importlib.util
 import json
 
 import pytest
+from conftest import assert_names
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imagenet_elastic import cli
@@ -38,8 +39,23 @@ def test_bytes_that_are_not_utf8_in_steps_jsonl_cost_their_line_alone_at_resume(
     lines[1] = lines[1].replace(b'"loss"', b'"lo\xffss"')  # still a row
     lines[2] = lines[2].replace(b'"lr": 0.1', b'"lr": 0.\xfe1')  # no longer one
     (tmp_path / FILENAME).write_bytes(b"\n".join(lines) + b"\n")
-    assert [r["step"] for r in trim(str(tmp_path), 6)] == [2, 4]
+    warned: list[str] = []
+    assert [r["step"] for r in trim(str(tmp_path), 6, warned.append)] == [2, 4]
     assert [json.loads(line)["step"] for line in (tmp_path / FILENAME).read_text().splitlines()] == [2, 4]
+    assert len(warned) == 1
+    assert_names(warned[0], tmp_path / FILENAME, "line", "3")
+
+
+def test_a_damaged_line_inside_steps_jsonl_is_warned_of_with_its_number_and_a_torn_last_line_is_not(tmp_path):
+    rows = [json.dumps(row(s, 1.0)) for s in (2, 4, 6, 8)]
+    (tmp_path / FILENAME).write_text("\n".join([rows[0], '{"step": 3, "lo', rows[1], "", rows[2], '{"step": 7,']))
+    warned: list[str] = []
+    assert [r["step"] for r in trim(str(tmp_path), 6, warned.append)] == [2, 4, 6]
+    assert len(warned) == 1
+    assert_names(warned[0], tmp_path / FILENAME, "line", "2")
+    assert "6" not in warned[0].replace(str(tmp_path), "")  # the torn last line: dropped unsaid
+    (tmp_path / FILENAME).write_text("\n".join(rows) + "\n" + '{"step": 10')
+    assert [r["step"] for r in trim(str(tmp_path), 8, warned.append)] == [2, 4, 6, 8] and len(warned) == 1
 
 
 def started(folder, start_step: int, tensorboard: bool = True) -> Sinks:

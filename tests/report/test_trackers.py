@@ -217,6 +217,19 @@ def test_a_new_run_in_the_same_folder_is_a_new_tracker_run(tmp_path):
     assert len(mlflow_runs(store)) == 2
 
 
+def test_a_checkpoint_continued_in_a_new_folder_logs_to_a_tracker_run_of_its_own(tmp_path):
+    """A fork (a new run_id) must not append its steps to its origin's tracker run."""
+    store = f"file:{tmp_path}/mlruns"
+
+    def mlflow_only(folder: str, *more: str) -> list[str]:
+        return [a for a in args(tmp_path / folder, store, *more) if a not in ("--wandb", "tests")]
+
+    inprocess.train(mlflow_only("origin", "--epochs", "1"), splits=inprocess.in_memory())
+    inprocess.train(mlflow_only("fork", "--resume", str(tmp_path / "origin" / "last.pt")), splits=inprocess.in_memory())
+    origin_run, fork_run = (torch_load(tmp_path / f / "last.pt")["trackers"]["mlflow"] for f in ("origin", "fork"))
+    assert fork_run != origin_run and len(mlflow_runs(store)) == 2
+
+
 def test_a_tracker_first_named_at_a_resume_gets_the_whole_run(tmp_path):
     """A checkpoint without tracker runs (from before this option, or without it): the new run is sent steps.jsonl
     and metrics.jsonl's earlier rows first."""

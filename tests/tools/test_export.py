@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from timm.data import create_transform, resolve_data_config
 from torchvision.datasets import ImageFolder
 
-from imagenet_elastic.errors import STORAGE_ERROR_EXIT
+from imagenet_elastic.errors import STORAGE_ERROR_EXIT, UserError
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.report.metrics import read as read_metrics
-from imagenet_elastic.tools.export import crop_fraction, main
+from imagenet_elastic.tools.export import crop_fraction, main, write_folder
 
 CLASSES = ["cat", "dog", "eel"]
 
@@ -126,6 +126,22 @@ def test_a_full_disk_is_one_line_naming_out_and_leaves_out_as_it_was(tmp_path, c
     assert_names(err, out, "No space left on device")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["best.pt", "export"] if made else ["best.pt"]
     assert not made or not any(out.iterdir())
+
+
+@pytest.mark.parametrize("error", [OSError(errno.ENOSPC, "No space left on device"), KeyboardInterrupt()],
+                         ids=["OSError", "Ctrl-C"])
+def test_a_failed_export_removes_the_parent_folders_it_made_and_only_those(tmp_path, error):
+    (tmp_path / "kept" / "other").mkdir(parents=True)
+    out = tmp_path / "kept" / "new" / "deeper" / "export"
+
+    def write(folder: str) -> None:
+        (tmp_path / "kept" / "other" / "theirs").write_text("x")  # another's, meanwhile, beside them
+        raise error
+
+    with pytest.raises((UserError, KeyboardInterrupt)):
+        write_folder(str(out), write)
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == ["other"]
+    assert (tmp_path / "kept" / "other" / "theirs").read_text() == "x"
 
 
 def test_an_empty_out_that_is_a_mount_point_is_filled_without_crossing_file_systems(tmp_path, capsys, monkeypatch):

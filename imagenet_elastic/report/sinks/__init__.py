@@ -39,7 +39,7 @@ class ReportSettings(TrackerSettings):
     """Where a run's rows go besides metrics.jsonl: steps.jsonl, TensorBoard, and each tracker of `TRACKERS`."""
 
     log_interval: int = option(50, "steps between progress lines (when the output is not a terminal) and rows of "
-                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.positive_int)
+                               "`steps.jsonl` and TensorBoard", "run", "N", type=options.step_count)
     tensorboard: Optional[bool] = option(
         None, "rank 0 writes per-step and per-epoch scalars to CHECKPOINTS/tensorboard (`pip install "
         "\"imagenet_elastic[tensorboard]\"`); resumed runs continue the same curves", "run",
@@ -97,7 +97,8 @@ class Sinks:
         if not self.sinks:
             return
         self.runs.begin(saved_runs, continuing, started_from)
-        beginning = Beginning(step, steps_file.trim(self.folder, step), history, self.runs, name, settings, facts)
+        rows = steps_file.trim(self.folder, step, self.warn)
+        beginning = Beginning(step, rows, history, self.runs, name, settings, facts)
         self.each(lambda sink: sink.start(beginning))
 
     def step(self, row: dict[str, Any]) -> None:
