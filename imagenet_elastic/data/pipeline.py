@@ -31,8 +31,7 @@ from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import SampleKey, TrainBatchSampler, eval_shard
 from imagenet_elastic.data.sources import Source
 
-# What a worker hands over: (encoded bytes, the sample's name for errors, choose_crop, size) -> ..., and for
-# validation (encoded bytes, the sample's name, validation's view) -> ...
+# A worker's part (pixels.decode_bytes, gpu_decode.encode_bytes): (bytes, the sample's name for errors, ...) -> image
 Load = Callable[[bytes, str, ChooseCrop, int], Any]
 EvalLoad = Callable[[bytes, str, CentreCrop], Any]
 

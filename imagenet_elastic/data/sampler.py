@@ -37,8 +37,7 @@ def steps_per_epoch(num_samples: int, global_batch: int, max_steps: int | None =
 
 
 def resolve_global_batch(requested: int | None, saved: int | None, batch_size: int, world_size: int) -> int:
-    """--global-batch-size, else the checkpoint's (so an elastic restart at another world size keeps
-    the optimisation unchanged), else --batch-size per process."""
+    """--global-batch-size, else the checkpoint's (an elastic restart keeps its optimisation), else --batch-size's."""
     return requested or saved or batch_size * world_size
 
 

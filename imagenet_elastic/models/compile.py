@@ -17,7 +17,7 @@ from imagenet_elastic.launch import distributed
 from imagenet_elastic.models.compile_cache import CompileCache
 from imagenet_elastic.report.restart_cost import FirstStep
 
-BACKEND: Any = "inductor"  # torch.compile's backend; tests put a stub here (inductor takes 20-60 s on their CPUs)
+BACKEND: Any = "inductor"  # torch.compile's backend; tests put a stub here (inductor is slow on CPUs: BENCHMARKS.md)
 TRITON_MIN_CAPABILITY = (7, 0)  # older GPUs: "Triton only supports devices of CUDA Capability >= 7.0"
 
 

@@ -1,21 +1,14 @@
 """`imagenet-elastic evaluate MODEL VAL [VAL ...]`: a model's scores on validation sets, with no training folder.
 
 Each VAL (class folders may also be numbered 0..N-1, as ImageNet-V2's) is scored by our exact validation (train/step.py
-evaluate: every image once over all ranks, whatever the world size; `torchrun ... -m imagenet_elastic evaluate ...`),
-with the model's own preprocessing (timm's `resolve_data_config`, as timm's validate.py) or ours, computed as the
-reference computes it (data/pixels.py CentreCrop). For our checkpoint (one that keeps its data's fingerprints) each
-JSON line says whether VAL is the very split its run validated on (`val_as_trained`): then its top-1 is the run's;
-scoring other sets is this tool's purpose, so no warning.
+evaluate: every image once over all ranks, whatever the world size: `torchrun ... -m imagenet_elastic evaluate ...`),
+with the model's own preprocessing (timm's `resolve_data_config`, as timm's validate.py) or ours (data/pixels.py
+CentreCrop). For our checkpoint each JSON line says whether VAL is the very split its run validated on
+(`val_as_trained`: then its top-1 is the run's); scoring other sets is this tool's purpose, so no warning.
 
---real-labels real.json: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it: an image counts when
-its list of real labels is not empty, and is right when its top-1 class is in it. real.json lists the 50,000 images
-of ImageNet's validation set in the order of their file names; an image of VAL is looked up by the number in its
-name (ILSVRC2012_val_00000001 is the first entry), whatever the folder or shard holds it.
---class-subset FILE (wnids for ImageNet-A and -R's 200): the other classes' logits are left out before the top-k and
-the loss.
-
-The trainer's `--evaluate` (pytorch/examples' flag) is a front of the same code path: `evaluate_checkpoint`.
-"""
+--real-labels: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it (eval_labels.py). --class-subset
+(ImageNet-A and -R's 200 wnids): the other classes' logits are left out before the top-k and the loss. The trainer's
+`--evaluate` is a front of the same code path: `evaluate_checkpoint`."""
 
 from __future__ import annotations
 
@@ -28,7 +21,7 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
 
@@ -123,8 +116,7 @@ class Preprocessing:
 
 
 def ours(crop: int, resize: Optional[int] = None) -> Preprocessing:
-    """The trainer's validation at this crop (by default cut from config.eval_sizes' resize), bilinear, with
-    ImageNet's statistics."""
+    """The trainer's validation at this crop (resize: config.eval_sizes' default), bilinear, ImageNet's statistics."""
     from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
     return Preprocessing(crop, eval_sizes(crop, None, resize)[1], "bilinear", IMAGENET_MEAN_FRACTIONS,
                          IMAGENET_STD_FRACTIONS)
@@ -149,8 +141,7 @@ def timm_preprocessing(module: Any, what: str) -> Preprocessing:
 
 
 def load_model(name: str, pretrained: bool, ema: bool) -> tuple[Weights, Preprocessing]:
-    """Our checkpoint, an export folder, or a timm name (--pretrained), read by models/weights.py, its class_names
-    always said, and its own preprocessing."""
+    """The model MODEL names (models/weights.py), its class_names always set, and its own preprocessing."""
     from imagenet_elastic.models import weights
 
     loaded = weights.load_weights(name, "MODEL", ema, published=pretrained)
@@ -175,26 +166,13 @@ def imagenet_classes(module: Any) -> tuple[str, ...]:
     return tuple(ImageNetInfo(subset).label_names())
 
 
-class Scoring(NamedTuple):
-    """The settings `score` reads: the run's (--evaluate), or the tool's options of the same names."""
-
-    batch_size: int
-    workers: Optional[int]
-    amp: str
-    channels_last: bool
-    decode: str
-    gpu_decoder: str
-    dist_timeout: float
-    flip_average: bool
-
-
 def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Preprocessing,
-          settings: Scoring, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None],
+          settings: Any, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None],
           columns: Any = None, fit: Any = None) -> None:
     """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
     once over all ranks (train/step.py evaluate); `on_scored(location, source, results by model key, precision)` is
-    told of each set as it is done. The loaders' workers fork first, then the process group forms: the trainer's
-    order (train/build.py)."""
+    told of each set as it is done. `settings`: the run's Config (--evaluate) or the tool's options, which add_setting
+    gives the same names. The loaders' workers fork first, then the process group forms: the trainer's order."""
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
@@ -227,7 +205,7 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = real_counts(counts_of) if counts_of is not None else None
             results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
-                                     settings.flip_average, columns, counts, fit) for key, module in placed.items()}
+                                     settings.val_flip_average, columns, counts, fit) for key, module in placed.items()}
             on_scored(location, source, results, precision.name)
         del placed, to  # before the process group goes (join_process_group's callbacks)
 
@@ -325,9 +303,7 @@ def run(args: Any) -> list[dict[str, Any]]:
         rows.append(row)
 
     columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
-    settings = Scoring(args.batch_size, args.workers, args.amp, args.channels_last, args.decode, args.gpu_decoder,
-                       args.dist_timeout, args.val_flip_average)
-    score(env, device, {"": model.model}, sets, prep, settings, console, told, columns)
+    score(env, device, {"": model.model}, sets, prep, args, console, told, columns)
     if len(rows) > 1:
         console.table("scores", [(row["val"], summary(row)) for row in rows])
     return rows
@@ -385,9 +361,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
                 scores.update({f"val_loss{key}": result.loss, f"val_top1{key}": result.top1,
                                f"val_top5{key}": result.top5, "val_samples": result.samples})
 
-        settings = Scoring(config.batch_size, config.workers, config.amp, config.channels_last, config.decode,
-                           config.gpu_decoder, config.dist_timeout, config.val_flip_average)
-        score(env, device, modules, [(path, val, None)], prep, settings, console, told, fit=fit)
+        score(env, device, modules, [(path, val, None)], prep, config, console, told, fit=fit)
     except KeyboardInterrupt:
         console.info("Ctrl-C: --evaluate stopped, nothing written")
         raise

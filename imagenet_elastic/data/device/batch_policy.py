@@ -47,8 +47,7 @@ def op_numbers(op: str, magnitude: float, size: int) -> list[float]:
 
 
 def inverse_affine(op: str, magnitude: float, size: int) -> list[float]:
-    """The inverse affine matrix torchvision's tensor kernels sample with (output pixel -> input pixel, about the
-    image's centre) for a geometric operation on a size x size image."""
+    """torchvision's inverse affine matrix (output -> input pixel, about the centre) for `op` on a size x size image."""
     from torchvision.transforms.functional import _get_inverse_affine_matrix  # torchvision's own, for its numbers
 
     corner, none = [-size * 0.5, -size * 0.5], [0.0, 0.0]  # `center=[0, 0]` (the top-left corner), centred

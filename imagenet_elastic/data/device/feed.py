@@ -10,17 +10,15 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
 from torch.utils.data import DataLoader
 
 from imagenet_elastic.data.device import jpeg_decoders, streams
+from imagenet_elastic.data.device.gpu_decode import BatchDecoder
 from imagenet_elastic.data.pipeline import Batch
 from imagenet_elastic.errors import one_line
-
-if TYPE_CHECKING:
-    from imagenet_elastic.data.device.gpu_decode import BatchDecoder
 
 
 def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None,

@@ -17,18 +17,18 @@ import sys
 import tempfile
 import warnings
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, NamedTuple, Optional, Protocol
+from typing import NamedTuple, Optional, Protocol
 
+import numpy as np
+import torch
+from PIL import Image
+
+from imagenet_elastic.data.device import streams
 from imagenet_elastic.errors import UserError, first_line
-
-if TYPE_CHECKING:  # torch is imported where it is used: the command line reads JPEG_DECODERS
-    import torch
 
 
 def device_index(device: torch.device) -> int:
     """The CUDA device's number (`cuda` alone: the current one)."""
-    import torch
-
     return device.index if device.index is not None else torch.cuda.current_device()
 
 
@@ -38,14 +38,9 @@ class JpegDecoder(Protocol):
 
 
 class TorchvisionJpeg:
-    """torchvision's `decode_jpeg` (nvJPEG on CUDA, libjpeg-turbo on the CPU). One bad image fails its whole
-    batched call, so a failed batch is decoded again image by image to find which."""
+    """torchvision's `decode_jpeg` (nvJPEG on CUDA, libjpeg-turbo on the CPU)."""
 
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
-        import torch
-
-        from imagenet_elastic.data.device import streams
-
         self.device = device
         # torchvision allocates nvJPEG's outputs on the current stream but writes them from a normal-priority pooled
         # stream that does not wait for it (pytorch/vision#9606), so memory freed meanwhile could be written over: the
@@ -70,7 +65,6 @@ class TorchvisionJpeg:
 
     def batch(self, data: list[torch.Tensor]) -> list[torch.Tensor]:
         """One batched call; raises RuntimeError if any image fails."""
-        import torch
         from torchvision.io import ImageReadMode, decode_jpeg  # imported late: see pipeline.share_heap_with_workers
 
         if self.alloc_stream is None:
@@ -101,8 +95,6 @@ class NvImageCodecJpeg:
         self.decoder = self.params = None  # made at the first batch: its thread pool must not exist when workers fork
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
-        import torch
-
         nvimgcodec = import_nvimgcodec()
         if self.decoder is None:
             kinds = self.backends if self.on_gpu else ("CPU_ONLY",)
@@ -137,12 +129,8 @@ class NvImageCodecJpeg:
 
     def tensor(self, image) -> torch.Tensor:
         """The decoded H x W x 3 image as a tensor over nvImageCodec's memory (kept alive by the tensor)."""
-        import torch
-
         if self.on_gpu:
             return torch.from_dlpack(image)  # on the current stream, which the decode already made wait
-        import numpy as np
-
         with warnings.catch_warnings():  # read-only: the image is only read (batch_crops copies it)
             warnings.simplefilter("ignore", UserWarning)
             return torch.from_numpy(np.asarray(image))
@@ -175,8 +163,6 @@ _ALLOCATION_FAILED = re.compile(r"Failed to (?!synchronize CUDA stream)[^:\n]*: 
 def device_out_of_memory(error: BaseException) -> bool:
     """Whether a failed device decode ran out of memory. torchvision re-throws every failure inside its CUDA
     decoder as a plain RuntimeError ("Error while decoding JPEG images: ..."), so the type alone says nothing."""
-    import torch
-
     if isinstance(error, torch.OutOfMemoryError):
         return True
     text = str(error)
@@ -186,8 +172,6 @@ def device_out_of_memory(error: BaseException) -> bool:
 def raise_if_out_of_memory(error: RuntimeError, images: int) -> None:
     """A full device is not the images' fault: decoding them one by one, then on the CPU, would hide it behind
     a warning about a rejected JPEG and starve the GPU. It stays an out-of-memory error."""
-    import torch
-
     if device_out_of_memory(error):
         if isinstance(error, torch.OutOfMemoryError):
             raise error
@@ -239,9 +223,6 @@ def nvimgcodec_unavailable(device: torch.device) -> Optional[str]:
         return f"cannot be loaded: {error}"
     if device.type != "cuda":
         return None
-    import torch
-    from PIL import Image
-
     if not torch.cuda.is_available():
         return f"cannot decode on {device}: no CUDA device"
     tiny = io.BytesIO()  # a JPEG to check that the GPU decoder works on this machine

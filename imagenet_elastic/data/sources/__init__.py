@@ -169,8 +169,7 @@ def _val_alone(path: str) -> bool:
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
                 cache_dir: Optional[str]) -> tuple[Source, Source]:
-    """The train and val sources of a run, with the same classes (checked); `cache_dir`: the checkpoints folder, where
-    indexes are kept, outside the splits."""
+    """A run's train and val sources, their classes checked equal; `cache_dir`: where indexes are kept (not a split)."""
     train_location, val_location = split_locations(data, val_path)
     if cache_dir is not None:
         check_apart(cache_dir, "--checkpoints-path", (train_location, val_location))

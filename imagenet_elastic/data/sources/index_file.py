@@ -17,9 +17,6 @@ import numpy as np
 from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.errors import first_line
 
-# What np.load and reading an array of the file it opened raise for a file that is not a whole .npz
-DAMAGED = (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile)
-
 
 class Unreadable(Exception):
     """An index file numpy cannot read; the message names it and says why."""
@@ -55,6 +52,6 @@ def read(path: str, version: int, names: tuple[str, ...],
             if int(saved["version"]) != version:
                 return None
             return {name: saved[name] for name in (*names, *(n for n in optional if n in saved.files))}
-        except DAMAGED as error:
+        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as error:  # a member cut short or missing
             why = error.args[0] if isinstance(error, KeyError) and error.args else first_line(error)
             raise Unreadable(f"{path} is damaged ({str(why)[:200]})") from None

@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional, TypeVar
 
 from imagenet_elastic.errors import UserError
@@ -140,11 +141,6 @@ def filesystem(url: str, timeout: float):
     return made
 
 
-def _path(url: str) -> str:
-    """The path fsspec's file system of the scheme takes: the URL itself for http(s), else without the scheme."""
-    return url if scheme(url) in ("http", "https") else url.split("://", 1)[1]
-
-
 T = TypeVar("T")
 
 
@@ -237,10 +233,11 @@ def describe(url: str, info: dict) -> Entry:
 
 
 def _ask(url: str, timeout: Optional[float], request: Callable[[Any, str], T]) -> T:
-    """`request(fs, path)` on `url`'s file system, retried as `patiently` says; `timeout`: the node's where None."""
+    """`request(fs, path)` on `url`'s file system, retried as `patiently` says; `timeout`: the node's where None.
+    `path` is what fsspec's file system of the scheme takes: the URL itself for http(s), else without the scheme."""
     timeout = settings().timeout if timeout is None else timeout
-    fs = filesystem(url, timeout)
-    return patiently(url, lambda: request(fs, _path(url)), timeout)
+    fs, path = filesystem(url, timeout), url if scheme(url) in ("http", "https") else url.split("://", 1)[1]
+    return patiently(url, lambda: request(fs, path), timeout)
 
 
 def info(url: str, timeout: Optional[float] = None) -> Entry:
@@ -351,7 +348,7 @@ class ShardCache:
             with _locked(path + ".lock"):
                 if not _whole(path, entry.size):
                     for stale in glob.glob(glob.escape(path) + ".part-*"):  # a killed fetch's: the lock is ours
-                        _unlink(stale)
+                        Path(stale).unlink(missing_ok=True)
                     self.fetch(entry, path, self.make_room(entry, path))
         except OSError as error:
             raise UserError(f"store cache {self.settings.cache}: cannot keep {entry.url} there "
@@ -368,7 +365,7 @@ class ShardCache:
                     out.write(read_range(entry.url, start, min(entry.size, start + CHUNK), self.settings.timeout))
             os.replace(partial, path)
         finally:
-            _unlink(partial)
+            Path(partial).unlink(missing_ok=True)
 
     def make_room(self, entry: Entry, path: str) -> str:
         """Unlink the least recently used shards (and killed fetches' files) until `entry` fits under the cap, or 10%
@@ -380,7 +377,7 @@ class ShardCache:
                 if ".part-" in name:
                     with _locked(name.rsplit(".part-", 1)[0] + ".lock", blocking=False) as free:
                         if free:  # no process of the node fetches it: what a killed fetch left
-                            _unlink(name)
+                            Path(name).unlink(missing_ok=True)
             shards = sorted((used, size, name) for name, size, used in files if ".part-" not in name)
             fetching = sum(size for name, size, _ in files if ".part-" in name and os.path.exists(name))
             if cap is None:  # the reserved files are sparse: the room they will take is not yet gone from the disk
@@ -393,7 +390,7 @@ class ShardCache:
             for _, size, name in shards:
                 if over <= 0:
                     break
-                _unlink(name)
+                Path(name).unlink(missing_ok=True)
                 over -= size
             partial = f"{path}.part-{os.getpid()}"
             with open(partial, "wb") as out:
@@ -428,11 +425,6 @@ def _room(folder: str) -> int:
     """What a file system has free beyond the tenth of it kept free (the cache's room where it has no cap)."""
     disk = shutil.disk_usage(folder)
     return disk.free - disk.total // 10
-
-
-def _unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
 
 
 def _cached_files(folder: str) -> Iterator[tuple[str, int, float]]:

@@ -19,6 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from imagenet_elastic.data.sources.base import FileList, Source, digest_of, shown, whose
+from imagenet_elastic.data.sources.tar_shards import pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
@@ -73,8 +74,6 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
 
 def role_files(location: str, role: str) -> list[str]:
     """The files of a split, in order: a pattern's, or the folder's named for the role (all when none is named)."""
-    from imagenet_elastic.data.sources.tar_shards import pattern_files
-
     if not os.path.isdir(location):
         return pattern_files(location, role, "parquet file")
     files = folder_files(location)

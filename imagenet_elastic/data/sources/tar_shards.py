@@ -4,12 +4,12 @@ is a folder of `*.tar` files (sorted by name) or a brace or glob pattern. Class 
 per line, in label order) or an `_info.json` beside the shards or one folder up; else the labels are the names ("0",
 "1", ...), or the training split's classes for a val split.
 
-The index (`TarShards`) holds each sample's shard, image offset and length, label and CRC-32 in numpy arrays (32 bytes
-a sample: 39 MB for 1.28 M images, shared by forked loader workers); `pack` writes it beside its shards (last), else
-the first start keeps it in the checkpoints folder. Every read compares the CRC-32 (cheap beside a decode,
-docs/BENCHMARKS.md): a byte changed in place at the same size and mtime (rot, a faulty copy), which sizes, mtimes and
-headers cannot see, stops the run at that sample, named. Reading sample i maps its shard (once per process, lazily)
-and copies its bytes out: no open or seek per sample, and random access for the sampler, resume and --ra-reps.
+The index (`TarShards`) holds each sample's shard, image offset and length, label and CRC-32 in numpy arrays (shared
+by forked loader workers); `pack` writes it beside its shards (last), else the first start keeps it in the checkpoints
+folder. Every read compares the CRC-32 (cheap beside a decode): a byte changed in place at the same size and mtime
+(rot, a faulty copy), which sizes, mtimes and headers cannot see, stops the run at that sample, named. Reading sample i
+maps its shard (once per process, lazily) and copies its bytes out: no open or seek per sample, and random access for
+the sampler, resume and --ra-reps.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 import zlib
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Optional
 
 import numpy as np
@@ -240,8 +240,7 @@ class TarShards(Source):
         return shown(f"{self.shards[int(self.shard[i])]}:{self.member(i)}")
 
     def member(self, i: int) -> str:
-        """Sample i's image member's name, from the ustar name and prefix fields alone (asked for every sample read,
-        for errors; parsing the whole header cost ~4% of a worker's time)."""
+        """Sample i's image member's name, from the ustar name and prefix fields alone: asked at every read."""
         offset = int(self.offsets[i])
         try:
             mapped, _ = self.mapped(int(self.shard[i]))
@@ -286,16 +285,13 @@ class TarShards(Source):
 _MAPS: dict[str, tuple[mmap.mmap, int]] = {}
 _STORE_MAPS: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # a store's shards, most recently used last
 STORE_MAPS = 8  # of those a process keeps mapped: one the cache evicted frees its disk once unmapped
-_MAPS_PID = [0]
+os.register_at_fork(after_in_child=_MAPS.clear)  # a forked worker maps its own
+os.register_at_fork(after_in_child=_STORE_MAPS.clear)
 
 
 def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
-    """This process's read-only mapping of a shard and its descriptor, made on first use; a forked worker makes its
-    own. `store`: a node cache's copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
-    if _MAPS_PID[0] != os.getpid():
-        _MAPS.clear()
-        _STORE_MAPS.clear()
-        _MAPS_PID[0] = os.getpid()
+    """This process's read-only mapping of a shard and its descriptor, made on first use. `store`: a node cache's
+    copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
     maps = _STORE_MAPS if store else _MAPS
     if path not in maps:
         fd = os.open(path, os.O_RDONLY)
@@ -315,9 +311,9 @@ def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
 
 def _header_size(mapped: mmap.mmap, data_offset: int) -> Optional[int]:
     """The size field of the tar header right before a member's data (None if it cannot be read)."""
-    field = mapped[data_offset - 512 + 124:data_offset - 512 + 136]
+    octal = mapped[data_offset - 512 + 124:data_offset - 512 + 136]
     try:
-        return int(field.rstrip(b"\0 ").strip() or b"0", 8)
+        return int(octal.rstrip(b"\0 ").strip() or b"0", 8)
     except ValueError:  # base-256 sizes (members of 8 GB and more) or not a header
         return None
 
@@ -401,16 +397,12 @@ def split_name(member: str) -> tuple[str, str]:
 
 @dataclass
 class Found:
-    """What one shard's walk found, sample by sample."""
+    """One shard's walk, sample by sample; equal: the same headers and labels (all a walk without checksums tells)."""
 
     offsets: list[int]
     lengths: list[int]
     labels: list[int]
-    checksums: Optional[list[int]] = None  # CRC-32 of each image's bytes, where the walk read them
-
-    def same_members(self, other: Found) -> bool:
-        """The same samples by their tar headers and labels (what a walk without checksums can tell)."""
-        return (self.offsets, self.lengths, self.labels) == (other.offsets, other.lengths, other.labels)
+    checksums: Optional[list[int]] = field(default=None, compare=False)  # each image's CRC-32, where the walk read it
 
 
 def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[object_store.Entry] = None) -> Found:
@@ -555,12 +547,12 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
 def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -> TarShards:
     """The index `source` if its shards are still the ones it describes.
 
-    Each shard's indexed size and st_mtime_ns against a `stat` now: milliseconds for 1,024 shards, where a digest
-    would read 140 GB and their headers 2.5 M scattered blocks at every start. Any write changes the mtime (`cp -a`
-    and `rsync -a` copy the changed one's); a copy that does not keep mtimes (`cp -r`, most store downloads) has its
-    headers and labels walked again (~40 ms for 1,250 samples) and compared, same-size changes in place being left to
-    the checksums (TarShards.read). A pack's index is a promise: a shard of another size or samples is refused, other
-    mtimes with the same headers kept with a note; a cache of shards from elsewhere is rebuilt, with a note."""
+    Each shard's indexed size and st_mtime_ns against a `stat` now, where a digest or a walk of every header would
+    read the whole split at every start. Any write changes the mtime (`cp -a` and `rsync -a` copy the changed one's);
+    a copy that does not keep mtimes (`cp -r`, most store downloads) has its headers and labels walked again and
+    compared, same-size changes in place being left to the checksums (TarShards.read). A pack's index is a promise: a
+    shard of another size or samples is refused, other mtimes with the same headers kept with a note; a cache of
+    shards from elsewhere is rebuilt, with a note."""
     stats = [os.stat(p) for p in source.shards]
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
@@ -571,7 +563,7 @@ def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -
     start = time.perf_counter()
     walked = {k: walk_shard(source.shards[k], source.role) for k in (*resized, *touched)}
     seconds = time.perf_counter() - start
-    changed = [k for k in sorted(walked) if not walked[k].same_members(indexed_samples(source, k))]
+    changed = [k for k in sorted(walked) if walked[k] != indexed_samples(source, k)]
     if source.packed:
         if changed:
             k = changed[0]
