@@ -161,6 +161,9 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             if refused(error):
                 raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
             now = clock()
+            if first_failure is None and not in_loader_worker():  # a wait at start-up (a wrong port?) says why
+                print(f"warning: the store did not answer for {what} ({_reason(error)}): retrying for up to "
+                      f"{timeout:g} s (IMAGENET_ELASTIC_STORE_TIMEOUT)", file=sys.stderr, flush=True)
             first_failure = now if first_failure is None else first_failure
             if now - first_failure >= timeout:
                 raise StoreUnavailable(f"the store did not answer for {what} for {timeout:g} s "
@@ -168,6 +171,12 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
             sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
             attempt += 1
+
+
+def in_loader_worker() -> bool:
+    """Whether this is a DataLoader worker, whose many reads during an outage would each say so."""
+    data = sys.modules.get("torch.utils.data")
+    return data is not None and data.get_worker_info() is not None
 
 
 def answered(call: Callable[[], T]) -> T:

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch.utils.data
 
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.data.sources.object_store import Entry, Settings, ShardCache, StoreUnavailable
@@ -89,6 +90,18 @@ def test_a_store_that_stays_away_ends_with_one_line_naming_the_object_at_the_bou
     assert "s3://b/train/shard-000003.tar" in str(raised.value) and "45 s" in str(raised.value)
     assert "\n" not in str(raised.value) and raised.value.exit_code == 69 and raised.value.every_rank
     assert 45 <= clock.now <= 45 + 1e-9 and len(calls) > 3  # it retried until the bound, and not past it
+
+
+def test_a_wait_for_the_store_is_said_once_at_its_first_failure_outside_loader_workers(capsys, monkeypatch):
+    clock = FakeClock()
+    call, _ = failing(4, ConnectionRefusedError("connect call failed"))
+    object_store.patiently("https://host:9/k", call, timeout=60, sleep=clock.sleep, clock=clock)
+    warnings = capsys.readouterr().err.splitlines()
+    assert len(warnings) == 1 and "https://host:9/k" in warnings[0] and "60 s" in warnings[0]
+    monkeypatch.setattr(torch.utils.data, "get_worker_info", lambda: object())  # in a worker: silent
+    object_store.patiently("https://host:9/k", failing(4, ConnectionRefusedError("refused"))[0], timeout=60,
+                           sleep=clock.sleep, clock=clock)
+    assert capsys.readouterr().err == ""
 
 
 def gcsfs_http_error(code: int, message: str) -> Exception:
