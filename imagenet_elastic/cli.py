@@ -120,11 +120,16 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     return config, args
 
 
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # a restart continues CHECKPOINTS/last.pt
+
+
 def check_resume(config: Config) -> None:
     """A --resume PATH naming no checkpoint, said now (the run's own check comes after the data scan) where it
     will be refused: unless a restart continues from CHECKPOINTS/last.pt instead (store.resume_path)."""
     path = os.path.join(config.resume, LAST_FILE) if os.path.isdir(config.resume) else config.resume
-    if not os.path.isfile(path) and not os.path.isfile(os.path.join(config.checkpoints_path, LAST_FILE)):
+    restarted = any(os.environ.get(name, "0") not in ("", "0") for name in RESTART_COUNTS)
+    continues = restarted and os.path.isfile(os.path.join(config.checkpoints_path, LAST_FILE))
+    if not os.path.isfile(path) and not continues:
         raise UserError(f"--resume {config.resume}: {no_checkpoint(config.resume)}")
 
 

@@ -135,12 +135,16 @@ def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, 
 
 
 def wait_for_keys(store: dist.Store, keys: list[str], deadline: float, poll_s: float) -> None:
-    """`store.wait` in short sleeps: a signal's Python handler runs only once the C++ wait returns, so a preemption
-    signal to a rank waiting for a late peer would otherwise wait up to --dist-timeout (see launch/preemption.py)."""
+    """`store.wait` in sleeps growing to half a second (a thousand ranks polling rank 0's store): a signal's Python
+    handler runs only once a C++ wait returns, so a preemption signal to a rank waiting for a late peer would
+    otherwise wait up to --dist-timeout (see launch/preemption.py)."""
     while keys and not store.check(keys):
         if time.monotonic() >= deadline:
-            raise TimeoutError(f"wait timeout, keys: {', '.join(keys)}")
+            missing = [key for key in keys if not store.check([key])]
+            more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+            raise TimeoutError(f"wait timeout, keys missing: {', '.join(missing[:3])}{more}")
         time.sleep(poll_s)
+        poll_s = min(0.5, poll_s * 1.5)
 
 
 def destroy_process_group() -> None:

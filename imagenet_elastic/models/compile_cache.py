@@ -34,11 +34,11 @@ def check_cache_folders(environ: Mapping[str, str]) -> None:
     it with a FileExistsError traceback at the import of its compiler. Nothing is made: a check of the path alone."""
     for name in CACHE_VARIABLES:
         path = os.path.abspath(environ.get(name) or ".")
-        while not os.path.exists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)  # the nearest part that exists, which must be a folder
+        while not os.path.lexists(path) and os.path.dirname(path) != path:
+            path = os.path.dirname(path)  # the nearest part that exists (a dangling link too), which must be a folder
         if not os.path.isdir(path):
-            raise UserError(f"{name}={environ[name]}: {path} is a file, not a folder: name a folder for torch's "
-                            "compile cache, or unset it")
+            raise UserError(f"{name}={environ[name]}: {path} is not a folder: name a folder for the compile cache, "
+                            "or unset it")
 
 
 def supported() -> bool:

@@ -335,10 +335,15 @@ def requeue_if_asked(config: Config, env: DistEnv, console: Console) -> None:
 
 def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name: str) -> Preempted:
     """A preemption signal before training began (launch/preemption.py): the stop a checkpointed one is, without the
-    checkpoint (none to write), exit 75 and the requeue included."""
+    checkpoint (none to write), exit 75. Requeued unless it is SIGTERM: at start-up that is also how torchrun, spawn
+    and srun --kill-on-bad-exit stop the ranks after one failed, whose requeue would fail again and again; a Slurm
+    preemption requeues by itself, and the time limit's warning is `--signal=USR1@N`."""
     console.info(f"{signal_name}: stopped before training began: nothing trained, no checkpoint written; "
                  f"exiting with code {PREEMPTED_EXIT}")
-    requeue_if_asked(config, env, console)
+    if signal_name != "SIGTERM":
+        requeue_if_asked(config, env, console)
+    elif config.requeue_on_preempt and env.is_main:
+        console.info("not requeued: at start-up a SIGTERM may be the launcher's, after another rank failed")
     return Preempted(PREEMPTED_EXIT)
 
 

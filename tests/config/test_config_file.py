@@ -137,6 +137,22 @@ def test_a_bare_resume_on_the_command_line_overrides_a_files_resume_path(tmp_pat
     assert cli.parse(["/data", "--config", write(tmp_path, "resume: nosuch.pt\n"), "--resume"])[0].resume == RESUME_AUTO
 
 
+@pytest.mark.parametrize("restarts", ["0", "2"])
+def test_a_files_resume_naming_nothing_beside_a_last_pt_is_refused_unless_a_restart_continues_it(tmp_path, monkeypatch,
+                                                                                                 restarts):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", restarts)
+    (tmp_path / "ck").mkdir()
+    (tmp_path / "ck" / "last.pt").touch()
+    argv = ["/data", "--config", write(tmp_path, "resume: missing.pt\n"), "--checkpoints-path", "ck"]
+    if restarts == "0":
+        with pytest.raises(UserError) as raised:
+            cli.parse(argv)
+        assert_names(str(raised.value), "resume", "missing.pt")
+    else:
+        assert cli.parse(argv)[0].resume == "missing.pt"  # store.resume_path continues ck/last.pt
+
+
 def test_resume_true_in_a_file_keeps_the_files_data_folder(tmp_path):
     config, _ = cli.parse(["--config", write(tmp_path, "resume: true\ndata: /from/file\n")])
     assert (config.resume, config.data) == (RESUME_AUTO, "/from/file")

@@ -75,6 +75,15 @@ def test_rank_0_alone_times_out_with_an_error():
         join_round(server, 0, 2, timeout_s=0.5)
 
 
+def test_rank_0_s_timeout_names_the_first_members_missing_and_counts_the_rest():
+    server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
+    with pytest.raises(TimeoutError) as raised:
+        join_round(server, 0, 6, timeout_s=0.5)
+    missing = str(raised.value).split("keys missing: ")[1]
+    assert [key.rsplit("/", 1)[1] for key in missing.split(" and ")[0].split(", ")] == ["member1", "member2", "member3"]
+    assert missing.endswith(" and 2 more")
+
+
 def test_follower_without_rank_0_times_out_with_an_error():
     server = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False, timeout=timedelta(seconds=5))
     with pytest.raises(TimeoutError, match="timeout"):

@@ -41,6 +41,7 @@ from torch.nn.parallel import DistributedDataParallel
 from imagenet_elastic import cli
 from imagenet_elastic.config import Config
 from imagenet_elastic.config.yaml_file import read_settings, settings_yaml
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.models import compile as compiling
 from imagenet_elastic.models import compile_cache
 from imagenet_elastic.models.compile import Compilation, CompiledOrEager, compile_choice
@@ -523,6 +524,13 @@ def test_a_compile_cache_variable_naming_a_file_is_one_line_before_the_data_is_r
         assert finished.returncode == 2
         assert_names(single_line(finished.stderr), f"{variable}={value}", taken)
     assert taken.read_text() == "mine" and not (tmp_path / "ckpt").exists()
+
+
+def test_a_compile_cache_variable_through_a_dangling_link_is_refused(tmp_path):
+    (tmp_path / "link").symlink_to(tmp_path / "gone")  # torch's makedirs would meet FileExistsError there
+    with pytest.raises(UserError) as raised:
+        compile_cache.check_cache_folders({"TRITON_CACHE_DIR": str(tmp_path / "link" / "triton")})
+    assert_names(str(raised.value), "TRITON_CACHE_DIR", tmp_path / "link")
 
 
 def test_compile_cache_variables_naming_folders_or_new_paths_pass(tmp_path):

@@ -44,17 +44,20 @@ def requeued(monkeypatch) -> list[str]:
     return jobs
 
 
-def test_sigterm_during_start_up_stops_at_once_with_exit_75_one_line_and_the_requeue(image_folder, tmp_path,
-                                                                                      monkeypatch, requeued):
+@pytest.mark.parametrize("sent,requeues", [(signal.SIGUSR1, True), (signal.SIGTERM, False)], ids=["USR1", "TERM"])
+def test_a_signal_during_start_up_stops_at_once_with_exit_75_one_line_and_usr1_requeues(image_folder, tmp_path,
+                                                                                         monkeypatch, requeued, sent,
+                                                                                         requeues):
+    """SIGTERM is not requeued: a launcher sends it to the other ranks after one failed (trainer.stopped_at_once)."""
     def signalled(*_args, **_kwargs):  # the scheduler's signal comes while the run builds (a compile, a scan, ...)
-        os.kill(os.getpid(), signal.SIGTERM)
+        os.kill(os.getpid(), sent)
         time.sleep(5)
         raise AssertionError("the signal did not stop the start-up at once")
     monkeypatch.setattr(trainer_module, "fit_micro_batches", signalled)
     done = inprocess.command(args(image_folder, tmp_path, "--requeue-on-preempt"))
     assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
-    assert_names(stop_line(done.stdout), "SIGTERM", "nothing trained", "no checkpoint", PREEMPTED_EXIT)
-    assert requeued == ["4242"]
+    assert_names(stop_line(done.stdout), sent.name, "nothing trained", "no checkpoint", PREEMPTED_EXIT)
+    assert requeued == (["4242"] if requeues else [])
     assert_nothing_written(tmp_path)
 
 
