@@ -10,6 +10,7 @@ import os
 import re
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from conftest import (
@@ -160,6 +161,16 @@ def wait_until(predicate, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def submit_one_task(env: dict, log: Path, *args: str) -> str:
+    """scripts/sbatch_task_per_gpu.sh on one task of one node, its output in `log`; returns the job id."""
+    script = str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
+    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
+                                "--cpus-per-task=1", f"--output={log}", script, *args],
+                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
+    assert submitted.returncode == 0, submitted.stderr
+    return submitted.stdout.strip().split(";")[0]
+
+
 def job_field(job: str, field: str, env: dict[str, str]) -> str:
     shown = subprocess.run(["scontrol", "show", "job", job], env=env, capture_output=True, text=True).stdout
     match = re.search(rf"\b{field}=(\S+)", shown)
@@ -173,12 +184,7 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     clean = start(python_cmd(*args, "--checkpoints-path", str(tmp_path / "clean")))  # beside the job
     log = tmp_path / "job.out"
     env = {**slurm_env, ENV_VAR: str(tmp_path / "samples")}
-    script = str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
-    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
-                                "--cpus-per-task=1", f"--output={log}", script, str(tmp_path / "ckpt"), *args],
-                               cwd=REPO, env=env, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    job = submit_one_task(env, log, str(tmp_path / "ckpt"), *args)
     try:
         wait_until(lambda: log.exists() and "epoch 2/6 step 3/" in log.read_text(), 120, "epoch 2 step 3")
         subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
@@ -205,13 +211,8 @@ def test_usr1_during_start_up_stops_at_once_requeues_and_the_requeued_job_trains
     folder.mkdir()
     lock = CheckpointLock(str(folder))
     lock.acquire(0, lambda _holder: None)
-    log, script = tmp_path / "job.out", str(REPO / "scripts" / "sbatch_task_per_gpu.sh")
-    submitted = subprocess.run(["sbatch", "--parsable", "--nodes=1", "--ntasks-per-node=1", "--gpus-per-task=1",
-                                "--cpus-per-task=1", f"--output={log}", script, str(folder), str(image_folder),
-                                *SMALL_RUN, "--epochs", "1", "--threads", "1"],
-                               cwd=REPO, env=slurm_env, capture_output=True, text=True, timeout=60)
-    assert submitted.returncode == 0, submitted.stderr
-    job = submitted.stdout.strip().split(";")[0]
+    log = tmp_path / "job.out"
+    job = submit_one_task(slurm_env, log, str(folder), str(image_folder), *SMALL_RUN, "--epochs", "1", "--threads", "1")
     try:
         wait_until(lambda: log.exists() and "is locked by" in log.read_text(), 120, "rank 0 to wait for the folder")
         subprocess.run(["scancel", "--signal=USR1", job], env=slurm_env, check=True, timeout=30)
