@@ -242,7 +242,9 @@ def test_bad_store_input_is_one_line_before_any_work(s3_server, bucket, store_en
         monkeypatch.setenv(name, "http://127.0.0.1:9")  # nothing listens on the discard port
     unreachable = command([f"s3://{bucket}/pack", *RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
     assert unreachable.returncode == 69 and "did not answer" in unreachable.stderr, unreachable.stderr
-    assert len(unreachable.stderr.strip().splitlines()) == 1 and "127.0.0.1" not in unreachable.stderr
+    said = unreachable.stderr.strip().splitlines()  # the wait's warning at once, then the error at the bound
+    assert [line.split(":")[0] for line in said] == ["warning", "imagenet-elastic"], said
+    assert "127.0.0.1" not in unreachable.stderr
     monkeypatch.setenv("INITIAL_NO_AUTH_ACTION_COUNT", "0")  # moto then checks keys, and ours are no IAM user's
     with store_servers.S3Server(log_dir=tmp_path / "logs") as strict:
         store_env(strict, timeout="2")
