@@ -27,6 +27,15 @@ def process_umask() -> int:
     return mask
 
 
+def nearest_existing(path: str) -> str:
+    """The deepest part of `path` that exists (a dangling link counts): the folder a makedirs of `path` would write
+    in, which a check before any write holds against being a folder."""
+    path = os.path.abspath(path)
+    while not os.path.lexists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def storage_error(error: OSError, doing: str, path: str, size: Optional[int] = None, after: str = "") -> StorageError:
     """`no space left on device writing /ckpt/epoch_0002.pt (205 MB)`: the OS's words, then what and where."""
     text = error.strerror or str(error) or type(error).__name__

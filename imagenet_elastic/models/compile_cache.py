@@ -20,7 +20,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from imagenet_elastic.atomic_files import atomic_write_bytes
+from imagenet_elastic.atomic_files import atomic_write_bytes, nearest_existing
 from imagenet_elastic.errors import UserError, first_line
 
 FILE_NAME = "compile_cache.bin"
@@ -33,9 +33,7 @@ def check_cache_folders(environ: Mapping[str, str]) -> None:
     """A cache variable naming a file (or a path through one) is one line before anything is done: torch would meet
     it with a FileExistsError traceback at the import of its compiler. Nothing is made: a check of the path alone."""
     for name in CACHE_VARIABLES:
-        path = os.path.abspath(environ.get(name) or ".")
-        while not os.path.lexists(path) and os.path.dirname(path) != path:
-            path = os.path.dirname(path)  # the nearest part that exists (a dangling link too), which must be a folder
+        path = nearest_existing(environ.get(name) or ".")
         if not os.path.isdir(path):
             raise UserError(f"{name}={environ[name]}: {path} is not a folder: name a folder for the compile cache, "
                             "or unset it")

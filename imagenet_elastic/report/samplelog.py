@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import IO, Optional
 
+from imagenet_elastic.atomic_files import nearest_existing
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.report import metrics
 
@@ -54,11 +55,9 @@ def check_folder(folder: Optional[str]) -> None:
     nearest existing part must be a folder this process may write in (open_log makes the rest at the first step)."""
     if not folder:
         return
-    path = os.path.abspath(folder)
-    while not os.path.exists(path) and os.path.dirname(path) != path:
-        path = os.path.dirname(path)
+    path = nearest_existing(folder)
     if not os.path.isdir(path):
-        raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {path} is a file, not a folder")
+        raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {path} is not a folder")
     if not os.access(path, os.W_OK | os.X_OK):
         raise SampleLogError(f"{ENV_VAR}={folder}: cannot log samples there: {path} is not writable")
 

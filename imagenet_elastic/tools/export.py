@@ -18,7 +18,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Sequence
 
-from imagenet_elastic.atomic_files import process_umask, storage_error
+from imagenet_elastic.atomic_files import nearest_existing, process_umask, storage_error
 from imagenet_elastic.checkpoint import store
 from imagenet_elastic.config import saved_eval_sizes, saved_setting
 from imagenet_elastic.data.model_input import IMAGENET_MEAN_FRACTIONS, IMAGENET_STD_FRACTIONS
@@ -59,8 +59,8 @@ def checkpoint_file(path: str) -> str:
 
 def missing_folders(path: str) -> list[str]:
     """The folders of `path` that do not exist yet, deepest first: those makedirs makes, which a failure removes."""
-    missing, path = [], os.path.abspath(path)
-    while not os.path.lexists(path):
+    missing, path, existing = [], os.path.abspath(path), nearest_existing(path)
+    while path != existing:
         missing.append(path)
         path = os.path.dirname(path)
     return missing

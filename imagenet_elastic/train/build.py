@@ -121,7 +121,6 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     """Every check that can fail on the user's input: data, checkpoints folder (locked by rank 0), the checkpoint to
     resume from (loaded, returned beside the inputs). `splits`: the caller's sources, else DATA's."""
     config, env, console = run.config, run.env, run.console
-    compile_cache.check_cache_folders(os.environ)  # before torch's compiler is imported (by timm): it makes them
     samplelog.check_folder(os.environ.get(samplelog.ENV_VAR))
     threads = distributed.configure_threads(config.threads, env.local_world_size)
     device = distributed.select_device(config.device, env)
