@@ -153,17 +153,21 @@ class _Group:
 
 _OPEN: dict[str, Any] = {}  # this process's ParquetFile of each file it read
 _LAST: list[Optional[_Group]] = [None]
-_PID = [0]
+
+
+def _forget_in_child() -> None:
+    """A forked worker opens its own files and keeps its own group."""
+    _OPEN.clear()
+    _LAST[0] = None
+
+
+os.register_at_fork(after_in_child=_forget_in_child)
 
 
 def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
     """Row group g: this process's one kept group, or read now (the image column when `images`, else the paths)."""
     import pyarrow as pa
 
-    if _PID[0] != os.getpid():  # a forked worker opens its own files and keeps its own group
-        _OPEN.clear()
-        _LAST[0] = None
-        _PID[0] = os.getpid()
     path, number = source.files[int(source.group_file[g])], int(source.group_number[g])
     kept = _LAST[0]
     if kept is not None and kept.key == (path, number) and (kept.images is not None or not images):

@@ -71,6 +71,16 @@ def test_reading_keeps_one_row_group_and_reads_each_once_in_order(hub, monkeypat
     assert parquet._LAST[0].key == (source.files[1], 6)  # the last group read, and only it, kept
 
 
+def test_a_forked_worker_opens_its_own_files_and_keeps_its_own_row_group(hub):
+    source = sources.open_source(str(hub / "data" / "train-*.parquet"), "train", None)
+    first = source.read(0)
+    pid = os.fork()  # as a loader worker is made
+    if pid == 0:
+        fresh = not parquet._OPEN and parquet._LAST[0] is None
+        os._exit(0 if fresh and source.read(0) == first and len(parquet._OPEN) == 1 else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and parquet._OPEN and parquet._LAST[0] is not None
+
+
 def test_without_pyarrow_the_trainer_says_which_extra_to_install(hub, monkeypatch, tmp_path):
     monkeypatch.setitem(sys.modules, "pyarrow", None)
     monkeypatch.setitem(sys.modules, "pyarrow.parquet", None)

@@ -33,6 +33,15 @@ def written(image_folder, tmp_path_factory):
     return wds_shards(image_folder / "train", out), scan_image_folder(str(image_folder / "train"), "train")
 
 
+def test_a_forked_worker_maps_shards_of_its_own_and_the_parent_keeps_its_maps(written):
+    shards = tar_shards.open_split(os.path.dirname(written[0][0]), "train", None)
+    first = shards.read(0)
+    pid = os.fork()  # as a loader worker is made
+    if pid == 0:
+        os._exit(0 if not tar_shards._MAPS and shards.read(0) == first and len(tar_shards._MAPS) == 1 else 1)
+    assert os.waitpid(pid, 0)[1] == 0 and len(tar_shards._MAPS) >= 1
+
+
 def test_shards_from_webdatasets_writer_give_every_sample_at_any_index(written):
     paths, folder = written
     shards = tar_shards.open_split(os.path.dirname(paths[0]), "train", None)
