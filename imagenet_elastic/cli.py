@@ -17,6 +17,7 @@ from imagenet_elastic.config import (
     RESUME_AUTO,
     Config,
     add_setting,
+    no_checkpoint,
     saved_setting,
 )
 from imagenet_elastic.config.yaml_file import named_by_file, read_settings, settings_yaml
@@ -74,10 +75,6 @@ def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
     return out, left
 
 
-def no_checkpoint(word: str) -> str:
-    return f"a folder without {LAST_FILE}" if os.path.isdir(word) else "no such checkpoint file or folder"
-
-
 def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
     """The line for `--resume WORD DATA` (or `DATA --resume WORD`) where WORD names no checkpoint: a second DATA."""
     return UserError(f"--resume {word}: {no_checkpoint(word)}, so it was read as a second DATA beside "
@@ -124,13 +121,12 @@ RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # a rest
 
 
 def check_resume(config: Config) -> None:
-    """A --resume PATH naming no checkpoint, said now (the run's own check comes after the data scan) where it
-    will be refused: unless a restart continues from CHECKPOINTS/last.pt instead (store.resume_path)."""
-    path = os.path.join(config.resume, LAST_FILE) if os.path.isdir(config.resume) else config.resume
+    """The run's own choice of checkpoint (store.resume_path, which comes after the data scan), made now: a
+    --resume PATH naming no checkpoint is refused unless a restart continues from CHECKPOINTS/last.pt instead."""
+    from imagenet_elastic.checkpoint.store import CheckpointFolder
+
     restarted = any(os.environ.get(name, "0") not in ("", "0") for name in RESTART_COUNTS)
-    continues = restarted and os.path.isfile(os.path.join(config.checkpoints_path, LAST_FILE))
-    if not os.path.isfile(path) and not continues:
-        raise UserError(f"--resume {config.resume}: {no_checkpoint(config.resume)}")
+    CheckpointFolder(config.checkpoints_path, 0).resume_path(config.resume, restarted)
 
 
 # What --evaluate takes from its checkpoint unless given: what its weights are (--pretrained, without which an

@@ -24,7 +24,7 @@ from typing import Any, BinaryIO, Callable, Optional
 import torch
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
-from imagenet_elastic.config import LAST_FILE, RESUME_AUTO
+from imagenet_elastic.config import LAST_FILE, RESUME_AUTO, no_checkpoint
 from imagenet_elastic.errors import UserError, first_line
 
 LOCK = ".lock"
@@ -318,8 +318,7 @@ class CheckpointFolder:
         if resume not in (None, RESUME_AUTO):
             path = resume_file(resume)
             if not os.path.isfile(path):
-                raise UserError(f"--resume {resume}: " + (f"a folder without {LAST_FILE}" if os.path.isdir(resume)
-                                                           else "no such checkpoint file or folder"))
+                raise UserError(f"--resume {resume}: {no_checkpoint(resume)}")
             return path
         if os.path.exists(self.last_path):
             if resume == RESUME_AUTO:

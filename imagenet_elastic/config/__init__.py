@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -30,6 +31,11 @@ WEIGHT_SOURCES = ("hf-hub:", "local-dir:")
 
 # Those whose change makes --evaluate's scores differ from the run's own validation (the others are training's).
 VALIDATION_SENSITIVE = ("image_size", "val_crop_size", "val_resize", "amp")
+
+
+def no_checkpoint(resume: str) -> str:
+    """Why `--resume PATH` names no checkpoint, in the words its refusals use."""
+    return f"a folder without {LAST_FILE}" if os.path.isdir(resume) else "no such checkpoint file or folder"
 
 
 @dataclass(frozen=True)
