@@ -22,8 +22,8 @@ if TYPE_CHECKING:  # torch is imported where pixels are touched: the command lin
     import torch
 
 # --auto-augment: each policy's name in the start-up table, and how torchvision's transforms.v2 builds it
-POLICY_TABLE: dict[str, tuple[str, Optional[Callable[[Any], Callable]]]] = {
-    "none": ("", None),
+POLICY_TABLE: dict[str, tuple[str, Callable[[Any], Optional[Callable]]]] = {
+    "none": ("", lambda v2: None),
     "ta_wide": ("TrivialAugmentWide", lambda v2: v2.TrivialAugmentWide()),
     "ra": ("RandAugment", lambda v2: v2.RandAugment()),
     "imagenet": ("AutoAugment (ImageNet policy)", lambda v2: v2.AutoAugment(v2.AutoAugmentPolicy.IMAGENET)),
@@ -140,8 +140,7 @@ def make_policy(name: str) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
         raise UserError(f"--auto-augment: unknown policy {name!r} (choose from {', '.join(POLICIES)})")
     from torchvision.transforms import v2  # see make_erasing
 
-    build = POLICY_TABLE[name][1]
-    return None if build is None else build(v2)
+    return POLICY_TABLE[name][1](v2)
 
 
 def make_erasing(probability: float) -> Optional[Callable[[torch.Tensor], torch.Tensor]]:
@@ -156,13 +155,12 @@ def seeded(seed: int) -> Iterator[None]:
     it move (not torch.manual_seed: its device hooks cost far more than the draws)."""
     import torch
 
-    generator = torch.default_generator
-    saved = generator.get_state()
-    generator.manual_seed(seed)
+    saved = torch.default_generator.get_state()
+    torch.default_generator.manual_seed(seed)
     try:
         yield
     finally:
-        generator.set_state(saved)
+        torch.default_generator.set_state(saved)
 
 
 def check_range(flag: str, pair: tuple[float, float], high: Optional[float] = None) -> None:

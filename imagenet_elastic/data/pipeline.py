@@ -18,22 +18,15 @@ from typing import Any, Optional, Union
 import torch
 from torch.utils.data import DataLoader, Dataset, default_collate
 
+from imagenet_elastic.data import pixels
 from imagenet_elastic.data.augment import INCEPTION_CROP, Augment
-from imagenet_elastic.data.pixels import (
-    Box,
-    CentreCrop,
-    ChooseCrop,
-    decode_bytes,
-    decode_centre_crop,
-    random_resized_crop_box,
-)
 from imagenet_elastic.data.resolution import TrainSizes
 from imagenet_elastic.data.sampler import SampleKey, TrainBatchSampler, eval_shard
 from imagenet_elastic.data.sources import Source
 
 # A worker's part (pixels.decode_bytes, gpu_decode.encode_bytes): (bytes, the sample's name for errors, ...) -> image
-Load = Callable[[bytes, str, ChooseCrop, int], Any]
-EvalLoad = Callable[[bytes, str, CentreCrop], Any]
+Load = Callable[[bytes, str, pixels.ChooseCrop, int], Any]
+EvalLoad = Callable[[bytes, str, pixels.CentreCrop], Any]
 
 
 @dataclasses.dataclass
@@ -80,7 +73,7 @@ class TrainDataset(Dataset):
     """Indexed by SampleKey (epoch, index): the crop, flip and augmentation derived from that key, at the epoch's
     size. `load`: `pixels.decode_bytes`, or `gpu_decode.encode_bytes` (the device decodes and augments)."""
 
-    def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = decode_bytes,
+    def __init__(self, source: Source, size: Union[int, TrainSizes], seed: int, load: Load = pixels.decode_bytes,
                  augment: Augment = INCEPTION_CROP) -> None:
         self.source, self.seed, self.load, self.augment = source, seed, load, augment
         self.sizes = size if isinstance(size, TrainSizes) else TrainSizes(size)  # the epoch's, under a ramp
@@ -93,8 +86,8 @@ class TrainDataset(Dataset):
         epoch, i, *copy = key
         rng, augment = sample_rng(self.seed, epoch, i, *copy), self.augment
 
-        def choose_crop(width: int, height: int) -> tuple[Box, bool]:
-            box = random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
+        def choose_crop(width: int, height: int) -> tuple[pixels.Box, bool]:
+            box = pixels.random_resized_crop_box(width, height, rng, augment.scale, augment.ratio)
             return box, rng.random() < augment.hflip
 
         image = self.load(self.source.read(i), self.source.name(i), choose_crop, self.sizes(epoch))
@@ -107,9 +100,9 @@ class TrainDataset(Dataset):
 class EvalDataset(Dataset):
     """Each image as the reference's evaluation sees it (pixels.CentreCrop), decoded here or on the device (`load`)."""
 
-    def __init__(self, source: Source, size: int, resize: int, load: EvalLoad = decode_centre_crop,
+    def __init__(self, source: Source, size: int, resize: int, load: EvalLoad = pixels.decode_centre_crop,
                  interpolation: str = "bilinear") -> None:
-        self.source, self.load, self.view = source, load, CentreCrop(size, resize, interpolation)
+        self.source, self.load, self.view = source, load, pixels.CentreCrop(size, resize, interpolation)
 
     def __len__(self) -> int:
         return len(self.source)

@@ -29,10 +29,8 @@ def steps_per_epoch(num_samples: int, global_batch: int, max_steps: int | None =
     """Full global batches per epoch (the ragged tail is dropped), optionally capped."""
     steps = num_samples // global_batch
     if steps == 0:
-        raise UserError(
-            f"the training set has {num_samples} images, fewer than one global batch of {global_batch}; "
-            "lower --global-batch-size (or --batch-size)"
-        )
+        raise UserError(f"the training set has {num_samples} images, fewer than one global batch of {global_batch}; "
+                        "lower --global-batch-size (or --batch-size)")
     return min(steps, max_steps) if max_steps else steps
 
 
@@ -52,9 +50,8 @@ class BatchPlan:
 
     def __post_init__(self) -> None:
         if self.global_batch % self.world_size:
-            raise UserError(
-                f"global batch {self.global_batch} does not split evenly over {self.world_size} processes; "
-                "pass a --global-batch-size that is a multiple of every world size the job may run at")
+            raise UserError(f"global batch {self.global_batch} does not split evenly over {self.world_size} processes; "
+                            "pass a --global-batch-size that is a multiple of every world size the job may run at")
 
     @property
     def share(self) -> int:

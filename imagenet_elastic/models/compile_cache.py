@@ -47,10 +47,8 @@ def supported() -> bool:
 def triton_version() -> Optional[str]:
     """Triton's version, under the names its wheels have (nightly torch installs pytorch-triton); None without it."""
     for name in ("triton", "pytorch-triton", "pytorch-triton-rocm"):
-        try:
+        with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             return importlib.metadata.version(name)
-        except importlib.metadata.PackageNotFoundError:
-            continue
     return None
 
 
@@ -108,10 +106,9 @@ def torch_cache_log() -> Iterator[list[logging.LogRecord]]:
 
 def why_not_loaded(records: list[logging.LogRecord]) -> str:
     """torch's reason for a blob it did not load, in a line: its exception's, else its message."""
-    for record in records:
-        if record.exc_info and record.exc_info[1] is not None:
-            return f"torch could not read it: {first_line(record.exc_info[1])}"
-    return f"torch could not read it: {records[0].getMessage()}" if records else "torch could not read it"
+    error = next((r.exc_info[1] for r in records if r.exc_info and r.exc_info[1] is not None), None)
+    why = first_line(error) if error is not None else records[0].getMessage() if records else None
+    return "torch could not read it" + (f": {why}" if why is not None else "")
 
 
 @dataclass

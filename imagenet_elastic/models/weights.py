@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Optional
 
@@ -272,7 +273,8 @@ class InitialWeights(NamedTuple):
                 break
         if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
             raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
-        return cls({strip_prefixes(name): tensor for name, tensor in loaded.items()},
+        # DDP's `module.` and torch.compile's `_orig_mod.` prefixes, as saved from a wrapped model
+        return cls({re.sub(r"^(module\.)*(_orig_mod\.)*", "", name): tensor for name, tensor in loaded.items()},
                    saved_setting(settings, "blurpool") if isinstance(settings, dict) else None, classes)
 
     def load(self, model: nn.Module, path: str, model_name: str, classes: Optional[tuple[str, ...]] = None) -> str:
@@ -298,10 +300,3 @@ class InitialWeights(NamedTuple):
             return f"{path} (classifier re-initialised: its classes are others: {there!r} there, {here!r} here)"
         return f"{path} (classifier re-initialised: {weights[refit[0]].shape[0]} classes there, " \
                f"{own[refit[0]].shape[0]} here)"
-
-
-def strip_prefixes(name: str) -> str:
-    for prefix in ("module.", "_orig_mod."):
-        while name.startswith(prefix):
-            name = name[len(prefix):]
-    return name

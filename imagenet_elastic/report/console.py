@@ -79,8 +79,7 @@ class EpochProgress:
         if not self.console.enabled:
             return
         if self.bar is not None:
-            fields = {"stats": stats} if stats else {}
-            self.bar.update(self.task, completed=step, **fields)
+            self.bar.update(self.task, completed=step, **({"stats": stats} if stats else {}))
         elif stats:
             self.console.info(f"{self.description} step {step}/{self.total} {stats}")
 

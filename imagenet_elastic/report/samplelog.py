@@ -27,9 +27,7 @@ class SampleLog:
     def __init__(self, folder: Optional[str], rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
         self.writer = uuid.uuid4().hex[:12]  # one per process and round: tells attempts of a step apart
-        self.file: Optional[IO[str]] = None
-        if folder:
-            self.file = open_log(folder, f"rank{rank}-{self.writer}.jsonl")
+        self.file: Optional[IO[str]] = open_log(folder, f"rank{rank}-{self.writer}.jsonl") if folder else None
 
     def record(self, epoch: int, step: int, samples: Iterable[int]) -> None:
         if self.file is not None:

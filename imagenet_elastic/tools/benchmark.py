@@ -37,7 +37,6 @@ from imagenet_elastic.tools import throughput
 
 MODES = ("loader", "synthetic", "end_to_end")
 
-
 TRAINING_SETTINGS = ("model", "batch_size", "workers", "image_size", "auto_augment", "random_erase", "amp",
                      "channels_last", "compile", "blurpool", "decode", "gpu_decoder", "device")
 # it measures what it is told: compiling (the trainer's default on CUDA) is a mode of its own

@@ -1,14 +1,11 @@
 """`imagenet-elastic evaluate MODEL VAL [VAL ...]`: a model's scores on validation sets, with no training folder.
 
-Each VAL (class folders may also be numbered 0..N-1, as ImageNet-V2's) is scored by our exact validation (train/step.py
-evaluate: every image once over all ranks, whatever the world size: `torchrun ... -m imagenet_elastic evaluate ...`),
-with the model's own preprocessing (timm's `resolve_data_config`, as timm's validate.py) or ours (data/pixels.py
-CentreCrop). For our checkpoint each JSON line says whether VAL is the very split its run validated on
-(`val_as_trained`: then its top-1 is the run's); scoring other sets is this tool's purpose, so no warning.
-
---real-labels: ReaL top-1 (Beyer et al. 2020) as timm's RealLabelsImagenet counts it (eval_labels.py). --class-subset
-(ImageNet-A and -R's 200 wnids): the other classes' logits are left out before the top-k and the loss. The trainer's
-`--evaluate` is a front of the same code path: `evaluate_checkpoint`."""
+Each VAL is scored by our exact validation (train/step.py evaluate: every image once over all ranks), with the model's
+own preprocessing (timm's `resolve_data_config`) or ours (data/pixels.py CentreCrop); what it takes and prints:
+docs/OUTPUTS.md. `val_as_trained` is said, not warned: scoring other sets is this tool's purpose. ReaL (Beyer et al.
+2020, as timm's RealLabelsImagenet counts it) and --class-subset (the other classes' logits are left out before the
+top-k and the loss): eval_labels.py. The trainer's `--evaluate` is a front of the same code path: `evaluate_checkpoint`.
+"""
 
 from __future__ import annotations
 
@@ -24,24 +21,19 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import numpy as np
+import torch
 
 from imagenet_elastic.config import LAST_FILE, VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
+from imagenet_elastic.data import sources
 from imagenet_elastic.data.pixels import INTERPOLATIONS
+from imagenet_elastic.data.sources import fingerprints, parquet, tar_shards
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
+from imagenet_elastic.launch import distributed
 from imagenet_elastic.options import HelpFormatter, Parser, positive_int
-from imagenet_elastic.tools.eval_labels import (
-    Relabelled,
-    check_real_classes,
-    model_index,
-    read_real_labels,
-    read_subset,
-    real_counts,
-    real_sets,
-)
+from imagenet_elastic.tools import eval_labels
 
 if TYPE_CHECKING:
-    from imagenet_elastic.data.sources import Source
     from imagenet_elastic.launch.launchers import DistEnv
     from imagenet_elastic.models.weights import Weights
 
@@ -76,8 +68,6 @@ FORMS = ("class folders, a flat folder of images with --val-labels, tar shards o
 
 def check_val_exists(locations: Sequence[str]) -> None:
     """Said before the model is loaded: the trainer's message for a missing folder would point at its --val-path."""
-    from imagenet_elastic.data import sources
-
     for location in locations:
         prefix, path = sources.kind_of(location)  # an unknown prefix or scheme: one line naming the known ones
         if not (os.path.exists(path) or sources.is_pattern(location) or sources.is_url(path)):  # a store's: opened
@@ -87,9 +77,6 @@ def check_val_exists(locations: Sequence[str]) -> None:
 
 def labels_file(location: str, val_labels: str | None) -> str | None:
     """--val-labels names the classes of the flat folders among VAL (image files, no folders), not of the others."""
-    from imagenet_elastic.data import sources
-    from imagenet_elastic.data.sources import parquet, tar_shards
-
     path = sources.kind_of(location)[1]
     if val_labels is None or not os.path.isdir(path) or tar_shards.claims(path) or parquet.claims(path):
         return None
@@ -177,7 +164,6 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
     from imagenet_elastic.data.model_input import ModelInput
-    from imagenet_elastic.launch import distributed
     from imagenet_elastic.models.device import place_model, resolve_precision
     from imagenet_elastic.train import build
     from imagenet_elastic.train.step import evaluate
@@ -203,7 +189,7 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
         placed = {key: place_model(module, device, settings.channels_last) for key, module in modules.items()}
         to = ModelInput(device, precision.dtype, settings.channels_last, normalisation=prep.normalisation())
         for (location, source, counts_of), loader in zip(sets, loaders):
-            counts = real_counts(counts_of) if counts_of is not None else None
+            counts = eval_labels.real_counts(counts_of) if counts_of is not None else None
             results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
                                      settings.val_flip_average, columns, counts, fit) for key, module in placed.items()}
             on_scored(location, source, results, precision.name)
@@ -213,8 +199,6 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
 def scoring_print(modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]]) -> tuple[Any, ...]:
     """What every rank must share to score one thing: the code, each model's weights (their sum: identical weights,
     identical sums) and each set's file list (with the labels it is scored by)."""
-    import torch
-
     from imagenet_elastic.train.consistency import code_version
 
     with torch.no_grad():
@@ -226,7 +210,6 @@ def scoring_print(modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]])
 def check_same_scoring(modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]]) -> None:
     """One all-gather: node-local copies that differ by a file (or a model, or the code) would each score without
     error, and the summed counts would mean nothing. JobMismatch on every rank names the first difference."""
-    from imagenet_elastic.launch import distributed
     from imagenet_elastic.train.consistency import JobMismatch, first_file_difference, listing
 
     prints = distributed.all_gather_object(scoring_print(modules, sets))
@@ -250,11 +233,6 @@ def check_same_scoring(modules: dict[str, Any], sets: Sequence[tuple[str, Any, A
 
 
 def run(args: Any) -> list[dict[str, Any]]:
-    import torch
-
-    from imagenet_elastic.data import sources
-    from imagenet_elastic.data.sources import fingerprints
-    from imagenet_elastic.launch import distributed
     from imagenet_elastic.launch.launchers import resolve_launch
     from imagenet_elastic.report.console import Console
 
@@ -263,28 +241,29 @@ def run(args: Any) -> list[dict[str, Any]]:
     distributed.configure_threads(None, env.local_world_size)
     device = distributed.select_device(args.device, env)
     check_val_exists(args.val)
-    real = read_real_labels(args.real_labels) if args.real_labels else None
+    real = eval_labels.read_real_labels(args.real_labels) if args.real_labels else None
     model, own = load_model(args.model, args.pretrained, args.ema)
     classes = model.class_names
     if real is not None:
-        check_real_classes(real, args.real_labels, len(classes))
+        eval_labels.check_real_classes(real, args.real_labels, len(classes))
     prep = own if args.preprocessing == "model" else ours(own.crop)
-    scored = read_subset(args.class_subset, classes) if args.class_subset else np.arange(len(classes), dtype=np.int64)
+    scored = (eval_labels.read_subset(args.class_subset, classes) if args.class_subset
+              else np.arange(len(classes), dtype=np.int64))
     position = np.full(len(classes), -1, dtype=np.int64)
     position[scored] = np.arange(len(scored))
     sets = []
     for location in map(sources.evaluated_split, args.val):
         source = sources.open_source(location, "val", None, Classes(classes, "the model"),
                                      labels_file(location, args.val_labels))
-        labels = position[model_index(source, classes, location)[source.labels]]
+        labels = position[eval_labels.model_index(source, classes, location)[source.labels]]
         if (labels < 0).any():
             outside = source.name(int(np.flatnonzero(labels < 0)[0]))
             raise UserError(f"VAL {location}: {outside} is of a class outside --class-subset {args.class_subset}")
-        relabelled = Relabelled(source, labels, tuple(classes[k] for k in scored))
-        sets.append((location, relabelled, real_sets(source, real, args.real_labels, position) if real else None))
+        real_of = eval_labels.real_sets(source, real, args.real_labels, position) if real else None
+        sets.append((location, eval_labels.Relabelled(source, labels, tuple(classes[k] for k in scored)), real_of))
     rows: list[dict[str, Any]] = []
 
-    def told(location: str, source: Relabelled, results: dict[str, Any], precision: str) -> None:
+    def told(location: str, source: eval_labels.Relabelled, results: dict[str, Any], precision: str) -> None:
         result = results[""]
         row: dict[str, Any] = {"model": args.model, "val": location, "images": result.samples,
                                "top1": result.top1, "top5": result.top5, "loss": result.loss}
@@ -309,16 +288,12 @@ def run(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
-def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = None) -> dict[str, Any]:
+def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Source] = None) -> dict[str, Any]:
     """The trainer's `DATA --evaluate --resume CHECKPOINT`, a rank's entry point (cli.py): the checkpoint's weights,
     and their average where it keeps one, on the run's validation split (`val`: a source the caller holds), as one
-    JSON line in the trainer's metric names (`val_top1`, ..., `val_top1_ema`: what metrics.jsonl holds for it). A
-    setting or a split that makes the scores differ from the run's own validation is one warning each."""
+    JSON line in metrics.jsonl's names (docs/OUTPUTS.md); a setting or split unlike the run's: one warning each."""
     from imagenet_elastic.checkpoint import store
-    from imagenet_elastic.data import sources
     from imagenet_elastic.data.sampler import BatchPlan
-    from imagenet_elastic.data.sources import fingerprints
-    from imagenet_elastic.launch import distributed
     from imagenet_elastic.models.weights import load_fitting, saved_model
     from imagenet_elastic.report.console import Console
     from imagenet_elastic.train.micro_batch import MicroBatches
@@ -356,7 +331,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[Source] = No
                                warn=functools.partial(console.warn, every_rank=True))
         scores: dict[str, Any] = {"checkpoint": path, **({"val_flip_average": True} if config.val_flip_average else {})}
 
-        def told(location: str, source: Source, results: dict[str, Any], precision: str) -> None:
+        def told(location: str, source: sources.Source, results: dict[str, Any], precision: str) -> None:
             for key, result in results.items():
                 scores.update({f"val_loss{key}": result.loss, f"val_top1{key}": result.top1,
                                f"val_top5{key}": result.top5, "val_samples": result.samples})

@@ -1,9 +1,7 @@
 """`imagenet-elastic export CHECKPOINT OUT_DIR [--ema]`: a checkpoint's weights for timm and Hugging Face.
 
-Writes, with timm's `save_for_hf`, OUT_DIR/model.safetensors and OUT_DIR/config.json (with the preprocessing the
-run's validation used as `pretrained_cfg`), so `timm.create_model("local-dir:OUT_DIR", pretrained=True)` rebuilds the
-model and timm's data config preprocesses as our validation did. timm builds no blur: a --blurpool run's model needs
-it back (the printed line says how).
+What it writes (timm's `save_for_hf`, with our validation's preprocessing as `pretrained_cfg`) and how timm loads it:
+docs/OUTPUTS.md ("After training").
 """
 
 from __future__ import annotations
@@ -57,15 +55,6 @@ def checkpoint_file(path: str) -> str:
                     "(last.pt, epoch_NNNN.pt)")
 
 
-def missing_folders(path: str) -> list[str]:
-    """The folders of `path` that do not exist yet, deepest first: those makedirs makes, which a failure removes."""
-    missing, path, existing = [], os.path.abspath(path), nearest_existing(path)
-    while path != existing:
-        missing.append(path)
-        path = os.path.dirname(path)
-    return missing
-
-
 def remove_folders(folders: list[str]) -> None:
     for folder in folders:  # deepest first; rmdir removes only an empty one: never what another wrote meanwhile
         with contextlib.suppress(OSError):
@@ -81,7 +70,10 @@ def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
 
     existing = os.path.isdir(out_dir)  # empty, as export checked
     parent = out_dir if existing else os.path.dirname(os.path.abspath(out_dir))
-    made = missing_folders(parent)
+    made, folder, first = [], os.path.abspath(parent), nearest_existing(parent)  # what makedirs makes, deepest first
+    while folder != first:
+        made.append(folder)
+        folder = os.path.dirname(folder)
     try:
         os.makedirs(parent, exist_ok=True)
         # not atomic_files.TEMP_PREFIX: a run whose checkpoints folder holds OUT_DIR would remove it as its own
@@ -100,14 +92,12 @@ def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
             os.rmdir(temp)
         else:
             os.rename(temp, out_dir)
-    except (OSError, SafetensorError) as error:
+    except BaseException as error:  # Ctrl-C included
         shutil.rmtree(temp, ignore_errors=True)
         remove_folders(made)
-        raise StorageError(f"could not write export folder {out_dir}: "
-                           f"{getattr(error, 'strerror', None) or first_line(error)[:200]}") from None
-    except BaseException:  # Ctrl-C included
-        shutil.rmtree(temp, ignore_errors=True)
-        remove_folders(made)
+        if isinstance(error, (OSError, SafetensorError)):
+            raise StorageError(f"could not write export folder {out_dir}: "
+                               f"{getattr(error, 'strerror', None) or first_line(error)[:200]}") from None
         raise
 
 

@@ -1,11 +1,6 @@
 """`imagenet-elastic pack SRC OUT`: ImageNet as tar shards with an index, the packed form a cluster trains from.
 
-SRC is anything the trainer reads, including Hugging Face imagenet-1k parquet files (the `parquet` extra). OUT gets
-`train/` and `val/` of WebDataset shards, each with its index written last, a `classes.txt` and `pack.json`. Output
-depends on the input and the options alone, whatever the process count. An interrupted pack leaves complete shards
-and no index: a rerun with the same source and options keeps them and writes the rest; anything else in OUT is
-refused. OUT may be a store's URL (`s3://...`): the pack is staged in the node's store cache (it needs the room), then
-uploaded with indexes and pack.json last, so the store holds a complete pack only once every shard is there.
+What OUT holds, how an interrupted pack is continued and how one goes to a store's URL: docs/DATA.md ("Packs").
 """
 
 from __future__ import annotations

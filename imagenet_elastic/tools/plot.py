@@ -130,13 +130,12 @@ def events(rows: Sequence[dict[str, Any]]) -> list[Event]:
 
 def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (), title: str = "") -> Figure:
     """The three panels as a matplotlib Figure (not attached to pyplot: nothing to close, no display)."""
-    try:
-        import matplotlib
-        from matplotlib.figure import Figure
+    try:  # matplotlib first: where matplotlib.figure is imported already, only its import raises
+        import matplotlib  # noqa: F401
+        from matplotlib.figure import Figure  # draws with Agg without pyplot or a backend switch
         from matplotlib.lines import Line2D
     except ImportError:
         raise UserError(f"plot needs matplotlib, which is not installed: {INSTALL}") from None
-    del matplotlib  # imported for the error above; Figure draws with Agg without pyplot or a backend switch
 
     fig = Figure(figsize=(10, 11), dpi=100, layout="constrained")
     loss_ax, acc_ax, lr_ax = fig.subplots(3, 1, sharex=True, gridspec_kw={"height_ratios": [4, 4, 2.5]})
@@ -162,28 +161,25 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
             values = column(key)
             if values is not None:
                 ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
-    loss_ax.set_ylabel("loss")
-    acc_ax.set_ylabel("validation accuracy (%)")
-    lr_ax.set_ylabel("learning rate")
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     lr_ax.set_xlabel("epoch")
     lr_ax.set_xlim(left=0)
 
     marks = events(rows)
-    for ax in (loss_ax, acc_ax, lr_ax):
+    mark_handles = [Line2D([], [], label=MARK_LEGEND[kind], **MARK_STYLES[kind])
+                    for kind in (WORLD, RESUME) if any(event.kind == kind for event in marks)]
+    # legends where the curves usually are not: loss falls, accuracy rises, the rate decays
+    for ax, name, loc, extra in ((loss_ax, "loss", "upper right", mark_handles),
+                                 (acc_ax, "validation accuracy (%)", "lower right", []),
+                                 (lr_ax, "learning rate", "upper right", [])):
+        ax.set_ylabel(name)
         for event in marks:
             ax.axvline(event.epoch - 1, zorder=2, **MARK_STYLES[event.kind])
         ax.grid(True, alpha=0.3)
-    label_marks(loss_ax, marks)
-
-    # legends where the curves usually are not: loss falls, accuracy rises, the rate decays
-    mark_handles = [Line2D([], [], label=MARK_LEGEND[kind], **MARK_STYLES[kind])
-                    for kind in (WORLD, RESUME) if any(event.kind == kind for event in marks)]
-    for ax, loc, extra in ((loss_ax, "upper right", mark_handles), (acc_ax, "lower right", []),
-                           (lr_ax, "upper right", [])):
         handles, _ = ax.get_legend_handles_labels()
         if handles or extra:
             ax.legend(handles=handles + extra, loc=loc, fontsize=9, framealpha=0.85)
+    label_marks(loss_ax, marks)
     if title:
         fig.suptitle(title, fontsize=12)
     return fig

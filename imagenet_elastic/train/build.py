@@ -355,8 +355,7 @@ def share_checkpoint(env: DistEnv, inputs: Inputs, training: Training, snapshot:
 
 def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation:
     """Whether the step compiles; every rank loads the compile caches beside the checkpoints first."""
-    config, env, console = run.config, run.env, run.console
-    device = inputs.device
+    config, env, console, device = run.config, run.env, run.console, inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     enabled, reason = compile_choice(config.compile, device.type, capability)
     key = compile_cache.cache_key(device, model=config.model, classes=len(inputs.train.classes),

@@ -1,15 +1,11 @@
-"""The micro-batches a training step computes in, and with --micro-batch auto the largest that fits the GPU: found
-before the first step (memory_probe.py), kept in the checkpoints for that kind of GPU, halved when a step or a
-validation pass still runs out of memory.
-
-The loader cuts each rank's share into --batch-size's micro-batches; `regroup` recuts them at the positions that a
-run started with the step's micro-batch has, so BatchNorm (only a share's first micro-batch updates the running
+"""The micro-batches a training step computes in, and with --micro-batch auto the largest that fits the GPU
+(docs/LAUNCHING.md, "An out-of-memory error"): probed (memory_probe.py), kept in the checkpoints for that kind of GPU,
+halved once per run for each kind of pass that still runs out of memory (validation per rank; a step on every rank,
+told by one flag all-reduce per step on the CPU group before the optimizer steps, the failed rank making the step's
+other collectives: ddp_ledger.py). `regroup` recuts the loader's --batch-size micro-batches at the positions a run
+started with the step's micro-batch has, so BatchNorm (only a share's first micro-batch updates the running
 statistics), dropout, drop path (drawn from step and position) and mixing see what that run sees (bit for bit on a
-CPU). A step that runs out of memory is redone in halves for the rest of the run, as a run with the smaller
-micro-batch would step. Under DDP the failed rank makes the step's other collectives (ddp_ledger.py), and one flag
-all-reduce per step on the CPU group tells all, before the optimizer steps. Each kind of pass halves once per run: a
-second error ends the run, its cause one halving would only hide. Validation halves per rank. An error in the
-optimizer's step is not caught: the weights have changed, and the probe ran that step too."""
+CPU). An error in the optimizer's step is not caught: the weights have changed, and the probe ran that step too."""
 
 from __future__ import annotations
 

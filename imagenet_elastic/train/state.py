@@ -82,8 +82,7 @@ class PendingSteps:
                            dict(zip(self.names, parts)))
         tally.add(added)
         self.loss.zero_()
-        self.steps = 0
-        self.start = time.perf_counter()
+        self.steps, self.start = 0, time.perf_counter()
         return added
 
 
@@ -132,9 +131,7 @@ class TrainState:
         self.optimizer.load_state_dict(snapshot["optimizer"])  # its own kernels and layout: optimizer.py
         if snapshot["scaler"] and self.scaler.is_enabled():
             self.scaler.load_state_dict(snapshot["scaler"])
-        self.epoch = snapshot["epoch"]
-        self.step = snapshot["step"]
-        self.best_top1 = snapshot["best_top1"]
+        self.epoch, self.step, self.best_top1 = snapshot["epoch"], snapshot["step"], snapshot["best_top1"]
         self.history = list(snapshot["history"])
         self.tally = EpochTally(**snapshot.get("epoch_progress", {}))
         apply_rng(snapshot["rng"])
@@ -187,13 +184,13 @@ def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, class
     if not _count(version) or version > FORMAT_VERSION:
         raise UserError(f"checkpoint {path} has format version {version!r}: this imagenet_elastic reads versions up to "
                         f"{FORMAT_VERSION} (a newer one wrote it?)")
-    if not isinstance(snapshot.get("config", {}), dict):
+    settings = snapshot.get("config", {})
+    if not isinstance(settings, dict):
         raise UserError(f"checkpoint {path} is damaged: its 'config' is not a mapping")
     saved_model = snapshot.get("model_name")
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:
         raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
-    settings = snapshot.get("config", {})
     saved_blurpool = saved_setting(settings, "blurpool")
     if saved_blurpool != blurpool:
         raise UserError(f"checkpoint {path} was trained {'with' if saved_blurpool else 'without'} --blurpool: "

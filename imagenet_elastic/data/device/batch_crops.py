@@ -84,8 +84,7 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
     parts = canvas_parts([tuple(im.shape[-2:]) for im in images], CANVAS_BUDGET)
     if len(parts) > 1:
         return torch.cat([crop_resize(images[s], views[s], size, interpolation) for s in parts])
-    height = max(im.shape[-2] for im in images)
-    width = max(im.shape[-1] for im in images)
+    height, width = (max(im.shape[axis] for im in images) for axis in (-2, -1))
     canvas = padded_canvas(images, height, width)  # N x C x H x W float32
     n, channels = canvas.shape[:2]
     rows = axis_weights(views[:, :AXIS], size, height, interpolation)

@@ -99,8 +99,7 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
     order; closing this generator stops and joins the thread, so the loader is never read by two threads. A batch out
     of device memory is told to `out_of_memory` here, in the taking thread (`pass_on`: handed on as an
     OutOfMemoryMet); the preparing thread waits for the answer, then prepares the same batch again."""
-    results: queue.Queue = queue.Queue(maxsize=ahead)
-    stop = threading.Event()
+    results, stop = queue.Queue(maxsize=ahead), threading.Event()
     if streams.on_cuda(device) and stream is None:
         stream = streams.feeding_stream(device)
 
@@ -197,20 +196,15 @@ class OutOfMemoryMet:
         self.answered.set()
 
 
-def loader_batch(item: Any) -> Any:
-    """The loader's Batch inside what a stage prepares from it (such as `((batch, images), ready)`)."""
-    while isinstance(item, tuple):
-        item = item[0]
-    return item
-
-
 def prepared(prepare: Callable[[Any], Any], batch: Any,
              out_of_memory: Optional[Callable[[Any, str, bool], Optional[bool]]], device: torch.device) -> Any:
     """`prepare(batch)`. A device out-of-memory error in it goes to `out_of_memory(batch, line, again)`: an
     OutOfMemoryPolicy, or decoded_ahead's `ask`, False once its taker stopped (`_STOPPED`). Else the same batch is
     prepared again once the allocator has returned its cache to the device: no sample lost or repeated. Without
     `out_of_memory` it propagates."""
-    again = False
+    again, owner = False, batch
+    while isinstance(owner, tuple):  # the loader's Batch inside what a stage prepares from it: ((batch, images), ready)
+        owner = owner[0]
     while True:
         try:
             return prepare(batch)
@@ -218,7 +212,7 @@ def prepared(prepare: Callable[[Any], Any], batch: Any,
             if out_of_memory is None or not jpeg_decoders.device_out_of_memory(error):
                 raise
             line = one_line(error)
-        if out_of_memory(loader_batch(batch), line, again) is False:
+        if out_of_memory(owner, line, again) is False:
             return _STOPPED
         if streams.on_cuda(device):
             torch.cuda.empty_cache()

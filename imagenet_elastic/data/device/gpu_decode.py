@@ -18,21 +18,12 @@ from typing import Any, Optional
 import torch
 from PIL import Image
 
-from imagenet_elastic.data import pipeline
+from imagenet_elastic.data import pipeline, pixels
 from imagenet_elastic.data.augment import Augment, Draws
 from imagenet_elastic.data.device import batch_crops, jpeg_decoders, streams
 from imagenet_elastic.data.device.batch_policy import PolicyPlan
 from imagenet_elastic.data.pipeline import Batch
-from imagenet_elastic.data.pixels import (
-    DECODED_BY_TORCHVISION,
-    Box,
-    CentreCrop,
-    ChooseCrop,
-    byte_tensor,
-    decode_bytes,
-    decode_centre_crop,
-    decoding,
-)
+from imagenet_elastic.data.pixels import Box, CentreCrop, ChooseCrop, byte_tensor
 
 
 @dataclass
@@ -65,8 +56,8 @@ class EncodedImage:
 def cpu_pixels(raw: bytes, path: str, box: Box, flip: bool, size: int, centre: Optional[CentreCrop]) -> torch.Tensor:
     """The worker path's pixels of an image's bytes (before the policy): validation's `centre`, else the crop."""
     if centre is not None:
-        return decode_centre_crop(raw, path, centre)
-    return decode_bytes(raw, path, lambda w, h: (box, flip), size)
+        return pixels.decode_centre_crop(raw, path, centre)
+    return pixels.decode_bytes(raw, path, lambda w, h: (box, flip), size)
 
 
 def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
@@ -74,11 +65,11 @@ def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
     """The worker's part (a pipeline.Load): the bytes and the crop `choose_crop` draws from the header's size; an
     image the device cannot decode (PNGs, other formats, CMYK/YCCK JPEGs: not RGB or grey, as nvJPEG needs) is
     decoded here instead."""
-    with decoding(path), Image.open(io.BytesIO(raw)) as img:
+    with pixels.decoding(path), Image.open(io.BytesIO(raw)) as img:
         width, height = img.size
         kind, mode = img.format, img.mode
     reason = None
-    if kind != "JPEG" or mode not in DECODED_BY_TORCHVISION:
+    if kind != "JPEG" or mode not in pixels.DECODED_BY_TORCHVISION:
         reason = f"a {mode} JPEG" if kind == "JPEG" else f"a {kind} file"
     box, flip = choose_crop(width, height)
     data = byte_tensor(raw) if reason is None else cpu_pixels(raw, path, box, flip, size, centre)
@@ -199,8 +190,7 @@ class BatchDecoder:
         """On CUDA, keep the decoder's outputs until the kernels just queued to read them have run (freed sooner, the
         next decode could write over them); the event blocks rather than spin a core beside the loader workers."""
         if streams.on_cuda(self.device):
-            read = torch.cuda.Event(blocking=True)
-            torch.cuda.current_stream(self.device).record_event(read)
+            read = torch.cuda.current_stream(self.device).record_event(torch.cuda.Event(blocking=True))
             self.held.keep(decoded, read)
 
     def index(self, rows: list[int]) -> torch.Tensor:
@@ -233,7 +223,7 @@ class Held:
     def keep(self, tensors: list[torch.Tensor], event: Any) -> None:
         self.batches.append((event, tensors))
         while len(self.batches) > self.limit:
-            event, _ = self.batches.popleft()
+            event, _ = self.batches.popleft()  # the tensors (`_`) outlive the wait
             event.synchronize()
 
     def release_finished(self) -> None:

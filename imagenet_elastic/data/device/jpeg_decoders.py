@@ -69,13 +69,10 @@ class TorchvisionJpeg:
 
         if self.alloc_stream is None:
             return decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        drained = torch.cuda.Event(blocking=True)
-        self.alloc_stream.record_event(drained)
-        drained.synchronize()
-        work = torch.cuda.current_stream(self.device)
+        self.alloc_stream.record_event(torch.cuda.Event(blocking=True)).synchronize()  # what is queued on it, done
         with torch.cuda.stream(self.alloc_stream):  # torchvision makes this stream wait for its decode
             decoded = decode_jpeg(data, mode=ImageReadMode.RGB, device=self.device)
-        work.wait_stream(self.alloc_stream)
+        torch.cuda.current_stream(self.device).wait_stream(self.alloc_stream)
         return decoded
 
 

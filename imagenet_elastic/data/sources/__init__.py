@@ -71,7 +71,7 @@ def _isdir(path: str) -> bool:
     if not object_store.is_url(path):
         return os.path.isdir(path)
     if object_store.scheme(path) in ("http", "https"):  # nothing to list: a folder there is a pack's, or a split of it
-        return any(object_store.exists(object_store.join(path, *parts))
+        return any(object_store.find(object_store.join(path, *parts))
                    for parts in ((tar_shards.INDEX_NAME,), ("train", tar_shards.INDEX_NAME)))
     return object_store.isdir(path)
 
@@ -157,14 +157,12 @@ def evaluated_split(location: str) -> str:
         if not _isdir(val):
             raise UserError(f"VAL {location} is a data root (it holds train/) without val/: name the validation split")
         return prefixed(prefix, val)
-    return prefixed(prefix, val) if _isdir(val) and _val_alone(path) else location
-
-
-def _val_alone(path: str) -> bool:
-    """val/ is the only (not hidden) folder in `path`; a store's folder holds shards, never class folders."""
-    if object_store.is_url(path):
-        return True
-    return [entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith(".")] == ["val"]
+    if not _isdir(val):
+        return location
+    if object_store.is_url(path):  # a store's folder holds shards, never class folders
+        return prefixed(prefix, val)
+    alone = [entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith(".")] == ["val"]
+    return prefixed(prefix, val) if alone else location
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],

@@ -83,7 +83,12 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
     if not classes:
         raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
-    check_class_names(root, classes)
+    for name in classes:  # kept as text (checkpoints, exported models, classes.txt); image names are kept as bytes
+        try:
+            name.encode()
+        except UnicodeEncodeError:
+            raise UserError(f"class folder {shown(os.path.join(root, name))} has a name that is not UTF-8: rename "
+                            "it (a class name is kept as text)") from None
     paths: list[str] = []
     labels: list[int] = []
     folders = {".": os.stat(root).st_mtime_ns}
@@ -97,17 +102,6 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     return ImageFolder(root, role, tuple(classes), np.array([os.fsencode(p) for p in paths]),
                        np.array(labels, dtype=np.int64), np.array([os.fsencode(f) for f in folders]),
                        np.array(list(folders.values()), dtype=np.int64))
-
-
-def check_class_names(root: str, classes: list[str]) -> None:
-    """A class name is kept as text (checkpoints, exported models, classes.txt): a folder name that is not UTF-8 has
-    none, and is refused; image file names are kept as their bytes, whatever they are."""
-    for name in classes:
-        try:
-            name.encode()
-        except UnicodeEncodeError:
-            raise UserError(f"class folder {shown(os.path.join(root, name))} has a name that is not UTF-8: rename "
-                            "it (a class name is kept as text)") from None
 
 
 def _walk(root: str, relative: str, folders: dict[str, int], found: list[str]) -> None:
@@ -191,9 +185,7 @@ def read_rows(labels_file: str) -> list[tuple[int, str, str]]:
     found = []
     for line, row in enumerate(rows, start=1):
         cells = [cell.strip() for cell in row]
-        if not any(cells):
-            continue
-        if line == 1 and cells[0].lower() in HEADER_WORDS:
+        if not any(cells) or (line == 1 and cells[0].lower() in HEADER_WORDS):
             continue
         if len(cells) < 2 or not cells[0] or not cells[1]:
             raise UserError(f"--val-labels {labels_file} line {line}: expected `filename,class`, got {','.join(row)!r}")
@@ -209,9 +201,7 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
     if not os.path.isdir(location):
         raise UserError(f"{role} folder {location} does not exist")
     files = {entry.name for entry in os.scandir(location) if entry.is_file()}
-    by_stem: dict[str, str] = {}
-    for name in sorted(files):
-        by_stem.setdefault(os.path.splitext(name)[0], name)
+    by_stem = {os.path.splitext(name)[0]: name for name in sorted(files, reverse=True)}  # the first by name wins
     number = {name: k for k, name in enumerate(classes)}
     chosen: dict[str, int] = {}
     for line, name, label in read_rows(labels_file):

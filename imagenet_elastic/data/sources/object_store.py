@@ -1,17 +1,11 @@
-"""Shards in an object store (`s3://`, `gs://`, `https://`): listing, ranged reads, and a node-local cache of whole
-shards, through fsspec (s3fs, gcsfs, aiohttp: the `[s3]`, `[gcs]` and `[https]` extras).
+"""Shards in an object store (`s3://`, `gs://`, `https://`) through fsspec (s3fs, gcsfs, aiohttp: the `[s3]`, `[gcs]`
+and `[https]` extras): listing, ranged reads, and a node-local cache of whole shards. What a user sets and sees (the
+IMAGENET_ELASTIC_STORE_* variables, retries, `StoreUnavailable`): docs/DATA.md, "Object stores".
 
 Endpoint and credentials are where those libraries look: this module never reads, prints or keeps them. Its own
-settings are the node's, not the run's (they change no result), so they are environment variables:
-IMAGENET_ELASTIC_STORE_CACHE (the node's folder of whole shards, shared by its ranks and loader workers),
-IMAGENET_ELASTIC_STORE_CACHE_GB (its cap; default: keep 10% of the file system free) and
-IMAGENET_ELASTIC_STORE_TIMEOUT (seconds a store may fail to answer before the run ends; default 300).
-
-Why whole shards: a few large ranged GETs, once per node per epoch, where per-sample reads would take a round trip
-per image; the shards then read as local files. LRU eviction unlinks files that readers may still have mapped, which
-Linux keeps until they unmap them. A store that fails to answer for IMAGENET_ELASTIC_STORE_TIMEOUT seconds in a row
-ends the run in one line (`StoreUnavailable`: the last checkpoint untouched; --resume continues); a missing object
-and refused credentials are errors at once.
+settings are the node's, not the run's (they change no result), so they are environment variables. Whole shards: a few
+large ranged GETs, once per node per epoch, where per-sample reads would take a round trip per image. LRU eviction
+unlinks files that readers may still have mapped, which Linux keeps until they unmap them.
 """
 
 from __future__ import annotations
@@ -41,14 +35,13 @@ EXTRAS = {"s3fs": "s3", "gcsfs": "gcs", "aiohttp": "https"}  # package: the extr
 _URL = re.compile(f"({'|'.join(SCHEMES)})://", re.IGNORECASE)
 CHUNK = 16 << 20  # bytes per ranged GET of a whole-shard fetch
 RANGE = 64 << 10  # bytes per ranged GET of a header walk (RangedFile)
-STORE_UNAVAILABLE_EXIT = 69  # EX_UNAVAILABLE
 
 
 class StoreUnavailable(UserError):
     """The store did not answer within IMAGENET_ELASTIC_STORE_TIMEOUT: the run ends, its last checkpoint kept."""
 
     every_rank = True
-    exit_code = STORE_UNAVAILABLE_EXIT
+    exit_code = 69  # EX_UNAVAILABLE
 
 
 def is_url(location: str) -> bool:
@@ -263,10 +256,6 @@ def find(url: str, timeout: Optional[float] = None) -> Optional[Entry]:
 
     found = _ask(url, timeout, request)
     return None if found is None or found.get("type") == "directory" else describe(url, found)
-
-
-def exists(url: str, timeout: Optional[float] = None) -> bool:
-    return find(url, timeout) is not None
 
 
 def isdir(url: str, timeout: Optional[float] = None) -> bool:

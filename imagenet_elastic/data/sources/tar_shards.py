@@ -74,11 +74,7 @@ def expand_braces(pattern: str) -> list[str]:
         return [pattern]
     head, body, tail = pattern[:match.start()], match.group(1), pattern[match.end():]
     span = re.fullmatch(r"(\d+)\.\.(\d+)", body)
-    if span:
-        first, last = span.groups()
-        items = [str(n).zfill(len(first)) for n in range(int(first), int(last) + 1)]
-    else:
-        items = body.split(",")
+    items = [str(n).zfill(len(span[1])) for n in range(int(span[1]), int(span[2]) + 1)] if span else body.split(",")
     return [expanded for item in items for expanded in expand_braces(head + item + tail)]
 
 
@@ -488,7 +484,7 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
 def _text(path: str) -> Optional[str]:
     """A small file's UTF-8 text, on disk or in a store; None where there is none."""
     if object_store.is_url(path):
-        data = object_store.read_whole(path) if object_store.exists(path) else None
+        data = object_store.read_whole(path) if object_store.find(path) else None
     else:
         try:
             with open(path, "rb") as f:

@@ -69,16 +69,11 @@ def chosen(config: Any, is_main: bool) -> list[Sink]:
     if not is_main:
         return []
     folder = config.checkpoints_path
-    sinks: list[Sink] = [StepsFile(folder), *([TensorBoard(folder)] if tensorboard else [])]
-    for name, cls in TRACKERS.items():
-        where = getattr(config, name)
-        if where is None:
-            continue
-        tracker = cls(where, folder)
-        installed(tracker.package, name)
+    trackers = [cls(getattr(config, opt), folder) for opt, cls in TRACKERS.items() if getattr(config, opt) is not None]
+    for tracker in trackers:
+        installed(tracker.package, tracker.option)
         tracker.check()
-        sinks.append(tracker)
-    return sinks
+    return [StepsFile(folder), *([TensorBoard(folder)] if tensorboard else []), *trackers]
 
 
 class Sinks:

@@ -71,8 +71,7 @@ class StepsFile(Sink):
     on disk. A failed write (a full disk) ends this sink with one warning: the checkpoints say what it means."""
 
     def __init__(self, folder: str) -> None:
-        self.path = os.path.join(folder, FILENAME)
-        self.name = self.path
+        self.name = self.path = os.path.join(folder, FILENAME)
         self.file: Optional[IO[str]] = None
 
     def step(self, row: dict[str, Any]) -> None:

@@ -109,9 +109,7 @@ class WandbTracker(Tracker):
             if os.path.realpath(os.path.dirname(path)) == mine:  # this start's own log: nothing sent yet
                 continue
             for step, values in wandb_history(path):
-                for key in last:
-                    if key in values:
-                        last[key] = max(last[key], step)
+                last.update({key: max(held, step) for key, held in last.items() if key in values})
         return last
 
     def log(self, step: int, values: dict[str, float]) -> None:
