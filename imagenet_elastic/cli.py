@@ -9,8 +9,8 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Sequence
-from typing import NoReturn, Optional
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn, Optional
 
 from imagenet_elastic.config import (
     LAST_FILE,
@@ -108,6 +108,7 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
         if not from_file:
             raise
         raise named_by_file(error, found.config, set(from_file) - given_settings(argv, list(from_file))) from None
+    args.file_only = frozenset(from_file) - given_settings(argv, list(from_file)) if from_file else frozenset()
     if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
             and "checkpoints_path" not in given_settings(argv, ["checkpoints_path"]) | set(from_file):
         config = dataclasses.replace(config, checkpoints_path=config.resume)
@@ -223,6 +224,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
     else:
         from imagenet_elastic.train.trainer import run as entry
 
+    if args.file_only:
+        entry = NamesTheFile(entry, args.config, args.file_only)
     try:
         if plan.spawns:
             spawn_workers(entry, config, plan.env, plan.procs_per_task)
@@ -230,6 +233,23 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
             run_worker(entry, config, plan.env)
     except KeyboardInterrupt:
         sys.exit(INTERRUPTED_EXIT)
+
+
+@dataclasses.dataclass(frozen=True)
+class NamesTheFile:
+    """A rank's entry whose errors name the --config file where the flag they name was set, the file alone: a
+    `model: nosuch` the build meets long after the parse. Module level, so that spawn can pickle it."""
+
+    entry: Callable[[Config, Any], None]
+    path: str
+    keys: frozenset[str]
+
+    def __call__(self, config: Config, env: Any) -> None:
+        try:
+            self.entry(config, env)
+        except UserError as error:
+            named_by_file(error, self.path, self.keys)
+            raise
 
 
 def program() -> NoReturn:

@@ -74,11 +74,14 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
 
 
 def named_by_file(error: UserError, path: str, file_only: Iterable[str]) -> UserError:
-    """A merged settings' error naming a flag whose value came from the config file alone (not the command line),
-    with the file and key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`."""
+    """An error naming a flag whose value came from the config file alone (not the command line), with the file and
+    key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`. The same error, reworded:
+    its class (exit code, which rank says it) stays."""
     text = str(error)
     keys = [key for key in (name.replace("_", "-") for name in file_only) if re.search(rf"--{key}(?![\w-])", text)]
-    return UserError(f"config file {path} sets {', '.join(sorted(keys))}: {text}") if keys else error
+    if keys and not text.startswith(f"config file {path} "):
+        error.args = (f"config file {path} sets {', '.join(sorted(keys))}: {text}",)
+    return error
 
 
 class SetTwice(Exception):

@@ -132,6 +132,30 @@ def test_a_bad_setting_given_on_the_command_line_beside_a_file_names_no_file(tmp
     assert "--progressive-resize" in str(raised.value) and path not in str(raised.value)
 
 
+def test_a_files_value_refused_by_the_build_names_the_file_and_the_key(image_folder, tmp_path):
+    """`model: nosuch` passes the parse (any timm name may exist) and is refused when the model is built."""
+    path = write(tmp_path, "model: nosuch\n")
+    result = inprocess.command([str(image_folder), "--config", path, "--workers", "0",
+                                "--checkpoints-path", str(tmp_path / "ck")])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"imagenet-elastic: error: config file {path} sets model: --model 'nosuch'"), line
+    given = inprocess.command([str(image_folder), "--config", path, "--model", "nosuch", "--workers", "0",
+                               "--checkpoints-path", str(tmp_path / "ck")])
+    assert given.returncode == 2 and path not in given.stderr and "--model 'nosuch'" in given.stderr
+
+
+def test_naming_the_file_keeps_the_errors_class_and_exit_code():
+    from imagenet_elastic.config.yaml_file import named_by_file
+    from imagenet_elastic.errors import StorageError
+
+    error = named_by_file(StorageError("--checkpoints-path /full: no space left"), "run.yaml", {"checkpoints_path"})
+    assert type(error) is StorageError and error.exit_code == 74
+    assert str(error) == "config file run.yaml sets checkpoints-path: --checkpoints-path /full: no space left"
+    assert str(named_by_file(error, "run.yaml", {"checkpoints_path"})) == str(error)  # named once
+    assert str(named_by_file(UserError("--lr 5 is too high"), "run.yaml", {"epochs"})) == "--lr 5 is too high"
+
+
 def test_a_bare_resume_on_the_command_line_overrides_a_files_resume_path(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)  # the file's path names nothing: only the command line's bare flag counts
     assert cli.parse(["/data", "--config", write(tmp_path, "resume: nosuch.pt\n"), "--resume"])[0].resume == RESUME_AUTO
