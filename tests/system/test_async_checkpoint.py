@@ -34,11 +34,12 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def synchronous_reference(image_folder, tmp_path_factory) -> Iterator[Callable[[], Path]]:
+def synchronous_reference(image_folder, tmp_path_factory, warm_python) -> Iterator[Callable[[], Path]]:
     """The same run with every save written before training goes on. It starts at once, beside the first
     test's run (one thread each); calling the fixture's value waits for it and gives its folder."""
     ckpt = tmp_path_factory.mktemp("sync") / "ckpt"
-    proc = start(python_cmd(str(image_folder), *RUN, "--no-async-checkpoint", "--checkpoints-path", str(ckpt)))
+    proc = start(python_cmd(str(image_folder), *RUN, "--no-async-checkpoint", "--checkpoints-path", str(ckpt),
+                            python=warm_python))
 
     @functools.cache
     def finished() -> Path:
@@ -78,7 +79,8 @@ def wait_for_a_write_in_flight(folder: Path, proc: subprocess.Popen, timeout: fl
 
 
 def test_sigkill_during_a_background_write_leaves_the_previous_last_pt_and_resumes_bitwise(
-        image_folder, tmp_path, synchronous_reference):
+        image_folder, tmp_path, synchronous_reference, warm_python):
+    """The run is a new interpreter (SIGSTOP must reach the process that writes); its resume, a warm fork."""
     ckpt = tmp_path / "ckpt"
     args = [str(image_folder), *RUN, "--checkpoints-path", str(ckpt)]
     with open(tmp_path / "log", "w") as log:
@@ -104,7 +106,7 @@ def test_sigkill_during_a_background_write_leaves_the_previous_last_pt_and_resum
     assert after["step"] == before["step"] < STEPS
     assert_same_tensors(after["model"], before["model"])
     assert temp_files(ckpt) == in_flight  # left as it was; the next start removes it
-    resumed = run(python_cmd(*args, "--resume"))
+    resumed = run(python_cmd(*args, "--resume", python=warm_python))
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert f"removing {ckpt / in_flight[0]}, left by a write that was interrupted" in resumed.stdout + resumed.stderr
     assert_same_training(ckpt, synchronous_reference())

@@ -47,9 +47,10 @@ def run_together(commands: list[tuple[list[str], dict]], timeout: float = 240) -
     return codes, [node.output for node in nodes]
 
 
-def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2):
+def test_spawn_two_processes_matches_torchrun(image_folder, tmp_path, reference_world2, warm_python):
+    """The parent is a fork of the warm python; the ranks, new interpreters (spawn)."""
     result = run(python_cmd(str(image_folder), *SHORT_RUN, "--checkpoints-path", str(tmp_path),
-                            "--dist-init-method", "spawn", "--nproc-per-node", "2"))
+                            "--dist-init-method", "spawn", "--nproc-per-node", "2", python=warm_python))
     assert result.returncode == 0, result.stdout + result.stderr
     assert result.stdout.count("global batch") == 1
     assert_matches_reference(tmp_path, reference_world2)
