@@ -22,6 +22,7 @@ from imagenet_elastic.config import (
 )
 from imagenet_elastic.config.yaml_file import named_by_file, read_settings, settings_yaml
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
+from imagenet_elastic.launch.launchers import RESTART_COUNTS
 from imagenet_elastic.options import GROUPS, HelpFormatter, Parser, non_negative_int
 
 
@@ -47,39 +48,28 @@ def build_parser() -> Parser:
     return p
 
 
-NOT_SETTINGS = ("local_rank", "config", "print_config")
-
-
-def names_a_checkpoint(word: str) -> bool:
-    """Whether the word after `--resume` is its PATH: a file, a `.pt` path, or a folder holding last.pt."""
-    return not word.startswith("-") and (word.endswith(".pt") or os.path.isfile(word)
-                                         or os.path.isfile(os.path.join(word, LAST_FILE)))
+NOT_SETTINGS = ("local_rank", "config", "print_config", "file_only")
 
 
 def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
-    """`--resume` takes the next word only when it names a checkpoint; else the flag is bare and the word stays
-    (argparse's optional value would take `--resume /data/imagenet`'s data folder for the checkpoint). Also returns
-    the word a bare `--resume` left, if any: with a word too many, it was meant as the checkpoint (see `parse`)."""
+    """`--resume` takes the next word only when it names a checkpoint (a file, a `.pt` path, or a folder holding
+    last.pt); else the flag is bare and the word stays (argparse's optional value would take `--resume
+    /data/imagenet`'s data folder for the checkpoint). Also returns the word a bare `--resume` left, if any: with a
+    word too many, it was meant as the checkpoint (see `parse`)."""
     out, words, left = [], list(argv), None
     for i, word in enumerate(words):
         if word == "--":
             return out + words[i:], left
         if word == "--resume":
-            following = words[i + 1] if i + 1 < len(words) else None
-            path = following is not None and names_a_checkpoint(following)
+            following = words[i + 1] if i + 1 < len(words) else "-"  # none: as if a flag followed
+            path = not following.startswith("-") and (following.endswith(".pt") or os.path.isfile(following)
+                                                      or os.path.isfile(os.path.join(following, LAST_FILE)))
             out.append("--resume" if path else f"--resume={RESUME_AUTO}")
-            if following is not None and not path and not following.startswith("-"):
+            if not path and not following.startswith("-"):
                 left = following
             continue
         out.append(word)
     return out, left
-
-
-def not_a_checkpoint(word: str, others: Sequence[str]) -> UserError:
-    """The line for `--resume WORD DATA` (or `DATA --resume WORD`) where WORD names no checkpoint: a second DATA."""
-    return UserError(f"--resume {word}: {no_checkpoint(word)}, so it was read as a second DATA beside "
-                     f"{' '.join(others)}; --resume takes a checkpoint file, a folder holding {LAST_FILE} or, bare, "
-                     f"CHECKPOINTS/{LAST_FILE}")
 
 
 def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
@@ -93,32 +83,33 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     from_file = read_settings(found.config, build_parser()) if found.config else {}
     parser.set_defaults(**from_file)
     args, extra = parser.parse_known_args(argv)
-    if extra and left is not None and left in (args.data, *extra):
-        raise not_a_checkpoint(left, [word for word in (args.data, *extra) if word != left])
+    if extra and left is not None and left in (args.data, *extra):  # `--resume WORD DATA`: WORD is a second DATA
+        others = " ".join(word for word in (args.data, *extra) if word != left)
+        raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as a second DATA beside {others}; "
+                        f"--resume takes a checkpoint file, a folder holding {LAST_FILE} or, bare, "
+                        f"CHECKPOINTS/{LAST_FILE}")
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:
         parser.error("the following arguments are required: DATA")
+    probe = build_parser()  # which settings the command line gives: a second parse, with marker defaults
+    probe.set_defaults(**dict.fromkeys(vars(args), _UNSET))
+    on_line = {name for name, value in vars(probe.parse_args(argv)).items() if value is not _UNSET}
+    args.file_only = frozenset(from_file) - on_line
+    given = on_line | set(from_file)
     try:
         config = config_from_args(args)
         if config.resume not in (None, RESUME_AUTO) and config.resume == from_file.get("resume") \
                 and not args.print_config:
             check_resume(config)
+        if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
+                and "checkpoints_path" not in given:
+            config = dataclasses.replace(config, checkpoints_path=config.resume)
+        if config.evaluate:
+            config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
     except UserError as error:
-        if not from_file:
-            raise
-        raise named_by_file(error, found.config, set(from_file) - given_settings(argv, list(from_file))) from None
-    args.file_only = frozenset(from_file) - given_settings(argv, list(from_file)) if from_file else frozenset()
-    if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
-            and "checkpoints_path" not in given_settings(argv, ["checkpoints_path"]) | set(from_file):
-        config = dataclasses.replace(config, checkpoints_path=config.resume)
-    if config.evaluate:
-        given = given_settings(argv, FROM_CHECKPOINT) | set(from_file)
-        config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
+        raise named_by_file(error, found.config, args.file_only) from None
     return config, args
-
-
-RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # a restart continues CHECKPOINTS/last.pt
 
 
 def check_resume(config: Config) -> None:
@@ -134,15 +125,6 @@ def check_resume(config: Config) -> None:
 # `hf-hub:...` model is refused) and how its run validated them.
 FROM_CHECKPOINT = ("model", "pretrained", "blurpool", "image_size", "val_crop_size", "val_resize")
 _UNSET = object()
-
-
-def given_settings(argv: Sequence[str], names: Sequence[str]) -> set[str]:
-    """Which of the settings `names` the command line sets, by a second parse with marker defaults (`argv` parsed
-    once already: it has no error)."""
-    probe = build_parser()
-    probe.set_defaults(**{name: _UNSET for name in names})
-    values = vars(probe.parse_args(argv))
-    return {name for name in names if values[name] is not _UNSET}
 
 
 def settings_from_checkpoint(config: Config, names: Sequence[str]) -> Config:
@@ -200,6 +182,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                 print(f"{PROG}: {argv[0]} stopped by Ctrl-C", file=sys.stderr, flush=True)
             sys.exit(INTERRUPTED_EXIT)
         return
+    args = None
     try:
         config, args = parse(argv)
         if args.print_config:
@@ -214,6 +197,8 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
                               dist_url=config.dist_url, visible_gpus=visible_gpu_count(os.environ),
                               uses_gpus=uses_cuda(config.device))
     except UserError as error:  # no rank is known yet: every process reports
+        if args is not None:  # a flag the --config file alone set (`dist-url: nonsense`): named by file and key
+            named_by_file(error, args.config, args.file_only)
         report(error, rank=0)
         sys.exit(error.exit_code)
     check_environment()

@@ -5,6 +5,7 @@ argparse pieces every command line uses: one-line errors, and help that shows de
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 from collections.abc import Mapping
 from dataclasses import field
@@ -127,7 +128,7 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     return steps, seconds
 
 
-def increasing_pair(text: str, most: Optional[int] = None) -> tuple[int, int]:
+def increasing_pair(text: str, most: int) -> tuple[int, int]:
     """`160,192` -> (160, 192): two non-negative integers, the first below the second (and HIGH <= `most`)."""
     try:
         low, high = (int(part) for part in text.split(","))
@@ -135,17 +136,11 @@ def increasing_pair(text: str, most: Optional[int] = None) -> tuple[int, int]:
         raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
     if not 0 <= low < high:
         raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
-    if most is not None and high > most:
+    if high > most:
         raise argparse.ArgumentTypeError(f"HIGH must be <= {most}, got {text!r}")
     return low, high
 
 
-def side_pair(text: str) -> tuple[int, int]:
-    """`increasing_pair` of image sides, up to MAX_SIDE."""
-    return increasing_pair(text, MAX_SIDE)
-
-
-def epoch_pair(text: str) -> tuple[int, int]:
-    """`increasing_pair` of epochs, up to --epochs' bound."""
-    return increasing_pair(text, MAX_EPOCHS)
+side_pair = functools.partial(increasing_pair, most=MAX_SIDE)
+epoch_pair = functools.partial(increasing_pair, most=MAX_EPOCHS)  # up to --epochs' bound
 

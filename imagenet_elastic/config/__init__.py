@@ -194,8 +194,8 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         """What no single option's type can check: ranges of two values, and options that exclude each other."""
         check_each(vars(self))
         if (self.progressive_resize is None) != (self.progressive_epochs is None):
-            given, missing = (("--progressive-resize", "--progressive-epochs") if self.progressive_epochs is None
-                              else ("--progressive-epochs", "--progressive-resize"))
+            pair = ("--progressive-resize", "--progressive-epochs")
+            given, missing = pair if self.progressive_epochs is None else pair[::-1]
             raise UserError(f"{given} needs {missing} too")
         if self.bce_target_thresh is not None and not self.bce_loss:
             raise UserError("--bce-target-thresh applies to --bce-loss only")

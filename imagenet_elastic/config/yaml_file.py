@@ -28,7 +28,7 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
     try:
         with open(path) as f:
             loaded = yaml.load(f, Loader=UniqueKeyLoader)  # noqa: S506 (a SafeLoader)
-    except SetTwice as error:
+    except UserError as error:  # a key set twice (UniqueKeyLoader)
         raise UserError(f"config file {path}: {error}") from None
     except OSError as error:
         raise UserError(f"cannot read config file {path}: {error.strerror or error}") from None
@@ -84,10 +84,6 @@ def named_by_file(error: UserError, path: str, file_only: Iterable[str]) -> User
     return error
 
 
-class SetTwice(Exception):
-    """A key of a config file given twice (UniqueKeyLoader): the message names it and its lines."""
-
-
 class UniqueKeyLoader(yaml.SafeLoader):
     """safe_load's, but a key set twice is refused, where safe_load keeps the last silently; `batch-size` and
     `batch_size` are one key, as they are one option."""
@@ -99,7 +95,7 @@ class UniqueKeyLoader(yaml.SafeLoader):
                 continue
             key = str(self.construct_object(key_node, deep=deep)).replace("_", "-")
             if key in lines:
-                raise SetTwice(f"{key} is set twice (lines {lines[key]} and {key_node.start_mark.line + 1})")
+                raise UserError(f"{key} is set twice (lines {lines[key]} and {key_node.start_mark.line + 1})")
             lines[key] = key_node.start_mark.line + 1
         return super().construct_mapping(node, deep)
 

@@ -10,7 +10,7 @@ import shutil
 import subprocess
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Callable, NamedTuple, Optional
+from typing import Any, Callable, NamedTuple, Optional
 from urllib.parse import urlparse
 
 from imagenet_elastic import options
@@ -20,7 +20,7 @@ from imagenet_elastic.options import option
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN = "torchrun or torch.distributed.launch"
-SLURM_PORT_BASE, SLURM_PORT_SPAN = 15000, 15000
+RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # >0: a restart, which resumes last.pt
 # What the rendezvous store (TCPStore) takes: a port, and a world size that fits a C int
 PORTS, WORLD_SIZES = (1, 65535), (1, 2**31 - 1)
 
@@ -129,7 +129,7 @@ def tasks_on_node(tasks_per_node: str, node_id: int) -> int:
 
 def slurm_master_port(job_id: int) -> int:
     """15000 + SLURM_JOB_ID mod 15000: below Linux's ephemeral range (32768+), different for consecutive jobs."""
-    return SLURM_PORT_BASE + job_id % SLURM_PORT_SPAN
+    return 15000 + job_id % 15000
 
 
 def _scontrol_first_host(nodelist: str) -> str:
@@ -293,11 +293,9 @@ class LaunchSettings:
                                     shown_default="cores / processes per node", type=options.per_node_count)
 
 
-def resolve_launch(method: str, environ: Mapping[str, str], *, local_rank_arg: Optional[int] = None,
-                   nproc_per_node: Optional[int] = None, master_port: Optional[int] = None,
-                   dist_url: Optional[str] = None, visible_gpus: int = 0, uses_gpus: bool = False) -> LaunchPlan:
+def resolve_launch(method: str, environ: Mapping[str, str], **request: Any) -> LaunchPlan:
+    """`request`: LaunchRequest's fields."""
     if method not in METHODS:
         raise UserError(f"--dist-init-method {method!r} is not supported; choose {', '.join(METHODS)}")
-    return METHODS[method].plan(environ, LaunchRequest(local_rank_arg, nproc_per_node, master_port, dist_url,
-                                                  visible_gpus, uses_gpus))
+    return METHODS[method].plan(environ, LaunchRequest(**request))
 

@@ -27,8 +27,6 @@ from typing import Optional
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
-DEFAULT_SIGNALS = ("SIGTERM", "SIGUSR1")
-
 
 def parse_signals(text: str) -> tuple[str, ...]:
     """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names are a user error."""
@@ -57,7 +55,7 @@ class PreemptionSettings:
     """Which signals mean "checkpoint at the next step and stop", and what follows the stop."""
 
     preempt_signals: tuple[str, ...] = option(
-        DEFAULT_SIGNALS, "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
+        ("SIGTERM", "SIGUSR1"), "signals that mean \"checkpoint at the next step and exit 75\"; `none` turns this off",
         "checkpoints", "SIGNALS", type=signals_option)
     requeue_on_preempt: bool = option(
         False, "after that checkpoint, rank 0 runs `scontrol requeue` for this Slurm job (array tasks too)",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import logging
 import multiprocessing.connection
 import os
 import signal
@@ -89,6 +90,8 @@ def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> N
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)
+    # torch's "Terminating process N via signal SIGTERM" after a rank fails: below, the failure is said in one line
+    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
     context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
 

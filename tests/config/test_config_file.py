@@ -145,6 +145,19 @@ def test_a_files_value_refused_by_the_build_names_the_file_and_the_key(image_fol
     assert given.returncode == 2 and path not in given.stderr and "--model 'nosuch'" in given.stderr
 
 
+def test_a_files_value_refused_by_the_launcher_names_the_file_and_the_key(tmp_path, monkeypatch):
+    """The launch is resolved after the parse, before any rank starts."""
+    monkeypatch.setenv("OMPI_COMM_WORLD_SIZE", "2")
+    monkeypatch.setenv("OMPI_COMM_WORLD_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0")
+    monkeypatch.setenv("OMPI_COMM_WORLD_LOCAL_SIZE", "2")
+    path = write(tmp_path, "dist-init-method: mpi\ndist-url: nonsense\n")
+    result = inprocess.command(["/data", "--config", path])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"imagenet-elastic: error: config file {path} sets dist-url: --dist-url 'nonsense'"), line
+
+
 def test_naming_the_file_keeps_the_errors_class_and_exit_code():
     from imagenet_elastic.config.yaml_file import named_by_file
     from imagenet_elastic.errors import StorageError

@@ -90,6 +90,19 @@ def test_spawn_rank_1_failure_stops_every_process(tmp_path):
         pytest.fail("processes of the failed spawn run are still alive")
 
 
+def test_a_spawned_ranks_error_about_a_config_files_key_is_one_line_naming_the_file(image_folder, tmp_path,
+                                                                                     warm_python):
+    """The rank entry crosses spawn's pickle with the file's name, and the parent adds nothing (torch's own
+    "Terminating process" warning included) once a rank has said why it stopped."""
+    path = tmp_path / "run.yaml"
+    path.write_text("model: nosuch\ndist-init-method: spawn\nnproc-per-node: 2\n")
+    result = run(python_cmd(str(image_folder), "--config", str(path), "--workers", "0", "--checkpoints-path",
+                            str(tmp_path / "ck"), python=warm_python))
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert line.startswith(f"imagenet-elastic: error: config file {path} sets model: --model 'nosuch'"), line
+
+
 def test_legacy_torch_distributed_launch_local_rank_argument(image_folder, tmp_path, reference_world2):
     """`python -m torch.distributed.launch` passes --local-rank=N; the trainer accepts it."""
     result = run([sys.executable, "-m", "torch.distributed.launch", "--nproc-per-node=2", "--master-port=29731",

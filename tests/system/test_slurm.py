@@ -177,7 +177,6 @@ def job_field(job: str, field: str, env: dict[str, str]) -> str:
     return match.group(1) if match else ""
 
 
-@pytest.mark.mostly_waiting  # a requeued job waits out its credential (cred_expire) and a scheduler pass
 def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_continues_exactly(
         slurm_env, image_folder, tmp_path):
     """What `#SBATCH --signal=USR1@120` does near the time limit, sent now with `scancel --signal=USR1`."""
@@ -205,7 +204,6 @@ def test_usr1_before_the_time_limit_checkpoints_requeues_and_the_requeued_job_co
     assert (report.samples_lost, report.samples_repeated, report.steps_redone) == (0, 0, 0)
 
 
-@pytest.mark.mostly_waiting  # a requeued job waits out its credential (cred_expire) and a scheduler pass
 def test_usr1_during_start_up_stops_at_once_requeues_and_the_requeued_job_trains(slurm_env, image_folder, tmp_path):
     """The signal while rank 0 still waits for a checkpoints folder another run holds (a start-up that outlasts a
     grace period): no step to wait for, so the rank stops at once and requeues the job (launch/preemption.py)."""
