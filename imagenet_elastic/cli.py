@@ -9,7 +9,7 @@ import dataclasses
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NoReturn, Optional
 
 from imagenet_elastic.config import (
@@ -20,7 +20,7 @@ from imagenet_elastic.config import (
     no_checkpoint,
     saved_setting,
 )
-from imagenet_elastic.config.yaml_file import named_by_file, read_settings, settings_yaml
+from imagenet_elastic.config.yaml_file import file_value, named_by_file, read_settings, settings_yaml
 from imagenet_elastic.errors import INTERRUPTED_EXIT, PROG, UserError, report
 from imagenet_elastic.launch.launchers import RESTART_COUNTS
 from imagenet_elastic.options import GROUPS, HelpFormatter, Parser, non_negative_int
@@ -95,7 +95,8 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     probe = build_parser()  # which settings the command line gives: a second parse, with marker defaults
     probe.set_defaults(**dict.fromkeys(vars(args), _UNSET))
     on_line = {name for name, value in vars(probe.parse_args(argv)).items() if value is not _UNSET}
-    args.file_only = frozenset(from_file) - on_line
+    args.file_only = {name: value for name, value in from_file.items()  # a null is no setting: the default's
+                      if name not in on_line and file_value(name, value) is not None}
     given = on_line | set(from_file)
     try:
         config = config_from_args(args)
@@ -227,13 +228,13 @@ class NamesTheFile:
 
     entry: Callable[[Config, Any], None]
     path: str
-    keys: frozenset[str]
+    file_only: Mapping[str, Any]
 
     def __call__(self, config: Config, env: Any) -> None:
         try:
             self.entry(config, env)
         except UserError as error:
-            named_by_file(error, self.path, self.keys)
+            named_by_file(error, self.path, self.file_only)
             raise
 
 

@@ -10,7 +10,7 @@ import dataclasses
 import difflib
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Mapping
 from typing import Any, Optional
 
 import yaml
@@ -73,12 +73,15 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
     return values
 
 
-def named_by_file(error: UserError, path: str, file_only: Iterable[str]) -> UserError:
-    """An error naming a flag whose value came from the config file alone (not the command line), with the file and
-    key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`. The same error, reworded:
-    its class (exit code, which rank says it) stays."""
+def named_by_file(error: UserError, path: str, file_only: Mapping[str, Any]) -> UserError:
+    """An error about a setting the config file alone gave a value (not null, not the command line's), with the file
+    and key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`. The error names the
+    setting by its flag, or by its value where that is a path (`data: /nosuch`: "data folder /nosuch does not
+    exist"). The same error, reworded: its class (exit code, which rank says it) stays."""
     text = str(error)
-    keys = [key for key in (name.replace("_", "-") for name in file_only) if re.search(rf"--{key}(?![\w-])", text)]
+    keys = [name.replace("_", "-") for name, value in file_only.items()
+            if re.search(rf"--{name.replace('_', '-')}(?![\w-])", text)
+            or (isinstance(value, str) and os.sep in value and value in text)]
     if keys and not text.startswith(f"config file {path} "):
         error.args = (f"config file {path} sets {', '.join(sorted(keys))}: {text}",)
     return error

@@ -90,8 +90,7 @@ def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> N
         store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
                               timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
         task_env = dataclasses.replace(task_env, master_port=store.port)
-    # torch's "Terminating process N via signal SIGTERM" after a rank fails: below, the failure is said in one line
-    logging.getLogger("torch.multiprocessing.spawn").setLevel(logging.ERROR)
+    logging.getLogger("torch.multiprocessing.spawn").addFilter(not_terminating)
     context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,
                                  start_method="spawn")
 
@@ -125,6 +124,12 @@ def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> N
     finally:
         for signum, handler in forwarded.items():
             signal.signal(signum, handler)
+
+
+def not_terminating(record: logging.LogRecord) -> bool:
+    """Leaves out torch's "Terminating process N via signal SIGTERM" (one a rank, after one failed): below, the
+    failure is said in one line. Its other warnings (a rank killed after it ignored the SIGTERM) stay."""
+    return not record.getMessage().startswith("Terminating process")
 
 
 ASKED_STOPS = (INTERRUPTED_EXIT, PREEMPTED_EXIT)  # the exits of a stop every rank is asked for

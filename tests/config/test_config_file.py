@@ -158,15 +158,43 @@ def test_a_files_value_refused_by_the_launcher_names_the_file_and_the_key(tmp_pa
     assert line.startswith(f"imagenet-elastic: error: config file {path} sets dist-url: --dist-url 'nonsense'"), line
 
 
+def test_a_null_in_the_file_is_no_setting_of_its_and_is_never_named(tmp_path):
+    """`--print-config > run.yaml` writes every setting, most of them null: an error that mentions such a flag, here
+    as advice, does not blame the file for it."""
+    path = write(tmp_path, "progressive-resize: null\nval-path: null\nepochs: 4\n")
+    with pytest.raises(UserError) as raised:
+        cli.parse(["/data", "--config", path, "--progressive-epochs", "1,2"])
+    assert path not in str(raised.value) and "--progressive-resize" in str(raised.value)
+    assert cli.parse(["/data", "--config", path])[1].file_only == {"epochs": 4}
+
+
+def test_a_files_path_named_by_its_value_names_the_file_and_the_key(tmp_path):
+    """DATA has no flag: an error names it by its folder. So does --evaluate's damaged checkpoint."""
+    missing = tmp_path / "nosuch"
+    path = write(tmp_path, f"data: {missing}\n")
+    result = inprocess.command(["--config", path, "--workers", "0", "--checkpoints-path", str(tmp_path / "ck")])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert_names(line, f"config file {path} sets data:", missing)
+    damaged = tmp_path / "bad.pt"
+    damaged.write_bytes(b"not a checkpoint")
+    path = write(tmp_path, f"evaluate: true\nresume: {damaged}\n")
+    result = inprocess.command(["/data", "--config", path])
+    assert result.returncode == 2
+    (line,) = result.stderr.strip().splitlines()
+    assert_names(line, f"config file {path} sets resume:", damaged)
+
+
 def test_naming_the_file_keeps_the_errors_class_and_exit_code():
     from imagenet_elastic.config.yaml_file import named_by_file
     from imagenet_elastic.errors import StorageError
 
-    error = named_by_file(StorageError("--checkpoints-path /full: no space left"), "run.yaml", {"checkpoints_path"})
+    file_only = {"checkpoints_path": "full"}
+    error = named_by_file(StorageError("--checkpoints-path /full: no space left"), "run.yaml", file_only)
     assert type(error) is StorageError and error.exit_code == 74
     assert str(error) == "config file run.yaml sets checkpoints-path: --checkpoints-path /full: no space left"
-    assert str(named_by_file(error, "run.yaml", {"checkpoints_path"})) == str(error)  # named once
-    assert str(named_by_file(UserError("--lr 5 is too high"), "run.yaml", {"epochs"})) == "--lr 5 is too high"
+    assert str(named_by_file(error, "run.yaml", file_only)) == str(error)  # named once
+    assert str(named_by_file(UserError("--lr 5 is too high"), "run.yaml", {"epochs": 5})) == "--lr 5 is too high"
 
 
 def test_a_bare_resume_on_the_command_line_overrides_a_files_resume_path(tmp_path, monkeypatch):
