@@ -140,9 +140,10 @@ class Trainer:
         c, state, plan, tally, r = self.config, self.state, self.plan, self.state.tally, self.training
         start = time.perf_counter()
         self.sampler.set_epoch(epoch, tally.samples)
+        steps = tally.steps + self.sampler.steps_left  # where a checkpoint's were at another global batch, as they were
         pending = PendingSteps(self.ctx.input.device, self.ctx.parts)  # losses stay on the device until needed
         self.ctx.model.train()
-        with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", self.sampler.steps, tally.steps) as progress:
+        with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr, micro = r.schedule.at(state.step), r.micro
                 if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
@@ -157,9 +158,9 @@ class Trainer:
                 if not self.stepped:
                     self.after_first_step()
                 step_in_epoch = tally.steps + pending.steps
-                if step_in_epoch % c.log_interval == 0 or step_in_epoch == self.sampler.steps:  # same on every rank
+                if step_in_epoch % c.log_interval == 0 or step_in_epoch == steps:  # the same on every rank
                     self.fold(pending)  # reading the loss waits for the device: log steps only
-                    self.log_step(progress, epoch, step_in_epoch, lr)
+                    self.log_step(progress, epoch, (step_in_epoch, steps), lr)
                 else:
                     progress.update(step_in_epoch)
                 stop, save = self.checkpointer.at_step_end(state.step, self.preempt.received is not None)
@@ -187,14 +188,14 @@ class Trainer:
         """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
         self.since_log.add(pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size))
 
-    def log_step(self, progress: EpochProgress, epoch: int, step_in_epoch: int, lr: float) -> None:
+    def log_step(self, progress: EpochProgress, epoch: int, at: tuple[int, int], lr: float) -> None:
         """The steps since the last log line: mean loss over all ranks, images/s, the share of time spent waiting
-        for the loader (the first thing to check when a GPU is starved), ETAs."""
-        since, steps_per_epoch = self.since_log, self.sampler.steps
-        row = metrics.step_row(self.state.step, epoch + step_in_epoch / steps_per_epoch, since, lr, self.waits.take())
+        for the loader (the first thing to check when a GPU is starved), ETAs. `at`: this step of the epoch's."""
+        (step_in_epoch, steps), since = at, self.since_log
+        row = metrics.step_row(self.state.step, epoch + step_in_epoch / steps, since, lr, self.waits.take())
         per_step = max(since.seconds, 1e-9) / since.steps
-        left_in_epoch = (steps_per_epoch - step_in_epoch) * per_step
-        left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * steps_per_epoch * per_step
+        left_in_epoch = (steps - step_in_epoch) * per_step
+        left_in_run = left_in_epoch + (self.config.epochs - epoch - 1) * self.sampler.steps * per_step
         taught = f" (distillation {row['distill_loss']:.4f})" if "distill_loss" in row else ""
         progress.update(step_in_epoch, f"loss {row['loss']:.4f}{taught} lr {lr:.5f} {row['images_per_sec']:.1f} img/s "
                                        f"data wait {row['data_wait']:.0%} | ETA epoch {clock(left_in_epoch)}, "

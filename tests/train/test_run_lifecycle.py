@@ -83,3 +83,16 @@ def test_fp16_gradscaler_state_is_checkpointed_and_continues_after_resume(image_
     second = inprocess.command([*args, "--workers", "0", "--epochs", "2"])
     assert second.returncode == 0, second.stderr
     assert load_checkpoint(tmp_path / "last.pt")["scaler"]["_growth_tracker"] == 6  # restored, not reset
+
+
+def test_a_resume_at_another_global_batch_counts_the_epochs_steps_as_they_were_trained(image_folder, tmp_path):
+    """3 steps of 8 from the checkpoint, then the 72 images left in 4 steps of 16 (the last 8, a partial batch, are
+    dropped as every epoch's are): the epoch had 7 steps, and its last step row is at epoch 1.0, not 7/6 of it."""
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1", "--checkpoints-path", str(tmp_path)]
+    assert inprocess.train(args, signal_during_step=3).stopped
+    resumed = inprocess.command([*args, "--resume", "--global-batch-size", "16"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert "global batch: checkpoint 8, now 16" in resumed.stderr
+    assert re.findall(r"epoch 1/1 step (\d+)/(\d+)", resumed.stdout)[-1] == ("7", "7")
+    rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
+    assert [(row["step"], row["epoch"]) for row in rows][-2:] == [(6, round(6 / 7, 4)), (7, 1.0)]
