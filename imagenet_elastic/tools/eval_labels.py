@@ -40,8 +40,15 @@ class Relabelled(Source):
 def model_index(source: Source, classes: tuple[str, ...], where: str) -> np.ndarray:
     """Each of the source's classes as the model's output index: by name, or by number for folders numbered 0..N-1
     (ImageNet-V2's: folder 0 is the model's class 0)."""
+    if tuple(source.classes) == tuple(classes):  # the model's own list, its repeated names too (ImageNet's two cranes)
+        return np.arange(len(classes), dtype=np.int64)
     index = {name: k for k, name in enumerate(classes)}
     if all(name in index for name in source.classes):
+        twice = next((name for name in source.classes if classes.count(name) > 1), None)
+        if twice is not None:
+            raise UserError(f"VAL {where}: its class {twice!r} is more than one of the model's classes (at "
+                            f"{', '.join(str(k) for k, name in enumerate(classes) if name == twice)}): a VAL whose "
+                            "classes are matched by name needs names the model does not repeat")
         return np.array([index[name] for name in source.classes], dtype=np.int64)
     if all(name.isdigit() for name in source.classes):
         numbers = np.array([int(name) for name in source.classes], dtype=np.int64)

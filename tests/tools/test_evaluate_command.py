@@ -344,3 +344,18 @@ def test_under_torchrun_every_world_size_scores_every_image_once(trained, tmp_pa
             assert row[key] == rows[0][key], (key, row, rows[0])
         assert row["loss"] == pytest.approx(rows[0]["loss"], rel=1e-6)  # float32 sums of other batches
     assert rows[0]["images"] == 29
+
+
+def test_names_a_model_repeats_are_matched_by_position_in_its_own_list_and_refused_by_name_elsewhere():
+    """ImageNet's names hold `crane` twice (the bird, the machine): a dict by name scored both as the second."""
+    import types
+
+    from imagenet_elastic.errors import UserError
+    from imagenet_elastic.tools.eval_labels import model_index
+
+    model = ("cat", "crane", "dog", "crane")
+    assert model_index(types.SimpleNamespace(classes=model), model, "v").tolist() == [0, 1, 2, 3]
+    assert model_index(types.SimpleNamespace(classes=("dog", "cat")), model, "v").tolist() == [2, 0]
+    with pytest.raises(UserError) as caught:
+        model_index(types.SimpleNamespace(classes=("crane", "dog")), model, "v")
+    assert_names(str(caught.value), "VAL v", "'crane'", "1, 3")

@@ -10,9 +10,12 @@ from __future__ import annotations
 import abc
 import hashlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
+
+from imagenet_elastic.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -107,3 +110,18 @@ def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:
         digest.update(str(array.dtype).encode() + b"\1")
         digest.update(np.ascontiguousarray(array).tobytes())
     return digest.hexdigest()
+
+
+def check_numbered(labels: np.ndarray, count: int, label_of: Callable[[int], str], what: str) -> None:
+    """Labels no class name stands for must be 0..N-1 without gaps: one stray label (99 among 0..9) would otherwise
+    make a model of 100 classes, 90 without a sample. `label_of(i)` names sample i's label, for the first label past
+    the first gap; `what`: the data that names no classes, and how it would."""
+    used = np.zeros(count, dtype=bool)
+    used[labels] = True
+    if used.all():
+        return
+    gap = int(np.argmin(used))
+    after = gap + int(np.argmax(used[gap:]))  # the first label used past the gap
+    unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
+    raise UserError(f"{label_of(int(np.flatnonzero(labels == after)[0]))} leaves labels {unused} unused; {what} "
+                    "must number their classes 0..N-1 without gaps")

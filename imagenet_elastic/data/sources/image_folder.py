@@ -91,10 +91,15 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
                             "it (a class name is kept as text)") from None
     paths: list[str] = []
     labels: list[int] = []
-    folders = {".": os.stat(root).st_mtime_ns}
+    top = os.stat(root)
+    folders = {".": top.st_mtime_ns}
     for label, name in enumerate(classes):
         found: list[str] = []
-        _walk(root, name, folders, found)
+        try:
+            _walk(root, name, folders, found, ((top.st_dev, top.st_ino),))
+        except OSError as error:
+            raise UserError(f"cannot scan {role} folder {shown(error.filename or root)}: "
+                            f"{error.strerror or error}") from None
         if not found:
             raise UserError(f"class folder {os.path.join(root, name)} has no images")
         paths.extend(sorted(found))
@@ -104,15 +109,20 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
                        np.array(list(folders.values()), dtype=np.int64))
 
 
-def _walk(root: str, relative: str, folders: dict[str, int], found: list[str]) -> None:
-    """Images under ROOT/relative (symlinks followed); each folder's mtime is taken *before* it is listed, so a file
-    added during the scan makes the cache look stale next time, never current."""
+def _walk(root: str, relative: str, folders: dict[str, int], found: list[str], above: tuple[tuple[int, int], ...]
+          ) -> None:
+    """Images under ROOT/relative (symlinks followed; `above`: the folders this one is in, by device and inode, so
+    that a link back up is refused, not followed forever); each folder's mtime is taken *before* it is listed, so a
+    file added during the scan makes the cache look stale next time, never current."""
     path = os.path.join(root, relative)
-    folders[relative] = os.stat(path).st_mtime_ns
+    stat = os.stat(path)
+    if (stat.st_dev, stat.st_ino) in above:
+        raise UserError(f"{shown(path)} leads back to a folder it is in (a loop of symbolic links): remove the link")
+    folders[relative] = stat.st_mtime_ns
     with os.scandir(path) as entries:
         for entry in entries:
             if entry.is_dir():
-                _walk(root, os.path.join(relative, entry.name), folders, found)
+                _walk(root, os.path.join(relative, entry.name), folders, found, (*above, (stat.st_dev, stat.st_ino)))
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
                 found.append(os.path.join(relative, entry.name))
 

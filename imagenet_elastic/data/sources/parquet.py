@@ -1,7 +1,7 @@
 """Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
 image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that struct, or
 bytes) and an integer `label`. Needs pyarrow (the `parquet` extra). Without ClassLabel names the classes are numbered
-0..N-1 (check_numbered), or a validation split takes the training split's.
+0..N-1 (base.check_numbered), or a validation split takes the training split's.
 
 A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by name
 (`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. Reading sample i reads its row group's
@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
 from imagenet_elastic.data.sources.tar_shards import pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
@@ -260,7 +260,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         bound = f": {named_by} {len(known)} classes" if named_by else ""
         raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
     if not named and not classes:
-        check_numbered(source)
+        check_numbered(all_labels, len(known), lambda i: _label_of_row(source, i),
+                        "files without class names (ClassLabel metadata)")
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(
@@ -274,18 +275,3 @@ def _label_of_row(source: ParquetFiles, i: int) -> str:
     f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
     return (f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
             f"{i - int(source.file_starts[f])}")
-
-
-def check_numbered(source: ParquetFiles) -> None:
-    """Labels no class name stands for must be 0..N-1 without gaps: one stray label (99 among 0..9) would otherwise
-    make a model of 100 classes, 90 without a sample. Names the first row of the label past the first gap."""
-    used = np.zeros(len(source.classes), dtype=bool)
-    used[source.labels] = True
-    if used.all():
-        return
-    gap = int(np.argmin(used))
-    after = gap + int(np.argmax(used[gap:]))  # the first label used past the gap
-    unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
-    raise UserError(f"{_label_of_row(source, int(np.flatnonzero(source.labels == after)[0]))} leaves labels "
-                    f"{unused} unused; files without class names (ClassLabel metadata) must number their classes "
-                    "0..N-1 without gaps")

@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.data.sources import index_file, object_store
-from imagenet_elastic.data.sources.base import FileList, Source, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "wds"  # `wds:PATTERN` names shards whatever the file system says (sources.kind_of)
@@ -366,6 +366,20 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     return TarShards(location, role, cached=True, packed=packed, index=named, **fields)
 
 
+def check_pack_finished(location: str, role: str, root: str) -> None:
+    """Shards of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as shards
+    from elsewhere, they would train on what it had written so far, silently."""
+    text = _text(os.path.join(root, PACK_FILE))
+    try:
+        record = json.loads(text) if text is not None else {}
+    except ValueError:
+        return  # not ours
+    if isinstance(record, dict) and record.get("complete") is False:
+        raise UserError(f"{role} data {location} is part of a pack that `imagenet-elastic pack` did not finish "
+                        f"({os.path.join(root, PACK_FILE)}): run `imagenet-elastic pack {record.get('source', 'SRC')} "
+                        f"{root}` again to finish it")
+
+
 def pack_again(index: str) -> str:
     """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
     root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
@@ -405,9 +419,9 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     """Every sample of one shard, in order; a UserError naming shard and sample for anything wrong. `checksums`: read
     each image's bytes for its CRC-32 (the whole shard); `entry`: a store's shard, by ranged reads (no checksums)."""
     found = Found([], [], [], [] if checksums else None)
-    size = entry.size if entry else os.stat(path).st_size
     key: Optional[str] = None
     try:
+        size = entry.size if entry else os.stat(path).st_size
         with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
             named = ((m, *split_name(m.name)) for m in tar if m.isfile())
             for key, members in itertools.groupby(named, operator.itemgetter(1)):
@@ -463,10 +477,12 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
         candidate = os.path.join(where, CLASSES_FILE)
         text = _text(candidate)
         if text is not None:
-            names = tuple(line.strip() for line in text.splitlines() if line.strip())
-            if not names:
-                raise UserError(f"classes file {candidate} is empty")
-            return names
+            lines = [line.strip() for line in text.strip().splitlines()]
+            if not lines or "" in lines:  # a blank line inside would shift every name after it by one
+                raise UserError(f"classes file {candidate} is empty" if not lines else
+                                f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "
+                                "label order)")
+            return tuple(lines)
         info = os.path.join(where, INFO_FILE)
         text = _text(info)
         if text is not None:
@@ -476,7 +492,10 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
                 raise UserError(f"{info} is not readable JSON: {error}") from None
             listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
                           None)
-            if isinstance(listed, list) and listed:
+            if listed is not None and not (isinstance(listed, list) and listed
+                                           and all(isinstance(name, (str, int)) for name in listed)):
+                raise UserError(f"{info}: its class names are not a list of names ({str(listed)[:40]!r})")
+            if listed is not None:
                 return tuple(str(name) for name in listed)
     return None
 
@@ -524,13 +543,19 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
 
     labels = joined("labels", np.int64)
     known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
+    ends = np.cumsum([len(f.labels) for f in per_shard])
+
+    def label_of(i: int) -> str:
+        shard = paths[int(np.searchsorted(ends, i, side="right"))]
+        return f"{role} shard {shard}: label {int(labels[i])} of sample #{i}"
+
     bad = np.flatnonzero((labels < 0) | (labels >= len(known)))
     if len(bad):
-        i = int(bad[0])
-        shard = int(np.searchsorted(np.cumsum([len(f.labels) for f in per_shard]), i, side="right"))
         named_by = "the classes file lists" if named else f"{whose(classes)} has" if classes else ""
         bound = f": {named_by} {len(known)} classes" if named_by else ""
-        raise UserError(f"{role} shard {paths[shard]}: label {int(labels[i])} of sample #{i} is out of range{bound}")
+        raise UserError(f"{label_of(int(bad[0]))} is out of range{bound}")
+    if not named and not classes:
+        check_numbered(labels, len(known), label_of, f"shards without class names ({CLASSES_FILE} or {INFO_FILE})")
     return TarShards(location, role, tuple(paths), sizes, mtimes, tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
                      joined("offsets", np.int64), joined("lengths", np.int64),
@@ -630,6 +655,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     location = location if both is None else both[0] if role == "train" else both[1]
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
+    check_pack_finished(location, role, os.path.dirname(os.path.dirname(shards[0])))
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
     if entries:
         found = object_store.find(beside)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import types
 
 import numpy as np
 import pytest
@@ -289,3 +290,22 @@ def test_removed_folder_makes_the_cache_stale(cached_split):
     (root / "b" / "nested").rmdir()
     assert read_cache(cache_path(cache, "train"), str(root)) is None
 
+
+
+def test_check_same_classes_says_when_the_same_names_come_in_another_order(tmp_path):
+    """Numbered shards (0, 1, 2, ..., 10) beside numbered class folders (sorted 0, 1, 10, 2, ...): the same names."""
+    def named(classes, where):  # all check_same_classes asks of a split
+        return types.SimpleNamespace(classes=classes, where=lambda: where)
+
+    with pytest.raises(UserError) as caught:
+        check_same_classes(named(("0", "1", "2", "10"), "shards"), named(("0", "1", "10", "2"), "folders"))
+    assert_names(single_line(str(caught.value)), "same 4 classes in another order", "label 2", "'2' in train",
+                 "'10' in val")
+
+
+def test_a_symbolic_link_back_to_a_folder_above_is_one_line_naming_it_not_an_endless_walk(tmp_path):
+    make_split(tmp_path / "train", {"a": 1, "b": 1})
+    os.symlink("..", tmp_path / "train" / "b" / "up")
+    with pytest.raises(UserError) as caught:
+        scan_image_folder(str(tmp_path / "train"), "train")
+    assert_names(single_line(str(caught.value)), tmp_path / "train" / "b" / "up", "loop of symbolic links")

@@ -494,3 +494,54 @@ def test_a_folder_of_both_splits_whose_names_do_not_tell_every_shards_split_is_r
         with pytest.raises(UserError) as caught:
             open_it()
         assert str(caught.value) == said
+
+
+@pytest.mark.parametrize(("labels", "unused"), [((b"0", b"1", b"3"), "2"), ((b"0", b"999"), "1..998")])
+def test_numbered_labels_with_a_gap_are_refused_naming_the_shard_and_the_first_label_past_it(tmp_path, labels,
+                                                                                             unused):
+    """Without class names a stray label would make a model of its size, the classes between without a sample."""
+    write_tar(tmp_path / "s-0.tar", [member for k, label in enumerate(labels)
+                                     for member in ((f"k{k}.jpg", JPEG), (f"k{k}.cls", label))])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / "s-0.tar", f"label {labels[-1].decode()}",
+                 f"labels {unused} unused")
+    (tmp_path / "classes.txt").write_text("".join(f"c{k}\n" for k in range(int(labels[-1]) + 1)))
+    assert len(tar_shards.open_split(str(tmp_path), "train", None)) == len(labels)  # named classes may go unused
+
+
+def test_a_dangling_link_among_the_shards_is_one_line_naming_it(tmp_path):
+    write_tar(tmp_path / "s-0.tar", [("a.jpg", JPEG), ("a.cls", b"0")])
+    os.symlink(tmp_path / "gone.tar", tmp_path / "s-1.tar")
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / "s-1.tar", "No such file")
+
+
+@pytest.mark.parametrize(("name", "text", "said"), [
+    ("classes.txt", "ant\n\nbee\n", "line 2 is blank"),
+    ("_info.json", '{"class_names": "ant,bee"}', "not a list of names"),
+    ("_info.json", '{"classes": [null, "bee"]}', "not a list of names"),
+])
+def test_class_names_that_would_shift_or_mean_nothing_are_refused_naming_the_file(tmp_path, name, text, said):
+    """`ant, (blank), bee` would make label 1 the blank and label 2 bee; a string is not a list of names."""
+    os.makedirs(tmp_path / "train")
+    write_tar(tmp_path / "train" / "s-0.tar", [("a.jpg", JPEG), ("a.cls", b"0"), ("b.jpg", JPEG), ("b.cls", b"1")])
+    (tmp_path / name).write_text(text)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path / "train"), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / name, said)
+
+
+def test_shards_of_a_pack_not_finished_are_refused_naming_its_record_and_the_command_that_finishes_it(tmp_path):
+    """pack.json is written first, `complete: false` until every split's index is: what an interrupted pack left."""
+    os.makedirs(tmp_path / "out" / "train")
+    write_tar(tmp_path / "out" / "train" / "train-000000.tar", [("a.jpg", JPEG), ("a.cls", b"0")])
+    record = {"source": "/data/imagenet", "complete": False}
+    (tmp_path / "out" / "pack.json").write_text(json.dumps(record))
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path / "out" / "train"), "train", None)
+    assert_names(single_line(str(caught.value)), tmp_path / "out" / "pack.json",
+                 f"imagenet-elastic pack /data/imagenet {tmp_path / 'out'}")
+    (tmp_path / "out" / "pack.json").write_text(json.dumps({**record, "complete": True}))
+    assert len(tar_shards.open_split(str(tmp_path / "out" / "train"), "train", None)) == 1
