@@ -367,8 +367,8 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
 
 
 def check_pack_finished(location: str, role: str, root: str) -> None:
-    """Shards of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as shards
-    from elsewhere, they would train on what it had written so far, silently."""
+    """Shards on disk of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as
+    shards from elsewhere, they would train on what it had written so far, silently."""
     text = _text(os.path.join(root, PACK_FILE))
     try:
         record = json.loads(text) if text is not None else {}
@@ -655,7 +655,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     location = location if both is None else both[0] if role == "train" else both[1]
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
-    check_pack_finished(location, role, os.path.dirname(os.path.dirname(shards[0])))
+    if not entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last)
+        check_pack_finished(location, role, os.path.dirname(os.path.dirname(shards[0])))
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
     if entries:
         found = object_store.find(beside)
@@ -668,6 +669,11 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         source = read_index(index, location, role, shards, bool(packed), beside if packed else None) if index else None
     except index_file.Unreadable as error:  # the kept one's: a pack's is refused
         source, notes = None, (f"the shard index cache {error}: the shards were indexed again",)
+    renamed = source is not None and not packed and not entries and class_names(location, shards) not in (
+        None, source.classes)  # on disk: a store's kept index is read in two requests, not six
+    if renamed:
+        source, notes = None, ("the class names beside the shards changed since they were indexed: the shards were "
+                               "indexed again",)
     if source is None:
         source = replace(walk(location, role, classes, entries), index=kept, notes=notes)
     elif entries:

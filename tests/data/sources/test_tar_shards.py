@@ -545,3 +545,13 @@ def test_shards_of_a_pack_not_finished_are_refused_naming_its_record_and_the_com
                  f"imagenet-elastic pack /data/imagenet {tmp_path / 'out'}")
     (tmp_path / "out" / "pack.json").write_text(json.dumps({**record, "complete": True}))
     assert len(tar_shards.open_split(str(tmp_path / "out" / "train"), "train", None)) == 1
+
+
+def test_a_classes_txt_written_after_the_shards_were_indexed_names_them_at_the_next_start(kept, tmp_path):
+    folder, walked = kept
+    assert walked.classes == ("0", "1", "2", "3")
+    (tmp_path / "classes.txt").write_text("ant\nbee\ncat\ndog\n")  # one folder up from the shards
+    again = tar_shards.open_split(str(folder), "train", str(tmp_path))
+    assert again.classes == ("ant", "bee", "cat", "dog") and not again.cached and "class names" in again.notes[0]
+    again.keep(str(tmp_path))
+    assert tar_shards.open_split(str(folder), "train", str(tmp_path)).cached  # kept with the names
