@@ -185,7 +185,7 @@ class LabelledFolder(FilesUnder):
 def read_rows(labels_file: str) -> list[tuple[int, str, str]]:
     """(line, file name, class) of each row of the labels file."""
     try:
-        with open(labels_file, newline="") as f:
+        with open(labels_file, newline="", encoding="utf-8-sig") as f:  # a BOM (a spreadsheet's export) is no text
             rows = list(csv.reader(f))
     except FileNotFoundError:
         raise UserError(f"--val-labels {labels_file} does not exist") from None

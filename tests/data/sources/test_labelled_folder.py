@@ -32,7 +32,7 @@ def test_a_csv_of_files_and_classes_gives_the_same_samples_as_class_folders(imag
 def test_imagenets_loc_val_solution_names_files_without_their_extension(image_folder, flat, tmp_path):
     folder, rows = flat
     labels = tmp_path / "LOC_val_solution.csv"
-    labels.write_text("ImageId,PredictionString\n" + "".join(
+    labels.write_text("\ufeffImageId,PredictionString\n" + "".join(  # a spreadsheet's byte-order mark, too
         f"{name.rsplit('.', 1)[0]},{cls} 12 30 40 50 {cls} 1 2 3 4 \n" for name, cls in rows))
     _, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
     assert len(val) == 35 and val.labels.tolist() == [
