@@ -79,9 +79,9 @@ def named_by_file(error: UserError, path: str, file_only: Mapping[str, Any]) -> 
     setting by its flag, or by its value where that is a path (`data: /nosuch`: "data folder /nosuch does not
     exist"). The same error, reworded: its class (exit code, which rank says it) stays."""
     text = str(error)
-    keys = [name.replace("_", "-") for name, value in file_only.items()
-            if re.search(rf"--{name.replace('_', '-')}(?![\w-])", text)
-            or (isinstance(value, str) and os.sep in value and value in text)]
+    keys = [name.replace("_", "-") for name in file_only if re.search(rf"--{name.replace('_', '-')}(?![\w-])", text)]
+    keys = keys or [name.replace("_", "-") for name, value in file_only.items()  # else by a path it names
+                    if isinstance(value, str) and os.sep in value and value in text]
     if keys and not text.startswith(f"config file {path} "):
         error.args = (f"config file {path} sets {', '.join(sorted(keys))}: {text}",)
     return error

@@ -99,9 +99,11 @@ class TrainBatchSampler:
         return self.steps * self.plan.global_batch
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
-        if not 0 <= start_sample <= self.samples_per_epoch:
-            raise ValueError(f"start_sample {start_sample} outside the epoch's {self.samples_per_epoch} samples")
-        self.epoch, self.start_sample = epoch, start_sample
+        """`start_sample` past the epoch's end (a checkpoint of a smaller global batch, or of more steps an epoch,
+        near its end): nothing is left of it."""
+        if start_sample < 0:
+            raise ValueError(f"start_sample {start_sample} is negative")
+        self.epoch, self.start_sample = epoch, min(start_sample, self.samples_per_epoch)
 
     @property
     def steps_left(self) -> int:

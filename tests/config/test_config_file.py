@@ -195,6 +195,9 @@ def test_naming_the_file_keeps_the_errors_class_and_exit_code():
     assert str(error) == "config file run.yaml sets checkpoints-path: --checkpoints-path /full: no space left"
     assert str(named_by_file(error, "run.yaml", file_only)) == str(error)  # named once
     assert str(named_by_file(UserError("--lr 5 is too high"), "run.yaml", {"epochs": 5})) == "--lr 5 is too high"
+    paths = {"data": "/d", "val_labels": "/d/labels.csv"}  # a flag named is the culprit, not a path inside its value
+    said = str(named_by_file(UserError("--val-labels /d/labels.csv does not exist"), "run.yaml", paths))
+    assert said.startswith("config file run.yaml sets val-labels: ")
 
 
 def test_a_bare_resume_on_the_command_line_overrides_a_files_resume_path(tmp_path, monkeypatch):

@@ -96,3 +96,14 @@ def test_a_resume_at_another_global_batch_counts_the_epochs_steps_as_they_were_t
     assert re.findall(r"epoch 1/1 step (\d+)/(\d+)", resumed.stdout)[-1] == ("7", "7")
     rows = [json.loads(line) for line in (tmp_path / "steps.jsonl").read_text().splitlines()]
     assert [(row["step"], row["epoch"]) for row in rows][-2:] == [(6, round(6 / 7, 4)), (7, 1.0)]
+
+
+def test_a_resume_at_a_larger_global_batch_past_the_epochs_new_end_finishes_the_epoch(image_folder, tmp_path):
+    """80 of 96 images trained in steps of 8; in steps of 64 the epoch ends at 64: nothing is left of it."""
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "2", "--max-steps-per-epoch", "10",
+            "--checkpoints-path", str(tmp_path)]
+    assert inprocess.train(args, signal_during_step=10).stopped
+    resumed = inprocess.command([*args, "--resume", "--global-batch-size", "64", "--max-steps-per-epoch", "1"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert [row["epoch"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 11  # epoch 2's one step of 64

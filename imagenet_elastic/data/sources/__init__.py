@@ -197,7 +197,7 @@ def check_apart(folder: str, what: str, splits: tuple[str, str], containing: boo
 
 
 def check_same_classes(train: Source, val: Source) -> None:
-    if train.classes == val.classes:
+    if tuple(train.classes) == tuple(val.classes):
         return
     only_train = sorted(set(train.classes) - set(val.classes))[:5]
     only_val = sorted(set(val.classes) - set(train.classes))[:5]

@@ -477,7 +477,7 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
         candidate = os.path.join(where, CLASSES_FILE)
         text = _text(candidate)
         if text is not None:
-            lines = [line.strip() for line in text.strip().splitlines()]
+            lines = [line.strip() for line in text.lstrip("\ufeff").strip().splitlines()]  # a BOM is no name
             if not lines or "" in lines:  # a blank line inside would shift every name after it by one
                 raise UserError(f"classes file {candidate} is empty" if not lines else
                                 f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "
@@ -574,7 +574,10 @@ def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -
     compared, same-size changes in place being left to the checksums (TarShards.read). A pack's index is a promise: a
     shard of another size or samples is refused, other mtimes with the same headers kept with a note; a cache of
     shards from elsewhere is rebuilt, with a note."""
-    stats = [os.stat(p) for p in source.shards]
+    try:
+        stats = [os.stat(p) for p in source.shards]
+    except OSError as error:
+        raise UserError(f"cannot read {source.role} shard {shown(error.filename)}: {error.strerror or error}") from None
     resized = [k for k, stat in enumerate(stats) if stat.st_size != int(source.sizes[k])]
     touched = [k for k, stat in enumerate(stats) if k not in resized and stat.st_mtime_ns != int(source.mtimes[k])]
     if source.packed and resized:
@@ -656,7 +659,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
     if not entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last)
-        check_pack_finished(location, role, os.path.dirname(os.path.dirname(shards[0])))
+        check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
     if entries:
         found = object_store.find(beside)
@@ -669,11 +672,14 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         source = read_index(index, location, role, shards, bool(packed), beside if packed else None) if index else None
     except index_file.Unreadable as error:  # the kept one's: a pack's is refused
         source, notes = None, (f"the shard index cache {error}: the shards were indexed again",)
-    renamed = source is not None and not packed and not entries and class_names(location, shards) not in (
-        None, source.classes)  # on disk: a store's kept index is read in two requests, not six
-    if renamed:
-        source, notes = None, ("the class names beside the shards changed since they were indexed: the shards were "
-                               "indexed again",)
+    named = class_names(location, shards) if source is not None and not packed and not entries else None  # on disk:
+    # a store's kept index is read in two requests, not six
+    if named is not None and _named(replace(source, classes=named), classes).classes != source.classes:
+        if int(source.labels.max()) >= len(named):
+            raise UserError(f"{role} data {location}: label {int(source.labels.max())} is out of range: the class "
+                            f"names beside its shards list {len(named)}")
+        source = replace(source, classes=named, cached=False, notes=(
+            "the class names beside the shards changed since they were indexed: the new names were taken",))
     if source is None:
         source = replace(walk(location, role, classes, entries), index=kept, notes=notes)
     elif entries:

@@ -555,3 +555,26 @@ def test_a_classes_txt_written_after_the_shards_were_indexed_names_them_at_the_n
     assert again.classes == ("ant", "bee", "cat", "dog") and not again.cached and "class names" in again.notes[0]
     again.keep(str(tmp_path))
     assert tar_shards.open_split(str(folder), "train", str(tmp_path)).cached  # kept with the names
+
+
+def test_a_shard_link_left_dangling_after_its_index_was_kept_is_one_line_naming_it(tmp_path):
+    target = tmp_path / "elsewhere.tar"
+    write_tar(target, [("a.jpg", JPEG), ("a.cls", b"0")])
+    os.makedirs(tmp_path / "train")
+    os.symlink(target, tmp_path / "train" / "s-0.tar")
+    tar_shards.open_split(str(tmp_path / "train"), "train", str(tmp_path)).keep(str(tmp_path))
+    target.unlink()
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path / "train"), "train", str(tmp_path))
+    assert_names(single_line(str(caught.value)), tmp_path / "train" / "s-0.tar", "No such file")
+
+
+def test_a_val_split_numbered_by_its_classes_txt_keeps_its_index_from_start_to_start(tmp_path):
+    """Its names 0, 1 become the training split's before the index is kept: the same names, not a change."""
+    os.makedirs(tmp_path / "val")
+    write_tar(tmp_path / "val" / "s-0.tar", [("a.jpg", JPEG), ("a.cls", b"0"), ("b.jpg", JPEG), ("b.cls", b"1")])
+    (tmp_path / "val" / "classes.txt").write_text("0\n1\n")
+    first = tar_shards.open_split(str(tmp_path / "val"), "val", str(tmp_path), classes=("ant", "bee"))
+    first.keep(str(tmp_path))
+    again = tar_shards.open_split(str(tmp_path / "val"), "val", str(tmp_path), classes=("ant", "bee"))
+    assert again.classes == ("ant", "bee") and again.cached and not again.notes
