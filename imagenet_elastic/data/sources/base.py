@@ -112,16 +112,16 @@ def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def check_numbered(labels: np.ndarray, count: int, label_of: Callable[[int], str], what: str) -> None:
+def check_numbered(labels: np.ndarray, label_of: Callable[[int], str], what: str) -> None:
     """Labels no class name stands for must be 0..N-1 without gaps: one stray label (99 among 0..9) would otherwise
-    make a model of 100 classes, 90 without a sample. `label_of(i)` names sample i's label, for the first label past
-    the first gap; `what`: the data that names no classes, and how it would."""
-    used = np.zeros(count, dtype=bool)
-    used[labels] = True
-    if used.all():
+    make a model of 100 classes, 90 without a sample. Checked before N names are made (a stray 10**9 would not fit in
+    memory as names). `label_of(i)` names sample i's label, for the first label past the first gap; `what`: the data
+    that names no classes, and how it would. Negative labels are left to the caller's range check."""
+    used = np.unique(labels)
+    missing = np.flatnonzero(used != np.arange(len(used)))
+    if not len(used) or used[0] < 0 or not len(missing):
         return
-    gap = int(np.argmin(used))
-    after = gap + int(np.argmax(used[gap:]))  # the first label used past the gap
+    gap, after = int(missing[0]), int(used[missing[0]])  # the first label unused, the first used past it
     unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
     raise UserError(f"{label_of(int(np.flatnonzero(labels == after)[0]))} leaves labels {unused} unused; {what} "
                     "must number their classes 0..N-1 without gaps")

@@ -250,18 +250,19 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     all_labels = np.concatenate(labels)  # role_files gives at least one file
     if not len(all_labels):
         raise UserError(f"{role} data {location} holds no rows")
-    known = named or classes or tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1))
-    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(known), all_labels,
-                          np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
+    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(named or classes or ()),
+                          all_labels, np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
+    if not named and not classes:  # the labels name the classes
+        check_numbered(all_labels, lambda i: _label_of_row(source, i),
+                       "files without class names (ClassLabel metadata)")
+        source = replace(source, classes=tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1)))
+    known = source.classes
     bad = np.flatnonzero((all_labels < 0) | (all_labels >= len(known)))
     if len(bad):
         named_by = "the files name" if named else f"{whose(classes)} has" if classes else ""
         bound = f": {named_by} {len(known)} classes" if named_by else ""
         raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
-    if not named and not classes:
-        check_numbered(all_labels, len(known), lambda i: _label_of_row(source, i),
-                        "files without class names (ClassLabel metadata)")
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(

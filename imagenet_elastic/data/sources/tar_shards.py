@@ -542,20 +542,20 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
         return np.concatenate([np.array(getattr(f, field), dtype=dtype) for f in per_shard])
 
     labels = joined("labels", np.int64)
-    known = named or classes or tuple(str(c) for c in range(int(labels.max()) + 1))
     ends = np.cumsum([len(f.labels) for f in per_shard])
 
     def label_of(i: int) -> str:
         shard = paths[int(np.searchsorted(ends, i, side="right"))]
         return f"{role} shard {shard}: label {int(labels[i])} of sample #{i}"
 
+    if not named and not classes:
+        check_numbered(labels, label_of, f"shards without class names ({CLASSES_FILE} or {INFO_FILE})")
+    known = named or classes or tuple(str(c) for c in range(max(0, int(labels.max())) + 1))
     bad = np.flatnonzero((labels < 0) | (labels >= len(known)))
     if len(bad):
         named_by = "the classes file lists" if named else f"{whose(classes)} has" if classes else ""
         bound = f": {named_by} {len(known)} classes" if named_by else ""
         raise UserError(f"{label_of(int(bad[0]))} is out of range{bound}")
-    if not named and not classes:
-        check_numbered(labels, len(known), label_of, f"shards without class names ({CLASSES_FILE} or {INFO_FILE})")
     return TarShards(location, role, tuple(paths), sizes, mtimes, tuple(known), labels,
                      np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
                      joined("offsets", np.int64), joined("lengths", np.int64),

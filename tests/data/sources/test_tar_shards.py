@@ -578,3 +578,10 @@ def test_a_val_split_numbered_by_its_classes_txt_keeps_its_index_from_start_to_s
     first.keep(str(tmp_path))
     again = tar_shards.open_split(str(tmp_path / "val"), "val", str(tmp_path), classes=("ant", "bee"))
     assert again.classes == ("ant", "bee") and again.cached and not again.notes
+
+
+def test_a_stray_label_of_a_billion_is_refused_before_a_billion_class_names_are_made(tmp_path):
+    write_tar(tmp_path / "s-0.tar", [("a.jpg", JPEG), ("a.cls", b"0"), ("b.jpg", JPEG), ("b.cls", b"1000000000")])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), "label 1000000000", "labels 1..999999999 unused")
