@@ -672,8 +672,8 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         source = read_index(index, location, role, shards, bool(packed), beside if packed else None) if index else None
     except index_file.Unreadable as error:  # the kept one's: a pack's is refused
         source, notes = None, (f"the shard index cache {error}: the shards were indexed again",)
-    named = class_names(location, shards) if source is not None and not packed and not entries else None  # on disk:
-    # a store's kept index is read in two requests, not six
+    # names beside kept shards on disk, which may have changed since (a store's kept index: two requests, not six)
+    named = class_names(location, shards) if source is not None and not packed and not entries else None
     if named is not None and _named(replace(source, classes=named), classes).classes != source.classes:
         if int(source.labels.max()) >= len(named):
             raise UserError(f"{role} data {location}: label {int(source.labels.max())} is out of range: the class "
