@@ -167,7 +167,7 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     present = os.listdir(out)
     if not present:
         return False
-    marker, previous = os.path.join(out, PACK_FILE), pack_record(out)
+    marker, previous = os.path.join(out, PACK_FILE), tar_shards.pack_record(out)
     if not os.path.isfile(marker):
         raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
     if previous is None:
@@ -185,15 +185,6 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
                             f"changed since: {then.get('samples')} samples in {then.get('from')} then, "
                             f"{now['samples']} in {now['from']} now: remove it to pack the source as it is now")
     return True
-
-
-def pack_record(folder: str) -> Optional[dict[str, Any]]:
-    """A folder's pack.json, or None where it has none readable."""
-    try:
-        with open(os.path.join(folder, PACK_FILE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
-        return None
 
 
 def done_shards(folder: str, split: sources.Source, options: Options) -> dict[int, tar_shards.Found]:
@@ -394,7 +385,8 @@ def pack_to_store(src: str, out: str, args: argparse.Namespace) -> dict[str, Any
         raise UserError(f"pack: OUT {out} already holds a complete pack")
     # staged in a folder that is the same for the same URL on a node, so a rerun continues it
     staged = os.path.join(settings.cache, f"pack-{hashlib.blake2b(out.encode(), digest_size=8).hexdigest()}")
-    result = {"images": 0, "out": staged} if (pack_record(staged) or {}).get("complete") else pack(src, staged, args)
+    staged_whole = (tar_shards.pack_record(staged) or {}).get("complete")
+    result = {"images": 0, "out": staged} if staged_whole else pack(src, staged, args)
     result = {**result, **upload(staged, out), "out": out}
     shutil.rmtree(staged, ignore_errors=True)
     return result

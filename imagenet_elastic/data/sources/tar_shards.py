@@ -366,14 +366,19 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     return TarShards(location, role, cached=True, packed=packed, index=named, **fields)
 
 
+def pack_record(folder: str) -> Optional[dict]:
+    """A folder's pack.json, or None where it has none readable."""
+    try:
+        with open(os.path.join(folder, PACK_FILE)) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
 def check_pack_finished(location: str, role: str, root: str) -> None:
     """Shards on disk of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as
     shards from elsewhere, they would train on what it had written so far, silently."""
-    text = _text(os.path.join(root, PACK_FILE))
-    try:
-        record = json.loads(text) if text is not None else {}
-    except ValueError:
-        return  # not ours
+    record = pack_record(root)
     if isinstance(record, dict) and record.get("complete") is False:
         raise UserError(f"{role} data {location} is part of a pack that `imagenet-elastic pack` did not finish "
                         f"({os.path.join(root, PACK_FILE)}): run `imagenet-elastic pack {record.get('source', 'SRC')} "
@@ -385,8 +390,7 @@ def pack_again(index: str) -> str:
     root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
     command = "imagenet-elastic pack SRC NEW_OUT"
     try:
-        with open(os.path.join(root, PACK_FILE)) as f:
-            record = json.load(f)
+        record = pack_record(root)
         options = record["options"]
         flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
                         if v is not None and (k != "quality" or options.get("max_side") is not None))
