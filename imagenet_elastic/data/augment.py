@@ -1,9 +1,8 @@
 """What a training sample goes through: the crop and flip it draws, then an optional augmentation policy and random
-erasing on its uint8 pixels. The policies and erasing are torchvision's (transforms.v2) and draw from torch's global
-generator, so each sample's pass runs under it seeded from one number its own stream draws after its crop and flip:
-the pixels are a function of (seed, epoch, index) alone, whatever worker, rank, restart or device applies them. Under
---decode gpu the worker makes the draws without the pixels (`Augment.draws`) and the device applies them to the batch.
-"""
+erasing on its uint8 pixels. Those are torchvision's (transforms.v2) and draw from torch's global generator, so each
+sample's pass runs under it seeded from one number its own stream draws after its crop and flip: the pixels are a
+function of (seed, epoch, index) alone. Under --decode gpu the worker makes the draws without the pixels
+(`Augment.draws`) and the device applies them to the batch."""
 
 from __future__ import annotations
 
@@ -69,8 +68,7 @@ class Augment:
 
     def apply(self, pixels: torch.Tensor, seed: Optional[int], pil: bool = True) -> torch.Tensor:
         """HWC uint8 -> HWC uint8, the policy then erasing, drawn from `seed` (None: unchanged). `pil` (CPU only): the
-        policy on a PIL image, about twice as fast per image as tensor kernels on a CPU (docs/RECIPES.md), and its
-        output contiguous (collation: one copy); else tensor kernels where the pixels are. Erasing: on the tensor."""
+        policy on a PIL image, faster on a CPU than tensor kernels, its output contiguous; else tensor kernels."""
         if seed is None:  # draw_seed gives None exactly when there is no second pass
             return pixels
         import numpy as np
@@ -88,8 +86,8 @@ class Augment:
         return pixels.contiguous() if pil else pixels
 
     def draws(self, seed: Optional[int], size: int) -> Optional[Draws]:
-        """The draws `apply(pixels, seed)` makes on a size x size crop, by torchvision's own transforms on a stand-in
-        of that size (draws depend on the size alone), each pixel operation recorded instead of run (None: none)."""
+        """The draws `apply(pixels, seed)` makes on a size x size crop (None: none), by torchvision's own transforms
+        on a stand-in of that size, each pixel operation recorded instead of run."""
         if seed is None:
             return None
         import torch
@@ -120,7 +118,7 @@ class Augment:
 
 class Recorder:
     """A torchvision transform whose pixel operation (`method` of this instance) records its arguments instead of
-    running (RandomErasing's is `_transform` before torchvision 0.21); nothing else changes: every draw is its own."""
+    running; every draw is its own."""
 
     def __init__(self, transform: Optional[Callable], method: str) -> None:
         self.transform, self.seen = transform, []
@@ -151,8 +149,8 @@ def make_erasing(probability: float) -> Optional[Callable[[torch.Tensor], torch.
 
 @contextlib.contextmanager
 def seeded(seed: int) -> Iterator[None]:
-    """torch's global generator seeded with `seed` for the block, then put back: nothing else in the process sees
-    it move (not torch.manual_seed: its device hooks cost far more than the draws)."""
+    """torch's global generator seeded with `seed` for the block, then put back (not torch.manual_seed: its device
+    hooks cost far more than the draws)."""
     import torch
 
     saved = torch.default_generator.get_state()

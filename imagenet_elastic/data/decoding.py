@@ -1,6 +1,5 @@
 """--decode: which process turns a sample's bytes into pixels (cpu: the loader workers; gpu: the training process,
-on the device, from the bytes and the random choices the workers drew), for training and validation alike, chosen
-for the machine (`Decoding.choose`). The one place that knows both ways."""
+on the device, from the bytes and the random choices the workers drew), for training and validation alike."""
 
 from __future__ import annotations
 
@@ -90,9 +89,9 @@ class Decoding:
 
     def feed(self, device: torch.device, workers: Optional[int], cores: int, local_world_size: int, batch_size: int,
              largest_crop: int, warn: Callable[[str], None]) -> Feed:
-        """This decoding set up on this machine, asked once: loader workers (--workers, else this mode's default),
-        how far ahead each reads (within the pinned budget for batches of `batch_size` at `largest_crop`), and what
-        finishes each batch on the device. `warn`: each rank's, for the images the device decoder passes back."""
+        """This decoding set up on this machine: loader workers (--workers, else this mode's default), how far ahead
+        each reads (within the pinned budget for batches of `batch_size` at `largest_crop`), and what finishes each
+        batch on the device (`warn`: for the images the device decoder passes back)."""
         workers = workers if workers is not None else self.default_workers(cores, local_world_size)
         pinned = device.type == "cuda"
         batch = pipeline.batch_bytes(batch_size, largest_crop, encoded=self.mode == "gpu")
@@ -109,7 +108,7 @@ class Decoding:
 
     def library_threads(self, workers: int) -> int:
         """Host threads the JPEG library may decode on: the cores less the loader workers and the training thread, at
-        least one (nvImageCodec also decodes on its calling thread; more would starve the workers that feed it)."""
+        least one (more would starve the workers that feed it)."""
         return max(1, self.cores_per_process - workers - 1)
 
     def warning(self, device: torch.device) -> Optional[str]:
@@ -126,8 +125,8 @@ class Decoding:
         return {"decode": self.mode, **({"gpu_decoder": self.library} if self.mode == "gpu" else {})}
 
     def change_from(self, saved: Optional[dict[str, str]]) -> Optional[str]:
-        """How this run decodes differently from the checkpoint's run it resumes (`saved`), or None. A requeue onto
-        a node with another number of cores per GPU may change --decode auto's choice."""
+        """How this run decodes differently from the checkpoint's run it resumes (`saved`), or None (--decode auto
+        may choose otherwise on another node)."""
         now = self.saved()
         if not saved or saved == now:
             return None

@@ -1,5 +1,5 @@
-"""How a batch of uint8 pixels on the device becomes the model's input: its normalisation (mean and std on 0-255
-levels), memory layout and autocast precision, kept beside the copy to the device as timm's PrefetchLoader does."""
+"""How a batch of uint8 pixels on the device becomes the model's input: normalisation (on 0-255 levels), memory layout
+and autocast precision."""
 
 from __future__ import annotations
 

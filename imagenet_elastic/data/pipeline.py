@@ -118,19 +118,18 @@ def default_workers(cores: int, local_world_size: int) -> int:
 
 
 def _worker_init(ignored_signals: tuple[int, ...], _: int) -> None:
-    """One torch thread a worker (more would fight the main process); preemption signals ignored: Slurm and torchrun
-    signal every process of a task, and a worker killed by SIGTERM would take the run down before its checkpoint."""
+    """One torch thread a worker; preemption signals ignored: Slurm and torchrun signal every process of a task, and
+    a worker killed by SIGTERM would take the run down before its checkpoint."""
     torch.set_num_threads(1)
     for signum in ignored_signals:
         signal.signal(signum, signal.SIG_IGN)
 
 
 def share_heap_with_workers() -> None:
-    """Call once the process holds what it will hold when its loader workers fork. A forked worker shares its
-    parent's pages until it writes to one, and each garbage collection writes to every object it examines; frozen
-    objects are left out of later collections, so their pages stay shared (`bench/benchmark.py --mode index`).
-    torchvision is imported here, not with this module: it takes seconds (torch._dynamo), which a run that stops on
-    bad input should not pay, while forked workers should inherit it rather than each import it again."""
+    """Call once the process holds what it will hold when its loader workers fork: a garbage collection writes to
+    every object it examines, so a forked worker would copy its parent's pages; frozen objects are left out of
+    collections and their pages stay shared. torchvision is imported here: it takes seconds, which a run that stops
+    on bad input should not pay, while forked workers should inherit it rather than each import it again."""
     import torchvision.io  # noqa: F401
     import torchvision.transforms.v2  # noqa: F401  (augment.Augment's policies)
     gc.collect()  # what is garbage now would never be collected once frozen
@@ -141,9 +140,9 @@ thaw_heap = gc.unfreeze  # undoes `share_heap_with_workers` as the rank ends: wh
 
 
 def stop_loader_workers() -> None:
-    """SIGKILL loader workers still alive as the rank ends (after an error their iterator may live on): they ignore
-    SIGTERM, so multiprocessing's exit handler would wait forever. These deaths are ours: torch's SIGCHLD handler would
-    raise "DataLoader worker is killed by signal" from the join, mid clean-up (seen: a rank that never exited)."""
+    """SIGKILL loader workers still alive as the rank ends: they ignore SIGTERM, so multiprocessing's exit handler
+    would wait forever. These deaths are ours: torch's SIGCHLD handler would raise "DataLoader worker is killed by
+    signal" from the join, mid clean-up."""
     children = multiprocessing.active_children()
     if children and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
@@ -170,9 +169,8 @@ def batch_bytes(batch_size: int, size: int, encoded: bool) -> int:
 
 def prefetch_factor(workers: int, batch_bytes: int, pinned: bool, budget: int = PINNED_BUDGET) -> int:
     """Batches each worker prepares ahead: PREFETCH, lowered (not below MIN_PREFETCH) until workers x factor x
-    batch_bytes fit `budget` where pinned (CUDA). Pinned RAM is lost to the page cache and other processes: at 4 ahead,
-    14 workers of resnet50's batches (256 at 224 px, 38.5 MB) pin 2.2 GB a rank, 17 GB for 8 ranks. Train and val
-    loaders are not read at once and torch's pinned allocator reuses the blocks, so one budget covers both."""
+    batch_bytes fit `budget` where pinned (CUDA): pinned RAM is lost to the page cache and other processes. Train and
+    val loaders are not read at once and torch's pinned allocator reuses the blocks, so one budget covers both."""
     if not pinned or workers == 0:
         return PREFETCH
     return max(MIN_PREFETCH, min(PREFETCH, budget // max(1, workers * batch_bytes)))
@@ -192,10 +190,9 @@ class Gate:
 
 
 def start_workers(loader: DataLoader) -> None:
-    """Fork the loader's persistent workers now, handing them no work, while the process has no other thread: once
-    the process group exists, gloo's threads release finished collectives' tensors through Python, taking the
-    interpreter's thread-list lock without the GIL; a fork then copies the lock held, and a CPython without the fix
-    for gh-112275 deadlocks the new worker in PyOS_AfterFork_Child (docs/DESIGN.md)."""
+    """Fork the loader's persistent workers now, handing them no work, while the process has no other thread: gloo's
+    threads take the interpreter's thread-list lock without the GIL, a fork copies it held, and a CPython without the
+    fix for gh-112275 deadlocks the new worker in PyOS_AfterFork_Child (docs/DESIGN.md)."""
     if loader.num_workers == 0:
         return
     gate = loader.batch_sampler if isinstance(loader.batch_sampler, Gate) else loader.sampler

@@ -1,8 +1,6 @@
-"""What one image becomes, as HWC uint8 on any device.
-
-Training: the drawn crop, decoded at a reduced DCT scale where it allows (`decode_bytes`). Validation: the
-reference's pixels (`CentreCrop`), so that a score we record is the one timm's own evaluation gives the same weights.
-"""
+"""What one image becomes, as HWC uint8 on any device. Training: the drawn crop, decoded at a reduced DCT scale where
+it allows (`decode_bytes`). Validation: the reference's pixels (`CentreCrop`), so that a score we record is the one
+timm's own evaluation gives the same weights."""
 
 from __future__ import annotations
 
@@ -49,9 +47,8 @@ DECODED_BY_TORCHVISION = ("RGB", "L")  # JPEG modes whose libjpeg-turbo decode i
 @dataclass(frozen=True)
 class CentreCrop:
     """Validation's view, the reference's: timm's `create_transform` for a pretrained config (and torchvision's
-    ImageNet evaluation) resize the short side to `resize`, antialiased, and keep the centred `size` square (offsets
-    rounded as CenterCrop). The same geometry here, with torchvision's kernels: on the CPU uint8, within 1 level of
-    Pillow's bilinear and 2 of its bicubic (docs/BENCHMARKS.md); elsewhere float32, rounded."""
+    ImageNet evaluation) resize the short side to `resize`, antialiased, and keep the centred `size` square. Here with
+    torchvision's kernels: on the CPU uint8, within 2 levels of Pillow's; elsewhere float32, rounded."""
 
     size: int
     resize: int
@@ -69,18 +66,16 @@ class CentreCrop:
 
 def decode_centre_crop(raw: bytes, path: str, view: CentreCrop) -> torch.Tensor:
     """Validation's size x size x 3 uint8 of the whole image in RGB as the reference's `Image.open(...).convert("RGB")`
-    gives it: RGB or grey JPEGs by torchvision's libjpeg-turbo decoder (Pillow's pixels, straight into a tensor), others
-    by Pillow; no DCT scaling (it is not the reference's pixels)."""
+    gives it (RGB or grey JPEGs by torchvision's libjpeg-turbo: Pillow's pixels), without DCT scaling."""
     with decoding(path), Image.open(io.BytesIO(raw)) as img:
         pixels = rgb(img, raw, img.format == "JPEG" and img.mode in DECODED_BY_TORCHVISION)
     return view.apply(pixels)
 
 
 def decode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int) -> torch.Tensor:
-    """Decode an image's bytes, crop the box `choose_crop(width, height)` picks from the header's size, resize to
-    size x size: RGB uint8 HWC. A JPEG decodes at the smallest DCT scale (1/2, 1/4, 1/8) keeping the crop at least
-    `size` a side (Pillow's draft mode), else by torchvision's libjpeg-turbo (faster than Pillow, the same pixels);
-    the crop view is resized by torch's uint8 antialiased bilinear kernel (faster than Pillow's; docs/BENCHMARKS.md)."""
+    """An image's bytes decoded, the box `choose_crop(width, height)` picks from the header's size cropped and resized
+    to size x size: RGB uint8 HWC. A JPEG decodes at the smallest DCT scale (Pillow's draft mode) keeping the crop at
+    least `size` a side, else by torchvision's libjpeg-turbo (faster than Pillow, the same pixels)."""
     with decoding(path):
         img = Image.open(io.BytesIO(raw))
         width, height = img.size
@@ -133,9 +128,8 @@ def crop_region(pixels: torch.Tensor, box: Box) -> torch.Tensor:
 
 
 def resize_uint8(region: torch.Tensor, size: int, uint8_kernel: bool) -> torch.Tensor:
-    """Antialiased bilinear resize of NCHW uint8; only the CPU has a uint8 kernel (elsewhere float32, rounded back as
-    the uint8 kernel rounds: one rule for every path). On the CPU the region is first made dense channels_last:
-    faster, and its HWC output is contiguous (collation: one copy)."""
+    """Antialiased bilinear resize of NCHW uint8; only the CPU has a uint8 kernel (elsewhere float32, rounded as it
+    rounds). On the CPU the region is first made dense channels_last: faster, and its HWC output contiguous."""
     if uint8_kernel:
         region = region.contiguous(memory_format=torch.channels_last)
     resized = F.interpolate(region if uint8_kernel else region.float(), size=(size, size), mode="bilinear",

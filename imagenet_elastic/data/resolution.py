@@ -1,7 +1,5 @@
-"""The training image size of each epoch: one size, or FFCV's progressive resizing, where small
-images make the early epochs cheap and the size ramps up to its final value before the end. A pure function
-of the epoch, so a worker knows a sample's size from its key: any restart, worker count or world size agrees.
-"""
+"""The training image size of each epoch: one size, or FFCV's progressive resizing, where small images make the early
+epochs cheap. A pure function of the epoch, so a worker knows a sample's size from its key."""
 
 from __future__ import annotations
 
@@ -21,9 +19,8 @@ class TrainSizes:
     epochs: Optional[tuple[int, int]] = None  # --progressive-epochs START,END, counted from 0
 
     def __call__(self, epoch: int) -> int:
-        """LOW up to epoch START, HIGH from epoch END, exactly; linear in between, rounded to a multiple
-        of 32 (half to even, as FFCV's numpy rounding does: 160 -> 192 over epochs 11-13 gives 192 at 12), not 0,
-        and held within LOW..HIGH, which ends that are not multiples of 32 (10,20; 170,300) would round past."""
+        """LOW up to epoch START, HIGH from epoch END; linear in between, rounded to a multiple of 32 (half to even,
+        as FFCV's numpy rounding does), not 0, and held within LOW..HIGH, which ends off the multiples would pass."""
         if self.ramp is None or self.epochs is None:
             return self.size
         (low, high), (start, end) = self.ramp, self.epochs

@@ -1,9 +1,6 @@
-"""Which samples each rank sees: pure functions of (seed, epoch, samples already consumed, world size).
-
-An epoch is a sequence of *global* batches cut from one permutation of (seed, epoch); rank r of w takes the r-th
-share of each, in micro-batches. So the optimisation does not depend on the rank count, and a resume after `k` global
-samples continues with sample `k` of the same permutation at any world size.
-"""
+"""Which samples each rank sees: an epoch is a sequence of *global* batches cut from one permutation of (seed, epoch);
+rank r of w takes the r-th share of each, in micro-batches. So the optimisation does not depend on the rank count, and
+a resume after `k` global samples continues with sample `k` of the same permutation at any world size."""
 
 from __future__ import annotations
 
@@ -41,8 +38,8 @@ def resolve_global_batch(requested: int | None, saved: int | None, batch_size: i
 
 @dataclass(frozen=True)
 class BatchPlan:
-    """How one global batch is split: an equal share per rank, each share in `accum` micro-batches
-    of at most `micro_batch` samples (sizes differ by at most one)."""
+    """How one global batch is split: an equal share per rank, each in `accum` micro-batches of at most `micro_batch`
+    samples (sizes differ by at most one)."""
 
     global_batch: int
     world_size: int
@@ -99,8 +96,7 @@ class TrainBatchSampler:
         return self.steps * self.plan.global_batch
 
     def set_epoch(self, epoch: int, start_sample: int = 0) -> None:
-        """`start_sample` past the epoch's end (a checkpoint of a smaller global batch, or of more steps an epoch,
-        near its end): nothing is left of it."""
+        """`start_sample` past the epoch's end (a checkpoint of another global batch near its end): nothing is left."""
         if start_sample < 0:
             raise ValueError(f"start_sample {start_sample} is negative")
         self.epoch, self.start_sample = epoch, min(start_sample, self.samples_per_epoch)
@@ -125,7 +121,7 @@ class TrainBatchSampler:
 def repeated_batch(group: np.ndarray, reps: int, epoch: int) -> list[SampleKey]:
     """Repeated augmentation (DeiT; torchvision's --ra-reps): a global batch holds the next global_batch / reps images
     (`group`), `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on
-    different ranks. An epoch keeps its step count and so sees 1/reps of the images, as torchvision's RASampler does."""
+    different ranks."""
     return [(epoch, int(i), copy) if reps > 1 else (epoch, int(i)) for copy in range(reps) for i in group]
 
 

@@ -1,11 +1,8 @@
-"""Crop, resize and flip a whole batch of decoded images of different sizes in a fixed number of operators.
-
-An antialiased resize is separable, so an image's crop, resize and flip are two small matrices (output x input pixels,
-zero outside the crop, reversed for a flip) and the batch is two batched matrix products over the images padded into
-one canvas: about a dozen operators whatever the batch size, where resizing image by image costs a few launches per
-image (docs/BENCHMARKS.md). The weights are PyTorch's own for `interpolate(..., antialias=True)`: the float resize's
-pixels within float32 rounding, and within one level of the CPU path's uint8 kernel.
-"""
+"""Crop, resize and flip a whole batch of decoded images of different sizes in a fixed number of operators: an
+antialiased resize is separable, so an image's crop, resize and flip are two small matrices (output x input pixels,
+zero outside the crop, reversed for a flip), and the batch is two batched matrix products over the images padded into
+one canvas. The weights are PyTorch's own for `interpolate(..., antialias=True)`: the float resize's pixels within
+float32 rounding, and within one level of the CPU path's uint8 kernel."""
 
 from __future__ import annotations
 
@@ -18,11 +15,8 @@ from imagenet_elastic.data.pixels import Box, CentreCrop, pixel_span
 # Half the filter's width at scale 1, as PyTorch's antialiased kernels have it (interp_size / 2).
 SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}
 CUBIC_A = -0.5  # PyTorch's antialiased bicubic filter (Pillow's), not the -0.75 of its plain bicubic
-# One canvas holds at most this many float32 pixels (1 GiB, and as much again for its int32 positions while it is
-# gathered); a batch of larger images is resized in parts.
-CANVAS_BUDGET = 1 << 28
+CANVAS_BUDGET = 1 << 28  # float32 pixels of one canvas (1 GiB, as much again for its positions); more: in parts
 INT32_POSITIONS = (1 << 31) - 1  # the most image bytes a batch may hold for its canvas's positions to be int32
-
 
 # An image's view, one row of numbers: for its rows, then its columns, AXIS numbers each (input pixels
 # [start, start + length) resized to `full` pixels, of which the output keeps `size` from `offset` on), then the flip.
@@ -98,10 +92,9 @@ def crop_resize(images: Sequence[torch.Tensor], views: torch.Tensor, size: int,
 
 def padded_canvas(images: Sequence[torch.Tensor], height: int, width: int) -> torch.Tensor:
     """The images as float32 in one N x C x height x width tensor, each top-left: one gather from all images' bytes as
-    they lie, at positions computed on the device from a small table copied from pinned memory, so the host waits for
-    nothing and no image is copied alone (a nested tensor's `to_padded_tensor` waits on a pageable copy every batch).
-    Past an image's edge the canvas repeats it: the resize weights there are zero, so no mask is needed. Positions
-    are int32 where the batch's bytes allow (half int64's memory)."""
+    they lie, at positions computed on the device from a small pinned table, so the host waits for nothing (a nested
+    tensor's `to_padded_tensor` waits on a pageable copy). Past an image's edge the canvas repeats it: the resize
+    weights there are zero. Positions are int32 where the batch's bytes allow (half int64's memory)."""
     device, channels = images[0].device, images[0].shape[0]
     pieces, table, total = [], [], 0
     for image in images:

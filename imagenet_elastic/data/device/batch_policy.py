@@ -1,9 +1,7 @@
 """The augmentation policy and random erasing of a whole batch on the device, from numbers the workers drew: each
-operation runs once per stage on the sub-batch that drew it, a few operators per operation present whatever the batch
-size. Each computes what torchvision's tensor kernel computes for one image (same formulas, same float32 steps), so the
-pixels are `Augment.apply(..., pil=False)`'s image by image, up to float32 rounding where torchvision fuses a
-multiply-add (tests/data/device/test_batch_policy.py).
-"""
+operation runs once per stage on the sub-batch that drew it, whatever the batch size. Each computes torchvision's
+tensor kernel (same formulas, same float32 steps), so the pixels are `Augment.apply(..., pil=False)`'s image by image,
+up to float32 rounding where torchvision fuses a multiply-add."""
 
 from __future__ import annotations
 

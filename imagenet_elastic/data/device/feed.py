@@ -24,9 +24,8 @@ from imagenet_elastic.errors import one_line
 def device_batches(batches: Iterable[Batch], device: torch.device, decoder: Optional[BatchDecoder] = None,
                    out_of_memory: Optional[OutOfMemoryPolicy] = None) -> Iterator[Batch]:
     """The loader's batches with images and labels on `device` (decoded and augmented there first under --decode gpu).
-    On CUDA the next batch's copy or decoding runs while the current one trains; the training stream waits for it only
-    when it gets there. Sample indices stay on the host, so reading them never waits for the device. A decode out of
-    device memory is told to `out_of_memory` in this thread."""
+    On CUDA the next batch's copy or decoding overlaps the current step, whose stream waits for it only when it gets
+    there; indices stay on the host. A decode out of device memory is told to `out_of_memory` in this thread."""
     if decoder is not None and reads_in_this_thread(batches):
         yield from (prepared(decoder, batch, out_of_memory, device) for batch in batches)
     elif decoder is not None:
@@ -52,9 +51,9 @@ def decoded_in_two_threads(batches: Iterable[Batch], decoder: BatchDecoder, devi
                            out_of_memory: Optional[OutOfMemoryPolicy] = None
                            ) -> Iterator[tuple[Batch, Optional[torch.cuda.Event]]]:
     """`(batch, ready)` for each loader batch, decoded by one thread (decoding stream) while another queues the
-    previous batch's crops, policy and erasing (feeding stream): the JPEG libraries hold their calling thread until a
-    batch is decoded, so a single thread would queue no crops meanwhile. Two chained `decoded_ahead`s: the first alone
-    reads the loader; errors and out-of-memory notices of both reach the taker in order; closing one closes both."""
+    previous batch's crops, policy and erasing (feeding stream): the JPEG libraries hold their calling thread for a
+    whole batch. Two chained `decoded_ahead`s: the first alone reads the loader, the errors and out-of-memory notices
+    of both reach the taker in order, and closing one closes both."""
     decoding = streams.decoding_stream(device) if streams.on_cuda(device) else None
     decoded = decoded_ahead(batches, decoder.decoded, device, ahead=1, stream=decoding,
                             out_of_memory=pass_on if out_of_memory is not None else None)
@@ -94,11 +93,10 @@ _DONE = object()
 def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torch.device, ahead: int = 2,
                   stream: Optional[torch.cuda.Stream] = None, out_of_memory: Optional[OutOfMemoryPolicy] = None
                   ) -> Iterator[tuple[Any, Optional[torch.cuda.Event]]]:
-    """`(prepare(batch), ready)` for each batch, by a thread of its own up to `ahead` batches early; on CUDA on
+    """`(prepare(batch), ready)` for each batch, by a thread of its own up to `ahead` batches early, on CUDA on
     `stream` (default: the feeding stream), whose event `ready` the taker waits for. Its errors are raised here, in
-    order; closing this generator stops and joins the thread, so the loader is never read by two threads. A batch out
-    of device memory is told to `out_of_memory` here, in the taking thread (`pass_on`: handed on as an
-    OutOfMemoryMet); the preparing thread waits for the answer, then prepares the same batch again."""
+    order; closing this generator joins the thread, so the loader is never read by two threads. A batch out of device
+    memory is told to `out_of_memory` here (`pass_on`: handed on), then the preparing thread prepares it again."""
     results, stop = queue.Queue(maxsize=ahead), threading.Event()
     if streams.on_cuda(device) and stream is None:
         stream = streams.feeding_stream(device)
@@ -110,7 +108,6 @@ def decoded_ahead(batches: Iterable, prepare: Callable[[Any], Any], device: torc
                 return
 
     def ask(batch: Any, line: str, again: bool) -> bool:
-        """The taking thread's answer to a batch that ran out of memory: False when it stopped instead."""
         met = OutOfMemoryMet(batch, line, again)
         hand_over(met)
         while not met.answered.wait(0.1):
@@ -181,9 +178,8 @@ def pass_on(batch: Any, line: str, again: bool) -> None:
 
 @dataclass
 class OutOfMemoryMet:
-    """A batch a preparing thread ran out of device memory on, handed towards the taking thread in order; that
-    thread answers whether to prepare it again (False: it stopped, or its policy ended the run). It holds the
-    error's line, not the error: the failed attempt's tensors are freed with its traceback before the retry."""
+    """A batch a preparing thread ran out of device memory on, handed to the taking thread in order, which answers
+    whether to prepare it again. It holds the error's line: the error's traceback would keep the failed tensors."""
 
     batch: Any
     line: str
@@ -198,10 +194,9 @@ class OutOfMemoryMet:
 
 def prepared(prepare: Callable[[Any], Any], batch: Any,
              out_of_memory: Optional[Callable[[Any, str, bool], Optional[bool]]], device: torch.device) -> Any:
-    """`prepare(batch)`. A device out-of-memory error in it goes to `out_of_memory(batch, line, again)`: an
-    OutOfMemoryPolicy, or decoded_ahead's `ask`, False once its taker stopped (`_STOPPED`). Else the same batch is
-    prepared again once the allocator has returned its cache to the device: no sample lost or repeated. Without
-    `out_of_memory` it propagates."""
+    """`prepare(batch)`; a device out-of-memory error in it goes to `out_of_memory(batch, line, again)` (without it,
+    it propagates), then the same batch is prepared again once the allocator returned its cache: no sample lost or
+    repeated. `out_of_memory` is an OutOfMemoryPolicy, or decoded_ahead's `ask`: False once its taker stopped."""
     again, owner = False, batch
     while isinstance(owner, tuple):  # the loader's Batch inside what a stage prepares from it: ((batch, images), ready)
         owner = owner[0]

@@ -1,10 +1,8 @@
-"""`--decode gpu`: a loader worker parses the header and draws the crop, flip, policy and erasing exactly as the CPU
-path does, and hands over the bytes and those numbers (`EncodedBatch`); the training process decodes, crops
-(batch_crops.py) and augments (batch_policy.py) whole batches, a fixed number of operators per batch. Validation takes
-the same way (pixels.CentreCrop in float32, rounded). Images nvJPEG cannot take are decoded on the CPU, each reason
-reported once: PNGs, other formats and CMYK/YCCK JPEGs by the worker, a JPEG the device rejects by the training
-process; a file neither can decode is a CorruptImageError naming it.
-"""
+"""`--decode gpu`: a loader worker parses the header and draws the crop, flip, policy and erasing as the CPU path does
+and hands over the bytes and those numbers (`EncodedBatch`); the training process decodes, crops (batch_crops.py) and
+augments (batch_policy.py) whole batches, validation's too (pixels.CentreCrop in float32, rounded). Images the device
+cannot take are decoded on the CPU, each reason reported once: PNGs, other formats and CMYK/YCCK JPEGs by the worker,
+a JPEG the device rejects by the training process; a file neither decodes is a CorruptImageError naming it."""
 
 from __future__ import annotations
 
@@ -63,8 +61,7 @@ def cpu_pixels(raw: bytes, path: str, box: Box, flip: bool, size: int, centre: O
 def encode_bytes(raw: bytes, path: str, choose_crop: ChooseCrop, size: int,
                  centre: Optional[CentreCrop] = None) -> EncodedImage:
     """The worker's part (a pipeline.Load): the bytes and the crop `choose_crop` draws from the header's size; an
-    image the device cannot decode (PNGs, other formats, CMYK/YCCK JPEGs: not RGB or grey, as nvJPEG needs) is
-    decoded here instead."""
+    image the device cannot decode (not a JPEG in RGB or grey, as nvJPEG needs) is decoded here instead."""
     with pixels.decoding(path), Image.open(io.BytesIO(raw)) as img:
         width, height = img.size
         kind, mode = img.format, img.mode

@@ -1,10 +1,8 @@
 """--gpu-decoder: the library that decodes a batch of JPEG bytes on the device under --decode gpu; a new one is a
-class here and a line in `JPEG_DECODERS` (whose help says how their pixels differ). Beside a compiled ResNet-50 step
-torchvision supplies more on an H100 and an H200 whatever nvImageCodec's settings (docs/BENCHMARKS.md), so `auto`
-takes it. Both leave their images on the calling thread's current stream in memory from torch's caching allocator (its
-counters, out-of-memory retry and `empty_cache` see it), run on CPU tensors too, and hold the calling thread:
-torchvision until the device decoded, nvImageCodec until its host share is done.
-"""
+class here and a line in `JPEG_DECODERS`. `auto` takes torchvision, which supplies more beside a compiled training
+step (docs/BENCHMARKS.md). Both leave their images on the calling thread's current stream in torch's caching allocator
+(its counters, out-of-memory retry and `empty_cache` see them), run on CPU tensors too, and hold the calling thread:
+torchvision until the device decoded, nvImageCodec until its host share is done."""
 
 from __future__ import annotations
 
@@ -42,11 +40,10 @@ class TorchvisionJpeg:
 
     def __init__(self, device: torch.device, cpu_threads: int = 0) -> None:
         self.device = device
-        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a normal-priority pooled
-        # stream that does not wait for it (pytorch/vision#9606), so memory freed meanwhile could be written over: the
-        # outputs get a stream of their own and are kept until their readers ran (gpu_decode.Held). torch.cuda.Stream
-        # hands out 32 pooled streams per priority round robin (NCCL's are normal); this high-priority one is shared
-        # only with the feeding and decoding streams, and each decode first waits (blocking) for what is queued on it.
+        # torchvision allocates nvJPEG's outputs on the current stream but writes them from a pooled stream that does
+        # not wait for it (pytorch/vision#9606), so memory freed meanwhile could be written over: the outputs get a
+        # high-priority stream of their own (shared only with the feeding and decoding streams; NCCL's pooled ones are
+        # normal), each decode first waits (blocking) for what is queued on it, and they are kept until read (Held).
         self.alloc_stream = torch.cuda.Stream(device, priority=-1) if streams.on_cuda(device) else None
 
     def decode(self, data: list[torch.Tensor]) -> list[Optional[torch.Tensor]]:
@@ -78,10 +75,9 @@ class TorchvisionJpeg:
 
 class NvImageCodecJpeg:
     """nvImageCodec's batched decoder: on CUDA its GPU backends (nvJPEG with libjpeg-turbo's chroma upsampling, the
-    hardware JPEG engines where present), on the CPU libjpeg-turbo; a rejected image is None in place (no second
-    pass). It decodes into one uint8 tensor a batch from torch: left to itself it takes each image from CUDA's default
-    pool (cudaMallocAsync), which torch's counters, `empty_cache` and --micro-batch auto's out-of-memory handling
-    cannot see, and which gives memory back at every synchronisation."""
+    hardware JPEG engines where present), on the CPU libjpeg-turbo; a rejected image is None (no second pass). It
+    decodes into one tensor from torch: left to itself it takes each image from CUDA's default pool (cudaMallocAsync),
+    which torch's counters and `empty_cache` cannot see, and which gives memory back at every synchronisation."""
 
     def __init__(self, device: torch.device, cpu_threads: int = 0, backends: Optional[tuple[str, ...]] = None,
                  options: str = "") -> None:
@@ -255,8 +251,8 @@ JPEG_DECODERS: dict[str, DecoderInfo] = {
 
 
 def choose(requested: str, device: torch.device) -> tuple[str, str]:
-    """The library --gpu-decoder names, and why (for the start-up table); `auto`: the first in JPEG_DECODERS that
-    runs on this device. A named library that cannot run here is a UserError naming why."""
+    """The library --gpu-decoder names (a UserError if it cannot run here), else the first in JPEG_DECODERS that
+    runs on this device; and why, for the start-up table."""
     if requested != "auto":
         reason = JPEG_DECODERS[requested].unavailable(device)
         if reason is not None:
