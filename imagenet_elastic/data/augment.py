@@ -117,8 +117,7 @@ class Augment:
 
 
 class Recorder:
-    """A torchvision transform whose pixel operation (`method` of this instance) records its arguments instead of
-    running; every draw is its own."""
+    """A torchvision transform whose pixel operation (`method`) records its arguments instead of running."""
 
     def __init__(self, transform: Optional[Callable], method: str) -> None:
         self.transform, self.seen = transform, []

@@ -89,9 +89,8 @@ class Decoding:
 
     def feed(self, device: torch.device, workers: Optional[int], cores: int, local_world_size: int, batch_size: int,
              largest_crop: int, warn: Callable[[str], None]) -> Feed:
-        """This decoding set up on this machine: loader workers (--workers, else this mode's default), how far ahead
-        each reads (within the pinned budget for batches of `batch_size` at `largest_crop`), and what finishes each
-        batch on the device (`warn`: for the images the device decoder passes back)."""
+        """This decoding set up here: loader workers (--workers, else this mode's default), how far ahead each reads
+        (pinned batches of `batch_size` at `largest_crop` within budget), what finishes each batch on the device."""
         workers = workers if workers is not None else self.default_workers(cores, local_world_size)
         pinned = device.type == "cuda"
         batch = pipeline.batch_bytes(batch_size, largest_crop, encoded=self.mode == "gpu")

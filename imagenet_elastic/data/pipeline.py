@@ -140,9 +140,8 @@ thaw_heap = gc.unfreeze  # undoes `share_heap_with_workers` as the rank ends: wh
 
 
 def stop_loader_workers() -> None:
-    """SIGKILL loader workers still alive as the rank ends: they ignore SIGTERM, so multiprocessing's exit handler
-    would wait forever. These deaths are ours: torch's SIGCHLD handler would raise "DataLoader worker is killed by
-    signal" from the join, mid clean-up."""
+    """SIGKILL loader workers still alive as the rank ends (they ignore SIGTERM: multiprocessing's exit handler would
+    wait forever), with SIGCHLD's default handler: torch's would raise "DataLoader worker is killed" mid clean-up."""
     children = multiprocessing.active_children()
     if children and threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)

@@ -120,8 +120,7 @@ class TrainBatchSampler:
 
 def repeated_batch(group: np.ndarray, reps: int, epoch: int) -> list[SampleKey]:
     """Repeated augmentation (DeiT; torchvision's --ra-reps): a global batch holds the next global_batch / reps images
-    (`group`), `reps` times over, copy c at positions c * global_batch / reps + j, so an image's copies fall on
-    different ranks."""
+    (`group`), `reps` times over, copy c at positions c * global_batch / reps + j: its copies fall on other ranks."""
     return [(epoch, int(i), copy) if reps > 1 else (epoch, int(i)) for copy in range(reps) for i in group]
 
 
