@@ -31,8 +31,7 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random,
     for _ in range(10):
         target_area = area * rng.uniform(*scale)
         aspect = math.exp(rng.uniform(*log_ratio))
-        w = round(math.sqrt(target_area * aspect))
-        h = round(math.sqrt(target_area / aspect))
+        w, h = round(math.sqrt(target_area * aspect)), round(math.sqrt(target_area / aspect))
         if 0 < w <= width and 0 < h <= height:
             return rng.randint(0, width - w), rng.randint(0, height - h), w, h
     aspect = min(max(width / height, ratio[0]), ratio[1])

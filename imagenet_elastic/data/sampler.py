@@ -18,8 +18,7 @@ SampleKey = tuple[int, ...]
 
 
 def epoch_permutation(num_samples: int, seed: int, epoch: int) -> np.ndarray:
-    rng = np.random.Generator(np.random.PCG64(np.random.SeedSequence([seed, epoch])))
-    return rng.permutation(num_samples)
+    return np.random.default_rng([seed, epoch]).permutation(num_samples)  # PCG64 seeded by SeedSequence([seed, epoch])
 
 
 def steps_per_epoch(num_samples: int, global_batch: int, max_steps: int | None = None) -> int:
