@@ -19,11 +19,8 @@ from imagenet_elastic.data.sampler import TrainBatchSampler
 from imagenet_elastic.data.sources import Source
 from imagenet_elastic.options import option
 
-# Cores per training process from which --decode auto leaves decoding to CPU workers (no policy): 14 workers on an
-# H100's 16 cores fed resnet50 short of the model's rate (docs/BENCHMARKS.md), so fewer than twice those starve it.
-CPU_DECODE_CORES = 32
-# Loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU (docs/BENCHMARKS.md)
-GPU_DECODE_WORKERS = 4
+CPU_DECODE_CORES = 32  # cores per process from which --decode auto decodes in workers; fewer starve the GPU
+GPU_DECODE_WORKERS = 4  # loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU
 
 # --decode's modes: what their loader workers do with a sample's bytes (training's, validation's), how they batch
 WORKER_PARTS: dict[str, tuple[pipeline.Load, pipeline.EvalLoad, Callable[[list], pipeline.Batch]]] = {

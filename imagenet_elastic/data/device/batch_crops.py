@@ -12,8 +12,7 @@ import torch
 
 from imagenet_elastic.data.pixels import Box, CentreCrop, pixel_span
 
-# Half the filter's width at scale 1, as PyTorch's antialiased kernels have it (interp_size / 2).
-SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}
+SUPPORT = {"bilinear": 1.0, "bicubic": 2.0}  # half the filter's width at scale 1 (PyTorch's interp_size / 2)
 CUBIC_A = -0.5  # PyTorch's antialiased bicubic filter (Pillow's), not the -0.75 of its plain bicubic
 CANVAS_BUDGET = 1 << 28  # float32 pixels of one canvas (1 GiB, as much again for its positions); more: in parts
 INT32_POSITIONS = (1 << 31) - 1  # the most image bytes a batch may hold for its canvas's positions to be int32

@@ -118,8 +118,7 @@ class EncodedBatch:
                        policy=self.policy.pin_memory() if self.policy is not None else None)
 
 
-# Encoded images become one EncodedBatch (their byte strings differ in length)
-collate = functools.partial(pipeline.collate, join=EncodedBatch.pack)
+collate = functools.partial(pipeline.collate, join=EncodedBatch.pack)  # one EncodedBatch: the bytes differ in length
 
 
 class BatchDecoder:
