@@ -1,8 +1,7 @@
 """What a training sample goes through: the crop and flip it draws, then an optional augmentation policy and random
-erasing on its uint8 pixels. Those are torchvision's (transforms.v2) and draw from torch's global generator, so each
-sample's pass runs under it seeded from one number its own stream draws after its crop and flip: the pixels are a
-function of (seed, epoch, index) alone. Under --decode gpu the worker makes the draws without the pixels
-(`Augment.draws`) and the device applies them to the batch."""
+erasing on its uint8 pixels, torchvision's (transforms.v2): each sample's pass runs under torch's global generator
+seeded from one number its own stream draws after its crop and flip, so the pixels are a function of (seed, epoch,
+index) alone. Under --decode gpu the worker makes the draws (`Augment.draws`) and the device applies them."""
 
 from __future__ import annotations
 
