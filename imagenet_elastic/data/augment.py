@@ -105,9 +105,8 @@ class Augment:
     @functools.cached_property
     def recorders(self) -> tuple[Recorder, Recorder]:
         """This process's own copies of the policy and erasing that record what they would do (see `draws`)."""
-        erasing = make_erasing(self.erase)
-        method = "transform" if hasattr(type(erasing), "make_params") else "_transform"  # torchvision 0.21 renamed it
-        return Recorder(make_policy(self.policy), "_apply_image_or_video_transform"), Recorder(erasing, method)
+        return (Recorder(make_policy(self.policy), "_apply_image_or_video_transform"),
+                Recorder(make_erasing(self.erase), "transform"))
 
     @functools.cached_property
     def transforms(self) -> tuple[Optional[Callable], Optional[Callable]]:
