@@ -1,7 +1,6 @@
 """A source's samples to uint8 batches: datasets, the batch type, loaders and their workers. Workers hand over HWC
-uint8 (under --decode gpu, the bytes); float conversion and normalisation happen on the device. Every random choice a
-training sample gets comes from (seed, epoch, sample index) alone, so a restarted run, any worker count and any world
-size see the same pixels."""
+uint8 (under --decode gpu, the bytes), made float and normalised on the device. Every random choice of a training
+sample comes from (seed, epoch, sample index) alone, so a restart, any worker count and any world size agree."""
 
 from __future__ import annotations
 

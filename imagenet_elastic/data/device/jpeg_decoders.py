@@ -1,8 +1,7 @@
-"""--gpu-decoder: the library that decodes a batch of JPEG bytes on the device under --decode gpu; a new one is a
-class here and a line in `JPEG_DECODERS`. `auto` takes torchvision, which supplies more beside a compiled training
-step (docs/BENCHMARKS.md). Both leave their images on the calling thread's current stream in torch's caching allocator
-(its counters, out-of-memory retry and `empty_cache` see them), run on CPU tensors too, and hold the calling thread:
-torchvision until the device decoded, nvImageCodec until its host share is done."""
+"""--gpu-decoder: the library that decodes a batch of JPEG bytes on the device under --decode gpu (a new one: a class
+here and a line in `JPEG_DECODERS`). Both leave their images on the calling thread's current stream in torch's caching
+allocator (its counters, out-of-memory retry and `empty_cache` see them), run on CPU tensors too, and hold the calling
+thread: torchvision until the device decoded, nvImageCodec until its host share is done."""
 
 from __future__ import annotations
 
@@ -240,7 +239,7 @@ class DecoderInfo(NamedTuple):
     help: str  # for --gpu-decoder's help
 
 
-# --gpu-decoder's choices, in auto's order of preference
+# --gpu-decoder's choices, in auto's order: torchvision supplies more beside a compiled step (docs/BENCHMARKS.md)
 JPEG_DECODERS: dict[str, DecoderInfo] = {
     "torchvision": DecoderInfo(TorchvisionJpeg, lambda device: None,
                                "torchvision's nvJPEG decode_jpeg, the faster beside training: 4:2:0 chroma by nearest "
