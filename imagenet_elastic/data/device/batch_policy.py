@@ -78,9 +78,8 @@ class PolicyPlan:
         codes = [[CODE[d.ops[k][0]] if k < len(d.ops) else CODE["Identity"] for d in drawn] for k in range(stages)]
         numbers = [[op_numbers(*d.ops[k], size) if k < len(d.ops) else [0.0] * PER_OP for k in range(stages)]
                    for d in drawn]
-        erase = None
-        if any(d.erase is not None for d in drawn):
-            erase = torch.tensor([d.erase or (0, 0, 0, 0) for d in drawn], dtype=torch.int64)
+        erase = (torch.tensor([d.erase or (0, 0, 0, 0) for d in drawn], dtype=torch.int64)
+                 if any(d.erase is not None for d in drawn) else None)
         return cls(torch.tensor([sorted(range(len(drawn)), key=stage.__getitem__) for stage in codes],
                                 dtype=torch.int64).view(stages, len(drawn)),
                    [[stage.count(code) for code in range(len(OPS))] for stage in codes],
