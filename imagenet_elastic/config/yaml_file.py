@@ -1,7 +1,6 @@
-"""Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's
-`config.yaml` write them, in the same form, so a printed or saved file runs again as it is.
-
-Flat option names and values, passed through the command line's argparse types, so a bad value fails the same way."""
+"""Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's `config.yaml` write
+them, in the same form, so a printed or saved file runs again as it is. Flat option names and values, passed through
+the command line's argparse types, so a bad value fails the same way."""
 
 from __future__ import annotations
 
@@ -151,9 +150,7 @@ def file_value(name: str, value: Any) -> Any:
         return ",".join(parts) or None
     if name == "preempt_signals":
         return list(value) or "none"
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    return list(value) if isinstance(value, tuple) else value
 
 
 def write(folder: str, config: Config) -> None:

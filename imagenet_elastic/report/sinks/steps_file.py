@@ -1,7 +1,6 @@
-"""steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from.
-
-It continues across kills, restarts and world-size changes without a duplicated or out-of-order step: at start every
-row beyond the checkpoint's step is dropped (`trim`), and the resumed run logs those steps again."""
+"""steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from. It continues
+across kills, restarts and world-size changes without a duplicated or out-of-order step: at start every row beyond the
+checkpoint's step is dropped (`trim`), and the resumed run logs those steps again."""
 
 from __future__ import annotations
 
