@@ -15,13 +15,10 @@ TEMP_PREFIX = ".tmp-"  # what an interrupted write leaves; the checkpoints folde
 
 def process_umask() -> int:
     """The umask, from /proc on Linux: setting and restoring it would briefly change it for every thread."""
-    try:
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("Umask:"):
-                    return int(line.split()[1], 8)
-    except (OSError, ValueError):
-        pass
+    with contextlib.suppress(OSError, ValueError), open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
     mask = os.umask(0o022)
     os.umask(mask)
     return mask

@@ -6,6 +6,7 @@ import argparse
 import atexit
 import contextlib
 import dataclasses
+import functools
 import importlib
 import os
 import sys
@@ -53,9 +54,8 @@ NOT_SETTINGS = ("local_rank", "config", "print_config", "file_only")
 
 def resume_takes_a_path(argv: Sequence[str]) -> tuple[list[str], Optional[str]]:
     """`--resume` takes the next word only when it names a checkpoint (a file, a `.pt` path, or a folder holding
-    last.pt); else the flag is bare and the word stays (argparse's optional value would take `--resume
-    /data/imagenet`'s data folder for the checkpoint). Also returns the word a bare `--resume` left, if any: with a
-    word too many, it was meant as the checkpoint (see `parse`)."""
+    last.pt), else the word stays (argparse would take `--resume /data/imagenet`'s data folder for the checkpoint).
+    Also returns the word a bare `--resume` left, if any: with a word too many, it was meant as the checkpoint."""
     out, words, left = [], list(argv), None
     for i, word in enumerate(words):
         if word == "--":
@@ -100,11 +100,10 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     given = on_line | set(from_file)
     try:
         config = config_from_args(args)
-        if config.resume not in (None, RESUME_AUTO) and config.resume == from_file.get("resume") \
-                and not args.print_config:
+        named = config.resume not in (None, RESUME_AUTO)  # `--resume PATH`
+        if named and config.resume == from_file.get("resume") and not args.print_config:
             check_resume(config)
-        if config.resume not in (None, RESUME_AUTO) and os.path.isdir(config.resume) \
-                and "checkpoints_path" not in given:
+        if named and os.path.isdir(config.resume) and "checkpoints_path" not in given:
             config = dataclasses.replace(config, checkpoints_path=config.resume)
         if config.evaluate:
             config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
@@ -211,7 +210,7 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         from imagenet_elastic.train.trainer import run as entry
 
     if args.file_only:
-        entry = NamesTheFile(entry, args.config, args.file_only)
+        entry = functools.partial(names_the_file, entry, args.config, args.file_only)
     try:
         if plan.spawns:
             spawn_workers(entry, config, plan.env, plan.procs_per_task)
@@ -221,21 +220,15 @@ def main(argv: Optional[Sequence[str]] = None) -> None:
         sys.exit(INTERRUPTED_EXIT)
 
 
-@dataclasses.dataclass(frozen=True)
-class NamesTheFile:
-    """A rank's entry whose errors name the --config file where the flag they name was set, the file alone: a
+def names_the_file(entry: Callable[[Config, Any], None], path: str, file_only: Mapping[str, Any], config: Config,
+                   env: Any) -> None:
+    """A rank's `entry`, whose errors name the --config file where the flag they name was set, the file alone: a
     `model: nosuch` the build meets long after the parse. Module level, so that spawn can pickle it."""
-
-    entry: Callable[[Config, Any], None]
-    path: str
-    file_only: Mapping[str, Any]
-
-    def __call__(self, config: Config, env: Any) -> None:
-        try:
-            self.entry(config, env)
-        except UserError as error:
-            named_by_file(error, self.path, self.file_only)
-            raise
+    try:
+        entry(config, env)
+    except UserError as error:
+        named_by_file(error, path, file_only)
+        raise
 
 
 def program() -> NoReturn:

@@ -1,7 +1,5 @@
-"""The run's settings: built once from the command line, frozen, and saved in every checkpoint.
-
-Each field says everything about its setting; the command line and docs/OPTIONS.md's option table are built from them.
-"""
+"""The run's settings: built once from the command line, frozen, and saved in every checkpoint. Each field says
+everything about its setting; the command line and docs/OPTIONS.md's option table are built from them."""
 
 from __future__ import annotations
 

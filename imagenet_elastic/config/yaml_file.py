@@ -1,7 +1,6 @@
-"""Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's
-`config.yaml` write them, in the same form, so a printed or saved file runs again as it is.
-
-Flat option names and values, passed through the command line's argparse types, so a bad value fails the same way."""
+"""Settings in a YAML file: `--config FILE.yaml` reads them, `--print-config` and every run's `config.yaml` write
+them, in the same form, so a printed or saved file runs again as it is. Flat option names and values, passed through
+the command line's argparse types, so a bad value fails the same way."""
 
 from __future__ import annotations
 
@@ -74,10 +73,9 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
 
 
 def named_by_file(error: UserError, path: str, file_only: Mapping[str, Any]) -> UserError:
-    """An error about a setting the config file alone gave a value (not null, not the command line's), with the file
-    and key: `config file run.yaml sets progressive-resize: --progressive-resize needs ...`. The error names the
-    setting by its flag, or by its value where that is a path (`data: /nosuch`: "data folder /nosuch does not
-    exist"). The same error, reworded: its class (exit code, which rank says it) stays."""
+    """`error`, where it names a setting the config file alone gave a value (by its flag, or by its value where that is
+    a path: `data: /nosuch`), reworded to name the file and key: `config file run.yaml sets progressive-resize: ...`.
+    The same error object: its class (exit code, which rank says it) stays."""
     text = str(error)
     keys = [name.replace("_", "-") for name in file_only if re.search(rf"--{name.replace('_', '-')}(?![\w-])", text)]
     keys = keys or [name.replace("_", "-") for name, value in file_only.items()  # else by a path it names
@@ -152,9 +150,7 @@ def file_value(name: str, value: Any) -> Any:
         return ",".join(parts) or None
     if name == "preempt_signals":
         return list(value) or "none"
-    if isinstance(value, tuple):
-        return list(value)
-    return value
+    return list(value) if isinstance(value, tuple) else value
 
 
 def write(folder: str, config: Config) -> None:

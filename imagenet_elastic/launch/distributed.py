@@ -30,9 +30,8 @@ def default_threads(local_world_size: int) -> int:
 
 
 def configure_threads(requested: Optional[int], local_world_size: int) -> int:
-    threads = requested or default_threads(local_world_size)
-    torch.set_num_threads(threads)
-    return threads
+    torch.set_num_threads(requested or default_threads(local_world_size))
+    return torch.get_num_threads()
 
 
 def visible_gpu_count(environ: Mapping[str, str]) -> int:
@@ -102,12 +101,11 @@ _control: Optional[dist.ProcessGroup] = None
 
 
 def join_round(store: dist.Store, rank: int, world_size: int, timeout_s: float, poll_s: float = 0.02) -> str:
-    """Agree with the other ranks on a store namespace no earlier round has used.
-
-    torchrun's agents keep one store for the whole job, so a previous round's keys (its gloo peer addresses) survive
-    a restart, and TORCHELASTIC_RESTART_COUNT cannot name a round (not raised on a membership change; a late agent
-    counts from 0). So rank 0 announces a fresh ticket; each other rank registers its own under it and waits for rank
-    0 to list it back, retrying under a newer announcement if it read a stale one."""
+    """Agree with the other ranks on a store namespace no earlier round has used: torchrun's agents keep one store
+    for the whole job, so a previous round's keys (its gloo peer addresses) survive a restart, and
+    TORCHELASTIC_RESTART_COUNT cannot name a round (not raised on a membership change; a late agent counts from 0).
+    Rank 0 announces a fresh ticket; each other rank registers its own under it and waits for rank 0 to list it back,
+    retrying under a newer announcement if it read a stale one."""
     deadline = time.monotonic() + timeout_s
     ticket = str(store.add(f"{_ROUNDS}/tickets", 1))
     if rank == 0:

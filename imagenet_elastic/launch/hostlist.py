@@ -1,6 +1,5 @@
-"""Expand Slurm hostlist expressions (SLURM_JOB_NODELIST) such as ``gpu-a[01-03,07],gpu-b9``.
-
-Parsed here because ``scontrol show hostnames`` is often missing inside containers."""
+"""Expand Slurm hostlist expressions (SLURM_JOB_NODELIST) such as ``gpu-a[01-03,07],gpu-b9``: parsed here because
+``scontrol show hostnames`` is often missing inside containers."""
 
 from __future__ import annotations
 

@@ -1,6 +1,5 @@
-"""What each launcher tells a process about the job: environment variables to a LaunchPlan.
-
-Pure functions of the environment (passed in), so every launcher's rules are unit-tested without it."""
+"""What each launcher tells a process about the job: environment variables to a LaunchPlan. Pure functions of the
+environment (passed in), so every launcher's rules are unit-tested without it."""
 
 from __future__ import annotations
 

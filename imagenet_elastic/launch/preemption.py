@@ -1,16 +1,12 @@
 """Preemption: signals only raise a flag, which `Trainer` turns into an agreed checkpoint and stop at a step boundary
 (a handler that wrote the checkpoint itself could run in the middle of an optimizer step or a collective).
 
-Before training begins (`starting`: a rendezvous with late peers, a first scan of the data, a checkpoint's load can
-take minutes) there is nothing to checkpoint, and waiting for a first step could outlast the scheduler's grace
-period, whose SIGKILL would skip the requeue: the first signal stops the rank at once (StoppedAtOnce, exit 75), as
-Ctrl-C does then. Only the first, and only until start-up ends or fails: a launcher's stop arriving while the rank
-unwinds just sets the flag. A handler runs only once a wait in C++ returns: the rendezvous waits in Python's sleeps
-(distributed.join_round), and a collective whose peer stopped first fails, which trainer.run takes for the same stop.
+During start-up (`starting`) there is nothing to checkpoint, and waiting for a first step could outlast the scheduler's
+grace period, whose SIGKILL would skip the requeue: the first signal stops the rank at once (StoppedAtOnce, exit 75).
+A handler runs only once a wait in C++ returns: the rendezvous waits in Python's sleeps (distributed.join_round).
 
-Ctrl-C asks for the same stop while the run trains, and exits 130: the steps since the last checkpoint are worth the
-one step and one write the stop costs, and whoever stops a run at a terminal means to continue or change it, which
-wants the checkpoint. A second Ctrl-C stops at once, as does one before training begins or after it ends."""
+Ctrl-C asks for the same stop while the run trains (exit 130): whoever stops a run at a terminal means to continue or
+change it, which wants the checkpoint. A second Ctrl-C stops at once, as does one before training begins or after."""
 
 from __future__ import annotations
 
@@ -142,9 +138,7 @@ class PreemptionFlag:
 def slurm_job_to_requeue(environ: Mapping[str, str]) -> Optional[str]:
     """The job id `scontrol requeue` needs: `ARRAYJOB_TASK` for an array task, else SLURM_JOB_ID."""
     array_job, task = environ.get("SLURM_ARRAY_JOB_ID"), environ.get("SLURM_ARRAY_TASK_ID")
-    if array_job and task:
-        return f"{array_job}_{task}"
-    return environ.get("SLURM_JOB_ID") or None
+    return f"{array_job}_{task}" if array_job and task else environ.get("SLURM_JOB_ID") or None
 
 
 def requeue_slurm_job(job: str) -> str:

@@ -1,6 +1,5 @@
 """Start the worker: in this process, or as N local processes (spawn, or a Slurm task per node). A child that stopped
-as asked (Ctrl-C, a preemption signal, which every rank takes) is not a failure: the others are left to stop on their
-own."""
+as asked (Ctrl-C, a preemption signal, which every rank takes) is not a failure: the others stop on their own."""
 
 from __future__ import annotations
 

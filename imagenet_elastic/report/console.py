@@ -68,8 +68,7 @@ class Console:
 
 
 class EpochProgress:
-    """Per-step updates: a live bar on a terminal, otherwise a line for each update with stats (the trainer gives
-    them every --log-interval steps)."""
+    """Per-step updates: a live bar on a terminal, else a line for each update with stats (every --log-interval)."""
 
     def __init__(self, console: Console, description: str, total: int, bar: Optional[Progress] = None,
                  task: Any = None) -> None:

@@ -1,6 +1,5 @@
-"""A record of which samples each step trained on, for proving that no sample is lost or repeated.
-
-With IMAGENET_ELASTIC_SAMPLE_LOG=DIR every rank appends one JSON line per optimizer step to its own file in DIR.
+"""A record of which samples each step trained on, for proving that no sample is lost or repeated: with
+IMAGENET_ELASTIC_SAMPLE_LOG=DIR every rank appends one JSON line per optimizer step to its own file in DIR.
 Steps rolled back by a crash and trained again appear more than once; `coverage` merges them."""
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
-"""steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from.
-
-It continues across kills, restarts and world-size changes without a duplicated or out-of-order step: at start every
-row beyond the checkpoint's step is dropped (`trim`), and the resumed run logs those steps again."""
+"""steps.jsonl: rank 0's step rows, one JSON object a line, the record every other sink catches up from. It continues
+across kills, restarts and world-size changes without a duplicated or out-of-order step: at start every row beyond the
+checkpoint's step is dropped (`trim`), and the resumed run logs those steps again."""
 
 from __future__ import annotations
 
@@ -40,13 +39,6 @@ def kept_rows(text: str, last_step: int) -> list[str]:
     return [line for line, row in whole_rows(text) if is_number(row.get("step")) and row["step"] <= last_step]
 
 
-def damaged_lines(text: str) -> list[int]:
-    """The numbers of the lines before the last that are not blank and not a JSON object: damage, which `trim` drops
-    with a warning (the last line is torn by any kill, and dropped unsaid)."""
-    lines = text.splitlines()[:-1]
-    return [n for n, line in enumerate(lines, 1) if line.strip() and not any(whole_rows(line))]
-
-
 def trim(folder: str, last_step: int, warn: Callable[[str], None]) -> list[dict[str, Any]]:
     """Before the first step: drop rows beyond the step the run starts from; returns the rest (StorageError on I/O)."""
     path = os.path.join(folder, FILENAME)
@@ -57,7 +49,8 @@ def trim(folder: str, last_step: int, warn: Callable[[str], None]) -> list[dict[
     except OSError as error:
         raise storage_error(error, "reading", path) from None
     kept = kept_rows(text, last_step)
-    damaged = damaged_lines(text)
+    # damage: a line before the last that is not blank and not a JSON object (any kill may tear the last: unsaid)
+    damaged = [n for n, line in enumerate(text.splitlines()[:-1], 1) if line.strip() and not any(whole_rows(line))]
     if damaged:
         shown = ", ".join(map(str, damaged[:5])) + (f" and {len(damaged) - 5} more" if len(damaged) > 5 else "")
         warn(f"{path}: dropping {'lines' if len(damaged) > 1 else 'line'} {shown}, not JSON rows (damaged)")

@@ -1,8 +1,6 @@
-"""TensorBoard (--tensorboard): every number of every row, as the trackers name them (`train/loss`,
-`epoch/val_top1`), in CHECKPOINTS/tensorboard.
-
-A resumed run continues the same curves: the writer's `purge_step` hides the events beyond the checkpoint's step,
-which the resumed run logs again."""
+"""TensorBoard (--tensorboard): every number of every row, as the trackers name them (`train/loss`, `epoch/val_top1`),
+in CHECKPOINTS/tensorboard. A resumed run continues the same curves: the writer's `purge_step` hides the events beyond
+the checkpoint's step, which the resumed run logs again."""
 
 from __future__ import annotations
 

@@ -1,16 +1,12 @@
 """Experiment trackers (--wandb PROJECT, --mlflow URI): what every tracker shares, as one `Tracker` sink that each
-tracker's module fills in. Rank 0 sends each the rows, settings and start-up table as one tracker run per training run:
+tracker's module fills in. One tracker run per training run, whatever restarts it: its id is saved in every checkpoint
+and, until one holds it, in CHECKPOINTS/trackers.json (PENDING). (MLflow chooses its own id: a death between making a
+run and recording it leaves that run empty.)
 
-One run, whatever restarts it: the run's id is saved in every checkpoint, and until one holds it, in
-CHECKPOINTS/trackers.json (PENDING), so a run killed before its first checkpoint restarts into the same tracker run.
-(MLflow chooses its own id: a death between making a run and recording it leaves that run empty.)
-
-No step twice, none backward: a run killed after its last checkpoint has sent steps the resumed run trains again, and
-trackers cannot delete rows (MLflow has no API, W&B's rewind needs its server), so at start each says the last step
-it holds of each kind of row (`held`), and rows up to it are not sent again. The kinds are counted apart: a run
-killed while validating has sent its epoch's last step, not the epoch's row. (W&B's server refuses a step not past a
-resumed run's last one, so online that one epoch row may be lost; untested without a W&B server.)
-"""
+No step twice, none backward: trackers cannot delete rows, so at start each says the last step it holds of each kind of
+row (`held`: a run killed while validating has sent its epoch's last step, not the epoch's row), and rows up to it are
+not sent again. (W&B's server refuses a step not past a resumed run's last one, so online that one epoch row may be
+lost; untested without a W&B server.)"""
 
 from __future__ import annotations
 
@@ -56,9 +52,7 @@ class TrackerRuns:
         if option in self.saved:
             return self.saved[option]
         earlier = self.pending.get(option)
-        if isinstance(earlier, dict) and earlier.get("from") == self.started_from:
-            return earlier.get("id")
-        return None
+        return earlier.get("id") if isinstance(earlier, dict) and earlier.get("from") == self.started_from else None
 
     def made(self, option: str, run_id: str) -> None:
         """A run is made or continued: checkpoints save it from now on, PENDING until one does."""
@@ -71,9 +65,8 @@ class TrackerRuns:
     def forget_pending(self) -> None:
         """After a checkpoint that holds the runs' ids (the first of this start)."""
         try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
         except OSError as error:
             self.warn(f"could not remove {self.path}: {error.strerror or error}")
 
@@ -102,7 +95,6 @@ class Tracker(Sink):
 
     def new_id(self) -> Optional[str]:
         """The id of a new run, where the tracker lets its caller choose it (None: the store chooses)."""
-        return None
 
     @abstractmethod
     def open(self, run_id: Optional[str], name: str, settings: dict[str, Any]) -> str:

@@ -36,8 +36,7 @@ def transaction_logs(wandb_dir: str, run_id: str) -> list[str]:
 
 
 def wandb_history(path: str) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(step, {key: value}) of each history row of a W&B transaction log, up to the first torn or damaged record (a
-    killed writer's last)."""
+    """(step, {key: value}) of each history row of a W&B transaction log, up to the first torn or damaged record."""
     from wandb.proto import wandb_internal_pb2
 
     with open(path, "rb") as f:
