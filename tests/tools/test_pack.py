@@ -475,10 +475,10 @@ def test_a_ctrl_c_while_the_pool_writes_is_raised_between_two_waits_and_the_pool
     before = signal.getsignal(signal.SIGINT)
     started = time.monotonic()
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt) as raised, pack.ShardPool(2, [("task", k, None, None) for k in range(4)]) \
+    with pytest.raises(KeyboardInterrupt) as raised, pack.shard_pool(2, [("task", k, None, None) for k in range(4)]) \
             as pool:
         list(pool)
-    assert raised.traceback[-1].name == "__iter__"  # ShardPool's loop, not a lock's wait inside concurrent.futures
+    assert raised.traceback[-1].name == "written"  # the pool's loop, not a lock's wait inside concurrent.futures
     assert time.monotonic() - started < 15 and signal.getsignal(signal.SIGINT) is before
 
 
