@@ -156,10 +156,9 @@ def imagenet_classes(module: Any) -> tuple[str, ...]:
 def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Preprocessing,
           settings: Any, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None],
           columns: Any = None, fit: Any = None) -> None:
-    """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
-    once over all ranks (train/step.py evaluate); `on_scored(location, source, results by model key, precision)` is
-    told of each set as it is done. `settings`: the run's Config (--evaluate) or the tool's options, which add_setting
-    gives the same names. The loaders' workers fork first, then the process group forms: the trainer's order."""
+    """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`;
+    `on_scored(location, source, results by model key, precision)` is told of each. `settings`: the run's Config or
+    the tool's options (add_setting gives them the same names). Workers fork before the process group forms."""
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
@@ -284,7 +283,9 @@ def run(args: Any) -> list[dict[str, Any]]:
     columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
     score(env, device, {"": model.model}, sets, prep, args, console, told, columns)
     if len(rows) > 1:
-        console.table("scores", [(row["val"], summary(row)) for row in rows])
+        console.table("scores", [(row["val"], f"top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%"
+                                  + (f", ReaL {row['real_top1']:.2f}%" if "real_top1" in row else "")
+                                  + f"  ({row['images']} images)") for row in rows])
     return rows
 
 
@@ -342,11 +343,6 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Sour
         raise
     console.result(scores)
     return scores
-
-
-def summary(row: dict[str, Any]) -> str:
-    real = f", ReaL {row['real_top1']:.2f}%" if "real_top1" in row else ""
-    return f"top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%{real}  ({row['images']} images)"
 
 
 def main(argv: Sequence[str]) -> None:
