@@ -64,9 +64,6 @@ class Options:
         return range(k * self.shard_size, min(count, (k + 1) * self.shard_size))
 
 
-# ----------------------------------------------------------------------------- one shard: what each pool worker runs
-
-
 def samples(split: sources.Source, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
     """(name, bytes, label) of samples [start, stop), bytes first (a parquet source names a sample after reading it).
     tests/pack_held.py holds a pack in the middle here."""
@@ -149,9 +146,6 @@ def write_shard(folder: str, k: int, split: sources.Source, options: Options) ->
     path = os.path.join(folder, shard_name(k))
     commit(write_temp(folder, shard_name(k), write), path)
     return split.role, k, tar_shards.walk_shard(path, split.role, checksums=True), resized
-
-
-# ----------------------------------------------------------------------------- the pack
 
 
 def check_out(out: str, record: dict[str, Any]) -> bool:
@@ -259,15 +253,11 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     resized = 0
     # fork the pool before the progress bar's refresh thread starts: a fork beside a running thread can leave a lock
     # it held (stdout's, rich's) held for ever in the child (CPython gh-112275)
-    with shard_pool(workers, tasks) as written_shards:
-        progress = Progress(total)
-        try:
-            for role, k, walked, changed in written_shards:
-                found[role][k] = walked
-                resized += changed
-                progress.add(len(walked.labels))
-        finally:
-            progress.close()
+    with shard_pool(workers, tasks) as written_shards, contextlib.closing(Progress(total)) as progress:
+        for role, k, walked, changed in written_shards:
+            found[role][k] = walked
+            resized += changed
+            progress.add(len(walked.labels))
     seconds = time.perf_counter() - began
     atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
                        os.path.join(out, tar_shards.CLASSES_FILE))
