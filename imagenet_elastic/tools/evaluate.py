@@ -93,10 +93,6 @@ class Preprocessing:
     mean: tuple[float, ...]  # as timm gives them: on 0-1 values
     std: tuple[float, ...]
 
-    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Mean and std on 0-255 levels, as data/model_input.ModelInput takes them."""
-        return tuple(m * 255 for m in self.mean), tuple(s * 255 for s in self.std)
-
     def describe(self) -> dict[str, Any]:
         return {"crop": self.crop, "resize": self.resize, "interpolation": self.interpolation,
                 "mean": [round(m, 4) for m in self.mean], "std": [round(s, 4) for s in self.std]}
@@ -186,7 +182,8 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
         if env.world_size > 1:
             check_same_scoring(modules, sets)
         placed = {key: place_model(module, device, settings.channels_last) for key, module in modules.items()}
-        to = ModelInput(device, precision.dtype, settings.channels_last, normalisation=prep.normalisation())
+        to = ModelInput(device, precision.dtype, settings.channels_last,  # mean and std on 0-255 levels
+                        normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = eval_labels.real_counts(counts_of) if counts_of is not None else None
             results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
@@ -275,8 +272,7 @@ def run(args: Any) -> list[dict[str, Any]]:
             row["flip_average"] = True
         if model.val_print is not None:
             row["val_as_trained"] = fingerprints.difference(model.val_print, source.source) is None
-        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision,
-                   world_size=env.world_size)
+        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision, world_size=env.world_size)
         console.result(row)
         rows.append(row)
 
