@@ -161,7 +161,7 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     marker, previous = os.path.join(out, PACK_FILE), tar_shards.pack_record(out)
     if not os.path.isfile(marker):
         raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
-    if previous is None:
+    if not isinstance(previous, dict):  # unreadable, or JSON that is no record
         raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")

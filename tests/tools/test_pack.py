@@ -170,6 +170,14 @@ def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(im
         assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
 
 
+def test_an_out_whose_pack_json_is_json_but_not_an_object_is_named_as_damaged(image_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / pack.PACK_FILE).write_text("[]")
+    said = refused(capsys, str(image_folder), str(out), "--shard-size", "16")
+    assert said == f"imagenet-elastic: error: pack: {out / pack.PACK_FILE} is damaged: remove {out} to pack again"
+
+
 @pytest.mark.parametrize(("src", "out", "split"), [
     ("data", "data/train/pk", "data/train"), ("data", "data/val", "data/val"), ("data/train", "data", "data/train")])
 def test_an_out_inside_a_split_it_reads_or_holding_one_is_refused_naming_both_before_anything_is_written(
