@@ -71,11 +71,9 @@ def loader_workers(args: argparse.Namespace) -> int:
 def emit(mode: str, **fields: Any) -> None:
     """A mode's line: one JSON object with the peak memory of the process that measured it (ru_maxrss is in KiB on
     Linux; RUSAGE_CHILDREN is the largest child that has been waited for)."""
-    peaks = {
-        "peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
-        "peak_child_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
-        "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None,
-    }
+    peaks = {"peak_host_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1),
+             "peak_child_rss_mb": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024, 1),
+             "peak_gpu_mb": round(torch.cuda.max_memory_allocated() / 2**20, 1) if torch.cuda.is_available() else None}
     print(json.dumps({"mode": mode, **fields, **peaks}), flush=True)
 
 

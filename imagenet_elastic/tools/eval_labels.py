@@ -64,18 +64,15 @@ def read_subset(path: str, classes: tuple[str, ...]) -> np.ndarray:
     """--class-subset: the model's output indices of the names the file lists, in the model's order."""
     index = {name: k for k, name in enumerate(classes)}
     lines = read_file("--class-subset", path, lambda f: f.read().splitlines(), "cannot be read")
-    chosen = set()
-    for number, line in enumerate(lines, start=1):
-        name = line.strip()
-        if not name:
-            continue
-        if name not in index:
+    names = [line.strip() for line in lines]
+    for number, name in enumerate(names, start=1):
+        if name and name not in index:
             raise UserError(f"--class-subset {path} line {number}: {name!r} is not a class of the model "
                             f"({len(classes)} classes, from {classes[0]!r} to {classes[-1]!r})")
-        chosen.add(index[name])
+    chosen = sorted({index[name] for name in names if name})
     if not chosen:
         raise UserError(f"--class-subset {path} names no class")
-    return np.array(sorted(chosen), dtype=np.int64)
+    return np.array(chosen, dtype=np.int64)
 
 
 def read_file(option: str, path: str, read: Callable[[TextIO], Any], failing: str) -> Any:

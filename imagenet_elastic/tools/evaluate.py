@@ -93,10 +93,6 @@ class Preprocessing:
     mean: tuple[float, ...]  # as timm gives them: on 0-1 values
     std: tuple[float, ...]
 
-    def normalisation(self) -> tuple[tuple[float, ...], tuple[float, ...]]:
-        """Mean and std on 0-255 levels, as data/model_input.ModelInput takes them."""
-        return tuple(m * 255 for m in self.mean), tuple(s * 255 for s in self.std)
-
     def describe(self) -> dict[str, Any]:
         return {"crop": self.crop, "resize": self.resize, "interpolation": self.interpolation,
                 "mean": [round(m, 4) for m in self.mean], "std": [round(s, 4) for s in self.std]}
@@ -156,10 +152,9 @@ def imagenet_classes(module: Any) -> tuple[str, ...]:
 def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tuple[str, Any, Any]], prep: Preprocessing,
           settings: Any, console: Any, on_scored: Callable[[str, Any, dict[str, Any], str], None],
           columns: Any = None, fit: Any = None) -> None:
-    """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`, each image
-    once over all ranks (train/step.py evaluate); `on_scored(location, source, results by model key, precision)` is
-    told of each set as it is done. `settings`: the run's Config (--evaluate) or the tool's options, which add_setting
-    gives the same names. The loaders' workers fork first, then the process group forms: the trainer's order."""
+    """Every set of `sets` ((location, source, ReaL counts or None)) scored by every model of `modules`;
+    `on_scored(location, source, results by model key, precision)` is told of each. `settings`: the run's Config or
+    the tool's options (add_setting gives them the same names). Workers fork before the process group forms."""
     from imagenet_elastic.data.augment import INCEPTION_CROP
     from imagenet_elastic.data.decoding import Decoding
     from imagenet_elastic.data.device.feed import device_batches
@@ -187,7 +182,8 @@ def score(env: DistEnv, device: Any, modules: dict[str, Any], sets: Sequence[tup
         if env.world_size > 1:
             check_same_scoring(modules, sets)
         placed = {key: place_model(module, device, settings.channels_last) for key, module in modules.items()}
-        to = ModelInput(device, precision.dtype, settings.channels_last, normalisation=prep.normalisation())
+        to = ModelInput(device, precision.dtype, settings.channels_last,  # mean and std on 0-255 levels
+                        normalisation=(tuple(m * 255 for m in prep.mean), tuple(s * 255 for s in prep.std)))
         for (location, source, counts_of), loader in zip(sets, loaders):
             counts = eval_labels.real_counts(counts_of) if counts_of is not None else None
             results = {key: evaluate(to, module, device_batches(loader, device, feed.decoder),
@@ -276,15 +272,16 @@ def run(args: Any) -> list[dict[str, Any]]:
             row["flip_average"] = True
         if model.val_print is not None:
             row["val_as_trained"] = fingerprints.difference(model.val_print, source.source) is None
-        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision,
-                   world_size=env.world_size)
+        row.update(preprocessing=args.preprocessing, **prep.describe(), precision=precision, world_size=env.world_size)
         console.result(row)
         rows.append(row)
 
     columns = None if args.class_subset is None else torch.from_numpy(scored).to(device)
     score(env, device, {"": model.model}, sets, prep, args, console, told, columns)
     if len(rows) > 1:
-        console.table("scores", [(row["val"], summary(row)) for row in rows])
+        console.table("scores", [(row["val"], f"top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%"
+                                  + (f", ReaL {row['real_top1']:.2f}%" if "real_top1" in row else "")
+                                  + f"  ({row['images']} images)") for row in rows])
     return rows
 
 
@@ -342,11 +339,6 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Sour
         raise
     console.result(scores)
     return scores
-
-
-def summary(row: dict[str, Any]) -> str:
-    real = f", ReaL {row['real_top1']:.2f}%" if "real_top1" in row else ""
-    return f"top-1 {row['top1']:.2f}%  top-5 {row['top5']:.2f}%{real}  ({row['images']} images)"
 
 
 def main(argv: Sequence[str]) -> None:

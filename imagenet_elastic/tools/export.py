@@ -45,16 +45,6 @@ def crop_fraction(crop: int, resize: int) -> float:
     return fraction
 
 
-def checkpoint_file(path: str) -> str:
-    """CHECKPOINT as `evaluate` reads it: a run's checkpoints folder stands for its best.pt."""
-    if not os.path.isdir(path):
-        return path
-    if os.path.isfile(os.path.join(path, store.BEST)):
-        return os.path.join(path, store.BEST)
-    raise UserError(f"export CHECKPOINT {path} is a folder without {store.BEST}: pass one of its checkpoints "
-                    "(last.pt, epoch_NNNN.pt)")
-
-
 def remove_folders(folders: list[str]) -> None:
     for folder in folders:  # deepest first; rmdir removes only an empty one: never what another wrote meanwhile
         with contextlib.suppress(OSError):
@@ -107,7 +97,11 @@ def export(path: str, out_dir: str, ema: bool) -> str:
         raise UserError(f"export folder {out_dir} is not empty: choose a new or empty folder")
     if os.path.exists(out_dir) and not os.path.isdir(out_dir):
         raise UserError(f"export folder {out_dir} is a file")
-    path = checkpoint_file(path)
+    if os.path.isdir(path):  # as `evaluate` reads CHECKPOINT: a run's checkpoints folder stands for its best.pt
+        if not os.path.isfile(os.path.join(path, store.BEST)):
+            raise UserError(f"export CHECKPOINT {path} is a folder without {store.BEST}: pass one of its checkpoints "
+                            "(last.pt, epoch_NNNN.pt)")
+        path = os.path.join(path, store.BEST)
     snapshot = store.load(path)
     from timm.models import save_for_hf  # timm's public name for its Hugging Face writer
 

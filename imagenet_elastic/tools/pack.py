@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
 import io
@@ -63,9 +64,6 @@ class Options:
         return range(k * self.shard_size, min(count, (k + 1) * self.shard_size))
 
 
-# ----------------------------------------------------------------------------- one shard: what each pool worker runs
-
-
 def samples(split: sources.Source, start: int, stop: int) -> Iterator[tuple[str, bytes, int]]:
     """(name, bytes, label) of samples [start, stop), bytes first (a parquet source names a sample after reading it).
     tests/pack_held.py holds a pack in the middle here."""
@@ -98,7 +96,12 @@ def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, i
         with Image.open(io.BytesIO(raw)) as img:
             kind, (width, height) = img.format, img.size
             if options.max_side is None or max(width, height) <= options.max_side:
-                check_decodes(img)
+                # decoded to the end of its data, so a damaged file raises here as training's decode would: a JPEG at
+                # 1/8 scale (Pillow's draft mode reads every entropy-coded block, only the inverse DCT is smaller;
+                # `verify()` reads only a JPEG's header)
+                if kind == "JPEG":
+                    img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
+                img.load()
                 return raw, EXTENSIONS.get(kind or "", "jpg"), 0
             scale = options.max_side / max(width, height)
             size = (max(1, round(width * scale)), max(1, round(height * scale)))
@@ -110,15 +113,6 @@ def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, i
     out = io.BytesIO()
     resized.save(out, format="JPEG", quality=options.quality)
     return out.getvalue(), "jpg", 1
-
-
-def check_decodes(img: Any) -> None:
-    """Decode a kept image to the end of its data, so a damaged file raises here as training's decode would: a JPEG
-    at 1/8 scale (Pillow's draft mode reads every entropy-coded block, only the inverse DCT is smaller; `verify()`
-    reads only a JPEG's header)."""
-    if img.format == "JPEG":
-        img.draft(img.mode, (max(1, img.size[0] // 8), max(1, img.size[1] // 8)))
-    img.load()
 
 
 def add_member(tar: tarfile.TarFile, name: str, data: bytes) -> None:
@@ -154,9 +148,6 @@ def write_shard(folder: str, k: int, split: sources.Source, options: Options) ->
     return split.role, k, tar_shards.walk_shard(path, split.role, checksums=True), resized
 
 
-# ----------------------------------------------------------------------------- the pack
-
-
 def check_out(out: str, record: dict[str, Any]) -> bool:
     """Whether OUT may be written: new, empty, or an interrupted pack of the same source and options (True:
     continue it). A complete pack or anything else is refused."""
@@ -170,7 +161,7 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     marker, previous = os.path.join(out, PACK_FILE), tar_shards.pack_record(out)
     if not os.path.isfile(marker):
         raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
-    if previous is None:
+    if not isinstance(previous, dict):  # unreadable, or JSON that is no record
         raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
@@ -262,15 +253,11 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     resized = 0
     # fork the pool before the progress bar's refresh thread starts: a fork beside a running thread can leave a lock
     # it held (stdout's, rich's) held for ever in the child (CPython gh-112275)
-    with ShardPool(workers, tasks) as written_shards:
-        progress = Progress(total)
-        try:
-            for role, k, walked, changed in written_shards:
-                found[role][k] = walked
-                resized += changed
-                progress.add(len(walked.labels))
-        finally:
-            progress.close()
+    with shard_pool(workers, tasks) as written_shards, contextlib.closing(Progress(total)) as progress:
+        for role, k, walked, changed in written_shards:
+            found[role][k] = walked
+            resized += changed
+            progress.add(len(walked.labels))
     seconds = time.perf_counter() - began
     atomic_write_bytes("".join(f"{name}\n" for name in splits[0].classes).encode(),
                        os.path.join(out, tar_shards.CLASSES_FILE))
@@ -287,69 +274,59 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
                          for n in os.listdir(os.path.join(out, s.role)) if n.endswith(".tar"))}
 
 
-class ShardPool:
+@contextlib.contextmanager
+def shard_pool(workers: int, tasks: list[tuple[str, int, sources.Source, Options]]) -> Iterator[Iterator[Written]]:
     """The shards written by `workers` forked processes, as they complete (in this process for one worker).
 
     Ctrl-C reaches every process of the group: workers ignore it (SIGINT is blocked while they fork) and the parent
     stops. Its handler only sets a flag, turned into KeyboardInterrupt between two waits: raised anywhere, it could
     leave a concurrent.futures lock held and a thread hung on it. An error kills the workers: concurrent.futures'
     pool survives that, where multiprocessing.Pool.terminate() can hang on a lock a killed worker held (gh-96995)."""
+    if workers == 1:
+        yield itertools.starmap(write_shard, tasks)
+        return
+    interrupted: list[bool] = []  # the flag SIGINT's handler sets
+    previous = None  # SIGINT's handler before the pool's, where the pool set one
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:  # the first submit forks every worker, before the pool's own thread starts
+        executor = concurrent.futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("fork"),
+                                                          initializer=_leave_interrupts_to_the_parent)
+        futures = [executor.submit(write_shard, *task) for task in tasks]
+        if threading.current_thread() is threading.main_thread():
+            previous = (signal.signal(signal.SIGINT, lambda *_: interrupted.append(True)),)
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
 
-    def __init__(self, workers: int, tasks: list[tuple[str, int, sources.Source, Options]]) -> None:
-        self.workers, self.tasks = workers, tasks
-        self.executor: Optional[concurrent.futures.ProcessPoolExecutor] = None
-        self.futures: list[concurrent.futures.Future[Written]] = []
-        self.interrupted = False
-        self._previous: Optional[tuple[Any]] = None  # SIGINT's handler before the pool's, where the pool set one
-
-    def __enter__(self) -> ShardPool:
-        if self.workers > 1:
-            blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
-            try:  # the first submit forks every worker, before the pool's own thread starts
-                self.executor = concurrent.futures.ProcessPoolExecutor(
-                    self.workers, mp_context=multiprocessing.get_context("fork"),
-                    initializer=_leave_interrupts_to_the_parent)
-                self.futures = [self.executor.submit(write_shard, *task) for task in self.tasks]
-                if threading.current_thread() is threading.main_thread():
-                    self._previous = (signal.signal(signal.SIGINT, self._interrupt),)
-            finally:
-                signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
-        return self
-
-    def _interrupt(self, _signum: int, _frame: Any) -> None:
-        self.interrupted = True
-
-    def __iter__(self) -> Iterator[Written]:
-        if self.executor is None:
-            yield from itertools.starmap(write_shard, self.tasks)
-            return
-        pending = set(self.futures)
+    def written() -> Iterator[Written]:
+        pending = set(futures)
         while pending:
             done, pending = concurrent.futures.wait(pending, 0.1, concurrent.futures.FIRST_COMPLETED)
-            if self.interrupted:
+            if interrupted:
                 raise KeyboardInterrupt
             for future in done:
                 yield future.result()
 
-    def __exit__(self, kind: Any, *_: Any) -> None:
-        if self.executor is None:
-            return
+    failed = True
+    try:
+        yield written()
+        failed = False
+    finally:
         try:
-            if kind is not None:
-                for future in self.futures:
+            if failed:
+                for future in futures:
                     future.cancel()
-                kill = getattr(self.executor, "kill_workers", None)  # Python 3.14
+                kill = getattr(executor, "kill_workers", None)  # Python 3.14
                 if kill is not None:
                     kill()
                 else:
-                    for process in list(self.executor._processes.values()):
+                    for process in list(executor._processes.values()):
                         process.kill()
-            self.executor.shutdown(wait=True, cancel_futures=True)
+            executor.shutdown(wait=True, cancel_futures=True)
         finally:
-            if self._previous is not None:
-                signal.signal(signal.SIGINT, self._previous[0])
-        if self.interrupted and kind is None:  # a Ctrl-C after the last shard's wait
-            raise KeyboardInterrupt
+            if previous is not None:
+                signal.signal(signal.SIGINT, previous[0])
+    if interrupted:  # a Ctrl-C after the last shard's wait
+        raise KeyboardInterrupt
 
 
 def _leave_interrupts_to_the_parent() -> None:

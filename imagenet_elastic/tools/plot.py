@@ -78,7 +78,14 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
         raise UserError(f"no {path}: the run has not completed an epoch yet")
     try:
         with open(path, encoding="utf-8") as f:
-            lines = untorn(f.read(), path)
+            text = f.read()
+        lines = text.splitlines()
+        # a torn last line (no newline, not a whole row: a write or a copy cut short) is left out with a warning, as a
+        # resumed run rewrites the file without it; damage anywhere else stays an error
+        if lines and not text.endswith("\n") and not any(steps_file.whole_rows(lines[-1])):
+            print(f"warning: {path}: its last line is torn (cut short); plotting the rows before it", file=sys.stderr,
+                  flush=True)
+            lines.pop()
         rows = [json.loads(line) for line in lines if line.strip()]
     except OSError as error:
         raise UserError(f"cannot read {path}: {error.strerror or error}") from None
@@ -90,17 +97,6 @@ def read_metrics(folder: str) -> list[dict[str, Any]]:
         if not isinstance(row, dict) or not is_number(row.get("epoch")):
             raise UserError(f"{path} line {number}: expected an object with an epoch number, got {row!r:.80}")
     return rows
-
-
-def untorn(text: str, path: str) -> list[str]:
-    """The lines of a JSON-lines file but a torn last one (no newline, not a whole row: a write or a copy cut short),
-    with a warning, as a resumed run rewrites the file without it; damage anywhere else stays an error."""
-    lines = text.splitlines()
-    if lines and not text.endswith("\n") and not any(steps_file.whole_rows(lines[-1])):
-        print(f"warning: {path}: its last line is torn (cut short); plotting the rows before it", file=sys.stderr,
-              flush=True)
-        return lines[:-1]
-    return lines
 
 
 def read_steps(folder: str) -> list[dict[str, Any]]:
@@ -158,8 +154,7 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
         lr_ax.plot(epochs, values, color="tab:gray", linewidth=1.2, label="end of epoch", **marker)
     for ax, curves in ((loss_ax, LOSS_CURVES), (acc_ax, ACCURACY_CURVES)):
         for key, label, style in curves:
-            values = column(key)
-            if values is not None:
+            if (values := column(key)) is not None:
                 ax.plot(epochs, values, label=label, linewidth=1.8, zorder=3, **style, **marker)
     lr_ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
     lr_ax.set_xlabel("epoch")
@@ -188,12 +183,10 @@ def figure(rows: Sequence[dict[str, Any]], steps: Sequence[dict[str, Any]] = (),
 def label_marks(ax: Any, marks: Sequence[Event]) -> None:
     """World-size changes get a slanted label above the top panel; changes closer than 3% of the axis share one
     label ("world 8 -> 16 -> 8 -> 4"). Resumes, more frequent, are told by their line style alone."""
-    changes = [event for event in marks if event.kind == WORLD]
     low, high = ax.get_xlim()
-    near = 0.03 * (high - low)
     groups: list[list[Event]] = []
-    for event in changes:
-        if groups and event.epoch - groups[-1][-1].epoch <= near:
+    for event in (event for event in marks if event.kind == WORLD):
+        if groups and event.epoch - groups[-1][-1].epoch <= 0.03 * (high - low):
             groups[-1].append(event)
         else:
             groups.append([event])
@@ -241,8 +234,3 @@ def main(argv: Sequence[str]) -> None:
         report(error, rank=0)
         sys.exit(error.exit_code)
     print(path)
-
-
-if __name__ == "__main__":
-    main(sys.argv[1:])
-

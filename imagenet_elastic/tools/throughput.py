@@ -4,6 +4,7 @@ steps on batches already on the device, and both together. Each mode returns its
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import itertools
@@ -220,10 +221,8 @@ def run_end_to_end(args: argparse.Namespace, train: sources.Source, workers: int
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     feed = make_feed(args, ctx.input.device, workers, augment, args.gpu_decoder)
     batches = device_batches(endless(ours_loader(train, feed, args, augment)), ctx.input.device, feed.decoder)
-    try:
+    with contextlib.closing(batches):  # the decoding thread stops before the loader's workers go
         rate = images_per_sec(batches, args.batches, max(3, 2 * workers), ctx)
-    finally:
-        batches.close()  # the decoding thread stops before the loader's workers go
     decoding = feed.decoding
     return {"images_per_sec": round(rate, 1), "workers": workers, "prefetch": feed.prefetch, "images": len(train),
             "data": train.where(), "decode": decoding.mode, "decode_why": decoding.why,

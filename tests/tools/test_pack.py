@@ -170,6 +170,14 @@ def test_an_out_folder_with_anything_else_in_it_is_refused_and_left_as_it_was(im
         assert {p: p.stat().st_mtime_ns for p in target.rglob("*")} == before
 
 
+def test_an_out_whose_pack_json_is_json_but_not_an_object_is_named_as_damaged(image_folder, tmp_path, capsys):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / pack.PACK_FILE).write_text("[]")
+    said = refused(capsys, str(image_folder), str(out), "--shard-size", "16")
+    assert said == f"imagenet-elastic: error: pack: {out / pack.PACK_FILE} is damaged: remove {out} to pack again"
+
+
 @pytest.mark.parametrize(("src", "out", "split"), [
     ("data", "data/train/pk", "data/train"), ("data", "data/val", "data/val"), ("data/train", "data", "data/train")])
 def test_an_out_inside_a_split_it_reads_or_holding_one_is_refused_naming_both_before_anything_is_written(
@@ -475,10 +483,10 @@ def test_a_ctrl_c_while_the_pool_writes_is_raised_between_two_waits_and_the_pool
     before = signal.getsignal(signal.SIGINT)
     started = time.monotonic()
     threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()
-    with pytest.raises(KeyboardInterrupt) as raised, pack.ShardPool(2, [("task", k, None, None) for k in range(4)]) \
+    with pytest.raises(KeyboardInterrupt) as raised, pack.shard_pool(2, [("task", k, None, None) for k in range(4)]) \
             as pool:
         list(pool)
-    assert raised.traceback[-1].name == "__iter__"  # ShardPool's loop, not a lock's wait inside concurrent.futures
+    assert raised.traceback[-1].name == "written"  # the pool's loop, not a lock's wait inside concurrent.futures
     assert time.monotonic() - started < 15 and signal.getsignal(signal.SIGINT) is before
 
 
