@@ -1,5 +1,4 @@
-"""A run from its start to its end: `run`, a rank's entry point (cli.py hands it to launch/), builds the run's
-parts (`build`: train/build.py's steps in their order, then the Trainer and the start-up table) and the Trainer
+"""A rank's run (`run`, cli.py's entry point): `build` makes its parts in train/build.py's order, and the Trainer
 trains them: epochs, validation, checkpoints and the stop every rank agrees on."""
 
 from __future__ import annotations
@@ -55,7 +54,7 @@ from imagenet_elastic.train.build import (
     step_context,
 )
 from imagenet_elastic.train.state import EpochTally, PendingSteps
-from imagenet_elastic.train.step import StepContext, evaluate, train_step
+from imagenet_elastic.train.step import StepContext, evaluate
 
 
 @dataclass(frozen=True)
@@ -81,9 +80,8 @@ class Trainer:
         self.resumed_into = state.epoch if resumed else None  # marked in its metrics row
         # where the run starts: the checkpoint kept until this run saves one
         self.started_from = (resumed, (state.step, state.epoch, state.tally.samples)) if resumed else None
-        self.stepped = False  # this process trained a step
-        self.finished = False
-        self.saved_once = False  # this run saved a checkpoint (its first is followed by config.yaml)
+        # this process trained a step; the run finished; it saved a checkpoint (its first is followed by config.yaml)
+        self.stepped = self.finished = self.saved_once = False
 
     def fit(self) -> None:
         """Train the epochs left, with Ctrl-C a stop like a preemption signal's while they train (launch/
@@ -145,11 +143,8 @@ class Trainer:
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
-                lr, micro = r.schedule.at(state.step), r.micro
-                if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
-                    loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
-                else:  # the loader's micro-batches as they are
-                    loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed, state.step)
+                lr = r.schedule.at(state.step)
+                loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
@@ -230,8 +225,6 @@ class Trainer:
             f"training step {self.state.step + 1}" if kind == "training" else "validation")
         self.training.micro.decode_failed(kind, what, error, again)
 
-    # ------------------------------------------------------------------ checkpoints and stopping
-
     def save(self, epoch_end: bool, is_best: bool = False, best_of: Optional[str] = None) -> None:
         """`best_of`: which weights scored the epoch's top-1 (model or model_ema); None mid-epoch."""
         state = self.state
@@ -286,8 +279,6 @@ class Trainer:
         lost = f"lost: {counted(step - at, 'step')} trained since" if step > at else "nothing lost"
         again = "; --resume continues from it" if path == self.checkpointer.files.last_path else ""
         self.console.info(f"Ctrl-C: stopped at once after step {step}; kept {path} (step {at}, {where}); {lost}{again}")
-
-    # ------------------------------------------------------------------ reporting
 
     def say_where_it_starts(self) -> None:
         """Where training continues from; rank 0 also tidies the folder it holds the lock of."""
@@ -375,9 +366,6 @@ def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], 
         return None
     row = max(history, key=lambda r: scored(r)[0])
     return row, scored(row)[1]
-
-
-# ------------------------------------------------------------------ the run: its entry point and its build
 
 
 def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, Source]] = None) -> Trainer:
