@@ -1,10 +1,9 @@
-"""One job: every rank trains on the same data, settings, code and checkpoint, or none starts.
-
-Node-local ImageNet copies differing by a file, a stale package or launch script on some nodes, a node-local
-checkpoints folder: each trains without error while the sampler's images, exact resume or a re-formed job's restart
-silently go wrong. So once the process group forms, each rank sends a fingerprint of a few hundred bytes (one
-all-gather); any difference ends every rank with one line naming it, before any work or write. Only then do the
-ranks exchange more, to name the first differing setting or file."""
+"""One job: every rank trains on the same data, settings, code and checkpoint, or none starts. Node-local copies
+differing by a file, a stale package on some nodes, a node-local checkpoints folder would each train without error
+while the sampler's images, exact resume or a re-formed job's restart silently go wrong. So once the process group
+forms, each rank sends a fingerprint of a few hundred bytes (one all-gather); a difference ends every rank with one
+line naming it, before any work or write. Only then do the ranks exchange more, to name the first differing setting
+or file."""
 
 from __future__ import annotations
 
