@@ -1,9 +1,7 @@
-"""A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains).
-The order is the point: input errors fail in the first step, before any worker or process group exists (seconds
-lost, nothing left behind); loader workers fork before the process group's threads exist; ranks compare their inputs
-(consistency.py) and receive rank 0's checkpoint only once they can talk. Each step that takes something registers
-its release on the run's ExitStack, so a failure at any later step, and the run's end, release them in reverse
-order."""
+"""A run's parts, built by trainer.py's `build` in a fixed order of named steps. The order is the point: input errors
+fail in the first step, before any worker or process group exists; loader workers fork before the process group's
+threads exist; ranks compare their inputs (consistency.py) and receive rank 0's checkpoint only once they can talk. A
+step that takes something registers its release on the run's ExitStack: a later failure, or the end, releases it."""
 
 from __future__ import annotations
 
@@ -164,8 +162,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         forked = env.is_main and not checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
-    initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
-        else None
+    initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None else None
     if config.pretrained and weights is None and snapshot is None:
         weights = fetch_published(config.model)  # a bare --resume that found no checkpoint: a fresh start
     return Inputs(device, threads, train, val, checkpoints, resume_from, from_main, time.perf_counter() - start,
@@ -210,7 +207,7 @@ def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: O
     """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
     if not run.env.is_main:
         return None
-    saved = (snapshot.get("data") if snapshot is not None else None) or {}
+    saved = (snapshot or {}).get("data") or {}
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
     warn_differences(run.console, [fingerprints.difference(saved.get(role), source, taken[role])
