@@ -53,11 +53,8 @@ def regroup(batches: list[Batch], given: list[slice], wanted: list[slice]) -> li
 
 def fitting_plan(global_batch: int, world_size: int, size: int, mixes: bool) -> Optional[BatchPlan]:
     """The plan of the largest micro-batches of at most `size` keeping mixing's pairs whole on every rank, or None."""
-    for candidate in range(size, 0, -1):
-        plan = BatchPlan(global_batch, world_size, candidate)
-        if not mixes or all(whole_pairs(part) for part in plan.all_micro_slices()):
-            return plan
-    return None
+    plans = (BatchPlan(global_batch, world_size, candidate) for candidate in range(size, 0, -1))
+    return next((plan for plan in plans if not mixes or all(map(whole_pairs, plan.all_micro_slices()))), None)
 
 
 class MicroBatches:
