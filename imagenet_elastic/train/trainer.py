@@ -121,11 +121,10 @@ class Trainer:
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             taught = f" (task {row['train_task_loss']:.4f}, distillation {row['train_distill_loss']:.4f})" \
                 if "train_distill_loss" in row else ""
-            self.console.info(
-                f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f}{taught} | "
-                f"val loss {row['val_loss']:.4f} top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% "
-                f"({row['val_samples']} images){ema} | "
-                f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
+            self.console.info(f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f}{taught} | val loss "
+                              f"{row['val_loss']:.4f} top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% "
+                              f"({row['val_samples']} images){ema} | {row['images_per_sec']:.1f} img/s | "
+                              f"{row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
         self.preempt.checkpoint_on_interrupt = False  # trained: a Ctrl-C now loses nothing by stopping at once
@@ -288,8 +287,7 @@ class Trainer:
             best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
             self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
             # metrics.jsonl as the checkpoint holds it: rows of epochs trained after it (by a run that died) go
-            history = list(state.history)
-            distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, history))
+            distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, list(state.history)))
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.files.last_path}: starting fresh")
         distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
