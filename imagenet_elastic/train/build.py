@@ -232,11 +232,11 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
     built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
+    sizes = run_sizes(config, built_for)
     if min(part.stop - part.start for part in plan.all_micro_slices()) == 1:
-        check_one_image_micro_batches(config, classes, plan, run_sizes(config, built_for))
+        check_one_image_micro_batches(config, classes, plan, sizes)
     model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
-                                     config.grad_checkpointing, run_sizes(config, built_for)),
-                        inputs.device, config.channels_last)
+                                     config.grad_checkpointing, sizes), inputs.device, config.channels_last)
     if inputs.teacher is not None and has_distillation_head(model):
         model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average
     if inputs.published is not None:
