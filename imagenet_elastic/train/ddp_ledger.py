@@ -51,6 +51,5 @@ def count_and_all_reduce(ledger, bucket):  # type: ignore[no-untyped-def]
     """DDP's default reduction (the mean over ranks) of one bucket, counted: the bucket times the 1/world-size float
     DDP applies while filling it, so the same bits. (No annotations: DDP checks them; ours are strings.)"""
     ledger.launched += 1
-    tensor = bucket.buffer().mul_(ledger.scale)
-    work = dist.all_reduce(tensor, group=ledger.ddp.process_group, async_op=True)
+    work = dist.all_reduce(bucket.buffer().mul_(ledger.scale), group=ledger.ddp.process_group, async_op=True)
     return work.get_future().then(lambda done: done.value()[0])
