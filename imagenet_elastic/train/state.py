@@ -62,8 +62,7 @@ class PendingSteps:
     def __init__(self, device: torch.device, parts: tuple[str, ...] = ()) -> None:
         self.names = parts
         self.loss = torch.zeros(1 + len(parts), dtype=torch.float64, device=device)  # partial sums add up the same
-        self.steps = 0
-        self.start = time.perf_counter()
+        self.steps, self.start = 0, time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
