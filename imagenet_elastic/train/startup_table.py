@@ -35,10 +35,9 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training
         ("train images", inputs.train.describe()),
         ("val images", inputs.val.describe()),
         ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
-        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous "
-                     f"{env.master_addr}:{env.master_port}; every rank has the same data, "
-                     f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
-         else "none (single process)"),
+        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous {env.master_addr}:"
+                     f"{env.master_port}; every rank has the same data, settings, code and checkpoints folder "
+                     f"(checked in {checked_s:.2f} s)" if checked_s is not None else "none (single process)"),
         ("global batch", training.micro.plan.describe()),
         ("micro-batch", training.micro.describe()),
         ("initial weights", training.start if not training.resume_from else f"from {training.resume_from}"),
