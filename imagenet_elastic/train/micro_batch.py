@@ -196,7 +196,7 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
         how = (f"the largest that fits {describe_gpu(name, memory)} (probed in {time.perf_counter() - start:.1f} s "
                f"from {first}, eager)")
     else:
-        size, how = first, "--batch-size's" + (" (nothing to probe on a CPU)" if device.type != "cuda" else "")
+        size, how = first, "--batch-size's (nothing to probe on a CPU)"  # the device is a CPU or CUDA
     # the smallest over ranks (they may sit on different GPUs), through the CPU control group
     agreed = -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0])
     if agreed < size:
