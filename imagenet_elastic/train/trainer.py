@@ -31,13 +31,10 @@ from imagenet_elastic.errors import (
 )
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.models.compile import Compilation
-from imagenet_elastic.report import metrics
+from imagenet_elastic.report import metrics, samplelog
 from imagenet_elastic.report.console import Console, EpochProgress, clock
 from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
-from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
-from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train import startup_table
 from imagenet_elastic.train.build import (
@@ -62,7 +59,7 @@ class Reports:
     """Beyond the console: the curves' sinks, the sample log, the first step's compile and restart facts."""
 
     sinks: Sinks
-    sample_log: SampleLog
+    sample_log: samplelog.SampleLog
     compilation: Compilation
     restart_cost: Optional[RestartCost] = None  # a resumed run's
 
@@ -105,8 +102,10 @@ class Trainer:
     def train_epochs(self) -> None:
         c, state = self.config, self.state
         self.say_where_it_starts()
-        if state.epoch >= c.epochs:
-            self.console.info(nothing_to_do(state.epoch, c.epochs))
+        if state.epoch >= c.epochs:  # the checkpoint trained them all (a smaller --epochs: more)
+            done = (f"all {counted(c.epochs, 'epoch')} of --epochs {c.epochs}" if state.epoch == c.epochs else
+                    f"{counted(state.epoch, 'epoch')}, more than --epochs {c.epochs}; a larger --epochs trains on")
+            self.console.info(f"nothing to do: the checkpoint already completed {done}")
             self.finished = True
             return
         for epoch in range(state.epoch, c.epochs):
@@ -337,19 +336,11 @@ def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name:
     return Preempted(PREEMPTED_EXIT)
 
 
-def peer_stopped_first(error: BaseException, preempt: PreemptionFlag) -> bool:
+def peer_stopped_first(error: BaseException, preempt: preemption.PreemptionFlag) -> bool:
     """A start-up that failed on a vanished peer (the rendezvous, a collective) on a rank that was sent a preemption
     signal too, which it took only once the wait in C++ returned: the peer's stop, met first, is this rank's too."""
     return (preempt.received is not None and not preempt.training_began and not preempt.interrupted
             and (isinstance(error, RendezvousError) or distributed.peer_left(error)))
-
-
-def nothing_to_do(done: int, epochs: int) -> str:
-    """What a run whose checkpoint already trained --epochs epochs or more (a smaller --epochs) says."""
-    if done == epochs:
-        return f"nothing to do: the checkpoint already completed all {counted(epochs, 'epoch')} of --epochs {epochs}"
-    return (f"nothing to do: the checkpoint already completed {counted(done, 'epoch')}, more than --epochs {epochs}; "
-            "a larger --epochs trains on")
 
 
 def scored(row: dict[str, Any]) -> tuple[float, bool]:
@@ -382,7 +373,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
     ctx = step_context(run, inputs, training, compilation)
     training = replace(training, micro=fit_micro_batches(run, inputs, training, ctx))
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
-    sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+    sample_log = samplelog.SampleLog(os.environ.get(samplelog.ENV_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
             if training.resumed_at is not None else None)
     sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
@@ -400,7 +391,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
 def run(config: Config, env: DistEnv) -> None:
     console = Console(env.is_main, env.rank)
     # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
-    preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
+    preempt = preemption.PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:
         with contextlib.ExitStack() as stack:
             # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's
