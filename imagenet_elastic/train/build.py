@@ -181,8 +181,7 @@ def check_model_options(c: Config) -> None:
                         "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
-def check_one_image_micro_batches(c: Config, classes: int, plan: BatchPlan, sizes: tuple[tuple[int, str], ...]
-                                  ) -> None:
+def check_one_image_micro_batches(c: Config, classes: int, plan: BatchPlan, sizes: tuple[tuple[int, str], ...]) -> None:
     """A micro-batch of one image leaves a batch norm after global pooling one value per channel, which torch refuses
     at the first step: tried on a meta-device copy at the smallest training size, it is one line before training."""
     with torch.device("meta"):

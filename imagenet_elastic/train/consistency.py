@@ -111,8 +111,7 @@ def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray,
     return f"the lists agree up to image #{common}, where only {name} goes on, with {_text(longer[common])}"
 
 
-def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,
-             train: Source, val: Source) -> str:
+def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config, train: Source, val: Source) -> str:
     """The line saying what differs; a collective where fingerprints cannot say it (all ranks call it alike)."""
     first, main, other = ranks[0], prints[0], prints[ranks[0]]
     zero = f"rank 0 ({main.host})"
