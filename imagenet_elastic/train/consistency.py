@@ -149,7 +149,7 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
                    checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> None:
     """One all-gather of the ranks' fingerprints; JobMismatch on every rank when they differ."""
-    mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
+    mark = (int(checkpoint["step"]), int((checkpoint.get("epoch_progress") or {}).get("samples", 0)),
             float(checkpoint["saved_at"])) if checkpoint is not None else None
     prints = distributed.all_gather_object(Fingerprint(
         code_version(), settings_digest(shared_settings(config)), folder_token, mark, train.fingerprint(),

@@ -119,7 +119,7 @@ class TrainState:
             self.scaler.load_state_dict(snapshot["scaler"])
         self.epoch, self.step, self.best_top1 = snapshot["epoch"], snapshot["step"], snapshot["best_top1"]
         self.history = list(snapshot["history"])
-        self.tally = EpochTally(**snapshot.get("epoch_progress", {}))
+        self.tally = EpochTally(**(snapshot.get("epoch_progress") or {}))  # absent or None: the epoch's start
         apply_rng(snapshot["rng"])
 
 
