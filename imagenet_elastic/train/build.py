@@ -1,9 +1,7 @@
-"""A run's parts, built in a fixed order of named steps (trainer.py's `build` calls them, then trains).
-The order is the point: input errors fail in the first step, before any worker or process group exists (seconds
-lost, nothing left behind); loader workers fork before the process group's threads exist; ranks compare their inputs
-(consistency.py) and receive rank 0's checkpoint only once they can talk. Each step that takes something registers
-its release on the run's ExitStack, so a failure at any later step, and the run's end, release them in reverse
-order."""
+"""A run's parts, built by trainer.py's `build` in a fixed order of named steps. The order is the point: input errors
+fail in the first step, before any worker or process group exists; loader workers fork before the process group's
+threads exist; ranks compare their inputs (consistency.py) and receive rank 0's checkpoint only once they can talk. A
+step that takes something registers its release on the run's ExitStack: a later failure, or the end, releases it."""
 
 from __future__ import annotations
 
@@ -20,7 +18,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint import share, store
-from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock
 from imagenet_elastic.config import Config
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.decoding import Decoding, Feed
@@ -41,7 +38,6 @@ from imagenet_elastic.models.create import (
     saved_sizes,
 )
 from imagenet_elastic.models.device import Precision, place_model, resolve_precision, use_fastest_kernels
-from imagenet_elastic.models.teacher_weights import TeacherWeights
 from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
@@ -49,7 +45,6 @@ from imagenet_elastic.report import samplelog, sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
 from imagenet_elastic.train.distillation import LOGIT, Distillation, Teacher, has_distillation_head, loss_weights
-from imagenet_elastic.train.micro_batch import MicroBatches
 from imagenet_elastic.train.state import TrainState, apply_checkpoint, check_compatible, check_resumable
 from imagenet_elastic.train.step import StepContext, TrainLoss
 
@@ -81,8 +76,8 @@ class Training:
     tracker_runs: dict[str, str]  # the experiment trackers' runs the checkpoint continues (report/sinks/tracker.py)
     saved_micro_batch: Optional[dict[str, Any]] = None  # --micro-batch auto's choice the checkpoint kept
     saved_decoding: Optional[dict[str, str]] = None  # how the checkpoint's run decoded (decoding.Decoding.saved)
-    micro: Optional[MicroBatches] = None  # the micro-batches steps compute in (set on a copy: fit_micro_batches)
-    teacher: Optional[TeacherWeights] = None  # --teacher's, read by check_inputs; its identity goes in checkpoints
+    micro: Optional[micro_batch.MicroBatches] = None  # the steps' micro-batches, set on a copy (fit_micro_batches)
+    teacher: Optional[teacher_weights.TeacherWeights] = None  # --teacher's; its identity goes in checkpoints
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, kept in checkpoints (fingerprints.py)
 
 
@@ -104,13 +99,13 @@ class Inputs:
     threads: int
     train: sources.Source  # the training split's samples
     val: sources.Source
-    checkpoints: CheckpointFolder
+    checkpoints: store.CheckpointFolder
     resume_from: Optional[str]  # the checkpoint the run starts from; None: from scratch
     from_main: bool  # this rank only mapped the checkpoint: its state comes from rank 0 (share_checkpoint)
     load_seconds: float
     initial_state: Optional[InitialWeights]  # --initial-checkpoint's, for a run that starts fresh
     published: Optional[Weights]  # --pretrained's weights, for a run that starts fresh
-    teacher: Optional[TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
+    teacher: Optional[teacher_weights.TeacherWeights]  # --teacher's model, frozen, on the CPU (a training run's only)
     sinks: tuple[sinks.Sink, ...]  # rank 0's: steps.jsonl, TensorBoard, the trackers (--wandb, ...), checked
     data: Optional[dict[str, Any]] = None  # rank 0's fingerprint of each split, for checkpoints (check_data)
     forked: bool = False  # rank 0: continues a checkpoint from elsewhere in a new folder, as a run of its own
@@ -143,10 +138,10 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         console.warn(note)
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
-    checkpoints = CheckpointFolder(config.checkpoints_path, config.keep_checkpoints, console.warn)
+    checkpoints = store.CheckpointFolder(config.checkpoints_path, config.keep_checkpoints, console.warn)
     store.check_writable(config.checkpoints_path)
     if env.is_main:
-        lock, wait = CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
+        lock, wait = store.CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
         lock.acquire(wait, lambda holder: console.warn(
             f"{config.checkpoints_path} is locked by {holder}; waiting up to {wait:g} s"))
         stack.callback(lock.release)
@@ -164,8 +159,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         forked = env.is_main and not checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
-    initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None \
-        else None
+    initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None else None
     if config.pretrained and weights is None and snapshot is None:
         weights = fetch_published(config.model)  # a bare --resume that found no checkpoint: a fresh start
     return Inputs(device, threads, train, val, checkpoints, resume_from, from_main, time.perf_counter() - start,
@@ -187,8 +181,7 @@ def check_model_options(c: Config) -> None:
                         "`*_distilled_*` models have one); a student without one learns the teacher's logits (KL)")
 
 
-def check_one_image_micro_batches(c: Config, classes: int, plan: BatchPlan, sizes: tuple[tuple[int, str], ...]
-                                  ) -> None:
+def check_one_image_micro_batches(c: Config, classes: int, plan: BatchPlan, sizes: tuple[tuple[int, str], ...]) -> None:
     """A micro-batch of one image leaves a batch norm after global pooling one value per channel, which torch refuses
     at the first step: tried on a meta-device copy at the smallest training size, it is one line before training."""
     with torch.device("meta"):
@@ -210,7 +203,7 @@ def check_data(run: Run, train: sources.Source, val: sources.Source, snapshot: O
     """Rank 0: warns of each split differing from the checkpoint's run's; returns their fingerprints for checkpoints."""
     if not run.env.is_main:
         return None
-    saved = (snapshot.get("data") if snapshot is not None else None) or {}
+    saved = (snapshot or {}).get("data") or {}
     splits = {"train": train, "val": val}
     taken = {role: fingerprints.fingerprint(source) for role, source in splits.items()}  # its cost: docs/BENCHMARKS.md
     warn_differences(run.console, [fingerprints.difference(saved.get(role), source, taken[role])
@@ -235,11 +228,11 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
     built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
+    sizes = run_sizes(config, built_for)
     if min(part.stop - part.start for part in plan.all_micro_slices()) == 1:
-        check_one_image_micro_batches(config, classes, plan, run_sizes(config, built_for))
+        check_one_image_micro_batches(config, classes, plan, sizes)
     model = place_model(create_model(config.model, classes, config.drop_path, config.blurpool, inputs.published,
-                                     config.grad_checkpointing, run_sizes(config, built_for)),
-                        inputs.device, config.channels_last)
+                                     config.grad_checkpointing, sizes), inputs.device, config.channels_last)
     if inputs.teacher is not None and has_distillation_head(model):
         model.set_distilled_training(True)  # training's forward gives both heads' logits; eval's still their average
     if inputs.published is not None:
@@ -388,7 +381,7 @@ def step_context(run: Run, inputs: Inputs, training: Training, compilation: Comp
                        config.clip_grad_norm, config.grad_checkpointing, distillation)
 
 
-def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepContext) -> MicroBatches:
+def fit_micro_batches(run: Run, inputs: Inputs, training: Training, ctx: StepContext) -> micro_batch.MicroBatches:
     """--batch-size's micro-batches, or under --micro-batch auto the largest that fits this GPU (the checkpoint's
     choice for it, else probed: memory_probe.py), after DDP's buckets and the EMA copy took their memory."""
     config, env, console = run.config, run.env, run.console

@@ -1,10 +1,9 @@
-"""One job: every rank trains on the same data, settings, code and checkpoint, or none starts.
-
-Node-local ImageNet copies differing by a file, a stale package or launch script on some nodes, a node-local
-checkpoints folder: each trains without error while the sampler's images, exact resume or a re-formed job's restart
-silently go wrong. So once the process group forms, each rank sends a fingerprint of a few hundred bytes (one
-all-gather); any difference ends every rank with one line naming it, before any work or write. Only then do the
-ranks exchange more, to name the first differing setting or file."""
+"""One job: every rank trains on the same data, settings, code and checkpoint, or none starts. Node-local copies
+differing by a file, a stale package on some nodes, a node-local checkpoints folder would each train without error
+while the sampler's images, exact resume or a re-formed job's restart silently go wrong. So once the process group
+forms, each rank sends a fingerprint of a few hundred bytes (one all-gather); a difference ends every rank with one
+line naming it, before any work or write. Only then do the ranks exchange more, to name the first differing setting
+or file."""
 
 from __future__ import annotations
 
@@ -112,8 +111,7 @@ def first_file_difference(mine: Source, main: tuple[tuple[str, ...], np.ndarray,
     return f"the lists agree up to image #{common}, where only {name} goes on, with {_text(longer[common])}"
 
 
-def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config,
-             train: Source, val: Source) -> str:
+def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Config, train: Source, val: Source) -> str:
     """The line saying what differs; a collective where fingerprints cannot say it (all ranks call it alike)."""
     first, main, other = ranks[0], prints[0], prints[ranks[0]]
     zero = f"rank 0 ({main.host})"
@@ -151,7 +149,7 @@ def describe(name: str, ranks: list[int], prints: list[Fingerprint], config: Con
 def check_same_job(config: Config, train: Source, val: Source, folder_token: Optional[str],
                    checkpoint: Optional[dict[str, Any]], teacher: Optional[str] = None) -> None:
     """One all-gather of the ranks' fingerprints; JobMismatch on every rank when they differ."""
-    mark = (int(checkpoint["step"]), int(checkpoint.get("epoch_progress", {}).get("samples", 0)),
+    mark = (int(checkpoint["step"]), int((checkpoint.get("epoch_progress") or {}).get("samples", 0)),
             float(checkpoint["saved_at"])) if checkpoint is not None else None
     prints = distributed.all_gather_object(Fingerprint(
         code_version(), settings_digest(shared_settings(config)), folder_token, mark, train.fingerprint(),

@@ -1,13 +1,11 @@
 """What a rank owes the others under DDP when its step failed part-way (an out-of-memory error), so that no rank
-waits forever in a collective the failed one never joins, and the step can be redone by all.
+waits forever in a collective the failed one never joins, and all redo the step.
 
-A step's collectives: the buffers' broadcast before the first forward, then one all-reduce per gradient bucket in
-the last backward. A failed rank made a prefix of these, and the others block in the first it missed, so it makes
-the rest with zero gradients (`settle`), as DDP's join mode does; `entered` (a forward pre-hook) and `launched` (a
-counting communication hook) mark where it stopped. A backward that raised leaves the reducer refusing the next
-iteration: `reset` (DDP's `_reset_state`, as `_update_process_group` uses it) restarts it on every rank, so all
-rebuild buckets at the same forward; the step is then redone: zeros never reach an optimizer. Private DDP parts used
-(torch >= 2.3): `_pre_forward`, the reducer's `_get_zeros_like_grad_buckets` and `_run_comm_hook`."""
+It made a prefix of the step's collectives (the buffers' broadcast before the first forward, one all-reduce per
+gradient bucket in the last backward; `entered` and `launched` mark where it stopped), and `settle` makes the rest with
+zero gradients, as DDP's join mode does. A backward that raised leaves the reducer refusing the next iteration: `reset`
+(DDP's `_reset_state`) restarts it on every rank, which rebuild buckets alike; zeros never reach an optimizer. Private
+DDP parts used (torch >= 2.3): `_pre_forward`, the reducer's `_get_zeros_like_grad_buckets` and `_run_comm_hook`."""
 
 from __future__ import annotations
 
@@ -53,6 +51,5 @@ def count_and_all_reduce(ledger, bucket):  # type: ignore[no-untyped-def]
     """DDP's default reduction (the mean over ranks) of one bucket, counted: the bucket times the 1/world-size float
     DDP applies while filling it, so the same bits. (No annotations: DDP checks them; ours are strings.)"""
     ledger.launched += 1
-    tensor = bucket.buffer().mul_(ledger.scale)
-    work = dist.all_reduce(tensor, group=ledger.ddp.process_group, async_op=True)
+    work = dist.all_reduce(bucket.buffer().mul_(ledger.scale), group=ledger.ddp.process_group, async_op=True)
     return work.get_future().then(lambda done: done.value()[0])

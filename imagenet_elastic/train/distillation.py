@@ -1,10 +1,8 @@
 """Knowledge distillation's loss, as timm 1.0 defines it (timm/task/distillation.py and token_distillation.py):
-logit distillation, for any student, is the KL divergence from the teacher's distribution to the student's, both at
-temperature T, batch mean, times T^2 (so the gradient keeps its scale as T changes; Hinton et al.); token
-distillation, for a student with DeiT's distillation head (`*_distilled_*`), teaches the class head the task and the
-distillation head the teacher, soft (the same KL) or hard (cross-entropy with the teacher's top class); in eval mode
-timm averages the two heads, so validation scores that average. The total weighs task and distillation losses
-(`loss_weights`)."""
+logit distillation, for any student, is KL(teacher || student) at temperature T, batch mean, times T^2 (the gradient
+keeps its scale as T changes; Hinton et al.); token distillation, for a student with DeiT's distillation head
+(`*_distilled_*`), teaches the class head the task and the distillation head the teacher, soft (the same KL) or hard
+(cross-entropy with the teacher's top class); in eval mode timm averages the two heads, and validation scores that."""
 
 from __future__ import annotations
 
@@ -73,11 +71,9 @@ class Distillation:
 
 
 class Teacher:
-    """`teacher(images)`: the teacher's logits (float32) for the student's augmented and mixed batch (NCHW, normalised
-    for the student) as the teacher's own preprocessing would make it: renormalised to its mean and std and, for
-    another input size, resized on the device (bilinear, antialiased, as torchvision and timm resize), both keeping
-    the student's memory layout; else the student's very tensor. Frozen, in eval mode, without gradients, in the
-    run's precision; not DDP-wrapped: each rank holds its own copy, and nothing of it is reduced."""
+    """`teacher(images)`: the teacher's logits (float32) for the student's augmented, mixed batch, renormalised to
+    the teacher's mean and std and resized to its input size on the device (bilinear, antialiased, as torchvision and
+    timm) where they differ. Frozen, eval mode, the run's precision; not DDP-wrapped: each rank's own copy."""
 
     def __init__(self, weights: TeacherWeights, student: ModelInput) -> None:
         self.model = place_model(weights.model, student.device, student.channels_last).eval().requires_grad_(False)
@@ -102,6 +98,4 @@ def renormalisation(student: ModelInput, teacher: TeacherInput
                  for v in (teacher.mean, teacher.std))
     if torch.equal(mean.float(), student.mean.float()) and torch.equal(std.float(), student.std.float()):
         return None, None
-    scale = student.std.double() / std
-    shift = (student.mean.double() - mean) / std
-    return scale.float(), shift.float()
+    return (student.std.double() / std).float(), ((student.mean.double() - mean) / std).float()

@@ -1,11 +1,7 @@
-"""--micro-batch auto's probe: the largest micro-batch whose training step fits the device, found before the first
-step by trying it, and halving after each out-of-memory error.
-
-A trial costs the device what a step does: the run's model (beside the EMA copy and DDP's buckets), precision and
-layout, the largest training size, forward, backward and optimizer step, twice (the second beside the optimizer's
-state and the first's gradients). It runs eager, even under --compile: compiling each size would cost minutes, and a
-compiled step usually keeps fewer activations, so it errs safe; the step's own halving catches the rest. It leaves
-no trace (`untouched`): a run that probed trains the same bits."""
+"""--micro-batch auto's probe: the largest micro-batch whose training step (the run's model, precision, layout and
+largest training size; forward, backward and optimizer step, twice) fits the device, halving after each out-of-memory
+error. Eager even under --compile: compiling each size would cost minutes, and a compiled step usually keeps fewer
+activations, so it errs safe. It leaves no trace (`untouched`): a run that probed trains the same bits."""
 
 from __future__ import annotations
 
@@ -27,11 +23,9 @@ def largest_that_fits(fits: Callable[[int], bool], first: int, smaller: Callable
                       ) -> Optional[int]:
     """The first size from `first` down (`smaller(size)`; None: no smaller) for which `fits` holds, or None."""
     size: Optional[int] = first
-    while size is not None:
-        if fits(size):
-            return size
+    while size is not None and not fits(size):
         size = smaller(size)
-    return None
+    return size
 
 
 def step_fits(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput,
@@ -94,10 +88,10 @@ def untouched(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[No
 
 
 def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dict]]:
-    """A host copy of the optimizer's state, each value with the device it was on (None: not a tensor), and of the
-    group settings (timm's LAMB counts steps in the group)."""
-    state = {param: {key: (value.detach().to("cpu", copy=True), value.device) if isinstance(value, torch.Tensor)
-                     else (copy.deepcopy(value), None) for key, value in entries.items()}
+    """The optimizer's state tensors, each beside a host copy of its values (None and a copy for a value that is not
+    a tensor), and the group settings (timm's LAMB counts steps in the group)."""
+    state = {param: {key: (value, value.detach().to("cpu", copy=True)) if isinstance(value, torch.Tensor)
+                     else (None, copy.deepcopy(value)) for key, value in entries.items()}
              for param, entries in optimizer.state.items()}
     groups = [{key: copy.deepcopy(value) for key, value in group.items() if key != "params"}
               for group in optimizer.param_groups]
@@ -105,31 +99,21 @@ def optimizer_snapshot(optimizer: torch.optim.Optimizer) -> tuple[dict, list[dic
 
 
 def optimizer_restore(optimizer: torch.optim.Optimizer, snapshot: tuple[dict, list[dict]]) -> None:
-    """The snapshot written back into the optimizer's tensors (layout, device kept); state made since is dropped.
-    Copies, never the snapshot's own tensors: it is written back again after each trial."""
+    """The snapshot's values written back into the very tensors it was taken from (layout, device and identity kept);
+    state made since is dropped. The host copies are only read: they may be written back again."""
     state, groups = snapshot
-    for param in list(optimizer.state):
-        if param not in state:
-            del optimizer.state[param]
-            continue
+    for param in [p for p in optimizer.state if p not in state]:
+        del optimizer.state[param]
+    for param, saved in state.items():
         entries = optimizer.state[param]
-        for key in list(entries):
-            if key not in state[param]:
-                del entries[key]
-        for key, (value, device) in state[param].items():
-            current = entries.get(key)
-            if device is None:
-                entries[key] = copy.deepcopy(value)
-            elif isinstance(current, torch.Tensor) and current.shape == value.shape and current.dtype == value.dtype \
-                    and current.device == device:
-                with torch.no_grad():
-                    current.copy_(value)
-            else:
-                entries[key] = value.to(device, copy=True)
-    for group, saved in zip(optimizer.param_groups, groups):
-        for key in [k for k in group if k != "params" and k not in saved]:
+        entries.clear()
+        with torch.no_grad():
+            for key, (tensor, value) in saved.items():
+                entries[key] = copy.deepcopy(value) if tensor is None else tensor.copy_(value)
+    for group, saved_group in zip(optimizer.param_groups, groups):
+        for key in [k for k in group if k != "params" and k not in saved_group]:
             del group[key]
-        group.update(saved)
+        group.update(saved_group)
 
 
 def probe(model: nn.Module, optimizer: torch.optim.Optimizer, criterion: nn.Module, to: ModelInput, image_size: int,

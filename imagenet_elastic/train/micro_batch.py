@@ -1,11 +1,9 @@
-"""The micro-batches a training step computes in, and with --micro-batch auto the largest that fits the GPU
-(docs/LAUNCHING.md, "An out-of-memory error"): probed (memory_probe.py), kept in the checkpoints for that kind of GPU,
+"""The micro-batches a training step computes in; with --micro-batch auto the largest that fits the GPU
+(docs/LAUNCHING.md, "An out-of-memory error"): probed (memory_probe.py), kept in checkpoints for that kind of GPU,
 halved once per run for each kind of pass that still runs out of memory (validation per rank; a step on every rank,
-told by one flag all-reduce per step on the CPU group before the optimizer steps, the failed rank making the step's
-other collectives: ddp_ledger.py). `regroup` recuts the loader's --batch-size micro-batches at the positions a run
-started with the step's micro-batch has, so BatchNorm (only a share's first micro-batch updates the running
-statistics), dropout, drop path (drawn from step and position) and mixing see what that run sees (bit for bit on a
-CPU). An error in the optimizer's step is not caught: the weights have changed, and the probe ran that step too."""
+agreed by one flag all-reduce on the CPU group before the optimizer steps: ddp_ledger.py). `regroup` recuts the loader's
+micro-batches where a run started at the smaller size has them, so BatchNorm, dropout, drop path and mixing see what
+that run sees (bit for bit on a CPU). An error in the optimizer's step is not caught: the weights have changed."""
 
 from __future__ import annotations
 
@@ -55,11 +53,8 @@ def regroup(batches: list[Batch], given: list[slice], wanted: list[slice]) -> li
 
 def fitting_plan(global_batch: int, world_size: int, size: int, mixes: bool) -> Optional[BatchPlan]:
     """The plan of the largest micro-batches of at most `size` keeping mixing's pairs whole on every rank, or None."""
-    for candidate in range(size, 0, -1):
-        plan = BatchPlan(global_batch, world_size, candidate)
-        if not mixes or all(whole_pairs(part) for part in plan.all_micro_slices()):
-            return plan
-    return None
+    plans = (BatchPlan(global_batch, world_size, candidate) for candidate in range(size, 0, -1))
+    return next((plan for plan in plans if not mixes or all(map(whole_pairs, plan.all_micro_slices()))), None)
 
 
 class MicroBatches:
@@ -182,9 +177,6 @@ class MicroBatches:
         return text + "; a step or validation that runs out of memory is redone in halves (once per run each)"
 
 
-# ------------------------------------------------------------------ the choice at start
-
-
 def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.device,
            settings: dict[str, Any], saved: Optional[dict[str, Any]], probe: Callable[[int, Callable], int],
            warn: Callable[[str], None]) -> MicroBatches:
@@ -204,7 +196,7 @@ def choose(auto: bool, loader: BatchPlan, rank: int, mixes: bool, device: torch.
         how = (f"the largest that fits {describe_gpu(name, memory)} (probed in {time.perf_counter() - start:.1f} s "
                f"from {first}, eager)")
     else:
-        size, how = first, "--batch-size's" + (" (nothing to probe on a CPU)" if device.type != "cuda" else "")
+        size, how = first, "--batch-size's (nothing to probe on a CPU)"  # the device is a CPU or CUDA
     # the smallest over ranks (they may sit on different GPUs), through the CPU control group
     agreed = -int(distributed.all_reduce_max(torch.tensor([-size], dtype=torch.int64))[0])
     if agreed < size:

@@ -1,13 +1,9 @@
-"""Mixup and CutMix, on the device, per optimizer step, with partners and amounts that do not depend on
-how the global batch is split.
-
-Images 2k and 2k+1 of a global batch are partners: each becomes a mix of the two (mixup: a weighted average; cutmix:
-a box of the other pasted in), its target the same mix of their labels. Pair k draws lambda (Beta(alpha, alpha)),
-kind (half each when both are on) and box from a (seed, step) stream alone, so it mixes the same on any rank, in any
-micro-batch and after any restart, if every micro-batch holds whole pairs (`check_pairs`). torchvision's and timm's
-pair neighbours in the *local* batch and draw from the global generators, so partners and amounts would change with
-the world size, micro-batch size and restarts; the rest follows timm (a box of side sqrt(1 - lambda) centred
-anywhere and clipped, lambda corrected to the area pasted)."""
+"""Mixup and CutMix on the device, per optimizer step. Images 2k and 2k+1 of the *global* batch are partners, and
+pair k draws lambda (Beta(alpha, alpha)), kind (half each when both are on) and box from a (seed, step) stream alone:
+it mixes the same on any rank, in any micro-batch and after any restart, if every micro-batch holds whole pairs
+(`check_pairs`). torchvision's and timm's pair neighbours in the local batch and draw from the global generators, so
+their mixing changes with the world size; the rest follows timm (a box of side sqrt(1 - lambda) centred anywhere and
+clipped, lambda corrected to the area pasted)."""
 
 from __future__ import annotations
 

@@ -35,10 +35,9 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training
         ("train images", inputs.train.describe()),
         ("val images", inputs.val.describe()),
         ("world size", f"{env.world_size} ({env.local_world_size} per node), device {inputs.device}"),
-        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous "
-                     f"{env.master_addr}:{env.master_port}; every rank has the same data, "
-                     f"settings, code and checkpoints folder (checked in {checked_s:.2f} s)" if checked_s is not None
-         else "none (single process)"),
+        ("launcher", f"{env.launcher}, {group_options(inputs.device)['backend']}, rendezvous {env.master_addr}:"
+                     f"{env.master_port}; every rank has the same data, settings, code and checkpoints folder "
+                     f"(checked in {checked_s:.2f} s)" if checked_s is not None else "none (single process)"),
         ("global batch", training.micro.plan.describe()),
         ("micro-batch", training.micro.describe()),
         ("initial weights", training.start if not training.resume_from else f"from {training.resume_from}"),
@@ -46,9 +45,7 @@ def describe(console: Console, c: Config, env: DistEnv, inputs: Inputs, training
                       + ("per step" if c.model_ema_steps == 1 else f"every {c.model_ema_steps} steps")
                       + (" after timm's warmup" if c.model_ema_warmup else "")
          if training.state.ema is not None else "off"),
-        ("optimizer", f"{c.opt}, weight decay {c.weight_decay:g} ({describe_undecayed(training.state.optimizer)})"
-                      + describe_layer_decay(c.layer_decay, training.state.optimizer)
-                      + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")),
+        ("optimizer", describe_optimizer(c, training.state.optimizer)),
         ("loss", ("binary cross-entropy" + (f", targets > {c.bce_target_thresh:g} -> 1" if c.bce_target_thresh
                                             is not None else "") if c.bce_loss else "cross-entropy")
          + f", label smoothing {c.label_smoothing:g}" + (f", drop path {c.drop_path:g}" if c.drop_path else "")),
@@ -105,19 +102,17 @@ def describe_loader_workers(threads: int, feed: Feed) -> str:
     return text
 
 
-def describe_undecayed(optimizer: Any) -> str:
-    """Which parameters the groups leave undecayed (optimizer.param_groups): 1-D ones, and by name the others."""
-    named = [name for group in optimizer.param_groups if not group["weight_decay"]
+def describe_optimizer(c: Config, optimizer: Any) -> str:
+    """The parameters its groups leave undecayed (1-D ones, and by name the others), --layer-decay's LR scales."""
+    groups = optimizer.param_groups
+    named = [name for group in groups if not group["weight_decay"]
              for name, param in zip(group.get("param_names", ()), group["params"]) if param.ndim > 1]
-    return "none on 1-D parameters: norms, biases" + (f"; nor on {', '.join(named)} (no_weight_decay)" if named
-                                                       else "")
-
-
-def describe_layer_decay(layer_decay: Optional[float], optimizer: Any) -> str:
-    if layer_decay is None:
-        return ""
-    scales = sorted({group.get("lr_scale", 1.0) for group in optimizer.param_groups})
-    return f", layer decay {layer_decay:g}: {len(scales)} layers, LR x{scales[0]:.3g} to x{scales[-1]:.3g}"
+    text = f"{c.opt}, weight decay {c.weight_decay:g} (none on 1-D parameters: norms, biases" + (
+        f"; nor on {', '.join(named)} (no_weight_decay))" if named else ")")
+    if c.layer_decay is not None:
+        scales = sorted({group.get("lr_scale", 1.0) for group in groups})
+        text += f", layer decay {c.layer_decay:g}: {len(scales)} layers, LR x{scales[0]:.3g} to x{scales[-1]:.3g}"
+    return text + (f", gradient norm clipped to {c.clip_grad_norm:g}" if c.clip_grad_norm else "")
 
 
 def describe_mixing(c: Config) -> str:

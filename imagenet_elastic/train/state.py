@@ -21,13 +21,10 @@ FORMAT_VERSION = 2  # 2: mid-epoch progress (`epoch_progress`)
 
 def capture_rng() -> dict[str, Any]:
     np_state = np.random.get_state()
-    return {
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
-        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),
-                  *(v.item() if isinstance(v, np.generic) else v for v in np_state[2:])],  # plain for the pickle
-    }
+    return {"torch": torch.get_rng_state(), "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "python": [list(s) if isinstance(s, tuple) else s for s in random.getstate()],
+            "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)),  # plain for the pickle
+                      *(v.item() if isinstance(v, np.generic) else v for v in np_state[2:])]}
 
 
 def apply_rng(rng: dict[str, Any]) -> None:
@@ -65,8 +62,7 @@ class PendingSteps:
     def __init__(self, device: torch.device, parts: tuple[str, ...] = ()) -> None:
         self.names = parts
         self.loss = torch.zeros(1 + len(parts), dtype=torch.float64, device=device)  # partial sums add up the same
-        self.steps = 0
-        self.start = time.perf_counter()
+        self.steps, self.start = 0, time.perf_counter()
 
     def add(self, loss: torch.Tensor) -> None:
         self.loss += loss
@@ -107,22 +103,12 @@ class TrainState:
             self.ema.update(self.model, step=self.step // every)
 
     def capture(self, config: dict[str, Any], meta: dict[str, Any]) -> dict[str, Any]:
-        return {
-            "format_version": FORMAT_VERSION,
-            "model": self.model.state_dict(),
-            "model_ema": self.ema.module.state_dict() if self.ema is not None else None,
-            "optimizer": self.optimizer.state_dict(),
-            "scaler": self.scaler.state_dict(),
-            "epoch": self.epoch,
-            "step": self.step,
-            "best_top1": self.best_top1,
-            "history": self.history,
-            "epoch_progress": dataclasses.asdict(self.tally),
-            "rng": capture_rng(),
-            "config": config,
-            "saved_at": time.time(),
-            **meta,
-        }
+        return {"format_version": FORMAT_VERSION, "model": self.model.state_dict(),
+                "model_ema": self.ema.module.state_dict() if self.ema is not None else None,
+                "optimizer": self.optimizer.state_dict(), "scaler": self.scaler.state_dict(), "epoch": self.epoch,
+                "step": self.step, "best_top1": self.best_top1, "history": self.history,
+                "epoch_progress": dataclasses.asdict(self.tally), "rng": capture_rng(), "config": config,
+                "saved_at": time.time(), **meta}
 
     def apply(self, snapshot: dict[str, Any]) -> None:
         self.model.load_state_dict(snapshot["model"])
@@ -133,7 +119,7 @@ class TrainState:
             self.scaler.load_state_dict(snapshot["scaler"])
         self.epoch, self.step, self.best_top1 = snapshot["epoch"], snapshot["step"], snapshot["best_top1"]
         self.history = list(snapshot["history"])
-        self.tally = EpochTally(**snapshot.get("epoch_progress", {}))
+        self.tally = EpochTally(**(snapshot.get("epoch_progress") or {}))  # absent or None: the epoch's start
         apply_rng(snapshot["rng"])
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import Optional, Protocol
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 import torch
@@ -18,6 +18,9 @@ from imagenet_elastic.errors import one_line
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.mixing import Mixer
+
+if TYPE_CHECKING:  # micro_batch.py imports this module
+    from imagenet_elastic.train.micro_batch import MicroBatches
 
 
 @dataclass
@@ -107,12 +110,10 @@ class BufferCopy:
 
 
 class RunningStats:
-    """Batch norm normalises each micro-batch with its own statistics, but only the first micro-batch of each rank's
-    share updates the running averages (`frozen` around the others): under DDP the surviving averages are rank 0's,
-    the global batch's first slice's, so an elastic run evaluates like an uninterrupted one. The batch counter is
-    put back too, or it would differ between world sizes. Frozen means copied and written back, not momentum set to
-    0: a compiled forward guards on the momentum (a float), so an accumulating run would recompile at its second
-    micro-batch and keep two graphs."""
+    """Only the first micro-batch of each rank's share updates batch norm's running averages and counter (`frozen`
+    around the others): the surviving ones are the global batch's first slice's, at any world size. Frozen means
+    copied and written back, not momentum set to 0: a compiled forward guards on the momentum (a float), so an
+    accumulating run would recompile at its second micro-batch and keep two graphs."""
 
     def __init__(self, batch_norms: list[nn.Module]) -> None:
         self.batch_norms = batch_norms
@@ -195,23 +196,15 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
     ctx.scaler.update()
 
 
-class ValidationFit(Protocol):
-    """What halves validation's batches on an out-of-memory error: micro_batch.MicroBatches (which imports this
-    module), in training and under --evaluate."""
-
-    validation_batch: Optional[int]  # most images a forward pass takes; None: the whole batch, and OOM ends the run
-
-    def validation_failed(self, size: int, error: str) -> None: ...
-
-
 @torch.no_grad()
 def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
              columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None,
-             fit: Optional[ValidationFit] = None) -> EvalResult:
+             fit: Optional[MicroBatches] = None) -> EvalResult:
     """Each rank runs its shard on the *unwrapped* model (shards may differ in batch count; DDP's forward would wait
     on a collective), then sums add up across ranks. `flip_average`: logits averaged with the mirror's; `columns`:
     score only these classes (ImageNet-A/-R's 200), labels index it; `counts`: further sums; `fit`: batches cut to
-    `fit.validation_batch`, a piece out of memory told to `fit` (which halves or raises) and retried."""
+    `fit.validation_batch` (None: whole, and out of memory ends the run), a piece out of memory told to `fit` (which
+    halves or raises) and retried."""
     model.eval()
     extra = len(counts.names) if counts is not None else 0
     totals = torch.zeros(3 + extra, dtype=torch.float64, device=to.device)  # loss sum, top-1, top-5, counts

@@ -1,5 +1,4 @@
-"""A run from its start to its end: `run`, a rank's entry point (cli.py hands it to launch/), builds the run's
-parts (`build`: train/build.py's steps in their order, then the Trainer and the start-up table) and the Trainer
+"""A rank's run (`run`, cli.py's entry point): `build` makes its parts in train/build.py's order, and the Trainer
 trains them: epochs, validation, checkpoints and the stop every rank agrees on."""
 
 from __future__ import annotations
@@ -32,13 +31,10 @@ from imagenet_elastic.errors import (
 )
 from imagenet_elastic.launch import distributed, preemption
 from imagenet_elastic.launch.launchers import DistEnv
-from imagenet_elastic.launch.preemption import PreemptionFlag
 from imagenet_elastic.models.compile import Compilation
-from imagenet_elastic.report import metrics
+from imagenet_elastic.report import metrics, samplelog
 from imagenet_elastic.report.console import Console, EpochProgress, clock
 from imagenet_elastic.report.restart_cost import RestartCost, process_started_at
-from imagenet_elastic.report.samplelog import ENV_VAR as SAMPLE_LOG_VAR
-from imagenet_elastic.report.samplelog import SampleLog
 from imagenet_elastic.report.sinks import Sinks
 from imagenet_elastic.train import startup_table
 from imagenet_elastic.train.build import (
@@ -55,7 +51,7 @@ from imagenet_elastic.train.build import (
     step_context,
 )
 from imagenet_elastic.train.state import EpochTally, PendingSteps
-from imagenet_elastic.train.step import StepContext, evaluate, train_step
+from imagenet_elastic.train.step import StepContext, evaluate
 
 
 @dataclass(frozen=True)
@@ -63,7 +59,7 @@ class Reports:
     """Beyond the console: the curves' sinks, the sample log, the first step's compile and restart facts."""
 
     sinks: Sinks
-    sample_log: SampleLog
+    sample_log: samplelog.SampleLog
     compilation: Compilation
     restart_cost: Optional[RestartCost] = None  # a resumed run's
 
@@ -81,9 +77,8 @@ class Trainer:
         self.resumed_into = state.epoch if resumed else None  # marked in its metrics row
         # where the run starts: the checkpoint kept until this run saves one
         self.started_from = (resumed, (state.step, state.epoch, state.tally.samples)) if resumed else None
-        self.stepped = False  # this process trained a step
-        self.finished = False
-        self.saved_once = False  # this run saved a checkpoint (its first is followed by config.yaml)
+        # this process trained a step; the run finished; it saved a checkpoint (its first is followed by config.yaml)
+        self.stepped = self.finished = self.saved_once = False
 
     def fit(self) -> None:
         """Train the epochs left, with Ctrl-C a stop like a preemption signal's while they train (launch/
@@ -107,8 +102,10 @@ class Trainer:
     def train_epochs(self) -> None:
         c, state = self.config, self.state
         self.say_where_it_starts()
-        if state.epoch >= c.epochs:
-            self.console.info(nothing_to_do(state.epoch, c.epochs))
+        if state.epoch >= c.epochs:  # the checkpoint trained them all (a smaller --epochs: more)
+            done = (f"all {counted(c.epochs, 'epoch')} of --epochs {c.epochs}" if state.epoch == c.epochs else
+                    f"{counted(state.epoch, 'epoch')}, more than --epochs {c.epochs}; a larger --epochs trains on")
+            self.console.info(f"nothing to do: the checkpoint already completed {done}")
             self.finished = True
             return
         for epoch in range(state.epoch, c.epochs):
@@ -123,11 +120,10 @@ class Trainer:
             ema = f" | EMA top-1 {row['val_top1_ema']:.2f}%" if "val_top1_ema" in row else ""
             taught = f" (task {row['train_task_loss']:.4f}, distillation {row['train_distill_loss']:.4f})" \
                 if "train_distill_loss" in row else ""
-            self.console.info(
-                f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f}{taught} | "
-                f"val loss {row['val_loss']:.4f} top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% "
-                f"({row['val_samples']} images){ema} | "
-                f"{row['images_per_sec']:.1f} img/s | {row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
+            self.console.info(f"epoch {state.epoch}/{c.epochs}: train loss {row['train_loss']:.4f}{taught} | val loss "
+                              f"{row['val_loss']:.4f} top-1 {row['val_top1']:.2f}% top-5 {row['val_top5']:.2f}% "
+                              f"({row['val_samples']} images){ema} | {row['images_per_sec']:.1f} img/s | "
+                              f"{row['epoch_seconds']:.1f} s" + (" | best" if is_best else ""))
             if state.epoch < c.epochs and distributed.agree([self.preempt.received is not None])[0]:
                 self.stop()
         self.preempt.checkpoint_on_interrupt = False  # trained: a Ctrl-C now loses nothing by stopping at once
@@ -145,11 +141,8 @@ class Trainer:
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
-                lr, micro = r.schedule.at(state.step), r.micro
-                if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
-                    loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
-                else:  # the loader's micro-batches as they are
-                    loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed, state.step)
+                lr = r.schedule.at(state.step)
+                loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
@@ -230,8 +223,6 @@ class Trainer:
             f"training step {self.state.step + 1}" if kind == "training" else "validation")
         self.training.micro.decode_failed(kind, what, error, again)
 
-    # ------------------------------------------------------------------ checkpoints and stopping
-
     def save(self, epoch_end: bool, is_best: bool = False, best_of: Optional[str] = None) -> None:
         """`best_of`: which weights scored the epoch's top-1 (model or model_ema); None mid-epoch."""
         state = self.state
@@ -287,8 +278,6 @@ class Trainer:
         again = "; --resume continues from it" if path == self.checkpointer.files.last_path else ""
         self.console.info(f"Ctrl-C: stopped at once after step {step}; kept {path} (step {at}, {where}); {lost}{again}")
 
-    # ------------------------------------------------------------------ reporting
-
     def say_where_it_starts(self) -> None:
         """Where training continues from; rank 0 also tidies the folder it holds the lock of."""
         c, state, resume_from = self.config, self.state, self.training.resume_from
@@ -297,8 +286,7 @@ class Trainer:
             best = f"best val top-1 {state.best_top1:.2f}%" if state.best_top1 >= 0 else "no validation yet"
             self.console.info(f"resuming from {resume_from}: {counted(state.epoch, 'epoch')} done{where}, {best}")
             # metrics.jsonl as the checkpoint holds it: rows of epochs trained after it (by a run that died) go
-            history = list(state.history)
-            distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, history))
+            distributed.rank_0_does(lambda: metrics.write(c.checkpoints_path, list(state.history)))
         elif c.resume == RESUME_AUTO or self.env.restart_count > 0:
             self.console.info(f"no checkpoint at {self.checkpointer.files.last_path}: starting fresh")
         distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
@@ -348,19 +336,11 @@ def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name:
     return Preempted(PREEMPTED_EXIT)
 
 
-def peer_stopped_first(error: BaseException, preempt: PreemptionFlag) -> bool:
+def peer_stopped_first(error: BaseException, preempt: preemption.PreemptionFlag) -> bool:
     """A start-up that failed on a vanished peer (the rendezvous, a collective) on a rank that was sent a preemption
     signal too, which it took only once the wait in C++ returned: the peer's stop, met first, is this rank's too."""
     return (preempt.received is not None and not preempt.training_began and not preempt.interrupted
             and (isinstance(error, RendezvousError) or distributed.peer_left(error)))
-
-
-def nothing_to_do(done: int, epochs: int) -> str:
-    """What a run whose checkpoint already trained --epochs epochs or more (a smaller --epochs) says."""
-    if done == epochs:
-        return f"nothing to do: the checkpoint already completed all {counted(epochs, 'epoch')} of --epochs {epochs}"
-    return (f"nothing to do: the checkpoint already completed {counted(done, 'epoch')}, more than --epochs {epochs}; "
-            "a larger --epochs trains on")
 
 
 def scored(row: dict[str, Any]) -> tuple[float, bool]:
@@ -375,9 +355,6 @@ def best_epoch(history: list[dict[str, Any]]) -> Optional[tuple[dict[str, Any], 
         return None
     row = max(history, key=lambda r: scored(r)[0])
     return row, scored(row)[1]
-
-
-# ------------------------------------------------------------------ the run: its entry point and its build
 
 
 def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, Source]] = None) -> Trainer:
@@ -396,7 +373,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
     ctx = step_context(run, inputs, training, compilation)
     training = replace(training, micro=fit_micro_batches(run, inputs, training, ctx))
     checkpointer = Checkpointer(inputs.checkpoints, config, inputs.device, env.is_main)
-    sample_log = SampleLog(os.environ.get(SAMPLE_LOG_VAR), env.rank, env.world_size)
+    sample_log = samplelog.SampleLog(os.environ.get(samplelog.ENV_VAR), env.rank, env.world_size)
     cost = (RestartCost(training.resumed_at, process_started_at(), began, time.time(), inputs.load_seconds)
             if training.resumed_at is not None else None)
     sinks = Sinks(inputs.sinks, config.checkpoints_path, console.warn)
@@ -414,7 +391,7 @@ def build(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[Source, 
 def run(config: Config, env: DistEnv) -> None:
     console = Console(env.is_main, env.rank)
     # first: a signal during start-up is not lost; Ctrl-C too (see preemption.py)
-    preempt = PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
+    preempt = preemption.PreemptionFlag(config.preempt_signals, interrupts=True, speaks=env.is_main)
     try:
         with contextlib.ExitStack() as stack:
             # Last out: the rank ends with its own exit code (0, 2, 74, 75 or a crash's); a signal now (torchrun's

@@ -215,6 +215,14 @@ def test_a_checkpoint_missing_what_a_resume_reads_is_refused_naming_the_key():
         check_resumable(snapshot, "/ck/last.pt")
 
 
+def test_an_epoch_progress_of_none_which_check_resumable_lets_pass_resumes_at_the_epoch_start():
+    snapshot = {**saved_state(), "epoch_progress": None}
+    check_resumable(snapshot, "/ck/last.pt")
+    state = make_state(seed=1)
+    apply_checkpoint(state, snapshot, "/ck/last.pt")
+    assert state.tally == EpochTally() and state.step == snapshot["step"]
+
+
 @pytest.mark.parametrize("edit", [
     lambda s: {**s, "model": {}},  # weights of another shape or none
     lambda s: {**s, "optimizer": {"state": {}, "param_groups": []}},
