@@ -18,7 +18,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, checked_classes, digest_of, shown
 from imagenet_elastic.data.sources.tar_shards import pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
@@ -121,6 +121,12 @@ class ParquetFiles(Source):
 
     def where(self) -> str:
         return f"{self.location} ({counted(len(self.files), 'parquet file')})"
+
+    def label_of(self, i: int) -> str:
+        """Sample i's label, by its file and row there, as an error names it."""
+        f = int(np.searchsorted(self.file_starts, i, side="right")) - 1
+        return (f"{self.role} parquet file {self.files[f]}: label {int(self.labels[i])} of row "
+                f"{i - int(self.file_starts[f])}")
 
     def entries(self) -> np.ndarray:
         """`FILE.parquet:ROW` of each sample."""
@@ -250,29 +256,14 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     all_labels = np.concatenate(labels)  # role_files gives at least one file
     if not len(all_labels):
         raise UserError(f"{role} data {location} holds no rows")
-    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(named or classes or ()),
-                          all_labels, np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
+    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), (), all_labels,
+                          np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
-    if not named and not classes:  # the labels name the classes
-        check_numbered(all_labels, lambda i: _label_of_row(source, i),
-                       "files without class names (ClassLabel metadata)")
-        source = replace(source, classes=tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1)))
-    known = source.classes
-    bad = np.flatnonzero((all_labels < 0) | (all_labels >= len(known)))
-    if len(bad):
-        named_by = "the files name" if named else f"{whose(classes)} has" if classes else ""
-        bound = f": {named_by} {len(known)} classes" if named_by else ""
-        raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
+    source = replace(source, classes=checked_classes(all_labels, source.label_of, named, classes, "the files name",
+                                                     "files without class names (ClassLabel metadata)"))
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(
             f"training from parquet files in place reads a row group ({rows:.0f} images on average here) for each "
             "shuffled sample: `imagenet-elastic pack` makes tar shards that train several times faster",))
     return source
-
-
-def _label_of_row(source: ParquetFiles, i: int) -> str:
-    """Sample i's label, by its file and row there, as an error names it."""
-    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
-    return (f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
-            f"{i - int(source.file_starts[f])}")

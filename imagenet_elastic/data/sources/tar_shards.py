@@ -34,7 +34,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.data.sources import index_file, object_store
-from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, check_range, checked_classes, digest_of, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "wds"  # `wds:PATTERN` names shards whatever the file system says (sources.kind_of)
@@ -250,6 +250,10 @@ class TarShards(Source):
 
     def where(self) -> str:
         return f"{self.location} ({counted(len(self.shards), 'shard')})"
+
+    def label_of(self, i: int) -> str:
+        """Sample i's label, by its shard, as an error names it."""
+        return f"{self.role} shard {self.shards[int(self.shard[i])]}: label {int(self.labels[i])} of sample #{i}"
 
     def entries(self) -> np.ndarray:
         """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""
@@ -542,29 +546,18 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
     stats = [(e.size, 0) for e in entries] if entries else [(s.st_size, s.st_mtime_ns) for s in map(os.stat, paths)]
     sizes, mtimes = (np.array(column, dtype=np.int64) for column in zip(*stats))
 
-    def joined(field: str, dtype: type) -> np.ndarray:
-        return np.concatenate([np.array(getattr(f, field), dtype=dtype) for f in per_shard])
+    def joined(field: str, dtype: type) -> Optional[np.ndarray]:  # None: a shard walked without them (checksums)
+        columns = [getattr(f, field) for f in per_shard]
+        return None if any(c is None for c in columns) else np.concatenate([np.array(c, dtype=dtype) for c in columns])
 
-    labels = joined("labels", np.int64)
-    ends = np.cumsum([len(f.labels) for f in per_shard])
-
-    def label_of(i: int) -> str:
-        shard = paths[int(np.searchsorted(ends, i, side="right"))]
-        return f"{role} shard {shard}: label {int(labels[i])} of sample #{i}"
-
-    if not named and not classes:
-        check_numbered(labels, label_of, f"shards without class names ({CLASSES_FILE} or {INFO_FILE})")
-    known = named or classes or tuple(str(c) for c in range(max(0, int(labels.max())) + 1))
-    bad = np.flatnonzero((labels < 0) | (labels >= len(known)))
-    if len(bad):
-        named_by = "the classes file lists" if named else f"{whose(classes)} has" if classes else ""
-        bound = f": {named_by} {len(known)} classes" if named_by else ""
-        raise UserError(f"{label_of(int(bad[0]))} is out of range{bound}")
-    return TarShards(location, role, tuple(paths), sizes, mtimes, tuple(known), labels,
-                     np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
-                     joined("offsets", np.int64), joined("lengths", np.int64),
-                     checksums=None if any(f.checksums is None for f in per_shard) else joined("checksums", np.uint32),
-                     etags=tuple(e.etag for e in entries) if entries else None)
+    source = TarShards(location, role, tuple(paths), sizes, mtimes, (), joined("labels", np.int64),
+                       np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
+                       joined("offsets", np.int64), joined("lengths", np.int64),
+                       checksums=joined("checksums", np.uint32),
+                       etags=tuple(e.etag for e in entries) if entries else None)
+    return replace(source, classes=checked_classes(source.labels, source.label_of, named, classes,
+                                                   "the classes file lists",
+                                                   f"shards without class names ({CLASSES_FILE} or {INFO_FILE})"))
 
 
 # ----------------------------------------------------------------------------- an index held against its shards
@@ -679,9 +672,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     # names beside kept shards on disk, which may have changed since (a store's kept index: two requests, not six)
     named = class_names(location, shards) if source is not None and not packed and not entries else None
     if named is not None and _named(replace(source, classes=named), classes).classes != source.classes:
-        if int(source.labels.max()) >= len(named):
-            raise UserError(f"{role} data {location}: label {int(source.labels.max())} is out of range: the class "
-                            f"names beside its shards list {len(named)}")
+        check_range(source.labels, source.label_of, len(named), "the class names beside its shards list")
         source = replace(source, classes=named, cached=False, notes=(
             "the class names beside the shards changed since they were indexed: the new names were taken",))
     if source is None:
@@ -700,9 +691,7 @@ def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
     """A split that numbers its labels takes the training split's names for them."""
     if classes is None or source.classes == classes or source.classes != tuple(map(str, range(len(source.classes)))):
         return source
-    if int(source.labels.max()) >= len(classes):
-        raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
-                        f"{whose(classes)} has {len(classes)} classes")
+    check_range(source.labels, source.label_of, len(classes), f"{whose(classes)} has")
     return replace(source, classes=classes)
 
 
