@@ -1,15 +1,12 @@
-"""WebDataset tar shards as a source: each sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and
-`KEY.cls` (the label as a decimal integer), KEY being the member's name up to the first dot of its last part. A split
-is a folder of `*.tar` files (sorted by name) or a brace or glob pattern. Class names come from a `classes.txt` (one
-per line, in label order) or an `_info.json` beside the shards or one folder up; else the labels are the names ("0",
-"1", ...), or the training split's classes for a val split.
+"""WebDataset tar shards as a source: a sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and `KEY.cls`
+(its label, a decimal integer), KEY the member's name up to the first dot of its last part. A split is a folder of
+`*.tar` (by name) or a brace or glob pattern. Class names come from a `classes.txt` (a name a line, in label order) or
+an `_info.json` beside the shards or one folder up; else the labels are the names, or a val split takes train's.
 
-The index (`TarShards`) holds each sample's shard, image offset and length, label and CRC-32 in numpy arrays (shared
-by forked loader workers); `pack` writes it beside its shards (last), else the first start keeps it in the checkpoints
-folder. Every read compares the CRC-32 (cheap beside a decode): a byte changed in place at the same size and mtime
-(rot, a faulty copy), which sizes, mtimes and headers cannot see, stops the run at that sample, named. Reading sample i
-maps its shard (once per process, lazily) and copies its bytes out: no open or seek per sample, and random access for
-the sampler, resume and --ra-reps.
+The index (`TarShards`: numpy arrays, shared by forked loader workers) is written by `pack` beside its shards, else
+kept in the checkpoints folder at the first start. Every read compares the sample's CRC-32 (cheap beside a decode): a
+byte changed in place at the same size and mtime, which sizes, mtimes and headers cannot see, stops the run there,
+named. A shard is mapped once per process: no open or seek per sample, and random access for the sampler and resume.
 """
 
 from __future__ import annotations
@@ -48,14 +45,13 @@ INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
 OPTIONAL_ARRAYS = ("checksums", "etags")  # added to version 1 later: its first files read without them
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
-_PATTERN_CHARS = "{*?["
 
 
 # ----------------------------------------------------------------------------- where a split's shards are
 
 def is_pattern(location: str) -> bool:
     """A brace or glob pattern of shards, or one shard, rather than a folder."""
-    return any(c in location for c in _PATTERN_CHARS) or location.endswith(".tar")
+    return any(c in location for c in "{*?[") or location.endswith(".tar")
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
@@ -103,9 +99,15 @@ def shard_paths(location: str, role: str) -> list[str]:
 def split_folder(folder: str) -> Optional[tuple[str, str]]:
     """Train and val shard patterns of a folder of both (timm's imagenet-1k-wds), else None; unclear names refused."""
     try:
-        names = sorted(n for n in _names(folder) if n.endswith(".tar"))
+        if not object_store.is_url(folder):
+            names = os.listdir(folder)
+        elif object_store.scheme(folder) in ("http", "https"):  # an https:// URL has none to list
+            return None
+        else:
+            names = [posixpath.basename(e.url) for e in object_store.listing(folder)]
     except OSError:
         return None
+    names = sorted(n for n in names if n.endswith(".tar"))
     train = {n for n in names if "train" in n}
     for word in ("validation", "val"):
         val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
@@ -120,15 +122,6 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
                             f"({', '.join(patterns)})")
         return patterns
     return None
-
-
-def _names(folder: str) -> list[str]:
-    """The names of the files right in a folder, on disk or in a store (an https:// URL has none to list)."""
-    if not object_store.is_url(folder):
-        return os.listdir(folder)
-    if object_store.scheme(folder) in ("http", "https"):
-        return []
-    return [posixpath.basename(e.url) for e in object_store.listing(folder)]
 
 
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
@@ -196,8 +189,8 @@ class TarShards(Source):
         path = self.shards[int(self.shard[i])]
         start, length = int(self.offsets[i]), int(self.lengths[i])
         try:
-            mapped, fd = self.mapped(int(self.shard[i]))
-            size = os.fstat(fd).st_size  # a shard cut short while mapped would raise SIGBUS, not an error
+            mapped = self.mapped(int(self.shard[i]))
+            size = mapped.size()  # the file's now: a shard cut short while mapped would raise SIGBUS, not an error
         except OSError as error:
             raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
         if start + length > size:
@@ -211,7 +204,7 @@ class TarShards(Source):
             raise CorruptImageError(self.changed_bytes(i))
         return data
 
-    def mapped(self, k: int) -> tuple[mmap.mmap, int]:
+    def mapped(self, k: int) -> mmap.mmap:
         """Shard k mapped in this process: the file, or a store's shard's whole copy in the node's cache."""
         path = self.shards[k]
         if not object_store.is_url(path):
@@ -239,7 +232,7 @@ class TarShards(Source):
         """Sample i's image member's name, from the ustar name and prefix fields alone: asked at every read."""
         offset = int(self.offsets[i])
         try:
-            mapped, _ = self.mapped(int(self.shard[i]))
+            mapped = self.mapped(int(self.shard[i]))
         except (OSError, UserError):
             return f"sample #{i} at byte {offset}"
         header = mapped[offset - 512:offset]
@@ -282,30 +275,24 @@ class TarShards(Source):
             write_index(self, cache_path(cache_dir, self.role), relative_to=None)
 
 
-_MAPS: dict[str, tuple[mmap.mmap, int]] = {}
-_STORE_MAPS: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # a store's shards, most recently used last
+_MAPS: dict[str, mmap.mmap] = {}
+_STORE_MAPS: OrderedDict[str, mmap.mmap] = OrderedDict()  # a store's shards, most recently used last
 STORE_MAPS = 8  # of those a process keeps mapped: one the cache evicted frees its disk once unmapped
 os.register_at_fork(after_in_child=_MAPS.clear)  # a forked worker maps its own
 os.register_at_fork(after_in_child=_STORE_MAPS.clear)
 
 
-def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
-    """This process's read-only mapping of a shard and its descriptor, made on first use. `store`: a node cache's
-    copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
+def _mapped(path: str, store: bool = False) -> mmap.mmap:
+    """This process's read-only mapping of a shard, made on first use (it keeps a descriptor of its own, which its
+    size() asks). `store`: a node cache's copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
     maps = _STORE_MAPS if store else _MAPS
     if path not in maps:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
-        except BaseException:
-            os.close(fd)
-            raise
+        with open(path, "rb") as f:
+            maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if store:
         _STORE_MAPS.move_to_end(path)
         while len(_STORE_MAPS) > STORE_MAPS:
-            mapped, fd = _STORE_MAPS.popitem(last=False)[1]
-            mapped.close()
-            os.close(fd)
+            _STORE_MAPS.popitem(last=False)[1].close()
     return maps[path]
 
 
