@@ -11,6 +11,7 @@ named. A shard is mapped once per process: no open or seek per sample, and rando
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
 import glob
 import itertools
@@ -378,16 +379,13 @@ def check_pack_finished(location: str, role: str, root: str) -> None:
 
 def pack_again(index: str) -> str:
     """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
     command = "imagenet-elastic pack SRC NEW_OUT"
-    try:
-        record = pack_record(root)
+    record = pack_record(os.path.dirname(os.path.dirname(os.path.abspath(index))))
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # none, or not what pack writes
         options = record["options"]
         flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
                         if v is not None and (k != "quality" or options.get("max_side") is not None))
         command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
     return f"pack again ({command}), or remove {index} to index the shards at start"
 
 
@@ -420,18 +418,14 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
         with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
             named = ((m, *split_name(m.name)) for m in tar if m.isfile())
             for key, members in itertools.groupby(named, operator.itemgetter(1)):
-                image: Optional[tarfile.TarInfo] = None
+                images: dict[str, tarfile.TarInfo] = {}  # by extension; other files are not ours
                 label: Optional[int] = None
-                seen: set[str] = set()
                 for member, _, extension in members:
-                    read = extension in IMAGE_EXTENSIONS or extension == LABEL_EXTENSION  # other files: not ours
-                    if read and extension in seen:  # two samples under one key, read as one (as WebDataset)
+                    if extension in images or (extension == LABEL_EXTENSION and label is not None):
                         raise UserError(f"{role} shard {path}: sample {key} has a second {member.name} (a key "
                                         "repeated in consecutive members): give each sample its own key")
-                    seen.add(extension)
-                    if extension in IMAGE_EXTENSIONS and (image is None or IMAGE_EXTENSIONS.index(extension)
-                                                          < IMAGE_EXTENSIONS.index(split_name(image.name)[1])):
-                        image = member
+                    if extension in IMAGE_EXTENSIONS:
+                        images[extension] = member
                     elif extension == LABEL_EXTENSION:
                         stream = tar.extractfile(member)
                         text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
@@ -440,6 +434,7 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                         except ValueError:
                             raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is "
                                             f"{text[:20]!r}, not an integer") from None
+                image = next((images[e] for e in IMAGE_EXTENSIONS if e in images), None)  # the first in their order
                 if image is None and label is None:  # not a sample (another file kept in the shard)
                     continue
                 if image is None:
@@ -469,28 +464,24 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     """classes.txt in the shards' folder or the one above it, else an _info.json's list there, if any."""
     folder = os.path.dirname(shards[0]) if is_pattern(location) else location  # a store's URL too (object_store.join)
     for where in (folder, os.path.dirname(folder)):
-        candidate = os.path.join(where, CLASSES_FILE)
-        text = _text(candidate)
-        if text is not None:
+        candidate, info = os.path.join(where, CLASSES_FILE), os.path.join(where, INFO_FILE)
+        if (text := _text(candidate)) is not None:
             lines = [line.strip() for line in text.lstrip("\ufeff").strip().splitlines()]  # a BOM is no name
             if not lines or "" in lines:  # a blank line inside would shift every name after it by one
                 raise UserError(f"classes file {candidate} is empty" if not lines else
                                 f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "
                                 "label order)")
             return tuple(lines)
-        info = os.path.join(where, INFO_FILE)
-        text = _text(info)
-        if text is not None:
+        if (text := _text(info)) is not None:
             try:
                 described = json.loads(text)
             except ValueError as error:
                 raise UserError(f"{info} is not readable JSON: {error}") from None
             listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
                           None)
-            if listed is not None and not (isinstance(listed, list) and listed
-                                           and all(isinstance(name, (str, int)) for name in listed)):
-                raise UserError(f"{info}: its class names are not a list of names ({str(listed)[:40]!r})")
             if listed is not None:
+                if not (isinstance(listed, list) and listed and all(isinstance(name, (str, int)) for name in listed)):
+                    raise UserError(f"{info}: its class names are not a list of names ({str(listed)[:40]!r})")
                 return tuple(str(name) for name in listed)
     return None
 
@@ -550,14 +541,11 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
 # ----------------------------------------------------------------------------- an index held against its shards
 
 def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """The index `source` if its shards are still the ones it describes.
-
-    Each shard's indexed size and st_mtime_ns against a `stat` now, where a digest or a walk of every header would
-    read the whole split at every start. Any write changes the mtime (`cp -a` and `rsync -a` copy the changed one's);
-    a copy that does not keep mtimes (`cp -r`, most store downloads) has its headers and labels walked again and
-    compared, same-size changes in place being left to the checksums (TarShards.read). A pack's index is a promise: a
-    shard of another size or samples is refused, other mtimes with the same headers kept with a note; a cache of
-    shards from elsewhere is rebuilt, with a note."""
+    """The index `source` if its shards are still the ones it describes, by a `stat` of each (a digest or a walk would
+    read the whole split at every start): any write changes the mtime. A shard of another mtime (a copy that did not
+    keep them: `cp -r`, most downloads) has its headers and labels walked and compared, same-size changes in place
+    left to the checksums (TarShards.read). A pack's index is a promise: another size or samples is refused, other
+    mtimes with the same headers kept with a note; a cache of shards from elsewhere is rebuilt, with a note."""
     try:
         stats = [os.stat(p) for p in source.shards]
     except OSError as error:
