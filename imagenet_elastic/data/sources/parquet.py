@@ -1,12 +1,11 @@
-"""Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
-image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that struct, or
-bytes) and an integer `label`. Needs pyarrow (the `parquet` extra). Without ClassLabel names the classes are numbered
-0..N-1 (base.check_numbered), or a validation split takes the training split's.
+"""Parquet files read in place (the `parquet` extra): Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*`:
+rows of image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that
+struct, or bytes) and an integer `label`; without ClassLabel names, base.checked_classes names the classes.
 
 A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by name
-(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. Reading sample i reads its row group's
-image column and keeps that one row group per process until another's sample is asked for: sequential reads read each
-row group once, a shuffled epoch one per sample: why `pack` is the form to train from at scale (docs/BENCHMARKS.md).
+(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. A process keeps the one row group it
+read last: sequential reads read each group once, a shuffled epoch one per sample, why `pack` is the form to train
+from at scale (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -26,14 +25,13 @@ PREFIX = "parquet"
 SUFFIX = ".parquet"
 SUBFOLDER = "data"  # the Hub's datasets keep their files in data/
 SPLIT_WORDS = {"train": ("train",), "val": ("validation", "val")}  # a file's name starts with one, then - or _
-INSTALL = "pip install 'imagenet_elastic[parquet]'"
 
 
 def pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"reading parquet files needs pyarrow: {INSTALL}") from None
+        raise UserError("reading parquet files needs pyarrow: pip install 'imagenet_elastic[parquet]'") from None
     return pq
 
 
@@ -152,22 +150,14 @@ class _Group:
     """One row group as this process last read it: its images' bytes (when read was asked) and their paths, as
     pyarrow arrays (a sample's bytes become a Python object when it is read, not the whole group's)."""
 
-    key: tuple[str, int]  # (file, row group number)
     paths: Any  # pyarrow StringArray, or None where the file keeps no paths
     images: Any  # pyarrow BinaryArray, or None: only the paths were read
 
 
 _OPEN: dict[str, Any] = {}  # this process's ParquetFile of each file it read
-_LAST: list[Optional[_Group]] = [None]
-
-
-def _forget_in_child() -> None:
-    """A forked worker opens its own files and keeps its own group."""
-    _OPEN.clear()
-    _LAST[0] = None
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+_KEPT: dict[tuple[str, int], _Group] = {}  # the one row group it keeps, by (file, row group number)
+os.register_at_fork(after_in_child=_OPEN.clear)  # a forked worker opens its own files and keeps its own group
+os.register_at_fork(after_in_child=_KEPT.clear)
 
 
 def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
@@ -175,8 +165,8 @@ def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
     import pyarrow as pa
 
     path, number = source.files[int(source.group_file[g])], int(source.group_number[g])
-    kept = _LAST[0]
-    if kept is not None and kept.key == (path, number) and (kept.images is not None or not images):
+    kept = _KEPT.get((path, number))
+    if kept is not None and (kept.images is not None or not images):
         return kept
     try:
         file = _OPEN.get(path)
@@ -185,14 +175,15 @@ def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
         image = file.schema_arrow.field("image").type
         has_paths = pa.types.is_struct(image) and image.get_field_index("path") >= 0
         if not images and not has_paths:
-            return _Group((path, number), None, None)
+            return _Group(None, None)
         column = file.read_row_group(number, columns=["image"] if images else ["image.path"],
                                      use_threads=False).column("image").combine_chunks()
     except (OSError, ValueError, KeyError) as error:  # pyarrow's ArrowInvalid is a ValueError
         raise CorruptImageError(f"cannot read row group {number} of parquet file {path}: {error}") from None
     encoded = (column.field("bytes") if pa.types.is_struct(image) else column) if images else None
-    _LAST[0] = _Group((path, number), column.field("path") if has_paths else None, encoded)
-    return _LAST[0]
+    _KEPT.clear()
+    kept = _KEPT[path, number] = _Group(column.field("path") if has_paths else None, encoded)
+    return kept
 
 
 # ----------------------------------------------------------------------------- opening a split
