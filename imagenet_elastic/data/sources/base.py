@@ -1,8 +1,6 @@
-"""What every source of samples gives the rest of the program, and nothing more.
-
-How bytes are stored stays inside a source's own module. Per-sample data lives in numpy arrays, not Python objects,
-so forked loader workers share the parent's pages (`bench/benchmark.py --mode index`); files are opened in the
-process that reads them, when it first does.
+"""What every source of samples gives the rest of the program, and nothing more. Per-sample data lives in numpy
+arrays, not Python objects, so forked loader workers share the parent's pages (`bench/benchmark.py --mode index`);
+files are opened in the process that reads them, when it first does.
 """
 
 from __future__ import annotations

@@ -99,9 +99,8 @@ def filesystem(url: str, timeout: float):
     a fork). Each request is bounded by `timeout` and attempted once, to be retried by `patiently`, not waited on in
     the libraries' nested retry loops (s3fs's two around botocore's)."""
     key = (os.getpid(), scheme(url), timeout, *(os.environ.get(name) for name in _CLIENT_VARIABLES))
-    found = _FILESYSTEMS.get(key)
-    if found is not None:
-        return found
+    if key in _FILESYSTEMS:
+        return _FILESYSTEMS[key]
     package = SCHEMES[scheme(url)]
     try:
         import fsspec
@@ -151,7 +150,8 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             if refused(error):
                 raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
             now = clock()
-            if first_failure is None and not in_loader_worker():  # a wait at start-up (a wrong port?) says why
+            loader = sys.modules.get("torch.utils.data")  # a DataLoader worker's many reads would each say so
+            if first_failure is None and not (loader and loader.get_worker_info()):  # a wait at start-up says why
                 print(f"warning: the store did not answer for {what} ({_reason(error)}): retrying for up to "
                       f"{timeout:g} s (IMAGENET_ELASTIC_STORE_TIMEOUT)", file=sys.stderr, flush=True)
             first_failure = now if first_failure is None else first_failure
@@ -161,12 +161,6 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
             sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
             attempt += 1
-
-
-def in_loader_worker() -> bool:
-    """Whether this is a DataLoader worker, whose many reads during an outage would each say so."""
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and data.get_worker_info() is not None
 
 
 def answered(call: Callable[[], T]) -> T:
@@ -412,10 +406,9 @@ def short_cache_note(settings: Settings, split_bytes: int, where: str) -> Option
 
 
 def _whole(path: str, size: int) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.stat(path).st_size == size
-    except OSError:
-        return False
+    return False
 
 
 def _room(folder: str) -> int:

@@ -58,10 +58,9 @@ def is_pattern(location: str) -> bool:
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
     if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
-    try:
-        return os.path.isdir(location) and any(name.endswith(".tar") for name in os.listdir(location))
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):  # not a folder, or none to read
+        return any(name.endswith(".tar") for name in os.listdir(location))
+    return False
 
 
 def expand_braces(pattern: str) -> list[str]:
