@@ -202,10 +202,8 @@ def check_same_classes(train: Source, val: Source) -> None:
         k = next(k for k, (a, b) in enumerate(zip(train.classes, val.classes)) if a != b)
         raise UserError(f"train ({train.where()}) and val ({val.where()}) name the same {len(train.classes)} classes "
                         f"in another order: label {k} is {train.classes[k]!r} in train, {val.classes[k]!r} in val")
-    raise UserError(
-        f"train ({train.where()}) and val ({val.where()}) classes differ: {len(train.classes)} vs "
-        f"{len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}"
-    )
+    raise UserError(f"train ({train.where()}) and val ({val.where()}) classes differ: {len(train.classes)} vs "
+                    f"{len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}")
 
 
 is_url = object_store.is_url

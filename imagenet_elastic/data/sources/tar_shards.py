@@ -336,8 +336,7 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     """The index at `path` if it is of these shards (else None for a cache, an error for a pack's). `named`: the
     index's own place where `path` is a local copy of it, which its relative shard names are relative to."""
     named = named or path
-    saved = (_read_pack(path, named) if packed else
-             index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS))
+    saved = _read_pack(path, named) if packed else index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
 
@@ -678,8 +677,7 @@ def check_store_shards(source: TarShards, entries: list[object_store.Entry],
         if resized:
             raise resized_shard(source, resized[0], entries[resized[0]].size)
         return replace(source, etags=tuple(e.etag for e in entries))
-    changed = [k for k, e in enumerate(entries)
-               if k in resized or source.etags is None or source.etags[k] != e.etag]
+    changed = [k for k, e in enumerate(entries) if k in resized or source.etags is None or source.etags[k] != e.etag]
     if not changed:
         return source
     walked = {k: walk_shard(entries[k].url, source.role, entry=entries[k]) for k in changed}
