@@ -32,8 +32,6 @@ TRAINING_CLASSES = "the training split"
 class Classes(tuple):
     """Class names that say whose they are (the training split's, the model's under `evaluate`), for label errors."""
 
-    whose = TRAINING_CLASSES
-
     def __new__(cls, names: tuple[str, ...] = (), whose: str = TRAINING_CLASSES) -> Classes:
         made = super().__new__(cls, names)
         made.whose = whose
@@ -101,8 +99,8 @@ class Source(abc.ABC):
 
 
 def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:
-    """A digest of class names and arrays: equal arrays of one dtype give equal bytes (fixed-width strings take the
-    longest entry's width), so hashing their bytes is enough (a fraction of a second for 1.28 M paths)."""
+    """A digest of class names and arrays, of their bytes: equal arrays of one dtype give equal bytes (fixed-width
+    strings take the longest entry's width)."""
     digest = hashlib.blake2b(digest_size=12)
     digest.update("\0".join(classes).encode() + b"\1")
     for array in arrays:

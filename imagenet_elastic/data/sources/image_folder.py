@@ -136,8 +136,7 @@ def claims(location: str, labels_file: Optional[str] = None) -> bool:
 
 def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                labels_file: Optional[str] = None) -> FilesUnder:
-    """The cached list of `root` when it is still current, else a fresh scan (its class folders name the classes);
-    with `labels_file`, the flat folder's images it lists."""
+    """The cached list of `root` while it is current, else a fresh scan; with `labels_file`, the images it lists."""
     if labels_file is not None:
         return open_labelled(root, role, classes, labels_file)
     try:

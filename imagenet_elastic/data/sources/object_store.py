@@ -52,8 +52,7 @@ def scheme(url: str) -> str:
 
 
 def join(url: str, *parts: str) -> str:
-    """`url` and `parts` joined by slashes, never normalised (`s3://` keeps both slashes): what os.path.join and
-    os.path.dirname do to a URL on POSIX, where sources written for paths take a URL as they take a path."""
+    """`url` and `parts` joined by slashes, never normalised (`s3://` keeps both): os.path.join's result on POSIX."""
     return posixpath.join(url, *parts)
 
 

@@ -147,8 +147,7 @@ class ParquetFiles(Source):
 
 @dataclass
 class _Group:
-    """One row group as this process last read it: its images' bytes (when read was asked) and their paths, as
-    pyarrow arrays (a sample's bytes become a Python object when it is read, not the whole group's)."""
+    """One row group as this process read it last: its paths and (when asked) images, as pyarrow arrays, not objects."""
 
     paths: Any  # pyarrow StringArray, or None where the file keeps no paths
     images: Any  # pyarrow BinaryArray, or None: only the paths were read

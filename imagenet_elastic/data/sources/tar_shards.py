@@ -283,8 +283,7 @@ os.register_at_fork(after_in_child=_STORE_MAPS.clear)
 
 
 def _mapped(path: str, store: bool = False) -> mmap.mmap:
-    """This process's read-only mapping of a shard, made on first use (it keeps a descriptor of its own, which its
-    size() asks). `store`: a node cache's copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
+    """This process's read-only map of a shard; `store`: a store's cached shard (the STORE_MAPS last used)."""
     maps = _STORE_MAPS if store else _MAPS
     if path not in maps:
         with open(path, "rb") as f:
