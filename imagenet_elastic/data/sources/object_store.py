@@ -14,6 +14,7 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import itertools
 import math
 import os
 import posixpath
@@ -137,8 +138,7 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
     """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row."""
     rng = random.Random()  # jitter only: no result depends on it
     first_failure: Optional[float] = None
-    attempt = 0
-    while True:
+    for attempt in itertools.count():
         try:
             return answered(call)
         except (UserError, MemoryError):
@@ -159,7 +159,6 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
                                        f"({_reason(error)}): run again with --resume once it is back") from None
             # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
             sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
-            attempt += 1
 
 
 def answered(call: Callable[[], T]) -> T:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import fnmatch
+import functools
 import glob
 import itertools
 import json
@@ -133,19 +134,16 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
         if not found:
             raise UserError(f"{role} data {location} holds no .tar shards")
         return found
-    folders: dict[str, dict[str, object_store.Entry]] = {}
+    listed = functools.lru_cache(maxsize=None)(object_store.listing)  # each folder's entries, by name
     found = []
     for part in expand_braces(location):
         if object_store.scheme(part) in ("http", "https") and not glob.has_magic(part):
             found.append(object_store.info(part))
             continue
-        folder = posixpath.dirname(part)
-        if folder not in folders:
-            folders[folder] = {e.url: e for e in object_store.listing(folder)}
-        matched = sorted(url for url in folders[folder] if fnmatch.fnmatchcase(url, part))
+        matched = [e for e in listed(posixpath.dirname(part)) if fnmatch.fnmatchcase(e.url, part)]
         if not matched:
             raise UserError(f"{role} shard {part} does not exist (from {location})")
-        found.extend(folders[folder][url] for url in matched)
+        found.extend(matched)
     return found
 
 
@@ -338,7 +336,6 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     saved = _read_pack(path, named) if packed else index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
-
     folder = os.path.dirname(named)  # what relative shard names are relative to (a URL's too: object_store.join)
     listed = [s if object_store.is_url(s) else _absolute(os.path.join(folder, s)) for s in map(str, saved["shards"])]
     current = [_absolute(p) for p in shards]
