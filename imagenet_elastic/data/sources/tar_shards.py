@@ -624,13 +624,12 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     location = location if both is None else both[0] if role == "train" else both[1]
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
-    if not entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last)
-        check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
-    if entries:
+    if entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last): none to check
         found = object_store.find(beside)
         packed = object_store.cache().local_copy(found) if found else None  # the local copy of a store's
     else:
+        check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
         packed = beside if os.path.isfile(beside) else None
     kept = cache_path(cache_dir, role) if cache_dir else None
     index, notes = packed or kept, ()
