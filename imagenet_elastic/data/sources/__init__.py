@@ -1,11 +1,10 @@
 """Sources of samples: the forms a split of ImageNet is held in, behind one interface (base.Source).
 
-`open_splits` turns DATA, --val-path and --val-labels into the train and val sources. A prefix names a location's kind
-(`wds:`, `parquet:`, `folder:`), as timm's reader factory does, before any look at the file system; else the first
-kind in `KINDS` that claims it opens it. A store's URL is read by tar_shards.py. A new source is one module and one
-entry in `KINDS`, with PREFIX, `claims(location, labels_file) -> bool` and `open_split(location, role, cache_dir,
-classes, labels_file) -> Source`, and optionally `is_pattern(location) -> bool` (a location of its files that is not
-a folder) and `split_folder(folder) -> (train, val) or None` (a folder of both splits, told apart by file names).
+A prefix (`wds:`, `parquet:`, `folder:`) names a location's kind before any look at the file system, as timm's reader
+factory does; else the first kind in `KINDS` that claims it opens it (a store's URL: tar_shards). A kind is a module
+with PREFIX, `claims(location, labels_file) -> bool` and `open_split(location, role, cache_dir, classes, labels_file)
+-> Source`, and optionally `is_pattern(location) -> bool` (a location of its files that is not a folder) and
+`split_folder(folder) -> (train, val) or None` (a folder of both splits, told apart by file names).
 """
 
 from __future__ import annotations
@@ -21,8 +20,7 @@ from imagenet_elastic.data.sources.base import FileList, Source
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
-# In the order they are asked: the first that claims a location opens it (parquet before tar shards: a
-# `*.parquet` glob is a pattern to both).
+# The first that claims a location opens it (parquet before tar shards: a `*.parquet` glob is a pattern to both).
 KINDS: tuple[ModuleType, ...] = (parquet, tar_shards, image_folder)
 _PREFIXED = re.compile(r"([a-z][a-z0-9+.-]*):(?!//)(.*)", re.DOTALL)  # `wds:/data`, not `s3://bucket`
 _SCHEME = re.compile(r"[a-z][a-z0-9+.-]*://")
@@ -178,9 +176,8 @@ def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
 
 
 def check_apart(folder: str, what: str, splits: tuple[str, str], containing: bool = False) -> None:
-    """Refuse a folder written to that is (or lies inside, or with `containing` holds) a split's folder on disk: what
-    is written there would be read as the split's samples (a class folder, a shard), or break it, at the next start.
-    A pattern names its files (what is written there is not among them), and a store's URL is no folder on disk."""
+    """Refuse a folder written to that is (or lies inside, or with `containing` holds) a split's folder on disk, whose
+    samples what is written there would join or break at the next start (a pattern's or a URL's cannot)."""
     if object_store.is_url(folder):
         return
     real = os.path.realpath(folder)
@@ -205,10 +202,8 @@ def check_same_classes(train: Source, val: Source) -> None:
         k = next(k for k, (a, b) in enumerate(zip(train.classes, val.classes)) if a != b)
         raise UserError(f"train ({train.where()}) and val ({val.where()}) name the same {len(train.classes)} classes "
                         f"in another order: label {k} is {train.classes[k]!r} in train, {val.classes[k]!r} in val")
-    raise UserError(
-        f"train ({train.where()}) and val ({val.where()}) classes differ: {len(train.classes)} vs "
-        f"{len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}"
-    )
+    raise UserError(f"train ({train.where()}) and val ({val.where()}) classes differ: {len(train.classes)} vs "
+                    f"{len(val.classes)} classes; only in train: {only_train}, only in val: {only_val}")
 
 
 is_url = object_store.is_url

@@ -1,8 +1,6 @@
-"""What every source of samples gives the rest of the program, and nothing more.
-
-How bytes are stored stays inside a source's own module. Per-sample data lives in numpy arrays, not Python objects,
-so forked loader workers share the parent's pages (`bench/benchmark.py --mode index`); files are opened in the
-process that reads them, when it first does.
+"""What every source of samples gives the rest of the program, and nothing more. Per-sample data lives in numpy
+arrays, not Python objects, so forked loader workers share the parent's pages (`bench/benchmark.py --mode index`);
+files are opened in the process that reads them, when it first does.
 """
 
 from __future__ import annotations
@@ -12,6 +10,7 @@ import hashlib
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -32,8 +31,6 @@ TRAINING_CLASSES = "the training split"
 
 class Classes(tuple):
     """Class names that say whose they are (the training split's, the model's under `evaluate`), for label errors."""
-
-    whose = TRAINING_CLASSES
 
     def __new__(cls, names: tuple[str, ...] = (), whose: str = TRAINING_CLASSES) -> Classes:
         made = super().__new__(cls, names)
@@ -102,8 +99,8 @@ class Source(abc.ABC):
 
 
 def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:
-    """A digest of class names and arrays: equal arrays of one dtype give equal bytes (fixed-width strings take the
-    longest entry's width), so hashing their bytes is enough (a fraction of a second for 1.28 M paths)."""
+    """A digest of class names and arrays, of their bytes: equal arrays of one dtype give equal bytes (fixed-width
+    strings take the longest entry's width)."""
     digest = hashlib.blake2b(digest_size=12)
     digest.update("\0".join(classes).encode() + b"\1")
     for array in arrays:
@@ -112,16 +109,27 @@ def digest_of(classes: tuple[str, ...], *arrays: np.ndarray) -> str:
     return digest.hexdigest()
 
 
-def check_numbered(labels: np.ndarray, label_of: Callable[[int], str], what: str) -> None:
-    """Labels no class name stands for must be 0..N-1 without gaps: one stray label (99 among 0..9) would otherwise
-    make a model of 100 classes, 90 without a sample. Checked before N names are made (a stray 10**9 would not fit in
-    memory as names). `label_of(i)` names sample i's label, for the first label past the first gap; `what`: the data
-    that names no classes, and how it would. Negative labels are left to the caller's range check."""
-    used = np.unique(labels)
-    missing = np.flatnonzero(used != np.arange(len(used)))
-    if not len(used) or used[0] < 0 or not len(missing):
-        return
-    gap, after = int(missing[0]), int(used[missing[0]])  # the first label unused, the first used past it
-    unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
-    raise UserError(f"{label_of(int(np.flatnonzero(labels == after)[0]))} leaves labels {unused} unused; {what} "
-                    "must number their classes 0..N-1 without gaps")
+def checked_classes(labels: np.ndarray, label_of: Callable[[int], str], named: Optional[tuple[str, ...]],
+                    classes: Optional[tuple[str, ...]], named_by: str, unnamed: str) -> tuple[str, ...]:
+    """The class names of `labels`: the data's own `named` (`named_by`: how an error says so), else the training
+    split's `classes`, else the numbers 0..N-1, which must leave no gap (`unnamed`: the data that names none, and how
+    it would): one stray label (99 among 0..9) would make a model of 100 classes, 90 without a sample, and a stray
+    10**9 would not fit in memory as names. `label_of(i)` names sample i's label for the first one that is refused."""
+    if not named and not classes:
+        used = np.unique(labels)
+        missing = np.flatnonzero(used != np.arange(len(used)))
+        if len(used) and used[0] >= 0 and len(missing):  # a negative label is the range check's
+            gap, after = int(missing[0]), int(used[missing[0]])  # the first label unused, the first used past it
+            unused = str(gap) if after == gap + 1 else f"{gap}..{after - 1}"
+            raise UserError(f"{label_of(int(np.flatnonzero(labels == after)[0]))} leaves labels {unused} unused; "
+                            f"{unnamed} must number their classes 0..N-1 without gaps")
+    known = named or classes or tuple(str(c) for c in range(max(0, int(labels.max())) + 1))
+    check_range(labels, label_of, len(known), named_by if named else f"{whose(classes)} has" if classes else "")
+    return known
+
+
+def check_range(labels: np.ndarray, label_of: Callable[[int], str], count: int, bound: str) -> None:
+    """Every label names one of `count` classes; `bound`: whose they are, as the error says (`the files name`)."""
+    bad = np.flatnonzero((labels < 0) | (labels >= count))
+    if len(bad):
+        raise UserError(f"{label_of(int(bad[0]))} is out of range" + (f": {bound} {count} classes" if bound else ""))

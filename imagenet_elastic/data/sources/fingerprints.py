@@ -68,8 +68,7 @@ def _fixed(values: np.ndarray) -> tuple[memoryview, np.ndarray]:
     return memoryview(data).cast("B"), np.arange(len(data) + 1, dtype=np.int64) * data.itemsize
 
 
-def difference(saved: Optional[dict[str, Any]], source: Source,
-               taken: Optional[Fingerprint] = None) -> Optional[str]:
+def difference(saved: Optional[dict[str, Any]], source: Source, taken: Optional[Fingerprint] = None) -> Optional[str]:
     """How `source` differs from the split a checkpoint's fingerprint `saved` was taken of, in one line; else None."""
     if not saved:
         return None

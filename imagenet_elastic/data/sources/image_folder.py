@@ -2,14 +2,13 @@
 flat folder whose classes a labels file gives (ImageNet's validation set as distributed, with --val-labels FILE).
 
 Listing 1.28 M files costs minutes on a network file system at every restart, so the list is kept beside the
-checkpoints with every walked folder's mtime (`keep`) and re-read while every folder keeps its mtime (an added,
-removed or renamed file changes it). Nodes share the checkpoints folder but may each read their own copy of the data
-at the same path, and `rsync -a` or `cp -a` keep mtimes even where a file is missing; so the cache also holds the
-root's inode number, which a shared file system shows every node alike: a node with its own copy scans it.
+checkpoints with every walked folder's mtime (an added, removed or renamed file changes it) and re-read while they
+hold. Nodes may each read their own copy at the same path, whose mtimes `rsync -a` or `cp -a` keep even where a file
+is missing: the cache also holds the root's inode number, which a shared file system shows every node alike.
 
 A labels file is a CSV of `filename,class` (a header line allowed; the filename with or without extension), or Kaggle's
-LOC_val_solution.csv (`ImageId,PredictionString`, first word the class), with the training split's class names. The
-samples are the listed files in name order; it must list every image of the folder.
+LOC_val_solution.csv (`ImageId,PredictionString`, first word the class), naming every image of the folder by a class
+of the training split.
 """
 
 from __future__ import annotations
@@ -137,8 +136,7 @@ def claims(location: str, labels_file: Optional[str] = None) -> bool:
 
 def open_split(root: str, role: str, cache_dir: Optional[str], classes: Optional[tuple[str, ...]] = None,
                labels_file: Optional[str] = None) -> FilesUnder:
-    """The cached list of `root` when it is still current, else a fresh scan (its class folders name the classes);
-    with `labels_file`, the flat folder's images it lists."""
+    """The cached list of `root` while it is current, else a fresh scan; with `labels_file`, the images it lists."""
     if labels_file is not None:
         return open_labelled(root, role, classes, labels_file)
     try:

@@ -1,8 +1,7 @@
 """The index files (.npz) sources keep of their samples: the file-list cache of a folder, the index of tar shards (a
-cache in the checkpoints folder, or the one `pack` wrote beside its shards).
-
-Whatever numpy raises for a damaged, cut-short or empty file becomes `Unreadable`, naming it: a cache is then rebuilt
-with a warning, a pack's own index refused in one line; an absent file or another version is rebuilt silently.
+cache in the checkpoints folder, or the one `pack` wrote beside its shards). Whatever numpy raises for a damaged,
+cut-short or empty file becomes `Unreadable`, naming it: a cache is then rebuilt with a warning, a pack's own index
+refused in one line; an absent file or another version is rebuilt silently.
 """
 
 from __future__ import annotations

@@ -1,11 +1,10 @@
 """Shards in an object store (`s3://`, `gs://`, `https://`) through fsspec (s3fs, gcsfs, aiohttp: the `[s3]`, `[gcs]`
-and `[https]` extras): listing, ranged reads, and a node-local cache of whole shards. What a user sets and sees (the
-IMAGENET_ELASTIC_STORE_* variables, retries, `StoreUnavailable`): docs/DATA.md, "Object stores".
+and `[https]` extras): listing, ranged reads, and a node-local cache of whole shards (docs/DATA.md, "Object stores").
 
-Endpoint and credentials are where those libraries look: this module never reads, prints or keeps them. Its own
-settings are the node's, not the run's (they change no result), so they are environment variables. Whole shards: a few
-large ranged GETs, once per node per epoch, where per-sample reads would take a round trip per image. LRU eviction
-unlinks files that readers may still have mapped, which Linux keeps until they unmap them.
+Endpoint and credentials are where those libraries look: this module never reads, prints or keeps them. Its settings
+are the node's, not the run's (they change no result): environment variables. Whole shards, in a few large ranged GETs
+once per node per epoch, where per-sample reads would take a round trip per image; LRU eviction unlinks files readers
+may still have mapped, which Linux keeps until they unmap them.
 """
 
 from __future__ import annotations
@@ -15,6 +14,7 @@ import contextlib
 import fcntl
 import glob
 import hashlib
+import itertools
 import math
 import os
 import posixpath
@@ -53,8 +53,7 @@ def scheme(url: str) -> str:
 
 
 def join(url: str, *parts: str) -> str:
-    """`url` and `parts` joined by slashes, never normalised (`s3://` keeps both slashes): what os.path.join and
-    os.path.dirname do to a URL on POSIX, where sources written for paths take a URL as they take a path."""
+    """`url` and `parts` joined by slashes, never normalised (`s3://` keeps both): os.path.join's result on POSIX."""
     return posixpath.join(url, *parts)
 
 
@@ -81,13 +80,11 @@ def _number(environ: dict, name: str, unit: float) -> Optional[float]:
     text = environ.get(name)
     if not text:
         return None
-    try:
+    with contextlib.suppress(ValueError):
         value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0 < value < math.inf:  # False for nan too
-        raise UserError(f"{name}={text!r} is not a positive number")
-    return int(value * unit) if unit > 1 else value
+        if 0 < value < math.inf:  # False for nan too
+            return int(value * unit) if unit > 1 else value
+    raise UserError(f"{name}={text!r} is not a positive number")
 
 
 # ----------------------------------------------------------------------------- the client
@@ -99,12 +96,11 @@ _CLIENT_VARIABLES = ("AWS_ENDPOINT_URL", "AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "
 
 def filesystem(url: str, timeout: float):
     """This process's fsspec file system for `url`'s scheme (made at first use: fsspec's event loop does not survive
-    a fork). Each request's time-outs are bounded by `timeout` so a stalled connection is retried here rather than
-    waited on, and the libraries make one attempt a call: their retry loops nest (s3fs's two around botocore's)."""
+    a fork). Each request is bounded by `timeout` and attempted once, to be retried by `patiently`, not waited on in
+    the libraries' nested retry loops (s3fs's two around botocore's)."""
     key = (os.getpid(), scheme(url), timeout, *(os.environ.get(name) for name in _CLIENT_VARIABLES))
-    found = _FILESYSTEMS.get(key)
-    if found is not None:
-        return found
+    if key in _FILESYSTEMS:
+        return _FILESYSTEMS[key]
     package = SCHEMES[scheme(url)]
     try:
         import fsspec
@@ -142,8 +138,7 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
     """`call()`, retried on a store's transient failures until it has failed for `timeout` seconds in a row."""
     rng = random.Random()  # jitter only: no result depends on it
     first_failure: Optional[float] = None
-    attempt = 0
-    while True:
+    for attempt in itertools.count():
         try:
             return answered(call)
         except (UserError, MemoryError):
@@ -154,7 +149,8 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
             if refused(error):
                 raise UserError(f"{what}: access refused ({_reason(error)}): check the store's credentials") from None
             now = clock()
-            if first_failure is None and not in_loader_worker():  # a wait at start-up (a wrong port?) says why
+            loader = sys.modules.get("torch.utils.data")  # a DataLoader worker's many reads would each say so
+            if first_failure is None and not (loader and loader.get_worker_info()):  # a wait at start-up says why
                 print(f"warning: the store did not answer for {what} ({_reason(error)}): retrying for up to "
                       f"{timeout:g} s (IMAGENET_ELASTIC_STORE_TIMEOUT)", file=sys.stderr, flush=True)
             first_failure = now if first_failure is None else first_failure
@@ -163,19 +159,11 @@ def patiently(what: str, call: Callable[[], T], timeout: float, sleep: Callable[
                                        f"({_reason(error)}): run again with --resume once it is back") from None
             # full jitter over 0.5 s doubling (at most 20 s): a node's workers that failed together retry apart
             sleep(min(rng.uniform(0, min(20.0, 0.5 * 2 ** attempt)), max(0.0, first_failure + timeout - now)))
-            attempt += 1
-
-
-def in_loader_worker() -> bool:
-    """Whether this is a DataLoader worker, whose many reads during an outage would each say so."""
-    data = sys.modules.get("torch.utils.data")
-    return data is not None and data.get_worker_info() is not None
 
 
 def answered(call: Callable[[], T]) -> T:
-    """`call()`. fsspec's https:// file system raises every failure to describe an object as FileNotFoundError, a
-    refused connection, a time-out and a 5xx too: the failure itself is raised instead where it was not a 404, so a
-    store out of reach is retried and then said to be, not called a missing object."""
+    """`call()`, raising the cause of a FileNotFoundError that was no 404: fsspec's https:// file system raises a
+    refused connection, a time-out and a 5xx as one, and a store out of reach is retried, not a missing object."""
     try:
         return call()
     except FileNotFoundError as error:
@@ -197,8 +185,7 @@ def not_found(cause: BaseException) -> bool:
 
 def transient() -> tuple[type[BaseException], ...]:
     """What a client raises when the store is away for a while: connection errors and time-outs (the libraries' own
-    classes are not OSErrors), and answers not turned into FileNotFoundError or PermissionError (5xx, throttling).
-    Anything else is a fault of ours, raised at once rather than retried for IMAGENET_ELASTIC_STORE_TIMEOUT."""
+    classes are not OSErrors), and answers other than FileNotFoundError or PermissionError (5xx, throttling)."""
     found: list[type[BaseException]] = [OSError, TimeoutError, asyncio.TimeoutError]
     for module, names in (("botocore.exceptions", ("BotoCoreError", "ClientError")), ("aiohttp", ("ClientError",)),
                           ("fsspec.exceptions", ("FSTimeoutError",)), ("gcsfs.retry", ("HttpError",))):
@@ -370,7 +357,11 @@ class ShardCache:
         of the disk free; then reserve its room: its temporary file at full size (sparse), which other fetches count."""
         cap = self.settings.cache_bytes
         with _locked(os.path.join(self.settings.cache, ".evict.lock")):
-            files = list(_cached_files(self.settings.cache))
+            files = []  # (path, size, last use) of each file but the locks
+            for found in os.scandir(self.settings.cache):
+                with contextlib.suppress(FileNotFoundError):  # unlinked since the listing
+                    if not found.name.endswith(".lock"):
+                        files.append((found.path, found.stat().st_size, found.stat().st_mtime))
             for name, _, _ in files:
                 if ".part-" in name:
                     with _locked(name.rsplit(".part-", 1)[0] + ".lock", blocking=False) as free:
@@ -413,28 +404,15 @@ def short_cache_note(settings: Settings, split_bytes: int, where: str) -> Option
 
 
 def _whole(path: str, size: int) -> bool:
-    try:
+    with contextlib.suppress(OSError):
         return os.stat(path).st_size == size
-    except OSError:
-        return False
+    return False
 
 
 def _room(folder: str) -> int:
     """What a file system has free beyond the tenth of it kept free (the cache's room where it has no cap)."""
     disk = shutil.disk_usage(folder)
     return disk.free - disk.total // 10
-
-
-def _cached_files(folder: str) -> Iterator[tuple[str, int, float]]:
-    for name in os.listdir(folder):
-        if name.endswith(".lock"):
-            continue
-        path = os.path.join(folder, name)
-        try:
-            stat = os.stat(path)
-        except FileNotFoundError:
-            continue
-        yield path, stat.st_size, stat.st_mtime
 
 
 @contextlib.contextmanager

@@ -1,12 +1,11 @@
-"""Parquet files read in place: Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*.parquet`: rows of
-image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that struct, or
-bytes) and an integer `label`. Needs pyarrow (the `parquet` extra). Without ClassLabel names the classes are numbered
-0..N-1 (base.check_numbered), or a validation split takes the training split's.
+"""Parquet files read in place (the `parquet` extra): Hugging Face's imagenet-1k (`train-*.parquet`, `validation-*`:
+rows of image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that
+struct, or bytes) and an integer `label`; without ClassLabel names, base.checked_classes names the classes.
 
 A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by name
-(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. Reading sample i reads its row group's
-image column and keeps that one row group per process until another's sample is asked for: sequential reads read each
-row group once, a shuffled epoch one per sample: why `pack` is the form to train from at scale (docs/BENCHMARKS.md).
+(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. A process keeps the one row group it
+read last: sequential reads read each group once, a shuffled epoch one per sample, why `pack` is the form to train
+from at scale (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ from typing import Any, Optional
 
 import numpy as np
 
-from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, checked_classes, digest_of, shown
 from imagenet_elastic.data.sources.tar_shards import pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
@@ -26,14 +25,13 @@ PREFIX = "parquet"
 SUFFIX = ".parquet"
 SUBFOLDER = "data"  # the Hub's datasets keep their files in data/
 SPLIT_WORDS = {"train": ("train",), "val": ("validation", "val")}  # a file's name starts with one, then - or _
-INSTALL = "pip install 'imagenet_elastic[parquet]'"
 
 
 def pyarrow_parquet() -> Any:
     try:
         import pyarrow.parquet as pq
     except ImportError:
-        raise UserError(f"reading parquet files needs pyarrow: {INSTALL}") from None
+        raise UserError("reading parquet files needs pyarrow: pip install 'imagenet_elastic[parquet]'") from None
     return pq
 
 
@@ -122,6 +120,12 @@ class ParquetFiles(Source):
     def where(self) -> str:
         return f"{self.location} ({counted(len(self.files), 'parquet file')})"
 
+    def label_of(self, i: int) -> str:
+        """Sample i's label, by its file and row there, as an error names it."""
+        f = int(np.searchsorted(self.file_starts, i, side="right")) - 1
+        return (f"{self.role} parquet file {self.files[f]}: label {int(self.labels[i])} of row "
+                f"{i - int(self.file_starts[f])}")
+
     def entries(self) -> np.ndarray:
         """`FILE.parquet:ROW` of each sample."""
         names = [os.path.basename(p) for p in self.files]
@@ -143,25 +147,16 @@ class ParquetFiles(Source):
 
 @dataclass
 class _Group:
-    """One row group as this process last read it: its images' bytes (when read was asked) and their paths, as
-    pyarrow arrays (a sample's bytes become a Python object when it is read, not the whole group's)."""
+    """One row group as this process read it last: its paths and (when asked) images, as pyarrow arrays, not objects."""
 
-    key: tuple[str, int]  # (file, row group number)
     paths: Any  # pyarrow StringArray, or None where the file keeps no paths
     images: Any  # pyarrow BinaryArray, or None: only the paths were read
 
 
 _OPEN: dict[str, Any] = {}  # this process's ParquetFile of each file it read
-_LAST: list[Optional[_Group]] = [None]
-
-
-def _forget_in_child() -> None:
-    """A forked worker opens its own files and keeps its own group."""
-    _OPEN.clear()
-    _LAST[0] = None
-
-
-os.register_at_fork(after_in_child=_forget_in_child)
+_KEPT: dict[tuple[str, int], _Group] = {}  # the one row group it keeps, by (file, row group number)
+os.register_at_fork(after_in_child=_OPEN.clear)  # a forked worker opens its own files and keeps its own group
+os.register_at_fork(after_in_child=_KEPT.clear)
 
 
 def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
@@ -169,8 +164,8 @@ def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
     import pyarrow as pa
 
     path, number = source.files[int(source.group_file[g])], int(source.group_number[g])
-    kept = _LAST[0]
-    if kept is not None and kept.key == (path, number) and (kept.images is not None or not images):
+    kept = _KEPT.get((path, number))
+    if kept is not None and (kept.images is not None or not images):
         return kept
     try:
         file = _OPEN.get(path)
@@ -179,14 +174,15 @@ def _row_group(source: ParquetFiles, g: int, images: bool) -> _Group:
         image = file.schema_arrow.field("image").type
         has_paths = pa.types.is_struct(image) and image.get_field_index("path") >= 0
         if not images and not has_paths:
-            return _Group((path, number), None, None)
+            return _Group(None, None)
         column = file.read_row_group(number, columns=["image"] if images else ["image.path"],
                                      use_threads=False).column("image").combine_chunks()
     except (OSError, ValueError, KeyError) as error:  # pyarrow's ArrowInvalid is a ValueError
         raise CorruptImageError(f"cannot read row group {number} of parquet file {path}: {error}") from None
     encoded = (column.field("bytes") if pa.types.is_struct(image) else column) if images else None
-    _LAST[0] = _Group((path, number), column.field("path") if has_paths else None, encoded)
-    return _LAST[0]
+    _KEPT.clear()
+    kept = _KEPT[path, number] = _Group(column.field("path") if has_paths else None, encoded)
+    return kept
 
 
 # ----------------------------------------------------------------------------- opening a split
@@ -250,29 +246,14 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     all_labels = np.concatenate(labels)  # role_files gives at least one file
     if not len(all_labels):
         raise UserError(f"{role} data {location} holds no rows")
-    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), tuple(named or classes or ()),
-                          all_labels, np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
+    source = ParquetFiles(location, role, tuple(paths), np.array(sizes, dtype=np.int64), (), all_labels,
+                          np.array(starts, dtype=np.int64), np.array(group_file, dtype=np.int32),
                           np.array(group_number, dtype=np.int32), np.array(file_starts, dtype=np.int64))
-    if not named and not classes:  # the labels name the classes
-        check_numbered(all_labels, lambda i: _label_of_row(source, i),
-                       "files without class names (ClassLabel metadata)")
-        source = replace(source, classes=tuple(str(c) for c in range(max(0, int(all_labels.max())) + 1)))
-    known = source.classes
-    bad = np.flatnonzero((all_labels < 0) | (all_labels >= len(known)))
-    if len(bad):
-        named_by = "the files name" if named else f"{whose(classes)} has" if classes else ""
-        bound = f": {named_by} {len(known)} classes" if named_by else ""
-        raise UserError(f"{_label_of_row(source, int(bad[0]))} is out of range{bound}")
+    source = replace(source, classes=checked_classes(all_labels, source.label_of, named, classes, "the files name",
+                                                     "files without class names (ClassLabel metadata)"))
     rows = len(all_labels) / max(1, len(group_file))
     if role == "train" and rows > 1:
         return replace(source, notes=(
             f"training from parquet files in place reads a row group ({rows:.0f} images on average here) for each "
             "shuffled sample: `imagenet-elastic pack` makes tar shards that train several times faster",))
     return source
-
-
-def _label_of_row(source: ParquetFiles, i: int) -> str:
-    """Sample i's label, by its file and row there, as an error names it."""
-    f = int(np.searchsorted(source.file_starts, i, side="right")) - 1
-    return (f"{source.role} parquet file {source.files[f]}: label {int(source.labels[i])} of row "
-            f"{i - int(source.file_starts[f])}")

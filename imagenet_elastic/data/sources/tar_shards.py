@@ -1,20 +1,19 @@
-"""WebDataset tar shards as a source: each sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and
-`KEY.cls` (the label as a decimal integer), KEY being the member's name up to the first dot of its last part. A split
-is a folder of `*.tar` files (sorted by name) or a brace or glob pattern. Class names come from a `classes.txt` (one
-per line, in label order) or an `_info.json` beside the shards or one folder up; else the labels are the names ("0",
-"1", ...), or the training split's classes for a val split.
+"""WebDataset tar shards as a source: a sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and `KEY.cls`
+(its label, a decimal integer), KEY the member's name up to the first dot of its last part. A split is a folder of
+`*.tar` (by name) or a brace or glob pattern. Class names come from a `classes.txt` (a name a line, in label order) or
+an `_info.json` beside the shards or one folder up; else the labels are the names, or a val split takes train's.
 
-The index (`TarShards`) holds each sample's shard, image offset and length, label and CRC-32 in numpy arrays (shared
-by forked loader workers); `pack` writes it beside its shards (last), else the first start keeps it in the checkpoints
-folder. Every read compares the CRC-32 (cheap beside a decode): a byte changed in place at the same size and mtime
-(rot, a faulty copy), which sizes, mtimes and headers cannot see, stops the run at that sample, named. Reading sample i
-maps its shard (once per process, lazily) and copies its bytes out: no open or seek per sample, and random access for
-the sampler, resume and --ra-reps.
+The index (`TarShards`: numpy arrays, shared by forked loader workers) is written by `pack` beside its shards, else
+kept in the checkpoints folder at the first start. Every read compares the sample's CRC-32 (cheap beside a decode): a
+byte changed in place at the same size and mtime, which sizes, mtimes and headers cannot see, stops the run there,
+named. A shard is mapped once per process: no open or seek per sample, and random access for the sampler and resume.
 """
 
 from __future__ import annotations
 
+import contextlib
 import fnmatch
+import functools
 import glob
 import itertools
 import json
@@ -34,7 +33,7 @@ from typing import Optional
 import numpy as np
 
 from imagenet_elastic.data.sources import index_file, object_store
-from imagenet_elastic.data.sources.base import FileList, Source, check_numbered, digest_of, shown, whose
+from imagenet_elastic.data.sources.base import FileList, Source, check_range, checked_classes, digest_of, shown, whose
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "wds"  # `wds:PATTERN` names shards whatever the file system says (sources.kind_of)
@@ -48,23 +47,21 @@ INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
 OPTIONAL_ARRAYS = ("checksums", "etags")  # added to version 1 later: its first files read without them
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
-_PATTERN_CHARS = "{*?["
 
 
 # ----------------------------------------------------------------------------- where a split's shards are
 
 def is_pattern(location: str) -> bool:
     """A brace or glob pattern of shards, or one shard, rather than a folder."""
-    return any(c in location for c in _PATTERN_CHARS) or location.endswith(".tar")
+    return any(c in location for c in "{*?[") or location.endswith(".tar")
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
     if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
-    try:
-        return os.path.isdir(location) and any(name.endswith(".tar") for name in os.listdir(location))
-    except OSError:
-        return False
+    with contextlib.suppress(OSError):  # not a folder, or none to read
+        return any(name.endswith(".tar") for name in os.listdir(location))
+    return False
 
 
 def expand_braces(pattern: str) -> list[str]:
@@ -103,9 +100,15 @@ def shard_paths(location: str, role: str) -> list[str]:
 def split_folder(folder: str) -> Optional[tuple[str, str]]:
     """Train and val shard patterns of a folder of both (timm's imagenet-1k-wds), else None; unclear names refused."""
     try:
-        names = sorted(n for n in _names(folder) if n.endswith(".tar"))
+        if not object_store.is_url(folder):
+            names = os.listdir(folder)
+        elif object_store.scheme(folder) in ("http", "https"):  # an https:// URL has none to list
+            return None
+        else:
+            names = [posixpath.basename(e.url) for e in object_store.listing(folder)]
     except OSError:
         return None
+    names = sorted(n for n in names if n.endswith(".tar"))
     train = {n for n in names if "train" in n}
     for word in ("validation", "val"):
         val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
@@ -122,15 +125,6 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
     return None
 
 
-def _names(folder: str) -> list[str]:
-    """The names of the files right in a folder, on disk or in a store (an https:// URL has none to list)."""
-    if not object_store.is_url(folder):
-        return os.listdir(folder)
-    if object_store.scheme(folder) in ("http", "https"):
-        return []
-    return [posixpath.basename(e.url) for e in object_store.listing(folder)]
-
-
 def store_shards(location: str, role: str) -> list[object_store.Entry]:
     """A store split's shards, in order, with size and ETag; each folder listed once (http(s) asks each shard)."""
     if not is_pattern(location):
@@ -140,19 +134,16 @@ def store_shards(location: str, role: str) -> list[object_store.Entry]:
         if not found:
             raise UserError(f"{role} data {location} holds no .tar shards")
         return found
-    folders: dict[str, dict[str, object_store.Entry]] = {}
+    listed = functools.lru_cache(maxsize=None)(object_store.listing)  # each folder's entries, by name
     found = []
     for part in expand_braces(location):
         if object_store.scheme(part) in ("http", "https") and not glob.has_magic(part):
             found.append(object_store.info(part))
             continue
-        folder = posixpath.dirname(part)
-        if folder not in folders:
-            folders[folder] = {e.url: e for e in object_store.listing(folder)}
-        matched = sorted(url for url in folders[folder] if fnmatch.fnmatchcase(url, part))
+        matched = [e for e in listed(posixpath.dirname(part)) if fnmatch.fnmatchcase(e.url, part)]
         if not matched:
             raise UserError(f"{role} shard {part} does not exist (from {location})")
-        found.extend(folders[folder][url] for url in matched)
+        found.extend(matched)
     return found
 
 
@@ -196,8 +187,8 @@ class TarShards(Source):
         path = self.shards[int(self.shard[i])]
         start, length = int(self.offsets[i]), int(self.lengths[i])
         try:
-            mapped, fd = self.mapped(int(self.shard[i]))
-            size = os.fstat(fd).st_size  # a shard cut short while mapped would raise SIGBUS, not an error
+            mapped = self.mapped(int(self.shard[i]))
+            size = mapped.size()  # the file's now: a shard cut short while mapped would raise SIGBUS, not an error
         except OSError as error:
             raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
         if start + length > size:
@@ -211,7 +202,7 @@ class TarShards(Source):
             raise CorruptImageError(self.changed_bytes(i))
         return data
 
-    def mapped(self, k: int) -> tuple[mmap.mmap, int]:
+    def mapped(self, k: int) -> mmap.mmap:
         """Shard k mapped in this process: the file, or a store's shard's whole copy in the node's cache."""
         path = self.shards[k]
         if not object_store.is_url(path):
@@ -239,7 +230,7 @@ class TarShards(Source):
         """Sample i's image member's name, from the ustar name and prefix fields alone: asked at every read."""
         offset = int(self.offsets[i])
         try:
-            mapped, _ = self.mapped(int(self.shard[i]))
+            mapped = self.mapped(int(self.shard[i]))
         except (OSError, UserError):
             return f"sample #{i} at byte {offset}"
         header = mapped[offset - 512:offset]
@@ -250,6 +241,10 @@ class TarShards(Source):
 
     def where(self) -> str:
         return f"{self.location} ({counted(len(self.shards), 'shard')})"
+
+    def label_of(self, i: int) -> str:
+        """Sample i's label, by its shard, as an error names it."""
+        return f"{self.role} shard {self.shards[int(self.shard[i])]}: label {int(self.labels[i])} of sample #{i}"
 
     def entries(self) -> np.ndarray:
         """`SHARD.tar:MEMBER` of each sample: the headers are read only when two nodes' fingerprints differ."""
@@ -278,30 +273,23 @@ class TarShards(Source):
             write_index(self, cache_path(cache_dir, self.role), relative_to=None)
 
 
-_MAPS: dict[str, tuple[mmap.mmap, int]] = {}
-_STORE_MAPS: OrderedDict[str, tuple[mmap.mmap, int]] = OrderedDict()  # a store's shards, most recently used last
+_MAPS: dict[str, mmap.mmap] = {}
+_STORE_MAPS: OrderedDict[str, mmap.mmap] = OrderedDict()  # a store's shards, most recently used last
 STORE_MAPS = 8  # of those a process keeps mapped: one the cache evicted frees its disk once unmapped
 os.register_at_fork(after_in_child=_MAPS.clear)  # a forked worker maps its own
 os.register_at_fork(after_in_child=_STORE_MAPS.clear)
 
 
-def _mapped(path: str, store: bool = False) -> tuple[mmap.mmap, int]:
-    """This process's read-only mapping of a shard and its descriptor, made on first use. `store`: a node cache's
-    copy of a store's shard, of which a process keeps the STORE_MAPS last used."""
+def _mapped(path: str, store: bool = False) -> mmap.mmap:
+    """This process's read-only map of a shard; `store`: a store's cached shard (the STORE_MAPS last used)."""
     maps = _STORE_MAPS if store else _MAPS
     if path not in maps:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            maps[path] = mmap.mmap(fd, 0, access=mmap.ACCESS_READ), fd
-        except BaseException:
-            os.close(fd)
-            raise
+        with open(path, "rb") as f:
+            maps[path] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     if store:
         _STORE_MAPS.move_to_end(path)
         while len(_STORE_MAPS) > STORE_MAPS:
-            mapped, fd = _STORE_MAPS.popitem(last=False)[1]
-            mapped.close()
-            os.close(fd)
+            _STORE_MAPS.popitem(last=False)[1].close()
     return maps[path]
 
 
@@ -345,11 +333,9 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
     """The index at `path` if it is of these shards (else None for a cache, an error for a pack's). `named`: the
     index's own place where `path` is a local copy of it, which its relative shard names are relative to."""
     named = named or path
-    saved = (_read_pack(path, named) if packed else
-             index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS))
+    saved = _read_pack(path, named) if packed else index_file.read(path, INDEX_VERSION, INDEX_ARRAYS, OPTIONAL_ARRAYS)
     if saved is None:
         return None
-
     folder = os.path.dirname(named)  # what relative shard names are relative to (a URL's too: object_store.join)
     listed = [s if object_store.is_url(s) else _absolute(os.path.join(folder, s)) for s in map(str, saved["shards"])]
     current = [_absolute(p) for p in shards]
@@ -387,16 +373,13 @@ def check_pack_finished(location: str, role: str, root: str) -> None:
 
 def pack_again(index: str) -> str:
     """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
-    root = os.path.dirname(os.path.dirname(os.path.abspath(index)))
     command = "imagenet-elastic pack SRC NEW_OUT"
-    try:
-        record = pack_record(root)
+    record = pack_record(os.path.dirname(os.path.dirname(os.path.abspath(index))))
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # none, or not what pack writes
         options = record["options"]
         flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
                         if v is not None and (k != "quality" or options.get("max_side") is not None))
         command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        pass
     return f"pack again ({command}), or remove {index} to index the shards at start"
 
 
@@ -429,18 +412,14 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
         with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
             named = ((m, *split_name(m.name)) for m in tar if m.isfile())
             for key, members in itertools.groupby(named, operator.itemgetter(1)):
-                image: Optional[tarfile.TarInfo] = None
+                images: dict[str, tarfile.TarInfo] = {}  # by extension; other files are not ours
                 label: Optional[int] = None
-                seen: set[str] = set()
                 for member, _, extension in members:
-                    read = extension in IMAGE_EXTENSIONS or extension == LABEL_EXTENSION  # other files: not ours
-                    if read and extension in seen:  # two samples under one key, read as one (as WebDataset)
+                    if extension in images or (extension == LABEL_EXTENSION and label is not None):
                         raise UserError(f"{role} shard {path}: sample {key} has a second {member.name} (a key "
                                         "repeated in consecutive members): give each sample its own key")
-                    seen.add(extension)
-                    if extension in IMAGE_EXTENSIONS and (image is None or IMAGE_EXTENSIONS.index(extension)
-                                                          < IMAGE_EXTENSIONS.index(split_name(image.name)[1])):
-                        image = member
+                    if extension in IMAGE_EXTENSIONS:
+                        images[extension] = member
                     elif extension == LABEL_EXTENSION:
                         stream = tar.extractfile(member)
                         text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
@@ -449,6 +428,7 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                         except ValueError:
                             raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is "
                                             f"{text[:20]!r}, not an integer") from None
+                image = next((images[e] for e in IMAGE_EXTENSIONS if e in images), None)  # the first in their order
                 if image is None and label is None:  # not a sample (another file kept in the shard)
                     continue
                 if image is None:
@@ -478,28 +458,24 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     """classes.txt in the shards' folder or the one above it, else an _info.json's list there, if any."""
     folder = os.path.dirname(shards[0]) if is_pattern(location) else location  # a store's URL too (object_store.join)
     for where in (folder, os.path.dirname(folder)):
-        candidate = os.path.join(where, CLASSES_FILE)
-        text = _text(candidate)
-        if text is not None:
+        candidate, info = os.path.join(where, CLASSES_FILE), os.path.join(where, INFO_FILE)
+        if (text := _text(candidate)) is not None:
             lines = [line.strip() for line in text.lstrip("\ufeff").strip().splitlines()]  # a BOM is no name
             if not lines or "" in lines:  # a blank line inside would shift every name after it by one
                 raise UserError(f"classes file {candidate} is empty" if not lines else
                                 f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "
                                 "label order)")
             return tuple(lines)
-        info = os.path.join(where, INFO_FILE)
-        text = _text(info)
-        if text is not None:
+        if (text := _text(info)) is not None:
             try:
                 described = json.loads(text)
             except ValueError as error:
                 raise UserError(f"{info} is not readable JSON: {error}") from None
             listed = next((described[k] for k in INFO_NAME_KEYS if isinstance(described, dict) and k in described),
                           None)
-            if listed is not None and not (isinstance(listed, list) and listed
-                                           and all(isinstance(name, (str, int)) for name in listed)):
-                raise UserError(f"{info}: its class names are not a list of names ({str(listed)[:40]!r})")
             if listed is not None:
+                if not (isinstance(listed, list) and listed and all(isinstance(name, (str, int)) for name in listed)):
+                    raise UserError(f"{info}: its class names are not a list of names ({str(listed)[:40]!r})")
                 return tuple(str(name) for name in listed)
     return None
 
@@ -542,42 +518,28 @@ def assemble(location: str, role: str, paths: list[str], per_shard: list[Found],
     stats = [(e.size, 0) for e in entries] if entries else [(s.st_size, s.st_mtime_ns) for s in map(os.stat, paths)]
     sizes, mtimes = (np.array(column, dtype=np.int64) for column in zip(*stats))
 
-    def joined(field: str, dtype: type) -> np.ndarray:
-        return np.concatenate([np.array(getattr(f, field), dtype=dtype) for f in per_shard])
+    def joined(field: str, dtype: type) -> Optional[np.ndarray]:  # None: a shard walked without them (checksums)
+        columns = [getattr(f, field) for f in per_shard]
+        return None if any(c is None for c in columns) else np.concatenate([np.array(c, dtype=dtype) for c in columns])
 
-    labels = joined("labels", np.int64)
-    ends = np.cumsum([len(f.labels) for f in per_shard])
-
-    def label_of(i: int) -> str:
-        shard = paths[int(np.searchsorted(ends, i, side="right"))]
-        return f"{role} shard {shard}: label {int(labels[i])} of sample #{i}"
-
-    if not named and not classes:
-        check_numbered(labels, label_of, f"shards without class names ({CLASSES_FILE} or {INFO_FILE})")
-    known = named or classes or tuple(str(c) for c in range(max(0, int(labels.max())) + 1))
-    bad = np.flatnonzero((labels < 0) | (labels >= len(known)))
-    if len(bad):
-        named_by = "the classes file lists" if named else f"{whose(classes)} has" if classes else ""
-        bound = f": {named_by} {len(known)} classes" if named_by else ""
-        raise UserError(f"{label_of(int(bad[0]))} is out of range{bound}")
-    return TarShards(location, role, tuple(paths), sizes, mtimes, tuple(known), labels,
-                     np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
-                     joined("offsets", np.int64), joined("lengths", np.int64),
-                     checksums=None if any(f.checksums is None for f in per_shard) else joined("checksums", np.uint32),
-                     etags=tuple(e.etag for e in entries) if entries else None)
+    source = TarShards(location, role, tuple(paths), sizes, mtimes, (), joined("labels", np.int64),
+                       np.concatenate([np.full(len(f.labels), k, dtype=np.int32) for k, f in enumerate(per_shard)]),
+                       joined("offsets", np.int64), joined("lengths", np.int64),
+                       checksums=joined("checksums", np.uint32),
+                       etags=tuple(e.etag for e in entries) if entries else None)
+    return replace(source, classes=checked_classes(source.labels, source.label_of, named, classes,
+                                                   "the classes file lists",
+                                                   f"shards without class names ({CLASSES_FILE} or {INFO_FILE})"))
 
 
 # ----------------------------------------------------------------------------- an index held against its shards
 
 def check_shards(source: TarShards, classes: Optional[tuple[str, ...]] = None) -> TarShards:
-    """The index `source` if its shards are still the ones it describes.
-
-    Each shard's indexed size and st_mtime_ns against a `stat` now, where a digest or a walk of every header would
-    read the whole split at every start. Any write changes the mtime (`cp -a` and `rsync -a` copy the changed one's);
-    a copy that does not keep mtimes (`cp -r`, most store downloads) has its headers and labels walked again and
-    compared, same-size changes in place being left to the checksums (TarShards.read). A pack's index is a promise: a
-    shard of another size or samples is refused, other mtimes with the same headers kept with a note; a cache of
-    shards from elsewhere is rebuilt, with a note."""
+    """The index `source` if its shards are still the ones it describes, by a `stat` of each (a digest or a walk would
+    read the whole split at every start): any write changes the mtime. A shard of another mtime (a copy that did not
+    keep them: `cp -r`, most downloads) has its headers and labels walked and compared, same-size changes in place
+    left to the checksums (TarShards.read). A pack's index is a promise: another size or samples is refused, other
+    mtimes with the same headers kept with a note; a cache of shards from elsewhere is rebuilt, with a note."""
     try:
         stats = [os.stat(p) for p in source.shards]
     except OSError as error:
@@ -662,13 +624,12 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     location = location if both is None else both[0] if role == "train" else both[1]
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
-    if not entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last)
-        check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
-    if entries:
+    if entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last): none to check
         found = object_store.find(beside)
         packed = object_store.cache().local_copy(found) if found else None  # the local copy of a store's
     else:
+        check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
         packed = beside if os.path.isfile(beside) else None
     kept = cache_path(cache_dir, role) if cache_dir else None
     index, notes = packed or kept, ()
@@ -679,9 +640,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     # names beside kept shards on disk, which may have changed since (a store's kept index: two requests, not six)
     named = class_names(location, shards) if source is not None and not packed and not entries else None
     if named is not None and _named(replace(source, classes=named), classes).classes != source.classes:
-        if int(source.labels.max()) >= len(named):
-            raise UserError(f"{role} data {location}: label {int(source.labels.max())} is out of range: the class "
-                            f"names beside its shards list {len(named)}")
+        check_range(source.labels, source.label_of, len(named), "the class names beside its shards list")
         source = replace(source, classes=named, cached=False, notes=(
             "the class names beside the shards changed since they were indexed: the new names were taken",))
     if source is None:
@@ -700,9 +659,7 @@ def _named(source: TarShards, classes: Optional[tuple[str, ...]]) -> TarShards:
     """A split that numbers its labels takes the training split's names for them."""
     if classes is None or source.classes == classes or source.classes != tuple(map(str, range(len(source.classes)))):
         return source
-    if int(source.labels.max()) >= len(classes):
-        raise UserError(f"{source.role} data {source.location}: label {int(source.labels.max())} is out of range: "
-                        f"{whose(classes)} has {len(classes)} classes")
+    check_range(source.labels, source.label_of, len(classes), f"{whose(classes)} has")
     return replace(source, classes=classes)
 
 
@@ -715,8 +672,7 @@ def check_store_shards(source: TarShards, entries: list[object_store.Entry],
         if resized:
             raise resized_shard(source, resized[0], entries[resized[0]].size)
         return replace(source, etags=tuple(e.etag for e in entries))
-    changed = [k for k, e in enumerate(entries)
-               if k in resized or source.etags is None or source.etags[k] != e.etag]
+    changed = [k for k, e in enumerate(entries) if k in resized or source.etags is None or source.etags[k] != e.etag]
     if not changed:
         return source
     walked = {k: walk_shard(entries[k].url, source.role, entry=entries[k]) for k in changed}

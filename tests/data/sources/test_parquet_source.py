@@ -62,13 +62,13 @@ def test_reading_keeps_one_row_group_and_reads_each_once_in_order(hub, monkeypat
 
     monkeypatch.setattr(pq.ParquetFile, "read_row_group", counted_group)
     monkeypatch.setattr(pq.ParquetFile, "read", counted_read)
-    parquet._LAST[0] = None
+    parquet._KEPT.clear()
     for i in range(len(source)):
         source.read(i)
         source.name(i)
     assert len(groups) == len(source.starts) - 1 == 2 * 7  # 48 rows a file in groups of 7: 7 groups each
     assert {columns for _, columns in groups} == {("image",)} and not whole_files
-    assert parquet._LAST[0].key == (source.files[1], 6)  # the last group read, and only it, kept
+    assert list(parquet._KEPT) == [(source.files[1], 6)]  # the last group read, and only it, kept
 
 
 def test_a_forked_worker_opens_its_own_files_and_keeps_its_own_row_group(hub):
@@ -76,9 +76,9 @@ def test_a_forked_worker_opens_its_own_files_and_keeps_its_own_row_group(hub):
     first = source.read(0)
     pid = os.fork()  # as a loader worker is made
     if pid == 0:
-        fresh = not parquet._OPEN and parquet._LAST[0] is None
+        fresh = not parquet._OPEN and not parquet._KEPT
         os._exit(0 if fresh and source.read(0) == first and len(parquet._OPEN) == 1 else 1)
-    assert os.waitpid(pid, 0)[1] == 0 and parquet._OPEN and parquet._LAST[0] is not None
+    assert os.waitpid(pid, 0)[1] == 0 and parquet._OPEN and parquet._KEPT
 
 
 def test_without_pyarrow_the_trainer_says_which_extra_to_install(hub, monkeypatch, tmp_path):
