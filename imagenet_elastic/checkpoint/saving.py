@@ -1,8 +1,7 @@
-"""When checkpoints are saved (`Checkpointer`, on every rank: every N steps, every T seconds, at each epoch's end and
-at an agreed preemption stop, decided by all ranks at one step boundary), and how rank 0 writes them
+"""When checkpoints are saved (`Checkpointer`: all ranks agree at a step boundary), and how rank 0 writes them
 (`CheckpointWriter`: in the training thread, or in the background, costing the loop a copy into (pinned) host memory).
-One save at a time (at most one extra copy, in reused buffers); whoever needs the file on disk waits (`settle`,
-`close`); a failed write is kept, not raised in the thread, and all ranks stop at the next step boundary."""
+One save at a time; whoever needs the file on disk waits (`settle`, `close`); a failed write is kept, not raised in
+the thread, and all ranks stop at the next step boundary."""
 
 from __future__ import annotations
 
@@ -153,8 +152,8 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def settle(self) -> None:
-        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
-        rank stops (exit 74), so a stop or a finished run never outruns its checkpoint."""
+        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every rank stops (exit
+        74), so a stop or a finished run never outruns its checkpoint."""
         failed = self.is_main and self.writer.wait() is not None
         if distributed.agree([failed])[0]:
             self.raise_failure()
