@@ -44,8 +44,7 @@ class OptimizerSettings:
                              type=options.non_negative_float, exact=True)
     weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
                                  "those timm's model.no_weight_decay() names (a ViT's pos_embed and cls_token)",
-                                 "model", "X",
-                                 type=options.non_negative_float, exact=True)
+                                 "model", "X", type=options.non_negative_float, exact=True)
     layer_decay: Optional[float] = option(
         None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
         "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
@@ -87,8 +86,7 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
     """A saved state grouped otherwise (`legacy`, or another grouping rule) rearranged by parameter name.
     `Optimizer.load_state_dict` pairs parameters by position alone, and would refuse the groups' sizes or, worse,
     hand one parameter's momentum to another. A state of other parameters is refused."""
-    own = optimizer.param_groups
-    saved = state_dict["param_groups"]
+    own, saved = optimizer.param_groups, state_dict["param_groups"]
     saved_names = [group.get("param_names") for group in saved]
     own_names = [group["param_names"] for group in own]
     if saved_names == own_names:
@@ -101,8 +99,7 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
         raise ValueError("the checkpoint's optimizer state holds other parameters than this model's")
     name_of = {index: name for names, group in zip(saved_names, saved) for index, name in zip(group["params"], names)}
     where = {name: index for index, name in enumerate(sum(own_names, []))}
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [where[name] for name in names]}
-              for group, names in zip(own, own_names)]
+    groups = [{**group, "params": [where[name] for name in names]} for group, names in zip(own, own_names)]
     state = {where[name_of[index]]: value for index, value in state_dict["state"].items()}
     return {**state_dict, "state": state, "param_groups": groups}
 
