@@ -59,8 +59,8 @@ def graph_cache_counts() -> tuple[int, int]:
 
 
 def undoer(model: nn.Module) -> Callable[[], None]:
-    """Puts back what a failed first compiled call may have changed (at a graph break the graph before it ran: batch
-    norm statistics, random draws), so the eager retry starts as an eager run would."""
+    """Puts back what a failed first compiled call changed (at a graph break the graph before it ran: batch norm
+    statistics, random draws), so the eager retry starts as an eager run would."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
@@ -130,7 +130,7 @@ class Compilation:
         self.module: Optional[CompiledOrEager] = None
 
     def load_cache(self) -> None:
-        """Every rank, before the first compiled call: torch's caches as an earlier run left them."""
+        """Every rank, before the first compiled call."""
         if self.cache is not None:
             self.cache.load()
 
@@ -145,8 +145,8 @@ class Compilation:
         return self.module is not None and self.module.failure is not None
 
     def after_first_step(self) -> None:
-        """Said once, by rank 0, for every rank (one gather of a line or None): which ranks could not compile.
-        Then rank 0 keeps the caches the compile filled, once, so a restart from now on starts warm."""
+        """Rank 0 says which ranks could not compile (one gather), then keeps the caches the compile filled, so a
+        restart from now on starts warm."""
         if self.module is None:
             return
         failures = distributed.all_gather_object(self.module.failure)
@@ -161,8 +161,8 @@ class Compilation:
             write()
 
     def cache_write(self) -> Optional[Callable[[], None]]:
-        """Rank 0's write of the cache file when this process compiled graphs it lacks, or None: collected now, in
-        the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's)."""
+        """Rank 0's write of the cache file where this process compiled graphs it lacks, or None: collected now, in
+        the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's thread)."""
         if self.cache is None or not self.is_main or self.module is None or not self.module.called or self.fell_back:
             return None
         data = self.cache.collect()
