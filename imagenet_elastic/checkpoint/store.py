@@ -170,16 +170,12 @@ def holders_beyond(holder: str, fd: int) -> str:
     if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname() \
             or os.path.exists(f"/proc/{words[1]}") or not os.path.isdir("/proc"):
         return ""
-    lock = os.fstat(fd)
-    others = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue
+    lock, others = os.fstat(fd), []
+    for pid in [name for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]:
         with contextlib.suppress(OSError):
             for entry in os.scandir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
-                    found = os.stat(entry.path)
-                    if (found.st_dev, found.st_ino) == (lock.st_dev, lock.st_ino):
+                    if os.path.samestat(os.stat(entry.path), lock):
                         others.append(pid)
                         break
     if not others:
