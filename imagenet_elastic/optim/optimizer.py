@@ -49,10 +49,9 @@ class OptimizerSettings:
         None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
         "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
         type=options.positive_float, exact=True)
-    clip_grad_norm: Optional[float] = option(
-        None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
-        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float,
-        exact=True)
+    clip_grad_norm: Optional[float] = option(None, "scale each step's gradient (the global batch's) down to this total "
+                                             "L2 norm where it is larger (torchvision's --clip-grad-norm; ViT/DeiT "
+                                             "recipes use 1.0)", "model", "X", type=options.positive_float, exact=True)
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
