@@ -140,10 +140,6 @@ class Compilation:
         self.module = CompiledOrEager(model)
         return self.module
 
-    @property
-    def fell_back(self) -> bool:
-        return self.module is not None and self.module.failure is not None
-
     def after_first_step(self) -> None:
         """Rank 0 says which ranks could not compile (one gather), then keeps the caches the compile filled, so a
         restart from now on starts warm."""
@@ -163,7 +159,8 @@ class Compilation:
     def cache_write(self) -> Optional[Callable[[], None]]:
         """Rank 0's write of the cache file where this process compiled graphs it lacks, or None: collected now, in
         the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's thread)."""
-        if self.cache is None or not self.is_main or self.module is None or not self.module.called or self.fell_back:
+        module = self.module
+        if self.cache is None or not self.is_main or module is None or not module.called or module.failure is not None:
             return None
         data = self.cache.collect()
         return None if data is None else functools.partial(self.cache.write, data)
@@ -180,7 +177,7 @@ class Compilation:
         module = self.module
         if module is None or module.compile_seconds is None:
             return FirstStep(cache_load_seconds=cache_load, autotuned=autotuned)
-        if self.fell_back:
+        if module.failure is not None:
             how = "failed, eager"
         else:
             hits, graphs = module.graphs_cached
