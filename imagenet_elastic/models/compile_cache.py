@@ -52,8 +52,7 @@ def triton_version() -> Optional[str]:
 
 
 def cache_key(device: torch.device, **settings: Any) -> dict[str, Any]:
-    """What compiled graphs depend on besides shapes: versions, the device (a GPU's name and compute capability),
-    and the caller's code-changing `settings`."""
+    """What compiled graphs depend on besides shapes: versions, the device, the caller's code-changing `settings`."""
     name = device.type
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)

@@ -119,8 +119,7 @@ def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "
 
 
 def load_fitting(model: nn.Module, weights: Any, what: str, model_name: str) -> None:
-    """`weights` into `model`, or one line saying that `what` does not fit it and where (not torch's list of every
-    key, in a RuntimeError)."""
+    """`weights` into `model`, or one line saying where `what` does not fit it (not torch's list of all keys)."""
     if not isinstance(weights, dict):
         raise UserError(f"{what} are not a state dict but {type(weights).__name__}")
     problems = misfits(model.state_dict(), weights)
@@ -231,8 +230,7 @@ def describe_published(published: Weights, classes: int) -> str:
 
 
 class InitialWeights(NamedTuple):
-    """--initial-checkpoint's tensors by name: our checkpoint's, a state dict as timm and torchvision save one, or a
-    `.safetensors` file's."""
+    """--initial-checkpoint's tensors by name: ours, a state dict as timm and torchvision save one, or a safetensors."""
 
     tensors: dict[str, torch.Tensor]
     blurpool: Optional[bool]  # whether a checkpoint of ours was trained with --blurpool; None: another kind of file
