@@ -22,9 +22,8 @@ from imagenet_elastic.launch import distributed
 
 
 class HostCopy:
-    """A host copy of a nested state's tensors, reusing the previous copy's buffers where they fit. From a GPU the
-    copies queue on the training stream between the step that made the state and the next, and `copy` returns at
-    once: the writer thread calls `wait_copied` first, so training never waits."""
+    """A host copy of a nested state's tensors in the previous copy's buffers where they fit. From a GPU the copies
+    queue on the training stream and `copy` returns at once: the writer thread waits for them (`wait_copied`)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -132,8 +131,8 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
-        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here. One
-        all-reduce of three flags on gloo (CPU): no wait for the GPU, a network round trip per step."""
+        """(stop, save) as every rank agrees at this step boundary (one all-reduce on gloo: no wait for the GPU); a
+        failed write ends every rank here."""
         timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
         stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
         if failed:
@@ -142,9 +141,8 @@ class Checkpointer:
 
     def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
              then: Sequence[Callable[[], None]] = ()) -> None:
-        """Rank 0 hands `capture()` to its writer; `epoch` makes it an epoch's checkpoint; `then`: rank 0's writes
-        to follow it onto the disk, in order (metrics.jsonl, config.yaml, compile cache). A synchronous save is on
-        disk before any rank goes on; a background one is awaited by the next save, `settle`, `close`."""
+        """Rank 0 hands `capture()` to its writer, `then` its writes to follow it onto the disk, in order (metrics,
+        config.yaml, compile cache); `epoch` makes it an epoch's checkpoint. Only a synchronous save is awaited here."""
         if self.is_main:
             self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, list(then)))
         if not self.writer.background:

@@ -74,8 +74,8 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
-    """Load a checkpoint on CPU; every failure becomes one line naming the file. `lazy`: map the file: the few KB of
-    numbers and settings are read, a tensor's bytes only if used (share.py: ranks other than 0 use none)."""
+    """Load a checkpoint on CPU; every failure is one line naming the file. `lazy`: map it, reading a tensor's bytes
+    only if used (share.py: ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -106,9 +106,8 @@ _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this pro
 
 
 def _drop_locks_in_child() -> None:
-    """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the
-    open file, which a copy shares, and a worker outlives a `kill -9` of its process by seconds, in which a
-    `--resume` would find the folder "locked by" a process that is gone."""
+    """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the open
+    file, and a worker outlives a `kill -9` of its process by seconds, in which a `--resume` would find it locked."""
     for fd in _HELD_LOCKS:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -119,9 +118,8 @@ os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 class CheckpointLock:
-    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs. A second
-    run (or an elastic round's leftover rank 0) is waited for, then refused, not mixing checkpoints or deleting our
-    temp files; the kernel drops the lock however its holder dies."""
+    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock, which the kernel drops
+    however it dies. A second run (or an elastic round's leftover rank 0) is waited for, then refused."""
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)
@@ -213,9 +211,8 @@ class CheckpointFolder:
         return os.path.join(self.folder, LAST_FILE)
 
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
-        """One serialization and one write, committed as `last.pt`; `epoch` (just completed) and `is_best` add
-        `epoch_NNNN.pt` and `best.pt` as links, each name replaced atomically, `last.pt` last. A refused write
-        raises StorageError naming the file, leaving committed files as they were and no temp file."""
+        """One write, committed as `last.pt` last after `epoch` (just completed) and `is_best` add `epoch_NNNN.pt` and
+        `best.pt` as links. A refused write is a StorageError naming the file, leaving committed files as they were."""
         also = [os.path.join(self.folder, f"epoch_{epoch:04d}.pt")] if self.keep > 0 and epoch is not None else []
         also += [os.path.join(self.folder, BEST)] if is_best else []
         doing, path = "writing", (also or [self.last_path])[0]
