@@ -131,8 +131,7 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
-        """(stop, save) as every rank agrees at this step boundary (one all-reduce on gloo: no wait for the GPU); a
-        failed write ends every rank here."""
+        """(stop, save) as all ranks agree at this boundary (one gloo all-reduce); a failed write ends every rank."""
         timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
         stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
         if failed:
@@ -150,8 +149,7 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def settle(self) -> None:
-        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every rank stops (exit
-        74), so a stop or a finished run never outruns its checkpoint."""
+        """All ranks wait for rank 0's checkpoint on disk, or stop (exit 74): a run never outruns its checkpoint."""
         failed = self.is_main and self.writer.wait() is not None
         if distributed.agree([failed])[0]:
             self.raise_failure()

@@ -28,8 +28,7 @@ class Slot:
 
 
 def dense_layout(tensor: torch.Tensor) -> bool:
-    """Whether the tensor fills its storage span exactly once (contiguous, channels_last, a transpose): strides that
-    `torch.empty_strided` can rebuild."""
+    """Whether the tensor fills its storage span once, in some order of its dimensions: `empty_strided` rebuilds it."""
     expected = 1
     for stride, size in sorted((s, n) for n, s in zip(tensor.shape, tensor.stride()) if n != 1):
         if stride != expected:

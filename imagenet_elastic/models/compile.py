@@ -23,8 +23,7 @@ TRITON_MIN_CAPABILITY = (7, 0)  # older GPUs: "Triton only supports devices of C
 
 def compile_choice(setting: Optional[bool], device_type: str,
                    capability: Optional[tuple[int, int]] = None) -> tuple[bool, str]:
-    """Whether the training step compiles, and why: --compile / --no-compile (also a config file's) always win;
-    unset, it compiles on a CUDA device that Triton supports, and nowhere else. `capability`: the GPU's."""
+    """Whether the training step compiles, and why: a setting wins; unset, on CUDA where Triton supports the GPU."""
     if setting is not None:
         return setting, "--compile" if setting else "--no-compile"
     if device_type != "cuda":
@@ -141,8 +140,7 @@ class Compilation:
         return self.module
 
     def after_first_step(self) -> None:
-        """Rank 0 says which ranks could not compile (one gather), then keeps the caches the compile filled, so a
-        restart from now on starts warm."""
+        """Rank 0 says which ranks could not compile, then keeps the caches they filled: a restart starts warm."""
         if self.module is None:
             return
         failures = distributed.all_gather_object(self.module.failure)

@@ -22,8 +22,7 @@ Sizes = Sequence[tuple[int, str]]  # image sizes in pixels, each with the flag t
 
 
 def check_model_name(name: str, named: Optional[str] = None) -> None:
-    """A misspelt --model, with timm's closest names; asked before the data scan and the checkpoints folder. `named`:
-    where the name came from, where not --model (a checkpoint's)."""
+    """A misspelt --model (or `named`: a checkpoint's), with timm's closest names; asked before the data scan."""
     import timm  # slow to import: deferred so that input errors are reported at once
 
     tiny_models.register()

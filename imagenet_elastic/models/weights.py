@@ -129,8 +129,7 @@ def load_fitting(model: nn.Module, weights: Any, what: str, model_name: str) -> 
 
 
 def misfits(own: dict[str, Any], weights: dict[str, Any], exempt: frozenset[str] = frozenset()) -> list[str]:
-    """Why `weights` do not load into a model whose state dict is `own`: its first missing, unexpected and
-    other-shaped names (`exempt`: names whose shape may differ); empty where they fit."""
+    """Why `weights` misfit a model whose state dict is `own` (`exempt`: names whose shape may differ); [] if none."""
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
     misfit = sorted(k for k in set(own) & set(weights)
@@ -167,8 +166,7 @@ def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
 
 
 def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
-    """timm's model `model_name` with its published weights (on the CPU), or a UserError naming `flag` (the option
-    that asked: --pretrained, --teacher), the model and the cache."""
+    """timm's `model_name` with its published weights on the CPU, or a UserError naming `flag`, the model, the cache."""
     import timm
     from huggingface_hub import constants, errors
     from safetensors import SafetensorError  # timm's dependency
