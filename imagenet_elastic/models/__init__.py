@@ -1,2 +1,1 @@
-"""The model: timm's, built, placed, compiled, and the weights it starts or learns from. Below train/ and tools/;
-above checkpoint/ and config/, which import none of it."""
+"""The model and its weights; below train/ and tools/, above checkpoint/ and config/ (which import none of it)."""

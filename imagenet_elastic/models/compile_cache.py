@@ -1,8 +1,7 @@
 """torch.compile's caches in CHECKPOINTS/compile_cache.bin, since a restart often lands on a node whose own compile
-cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty: rank 0 keeps torch's Mega-Cache (torch >= 2.7: every cache
-a compile filled, in one blob) there, and every rank loads it before its first compiled call. Only a cache: a missing,
-mismatched or unreadable file costs a cold compile, never the run; a file of another `cache_key` is left unread, and
-replaced once this run has compiled."""
+cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty: rank 0 keeps torch's Mega-Cache there (torch >= 2.7), every
+rank loads it before its first compiled call. Only a cache: a missing, unreadable or mismatched file (another
+`cache_key`: left unread) costs a cold compile, never the run, and is rewritten once this run has compiled."""
 
 from __future__ import annotations
 

@@ -128,19 +128,17 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
 
 
 def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A loaded state keeps each group's settings as this run made them (its options, and its device's kernels: a GPU
-    checkpoint's fused kernel is not for a CPU resume); what an optimizer counts in its groups (LAMB's `step`) is
-    loaded. `Optimizer.load_state_dict` would restore the saved settings, e.g. a changed --weight-decay's old value."""
+    """A loaded state keeps each group's settings as this run made them, not as saved (a changed --weight-decay's old
+    value; a GPU's fused kernel on a CPU resume); what an optimizer counts in its groups (LAMB's `step`) is loaded."""
     groups = [{**saved, **{k: v for k, v in own.items() if k != "params"}}
               for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
     return {**state_dict, "param_groups": groups}
 
 
 def follow_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Each per-parameter state tensor of its parameter's shape takes the parameter's strides, as a first step would:
-    `Optimizer.load_state_dict` casts dtype and device only, so a state saved NCHW (or packed contiguous by load-once)
-    would sit beside channels_last parameters, and CUDA's fused kernels refuse tensor lists of unequal strides
-    (`check_fast_path_restrictions`): the first step after a resume would fail."""
+    """Each state tensor of its parameter's shape takes the parameter's strides, as a first step would: after
+    `Optimizer.load_state_dict` (dtype and device only) a state saved NCHW (or packed by load-once) beside channels_last
+    parameters fails CUDA's fused kernels, which refuse unequal strides (`check_fast_path_restrictions`)."""
     import torch
 
     for group in optimizer.param_groups:
