@@ -1,8 +1,7 @@
-"""When checkpoints are saved (`Checkpointer`, on every rank: every N steps, every T seconds, at each epoch's end and
-at an agreed preemption stop, decided by all ranks at one step boundary), and how rank 0 writes them
+"""When checkpoints are saved (`Checkpointer`: all ranks agree at a step boundary), and how rank 0 writes them
 (`CheckpointWriter`: in the training thread, or in the background, costing the loop a copy into (pinned) host memory).
-One save at a time (at most one extra copy, in reused buffers); whoever needs the file on disk waits (`settle`,
-`close`); a failed write is kept, not raised in the thread, and all ranks stop at the next step boundary."""
+One save at a time; whoever needs the file on disk waits (`settle`, `close`); a failed write is kept, not raised in
+the thread, and all ranks stop at the next step boundary."""
 
 from __future__ import annotations
 
@@ -23,9 +22,8 @@ from imagenet_elastic.launch import distributed
 
 
 class HostCopy:
-    """A host copy of a nested state's tensors, reusing the previous copy's buffers where they fit. From a GPU the
-    copies queue on the training stream between the step that made the state and the next, and `copy` returns at
-    once: the writer thread calls `wait_copied` first, so training never waits."""
+    """A host copy of a nested state's tensors in the previous copy's buffers where they fit. From a GPU the copies
+    queue on the training stream and `copy` returns at once: the writer thread waits for them (`wait_copied`)."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin
@@ -133,8 +131,7 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def at_step_end(self, step: int, stop_requested: bool) -> tuple[bool, bool]:
-        """(stop, save) as every rank agrees at this step boundary; a failed write ends every rank here. One
-        all-reduce of three flags on gloo (CPU): no wait for the GPU, a network round trip per step."""
+        """(stop, save) as all ranks agree at this boundary (one gloo all-reduce); a failed write ends every rank."""
         timely = bool(self.every_seconds) and time.monotonic() - self.last_save >= self.every_seconds
         stop, timely, failed = distributed.agree([stop_requested, timely, self.is_main and self.writer.failed])
         if failed:
@@ -143,9 +140,8 @@ class Checkpointer:
 
     def save(self, capture: Callable[[], dict[str, Any]], epoch: Optional[int], is_best: bool = False,
              then: Sequence[Callable[[], None]] = ()) -> None:
-        """Rank 0 hands `capture()` to its writer; `epoch` makes it an epoch's checkpoint; `then`: rank 0's writes
-        to follow it onto the disk, in order (metrics.jsonl, config.yaml, compile cache). A synchronous save is on
-        disk before any rank goes on; a background one is awaited by the next save, `settle`, `close`."""
+        """Rank 0 hands `capture()` to its writer, `then` its writes to follow it onto the disk, in order (metrics,
+        config.yaml, compile cache); `epoch` makes it an epoch's checkpoint. Only a synchronous save is awaited here."""
         if self.is_main:
             self.writer.submit(capture(), epoch, is_best, functools.partial(run_each, list(then)))
         if not self.writer.background:
@@ -153,8 +149,7 @@ class Checkpointer:
         self.last_save = time.monotonic()
 
     def settle(self) -> None:
-        """Every rank waits until rank 0's checkpoint is on disk; if it could not be written, every
-        rank stops (exit 74), so a stop or a finished run never outruns its checkpoint."""
+        """All ranks wait for rank 0's checkpoint on disk, or stop (exit 74): a run never outruns its checkpoint."""
         failed = self.is_main and self.writer.wait() is not None
         if distributed.agree([failed])[0]:
             self.raise_failure()

@@ -1,8 +1,6 @@
-"""Load once: rank 0 reads the checkpoint, and the other ranks receive it over the process group, rather than every
-rank reading it from the network file system at every restart, when it is busiest. The others map it
-(`load(lazy=True)`) for the few KB they need before the process group exists. The result is `load`'s down to dtypes,
-strides and bits: a channels_last momentum buffer received as NCHW beside its channels_last parameter fails CUDA's
-fused SGD at the first step of every rank but 0."""
+"""Load once: rank 0 reads the checkpoint and the other ranks receive it over the process group, rather than all
+reading the network file system at every restart, when it is busiest. The result is `load`'s down to dtypes, strides
+and bits: a channels_last momentum buffer received as NCHW fails CUDA's fused SGD at the first step."""
 
 from __future__ import annotations
 
@@ -30,8 +28,7 @@ class Slot:
 
 
 def dense_layout(tensor: torch.Tensor) -> bool:
-    """Whether the tensor's elements fill its storage span exactly once, in some order of its dimensions
-    (contiguous, channels_last, a transpose): such strides can be rebuilt with `torch.empty_strided`."""
+    """Whether the tensor fills its storage span once, in some order of its dimensions: `empty_strided` rebuilds it."""
     expected = 1
     for stride, size in sorted((s, n) for n, s in zip(tensor.shape, tensor.stride()) if n != 1):
         if stride != expected:

@@ -1,7 +1,5 @@
-"""Checkpoint files: one write per save, safe loads, the last/best/epoch_NNNN layout, the folder's lock.
-
-A save serializes the state once into a new file committed atomically as `last.pt`; `epoch_NNNN.pt` and `best.pt`
-are hard links to it. Nothing writes into a committed file (each commit renames a new file over the name), so names
+"""Checkpoint files and the folder's lock. A save serializes the state once into a new file committed atomically as
+`last.pt`; `epoch_NNNN.pt` and `best.pt` are hard links to it. Each commit renames a new file over a name, so names
 sharing a file never change under each other. Only plain data inside: `torch.load(weights_only=True)` opens them."""
 
 from __future__ import annotations
@@ -19,6 +17,7 @@ import socket
 import tempfile
 import time
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Any, BinaryIO, Callable, Optional
 
 import torch
@@ -35,33 +34,24 @@ EPOCH_PATTERN = re.compile(r"^epoch_(\d{4,})\.pt$")
 LINK_REFUSED = {errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS, errno.EXDEV}
 
 
-@dataclass
-class _RecordingFile:
-    """torch.save's writer turns a failed write into `RuntimeError: ... unexpected pos`: keep the
-    OSError (its errno says no space, I/O error or quota) so it can be reported instead."""
+def save_to(state: dict[str, Any], file: BinaryIO) -> None:
+    """Serialize `state` straight into an open file: no second copy of it in memory. torch.save's writer turns a
+    failed write into `RuntimeError: ... unexpected pos`: the OSError (its errno says no space, I/O error or quota)
+    is raised instead."""
+    failed: list[OSError] = []
 
-    file: BinaryIO
-    error: Optional[OSError] = None
-
-    def write(self, data: bytes) -> int:
+    def write(data: bytes) -> int:
         try:
-            return self.file.write(data)
+            return file.write(data)
         except OSError as error:
-            self.error = error
+            failed.append(error)
             raise
 
-    def flush(self) -> None:
-        self.file.flush()
-
-
-def save_to(state: dict[str, Any], file: BinaryIO) -> None:
-    """Serialize `state` straight into an open file: no second copy of it in memory."""
-    recording = _RecordingFile(file)
     try:
-        torch.save(state, recording)
+        torch.save(state, SimpleNamespace(write=write, flush=file.flush))
     except Exception:
-        if recording.error is not None:
-            raise recording.error from None
+        if failed:
+            raise failed[0] from None
         raise
 
 
@@ -84,8 +74,8 @@ def state_bytes(state: dict[str, Any]) -> int:
 
 
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
-    """Load a checkpoint on CPU; every failure becomes one line naming the file. `lazy`: map the file: the few KB of
-    numbers and settings are read, a tensor's bytes only if used (share.py: ranks other than 0 use none)."""
+    """Load a checkpoint on CPU; every failure is one line naming the file. `lazy`: map it, reading a tensor's bytes
+    only if used (share.py: ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
@@ -116,9 +106,8 @@ _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this pro
 
 
 def _drop_locks_in_child() -> None:
-    """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the
-    open file, which a copy shares, and a worker outlives a `kill -9` of its process by seconds, in which a
-    `--resume` would find the folder "locked by" a process that is gone."""
+    """A forked child (a loader worker) closes its copies of the held locks' descriptors: a flock belongs to the open
+    file, and a worker outlives a `kill -9` of its process by seconds, in which a `--resume` would find it locked."""
     for fd in _HELD_LOCKS:
         with contextlib.suppress(OSError):
             os.close(fd)
@@ -129,9 +118,8 @@ os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 
 class CheckpointLock:
-    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock while it runs. A second
-    run (or an elastic round's leftover rank 0) is waited for, then refused, not mixing checkpoints or deleting our
-    temp files; the kernel drops the lock however its holder dies."""
+    """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock, which the kernel drops
+    however it dies. A second run (or an elastic round's leftover rank 0) is waited for, then refused."""
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)
@@ -143,22 +131,22 @@ class CheckpointLock:
         except OSError as error:  # e.g. a folder of that name
             raise UserError(f"checkpoints path {os.path.dirname(self.path)}: cannot open its lock file {self.path} "
                             f"({error.strerror or error})") from None
-        deadline = time.monotonic() + wait_s
-        told = False
+        deadline, told = time.monotonic() + wait_s, False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 break
             except BlockingIOError:
+                late = time.monotonic() >= deadline
                 holder = parse_lock(os.pread(fd, LOCK_LINE_MAX, 0))[0]
-                holder += holders_beyond(holder, fd) if not told or time.monotonic() >= deadline else ""
-                if time.monotonic() >= deadline:
+                holder += holders_beyond(holder, fd) if late or not told else ""
+                if late:
                     os.close(fd)
                     raise UserError(f"checkpoints path {os.path.dirname(self.path)} is in use by another run "
                                     f"({holder}); wait for it to end or choose another --checkpoints-path") from None
                 if not told:
                     on_wait(holder)
-                    told = True
+                told = True
                 time.sleep(0.2)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()} run {secrets.token_hex(8)}\n".encode(), 0)
@@ -180,16 +168,12 @@ def holders_beyond(holder: str, fd: int) -> str:
     if len(words) != 4 or words[0] != "pid" or not words[1].isdigit() or words[3] != socket.gethostname() \
             or os.path.exists(f"/proc/{words[1]}") or not os.path.isdir("/proc"):
         return ""
-    lock = os.fstat(fd)
-    others = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if int(pid) == os.getpid():
-            continue
+    lock, others = os.fstat(fd), []
+    for pid in [name for name in os.listdir("/proc") if name.isdigit() and int(name) != os.getpid()]:
         with contextlib.suppress(OSError):
             for entry in os.scandir(f"/proc/{pid}/fd"):
                 with contextlib.suppress(OSError):
-                    found = os.stat(entry.path)
-                    if (found.st_dev, found.st_ino) == (lock.st_dev, lock.st_ino):
+                    if os.path.samestat(os.stat(entry.path), lock):
                         others.append(pid)
                         break
     if not others:
@@ -227,9 +211,8 @@ class CheckpointFolder:
         return os.path.join(self.folder, LAST_FILE)
 
     def save(self, state: dict[str, Any], epoch: Optional[int] = None, is_best: bool = False) -> None:
-        """One serialization and one write, committed as `last.pt`; `epoch` (just completed) and `is_best` add
-        `epoch_NNNN.pt` and `best.pt` as links, each name replaced atomically, `last.pt` last. A refused write
-        raises StorageError naming the file, leaving committed files as they were and no temp file."""
+        """One write, committed as `last.pt` last after `epoch` (just completed) and `is_best` add `epoch_NNNN.pt` and
+        `best.pt` as links. A refused write is a StorageError naming the file, leaving committed files as they were."""
         also = [os.path.join(self.folder, f"epoch_{epoch:04d}.pt")] if self.keep > 0 and epoch is not None else []
         also += [os.path.join(self.folder, BEST)] if is_best else []
         doing, path = "writing", (also or [self.last_path])[0]
@@ -286,11 +269,9 @@ class CheckpointFolder:
         return glob.glob(os.path.join(self.folder, f"{TEMP_PREFIX}*"))
 
     def check_same_run(self, path: str, run: Optional[str]) -> bool:
-        """A run continued here from a checkpoint elsewhere overwrites this folder's last.pt, epoch files and
-        metrics.jsonl: refused where they are another run's (a copy or backup of this run's own may; so may any
-        checkpoint of this folder: a rollback). `run`: the resumed checkpoint's `run_id`; None where it has none.
-        Returns whether the run goes on as itself: False for a fork (into a folder without last.pt), a new run. Where
-        either side cannot tell its run (written before checkpoints kept one, or a damaged last.pt), a warning."""
+        """Whether the run resumed from `path` (its `run_id`: `run`) goes on as itself here: False for a fork into a
+        folder without last.pt. Overwriting another run's checkpoints is refused (a copy of this run's own, or any
+        checkpoint of this folder, may); where either side cannot tell its run, a warning."""
         if os.path.samefile(os.path.dirname(path) or ".", self.folder):
             return True
         if not os.path.isfile(self.last_path):
@@ -311,8 +292,8 @@ class CheckpointFolder:
         return True
 
     def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
-        """The checkpoint this run starts from, or None. A torchrun restart continues from `last.pt` whenever it
-        exists, so it never starts over; else `resume` decides: None, RESUME_AUTO or a path."""
+        """The checkpoint this run starts from, or None: a torchrun restart's is `last.pt` wherever it exists (never
+        starting over); else `resume` decides: None, RESUME_AUTO or a path."""
         if restarted and os.path.isfile(self.last_path):
             return self.last_path
         if resume not in (None, RESUME_AUTO):

@@ -14,9 +14,8 @@ BLUR_MIN_CHANNELS = 16  # FFCV's rule: the stem's RGB convolution keeps its inpu
 def blur_strided_convs(model: nn.Module) -> list[str]:
     """FFCV's BlurPool: each convolution with a stride above 1 and at least 16 input channels first blurs its input
     by a 3x3 binomial filter (timm's BlurPool2d, stride 1, zero padding) against aliasing; returns their names. Each
-    becomes an instance of a blurring subclass of its class, its filter an unsaved buffer: the state dict stays the
-    plain model's (timm's names; a model rebuilt from it gets its blur back here), and torch.compile sees another
-    class, not a forward hook, which dynamo does not guard on (it reused a plain model's graph for a blurred one)."""
+    becomes a blurring subclass of its class with an unsaved filter: the state dict stays the plain model's, and
+    torch.compile sees another class, not a forward hook, which dynamo does not guard on."""
     from timm.layers import BlurPool2d
 
     names = []

@@ -23,8 +23,7 @@ TRITON_MIN_CAPABILITY = (7, 0)  # older GPUs: "Triton only supports devices of C
 
 def compile_choice(setting: Optional[bool], device_type: str,
                    capability: Optional[tuple[int, int]] = None) -> tuple[bool, str]:
-    """Whether the training step compiles, and why: --compile / --no-compile (also a config file's) always win;
-    unset, it compiles on a CUDA device that Triton supports, and nowhere else. `capability`: the GPU's."""
+    """Whether the training step compiles, and why: a setting wins; unset, on CUDA where Triton supports the GPU."""
     if setting is not None:
         return setting, "--compile" if setting else "--no-compile"
     if device_type != "cuda":
@@ -59,8 +58,8 @@ def graph_cache_counts() -> tuple[int, int]:
 
 
 def undoer(model: nn.Module) -> Callable[[], None]:
-    """Puts back what a failed first compiled call may have changed (at a graph break the graph before it ran: batch
-    norm statistics, random draws), so the eager retry starts as an eager run would."""
+    """Puts back what a failed first compiled call changed (at a graph break the graph before it ran: batch norm
+    statistics, random draws), so the eager retry starts as an eager run would."""
     buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
     cpu = torch.get_rng_state()
     cuda = torch.cuda.get_rng_state() if torch.cuda.is_initialized() else None
@@ -130,7 +129,7 @@ class Compilation:
         self.module: Optional[CompiledOrEager] = None
 
     def load_cache(self) -> None:
-        """Every rank, before the first compiled call: torch's caches as an earlier run left them."""
+        """Every rank, before the first compiled call."""
         if self.cache is not None:
             self.cache.load()
 
@@ -140,13 +139,8 @@ class Compilation:
         self.module = CompiledOrEager(model)
         return self.module
 
-    @property
-    def fell_back(self) -> bool:
-        return self.module is not None and self.module.failure is not None
-
     def after_first_step(self) -> None:
-        """Said once, by rank 0, for every rank (one gather of a line or None): which ranks could not compile.
-        Then rank 0 keeps the caches the compile filled, once, so a restart from now on starts warm."""
+        """Rank 0 says which ranks could not compile, then keeps the caches they filled: a restart starts warm."""
         if self.module is None:
             return
         failures = distributed.all_gather_object(self.module.failure)
@@ -161,9 +155,10 @@ class Compilation:
             write()
 
     def cache_write(self) -> Optional[Callable[[], None]]:
-        """Rank 0's write of the cache file when this process compiled graphs it lacks, or None: collected now, in
-        the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's)."""
-        if self.cache is None or not self.is_main or self.module is None or not self.module.called or self.fell_back:
+        """Rank 0's write of the cache file where this process compiled graphs it lacks, or None: collected now, in
+        the thread where torch compiles, written by the returned call anywhere (the checkpoint writer's thread)."""
+        module = self.module
+        if self.cache is None or not self.is_main or module is None or not module.called or module.failure is not None:
             return None
         data = self.cache.collect()
         return None if data is None else functools.partial(self.cache.write, data)
@@ -180,7 +175,7 @@ class Compilation:
         module = self.module
         if module is None or module.compile_seconds is None:
             return FirstStep(cache_load_seconds=cache_load, autotuned=autotuned)
-        if self.fell_back:
+        if module.failure is not None:
             how = "failed, eager"
         else:
             hits, graphs = module.graphs_cached

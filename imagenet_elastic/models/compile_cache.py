@@ -1,9 +1,7 @@
 """torch.compile's caches in CHECKPOINTS/compile_cache.bin, since a restart often lands on a node whose own compile
-cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty. torch's Mega-Cache (torch >= 2.7) packs every cache a
-compile filled into one blob; rank 0 keeps it beside the checkpoints every restart reads anyway, and every rank loads
-it into its local caches before its first compiled call. Only a cache: a missing, mismatched or unreadable file costs
-a cold compile, never the run. Its key is what decides the graphs (`cache_key`; torch's own keys tell shapes apart);
-a file under another key is left unread, and replaced once this run has compiled."""
+cache (TORCHINDUCTOR_CACHE_DIR, /tmp by default) is empty: rank 0 keeps torch's Mega-Cache there (torch >= 2.7), every
+rank loads it before its first compiled call. Only a cache: a missing, unreadable or mismatched file (another
+`cache_key`: left unread) costs a cold compile, never the run, and is rewritten once this run has compiled."""
 
 from __future__ import annotations
 
@@ -53,8 +51,7 @@ def triton_version() -> Optional[str]:
 
 
 def cache_key(device: torch.device, **settings: Any) -> dict[str, Any]:
-    """What compiled graphs depend on besides shapes: versions, the device (a GPU's name and compute capability),
-    and the caller's code-changing `settings`."""
+    """What compiled graphs depend on besides shapes: versions, the device, the caller's code-changing `settings`."""
     name = device.type
     if device.type == "cuda":
         major, minor = torch.cuda.get_device_capability(device)
@@ -104,13 +101,6 @@ def torch_cache_log() -> Iterator[list[logging.LogRecord]]:
         logger.propagate = propagate
 
 
-def why_not_loaded(records: list[logging.LogRecord]) -> str:
-    """torch's reason for a blob it did not load, in a line: its exception's, else its message."""
-    error = next((r.exc_info[1] for r in records if r.exc_info and r.exc_info[1] is not None), None)
-    why = first_line(error) if error is not None else records[0].getMessage() if records else None
-    return "torch could not read it" + (f": {why}" if why is not None else "")
-
-
 @dataclass
 class CompileCache:
     """CHECKPOINTS/compile_cache.bin for one run: `load` on every rank before the first compiled call; rank 0
@@ -138,8 +128,7 @@ class CompileCache:
         try:
             with open(self.path, "rb") as f:
                 data = f.read()
-        except FileNotFoundError:
-            self.state = "none yet"
+        except FileNotFoundError:  # state: "none yet"
             return
         except OSError as error:
             self.unreadable(error.strerror or first_line(error))
@@ -152,7 +141,9 @@ class CompileCache:
                 with torch_cache_log() as records:
                     info = torch.compiler.load_cache_artifacts(blob)
                 if info is None:  # torch/compiler/_cache.py: deserialize() logs the error and returns None
-                    raise ValueError(why_not_loaded(records))
+                    error = next((r.exc_info[1] for r in records if r.exc_info and r.exc_info[1] is not None), None)
+                    why = first_line(error) if error is not None else records[0].getMessage() if records else None
+                    raise ValueError("torch could not read it" + (f": {why}" if why is not None else ""))
                 self.known = frozenset(header.get("artifacts", ()))
                 self.state, self.loaded = f"loaded from {self.path}", True
         except Exception as error:  # a damaged file, or a local cache folder torch cannot write

@@ -22,8 +22,7 @@ Sizes = Sequence[tuple[int, str]]  # image sizes in pixels, each with the flag t
 
 
 def check_model_name(name: str, named: Optional[str] = None) -> None:
-    """A misspelt --model, with timm's closest names; asked before the data scan and the checkpoints folder. `named`:
-    where the name came from, where not --model (a checkpoint's)."""
+    """A misspelt --model (or `named`: a checkpoint's), with timm's closest names; asked before the data scan."""
     import timm  # slow to import: deferred so that input errors are reported at once
 
     tiny_models.register()
@@ -37,10 +36,9 @@ def check_model_name(name: str, named: Optional[str] = None) -> None:
 
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
                  published: Optional[Any] = None, grad_checkpointing: bool = False, sizes: Sizes = ()) -> nn.Module:
-    """A timm model with random weights, or `published` ones (--pretrained's, already read: weights.py's Weights, which
-    imports this module), loaded by timm's pretrained path with the tensors in hand, so nothing is read twice and timm
-    drops a classifier of another class count. `blurpool`, `grad_checkpointing`, `sizes`: see blur_strided_convs,
-    recompute_activations, input_options."""
+    """A timm model with random weights, or `published` ones (--pretrained's Weights, already read), loaded by timm's
+    pretrained path with the tensors in hand: nothing is read twice, and timm drops a classifier of another class
+    count. `blurpool`, `grad_checkpointing`, `sizes`: see blur_strided_convs, recompute_activations, input_options."""
     import timm
 
     check_model_name(name)
@@ -100,11 +98,10 @@ def saved_sizes(settings: dict[str, Any]) -> tuple[tuple[int, str], ...]:
 
 
 def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
-    """timm's `img_size` / `dynamic_img_size` that make model `name`, built by timm for one input size
-    (fixed_input_size: ViT, DeiT, Swin, ...), take every size in `sizes` (the first: its weights'); {} where none is
-    needed. `img_size` sizes the position embeddings, `dynamic_img_size` resamples them per forward. Tried on
-    meta-device copies (no memory, no initialisation); a model taking none is a UserError naming it, its size and
-    the flag, before anything is read, not a traceback at its first step."""
+    """timm's `img_size` (sizing the position embeddings) / `dynamic_img_size` (resampling them per forward) that make
+    model `name`, built by timm for one input size (ViT, DeiT, Swin, ...), take every size in `sizes` (the first: its
+    weights'); {} where none is needed. Tried on meta-device copies; a model taking none is a UserError naming it,
+    its size and the flag, before anything is read."""
     import timm
 
     wanted = list(dict.fromkeys(size for size, _ in sizes))

@@ -55,9 +55,7 @@ def choose_precision(amp: str, device_type: str, native: Mapping[str, bool]) -> 
     if amp == "auto":
         if native["bf16"]:
             return Precision(torch.bfloat16, f"auto: this {where} has native bf16")
-        if device_type == "cuda":
-            return Precision(torch.float16, "auto: this GPU has no native bf16")
-        return Precision(None, "auto: this CPU has no native bf16")
+        return Precision(torch.float16 if device_type == "cuda" else None, f"auto: this {where} has no native bf16")
     if amp == "none":
         return Precision(None, "--amp none")
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]

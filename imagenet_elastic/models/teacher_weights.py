@@ -1,5 +1,4 @@
-"""--teacher: the model a run distils from, read once at the start (weights.py), before any data is scanned, with the
-input it expects (timm's pretrained_cfg; for our checkpoint, our validation's crop and normalisation). Its classes
+"""--teacher: the model a run distils from, read before any data is scanned, with the input it expects. Its classes
 must be the data's, in order; checkpoints keep its identity, never its weights; a resume with another teacher is
 refused."""
 
@@ -39,7 +38,7 @@ class TeacherInput:
 
 @dataclass(frozen=True)
 class TeacherWeights(Weights):
-    """The teacher as read (train.distillation.Teacher freezes its model), with what a run checks and keeps of it."""
+    """The teacher as read, with what a run checks and keeps of it."""
 
     spec: str  # what --teacher said
     input: TeacherInput
@@ -51,7 +50,8 @@ class TeacherWeights(Weights):
 
 
 def read(spec: str) -> TeacherWeights:
-    """The teacher `spec` names, frozen, its identity computed; a UserError naming --teacher where it cannot be read."""
+    """The teacher `spec` names, with its input (timm's pretrained_cfg; for our checkpoint, our validation's crop and
+    normalisation) and identity; a UserError naming --teacher where it cannot be read."""
     loaded = load_weights(spec, FLAG)
     if not loaded.classes:
         raise UserError(f"{FLAG} {spec} has no classifier: a teacher's logits are what the student learns from")

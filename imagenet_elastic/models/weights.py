@@ -1,14 +1,6 @@
 """Weights a user names (--pretrained, --initial-checkpoint, --teacher, `imagenet-elastic evaluate MODEL`), read once
-at the start, before any data scan, so a missing file costs seconds.
-
-`load_weights` (--teacher, evaluate): a whole model on the CPU. A spec is told apart by form first, then on disk (as
-timm's reader factory does): our checkpoint, an export (timm's `local-dir:`), else a timm name with published weights,
-which timm resolves through the Hugging Face hub cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE), so an offline node
-reads what an earlier download left, and ranks sharing a cache download once.
-
---initial-checkpoint (`InitialWeights`): our checkpoints, a plain state dict as timm and torchvision save it, or a
-`.safetensors` file. A classifier that misfits the class count keeps its fresh initialisation; any other mismatch
-means another model's file: refused."""
+at the start, before any data scan, so a missing file costs seconds. Published weights come through the Hugging Face
+hub cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE): an offline node reads what an earlier download left."""
 
 from __future__ import annotations
 
@@ -53,8 +45,8 @@ class Weights:
 
 
 def resolve(spec: str, flag: str) -> tuple[str, str]:
-    """What `spec` is (CHECKPOINT, EXPORT, PUBLISHED) and what to read; what is none of these is one line saying
-    every reading tried (not timm's `local-dir:...` or "Unknown model")."""
+    """What `spec` is (CHECKPOINT, EXPORT as timm's `local-dir:`, PUBLISHED) and what to read, told apart by form, then
+    on disk, as timm's reader factory does; what is none of these is one line saying every reading tried."""
     if os.path.isdir(spec):  # first: a folder may be called last.pt
         if os.path.isfile(os.path.join(spec, "config.json")):
             return EXPORT, spec
@@ -75,8 +67,8 @@ def resolve(spec: str, flag: str) -> tuple[str, str]:
 
 
 def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True) -> Weights:
-    """The model `spec` names (`resolve`); `ema`: a checkpoint's weight average instead of its raw weights;
-    `published`: whether a timm name's published weights may be read (`evaluate` asks for --pretrained first)."""
+    """The whole model `spec` names (`resolve`), on the CPU; `ema`: a checkpoint's weight average; `published`:
+    whether a timm name's published weights may be read (`evaluate` asks for --pretrained first)."""
     kind, target = resolve(spec, flag)
     if kind == CHECKPOINT:
         try:
@@ -84,9 +76,8 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
         except UserError as error:
             raise UserError(f"{flag}: {error}") from None
         model = saved_model(snapshot, target, ema)  # first: its one-line refusals of a file that is not ours
-        which = "weight average" if ema else "raw weights"
         step = f" after step {snapshot['step']}" if "step" in snapshot else ""
-        source = f"our checkpoint of {snapshot['model_name']}, its {which}{step}"
+        source = f"our checkpoint of {snapshot['model_name']}, its {'weight average' if ema else 'raw weights'}{step}"
         return Weights(model, CHECKPOINT, target, source, tuple(snapshot["classes"]), snapshot.get("config", {}),
                        (snapshot.get("data") or {}).get("val"))
     if kind == PUBLISHED and not published:
@@ -107,9 +98,8 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
 
 
 def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "use it") -> nn.Module:
-    """A checkpoint's model built as its run built it (its blur, the size it was made for), with its raw weights or
-    (`ema`) their average; `instead`: what the message for a checkpoint without an average says to do. A checkpoint
-    edited by hand or of another program is refused by what it lacks or what does not fit, naming the file."""
+    """A checkpoint's model built as its run built it (its blur, its size), with its raw weights or (`ema`) their
+    average; `instead`: what to do without an average. A file edited or not ours is one line naming it."""
     key = "model_ema" if ema else "model"
     weights = snapshot.get(key)
     if weights is None:
@@ -129,8 +119,7 @@ def saved_model(snapshot: dict[str, Any], path: str, ema: bool, instead: str = "
 
 
 def load_fitting(model: nn.Module, weights: Any, what: str, model_name: str) -> None:
-    """`weights` into `model`, or one line saying that `what` does not fit it and where (not torch's list of every
-    key, in a RuntimeError)."""
+    """`weights` into `model`, or one line saying where `what` does not fit it (not torch's list of all keys)."""
     if not isinstance(weights, dict):
         raise UserError(f"{what} are not a state dict but {type(weights).__name__}")
     problems = misfits(model.state_dict(), weights)
@@ -140,8 +129,7 @@ def load_fitting(model: nn.Module, weights: Any, what: str, model_name: str) -> 
 
 
 def misfits(own: dict[str, Any], weights: dict[str, Any], exempt: frozenset[str] = frozenset()) -> list[str]:
-    """Why `weights` do not load into a model whose state dict is `own`: its first missing, unexpected and
-    other-shaped names (`exempt`: names whose shape may differ); empty where they fit."""
+    """Why `weights` misfit a model whose state dict is `own` (`exempt`: names whose shape may differ); [] if none."""
     missing = sorted(set(own) - set(weights))
     unexpected = sorted(set(weights) - set(own))
     misfit = sorted(k for k in set(own) & set(weights)
@@ -152,7 +140,7 @@ def misfits(own: dict[str, Any], weights: dict[str, Any], exempt: frozenset[str]
 
 def folder_config(folder: str, flag: str) -> dict[str, Any]:
     """A folder's config.json (an export's, or timm's save_for_hf's), {} where it has none (timm says so); one that
-    is not a JSON object is a UserError naming it (timm's reader would raise JSONDecodeError)."""
+    is not a JSON object is a UserError naming it, not timm's JSONDecodeError."""
     path = os.path.join(folder, "config.json")
     try:
         with open(path) as f:
@@ -178,8 +166,7 @@ def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
 
 
 def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
-    """timm's model `model_name` with its published weights (on the CPU), or a UserError naming `flag` (the option
-    that asked: --pretrained, --teacher), the model and the cache."""
+    """timm's `model_name` with its published weights on the CPU, or a UserError naming `flag`, the model, the cache."""
     import timm
     from huggingface_hub import constants, errors
     from safetensors import SafetensorError  # timm's dependency
@@ -241,7 +228,7 @@ def describe_published(published: Weights, classes: int) -> str:
 
 
 class InitialWeights(NamedTuple):
-    """--initial-checkpoint's tensors by name."""
+    """--initial-checkpoint's tensors by name: ours, a state dict as timm and torchvision save one, or a safetensors."""
 
     tensors: dict[str, torch.Tensor]
     blurpool: Optional[bool]  # whether a checkpoint of ours was trained with --blurpool; None: another kind of file
@@ -267,10 +254,9 @@ class InitialWeights(NamedTuple):
         ours = isinstance(loaded, dict) and "model_name" in loaded
         settings = loaded.get("config") if ours else None
         classes = tuple(loaded["classes"]) if ours and isinstance(loaded.get("classes"), (list, tuple)) else None
-        for key in ("model", "state_dict", "model_state_dict"):  # ours, Lightning-style, common scripts
-            if isinstance(loaded, dict) and isinstance(loaded.get(key), dict):
-                loaded = loaded[key]
-                break
+        if isinstance(loaded, dict):  # ours, Lightning-style, common scripts
+            loaded = next((loaded[key] for key in ("model", "state_dict", "model_state_dict")
+                           if isinstance(loaded.get(key), dict)), loaded)
         if not isinstance(loaded, dict) or not loaded or not all(isinstance(v, torch.Tensor) for v in loaded.values()):
             raise UserError(f"--initial-checkpoint {path} holds no state dict of tensors")
         # DDP's `module.` and torch.compile's `_orig_mod.` prefixes, as saved from a wrapped model
@@ -279,8 +265,7 @@ class InitialWeights(NamedTuple):
 
     def load(self, model: nn.Module, path: str, model_name: str, classes: Optional[tuple[str, ...]] = None) -> str:
         """Copy the weights into `model`; returns what the start-up table says of them. The classifier is kept only
-        for as many classes (and, where both name them, the same names in the same order: the data's `classes`);
-        else it is re-initialised, its rows being other classes'."""
+        for as many classes, named alike where both name them (the data's `classes`): else its rows are others'."""
         weights, own, head = self.tensors, model.state_dict(), classifier(model)
         prefix = next((name for name, module in model.named_modules() if head is not None and module is head), None)
         head_names = set() if prefix is None else {f"{prefix}.{n}" if prefix else n for n in head.state_dict()}

@@ -1,2 +1,1 @@
-"""The optimisation, below config/ (which offers its names as --opt and --sched) and train/ (which builds and
-steps it). It imports nothing of the package's other folders."""
+"""The optimizer and LR schedule, below config/ and train/: it imports none of the package's other folders."""

@@ -44,16 +44,14 @@ class OptimizerSettings:
                              type=options.non_negative_float, exact=True)
     weight_decay: float = option(1e-4, "not applied to 1-D parameters (norm layers' weights and every bias) nor to "
                                  "those timm's model.no_weight_decay() names (a ViT's pos_embed and cls_token)",
-                                 "model", "X",
-                                 type=options.non_negative_float, exact=True)
+                                 "model", "X", type=options.non_negative_float, exact=True)
     layer_decay: Optional[float] = option(
         None, "layer-wise LR decay (BEiT's, timm's --layer-decay) for fine-tuning: the LR of layer i of the L the "
         "model's group_matcher numbers is scaled by X^(L-1-i), the head's by 1", "model", "X",
         type=options.positive_float, exact=True)
-    clip_grad_norm: Optional[float] = option(
-        None, "scale each step's gradient (the global batch's) down to this total L2 norm where it is larger "
-        "(torchvision's --clip-grad-norm; ViT/DeiT recipes use 1.0)", "model", "X", type=options.positive_float,
-        exact=True)
+    clip_grad_norm: Optional[float] = option(None, "scale each step's gradient (the global batch's) down to this total "
+                                             "L2 norm where it is larger (torchvision's --clip-grad-norm; ViT/DeiT "
+                                             "recipes use 1.0)", "model", "X", type=options.positive_float, exact=True)
 
 
 def param_groups(model: nn.Module, weight_decay: float, layer_decay: Optional[float] = None) -> list[dict]:
@@ -87,8 +85,7 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
     """A saved state grouped otherwise (`legacy`, or another grouping rule) rearranged by parameter name.
     `Optimizer.load_state_dict` pairs parameters by position alone, and would refuse the groups' sizes or, worse,
     hand one parameter's momentum to another. A state of other parameters is refused."""
-    own = optimizer.param_groups
-    saved = state_dict["param_groups"]
+    own, saved = optimizer.param_groups, state_dict["param_groups"]
     saved_names = [group.get("param_names") for group in saved]
     own_names = [group["param_names"] for group in own]
     if saved_names == own_names:
@@ -101,8 +98,7 @@ def regroup(legacy: list[list[str]], optimizer: torch.optim.Optimizer, state_dic
         raise ValueError("the checkpoint's optimizer state holds other parameters than this model's")
     name_of = {index: name for names, group in zip(saved_names, saved) for index, name in zip(group["params"], names)}
     where = {name: index for index, name in enumerate(sum(own_names, []))}
-    groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": [where[name] for name in names]}
-              for group, names in zip(own, own_names)]
+    groups = [{**group, "params": [where[name] for name in names]} for group, names in zip(own, own_names)]
     state = {where[name_of[index]]: value for index, value in state_dict["state"].items()}
     return {**state_dict, "state": state, "param_groups": groups}
 
@@ -132,19 +128,17 @@ def create_optimizer(model: nn.Module, lr: float, momentum: float, weight_decay:
 
 
 def keep_own_settings(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
-    """A loaded state keeps each group's settings as this run made them (its options, and its device's kernels: a GPU
-    checkpoint's fused kernel is not for a CPU resume); what an optimizer counts in its groups (LAMB's `step`) is
-    loaded. `Optimizer.load_state_dict` would restore the saved settings, e.g. a changed --weight-decay's old value."""
+    """A loaded state keeps each group's settings as this run made them, not as saved (a changed --weight-decay's old
+    value; a GPU's fused kernel on a CPU resume); what an optimizer counts in its groups (LAMB's `step`) is loaded."""
     groups = [{**saved, **{k: v for k, v in own.items() if k != "params"}}
               for saved, own in zip(state_dict["param_groups"], optimizer.param_groups)]
     return {**state_dict, "param_groups": groups}
 
 
 def follow_parameter_layout(optimizer: torch.optim.Optimizer) -> None:
-    """Each per-parameter state tensor of its parameter's shape takes the parameter's strides, as a first step would:
-    `Optimizer.load_state_dict` casts dtype and device only, so a state saved NCHW (or packed contiguous by load-once)
-    would sit beside channels_last parameters, and CUDA's fused kernels refuse tensor lists of unequal strides
-    (`check_fast_path_restrictions`): the first step after a resume would fail."""
+    """Each state tensor of its parameter's shape takes the parameter's strides, as a first step would: after
+    `Optimizer.load_state_dict` (dtype and device only) a state saved NCHW (or packed by load-once) beside channels_last
+    parameters fails CUDA's fused kernels, which refuse unequal strides (`check_fast_path_restrictions`)."""
     import torch
 
     for group in optimizer.param_groups:

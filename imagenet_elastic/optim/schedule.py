@@ -19,10 +19,9 @@ class ScheduleSettings:
 
     warmup_epochs: float = option(5.0, "linear warmup, then the decay of --sched, stepped every iteration", "model",
                                   "X", type=options.non_negative_float, exact=True)
-    sched: str = option(
-        "cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the last step, or "
-        "step (x --decay-rate every --decay-epochs, counted from the first epoch)", "model", choices=list(SCHEDULES),
-        exact=True)
+    sched: str = option("cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the "
+                        "last step, or step (x --decay-rate every --decay-epochs, counted from the first epoch)",
+                        "model", choices=list(SCHEDULES), exact=True)
     lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
                            type=options.non_negative_float, exact=True)
     decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
