@@ -51,7 +51,7 @@ from imagenet_elastic.train.build import (
     step_context,
 )
 from imagenet_elastic.train.state import EpochTally, PendingSteps
-from imagenet_elastic.train.step import StepContext, evaluate
+from imagenet_elastic.train.step import StepContext, evaluate, train_step
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,11 @@ class Trainer:
         self.ctx.model.train()
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
-                lr = r.schedule.at(state.step)
-                loss = r.micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                lr, micro = r.schedule.at(state.step), r.micro
+                if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
+                    loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                else:  # the loader's micro-batches as they are
+                    loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed, state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
