@@ -161,7 +161,7 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
     marker, previous = os.path.join(out, PACK_FILE), tar_shards.pack_record(out)
     if not os.path.isfile(marker):
         raise UserError(f"pack: OUT {out} is not empty ({sorted(present)[0]} ...): choose a new or empty folder")
-    if not isinstance(previous, dict):  # unreadable, or JSON that is no record
+    if previous is None:  # unreadable, or JSON that is no record
         raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
@@ -358,8 +358,12 @@ def pack_to_store(src: str, out: str, args: argparse.Namespace) -> dict[str, Any
         raise UserError(f"pack: OUT {out}: an https:// server cannot be written to; pack to a folder and publish it")
     settings = object_store.settings()
     marker = object_store.find(object_store.join(out, PACK_FILE), settings.timeout)
-    if marker is not None and json.loads(object_store.read_whole(marker.url, settings.timeout)).get("complete"):
-        raise UserError(f"pack: OUT {out} already holds a complete pack")
+    if marker is not None:
+        previous = tar_shards.as_pack_record(object_store.read_whole(marker.url, settings.timeout))
+        if previous is None:
+            raise UserError(f"pack: {marker.url} is damaged: remove it to pack again")
+        if previous.get("complete"):
+            raise UserError(f"pack: OUT {out} already holds a complete pack")
     # staged in a folder that is the same for the same URL on a node, so a rerun continues it
     staged = os.path.join(settings.cache, f"pack-{hashlib.blake2b(out.encode(), digest_size=8).hexdigest()}")
     staged_whole = (tar_shards.pack_record(staged) or {}).get("complete")

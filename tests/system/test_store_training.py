@@ -26,6 +26,7 @@ from conftest import (
     load_checkpoint,
     python_cmd,
     run_and_kill,
+    single_line,
     torchrun_cmd,
     torchrun_worker,
 )
@@ -307,3 +308,14 @@ def test_pack_writes_to_a_store_the_bytes_of_a_local_pack_and_continues_an_inter
             assert body == (local / name).read_bytes(), name
     assert not any(p.name.startswith("pack-") for p in cache.iterdir())  # the staging folder is gone
     assert len(open_source(f"{out}/train", "train", None)) == 96
+
+
+@pytest.mark.parametrize("body", [b'{"complete": tr', b"[]"], ids=["cut short", "not an object"])
+def test_pack_to_a_store_whose_pack_json_is_damaged_is_one_line_naming_the_object(
+        s3_server, image_folder, store_env, body):
+    store_env(s3_server)
+    s3_server.create_bucket("damaged")
+    s3_server.client().put_object(Bucket="damaged", Key="imagenet-pack/pack.json", Body=body)
+    finished = command(["pack", str(image_folder), "s3://damaged/imagenet-pack", "--shard-size", "20"])
+    assert finished.returncode == 2
+    assert_names(single_line(finished.stderr), "s3://damaged/imagenet-pack/pack.json", "damaged", "remove it")

@@ -355,17 +355,26 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
 def pack_record(folder: str) -> Optional[dict]:
     """A folder's pack.json, or None where it has none readable."""
     try:
-        with open(os.path.join(folder, PACK_FILE)) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+        with open(os.path.join(folder, PACK_FILE), "rb") as f:
+            return as_pack_record(f.read())
+    except OSError:
         return None
+
+
+def as_pack_record(data: bytes) -> Optional[dict]:
+    """pack.json's bytes as the record `pack` writes (a JSON object), or None: damaged, or JSON of another shape."""
+    try:
+        record = json.loads(data)
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) else None
 
 
 def check_pack_finished(location: str, role: str, root: str) -> None:
     """Shards on disk of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as
     shards from elsewhere, they would train on what it had written so far, silently."""
     record = pack_record(root)
-    if isinstance(record, dict) and record.get("complete") is False:
+    if record is not None and record.get("complete") is False:
         raise UserError(f"{role} data {location} is part of a pack that `imagenet-elastic pack` did not finish "
                         f"({os.path.join(root, PACK_FILE)}): run `imagenet-elastic pack {record.get('source', 'SRC')} "
                         f"{root}` again to finish it")
