@@ -26,7 +26,7 @@ from imagenet_elastic.errors import CorruptImageError, UserError
 
 PREFIX = "folder"  # `folder:DIR` (sources.kind_of)
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-CACHE_VERSION = 2  # 2: the root folder's inode number
+CACHE_VERSION = 3  # 2: the root folder's inode number; 3: hidden files and folders left out
 CACHE_ARRAYS = ("root", "root_inode", "classes", "paths", "targets", "folders", "mtimes")
 HEADER_WORDS = {"filename", "file", "image", "imageid", "image_id", "path", "name"}  # a labels file's first line
 
@@ -120,6 +120,8 @@ def _walk(root: str, relative: str, folders: dict[str, int], found: list[str], a
     folders[relative] = stat.st_mtime_ns
     with os.scandir(path) as entries:
         for entry in entries:
+            if entry.name.startswith("."):  # hidden: macOS's ._x.jpg beside each image, .ipynb_checkpoints' copies
+                continue
             if entry.is_dir():
                 _walk(root, os.path.join(relative, entry.name), folders, found, (*above, (stat.st_dev, stat.st_ino)))
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
@@ -208,7 +210,7 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
         raise UserError("--val-labels names the classes of a validation folder by the training set's classes")
     if not os.path.isdir(location):
         raise UserError(f"{role} folder {location} does not exist")
-    files = {entry.name for entry in os.scandir(location) if entry.is_file()}
+    files = {entry.name for entry in os.scandir(location) if entry.is_file() and not entry.name.startswith(".")}
     by_stem = {os.path.splitext(name)[0]: name for name in sorted(files, reverse=True)}  # the first by name wins
     number = {name: k for k, name in enumerate(classes)}
     chosen: dict[str, int] = {}

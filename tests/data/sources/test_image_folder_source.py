@@ -309,3 +309,13 @@ def test_a_symbolic_link_back_to_a_folder_above_is_one_line_naming_it_not_an_end
     with pytest.raises(UserError) as caught:
         scan_image_folder(str(tmp_path / "train"), "train")
     assert_names(single_line(str(caught.value)), tmp_path / "train" / "b" / "up", "loop of symbolic links")
+
+
+def test_hidden_files_and_folders_in_a_class_folder_are_not_images(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"a": 2, "b": 1})
+    (root / "a" / "._a_0.jpg").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a JPEG")
+    write_jpeg(str(root / "b" / ".ipynb_checkpoints" / "copy.jpg"), 8, 8, seed=2)
+    index = scan_image_folder(str(root), "train")
+    assert len(index) == 3 and index.labels.tolist() == [0, 0, 1]
+    assert not any(os.fsdecode(p).split(os.sep)[-1].startswith(".") or ".ipynb" in os.fsdecode(p) for p in index.paths)

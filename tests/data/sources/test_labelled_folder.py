@@ -85,3 +85,12 @@ def test_a_labels_file_that_does_not_exist_is_named(image_folder, flat, tmp_path
     folder, _ = flat
     with pytest.raises(UserError, match=rf"^--val-labels {tmp_path / 'nope.csv'} does not exist$"):
         sources.open_splits(str(image_folder), str(folder), str(tmp_path / "nope.csv"), None)
+
+
+def test_a_hidden_file_in_the_flat_folder_needs_no_label(image_folder, flat, tmp_path):
+    folder, rows = flat
+    (folder / f"._{rows[0][0]}").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a JPEG")  # macOS's, beside each image
+    labels = tmp_path / "labels.csv"
+    labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows))
+    _, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert len(val) == len(rows) == 35
