@@ -10,6 +10,7 @@ import functools
 import itertools
 import multiprocessing
 import os
+import signal
 import statistics
 import sys
 import tempfile
@@ -50,12 +51,32 @@ def images_per_sec(batches: Iterator, count: int, warmup: int, ctx: Optional[Ste
         if i == warmup:
             sync(ctx)
             start, images = time.perf_counter(), 0
-        batch = next(batches)
+        batch = received_whole(batches)
         if ctx is not None:
             train_step(ctx, [batch], [slice(0, len(batch))], len(batch), 0.1, seed=0, step=i)
         images += len(batch) if isinstance(batch, Batch) else len(batch[0])  # ours, or the textbook's [x, y]
     sync(ctx)
     return images / (time.perf_counter() - start)
+
+
+def received_whole(batches: Iterator) -> Any:
+    """The next batch, a Ctrl-C meanwhile raised once it has arrived: cut short, the hand-over of its tensors'
+    file descriptors would leave the loader worker that sent them printing the broken connection's traceback."""
+    pending: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, _: pending.append(signum))
+    try:
+        batch = next(batches)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
+    return batch
+
+
+def interrupts_ignored(_: int) -> None:
+    """A loader worker's: Ctrl-C reaches every process of the terminal's group, and a worker it ended would end the
+    benchmark with the loader's "worker exited unexpectedly" rather than the one line of a Ctrl-C."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def sync(ctx: Optional[StepContext]) -> None:
@@ -113,7 +134,7 @@ def ours_loader(source: sources.Source, feed: Feed, args: argparse.Namespace,
                 augment: Augment) -> Callable[[int], Iterator]:
     """Our training loader over `source`, as the trainer makes it."""
     sampler = TrainBatchSampler(len(source), BatchPlan(args.batch_size, 1, args.batch_size), 0, seed=0)
-    loader = feed.train_loader(source, TrainSizes(args.image_size), 0, augment, sampler)
+    loader = feed.train_loader(source, TrainSizes(args.image_size), 0, augment, sampler, ignored=(signal.SIGINT,))
     pipeline.share_heap_with_workers()  # as the trainer does before its workers fork
 
     def epoch(e: int) -> Iterator:
@@ -133,7 +154,7 @@ def textbook_loader(root: str, size: int, batch: int, workers: int, augment: Aug
                            T.ToTensor(), T.Normalize(mean=[0.485, 0.456, 0.406], std=[0.229, 0.224, 0.225]),
                            *([T.RandomErasing(p=augment.erase)] if augment.erase else [])])
     loader = DataLoader(datasets.ImageFolder(root, transform), batch_size=batch, shuffle=True, num_workers=workers,
-                        pin_memory=torch.cuda.is_available(), drop_last=True)
+                        pin_memory=torch.cuda.is_available(), drop_last=True, worker_init_fn=interrupts_ignored)
     return lambda _: iter(loader)
 
 

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+import signal
+import time
+
 import inprocess
 import pytest
 from conftest import finish, json_lines, python_cmd, run, start
@@ -71,3 +75,44 @@ def test_missing_data_folder_is_one_line(tmp_path):
 def test_the_modes_of_bench_benchmark_are_not_installed_ones(mode, tmp_path):
     result = inprocess.command(["benchmark", str(tmp_path), "--mode", mode])
     assert result.returncode == 2 and "invalid choice" in result.stderr and repr(mode) in result.stderr
+
+
+def test_a_ctrl_c_while_a_batch_is_received_takes_effect_once_it_has_arrived():
+    from imagenet_elastic.tools.throughput import received_whole
+
+    arrived = []
+
+    def batches():
+        os.kill(os.getpid(), signal.SIGINT)  # as a terminal's Ctrl-C while a worker hands a batch over
+        time.sleep(0.05)  # where the handler runs
+        arrived.append("batch")
+        yield "batch"
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        received_whole(batches())
+    assert arrived == ["batch"] and signal.getsignal(signal.SIGINT) is before
+
+
+@pytest.mark.slow  # forks loader workers
+def test_the_loader_workers_of_both_contenders_ignore_ctrl_c_which_the_benchmark_alone_takes(image_folder):
+    import torch
+
+    from imagenet_elastic.data import sources
+    from imagenet_elastic.data.augment import Augment
+    from imagenet_elastic.tools import benchmark, throughput
+
+    args = benchmark.build_parser().parse_args([str(image_folder), "--workers", "1", "--batch-size", "8",
+                                                "--image-size", "32"])
+    train = sources.open_source(sources.train_location(args.data), "train", None)
+    augment = Augment(policy=args.auto_augment, erase=args.random_erase)
+    feed = throughput.make_feed(args, torch.device("cpu"), 1, augment)
+    for make in (throughput.ours_loader(train, feed, args, augment),
+                 throughput.textbook_loader(train.root, 32, 8, 1, augment)):
+        batches = make(0)
+        next(batches)
+        (worker,) = batches._workers
+        with open(f"/proc/{worker.pid}/status") as status:
+            ignored = int(next(line for line in status if line.startswith("SigIgn:")).split()[1], 16)
+        assert ignored & (1 << (signal.SIGINT - 1))
+        del batches
