@@ -88,6 +88,10 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
         raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as a second DATA beside {others}; "
                         f"--resume takes a checkpoint file, a folder holding {LAST_FILE} or, bare, "
                         f"CHECKPOINTS/{LAST_FILE}")
+    if left is not None and args.data == left and from_file.get("data") not in (None, left):  # DATA from the file
+        raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as DATA, over {found.config}'s data "
+                        f"{from_file['data']}; --resume takes a checkpoint file, a folder holding {LAST_FILE} or, "
+                        f"bare, CHECKPOINTS/{LAST_FILE} (a DATA meant to replace the file's goes before --resume)")
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:

@@ -462,3 +462,17 @@ def test_a_compile_cache_variable_naming_a_file_stops_every_command_in_one_line(
         cli.main([*command, str(tmp_path / "in"), str(tmp_path / "out")])
     assert stop.value.code == 2 and not (tmp_path / "out").exists()
     assert_names(capsys.readouterr().err, "TORCHINDUCTOR_CACHE_DIR", tmp_path / "cache")
+
+
+@pytest.mark.parametrize("made", ["empty folder", "nothing"])
+def test_resume_of_a_word_that_is_no_checkpoint_where_the_config_file_gives_data_names_that_word(tmp_path, made):
+    word = tmp_path / "run1"
+    if made == "empty folder":
+        word.mkdir()
+    (tmp_path / "run.yaml").write_text("data: /data/imagenet\n")
+    with pytest.raises(UserError, match=re.escape(f"--resume {word}: ")) as caught:
+        cli.parse(["--config", str(tmp_path / "run.yaml"), "--resume", str(word)])
+    assert_names(str(caught.value), "without last.pt" if made == "empty folder" else "no such",
+                 tmp_path / "run.yaml", "/data/imagenet")
+    # a DATA before --resume replaces the file's; a bare --resume then resumes from CHECKPOINTS/last.pt if there
+    assert cli.parse(["--config", str(tmp_path / "run.yaml"), str(word), "--resume"])[0].data == str(word)
