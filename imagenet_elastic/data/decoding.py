@@ -19,7 +19,7 @@ from imagenet_elastic.data.sampler import TrainBatchSampler
 from imagenet_elastic.data.sources import Source
 from imagenet_elastic.options import option
 
-CPU_DECODE_CORES = 32  # cores per process from which --decode auto decodes in workers; fewer starve the GPU
+CPU_DECODE_CORES = 32  # cores per process from which --decode auto decodes in workers (no policy or erasing)
 GPU_DECODE_WORKERS = 4  # loader workers per process under --decode gpu: they do no decoding, so a few feed a GPU
 
 # --decode's modes: what their loader workers do with a sample's bytes (training's, validation's), how they batch

@@ -60,10 +60,17 @@ def images_per_sec(batches: Iterator, count: int, warmup: int, ctx: Optional[Ste
 
 
 def received_whole(batches: Iterator) -> Any:
-    """The next batch, a Ctrl-C meanwhile raised once it has arrived: cut short, the hand-over of its tensors'
-    file descriptors would leave the loader worker that sent them printing the broken connection's traceback."""
+    """The next batch, a Ctrl-C meanwhile raised once it has arrived (a second at once): cut short, the hand-over of
+    its tensors' file descriptors would leave the loader worker that sent them printing the broken connection's
+    traceback."""
     pending: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda signum, _: pending.append(signum))
+
+    def deferred(signum: int, _: Any) -> None:
+        if pending:  # a second Ctrl-C: the batch is late (a stalled store, a hung worker), so stop now
+            raise KeyboardInterrupt
+        pending.append(signum)
+
+    previous = signal.signal(signal.SIGINT, deferred)
     try:
         batch = next(batches)
     finally:

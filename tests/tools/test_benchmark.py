@@ -94,6 +94,24 @@ def test_a_ctrl_c_while_a_batch_is_received_takes_effect_once_it_has_arrived():
     assert arrived == ["batch"] and signal.getsignal(signal.SIGINT) is before
 
 
+def test_a_second_ctrl_c_while_a_late_batch_is_awaited_stops_at_once():
+    from imagenet_elastic.tools.throughput import received_whole
+
+    arrived = []
+
+    def late_batches():
+        for _ in range(2):
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        arrived.append("batch")  # a stalled store's, minutes later
+        yield "batch"
+
+    before = signal.getsignal(signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):
+        received_whole(late_batches())
+    assert arrived == [] and signal.getsignal(signal.SIGINT) is before
+
+
 @pytest.mark.slow  # forks loader workers
 def test_the_loader_workers_of_both_contenders_ignore_ctrl_c_which_the_benchmark_alone_takes(image_folder):
     import torch

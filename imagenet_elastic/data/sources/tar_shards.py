@@ -59,7 +59,7 @@ def is_pattern(location: str) -> bool:
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
     if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
-    with contextlib.suppress(OSError):  # not a folder, or none to read
+    with contextlib.suppress(OSError, ValueError):  # not a folder, none to read, or a NUL in the name
         return any(name.endswith(".tar") for name in os.listdir(location))
     return False
 
