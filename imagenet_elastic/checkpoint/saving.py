@@ -23,7 +23,8 @@ from imagenet_elastic.launch import distributed
 
 class HostCopy:
     """A host copy of a nested state's tensors in the previous copy's buffers where they fit. From a GPU the copies
-    queue on the training stream and `copy` returns at once: the writer thread waits for them (`wait_copied`)."""
+    queue on the training stream between the step that made the state and the next, and `copy` returns at once: the
+    writer thread waits for them (`wait_copied`), training never does."""
 
     def __init__(self, pin: bool) -> None:
         self.pin = pin

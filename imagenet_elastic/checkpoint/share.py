@@ -1,6 +1,7 @@
 """Load once: rank 0 reads the checkpoint and the other ranks receive it over the process group, rather than all
-reading the network file system at every restart, when it is busiest. The result is `load`'s down to dtypes, strides
-and bits: a channels_last momentum buffer received as NCHW fails CUDA's fused SGD at the first step."""
+reading the network file system at every restart, when it is busiest; the others map it (`load(lazy=True)`) for the
+few KB they need before the process group exists. The result is `load`'s down to dtypes, strides and bits: a
+channels_last momentum buffer received as NCHW fails CUDA's fused SGD at the first step."""
 
 from __future__ import annotations
 

@@ -119,7 +119,8 @@ os.register_at_fork(after_in_child=_drop_locks_in_child)
 
 class CheckpointLock:
     """One writer per checkpoints folder: rank 0 holds an exclusive `flock` on FOLDER/.lock, which the kernel drops
-    however it dies. A second run (or an elastic round's leftover rank 0) is waited for, then refused."""
+    however it dies. A second run (or an elastic round's leftover rank 0) is waited for, then refused, rather than
+    mixing checkpoints or deleting our temp files."""
 
     def __init__(self, folder: str) -> None:
         self.path = os.path.join(folder, LOCK)

@@ -140,7 +140,8 @@ class Compilation:
         return self.module
 
     def after_first_step(self) -> None:
-        """Rank 0 says which ranks could not compile, then keeps the caches they filled: a restart starts warm."""
+        """Every rank (one gather of a line or None): rank 0 says which ranks could not compile, then keeps the
+        caches its own compile filled, so a restart starts warm."""
         if self.module is None:
             return
         failures = distributed.all_gather_object(self.module.failure)

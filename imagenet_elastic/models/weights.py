@@ -265,7 +265,8 @@ class InitialWeights(NamedTuple):
 
     def load(self, model: nn.Module, path: str, model_name: str, classes: Optional[tuple[str, ...]] = None) -> str:
         """Copy the weights into `model`; returns what the start-up table says of them. The classifier is kept only
-        for as many classes, named alike where both name them (the data's `classes`): else its rows are others'."""
+        for as many classes, named alike where both name them (the data's `classes`), else it is re-initialised (its
+        rows are other classes'); any other misfit means another model's file, refused."""
         weights, own, head = self.tensors, model.state_dict(), classifier(model)
         prefix = next((name for name, module in model.named_modules() if head is not None and module is head), None)
         head_names = set() if prefix is None else {f"{prefix}.{n}" if prefix else n for n in head.state_dict()}

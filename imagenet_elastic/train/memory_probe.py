@@ -1,7 +1,8 @@
 """--micro-batch auto's probe: the largest micro-batch whose training step (the run's model, precision, layout and
 largest training size; forward, backward and optimizer step, twice) fits the device, halving after each out-of-memory
 error. Eager even under --compile: compiling each size would cost minutes, and a compiled step usually keeps fewer
-activations, so it errs safe. It leaves no trace (`untouched`): a run that probed trains the same bits."""
+activations, so it errs safe; the step's own halving catches the rest. It leaves no trace (`untouched`): a run that
+probed trains the same bits."""
 
 from __future__ import annotations
 

@@ -1,9 +1,11 @@
 """The micro-batches a training step computes in; with --micro-batch auto the largest that fits the GPU
 (docs/LAUNCHING.md, "An out-of-memory error"): probed (memory_probe.py), kept in checkpoints for that kind of GPU,
 halved once per run for each kind of pass that still runs out of memory (validation per rank; a step on every rank,
-agreed by one flag all-reduce on the CPU group before the optimizer steps: ddp_ledger.py). `regroup` recuts the loader's
-micro-batches where a run started at the smaller size has them, so BatchNorm, dropout, drop path and mixing see what
-that run sees (bit for bit on a CPU). An error in the optimizer's step is not caught: the weights have changed."""
+agreed by one flag all-reduce on the CPU group before the optimizer steps, the failed rank making the step's other
+collectives: ddp_ledger.py). `regroup` recuts the loader's micro-batches where a run started at the smaller size has
+them, so BatchNorm (only a share's first micro-batch updates the running statistics), dropout, drop path (drawn from
+step and position) and mixing see what that run sees (bit for bit on a CPU). An error in the optimizer's step is not
+caught: the weights have changed, and the probe ran that step too."""
 
 from __future__ import annotations
 
