@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional
+from typing import Optional, Protocol
 
 import numpy as np
 import torch
@@ -18,9 +18,6 @@ from imagenet_elastic.errors import one_line
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.train.distillation import Distillation
 from imagenet_elastic.train.mixing import Mixer
-
-if TYPE_CHECKING:  # micro_batch.py imports this module
-    from imagenet_elastic.train.micro_batch import MicroBatches
 
 
 @dataclass
@@ -196,10 +193,19 @@ def apply_gradients(ctx: StepContext, lr: float) -> None:
     ctx.scaler.update()
 
 
+class ValidationFit(Protocol):
+    """What halves validation's batches on an out-of-memory error: micro_batch.MicroBatches (which imports this
+    module), in training and under --evaluate."""
+
+    validation_batch: Optional[int]  # most images a forward pass takes; None: the whole batch, and OOM ends the run
+
+    def validation_failed(self, size: int, error: str) -> None: ...
+
+
 @torch.no_grad()
 def evaluate(to: ModelInput, model: nn.Module, loader: Iterable[Batch], flip_average: bool = False,
              columns: Optional[torch.Tensor] = None, counts: Optional[Counts] = None,
-             fit: Optional[MicroBatches] = None) -> EvalResult:
+             fit: Optional[ValidationFit] = None) -> EvalResult:
     """Each rank runs its shard on the *unwrapped* model (shards may differ in batch count; DDP's forward would wait
     on a collective), then sums add up across ranks. `flip_average`: logits averaged with the mirror's; `columns`:
     score only these classes (ImageNet-A/-R's 200), labels index it; `counts`: further sums; `fit`: batches cut to
