@@ -203,6 +203,9 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         if self.teacher and self.distill_loss_weight is None and (self.task_loss_weight or 0.0) > 1.0:
             raise UserError(f"--task-loss-weight {self.task_loss_weight:g} alone gives the distillation loss the "
                             f"weight 1 - {self.task_loss_weight:g} < 0: set --distill-loss-weight too")
+        for name in ("initial_checkpoint", "teacher", "val_path", "val_labels"):  # a script's unset variable
+            if getattr(self, name, None) == "":
+                raise UserError(f"--{name.replace('_', '-')} is empty: give it a path or name, or leave it out")
         if self.pretrained and self.initial_checkpoint:
             raise UserError("--pretrained and --initial-checkpoint both say where a fresh run's weights come from: "
                             "pass one")

@@ -4,6 +4,7 @@ hub cache (HF_HOME, HF_HUB_CACHE, HF_HUB_OFFLINE): an offline node reads what an
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -152,6 +153,8 @@ def folder_config(folder: str, flag: str) -> dict[str, Any]:
                         f"({getattr(error, 'strerror', None) or first_line(error)[:200]})") from None
     if not isinstance(config, dict):
         raise UserError(f"{flag} {folder}: {path} is not a JSON object")
+    if not isinstance(config.get("architecture"), str):  # a transformers folder has `architectures`
+        raise UserError(f"{flag} {folder}: {path} names no timm `architecture` (not a timm or exported model)")
     return config
 
 
@@ -198,7 +201,7 @@ def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
         where_named = f"--model {model_name}" if flag == "--pretrained" else named
         raise UserError(f"{where_named}: {first_line(error)[:200]}") from None
     # an unknown tag, an architecture without published weights, a file that misfits or that a URL (torch hub) gave
-    except (RuntimeError, OSError) as error:
+    except (RuntimeError, OSError, ValueError) as error:  # ValueError: a malformed hub name (HFValidationError)
         raise UserError(f"{named}: {first_line(error)[:300]}") from None
 
 
@@ -243,14 +246,16 @@ class InitialWeights(NamedTuple):
 
                 loaded: Any = load_file(path)
             else:
-                loaded = torch.load(path, map_location="cpu", weights_only=True)
+                with torch.serialization.safe_globals([argparse.Namespace]):  # timm's train.py saves its args too
+                    loaded = torch.load(path, map_location="cpu", weights_only=True)
         except FileNotFoundError:
             raise UserError(f"--initial-checkpoint {path}: no such file") from None
         except OSError as error:
             raise UserError(f"--initial-checkpoint {path}: {error.strerror or error}") from None
         except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
-            raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict "
-                            f"({first_line(error)[:200]})") from None
+            why = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line),
+                       first_line(error))  # a whole pickled model: torch's first line is only advice
+            raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict ({why[:200]})") from None
         ours = isinstance(loaded, dict) and "model_name" in loaded
         settings = loaded.get("config") if ours else None
         classes = tuple(loaded["classes"]) if ours and isinstance(loaded.get("classes"), (list, tuple)) else None

@@ -316,7 +316,7 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Sour
             modules["_ema"] = copy.deepcopy(modules[""])
             load_fitting(modules["_ema"], snapshot["model_ema"], f"checkpoint {path}: its 'model_ema' weights",
                          snapshot["model_name"])
-        changes = config.differences(snapshot["config"], VALIDATION_SENSITIVE)
+        changes = config.differences(snapshot.get("config", {}), VALIDATION_SENSITIVE)
         changes += [fingerprints.difference((snapshot.get("data") or {}).get("val"), val)] if env.is_main else []
         for change in filter(None, changes):
             console.warn(f"--evaluate differs from its checkpoint's run, results will not match exactly: {change}")

@@ -227,7 +227,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     if config.mixes:
         mixing.check_pairs(plan)
     classes = len(inputs.train.classes)
-    built_for = saved_sizes(snapshot["config"])[0][0] if snapshot is not None else None  # its weights' size
+    built_for = saved_sizes(snapshot.get("config", {}))[0][0] if snapshot is not None else None  # its weights' size
     sizes = run_sizes(config, built_for)
     if min(part.stop - part.start for part in plan.all_micro_slices()) == 1:
         check_one_image_micro_batches(config, classes, plan, sizes)
@@ -257,7 +257,7 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
     if snapshot is not None:
         if not inputs.from_main:
             apply_checkpoint(state, snapshot, inputs.resume_from)
-        changes = config.differences(snapshot["config"])
+        changes = config.differences(snapshot.get("config", {}))
         if saved_batch not in (None, plan.global_batch):
             changes.append(f"global batch: checkpoint {saved_batch}, now {plan.global_batch}")
         saved_world = snapshot.get("world_size")

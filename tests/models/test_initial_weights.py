@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 import pytest
@@ -198,3 +199,21 @@ def test_a_folder_named_as_a_checkpoint_is_said_to_be_a_folder(tmp_path):
     with pytest.raises(UserError) as caught:
         load_weights(str(tmp_path / "last.pt"), "MODEL")
     assert_names(str(caught.value), tmp_path / "last.pt", "folder")
+
+
+def test_a_timm_training_checkpoint_with_its_args_loads(tmp_path):
+    source = source_model(4)
+    args = argparse.Namespace(model="test_resnet", lr=0.1, epochs=3)  # timm's train.py saves these beside the weights
+    torch.save({"epoch": 3, "arch": "test_resnet", "state_dict": source.state_dict(), "args": args},
+               tmp_path / "model_best.pth.tar")
+    model = fresh(4)
+    InitialWeights.read(str(tmp_path / "model_best.pth.tar")).load(model, "model_best.pth.tar", "test_resnet")
+    assert_loaded_except_the_head(model, source, head_refit=False)
+
+
+def test_a_whole_pickled_model_is_refused_naming_the_class_it_would_import(tmp_path):
+    torch.save(source_model(4), tmp_path / "whole.pth")
+    with pytest.raises(UserError) as caught:
+        InitialWeights.read(str(tmp_path / "whole.pth"))
+    assert_names(str(caught.value), f"--initial-checkpoint {tmp_path / 'whole.pth'}", "Unsupported global")
+    assert "\x1b" not in str(caught.value)  # torch's advice comes with terminal colours

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import assert_same_tensors, child_env, load_checkpoint, python_cmd
+from conftest import assert_names, assert_same_tensors, child_env, load_checkpoint, python_cmd
 from inprocess import command, in_memory, train
 from makers import cached, publish, timm_model
 
@@ -123,6 +123,10 @@ def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
     (["--pretrained", "--initial-checkpoint", "w.pt"], "--pretrained and --initial-checkpoint"),
     (["--model", "hf-hub:someone/shapes"], "--model hf-hub:someone/shapes names published weights: add --pretrained"),
     (["--model", "test_resnet.no_such_tag", "--pretrained"], "test_resnet.no_such_tag"),
+    (["--model", "hf-hub:a/b/c", "--pretrained"], "--pretrained --model hf-hub:a/b/c"),  # a pasted path or URL
+    (["--teacher", "hf-hub:timm/resnet18.a1_in1k/tree/main"], "--teacher hf-hub:timm/resnet18.a1_in1k/tree/main"),
+    (["--initial-checkpoint", ""], "--initial-checkpoint is empty"),  # a script's unset variable
+    (["--teacher", ""], "--teacher is empty"),
     (["--model", "vgg11", "--grad-checkpointing"], "--grad-checkpointing: timm's vgg11 does not support"),
     (["--model", "ghostnet_050", "--drop-path", "0.1"], "--drop-path: timm's ghostnet_050 has no drop_path_rate"),
     (["--model", "vit_tiny_patch16_224", "--blurpool"], "--blurpool: timm's vit_tiny_patch16_224 has no strided"),
@@ -181,3 +185,13 @@ def test_layer_decay_scales_each_groups_lr_and_resumes_bitwise(tmp_path):
     resumed = final_checkpoint(tmp_path / "resumed", *extra, stop_in_step=4)
     assert_same_tensors(resumed["model"], straight["model"])
     assert_same_tensors(resumed["optimizer"]["state"], straight["optimizer"]["state"])
+
+
+def test_a_folder_whose_config_json_names_no_timm_architecture_is_one_line_naming_it(hub, tmp_path):
+    folder = tmp_path / "transformers_vit"
+    folder.mkdir()
+    (folder / "config.json").write_text('{"architectures": ["ViTForImageClassification"], "model_type": "vit"}')
+    (tmp_path / "data").mkdir()
+    line = one_line_error([str(tmp_path / "data"), "--model", f"local-dir:{folder}", "--pretrained",
+                           "--checkpoints-path", str(tmp_path / "ckpt")])
+    assert_names(line, folder / "config.json", "architecture")

@@ -107,3 +107,16 @@ def test_a_resume_at_a_larger_global_batch_past_the_epochs_new_end_finishes_the_
     assert resumed.returncode == 0, resumed.stderr
     assert [row["epoch"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 11  # epoch 2's one step of 64
+
+
+def test_a_checkpoint_without_its_settings_resumes_and_is_evaluated(image_folder, tmp_path):
+    """Another program's or a hand-edited checkpoint may lack 'config': its run's sizes are then the defaults."""
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "2", "--checkpoints-path",
+            str(tmp_path)]
+    inprocess.train([*args, "--epochs", "1"])
+    state = torch.load(tmp_path / "last.pt", map_location="cpu", weights_only=True)
+    del state["config"]
+    torch.save(state, tmp_path / "last.pt")
+    for extra in (["--epochs", "2", "--resume"], ["--evaluate", "--resume", str(tmp_path / "last.pt")]):
+        finished = inprocess.command([*args, *extra])
+        assert finished.returncode == 0 and "Traceback" not in finished.stderr, finished.stderr
