@@ -10,6 +10,7 @@ import sys
 
 import pytest
 import torch
+from conftest import assert_names
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, load
@@ -341,3 +342,16 @@ def test_waiting_writer_gets_the_lock_when_the_holder_ends(tmp_path):
     lock.acquire(20, lambda _: None)
     assert holder.wait(timeout=5) == 0
     lock.release()
+
+
+@pytest.mark.parametrize("resume", [None, "auto"])
+@pytest.mark.parametrize("left", [["epoch_0001.pt", "epoch_0002.pt", "best.pt"], ["best.pt"]])
+def test_a_folder_of_an_earlier_runs_checkpoints_without_last_is_refused_naming_the_newest(tmp_path, resume, left):
+    manager = two_epochs_saved(tmp_path)
+    manager.save(fake_state(2), None, is_best=True)
+    for name in set(os.listdir(tmp_path)) - set(left):
+        os.remove(tmp_path / name)  # last.pt removed by hand (damaged?), or only best.pt copied here
+    with pytest.raises(UserError) as caught:
+        manager.resume_path(resume, restarted=False)
+    newest = "epoch_0002.pt" if len(left) > 1 else "best.pt"
+    assert_names(str(caught.value), tmp_path, "last.pt", f"--resume {tmp_path / newest}")
