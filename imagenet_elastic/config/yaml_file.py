@@ -153,9 +153,16 @@ def file_value(name: str, value: Any) -> Any:
     return list(value) if isinstance(value, tuple) else value
 
 
+PATH_SETTINGS = ("data", "val_path", "val_labels", "initial_checkpoint", "teacher")  # a timm name is no path here
+
+
 def write(folder: str, config: Config) -> None:
     """FOLDER/config.yaml: the settings of the run whose checkpoints the folder holds, but RUN_LOCATION; written
-    with its first checkpoint, so a run that fails before saving anything leaves the file as it was."""
+    with its first checkpoint, so a run that fails before saving anything leaves the file as it was. Relative paths
+    are written absolute: the file is read again from wherever its user stands."""
+    config = dataclasses.replace(config, **{
+        name: os.path.abspath(value) for name in PATH_SETTINGS
+        if isinstance(value := getattr(config, name), str) and not os.path.isabs(value) and os.path.exists(value)})
     text = settings_yaml(config, "settings of the run that wrote these checkpoints; rerun them as a new run with "
                                  "--config and a --checkpoints-path of its own (this file names none)", RUN_LOCATION)
     store_bytes(text.encode(), os.path.join(folder, FILE_NAME))

@@ -303,3 +303,17 @@ def test_a_runs_config_yaml_reruns_its_settings_as_a_new_run(tmp_path):
     assert "checkpoints-path" not in keys and "resume" not in keys and keys["lr"] == 0.3
     again, _ = cli.parse(["--config", str(tmp_path / "config.yaml"), "--checkpoints-path", str(tmp_path / "new")])
     assert again == dataclasses.replace(ran, checkpoints_path=str(tmp_path / "new"), resume=None)
+
+
+def test_a_runs_config_yaml_holds_its_relative_paths_absolute_so_it_reruns_from_anywhere(tmp_path, monkeypatch):
+    from imagenet_elastic.config import yaml_file
+
+    (tmp_path / "data" / "val").mkdir(parents=True)
+    (tmp_path / "teacher.pt").write_bytes(b"weights")
+    monkeypatch.chdir(tmp_path)
+    yaml_file.write(str(tmp_path), Config(data="data", val_path="data/val", teacher="teacher.pt",
+                                          initial_checkpoint="absent.pt"))
+    keys = yaml.safe_load((tmp_path / "config.yaml").read_text())
+    assert (keys["data"], keys["val-path"], keys["teacher"]) == (
+        str(tmp_path / "data"), str(tmp_path / "data" / "val"), str(tmp_path / "teacher.pt"))
+    assert keys["initial-checkpoint"] == "absent.pt"  # no such path here: written as given
