@@ -65,6 +65,9 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
     parser.source = path
     parsed = parser.parse_args(tokens + positional)
     values = {**nulls, **{name: getattr(parsed, name) for name in named}}
+    for name in (*PATH_SETTINGS, "checkpoints_path", "resume"):  # as a shell expands them on the command line
+        if isinstance(values.get(name), str) and values[name].startswith("~"):
+            values[name] = os.path.expanduser(values[name])
     try:
         check_each(values)
     except UserError as error:

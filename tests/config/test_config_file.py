@@ -317,3 +317,12 @@ def test_a_runs_config_yaml_holds_its_relative_paths_absolute_so_it_reruns_from_
     assert (keys["data"], keys["val-path"], keys["teacher"]) == (
         str(tmp_path / "data"), str(tmp_path / "data" / "val"), str(tmp_path / "teacher.pt"))
     assert keys["initial-checkpoint"] == "absent.pt"  # no such path here: written as given
+
+
+def test_a_home_folders_tilde_in_a_files_paths_is_expanded_as_a_shell_expands_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    (tmp_path / "run.yaml").write_text("data: ~/imagenet\ncheckpoints-path: ~/runs/r1\nteacher: ~/teacher.pt\n")
+    config, _ = cli.parse(["--config", str(tmp_path / "run.yaml")])
+    home = tmp_path / "home"
+    assert (config.data, config.checkpoints_path, config.teacher) == (
+        str(home / "imagenet"), str(home / "runs" / "r1"), str(home / "teacher.pt"))
