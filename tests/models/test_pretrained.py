@@ -123,6 +123,7 @@ def test_hf_home_and_hf_hub_offline_are_read_from_the_environment(tmp_path):
     (["--pretrained", "--initial-checkpoint", "w.pt"], "--pretrained and --initial-checkpoint"),
     (["--model", "hf-hub:someone/shapes"], "--model hf-hub:someone/shapes names published weights: add --pretrained"),
     (["--model", "test_resnet.no_such_tag", "--pretrained"], "test_resnet.no_such_tag"),
+    (["--model", "test_resnet.no_such_tag"], "tag 'no_such_tag' of test_resnet"),  # without --pretrained too
     (["--model", "hf-hub:a/b/c", "--pretrained"], "--pretrained --model hf-hub:a/b/c"),  # a pasted path or URL
     (["--teacher", "hf-hub:timm/resnet18.a1_in1k/tree/main"], "--teacher hf-hub:timm/resnet18.a1_in1k/tree/main"),
     (["--initial-checkpoint", ""], "--initial-checkpoint is empty"),  # a script's unset variable
