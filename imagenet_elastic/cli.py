@@ -235,6 +235,9 @@ def names_the_file(entry: Callable[[Config, Any], None], path: str, file_only: M
         raise
 
 
+BROKEN_PIPE_EXIT = 141  # 128 + SIGPIPE, as a shell reports a command its pipe's reader left
+
+
 def program() -> NoReturn:
     """`python -m imagenet_elastic` and the `imagenet-elastic` command: `main`, then an exit that skips the
     interpreter's teardown: with torch imported it takes seconds on a small machine, paid by every rank at every
@@ -247,6 +250,8 @@ def program() -> NoReturn:
         code = 0
     except KeyboardInterrupt:  # before anything started (parsing, imports): nothing to say
         code = INTERRUPTED_EXIT
+    except BrokenPipeError:  # its reader stopped reading (`| head -1`): it had what it wanted
+        code = BROKEN_PIPE_EXIT
     except SystemExit as stop:
         if stop.code is None or isinstance(stop.code, int):
             code = stop.code or 0

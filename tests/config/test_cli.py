@@ -476,3 +476,15 @@ def test_resume_of_a_word_that_is_no_checkpoint_where_the_config_file_gives_data
                  tmp_path / "run.yaml", "/data/imagenet")
     # a DATA before --resume replaces the file's; a bare --resume then resumes from CHECKPOINTS/last.pt if there
     assert cli.parse(["--config", str(tmp_path / "run.yaml"), str(word), "--resume"])[0].data == str(word)
+
+
+@pytest.mark.slow  # a process: its stdout a pipe whose reader has gone
+def test_output_into_a_pipe_whose_reader_stopped_ends_quietly_with_the_shells_code():
+    reader, writer = os.pipe()
+    os.close(reader)  # `imagenet-elastic --print-config DATA | head -0`
+    try:
+        finished = subprocess.run([sys.executable, "-m", "imagenet_elastic", "--print-config", "/data"], stdout=writer,
+                                  stderr=subprocess.PIPE, text=True, env=child_env(), timeout=120)
+    finally:
+        os.close(writer)
+    assert finished.returncode == 141 and finished.stderr == ""
