@@ -131,7 +131,8 @@ def load_model(name: str, pretrained: bool, ema: bool) -> tuple[Weights, Preproc
     if loaded.kind == weights.CHECKPOINT:
         return loaded, ours(*saved_eval_sizes(loaded.settings))
     module = loaded.model
-    classes = ((loaded.class_names or tuple(module.pretrained_cfg.get("label_names") or ()))
+    classes = ((loaded.class_names or tuple(module.pretrained_cfg.get("label_names") or ())
+                or tuple(map(str, range(module.num_classes))))  # unnamed: by number, for folders named 0..N-1
                if loaded.kind == weights.EXPORT else imagenet_classes(module))
     if len(classes) != module.num_classes:
         raise UserError(f"MODEL {name} names {len(classes)} classes for its {module.num_classes} outputs")

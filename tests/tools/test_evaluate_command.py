@@ -7,6 +7,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -359,3 +360,19 @@ def test_names_a_model_repeats_are_matched_by_position_in_its_own_list_and_refus
     with pytest.raises(UserError) as caught:
         model_index(types.SimpleNamespace(classes=("crane", "dog")), model, "v")
     assert_names(str(caught.value), "VAL v", "'crane'", "1, 3")
+
+
+def test_an_export_without_class_names_scores_numbered_folders_by_position(trained, tmp_path):
+    """timm's save_for_hf writes label_names only when the model has them: outputs are then known by number."""
+    root, logits, labels = trained
+    unnamed, val = tmp_path / "unnamed", tmp_path / "val"
+    shutil.copytree(root / "export", unnamed)
+    config = json.loads((unnamed / "config.json").read_text())
+    config.pop("label_names", None)
+    config.get("pretrained_cfg", {}).pop("label_names", None)
+    (unnamed / "config.json").write_text(json.dumps(config))
+    val.mkdir()
+    for k, name in enumerate(CLASSES):
+        os.symlink(root / "val" / name, val / str(k))
+    [row] = evaluated(str(unnamed), str(val))
+    assert row["top1"] == pytest.approx(top1(logits, labels)) and row["images"] == VAL_IMAGES
