@@ -32,9 +32,10 @@ def check_model_name(name: str, named: Optional[str] = None) -> None:
         close = difflib.get_close_matches(name, timm.list_models(), n=3)
         hint = f"; did you mean {', '.join(close)}?" if close else "; see timm.list_models()"
         raise UserError(f"{named or f'--model {name!r}'} is not a timm model{hint}")
-    if "." in name and name not in timm.list_pretrained(name.split(".")[0] + ".*"):  # is_model ignores the tag
-        arch, tag = name.split(".", 1)
-        tags = [known.split(".", 1)[1] for known in timm.list_pretrained(f"{arch}.*")]
+    arch, _, tag = name.partition(".")
+    known = timm.list_pretrained(f"{arch}.*") if tag else [name]
+    if name not in known:  # is_model ignores the tag
+        tags = [other.split(".", 1)[1] for other in known]
         hint = f"; its tags: {', '.join(tags[:6])}{' ...' if len(tags) > 6 else ''}" if tags else "; it has none"
         raise UserError(f"{named or f'--model {name!r}'}: timm knows no tag {tag!r} of {arch}{hint}")
 
