@@ -83,15 +83,15 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     from_file = read_settings(found.config, build_parser()) if found.config else {}
     parser.set_defaults(**from_file)
     args, extra = parser.parse_known_args(argv)
-    if extra and left is not None and left in (args.data, *extra):  # `--resume WORD DATA`: WORD is a second DATA
-        others = " ".join(word for word in (args.data, *extra) if word != left)
-        raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as a second DATA beside {others}; "
-                        f"--resume takes a checkpoint file, a folder holding {LAST_FILE} or, bare, "
-                        f"CHECKPOINTS/{LAST_FILE}")
-    if left is not None and args.data == left and from_file.get("data") not in (None, left):  # DATA from the file
-        raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as DATA, over {found.config}'s data "
-                        f"{from_file['data']}; --resume takes a checkpoint file, a folder holding {LAST_FILE} or, "
-                        f"bare, CHECKPOINTS/{LAST_FILE} (a DATA meant to replace the file's goes before --resume)")
+    read_as = None  # what the word a bare --resume left was read as, where it was surely meant as the checkpoint
+    if extra and left is not None and left in (args.data, *extra):  # `--resume WORD DATA`
+        read_as = "a second DATA beside " + " ".join(word for word in (args.data, *extra) if word != left)
+    elif left is not None and args.data == left and from_file.get("data") not in (None, left):  # DATA from the file
+        read_as = (f"DATA, over {found.config}'s data {from_file['data']} (a DATA meant to replace it goes before "
+                   "--resume)")
+    if read_as is not None:
+        raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as {read_as}; --resume takes a "
+                        f"checkpoint file, a folder holding {LAST_FILE} or, bare, CHECKPOINTS/{LAST_FILE}")
     if extra:
         parser.error(f"unrecognized arguments: {' '.join(extra)}")
     if args.data is None and not args.print_config:

@@ -307,8 +307,9 @@ class CheckpointFolder:
                 return self.last_path
             raise UserError(f"{self.last_path} exists from an earlier run: pass --resume to continue it, "
                             "or choose another --checkpoints-path")
-        epochs, best = self.epoch_files() if os.path.isdir(self.folder) else [], os.path.join(self.folder, BEST)
-        newest = epochs[-1] if epochs else best if os.path.isfile(best) else None
+        epochs = self.epoch_files() if os.path.isdir(self.folder) else []
+        best = os.path.join(self.folder, BEST)
+        newest = epochs[-1] if epochs else (best if os.path.isfile(best) else None)
         if newest is not None:  # last.pt removed (damaged?): starting over would overwrite them without a word
             raise UserError(f"{self.folder} holds an earlier run's checkpoints but no {LAST_FILE}: --resume {newest} "
                             "continues from the newest, or choose another --checkpoints-path")
