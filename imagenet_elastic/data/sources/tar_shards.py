@@ -516,14 +516,14 @@ def _text(path: str) -> Optional[str]:
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None,
-         entries: Optional[list[object_store.Entry]] = None) -> TarShards:
-    """Index the shards of `location` by walking their headers, each image's checksum taken; a store's (`entries`) by
-    ranged reads, eight shards at a time (each read a round trip), without checksums."""
+         entries: Optional[list[object_store.Entry]] = None, paths: Optional[list[str]] = None) -> TarShards:
+    """Index the shards of `location` (`paths`, where the caller listed them) by walking their headers, each image's
+    checksum taken; a store's (`entries`) by ranged reads, eight shards at a time (each a round trip), no checksums."""
     if entries:
         with ThreadPoolExecutor(8) as pool:
             found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
         return assemble(location, role, [e.url for e in entries], found, classes, entries)
-    paths = shard_paths(location, role)
+    paths = paths or shard_paths(location, role)
     return assemble(location, role, paths, [walk_shard(p, role, checksums=True) for p in paths], classes)
 
 
@@ -661,7 +661,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         source = replace(source, classes=named, cached=False, notes=(
             "the class names beside the shards changed since they were indexed: the new names were taken",))
     if source is None:
-        source = replace(walk(location, role, classes, entries), index=kept, notes=notes)
+        source = replace(walk(location, role, classes, entries, shards), index=kept, notes=notes)
     elif entries:
         source = check_store_shards(source, entries, classes)
     else:

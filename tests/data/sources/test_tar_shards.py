@@ -5,6 +5,7 @@ incomplete input is one line naming the shard and the sample."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -81,6 +82,23 @@ def test_a_brace_pattern_or_a_glob_names_the_same_shards_in_order(written):
             .fingerprint()
     with pytest.raises(UserError, match=r"train shard .*part-0005\.tar does not exist"):
         tar_shards.open_split(os.path.join(folder, "part-{0000..0005}.tar"), "train", None)
+
+
+@pytest.mark.parametrize(("split", "listings"), [("", 2), ("part-*.tar", 1)])
+def test_a_split_walked_at_its_first_start_is_listed_once_for_its_shards(written, monkeypatch, split, listings):
+    """A folder is listed for train and val shards side by side, then for its shards; a pattern globbed once."""
+    folder = os.path.dirname(written[0][0])
+    listed: list[str] = []
+
+    def recorded(call):
+        def listing(path, *args, **kwargs):
+            listed.append(str(path))
+            return call(path, *args, **kwargs)
+        return listing
+    monkeypatch.setattr(os, "listdir", recorded(os.listdir))
+    monkeypatch.setattr(glob, "glob", recorded(glob.glob))
+    assert not tar_shards.open_split(os.path.join(folder, split), "train", None).cached
+    assert len(listed) == listings, listed
 
 
 @pytest.mark.parametrize(("pattern", "expanded"), [
