@@ -159,8 +159,8 @@ def evaluated_split(location: str) -> str:
         return location
     if object_store.is_url(path):  # a store's folder holds shards, never class folders
         return prefixed(prefix, val)
-    alone = [entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith(".")] == ["val"]
-    return prefixed(prefix, val) if alone else location
+    folders = [entry.name for entry in os.scandir(path) if entry.is_dir() and not image_folder.hidden(entry.name)]
+    return prefixed(prefix, val) if folders == ["val"] else location
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
