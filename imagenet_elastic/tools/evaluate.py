@@ -26,7 +26,7 @@ import torch
 from imagenet_elastic.config import LAST_FILE, VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.pixels import INTERPOLATIONS
-from imagenet_elastic.data.sources import fingerprints, parquet, tar_shards
+from imagenet_elastic.data.sources import fingerprints
 from imagenet_elastic.data.sources.base import Classes
 from imagenet_elastic.errors import UserError, report
 from imagenet_elastic.launch import distributed
@@ -77,10 +77,7 @@ def check_val_exists(locations: Sequence[str]) -> None:
 
 def labels_file(location: str, val_labels: str | None) -> str | None:
     """--val-labels names the classes of the flat folders among VAL (image files, no folders), not of the others."""
-    path = sources.kind_of(location)[1]
-    if val_labels is None or not os.path.isdir(path) or tar_shards.claims(path) or parquet.claims(path):
-        return None
-    return None if any(entry.is_dir() for entry in os.scandir(path)) else val_labels
+    return val_labels if val_labels is not None and sources.flat_folder(sources.kind_of(location)[1]) else None
 
 
 @dataclass(frozen=True)
@@ -249,7 +246,7 @@ def run(args: Any) -> list[dict[str, Any]]:
     position = np.full(len(classes), -1, dtype=np.int64)
     position[scored] = np.arange(len(scored))
     sets = []
-    for location in map(sources.evaluated_split, args.val):
+    for location in (sources.evaluated_split(v, args.val_labels) for v in args.val):
         source = sources.open_source(location, "val", None, Classes(classes, "the model"),
                                      labels_file(location, args.val_labels))
         labels = position[eval_labels.model_index(source, classes, location)[source.labels]]

@@ -162,6 +162,21 @@ def test_several_val_sets_of_any_source_give_a_line_each_and_a_table(trained, tm
     assert done.stdout.count(f"ReaL {real:.2f}%") == 3
 
 
+def test_a_root_holding_a_flat_val_folder_is_scored_as_its_val_split_with_val_labels(trained, tmp_path):
+    """ROOT/val of images alone, ImageNet's validation set as distributed: with --val-labels, ROOT's val split (without,
+    a split whose one class is `val`)."""
+    root, logits, labels = trained
+    (tmp_path / "root" / "val").mkdir(parents=True)
+    rows = []
+    for path in sorted((root / "val").rglob("*.JPEG")):
+        os.symlink(path, tmp_path / "root" / "val" / path.name)
+        rows.append(f"{path.name},{path.parent.name}")
+    (tmp_path / "labels.csv").write_text("\n".join(rows) + "\n")
+    [row] = evaluated(str(root / "export"), str(tmp_path / "root"), "--val-labels", str(tmp_path / "labels.csv"))
+    assert row["val"] == str(tmp_path / "root" / "val") and row["images"] == VAL_IMAGES
+    assert row["top1"] == pytest.approx(top1(logits, labels))
+
+
 def test_prefixed_locations_parquet_files_and_a_data_root_are_read_as_training_reads_them(trained, tmp_path):
     """`folder:DIR`, `parquet:DIR` (HF-style files, without class names) and a data root (a pack's output, the
     README's DATA: its val split): the same images, the same scores."""

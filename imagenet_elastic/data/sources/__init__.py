@@ -146,9 +146,16 @@ def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:
     return train, val
 
 
-def evaluated_split(location: str) -> str:
+def flat_folder(path: str) -> bool:
+    """A folder of files alone, none of them shards or parquet files: a flat split's images, or one class's."""
+    return os.path.isdir(path) and not (tar_shards.claims(path) or parquet.claims(path)) and not any(
+        entry.is_dir() and not image_folder.hidden(entry.name) for entry in os.scandir(path))
+
+
+def evaluated_split(location: str, labels_file: Optional[str] = None) -> str:
     """The split `evaluate` scores for VAL `location`: a data root's (a folder holding train/, or val/ alone) DATA/val,
-    as training takes it, else `location`: a split of class folders may have a class named `val` among others."""
+    as training takes it, else `location`: a split of class folders may have a class named `val`, among others or
+    alone (val/ holding images alone, without a `labels_file` that would make it a flat split)."""
     prefix, path = kind_of(location)
     val = os.path.join(path, "val")
     if _isdir(os.path.join(path, "train")):
@@ -159,8 +166,9 @@ def evaluated_split(location: str) -> str:
         return location
     if object_store.is_url(path):  # a store's folder holds shards, never class folders
         return prefixed(prefix, val)
-    alone = [entry.name for entry in os.scandir(path) if entry.is_dir() and not entry.name.startswith(".")] == ["val"]
-    return prefixed(prefix, val) if alone else location
+    folders = [entry.name for entry in os.scandir(path) if entry.is_dir() and not image_folder.hidden(entry.name)]
+    one_class = labels_file is None and flat_folder(val)
+    return prefixed(prefix, val) if folders == ["val"] and not one_class else location
 
 
 def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
@@ -209,4 +217,5 @@ def check_same_classes(train: Source, val: Source) -> None:
 is_url = object_store.is_url
 
 __all__ = ["KINDS", "FileList", "Source", "both_splits", "check_apart", "check_same_classes", "evaluated_split",
-           "is_pattern", "is_url", "kind_of", "open_source", "open_splits", "split_locations", "train_location"]
+           "flat_folder", "is_pattern", "is_url", "kind_of", "open_source", "open_splits", "split_locations",
+           "train_location"]

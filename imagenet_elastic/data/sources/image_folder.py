@@ -79,7 +79,7 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
     if not os.path.isdir(root):
         raise UserError(f"{role} folder {root} does not exist")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not e.name.startswith("."))
+    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not hidden(e.name))
     if not classes:
         raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
     for name in classes:  # kept as text (checkpoints, exported models, classes.txt); image names are kept as bytes
@@ -120,12 +120,17 @@ def _walk(root: str, relative: str, folders: dict[str, int], found: list[str], a
     folders[relative] = stat.st_mtime_ns
     with os.scandir(path) as entries:
         for entry in entries:
-            if entry.name.startswith("."):  # hidden: macOS's ._x.jpg beside each image, .ipynb_checkpoints' copies
+            if hidden(entry.name):
                 continue
             if entry.is_dir():
                 _walk(root, os.path.join(relative, entry.name), folders, found, (*above, (stat.st_dev, stat.st_ino)))
             elif entry.name.lower().endswith(IMAGE_EXTENSIONS):
                 found.append(os.path.join(relative, entry.name))
+
+
+def hidden(name: str) -> bool:
+    """A file or folder no split holds: macOS's ._x.jpg beside each image, .ipynb_checkpoints' copies."""
+    return name.startswith(".")
 
 
 def cache_path(cache_dir: str, role: str) -> str:
@@ -210,7 +215,7 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
         raise UserError("--val-labels names the classes of a validation folder by the training set's classes")
     if not os.path.isdir(location):
         raise UserError(f"{role} folder {location} does not exist")
-    files = {entry.name for entry in os.scandir(location) if entry.is_file() and not entry.name.startswith(".")}
+    files = {entry.name for entry in os.scandir(location) if entry.is_file() and not hidden(entry.name)}
     by_stem = {os.path.splitext(name)[0]: name for name in sorted(files, reverse=True)}  # the first by name wins
     number = {name: k for k, name in enumerate(classes)}
     chosen: dict[str, int] = {}

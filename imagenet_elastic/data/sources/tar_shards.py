@@ -1,5 +1,6 @@
 """WebDataset tar shards as a source: a sample is consecutive members `KEY.jpg` (or .jpeg, .png, .webp) and `KEY.cls`
-(its label, a decimal integer), KEY the member's name up to the first dot of its last part. A split is a folder of
+(its label, a decimal integer), KEY the member's name up to the first dot of its last part (as in WebDataset: the
+extension of `KEY.x.jpg` is `x.jpg`, an image by its last part where the sample has no `.jpg`). A split is a folder of
 `*.tar` (by name) or a brace or glob pattern. Class names come from a `classes.txt` (a name a line, in label order) or
 an `_info.json` beside the shards or one folder up; else the labels are the names, or a val split takes train's.
 
@@ -401,6 +402,13 @@ def split_name(member: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), extension.lower() if dot else ""
 
 
+def sample_member(fields: dict[str, tarfile.TarInfo], kinds: tuple[str, ...]) -> Optional[tarfile.TarInfo]:
+    """A sample's member of the first of `kinds` (its members by extension): by the whole extension, else by its last
+    part, as webdataset's decoders take the `x.jpg` of `KEY.x.jpg` (a key written with a dot in it) for an image."""
+    by_last_part = {extension.rpartition(".")[2]: member for extension, member in reversed(fields.items())}
+    return next((found[kind] for found in (fields, by_last_part) for kind in kinds if kind in found), None)
+
+
 @dataclass
 class Found:
     """One shard's walk, sample by sample; equal: the same headers and labels (all a walk without checksums tells)."""
@@ -421,25 +429,25 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
         with tarfile.open(path, "r:", fileobj=object_store.RangedFile(entry) if entry else None) as tar:
             named = ((m, *split_name(m.name)) for m in tar if m.isfile())
             for key, members in itertools.groupby(named, operator.itemgetter(1)):
-                images: dict[str, tarfile.TarInfo] = {}  # by extension; other files are not ours
-                label: Optional[int] = None
+                fields: dict[str, tarfile.TarInfo] = {}  # images and labels by extension; other files are not ours
                 for member, _, extension in members:
-                    if extension in images or (extension == LABEL_EXTENSION and label is not None):
+                    if extension in fields:
                         raise UserError(f"{role} shard {path}: sample {key} has a second {member.name} (a key "
                                         "repeated in consecutive members): give each sample its own key")
-                    if extension in IMAGE_EXTENSIONS:
-                        images[extension] = member
-                    elif extension == LABEL_EXTENSION:
-                        stream = tar.extractfile(member)
-                        text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
-                        try:
-                            label = int(text)
-                        except ValueError:
-                            raise UserError(f"{role} shard {path}: the label of sample {key} ({member.name}) is "
-                                            f"{text[:20]!r}, not an integer") from None
-                image = next((images[e] for e in IMAGE_EXTENSIONS if e in images), None)  # the first in their order
-                if image is None and label is None:  # not a sample (another file kept in the shard)
+                    if extension.rpartition(".")[2] in (*IMAGE_EXTENSIONS, LABEL_EXTENSION):
+                        fields[extension] = member
+                image, labelled = (sample_member(fields, kinds) for kinds in (IMAGE_EXTENSIONS, (LABEL_EXTENSION,)))
+                if image is None and labelled is None:  # not a sample (another file kept in the shard)
                     continue
+                label = None
+                if labelled is not None:
+                    stream = tar.extractfile(labelled)
+                    text = stream.read(64).decode("utf-8", "replace").strip() if stream is not None else ""
+                    try:
+                        label = int(text)
+                    except ValueError:
+                        raise UserError(f"{role} shard {path}: the label of sample {key} ({labelled.name}) is "
+                                        f"{text[:20]!r}, not an integer") from None
                 if image is None:
                     kinds = ", ".join("." + e for e in IMAGE_EXTENSIONS)
                     raise UserError(f"{role} shard {path}: sample {key} has no image ({kinds})")
@@ -508,14 +516,14 @@ def _text(path: str) -> Optional[str]:
 
 
 def walk(location: str, role: str, classes: Optional[tuple[str, ...]] = None,
-         entries: Optional[list[object_store.Entry]] = None) -> TarShards:
-    """Index the shards of `location` by walking their headers, each image's checksum taken; a store's (`entries`) by
-    ranged reads, eight shards at a time (each read a round trip), without checksums."""
+         entries: Optional[list[object_store.Entry]] = None, paths: Optional[list[str]] = None) -> TarShards:
+    """Index the shards of `location` (`paths`, where the caller listed them) by walking their headers, each image's
+    checksum taken; a store's (`entries`) by ranged reads, eight shards at a time (each a round trip), no checksums."""
     if entries:
         with ThreadPoolExecutor(8) as pool:
             found = list(pool.map(lambda e: walk_shard(e.url, role, entry=e), entries))
         return assemble(location, role, [e.url for e in entries], found, classes, entries)
-    paths = shard_paths(location, role)
+    paths = paths or shard_paths(location, role)
     return assemble(location, role, paths, [walk_shard(p, role, checksums=True) for p in paths], classes)
 
 
@@ -653,7 +661,7 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
         source = replace(source, classes=named, cached=False, notes=(
             "the class names beside the shards changed since they were indexed: the new names were taken",))
     if source is None:
-        source = replace(walk(location, role, classes, entries), index=kept, notes=notes)
+        source = replace(walk(location, role, classes, entries, shards), index=kept, notes=notes)
     elif entries:
         source = check_store_shards(source, entries, classes)
     else:

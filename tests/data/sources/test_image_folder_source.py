@@ -168,6 +168,17 @@ def test_evaluate_scores_the_val_split_of_a_root_that_holds_val_alone_not_a_clas
     assert evaluated_split(str(root / "val")) == str(root / "val")  # a split itself: its class folders
 
 
+def test_evaluate_scores_a_split_whose_one_class_is_named_val_as_the_split_itself(tmp_path):
+    """val/ of images alone is a class, not a root's split: unless --val-labels makes it a flat split."""
+    split = tmp_path / "split"
+    make_split(split, {"val": 2})
+    assert evaluated_split(str(split)) == str(split)
+    assert evaluated_split(str(split), str(tmp_path / "labels.csv")) == str(split / "val")
+    (tmp_path / "root" / "val").mkdir(parents=True)
+    (tmp_path / "root" / "val" / "part-0000.tar").write_bytes(b"")  # shards: the root's val split
+    assert evaluated_split(str(tmp_path / "root")) == str(tmp_path / "root" / "val")
+
+
 def test_evaluate_scores_a_split_with_a_class_named_val_among_others_as_the_split_itself(tmp_path):
     split = tmp_path / "split"
     make_split(split, {"apple": 1, "val": 1})

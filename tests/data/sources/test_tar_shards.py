@@ -5,6 +5,7 @@ incomplete input is one line naming the shard and the sample."""
 from __future__ import annotations
 
 import contextlib
+import glob
 import io
 import json
 import os
@@ -81,6 +82,23 @@ def test_a_brace_pattern_or_a_glob_names_the_same_shards_in_order(written):
             .fingerprint()
     with pytest.raises(UserError, match=r"train shard .*part-0005\.tar does not exist"):
         tar_shards.open_split(os.path.join(folder, "part-{0000..0005}.tar"), "train", None)
+
+
+@pytest.mark.parametrize(("split", "listings"), [("", 2), ("part-*.tar", 1)])
+def test_a_split_walked_at_its_first_start_is_listed_once_for_its_shards(written, monkeypatch, split, listings):
+    """A folder is listed for train and val shards side by side, then for its shards; a pattern globbed once."""
+    folder = os.path.dirname(written[0][0])
+    listed: list[str] = []
+
+    def recorded(call):
+        def listing(path, *args, **kwargs):
+            listed.append(str(path))
+            return call(path, *args, **kwargs)
+        return listing
+    monkeypatch.setattr(os, "listdir", recorded(os.listdir))
+    monkeypatch.setattr(glob, "glob", recorded(glob.glob))
+    assert not tar_shards.open_split(os.path.join(folder, split), "train", None).cached
+    assert len(listed) == listings, listed
 
 
 @pytest.mark.parametrize(("pattern", "expanded"), [
@@ -278,6 +296,8 @@ JPEG = b"\xff\xd8 not decoded here"
     ([("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")], "sample a has no image (.jpg, .jpeg, .png, .webp)"),
     ([("a.jpg", JPEG), ("a.cls", b"one")], "the label of sample a (a.cls) is 'one', not an integer"),
     ([("a.txt", b"x")], "holds no samples (KEY.jpg with KEY.cls)"),
+    ([("a.x.cls", b"1"), ("a.x.txt", b"x"), ("b.jpg", JPEG), ("b.cls", b"0")],
+     "sample a has no image (.jpg, .jpeg, .png, .webp)"),
 ])
 def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, members, message):
     write_tar(tmp_path / "s-0.tar", members)
@@ -285,6 +305,35 @@ def test_a_sample_without_its_label_or_image_is_named_with_its_shard(tmp_path, m
         tar_shards.open_split(str(tmp_path), "train", None)
     said = str(caught.value)
     assert said.startswith(f"train shard {tmp_path / 's-0.tar'}") and said.endswith(message) or message in said, said
+
+
+@pytest.mark.parametrize("members", [
+    [("./train/a.b.jpg", b"0"), ("./train/a.b.cls", b"0"), ("./train/c.jpg", b"1"), ("./train/c.cls", b"1"),
+     ("./train/d.e.f.png", b"2"), ("./train/d.e.f.cls", b"0")],
+    [("k.seg.png", b"mask"), ("k.jpg", b"0"), ("k.cls", b"0"), ("m.1.png", b"1"), ("m.cls", b"1"), ("n.png", b"2"),
+     ("n.x.cls", b"0")],
+])
+def test_a_key_with_a_dot_is_a_sample_whose_image_and_label_are_known_by_their_last_extension(tmp_path, members):
+    """A tar of `./train/a.b.jpg`: webdataset's key ends at the first dot (`./train/a`), its decoders know `b.jpg` for
+    an image by its last part; a member of a whole image extension is preferred (`k.jpg`, not the mask `k.seg.png`)."""
+    write_tar(tmp_path / "s-0.tar", members)
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    assert [shards.read(i) for i in range(len(shards))] == [b"0", b"1", b"2"] and shards.labels.tolist() == [0, 1, 0]
+
+
+def test_webdatasets_writer_given_file_names_as_keys_writes_shards_read_whole(tmp_path):
+    """ShardWriter writes `n01440764_0.JPEG.jpg` for the key `n01440764_0.JPEG`: webdataset reads the sample
+    `n01440764_0` with `jpeg.jpg` and `jpeg.cls`, and so do we (were: no samples)."""
+    import webdataset as wds  # not on every machine: its tests' own import
+
+    with wds.TarWriter(str(tmp_path / "s-0.tar")) as sink:
+        for i in range(3):
+            sink.write({"__key__": f"n01440764_{i}.JPEG", "jpg": b"%d" % i, "cls": i % 2})
+    shards = tar_shards.open_split(str(tmp_path), "train", None)
+    read = [(shards.read(i), int(shards.labels[i])) for i in range(len(shards))]
+    assert read == [(s["jpeg.jpg"], int(s["jpeg.cls"])) for s in wds.WebDataset(str(tmp_path / "s-0.tar"),
+                                                                                  shardshuffle=False)]
+    assert read == [(b"0", 0), (b"1", 1), (b"2", 0)]
 
 
 @pytest.mark.parametrize("members", [
