@@ -174,9 +174,6 @@ class Checkpointer:
                 raise StorageError(f"cannot remove {path}, left by an interrupted write in the checkpoints folder: "
                                    f"{error.strerror or error}; remove it by hand") from None
 
-    def close(self) -> Optional[Exception]:
-        return self.writer.close()
-
 
 def run_each(steps: list[Callable[[], None]]) -> None:
     for step in steps:

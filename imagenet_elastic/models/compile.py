@@ -124,14 +124,9 @@ class Compilation:
     def __init__(self, enabled: bool, reason: str, model_name: str, cache: Optional[CompileCache],
                  warn: Callable[[str], None], is_main: bool) -> None:
         self.enabled, self.reason, self.model_name = enabled, reason, model_name
-        self.cache = cache if enabled else None
+        self.cache = cache  # None where it does not compile
         self.warn, self.is_main = warn, is_main
         self.module: Optional[CompiledOrEager] = None
-
-    def load_cache(self) -> None:
-        """Every rank, before the first compiled call."""
-        if self.cache is not None:
-            self.cache.load()
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not self.enabled:

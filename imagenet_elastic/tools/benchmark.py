@@ -1,15 +1,15 @@
 """`imagenet-elastic benchmark DATA`: what feeds the model, what the model can take, and both together.
 
 Prints one JSON object per line and mode. A tool, not a test: numbers depend on the machine. What the project's
-own changes are measured by (the device path's operators, an index's memory, a checkpoint's cost) is the
-repository's bench/benchmark.py, with the same settings; it is not installed.
+own changes are measured by (the device path's operators, an index's memory, a checkpoint's cost, the files a
+sample's read opens and what a pack's checksums cost) is the repository's bench/benchmark.py, with the same
+settings; it is not installed.
 
 - loader: our training input pipeline (under --decode gpu its workers' part: read, parse, draw) and the
   textbook one (ImageFolder + PIL + RandomResizedCrop + flip + ToTensor + Normalize in DataLoader workers, as in
   pytorch/examples), same folder, workers and batch, measured in alternating rounds in one run; DATA may be any
   source (a folder, tar shards), the textbook one runs where it is a folder, and --against adds our loader on
-  other sources of the same images (a pack against its folder); each says how many files its workers opened
-  per sample; where DATA's samples have checksums (a pack), also ours without comparing them;
+  other sources of the same images (a pack against its folder);
 - synthetic: training steps on batches already on the device (the model's limit), for DATA's classes;
 - end_to_end: training steps fed by our loader from the folder.
 

@@ -5,15 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import dataclasses
 import functools
 import itertools
-import multiprocessing
-import os
 import signal
 import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from typing import Any, Callable, Optional
@@ -91,44 +87,6 @@ def sync(ctx: Optional[StepContext]) -> None:
         torch.cuda.synchronize(ctx.input.device)
 
 
-# where a worker's other opens go (late imports, /proc, multiprocessing's temp files): not the data's
-NOT_DATA = tuple({sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "/proc",
-                  "/sys", "/dev", os.path.join(tempfile.gettempdir(), "pymp-")})
-
-
-class Counted:
-    """A source whose reads in the loader workers are counted with the files each opens (audit hook), in counters
-    shared with the forked workers (which never pickle it)."""
-
-    def __init__(self, source: sources.Source) -> None:
-        context = multiprocessing.get_context("fork")
-        self.source, self.opens, self.samples = source, context.Value("q", 0), context.Value("q", 0)
-        self.hooked: set[int] = set()  # processes whose hook is installed (a hook stays for the process's life)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.source, name)
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    def read(self, i: int) -> bytes:
-        if os.getpid() not in self.hooked:
-            self.hooked.add(os.getpid())
-            opens = self.opens
-
-            def hook(event: str, args: tuple) -> None:
-                if event == "open" and isinstance(args[0], str) and not args[0].startswith(NOT_DATA):
-                    with opens.get_lock():
-                        opens.value += 1
-            sys.addaudithook(hook)
-        with self.samples.get_lock():
-            self.samples.value += 1
-        return self.source.read(i)
-
-    def opens_per_sample(self) -> Optional[float]:
-        return round(self.opens.value / self.samples.value, 3) if self.samples.value else None
-
-
 def make_feed(args: argparse.Namespace, device: torch.device, workers: int, augment: Augment,
               gpu_decoder: str = "auto") -> Feed:
     """--decode chosen and set up on this machine as the trainer does it for one rank."""
@@ -168,39 +126,38 @@ def textbook_loader(root: str, size: int, batch: int, workers: int, augment: Aug
 def run_loader(args: argparse.Namespace, train: sources.Source, workers: int,
                against: tuple[sources.Source, ...] = ()) -> dict[str, Any]:
     """Ours on DATA against the textbook loader (where DATA is a folder) and ours on each of `against`, in
-    alternating rounds; DATA with per-sample checksums is also read without them: what that check costs."""
+    alternating rounds."""
     warmup = max(2, 2 * workers)
     augment = Augment(policy=args.auto_augment, erase=args.random_erase)
     feed = make_feed(args, run_device(args), workers, augment)  # gpu: the workers' part, not feed.decoder's
-    counted = [Counted(source) for source in (train, *against)]
-    contenders = {"ours": ours_loader(counted[0], feed, args, augment)}
+    contenders = {"ours": ours_loader(train, feed, args, augment)}
     if isinstance(train, ImageFolder):
         contenders["textbook"] = textbook_loader(train.root, args.image_size, args.batch_size, workers, augment)
-    for k, other in enumerate(counted[1:]):
+    for k, other in enumerate(against):
         contenders[f"against {k}"] = ours_loader(other, feed, args, augment)
-    if getattr(train, "checksums", None) is not None:
-        contenders["unverified"] = ours_loader(dataclasses.replace(train, checksums=None), feed, args, augment)
+    rates = alternating_rounds(contenders, args, warmup)
+    rate = {name: statistics.median(values) for name, values in rates.items()}
+    figures: dict[str, Any] = {"data": train.where(), "ours_images_per_sec": round(rate["ours"], 1)}
+    if "textbook" in rate:
+        figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
+                       ratio=round(rate["ours"] / rate["textbook"], 2))
+    if against:
+        figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
+                               "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
+                              for k, other in enumerate(against)]
+    return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
+            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
+            "decode": feed.decoding.mode, "auto_augment": args.auto_augment, "random_erase": args.random_erase}
+
+
+def alternating_rounds(contenders: dict[str, Callable[[int], Iterator]], args: argparse.Namespace,
+                       warmup: int) -> dict[str, list[float]]:
+    """Each contender's images/s in each of --rounds rounds, taken in turn so that the machine's drift touches all."""
     rates: dict[str, list[float]] = {name: [] for name in contenders}
     for _ in range(args.rounds):
         for name, make in contenders.items():
             rates[name].append(images_per_sec(endless(make), args.batches, warmup))
-    rate = {name: statistics.median(values) for name, values in rates.items()}
-    figures: dict[str, Any] = {"data": train.where(), "ours_images_per_sec": round(rate["ours"], 1),
-                               "files_opened_per_sample": counted[0].opens_per_sample()}
-    if "textbook" in rate:
-        figures.update(textbook_images_per_sec=round(rate["textbook"], 1),
-                       ratio=round(rate["ours"] / rate["textbook"], 2))
-    if "unverified" in rate:
-        figures.update(unverified_images_per_sec=round(rate["unverified"], 1),
-                       verified_vs_unverified=round(rate["ours"] / rate["unverified"], 3))
-    if against:
-        figures["against"] = [{"data": other.where(), "images_per_sec": round(rate[f"against {k}"], 1),
-                               "files_opened_per_sample": other.opens_per_sample(),
-                               "ours_vs_this": round(rate["ours"] / rate[f"against {k}"], 2)}
-                              for k, other in enumerate(counted[1:])]
-    return {**figures, "rounds": {k: [round(r, 1) for r in v] for k, v in rates.items()}, "images": len(train),
-            "batch_size": args.batch_size, "workers": workers, "image_size": args.image_size,
-            "decode": feed.decoding.mode, "auto_augment": args.auto_augment, "random_erase": args.random_erase}
+    return rates
 
 
 def run_device(args: argparse.Namespace) -> torch.device:

@@ -351,14 +351,15 @@ def prepare_compile(run: Run, inputs: Inputs, training: Training) -> Compilation
     config, env, console, device = run.config, run.env, run.console, inputs.device
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
     enabled, reason = compile_choice(config.compile, device.type, capability)
-    key = compile_cache.cache_key(device, model=config.model, classes=len(inputs.train.classes),
-                                  precision=training.precision.name, channels_last=config.channels_last,
-                                  blurpool=config.blurpool, drop_path=config.drop_path,
-                                  grad_checkpointing=config.grad_checkpointing) if enabled else {}
-    cache = compile_cache.CompileCache(config.checkpoints_path, key, console.warn)
-    compilation = Compilation(enabled, reason, config.model, cache, console.warn, env.is_main)
-    compilation.load_cache()
-    return compilation
+    cache = None
+    if enabled:
+        key = compile_cache.cache_key(device, model=config.model, classes=len(inputs.train.classes),
+                                      precision=training.precision.name, channels_last=config.channels_last,
+                                      blurpool=config.blurpool, drop_path=config.drop_path,
+                                      grad_checkpointing=config.grad_checkpointing)
+        cache = compile_cache.CompileCache(config.checkpoints_path, key, console.warn)
+        cache.load()
+    return Compilation(enabled, reason, config.model, cache, console.warn, env.is_main)
 
 
 def step_context(run: Run, inputs: Inputs, training: Training, compilation: Compilation) -> StepContext:

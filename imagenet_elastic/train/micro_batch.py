@@ -28,13 +28,8 @@ AUTO = "auto"
 
 
 class OutOfMemoryAgain(UserError):
-    """A second out-of-memory error of one kind of pass in a run (see the module's docstring)."""
-
-    every_rank = True
-
-
-class DecodeOutOfMemory(UserError):
-    """--decode gpu ran out of device memory decoding a batch, and nothing (no --micro-batch auto) makes room."""
+    """Out of device memory with no more room to make: a second time for one kind of pass in a run (see the module's
+    docstring), or --decode gpu's first time without --micro-batch auto."""
 
     every_rank = True
 
@@ -132,9 +127,9 @@ class MicroBatches:
         alone fits. Without `auto` the run ends; with it micro-batches halve to make room: training's at the step
         taking the batch (every rank; nothing lost), validation's at once; a second failure ends it."""
         if not self.auto:
-            raise DecodeOutOfMemory(f"out of device memory {what} (--decode gpu: {error}); lower --batch-size, or add "
-                                    "--micro-batch auto to train in smaller micro-batches beside the decoding, or "
-                                    "decode in the loader workers (--decode cpu)")
+            raise OutOfMemoryAgain(f"out of device memory {what} (--decode gpu: {error}); lower --batch-size, or add "
+                                   "--micro-batch auto to train in smaller micro-batches beside the decoding, or "
+                                   "decode in the loader workers (--decode cpu)")
         if again:
             raise OutOfMemoryAgain(f"out of memory again {what}, with no step beside it ({error}); lower --batch-size, "
                                    "or decode in the loader workers (--decode cpu)")

@@ -236,7 +236,7 @@ class Trainer:
         if cache is not None:
             then.append(cache)
         if not self.saved_once:  # this run's first checkpoint: its settings, and the trackers' runs it now holds
-            then += [functools.partial(yaml_file.write, folder, self.config), self.sinks.forget_pending]
+            then += [functools.partial(yaml_file.write, folder, self.config), self.sinks.runs.forget_pending]
             self.saved_once = True
         self.checkpointer.save(lambda: state.capture(self.config.to_dict(), self.checkpoint_meta(best_of)),
                                epoch=state.epoch if epoch_end else None, is_best=is_best, then=then)
@@ -307,7 +307,7 @@ class Trainer:
     def close(self) -> None:
         """The write in flight ends, then DDP, loaders and tensors go, before the process group does
         (see distributed.destroy_process_group)."""
-        unreported = self.checkpointer.close()
+        unreported = self.checkpointer.writer.close()
         if unreported is not None:
             self.console.warn(f"the checkpoint being written when the run stopped was not saved: "
                               f"{one_line(unreported)}")

@@ -45,6 +45,23 @@ def test_checkpoint_mode_compares_a_synchronous_save_and_a_background_save(image
     assert os.listdir(tmp_path) == []  # its temporary folder is gone
 
 
+@pytest.mark.slow  # forks loader workers
+def test_reads_mode_counts_the_files_a_sample_opens_and_a_packs_checksums_cost(image_folder, tmp_path):
+    from makers import run_pack
+
+    run_pack(str(image_folder), str(tmp_path / "pack"), "--shard-size", "32")
+    folder, pack = (json_lines(inprocess.command(bench_args(data, "--mode", "reads", "--batches", "2", "--rounds",
+                                                            "1"), main=bench.main))[0]
+                    for data in (image_folder, tmp_path / "pack"))
+    assert folder["mode"] == pack["mode"] == "reads" and folder["images_per_sec"] > 0
+    assert folder["files_opened_per_sample"] == 1.0  # a class folder's image files, one each
+    assert "verified_vs_unverified" not in folder  # no checksums to drop
+    assert pack["files_opened_per_sample"] < 0.25  # the 3 shards once each in the worker, not a file per sample
+    assert pack["unverified_images_per_sec"] > 0 and sorted(pack["rounds"]) == ["ours", "unverified"]
+    assert pack["verified_vs_unverified"] == pytest.approx(
+        pack["images_per_sec"] / pack["unverified_images_per_sec"], abs=0.011)
+
+
 def test_missing_data_folder_is_one_line_where_a_mode_reads_it(tmp_path):
     result = inprocess.command([str(tmp_path / "nope"), "--mode", "device_ops"], main=bench.main)
     assert result.returncode == 2

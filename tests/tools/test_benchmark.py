@@ -29,7 +29,6 @@ def test_loader_mode_compares_ours_with_the_textbook_pipeline(image_folder):
     (line,) = benchmark(image_folder, "--mode", "loader", "--rounds", "2")
     assert line["mode"] == "loader" and line["workers"] == 1 and line["batch_size"] == 8
     assert line["ours_images_per_sec"] > 0 and line["textbook_images_per_sec"] > 0
-    assert line["files_opened_per_sample"] == 1.0  # a class folder's image files, one each
     # the benchmark divides the unrounded rates; these are rounded, so the last digit may be one off
     assert line["ratio"] == pytest.approx(line["ours_images_per_sec"] / line["textbook_images_per_sec"], abs=0.011)
     assert len(line["rounds"]["ours"]) == len(line["rounds"]["textbook"]) == 2
@@ -51,18 +50,16 @@ def test_model_modes_train_on_synthetic_and_real_batches(image_folder):
 
 
 @pytest.mark.slow  # a process: its loader workers fork
-def test_loader_mode_on_a_pack_against_its_folder_counts_the_files_each_opens(image_folder, tmp_path):
+def test_loader_mode_on_a_pack_against_its_folder(image_folder, tmp_path):
     from makers import run_pack
 
     run_pack(str(image_folder), str(tmp_path / "pack"), "--shard-size", "32")
     (line,) = json_lines(run(benchmark_cmd(tmp_path / "pack", "--mode", "loader", "--rounds", "1", "--against",
                                            str(image_folder))))
     assert "textbook_images_per_sec" not in line and line["data"] == f"{tmp_path / 'pack' / 'train'} (3 shards)"
-    assert line["files_opened_per_sample"] < 0.25  # the 3 shards once each in the worker, not a file per sample
     (folder,) = line["against"]
-    assert folder["data"] == str(image_folder / "train") and folder["files_opened_per_sample"] == 1.0
+    assert folder["data"] == str(image_folder / "train") and sorted(line["rounds"]) == ["against 0", "ours"]
     assert folder["ours_vs_this"] == pytest.approx(line["ours_images_per_sec"] / folder["images_per_sec"], abs=0.011)
-    assert line["unverified_images_per_sec"] > 0 and len(line["rounds"]["unverified"]) == 1  # the pack unchecked
 
 
 def test_missing_data_folder_is_one_line(tmp_path):
@@ -71,7 +68,7 @@ def test_missing_data_folder_is_one_line(tmp_path):
     assert result.stderr.strip() == f"imagenet-elastic: error: data folder {tmp_path / 'nope'} does not exist"
 
 
-@pytest.mark.parametrize("mode", ["device_ops", "index", "checkpoint"])
+@pytest.mark.parametrize("mode", ["device_ops", "index", "checkpoint", "reads"])
 def test_the_modes_of_bench_benchmark_are_not_installed_ones(mode, tmp_path):
     result = inprocess.command(["benchmark", str(tmp_path), "--mode", mode])
     assert result.returncode == 2 and "invalid choice" in result.stderr and repr(mode) in result.stderr

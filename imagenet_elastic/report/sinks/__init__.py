@@ -114,9 +114,6 @@ class Sinks:
         """What checkpoints save: option -> the tracker run this training run is (also of a tracker that failed)."""
         return dict(self.runs.ids)
 
-    def forget_pending(self) -> None:
-        self.runs.forget_pending()
-
     def each(self, action: Callable[[Sink], None], closing: bool = False) -> None:
         for sink in list(self.sinks):
             try:
