@@ -16,6 +16,7 @@ import shutil
 import socket
 import tempfile
 import time
+import zipfile
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, BinaryIO, Callable, Optional
@@ -24,7 +25,7 @@ import torch
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
 from imagenet_elastic.config import LAST_FILE, RESUME_AUTO, no_checkpoint
-from imagenet_elastic.errors import UserError, first_line
+from imagenet_elastic.errors import UserError
 
 LOCK = ".lock"
 LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
@@ -73,15 +74,34 @@ def state_bytes(state: dict[str, Any]) -> int:
     return sum(sizes)
 
 
+def damage(path: str) -> Optional[str]:
+    """Why `path` cannot be a checkpoint, from its zip directory alone (torch.save writes a zip archive whose directory
+    ends the file: a file cut short has none), read in milliseconds whatever its size; None where it may be one."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        return "the file is empty" if os.path.getsize(path) == 0 else \
+            "not the zip archive torch.save writes (cut short, or another kind of file)"
+    if not any(name.endswith("/data.pkl") for name in names):
+        return "a zip archive torch.save did not write"
+    return None
+
+
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
     """Load a checkpoint on CPU; every failure is one line naming the file. `lazy`: map it, reading a tensor's bytes
     only if used (share.py: ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
-    except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, zipfile errors...
-        raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(error)[:200]})") from None
+        why = damage(path)
+        state = None if why else torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    except OSError as error:
+        raise UserError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
+    except Exception:  # torch's reader, fed damaged bytes, fails any way they lead it (KeyError: 101, EOFError, ...)
+        why = "its content cannot be read back"
+    if why:
+        raise UserError(f"checkpoint {path} is damaged or not a checkpoint: {why}")
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"checkpoint {path} is not an imagenet_elastic checkpoint")
     return state

@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from conftest import assert_names
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
 from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, load
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, first_line
 
 
 def fake_state(epoch: int) -> dict:
@@ -229,6 +230,35 @@ def test_load_of_a_non_checkpoint_file_raises_user_error_naming_the_path(tmp_pat
     with pytest.raises(UserError) as caught:
         load(str(path))
     assert str(path) in str(caught.value)
+
+
+def damaged_pickle(path) -> None:
+    """A zip archive as torch.save writes one, whose pickle asks for memo 101: torch raises `KeyError: 101`."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02h\x65.")
+        archive.writestr("archive/version", b"3\n")
+
+
+@pytest.mark.parametrize("how", ["text", "empty", "cut short", "another zip", "damaged pickle"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_of_a_damaged_file_names_it_in_its_own_words_not_torchs(tmp_path, how, lazy):
+    path = tmp_path / "last.pt"
+    data = serialize(fake_state(1))
+    if how == "damaged pickle":
+        damaged_pickle(path)
+    elif how == "another zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes.txt", "not a checkpoint")
+    else:
+        path.write_bytes({"text": b"these are my notes\n" * 20, "empty": b"", "cut short": data[:len(data) // 2]}[how])
+    with pytest.raises(Exception) as torch_says:
+        torch.load(path, weights_only=True, mmap=lazy)
+    with pytest.raises(UserError, match="damaged or not a checkpoint") as caught:
+        load(str(path), lazy)
+    message = str(caught.value).replace(str(path), "PATH")
+    assert message.startswith("checkpoint PATH ") and "\n" not in message
+    # not `(101)`, `(EOFError)`, `(pop from empty list)` or torch's advice
+    assert first_line(torch_says.value).replace(str(path), "PATH")[:40] not in message
 
 
 def test_load_of_a_torch_file_without_checkpoint_keys_raises_user_error(tmp_path):
