@@ -291,12 +291,13 @@ class CheckpointFolder:
 
     def check_same_run(self, path: str, run: Optional[str]) -> bool:
         """Whether the run resumed from `path` (its `run_id`: `run`) goes on as itself here: False for a fork into a
-        folder without last.pt. Overwriting another run's checkpoints is refused (a copy of this run's own, or any
-        checkpoint of this folder, may); where either side cannot tell its run, a warning."""
-        if os.path.samefile(os.path.dirname(path) or ".", self.folder):
-            return True
+        folder without last.pt. Overwriting another run's checkpoints is refused, whether `path` lies elsewhere or was
+        copied into this folder (a checkpoint of this run's own may roll it back); where either side cannot tell its
+        run, a warning."""
         if not os.path.isfile(self.last_path):
-            return False
+            return os.path.samefile(os.path.dirname(path) or ".", self.folder)  # its own checkpoint continues it
+        if os.path.realpath(path) == os.path.realpath(self.last_path):
+            return True
         try:
             here = load(self.last_path, lazy=True).get("run_id")
         except UserError as error:  # damaged: a backup elsewhere is how such a run goes on

@@ -172,10 +172,26 @@ def test_the_same_runs_checkpoint_from_elsewhere_continues_it_in_its_folder(tmp_
     assert run_folder(tmp_path / "here", "this-run").check_same_run(str(tmp_path / "backup.pt"), "this-run")
 
 
-def test_a_checkpoint_of_the_folder_itself_may_roll_it_back_whatever_its_run(tmp_path):
+def test_a_checkpoint_of_the_folders_run_may_roll_it_back(tmp_path):
     manager = run_folder(tmp_path, "this-run")
-    assert manager.check_same_run(str(tmp_path / "epoch_0001.pt"), None)
-    assert manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "another-run")
+    assert manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "this-run")
+    (tmp_path / "copy.pt").write_bytes(serialize({**fake_state(0), "run_id": "this-run"}))
+    assert manager.check_same_run(str(tmp_path / "copy.pt"), "this-run")
+
+
+def test_another_runs_checkpoint_copied_into_the_folder_is_refused_as_one_from_elsewhere(tmp_path):
+    manager = run_folder(tmp_path, "this-run")
+    (tmp_path / "other.pt").write_bytes(serialize({**fake_state(5), "run_id": "another-run"}))
+    with pytest.raises(UserError, match="--checkpoints-path") as caught:
+        manager.check_same_run(str(tmp_path / "other.pt"), "another-run")
+    assert str(tmp_path / "other.pt") in str(caught.value)
+    assert load(str(tmp_path / "last.pt"))["run_id"] == "this-run"
+
+
+def test_a_checkpoint_of_a_folder_without_last_continues_its_run_there(tmp_path):
+    run_folder(tmp_path, "this-run")
+    os.remove(tmp_path / "last.pt")  # removed by hand: resume_path names the newest epoch_NNNN.pt to continue from
+    assert CheckpointFolder(str(tmp_path), 3).check_same_run(str(tmp_path / "epoch_0001.pt"), "this-run")
 
 
 def test_any_checkpoint_may_continue_in_a_folder_without_last_as_a_fork(tmp_path):
