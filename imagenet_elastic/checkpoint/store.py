@@ -17,6 +17,7 @@ import socket
 import tempfile
 import time
 import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, BinaryIO, Callable, Optional
@@ -112,14 +113,21 @@ def resume_file(resume: str) -> str:
     return os.path.join(resume, LAST_FILE) if os.path.isdir(resume) else resume
 
 
-def check_writable(folder: str) -> None:
-    """Fail at start, not after the first epoch, when checkpoints cannot be written."""
+def check_writable(folder: str, names: Sequence[str] = ()) -> None:
+    """Fail at start, not after the first epoch, when checkpoints cannot be written: the folder takes no new file, or
+    a folder stands where a save renames a file (last.pt, best.pt, epoch_NNNN.pt and `names`, the files that follow
+    a checkpoint)."""
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(prefix=TEMP_PREFIX, dir=folder):
             pass
+        epochs = [name for name in os.listdir(folder) if EPOCH_PATTERN.match(name)]
     except OSError as error:
         raise UserError(f"checkpoints path {folder} is not writable: {error.strerror or error}") from None
+    for path in (os.path.join(folder, name) for name in (LAST_FILE, BEST, *names, *epochs)):
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise UserError(f"checkpoints path {folder}: {path} is a folder, where the run writes a file: remove or "
+                            "rename it")
 
 
 _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this process holds

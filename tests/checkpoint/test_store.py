@@ -14,7 +14,7 @@ import torch
 from conftest import assert_names
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, load
+from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, check_writable, load
 from imagenet_elastic.errors import UserError, first_line
 
 
@@ -133,6 +133,21 @@ def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
     with pytest.raises(UserError) as caught:
         CheckpointLock(str(tmp_path)).acquire(0, print)
     assert str(tmp_path / ".lock") in str(caught.value)
+
+
+@pytest.mark.parametrize("name", ["last.pt", "best.pt", "epoch_0002.pt", "config.yaml"])
+def test_a_folder_where_a_save_renames_a_file_is_named(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(UserError) as caught:
+        check_writable(str(tmp_path), ["config.yaml"])
+    assert str(tmp_path / name) in str(caught.value)
+
+
+def test_links_to_folders_and_other_names_pass(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "config.yaml")  # a save's rename replaces the link
+    (tmp_path / "tensorboard").mkdir()
+    check_writable(str(tmp_path), ["config.yaml"])
 
 
 def run_folder(folder, run_id) -> CheckpointFolder:

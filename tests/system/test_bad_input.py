@@ -173,6 +173,14 @@ def test_unwritable_checkpoints_path_is_named(tmp_path, image_folder):
                       f"checkpoints path {blocker / 'ckpt'} is not writable", tmp_path)
 
 
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "best.pt"])
+def test_a_folder_where_a_save_writes_a_file_is_named_before_training(tmp_path, image_folder, name):
+    """Found at start (exit 2), not by the first epoch's save (exit 74 after an epoch's work)."""
+    (tmp_path / "ckpt" / name).mkdir(parents=True)
+    expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ckpt")],
+                      str(tmp_path / "ckpt" / name), tmp_path)
+
+
 def test_evaluate_without_checkpoint_is_explained(tmp_path, image_folder):
     expect_user_error([str(image_folder), *SMALL_RUN, "--evaluate", "--checkpoints-path", str(tmp_path / "c")],
                       "--evaluate needs a checkpoint", tmp_path)
