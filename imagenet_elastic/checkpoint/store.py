@@ -89,6 +89,14 @@ def damage(path: str) -> Optional[str]:
     return None
 
 
+def unreadable(path: str) -> Optional[str]:
+    """Why `path` cannot serve as a checkpoint (missing, unreadable or `damage`), without loading it; None if it may."""
+    try:
+        return damage(path) if os.path.isfile(path) else "it does not exist"
+    except OSError as error:
+        return error.strerror or str(error)
+
+
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
     """Load a checkpoint on CPU; every failure is one line naming the file. `lazy`: map it, reading a tensor's bytes
     only if used (share.py: ranks other than 0 use none)."""
@@ -288,6 +296,19 @@ class CheckpointFolder:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(temp)
             raise
+
+    def check_best(self) -> None:
+        """At resume: a damaged best.pt is said, by its zip directory (not loaded: it may be large); the run's next
+        best epoch replaces it."""
+        path = os.path.join(self.folder, BEST)
+        why = unreadable(path) if os.path.lexists(path) else None
+        if why:
+            self.warn(f"{path} is damaged or not a checkpoint: {why}; the next epoch that beats the run's best val "
+                      "top-1 writes it anew")
+
+    def readable(self, names: Sequence[str]) -> Optional[str]:
+        """The first of the folder's files `names` that its zip directory shows a checkpoint (none is loaded)."""
+        return next((path for path in (os.path.join(self.folder, n) for n in names) if not unreadable(path)), None)
 
     def epoch_files(self) -> list[str]:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""

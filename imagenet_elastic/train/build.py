@@ -157,6 +157,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         check_resumable(snapshot, resume_from)
         # rank 0's folder, as its lock is; a fork (a checkpoint from elsewhere into a new folder) is a run of its own
         forked = env.is_main and not checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
+        if env.is_main and not forked:
+            checkpoints.check_best()
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
     initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None else None

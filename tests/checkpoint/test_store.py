@@ -150,6 +150,20 @@ def test_links_to_folders_and_other_names_pass(tmp_path):
     check_writable(str(tmp_path), ["config.yaml"])
 
 
+def test_a_damaged_best_is_said_by_its_zip_directory_and_a_sound_one_is_not(tmp_path):
+    warnings: list[str] = []
+    manager = CheckpointFolder(str(tmp_path), 3, warnings.append)
+    manager.save(fake_state(1), 1, is_best=True)
+    manager.check_best()
+    assert warnings == [] and manager.readable(["best.pt"]) == str(tmp_path / "best.pt")
+    data = (tmp_path / "best.pt").read_bytes()
+    (tmp_path / "best.pt").unlink()
+    (tmp_path / "best.pt").write_bytes(data[:-100])  # the end cut off: no zip directory
+    manager.check_best()
+    assert len(warnings) == 1 and warnings[0].startswith(str(tmp_path / "best.pt"))
+    assert manager.readable(["best.pt", "epoch_0001.pt"]) == str(tmp_path / "epoch_0001.pt")
+
+
 def run_folder(folder, run_id) -> CheckpointFolder:
     os.makedirs(folder, exist_ok=True)
     manager = CheckpointFolder(str(folder), 3)
