@@ -115,6 +115,17 @@ def test_truncated_last_checkpoint_is_reported_not_overwritten(tmp_path, image_f
                       f"checkpoint {last} is damaged", ckpt)
 
 
+def test_progress_past_the_epochs_end_is_refused_as_a_damaged_checkpoint(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    state["epoch_progress"]["samples"] = 10 ** 6  # hand-edited: the epoch holds 3 steps of 8
+    (ckpt / "last.pt").unlink()
+    torch.save(state, ckpt / "last.pt")
+    expect_user_error([str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3",
+                       "--checkpoints-path", str(ckpt), "--resume"],
+                      (ckpt / "last.pt", "'epoch_progress'", 10 ** 6), ckpt)
+
+
 def test_missing_resume_path_is_named(tmp_path, image_folder):
     expect_user_error([str(image_folder), "--checkpoints-path", str(tmp_path / "c"),
                        "--resume", str(tmp_path / "gone.pt")], f"--resume {tmp_path / 'gone.pt'}", tmp_path)
