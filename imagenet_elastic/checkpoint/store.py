@@ -16,6 +16,8 @@ import shutil
 import socket
 import tempfile
 import time
+import zipfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any, BinaryIO, Callable, Optional
@@ -24,7 +26,7 @@ import torch
 
 from imagenet_elastic.atomic_files import TEMP_PREFIX, commit, storage_error, write_temp
 from imagenet_elastic.config import LAST_FILE, RESUME_AUTO, no_checkpoint
-from imagenet_elastic.errors import UserError, first_line
+from imagenet_elastic.errors import UserError
 
 LOCK = ".lock"
 LOCK_LINE_MAX = 200  # `pid P on HOST run TOKEN`
@@ -73,15 +75,42 @@ def state_bytes(state: dict[str, Any]) -> int:
     return sum(sizes)
 
 
+def damage(path: str) -> Optional[str]:
+    """Why `path` cannot be a checkpoint, from its zip directory alone (torch.save writes a zip archive whose directory
+    ends the file: a file cut short has none), read in milliseconds whatever its size; None where it may be one."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            names = archive.namelist()
+    except zipfile.BadZipFile:
+        return "the file is empty" if os.path.getsize(path) == 0 else \
+            "not the zip archive torch.save writes (cut short, or another kind of file)"
+    if not any(name.endswith("/data.pkl") for name in names):
+        return "a zip archive torch.save did not write"
+    return None
+
+
+def unreadable(path: str) -> Optional[str]:
+    """Why `path` cannot serve as a checkpoint (missing, unreadable or `damage`), without loading it; None if it may."""
+    try:
+        return damage(path) if os.path.isfile(path) else "it does not exist"
+    except OSError as error:
+        return error.strerror or str(error)
+
+
 def load(path: str, lazy: bool = False) -> dict[str, Any]:
     """Load a checkpoint on CPU; every failure is one line naming the file. `lazy`: map it, reading a tensor's bytes
     only if used (share.py: ranks other than 0 use none)."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint {path} does not exist")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
-    except Exception as error:  # torch raises RuntimeError, pickle errors, EOFError, zipfile errors...
-        raise UserError(f"checkpoint {path} is damaged or not a checkpoint ({first_line(error)[:200]})") from None
+        why = damage(path)
+        state = None if why else torch.load(path, map_location="cpu", weights_only=True, mmap=lazy)
+    except OSError as error:
+        raise UserError(f"checkpoint {path} cannot be read: {error.strerror or error}") from None
+    except Exception:  # torch's reader, fed damaged bytes, fails any way they lead it (KeyError: 101, EOFError, ...)
+        why = "its content cannot be read back"
+    if why:
+        raise UserError(f"checkpoint {path} is damaged or not a checkpoint: {why}")
     if not isinstance(state, dict) or "model" not in state or "epoch" not in state:
         raise UserError(f"checkpoint {path} is not an imagenet_elastic checkpoint")
     return state
@@ -92,14 +121,21 @@ def resume_file(resume: str) -> str:
     return os.path.join(resume, LAST_FILE) if os.path.isdir(resume) else resume
 
 
-def check_writable(folder: str) -> None:
-    """Fail at start, not after the first epoch, when checkpoints cannot be written."""
+def check_writable(folder: str, names: Sequence[str] = ()) -> None:
+    """Fail at start, not after the first epoch, when checkpoints cannot be written: the folder takes no new file, or
+    a folder stands where a save renames a file (last.pt, best.pt, epoch_NNNN.pt and `names`, the files that follow
+    a checkpoint)."""
     try:
         os.makedirs(folder, exist_ok=True)
         with tempfile.TemporaryFile(prefix=TEMP_PREFIX, dir=folder):
             pass
+        epochs = [name for name in os.listdir(folder) if EPOCH_PATTERN.match(name)]
     except OSError as error:
         raise UserError(f"checkpoints path {folder} is not writable: {error.strerror or error}") from None
+    for path in (os.path.join(folder, name) for name in (LAST_FILE, BEST, *names, *epochs)):
+        if os.path.isdir(path) and not os.path.islink(path):
+            raise UserError(f"checkpoints path {folder}: {path} is a folder, where the run writes a file: remove or "
+                            "rename it")
 
 
 _HELD_LOCKS: set[int] = set()  # the descriptors of the CheckpointLocks this process holds
@@ -261,6 +297,19 @@ class CheckpointFolder:
                 os.unlink(temp)
             raise
 
+    def check_best(self) -> None:
+        """At resume: a damaged best.pt is said, by its zip directory (not loaded: it may be large); the run's next
+        best epoch replaces it."""
+        path = os.path.join(self.folder, BEST)
+        why = unreadable(path) if os.path.lexists(path) else None
+        if why:
+            self.warn(f"{path} is damaged or not a checkpoint: {why}; the next epoch that beats the run's best val "
+                      "top-1 writes it anew")
+
+    def readable(self, names: Sequence[str]) -> Optional[str]:
+        """The first of the folder's files `names` that its zip directory shows a checkpoint (none is loaded)."""
+        return next((path for path in (os.path.join(self.folder, n) for n in names) if not unreadable(path)), None)
+
     def epoch_files(self) -> list[str]:
         """Oldest first, by epoch number (a name sort would put epoch_10000 before epoch_9999)."""
         found = sorted((int(m.group(1)), n) for n in os.listdir(self.folder) if (m := EPOCH_PATTERN.match(n)))
@@ -271,12 +320,13 @@ class CheckpointFolder:
 
     def check_same_run(self, path: str, run: Optional[str]) -> bool:
         """Whether the run resumed from `path` (its `run_id`: `run`) goes on as itself here: False for a fork into a
-        folder without last.pt. Overwriting another run's checkpoints is refused (a copy of this run's own, or any
-        checkpoint of this folder, may); where either side cannot tell its run, a warning."""
-        if os.path.samefile(os.path.dirname(path) or ".", self.folder):
-            return True
+        folder without last.pt. Overwriting another run's checkpoints is refused, whether `path` lies elsewhere or was
+        copied into this folder (a checkpoint of this run's own may roll it back); where either side cannot tell its
+        run, a warning."""
         if not os.path.isfile(self.last_path):
-            return False
+            return os.path.samefile(os.path.dirname(path) or ".", self.folder)  # its own checkpoint continues it
+        if os.path.realpath(path) == os.path.realpath(self.last_path):
+            return True
         try:
             here = load(self.last_path, lazy=True).get("run_id")
         except UserError as error:  # damaged: a backup elsewhere is how such a run goes on

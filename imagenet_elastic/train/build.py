@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from imagenet_elastic.checkpoint import share, store
-from imagenet_elastic.config import Config
+from imagenet_elastic.config import Config, yaml_file
 from imagenet_elastic.data import pipeline, sources
 from imagenet_elastic.data.decoding import Decoding, Feed
 from imagenet_elastic.data.model_input import ModelInput
@@ -41,7 +41,7 @@ from imagenet_elastic.models.device import Precision, place_model, resolve_preci
 from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
 from imagenet_elastic.optim.optimizer import check_layer_decay, create_optimizer
 from imagenet_elastic.optim.schedule import LRSchedule, scaled_lr
-from imagenet_elastic.report import samplelog, sinks
+from imagenet_elastic.report import metrics, samplelog, sinks
 from imagenet_elastic.report.console import Console
 from imagenet_elastic.train import consistency, memory_probe, micro_batch, mixing
 from imagenet_elastic.train.distillation import LOGIT, Distillation, Teacher, has_distillation_head, loss_weights
@@ -139,7 +139,7 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
     if config.requeue_on_preempt and preemption.slurm_job_to_requeue(os.environ) is None:
         raise UserError("--requeue-on-preempt needs a Slurm job, but SLURM_JOB_ID is not set")
     checkpoints = store.CheckpointFolder(config.checkpoints_path, config.keep_checkpoints, console.warn)
-    store.check_writable(config.checkpoints_path)
+    store.check_writable(config.checkpoints_path, (yaml_file.FILE_NAME, metrics.FILENAME))  # written after a save
     if env.is_main:
         lock, wait = store.CheckpointLock(config.checkpoints_path), min(LOCK_WAIT_S, config.dist_timeout)
         lock.acquire(wait, lambda holder: console.warn(
@@ -157,6 +157,8 @@ def check_inputs(run: Run, stack: contextlib.ExitStack, splits: Optional[tuple[s
         check_resumable(snapshot, resume_from)
         # rank 0's folder, as its lock is; a fork (a checkpoint from elsewhere into a new folder) is a run of its own
         forked = env.is_main and not checkpoints.check_same_run(resume_from, snapshot.get("run_id"))
+        if env.is_main and not forked:
+            checkpoints.check_best()
         warn_differences(console, [teacher_weights.compare(snapshot.get("teacher"), teacher, resume_from)])
     data = check_data(run, train, val, snapshot)
     initial = InitialWeights.read(config.initial_checkpoint) if config.initial_checkpoint and snapshot is None else None

@@ -137,7 +137,8 @@ RESUMED: dict[str, Callable[[Any], bool]] = {
     "model_ema": _dict_or_none, "epoch": _count, "step": _count,
     "best_top1": lambda v: isinstance(v, (int, float)) and not isinstance(v, bool),
     "history": lambda v: isinstance(v, list) and all(isinstance(row, dict) for row in v),
-    "epoch_progress": lambda v: v is None or isinstance(v, dict) and v.keys() <= EpochTally.__dataclass_fields__.keys(),
+    "epoch_progress": lambda v: v is None or isinstance(v, dict) and v.keys() <= EpochTally.__dataclass_fields__.keys()
+    and _count(v.get("samples", 0)) and _count(v.get("steps", 0)),
     "rng": lambda v: isinstance(v, dict) and {"torch", "python", "numpy"} <= v.keys(),
     "world_size": lambda v: v is None or _count(v) and v > 0,
     "global_batch": lambda v: v is None or _count(v) and v > 0,
@@ -151,6 +152,22 @@ def check_resumable(snapshot: dict[str, Any], path: str) -> None:
         if not valid(snapshot.get(key)):
             found = repr(snapshot[key])[:60] if key in snapshot else "missing"
             raise UserError(f"checkpoint {path} cannot be resumed: its {key!r} is {found}")
+    samples, end = (snapshot.get("epoch_progress") or {}).get("samples", 0), saved_epoch_samples(snapshot)
+    if end is not None and samples > end:
+        raise UserError(f"checkpoint {path} is damaged: its 'epoch_progress' is {samples} samples into an epoch of "
+                        f"{end} samples")
+
+
+def saved_epoch_samples(snapshot: dict[str, Any]) -> Optional[int]:
+    """The samples an epoch of the checkpoint's run held (its data's count, its global batch, its
+    --max-steps-per-epoch), past which no checkpoint of it is, whatever this run's are (a larger global batch may
+    end the epoch sooner); None where the checkpoint does not keep them."""
+    train = (snapshot.get("data") or {}).get("train") or {}
+    count, batch = train.get("count"), snapshot.get("global_batch")
+    if not (_count(count) and batch):
+        return None
+    steps = count // batch
+    return min(steps, saved_setting(snapshot.get("config", {}), "max_steps_per_epoch") or steps) * batch
 
 
 def apply_checkpoint(state: TrainState, snapshot: dict[str, Any], path: str) -> None:

@@ -295,14 +295,23 @@ class Trainer:
         distributed.rank_0_does(lambda: self.checkpointer.remove_stale_temp_files(self.console.warn))
 
     def say_where_the_best_is(self) -> None:
-        found = best_epoch(self.state.history)
+        """Rank 0: the best epoch, and the file to export it from: best.pt, else its epoch_NNNN.pt where best.pt is
+        damaged (by their zip directories: neither is loaded)."""
+        found = best_epoch(self.state.history) if self.env.is_main else None
         if found is None:
             return
         row, ema = found
-        best = os.path.join(self.config.checkpoints_path, BEST)
-        self.console.info(f"best val top-1 {row['val_top1_ema' if ema else 'val_top1']:.2f}% "
-                          f"({'EMA' if ema else 'raw'} weights) after epoch {row['epoch']}: {best}; weights and "
-                          f"preprocessing for timm: imagenet-elastic export {best} OUT_DIR{' --ema' if ema else ''}")
+        files = self.checkpointer.files
+        names = [BEST, f"epoch_{row['epoch']:04d}.pt"]
+        best = files.readable(names)
+        said = f"best val top-1 {row['val_top1_ema' if ema else 'val_top1']:.2f}% ({'EMA' if ema else 'raw'} " \
+               f"weights) after epoch {row['epoch']}"
+        if best is None:
+            self.console.warn(f"{said}: no readable checkpoint holds it ({' and '.join(names)} in {files.folder} are "
+                              "damaged or gone)")
+            return
+        self.console.info(f"{said}: {best}; weights and preprocessing for timm: imagenet-elastic export {best} "
+                          f"OUT_DIR{' --ema' if ema else ''}")
 
     def close(self) -> None:
         """The write in flight ends, then DDP, loaders and tensors go, before the process group does

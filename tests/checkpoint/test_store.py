@@ -7,14 +7,15 @@ import os
 import signal
 import subprocess
 import sys
+import zipfile
 
 import pytest
 import torch
 from conftest import assert_names
 
 from imagenet_elastic.atomic_files import atomic_write_bytes
-from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, load
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.checkpoint.store import CheckpointFolder, CheckpointLock, check_writable, load
+from imagenet_elastic.errors import UserError, first_line
 
 
 def fake_state(epoch: int) -> dict:
@@ -134,6 +135,35 @@ def test_a_lock_file_that_cannot_be_opened_is_named(tmp_path):
     assert str(tmp_path / ".lock") in str(caught.value)
 
 
+@pytest.mark.parametrize("name", ["last.pt", "best.pt", "epoch_0002.pt", "config.yaml"])
+def test_a_folder_where_a_save_renames_a_file_is_named(tmp_path, name):
+    (tmp_path / name).mkdir()
+    with pytest.raises(UserError) as caught:
+        check_writable(str(tmp_path), ["config.yaml"])
+    assert str(tmp_path / name) in str(caught.value)
+
+
+def test_links_to_folders_and_other_names_pass(tmp_path):
+    (tmp_path / "elsewhere").mkdir()
+    os.symlink(tmp_path / "elsewhere", tmp_path / "config.yaml")  # a save's rename replaces the link
+    (tmp_path / "tensorboard").mkdir()
+    check_writable(str(tmp_path), ["config.yaml"])
+
+
+def test_a_damaged_best_is_said_by_its_zip_directory_and_a_sound_one_is_not(tmp_path):
+    warnings: list[str] = []
+    manager = CheckpointFolder(str(tmp_path), 3, warnings.append)
+    manager.save(fake_state(1), 1, is_best=True)
+    manager.check_best()
+    assert warnings == [] and manager.readable(["best.pt"]) == str(tmp_path / "best.pt")
+    data = (tmp_path / "best.pt").read_bytes()
+    (tmp_path / "best.pt").unlink()
+    (tmp_path / "best.pt").write_bytes(data[:-100])  # the end cut off: no zip directory
+    manager.check_best()
+    assert len(warnings) == 1 and warnings[0].startswith(str(tmp_path / "best.pt"))
+    assert manager.readable(["best.pt", "epoch_0001.pt"]) == str(tmp_path / "epoch_0001.pt")
+
+
 def run_folder(folder, run_id) -> CheckpointFolder:
     os.makedirs(folder, exist_ok=True)
     manager = CheckpointFolder(str(folder), 3)
@@ -171,10 +201,26 @@ def test_the_same_runs_checkpoint_from_elsewhere_continues_it_in_its_folder(tmp_
     assert run_folder(tmp_path / "here", "this-run").check_same_run(str(tmp_path / "backup.pt"), "this-run")
 
 
-def test_a_checkpoint_of_the_folder_itself_may_roll_it_back_whatever_its_run(tmp_path):
+def test_a_checkpoint_of_the_folders_run_may_roll_it_back(tmp_path):
     manager = run_folder(tmp_path, "this-run")
-    assert manager.check_same_run(str(tmp_path / "epoch_0001.pt"), None)
-    assert manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "another-run")
+    assert manager.check_same_run(str(tmp_path / "." / "epoch_0001.pt"), "this-run")
+    (tmp_path / "copy.pt").write_bytes(serialize({**fake_state(0), "run_id": "this-run"}))
+    assert manager.check_same_run(str(tmp_path / "copy.pt"), "this-run")
+
+
+def test_another_runs_checkpoint_copied_into_the_folder_is_refused_as_one_from_elsewhere(tmp_path):
+    manager = run_folder(tmp_path, "this-run")
+    (tmp_path / "other.pt").write_bytes(serialize({**fake_state(5), "run_id": "another-run"}))
+    with pytest.raises(UserError, match="--checkpoints-path") as caught:
+        manager.check_same_run(str(tmp_path / "other.pt"), "another-run")
+    assert str(tmp_path / "other.pt") in str(caught.value)
+    assert load(str(tmp_path / "last.pt"))["run_id"] == "this-run"
+
+
+def test_a_checkpoint_of_a_folder_without_last_continues_its_run_there(tmp_path):
+    run_folder(tmp_path, "this-run")
+    os.remove(tmp_path / "last.pt")  # removed by hand: resume_path names the newest epoch_NNNN.pt to continue from
+    assert CheckpointFolder(str(tmp_path), 3).check_same_run(str(tmp_path / "epoch_0001.pt"), "this-run")
 
 
 def test_any_checkpoint_may_continue_in_a_folder_without_last_as_a_fork(tmp_path):
@@ -229,6 +275,35 @@ def test_load_of_a_non_checkpoint_file_raises_user_error_naming_the_path(tmp_pat
     with pytest.raises(UserError) as caught:
         load(str(path))
     assert str(path) in str(caught.value)
+
+
+def damaged_pickle(path) -> None:
+    """A zip archive as torch.save writes one, whose pickle asks for memo 101: torch raises `KeyError: 101`."""
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("archive/data.pkl", b"\x80\x02h\x65.")
+        archive.writestr("archive/version", b"3\n")
+
+
+@pytest.mark.parametrize("how", ["text", "empty", "cut short", "another zip", "damaged pickle"])
+@pytest.mark.parametrize("lazy", [False, True])
+def test_load_of_a_damaged_file_names_it_in_its_own_words_not_torchs(tmp_path, how, lazy):
+    path = tmp_path / "last.pt"
+    data = serialize(fake_state(1))
+    if how == "damaged pickle":
+        damaged_pickle(path)
+    elif how == "another zip":
+        with zipfile.ZipFile(path, "w") as archive:
+            archive.writestr("notes.txt", "not a checkpoint")
+    else:
+        path.write_bytes({"text": b"these are my notes\n" * 20, "empty": b"", "cut short": data[:len(data) // 2]}[how])
+    with pytest.raises(Exception) as torch_says:
+        torch.load(path, weights_only=True, mmap=lazy)
+    with pytest.raises(UserError, match="damaged or not a checkpoint") as caught:
+        load(str(path), lazy)
+    message = str(caught.value).replace(str(path), "PATH")
+    assert message.startswith("checkpoint PATH ") and "\n" not in message
+    # not `(101)`, `(EOFError)`, `(pop from empty list)` or torch's advice
+    assert first_line(torch_says.value).replace(str(path), "PATH")[:40] not in message
 
 
 def test_load_of_a_torch_file_without_checkpoint_keys_raises_user_error(tmp_path):

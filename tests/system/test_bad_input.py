@@ -115,6 +115,17 @@ def test_truncated_last_checkpoint_is_reported_not_overwritten(tmp_path, image_f
                       f"checkpoint {last} is damaged", ckpt)
 
 
+def test_progress_past_the_epochs_end_is_refused_as_a_damaged_checkpoint(tmp_path, image_folder, one_epoch_run):
+    ckpt = copy_run(one_epoch_run, tmp_path)
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    state["epoch_progress"]["samples"] = 10 ** 6  # hand-edited: the epoch holds 3 steps of 8
+    (ckpt / "last.pt").unlink()
+    torch.save(state, ckpt / "last.pt")
+    expect_user_error([str(image_folder), *SMALL_RUN, "--epochs", "2", "--max-steps-per-epoch", "3",
+                       "--checkpoints-path", str(ckpt), "--resume"],
+                      (ckpt / "last.pt", "'epoch_progress'", 10 ** 6), ckpt)
+
+
 def test_missing_resume_path_is_named(tmp_path, image_folder):
     expect_user_error([str(image_folder), "--checkpoints-path", str(tmp_path / "c"),
                        "--resume", str(tmp_path / "gone.pt")], f"--resume {tmp_path / 'gone.pt'}", tmp_path)
@@ -171,6 +182,14 @@ def test_unwritable_checkpoints_path_is_named(tmp_path, image_folder):
     blocker.write_text("not a folder")
     expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(blocker / "ckpt")],
                       f"checkpoints path {blocker / 'ckpt'} is not writable", tmp_path)
+
+
+@pytest.mark.parametrize("name", ["config.yaml", "metrics.jsonl", "best.pt"])
+def test_a_folder_where_a_save_writes_a_file_is_named_before_training(tmp_path, image_folder, name):
+    """Found at start (exit 2), not by the first epoch's save (exit 74 after an epoch's work)."""
+    (tmp_path / "ckpt" / name).mkdir(parents=True)
+    expect_user_error([str(image_folder), *SMALL_RUN, "--checkpoints-path", str(tmp_path / "ckpt")],
+                      str(tmp_path / "ckpt" / name), tmp_path)
 
 
 def test_evaluate_without_checkpoint_is_explained(tmp_path, image_folder):

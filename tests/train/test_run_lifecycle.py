@@ -4,11 +4,13 @@ them), `--resume` continuing it without repeating a metrics row, and the run wit
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 
 import inprocess
 import torch
-from conftest import SMALL_RUN, TRAIN_IMAGES, VAL_IMAGES, load_checkpoint
+from conftest import SMALL_RUN, TRAIN_IMAGES, VAL_IMAGES, assert_names, load_checkpoint
 
 from imagenet_elastic.models.device import native_low_precision
 from imagenet_elastic.report.metrics import read as read_metrics
@@ -120,3 +122,36 @@ def test_a_checkpoint_without_its_settings_resumes_and_is_evaluated(image_folder
     for extra in (["--epochs", "2", "--resume"], ["--evaluate", "--resume", str(tmp_path / "last.pt")]):
         finished = inprocess.command([*args, *extra])
         assert finished.returncode == 0 and "Traceback" not in finished.stderr, finished.stderr
+
+
+def resume_under_a_damaged_best(image_folder, one_epoch_run, tmp_path, also_remove=()):
+    """Resume the one-epoch run for a second epoch that cannot beat the first (its top-1 edited to 100%), with best.pt
+    replaced by text and `also_remove` removed."""
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(one_epoch_run, ckpt)
+    state = load_checkpoint(ckpt / "last.pt")
+    state["best_top1"] = state["history"][0]["val_top1"] = 100.0
+    torch.save(state, tmp_path / "edited.pt")
+    os.replace(tmp_path / "edited.pt", ckpt / "last.pt")  # not into the file best.pt and epoch_0001.pt share
+    (ckpt / "best.pt").unlink()
+    (ckpt / "best.pt").write_text("not a checkpoint")
+    for name in also_remove:
+        (ckpt / name).unlink()
+    args = [str(image_folder), *SMALL_RUN, "--workers", "0", "--max-steps-per-epoch", "3", "--epochs", "2"]
+    resumed = inprocess.command([*args, "--checkpoints-path", str(ckpt), "--resume"])
+    assert resumed.returncode == 0, resumed.stderr
+    assert any(line.startswith(f"warning: {ckpt / 'best.pt'} ") for line in resumed.stderr.splitlines())
+    return ckpt, resumed
+
+
+def test_a_damaged_best_is_said_at_resume_and_the_end_names_its_epochs_checkpoint_instead(image_folder,
+                                                                                          one_epoch_run, tmp_path):
+    ckpt, resumed = resume_under_a_damaged_best(image_folder, one_epoch_run, tmp_path)
+    assert f"export {ckpt / 'epoch_0001.pt'} OUT_DIR" in resumed.stdout
+    assert str(ckpt / "best.pt") not in resumed.stdout
+
+
+def test_a_best_no_readable_checkpoint_holds_is_never_recommended_for_export(image_folder, one_epoch_run, tmp_path):
+    ckpt, resumed = resume_under_a_damaged_best(image_folder, one_epoch_run, tmp_path, also_remove=["epoch_0001.pt"])
+    assert "export" not in resumed.stdout
+    assert_names(resumed.stderr.splitlines()[-1], "best.pt", "epoch_0001.pt", ckpt)

@@ -11,6 +11,7 @@ import torch
 from conftest import assert_names
 from makers import CLASSES, make_state
 
+from imagenet_elastic.checkpoint.store import load
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.models.create import create_ema
@@ -213,6 +214,39 @@ def test_a_checkpoint_missing_what_a_resume_reads_is_refused_naming_the_key():
     del snapshot["rng"]
     with pytest.raises(UserError, match="'rng' is missing"):
         check_resumable(snapshot, "/ck/last.pt")
+
+
+def mid_epoch(folder, samples: int, max_steps=None) -> dict:
+    """A checkpoint of a run on 100 images in global batches of 16 (6 steps an epoch, 96 samples), `samples` into
+    an epoch, as every rank has it at the check: its file mapped (rank 0 reads it whole)."""
+    snapshot = saved_state()
+    snapshot["epoch_progress"]["samples"] = samples
+    snapshot["config"]["max_steps_per_epoch"] = max_steps
+    snapshot["data"] = {"train": {"count": 100, "block": 100, "blocks": bytes(8)}}
+    torch.save(snapshot, folder / "last.pt")
+    return load(str(folder / "last.pt"), lazy=True)
+
+
+@pytest.mark.parametrize(("samples", "max_steps"), [(97, None), (10 ** 6, None), (33, 2)])
+def test_progress_past_the_end_of_the_checkpoints_epoch_is_refused_as_damaged_naming_the_key(tmp_path, samples,
+                                                                                              max_steps):
+    with pytest.raises(UserError, match="damaged") as caught:
+        check_resumable(mid_epoch(tmp_path, samples, max_steps), "/ck/last.pt")
+    assert_names(str(caught.value), "/ck/last.pt", "'epoch_progress'", samples)
+
+
+@pytest.mark.parametrize(("samples", "max_steps"), [(0, None), (48, None), (96, None), (32, 2)])
+def test_progress_within_the_checkpoints_epoch_resumes_whatever_this_runs_epoch_is(tmp_path, samples, max_steps):
+    """Up to its end, which a checkpoint after an epoch's last step and before its validation is at; a resume at a
+    larger global batch or smaller --max-steps-per-epoch may find it past its own epoch's end: that epoch ends."""
+    check_resumable(mid_epoch(tmp_path, samples, max_steps), "/ck/last.pt")
+
+
+@pytest.mark.parametrize("progress", [{"samples": -16}, {"samples": "16"}, {"steps": -1}])
+def test_progress_that_is_not_a_count_is_refused_naming_the_key(progress):
+    with pytest.raises(UserError) as caught:
+        check_resumable({**saved_state(), "epoch_progress": progress}, "/ck/last.pt")
+    assert_names(str(caught.value), "/ck/last.pt", "'epoch_progress'")
 
 
 def test_an_epoch_progress_of_none_which_check_resumable_lets_pass_resumes_at_the_epoch_start():
