@@ -42,9 +42,9 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     """Every setting of a run. Each folder declares its own settings beside what they choose from; they are
     gathered here, the last base's first (DATA leads). Those whose folders import config/ are declared here."""
 
-    model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained; with "
-                        "--pretrained also a pretrained tag (`resnet50.a1_in1k`) or `hf-hub:ORG/NAME` or "
-                        "`local-dir:FOLDER`", "model", "NAME")
+    model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained (a pretrained "
+                        "tag too, with a warning); with --pretrained also a pretrained tag (`resnet50.a1_in1k`) or "
+                        "`hf-hub:ORG/NAME` or `local-dir:FOLDER`", "model", "NAME")
     pretrained: bool = option(
         False, "start a fresh run from the weights timm publishes for --model (its tag, else timm's default one), "
         "read through the Hugging Face hub cache (HF_HOME; HF_HUB_OFFLINE=1: the cache alone); a classifier of "

@@ -90,6 +90,16 @@ def test_a_resumed_run_continues_bitwise_from_its_checkpoint_without_the_publish
                         load_checkpoint(tmp_path / "straight" / "last.pt")["model"])
 
 
+def test_a_pretrained_tag_without_pretrained_warns_once_that_a_fresh_run_starts_from_random_weights(tmp_path, capsys):
+    argv = [*RUN, "--model", "test_resnet.r160_in1k", "--checkpoints-path", str(tmp_path / "ckpt")]
+    assert built_weights(argv)[1] == "random (seed)"  # as before: only the warning is new
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert_names(line, "test_resnet.r160_in1k", "--pretrained", "random")
+    train([*argv, "--resume", "--epochs", "2"], splits=in_memory())  # its own checkpoint's weights: nothing to say
+    train([*RUN, "--model", "test_resnet", "--checkpoints-path", str(tmp_path / "untagged")], splits=in_memory())
+    assert "--pretrained" not in capsys.readouterr().err
+
+
 def one_line_error(argv: list[str]) -> str:
     finished = command(argv)
     assert finished.returncode == 2, finished.stdout + finished.stderr
