@@ -155,7 +155,34 @@ def folder_config(folder: str, flag: str) -> dict[str, Any]:
         raise UserError(f"{flag} {folder}: {path} is not a JSON object")
     if not isinstance(config.get("architecture"), str):  # a transformers folder has `architectures`
         raise UserError(f"{flag} {folder}: {path} names no timm `architecture` (not a timm or exported model)")
+    check_class_count(folder, config, flag)
     return config
+
+
+def check_class_count(folder: str, config: dict[str, Any], flag: str) -> None:
+    """timm builds a folder's classifier for config.json's num_classes (model_args') and, where its weights' count
+    (num_classes) differs, drops the weights' classifier for a random one without a word: a config.json whose counts
+    are not those of model.safetensors' classifier (edited by hand) is refused instead."""
+    path, cfg = os.path.join(folder, "model.safetensors"), config.get("pretrained_cfg") or {}
+    head = cfg.get("classifier")
+    head = head[0] if isinstance(head, (list, tuple)) and head else head  # DeiT's two heads have one count
+    if not isinstance(head, str) or not os.path.isfile(path):
+        return
+    from safetensors import SafetensorError, safe_open  # timm's dependency
+
+    try:
+        with safe_open(path, "pt") as weights:
+            names = set(weights.keys())
+            # none: a feature extractor's (num_classes 0)
+            rows = weights.get_slice(f"{head}.weight").get_shape()[0] if f"{head}.weight" in names else 0
+    except (OSError, SafetensorError):
+        return  # a damaged file: named as timm reads it (published_model)
+    said = {"num_classes": config.get("num_classes", cfg.get("num_classes")),
+            "model_args.num_classes": (config.get("model_args") or {}).get("num_classes")}
+    for key, count in said.items():
+        if count is not None and count != rows:
+            raise UserError(f"{flag} {folder}: config.json's {key} is {count}, but the classifier in {path} has "
+                            f"{rows} outputs (config.json edited against its weights?)")
 
 
 def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:

@@ -5,6 +5,7 @@ bitwise, and --grad-checkpointing trains the same numbers as without it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -206,3 +207,23 @@ def test_a_folder_whose_config_json_names_no_timm_architecture_is_one_line_namin
     line = one_line_error([str(tmp_path / "data"), "--model", f"local-dir:{folder}", "--pretrained",
                            "--checkpoints-path", str(tmp_path / "ckpt")])
     assert_names(line, folder / "config.json", "architecture")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda config: config.update(num_classes=10),  # timm drops the weights' classifier, builds one of 4
+    lambda config: config["model_args"].update(num_classes=10),  # builds one of 10, drops the weights' 4
+])
+def test_an_export_whose_config_json_class_count_misfits_its_weights_is_refused_naming_both(tmp_path, edit):
+    """Not a re-initialised classifier scored as if trained (`evaluate`, --teacher, --pretrained local-dir:)."""
+    from imagenet_elastic.errors import UserError
+    from imagenet_elastic.models.weights import load_weights
+
+    folder = tmp_path / "export"
+    publish(folder, timm_model("test_resnet", 4, seed=11))
+    assert load_weights(str(folder), "MODEL").classes == 4
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as raised:
+        load_weights(str(folder), "MODEL")
+    assert_names(str(raised.value), folder, "10", folder / "model.safetensors", "4")
