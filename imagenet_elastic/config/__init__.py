@@ -51,9 +51,10 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         "another class count is re-initialised. A resumed run continues from its own checkpoint instead", "model",
         action=argparse.BooleanOptionalAction)
     initial_checkpoint: Optional[str] = option(
-        None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
-        "dict, or a .safetensors file; a classifier of another class count (or, in our checkpoint, of other class "
-        "names) is re-initialised. A resumed run continues from its own checkpoint instead", "model", "PATH")
+        None, "start a fresh run from these weights (fine-tuning): our checkpoint (a run's checkpoints folder: its "
+        "best.pt), an export folder, a timm or torchvision state dict, or a .safetensors file; a classifier of "
+        "another class count (or, in our checkpoint or export, of other class names) is re-initialised. A resumed "
+        "run continues from its own checkpoint instead", "model", "PATH")
     image_size: int = option(
         224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
         type=options.image_side, exact=True)

@@ -89,7 +89,7 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
     if kind == EXPORT or spec.startswith("local-dir:"):
         config = folder_config(spec.removeprefix("local-dir:"), flag)
-        if isinstance(config.get("imagenet_elastic"), dict) and config["imagenet_elastic"].get("blurpool"):
+        if exported_blurpool(config):
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
         return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
                        exported_class_names(config), None, None)
@@ -195,6 +195,11 @@ def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
     return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else None
 
 
+def exported_blurpool(config: dict[str, Any]) -> bool:
+    """Whether config.json says its weights were trained with --blurpool (an export of ours; timm builds no blur)."""
+    return isinstance(config.get("imagenet_elastic"), dict) and bool(config["imagenet_elastic"].get("blurpool"))
+
+
 def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
     """timm's `model_name` with its published weights on the CPU, or a UserError naming `flag`, the model, the cache."""
     import timm
@@ -266,6 +271,20 @@ class InitialWeights(NamedTuple):
 
     @classmethod
     def read(cls, path: str) -> InitialWeights:
+        """The tensors of a file, or of the folders --teacher takes: a run's checkpoints folder (its best.pt) or an
+        export folder (its weights, and its classes and blur from config.json); what holds none is a UserError."""
+        if not os.path.isdir(path):
+            return cls.read_file(path)
+        kind, target = resolve(path, "--initial-checkpoint")
+        if kind == CHECKPOINT:
+            return cls.read_file(target)
+        config = folder_config(target, "--initial-checkpoint")
+        files = [os.path.join(target, name) for name in ("model.safetensors", "pytorch_model.bin")]  # timm's
+        weights = cls.read_file(next((file for file in files if os.path.isfile(file)), files[0]))
+        return cls(weights.tensors, exported_blurpool(config), exported_class_names(config))
+
+    @classmethod
+    def read_file(cls, path: str) -> InitialWeights:
         """The file's tensors; a file that holds none is a UserError naming it."""
         try:
             if path.endswith(".safetensors"):
