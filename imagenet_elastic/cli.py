@@ -77,17 +77,15 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
     a checked Config. `--resume FOLDER` makes FOLDER the checkpoints path too, unless one is given."""
     argv, left = resume_takes_a_path(argv)
     parser = build_parser()
-    first = argparse.ArgumentParser(add_help=False)  # the file's values become the parser's defaults
-    first.add_argument("--config")
-    found, _ = first.parse_known_args(argv)
-    from_file = read_settings(found.config, build_parser()) if found.config else {}
+    path = config_file(argv)
+    from_file = read_settings(path, build_parser()) if path else {}  # the file's values become the parser's defaults
     parser.set_defaults(**from_file)
     args, extra = parser.parse_known_args(argv)
     read_as = None  # what the word a bare --resume left was read as, where it was surely meant as the checkpoint
     if extra and left is not None and left in (args.data, *extra):  # `--resume WORD DATA`
         read_as = "a second DATA beside " + " ".join(word for word in (args.data, *extra) if word != left)
     elif left is not None and args.data == left and from_file.get("data") not in (None, left):  # DATA from the file
-        read_as = (f"DATA, over {found.config}'s data {from_file['data']} (a DATA meant to replace it goes before "
+        read_as = (f"DATA, over {path}'s data {from_file['data']} (a DATA meant to replace it goes before "
                    "--resume)")
     if read_as is not None:
         raise UserError(f"--resume {left}: {no_checkpoint(left)}, so it was read as {read_as}; --resume takes a "
@@ -112,8 +110,22 @@ def parse(argv: Sequence[str]) -> tuple[Config, argparse.Namespace]:
         if config.evaluate:
             config = settings_from_checkpoint(config, [name for name in FROM_CHECKPOINT if name not in given])
     except UserError as error:
-        raise named_by_file(error, found.config, args.file_only) from None
+        raise named_by_file(error, path, args.file_only) from None
     return config, args
+
+
+def config_file(argv: Sequence[str]) -> Optional[str]:
+    """The --config file `argv` names, if any. Files are not merged: a second --config is refused, not the last
+    taken silently, and so is an empty one (a script's unset variable), not read as none."""
+    first = Parser(prog=PROG, add_help=False)
+    first.add_argument("--config", action="append", default=[])
+    paths = first.parse_known_args(argv)[0].config
+    if len(paths) > 1:
+        raise UserError(f"--config given twice ({paths[0]} and {paths[1]}): pass one settings file, and the "
+                        "settings that differ from it as options")
+    if paths == [""]:
+        raise UserError("--config is empty: give it a path, or leave it out")
+    return paths[0] if paths else None
 
 
 def check_resume(config: Config) -> None:

@@ -42,18 +42,19 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
     """Every setting of a run. Each folder declares its own settings beside what they choose from; they are
     gathered here, the last base's first (DATA leads). Those whose folders import config/ are declared here."""
 
-    model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained; with "
-                        "--pretrained also a pretrained tag (`resnet50.a1_in1k`) or `hf-hub:ORG/NAME` or "
-                        "`local-dir:FOLDER`", "model", "NAME")
+    model: str = option("resnet50", "any timm model name, randomly initialised unless --pretrained (a pretrained "
+                        "tag too, with a warning); with --pretrained also a pretrained tag (`resnet50.a1_in1k`) or "
+                        "`hf-hub:ORG/NAME` or `local-dir:FOLDER`", "model", "NAME")
     pretrained: bool = option(
         False, "start a fresh run from the weights timm publishes for --model (its tag, else timm's default one), "
         "read through the Hugging Face hub cache (HF_HOME; HF_HUB_OFFLINE=1: the cache alone); a classifier of "
         "another class count is re-initialised. A resumed run continues from its own checkpoint instead", "model",
         action=argparse.BooleanOptionalAction)
     initial_checkpoint: Optional[str] = option(
-        None, "start a fresh run from these weights (fine-tuning): our checkpoint, a timm or torchvision state "
-        "dict, or a .safetensors file; a classifier of another class count (or, in our checkpoint, of other class "
-        "names) is re-initialised. A resumed run continues from its own checkpoint instead", "model", "PATH")
+        None, "start a fresh run from these weights (fine-tuning): our checkpoint (a run's checkpoints folder: its "
+        "best.pt), an export folder, a timm or torchvision state dict, or a .safetensors file; a classifier of "
+        "another class count (or, in our checkpoint or export, of other class names) is re-initialised. A resumed "
+        "run continues from its own checkpoint instead", "model", "PATH")
     image_size: int = option(
         224, "train crop size (unless --progressive-resize) and val crop size (unless --val-crop-size)", "model", "N",
         type=options.image_side, exact=True)

@@ -40,6 +40,15 @@ def check_model_name(name: str, named: Optional[str] = None) -> None:
         raise UserError(f"{named or f'--model {name!r}'}: timm knows no tag {tag!r} of {arch}{hint}")
 
 
+def untrained_tag(name: str) -> Optional[str]:
+    """The warning for a fresh run without --pretrained whose --model names published weights by their tag
+    (`resnet18.a1_in1k`): timm builds the architecture alone, so the tag reads as a choice of weights that is not
+    made. None for a name without a tag."""
+    tag = name.partition(".")[2]
+    return (f"--model {name} names timm's published weights {tag!r}, but --pretrained is off: the model starts "
+            "from random weights (add --pretrained to start from them)") if tag else None
+
+
 def create_model(name: str, num_classes: int, drop_path: float = 0.0, blurpool: bool = False,
                  published: Optional[Any] = None, grad_checkpointing: bool = False, sizes: Sizes = ()) -> nn.Module:
     """A timm model with random weights, or `published` ones (--pretrained's Weights, already read), loaded by timm's

@@ -89,7 +89,7 @@ def load_weights(spec: str, flag: str, ema: bool = False, published: bool = True
     architecture = (getattr(model, "pretrained_cfg", None) or {}).get("architecture", spec)
     if kind == EXPORT or spec.startswith("local-dir:"):
         config = folder_config(spec.removeprefix("local-dir:"), flag)
-        if isinstance(config.get("imagenet_elastic"), dict) and config["imagenet_elastic"].get("blurpool"):
+        if exported_blurpool(config):
             blur_strided_convs(model)  # an export of a --blurpool run says so, and timm builds no blur: give it back
         return Weights(model, kind, target, f"a folder of {architecture} weights (an export, or timm's save_for_hf)",
                        exported_class_names(config), None, None)
@@ -155,7 +155,34 @@ def folder_config(folder: str, flag: str) -> dict[str, Any]:
         raise UserError(f"{flag} {folder}: {path} is not a JSON object")
     if not isinstance(config.get("architecture"), str):  # a transformers folder has `architectures`
         raise UserError(f"{flag} {folder}: {path} names no timm `architecture` (not a timm or exported model)")
+    check_class_count(folder, config, flag)
     return config
+
+
+def check_class_count(folder: str, config: dict[str, Any], flag: str) -> None:
+    """timm builds a folder's classifier for config.json's num_classes (model_args') and, where its weights' count
+    (num_classes) differs, drops the weights' classifier for a random one without a word: a config.json whose counts
+    are not those of model.safetensors' classifier (edited by hand) is refused instead."""
+    path, cfg = os.path.join(folder, "model.safetensors"), config.get("pretrained_cfg") or {}
+    head = cfg.get("classifier")
+    head = head[0] if isinstance(head, (list, tuple)) and head else head  # DeiT's two heads have one count
+    if not isinstance(head, str) or not os.path.isfile(path):
+        return
+    from safetensors import SafetensorError, safe_open  # timm's dependency
+
+    try:
+        with safe_open(path, "pt") as weights:
+            names = set(weights.keys())
+            # none: a feature extractor's (num_classes 0)
+            rows = weights.get_slice(f"{head}.weight").get_shape()[0] if f"{head}.weight" in names else 0
+    except (OSError, SafetensorError):
+        return  # a damaged file: named as timm reads it (published_model)
+    said = {"num_classes": config.get("num_classes", cfg.get("num_classes")),
+            "model_args.num_classes": (config.get("model_args") or {}).get("num_classes")}
+    for key, count in said.items():
+        if count is not None and count != rows:
+            raise UserError(f"{flag} {folder}: config.json's {key} is {count}, but the classifier in {path} has "
+                            f"{rows} outputs (config.json edited against its weights?)")
 
 
 def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
@@ -166,6 +193,11 @@ def exported_class_names(config: dict[str, Any]) -> Optional[tuple[str, ...]]:
         names = [by_index[str(i)] for i in range(len(by_index))] if all(
             str(i) in by_index for i in range(len(by_index))) else None
     return tuple(str(n) for n in names) if isinstance(names, (list, tuple)) and names else None
+
+
+def exported_blurpool(config: dict[str, Any]) -> bool:
+    """Whether config.json says its weights were trained with --blurpool (an export of ours; timm builds no blur)."""
+    return isinstance(config.get("imagenet_elastic"), dict) and bool(config["imagenet_elastic"].get("blurpool"))
 
 
 def published_model(model_name: str, flag: str = "--pretrained") -> nn.Module:
@@ -239,6 +271,20 @@ class InitialWeights(NamedTuple):
 
     @classmethod
     def read(cls, path: str) -> InitialWeights:
+        """The tensors of a file, or of the folders --teacher takes: a run's checkpoints folder (its best.pt) or an
+        export folder (its weights, and its classes and blur from config.json); what holds none is a UserError."""
+        if not os.path.isdir(path):
+            return cls.read_file(path)
+        kind, target = resolve(path, "--initial-checkpoint")
+        if kind == CHECKPOINT:
+            return cls.read_file(target)
+        config = folder_config(target, "--initial-checkpoint")
+        files = [os.path.join(target, name) for name in ("model.safetensors", "pytorch_model.bin")]  # timm's
+        weights = cls.read_file(next((file for file in files if os.path.isfile(file)), files[0]))
+        return cls(weights.tensors, exported_blurpool(config), exported_class_names(config))
+
+    @classmethod
+    def read_file(cls, path: str) -> InitialWeights:
         """The file's tensors; a file that holds none is a UserError naming it."""
         try:
             if path.endswith(".safetensors"):

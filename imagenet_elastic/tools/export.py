@@ -93,10 +93,12 @@ def write_folder(out_dir: str, write: Callable[[str], None]) -> None:
 
 def export(path: str, out_dir: str, ema: bool) -> str:
     """Write OUT_DIR; returns what to tell the user."""
+    if not out_dir:  # a script's unset variable
+        raise UserError("export OUT_DIR is empty: give it a new or empty folder")
     if os.path.isdir(out_dir) and os.listdir(out_dir):
         raise UserError(f"export folder {out_dir} is not empty: choose a new or empty folder")
-    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
-        raise UserError(f"export folder {out_dir} is a file")
+    if not os.path.isdir(existing := nearest_existing(out_dir)):  # OUT_DIR, or a folder it would be made in
+        raise UserError(f"export folder {out_dir}: {existing} is not a folder")
     if os.path.isdir(path):  # as `evaluate` reads CHECKPOINT: a run's checkpoints folder stands for its best.pt
         if not os.path.isfile(os.path.join(path, store.BEST)):
             raise UserError(f"export CHECKPOINT {path} is a folder without {store.BEST}: pass one of its checkpoints "

@@ -36,6 +36,7 @@ from imagenet_elastic.models.create import (
     input_options,
     run_sizes,
     saved_sizes,
+    untrained_tag,
 )
 from imagenet_elastic.models.device import Precision, place_model, resolve_precision, use_fastest_kernels
 from imagenet_elastic.models.weights import InitialWeights, Weights, describe_published, fetch_published
@@ -243,6 +244,8 @@ def prepare_training(run: Run, inputs: Inputs, snapshot: Optional[dict[str, Any]
         start = inputs.initial_state.load(model, config.initial_checkpoint, config.model, inputs.train.classes)
     else:
         start = "random (seed)"
+        if snapshot is None and (warning := untrained_tag(config.model)) is not None:  # a fresh start
+            console.warn(warning)
     if inputs.initial_state is not None and inputs.initial_state.blurpool not in (None, config.blurpool):
         mismatch = ("with --blurpool and this run has no blur" if inputs.initial_state.blurpool else
                     "without --blurpool and this run blurs")

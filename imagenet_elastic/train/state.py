@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import random
 import time
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from imagenet_elastic.config import saved_setting
+from imagenet_elastic.config import saved_setting, yaml_file
 from imagenet_elastic.errors import UserError, one_line
 from imagenet_elastic.launch import distributed
 
@@ -179,6 +180,15 @@ def apply_checkpoint(state: TrainState, snapshot: dict[str, Any], path: str) -> 
         raise UserError(f"checkpoint {path} does not fit this run's model: {one_line(error)[:200]}") from None
 
 
+def run_settings(path: str, model_name: str) -> str:
+    """The options that use checkpoint `path` of `model_name`: its run's settings file where its folder keeps one
+    (the model and whatever else a command line left at its default), else its --model."""
+    settings = os.path.join(os.path.dirname(path), yaml_file.FILE_NAME)
+    if os.path.isfile(settings):
+        return f"--config {settings}, its run's settings (or --model {model_name})"
+    return f"--model {model_name}"
+
+
 def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, classes: tuple[str, ...],
                      optimizer: Optional[str] = None, blurpool: bool = False) -> None:
     """Refuse a checkpoint of another model (--blurpool included: its state dict is the plain model's),
@@ -193,7 +203,8 @@ def check_compatible(snapshot: dict[str, Any], path: str, model_name: str, class
     saved_model = snapshot.get("model_name")
     saved_classes = tuple(snapshot.get("classes", ()))
     if saved_model != model_name:
-        raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}")
+        raise UserError(f"checkpoint {path} is of model {saved_model!r}, but --model is {model_name!r}: pass "
+                        f"{run_settings(path, saved_model)}")
     saved_blurpool = saved_setting(settings, "blurpool")
     if saved_blurpool != blurpool:
         raise UserError(f"checkpoint {path} was trained {'with' if saved_blurpool else 'without'} --blurpool: "

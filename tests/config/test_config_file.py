@@ -243,6 +243,23 @@ def test_a_missing_file_is_named():
     assert_names(str(caught.value), "config file", "/no/such.yaml", "No such file or directory")
 
 
+def test_a_second_config_file_is_refused_naming_both_not_the_last_taken(tmp_path):
+    first, second = write(tmp_path, "batch-size: 16\n"), str(tmp_path / "other.yaml")
+    (tmp_path / "other.yaml").write_text("batch-size: 32\n")
+    result = inprocess.command(["/data", "--config", first, "--config", second, "--print-config"])
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert_names(line, "--config", first, second)
+
+
+@pytest.mark.parametrize("argv", [["--config="], ["--config", ""]])
+def test_an_empty_config_is_refused_not_read_as_none(argv):
+    result = inprocess.command(["/data", *argv, "--print-config"])
+    assert result.returncode == 2 and result.stdout == ""
+    (line,) = result.stderr.strip().splitlines()
+    assert_names(line, "--config", "empty")
+
+
 def test_print_config_prints_yaml_and_needs_no_data_folder(capsys):
     cli.main(["--print-config", "--batch-size", "48", "--hflip", "0.2"])
     printed = yaml.safe_load(capsys.readouterr().out)

@@ -217,3 +217,21 @@ def test_a_whole_pickled_model_is_refused_naming_the_class_it_would_import(tmp_p
         InitialWeights.read(str(tmp_path / "whole.pth"))
     assert_names(str(caught.value), f"--initial-checkpoint {tmp_path / 'whole.pth'}", "Unsupported global")
     assert "\x1b" not in str(caught.value)  # torch's advice comes with terminal colours
+
+
+def test_the_folders_teacher_takes_give_their_weights_and_any_other_folder_is_one_line_saying_what_it_takes(tmp_path):
+    """A run's checkpoints folder (its best.pt) and an export folder, as --teacher and `evaluate` take them."""
+    from imagenet_elastic.tools.export import export
+
+    (tmp_path / "run").mkdir()
+    snapshot = our_checkpoint(tmp_path / "run" / "best.pt")
+    export(str(tmp_path / "run" / "best.pt"), str(tmp_path / "export"), ema=False)
+    for folder in ("run", "export"):
+        weights = InitialWeights.read(str(tmp_path / folder))
+        assert (weights.classes, weights.blurpool) == (("a", "b", "c"), False), folder
+        assert weights.tensors.keys() == snapshot["model"].keys()
+        assert all(torch.equal(weights.tensors[k], v) for k, v in snapshot["model"].items()), folder
+    (tmp_path / "other").mkdir()
+    with pytest.raises(UserError) as caught:
+        InitialWeights.read(str(tmp_path / "other"))
+    assert_names(str(caught.value), "--initial-checkpoint", tmp_path / "other", "config.json", "best.pt")

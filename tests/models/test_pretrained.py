@@ -5,6 +5,7 @@ bitwise, and --grad-checkpointing trains the same numbers as without it."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import subprocess
 from pathlib import Path
@@ -88,6 +89,16 @@ def test_a_resumed_run_continues_bitwise_from_its_checkpoint_without_the_publish
     assert not resumed.stopped and resumed.final_step == 2
     assert_same_tensors(load_checkpoint(tmp_path / "stopped" / "last.pt")["model"],
                         load_checkpoint(tmp_path / "straight" / "last.pt")["model"])
+
+
+def test_a_pretrained_tag_without_pretrained_warns_once_that_a_fresh_run_starts_from_random_weights(tmp_path, capsys):
+    argv = [*RUN, "--model", "test_resnet.r160_in1k", "--checkpoints-path", str(tmp_path / "ckpt")]
+    assert built_weights(argv)[1] == "random (seed)"  # as before: only the warning is new
+    (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("warning: ")]
+    assert_names(line, "test_resnet.r160_in1k", "--pretrained", "random")
+    train([*argv, "--resume", "--epochs", "2"], splits=in_memory())  # its own checkpoint's weights: nothing to say
+    train([*RUN, "--model", "test_resnet", "--checkpoints-path", str(tmp_path / "untagged")], splits=in_memory())
+    assert "--pretrained" not in capsys.readouterr().err
 
 
 def one_line_error(argv: list[str]) -> str:
@@ -196,3 +207,23 @@ def test_a_folder_whose_config_json_names_no_timm_architecture_is_one_line_namin
     line = one_line_error([str(tmp_path / "data"), "--model", f"local-dir:{folder}", "--pretrained",
                            "--checkpoints-path", str(tmp_path / "ckpt")])
     assert_names(line, folder / "config.json", "architecture")
+
+
+@pytest.mark.parametrize("edit", [
+    lambda config: config.update(num_classes=10),  # timm drops the weights' classifier, builds one of 4
+    lambda config: config["model_args"].update(num_classes=10),  # builds one of 10, drops the weights' 4
+])
+def test_an_export_whose_config_json_class_count_misfits_its_weights_is_refused_naming_both(tmp_path, edit):
+    """Not a re-initialised classifier scored as if trained (`evaluate`, --teacher, --pretrained local-dir:)."""
+    from imagenet_elastic.errors import UserError
+    from imagenet_elastic.models.weights import load_weights
+
+    folder = tmp_path / "export"
+    publish(folder, timm_model("test_resnet", 4, seed=11))
+    assert load_weights(str(folder), "MODEL").classes == 4
+    config = json.loads((folder / "config.json").read_text())
+    edit(config)
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as raised:
+        load_weights(str(folder), "MODEL")
+    assert_names(str(raised.value), folder, "10", folder / "model.safetensors", "4")

@@ -98,6 +98,15 @@ def test_user_errors_are_one_line_and_write_nothing(tmp_path, capsys):
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
 
 
+@pytest.mark.parametrize("out", ["", "file", "file/sub"])
+def test_an_out_dir_that_is_empty_a_file_or_under_one_is_bad_input_naming_it_before_writing(tmp_path, capsys, out):
+    write_checkpoint(tmp_path / "plain.pt", ema=False)
+    (tmp_path / "file").write_text("mine")
+    out_dir = str(tmp_path / out) if out else ""
+    assert_names(one_line_error(capsys, str(tmp_path / "plain.pt"), out_dir), out_dir or "OUT_DIR")
+    assert (tmp_path / "file").read_text() == "mine" and sorted(os.listdir(tmp_path)) == ["file", "plain.pt"]
+
+
 def failing_writer(error: BaseException):
     """A writer that starts its file, then fails as a full disk makes it."""
     def write(tensors, path, *args, **kwargs):

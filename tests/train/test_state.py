@@ -152,7 +152,15 @@ def test_check_compatible_accepts_the_same_model_and_classes():
 def test_check_compatible_refuses_another_model():
     with pytest.raises(UserError, match="of model 'resnet50', but --model is 'test_resnet'") as caught:
         check_compatible(snapshot_of(model_name="resnet50"), "/ck/last.pt", "test_resnet", CLASSES)
-    assert "/ck/last.pt" in str(caught.value)
+    assert_names(str(caught.value), "/ck/last.pt", "--model resnet50")  # the remedy last
+
+
+def test_another_model_is_refused_with_its_runs_settings_file_as_the_remedy(tmp_path):
+    """`--resume RUN/` without --model meets the default resnet50: the run's config.yaml carries its model."""
+    (tmp_path / "config.yaml").write_text("model: test_resnet\n")
+    with pytest.raises(UserError) as caught:
+        check_compatible(snapshot_of(), str(tmp_path / "last.pt"), "resnet50", CLASSES)
+    assert_names(str(caught.value), "'resnet50'", f"--config {tmp_path / 'config.yaml'}", "--model test_resnet")
 
 
 def test_check_compatible_refuses_another_class_count():
