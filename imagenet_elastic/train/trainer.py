@@ -329,8 +329,12 @@ def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name:
     """A preemption signal before training began (launch/preemption.py): the stop a checkpointed one is, without the
     checkpoint (none to write), exit 75. Requeued unless it is SIGTERM: at start-up that is also how torchrun, spawn
     and srun --kill-on-bad-exit stop the ranks after one failed, whose requeue would fail again and again; a Slurm
-    preemption requeues by itself, and the time limit's warning is `--signal=USR1@N`."""
-    console.info(f"{signal_name}: stopped before training began: nothing trained, no checkpoint written; "
+    preemption requeues by itself, and the time limit's warning is `--signal=USR1@N`. For that reason, where there are
+    other ranks, a SIGTERM's line claims no preemption: a rank that failed said what matters."""
+    cause = signal_name
+    if signal_name == "SIGTERM" and env.world_size > 1:
+        cause = "SIGTERM (a preemption, or the launcher's stop after another rank failed)"
+    console.info(f"{cause}: stopped before training began: nothing trained, no checkpoint written; "
                  f"exiting with code {PREEMPTED_EXIT}")
     if signal_name != "SIGTERM":
         requeue_if_asked(config, env, console)
