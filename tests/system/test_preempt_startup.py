@@ -93,6 +93,19 @@ def test_sigusr1_to_a_spawned_job_during_start_up_exits_75_without_a_traceback(i
     assert_stopped_at_once(output, tmp_path / "ckpt", "SIGUSR1")
 
 
+def test_sigterm_while_the_first_step_compiles_stops_at_once_without_a_checkpoint(image_folder, tmp_path):
+    """A compile (inductor, for real, on tests/compiled_small.py's model; minutes on a GPU) is the first step's: the
+    signal stops the run at once, rather than after the compile, the step and a save."""
+    folder = tmp_path / "ckpt"
+    cmd = [sys.executable, "tests/compiled_small.py", str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+           "--compile", "--checkpoints-path", str(folder)]
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # empty: the compile takes its time
+    code, output = run_and_kill(cmd, when="checkpoint and exit 75", victim=after_a_while(lambda proc: proc.pid, 1.0),
+                                sig=signal.SIGTERM, timeout=120, env=env)  # the start-up table's last row
+    assert code == PREEMPTED_EXIT, output
+    assert_stopped_at_once(output, folder, "SIGTERM")  # no step trained, no checkpoint
+
+
 RANK_1_LACKS_DATA = '#!/bin/sh\n[ "$RANK" = 1 ] && DATA="$DATA.missing"\nexec "$PY" -m imagenet_elastic "$DATA" "$@"\n'
 
 
