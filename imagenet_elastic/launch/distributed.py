@@ -78,7 +78,8 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
     timeout = timedelta(seconds=timeout_s)
     hosts = env.rank == 0 and not env.store_is_external
     try:
-        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts, timeout=timeout)
+        store = dist.TCPStore(env.master_addr, env.master_port, env.world_size, is_master=hosts, timeout=timeout,
+                              wait_for_workers=False)
         namespace = join_round(store, env.rank, env.world_size, timeout_s)
     except (RuntimeError, OSError, TimeoutError) as error:
         raise RendezvousError(f"gave up {'waiting for the other ranks' if hosts else 'connecting'} at MASTER_ADDR="

@@ -1,9 +1,10 @@
 """Preemption: signals only raise a flag, which `Trainer` turns into an agreed checkpoint and stop at a step boundary
 (a handler that wrote the checkpoint itself could run in the middle of an optimizer step or a collective).
 
-During start-up (`starting`) there is nothing to checkpoint, and waiting for a first step could outlast the scheduler's
-grace period, whose SIGKILL would skip the requeue: the first signal stops the rank at once (StoppedAtOnce, exit 75).
-A handler runs only once a wait in C++ returns: the rendezvous waits in Python's sleeps (distributed.join_round).
+During start-up (`starting`), and again in the rank's first step (its compile can take minutes), there is nothing
+trained to checkpoint, and waiting for a step to end could outlast the scheduler's grace period, whose SIGKILL would
+skip the requeue: the first signal stops the rank at once (StoppedAtOnce, exit 75). A handler runs only once a wait
+in C++ returns: the rendezvous waits in Python's sleeps (distributed.join_round).
 
 Ctrl-C asks for the same stop while the run trains (exit 130): whoever stops a run at a terminal means to continue or
 change it, which wants the checkpoint. A second Ctrl-C stops at once, as does one before training begins or after."""
@@ -92,6 +93,7 @@ class PreemptionFlag:
         self.interrupted = False  # the stop is a Ctrl-C's
         self.checkpoint_on_interrupt = False
         self.training_began = False  # from then on the trainer says what a Ctrl-C kept (before, trainer.run does)
+        self.stepped = False  # every rank is past its first step: a stop from then on is the agreed one
         self.stops_at_once = False  # while `starting`
         self.speaks = speaks
         self._previous = {signum: signal.signal(signum, self._handle) for signum in signal_numbers(names)}
@@ -102,16 +104,16 @@ class PreemptionFlag:
         if self.received is None:
             self.received = signal.Signals(signum).name
             self.received_after = self.steps_done
-            if self.stops_at_once:
+            if self.stops_at_once and not self.interrupted:
                 raise StoppedAtOnce(self.received)
 
     @contextlib.contextmanager
     def starting(self) -> Iterator[None]:
         """Start-up: the first preemption signal raises StoppedAtOnce (see above), also one that came since the handlers
-        were installed; no longer once start-up ended or failed, before the caller's cleanups run."""
+        were installed (not a Ctrl-C); no longer once start-up ended or failed, before the caller's cleanups run."""
         self.stops_at_once = True
         try:
-            if self.received is not None:
+            if self.received is not None and not self.interrupted:
                 raise StoppedAtOnce(self.received)
             yield
         finally:
@@ -120,8 +122,8 @@ class PreemptionFlag:
     def _interrupt(self, signum: int, frame: Optional[FrameType]) -> None:
         if self.received is not None or not self.checkpoint_on_interrupt:
             raise KeyboardInterrupt
+        self.interrupted = True  # first: a Ctrl-C is the checkpointed stop, also in the first step
         self._handle(signum, frame)
-        self.interrupted = True
         if self.speaks:  # os.write: a handler's print could re-enter a write the signal interrupted
             os.write(2, INTERRUPT_NOTE)
 

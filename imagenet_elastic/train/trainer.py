@@ -142,10 +142,12 @@ class Trainer:
         with self.console.progress(f"epoch {epoch + 1}/{c.epochs}", steps, tally.steps) as progress:
             for micro_batches in step_groups(self.waits.timed(self.on_device(self.loaders.train)), plan.accum):
                 lr, micro = r.schedule.at(state.step), r.micro
-                if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
-                    loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
-                else:  # the loader's micro-batches as they are
-                    loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed, state.step)
+                with self.until_first_step():
+                    if micro.auto:  # the step is retried with smaller micro-batches on an out-of-memory error
+                        loss = micro.step(self.ctx, micro_batches, lr, c.seed, state.step)
+                    else:  # the loader's micro-batches as they are
+                        loss = train_step(self.ctx, micro_batches, micro.slices, micro.plan.share, lr, c.seed,
+                                          state.step)
                 self.sample_log.record(epoch, state.step, (i for b in micro_batches for i in b.indices.tolist()))
                 state.step += 1
                 state.update_average(c.model_ema_steps)
@@ -160,6 +162,7 @@ class Trainer:
                 else:
                     progress.update(step_in_epoch)
                 stop, save = self.checkpointer.at_step_end(state.step, self.preempt.received is not None)
+                self.preempt.stepped = True
                 if save:
                     self.fold(pending)
                     self.save(epoch_end=False)
@@ -170,6 +173,11 @@ class Trainer:
                                  lr=r.schedule.at(state.step - 1), train_size=c.train_sizes(epoch),
                                  world_size=self.env.world_size, global_batch=plan.global_batch,
                                  seconds=time.perf_counter() - start, resumed=epoch == self.resumed_into)
+
+    def until_first_step(self) -> contextlib.AbstractContextManager:
+        """This process's first step, its compile included (minutes on a GPU, beyond a scheduler's grace period), is
+        start-up's last part: a preemption signal stops at once, as nothing was trained since the checkpoint."""
+        return self.preempt.starting() if not self.stepped else contextlib.nullcontext()
 
     def after_first_step(self) -> None:
         """Once per process, on every rank: what compiling did, and what the restart cost up to this step's end."""
@@ -335,11 +343,16 @@ def requeue_if_asked(config: Config, env: DistEnv, console: Console) -> None:
 
 
 def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name: str) -> Preempted:
-    """A preemption signal before training began (launch/preemption.py): the stop a checkpointed one is, without the
-    checkpoint (none to write), exit 75. Requeued unless it is SIGTERM: at start-up that is also how torchrun, spawn
-    and srun --kill-on-bad-exit stop the ranks after one failed, whose requeue would fail again and again; a Slurm
-    preemption requeues by itself, and the time limit's warning is `--signal=USR1@N`."""
-    console.info(f"{signal_name}: stopped before training began: nothing trained, no checkpoint written; "
+    """A preemption signal before the first step was done (launch/preemption.py): the stop a checkpointed one is,
+    without the checkpoint (nothing trained to write), exit 75. Requeued unless it is SIGTERM: at start-up that is
+    also how torchrun, spawn and srun --kill-on-bad-exit stop the ranks after one failed, whose requeue would fail
+    again and again; a Slurm preemption requeues by itself, and the time limit's warning is `--signal=USR1@N`. For
+    that reason, where there are other ranks, a SIGTERM's line claims no preemption: a rank that failed said what
+    matters."""
+    cause = signal_name
+    if signal_name == "SIGTERM" and env.world_size > 1:
+        cause = "SIGTERM (a preemption, or the launcher's stop after another rank failed)"
+    console.info(f"{cause}: stopped before training began: nothing trained, no checkpoint written; "
                  f"exiting with code {PREEMPTED_EXIT}")
     if signal_name != "SIGTERM":
         requeue_if_asked(config, env, console)
@@ -349,9 +362,10 @@ def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name:
 
 
 def peer_stopped_first(error: BaseException, preempt: preemption.PreemptionFlag) -> bool:
-    """A start-up that failed on a vanished peer (the rendezvous, a collective) on a rank that was sent a preemption
-    signal too, which it took only once the wait in C++ returned: the peer's stop, met first, is this rank's too."""
-    return (preempt.received is not None and not preempt.training_began and not preempt.interrupted
+    """A start-up (up to the end of the first step, which every rank passes together) that failed on a vanished peer
+    (the rendezvous, a collective) on a rank that was sent a preemption signal too, which it took only once the wait
+    in C++ returned, or after its own first step: the peer's stop, met first, is this rank's too."""
+    return (preempt.received is not None and not preempt.stepped and not preempt.interrupted
             and (isinstance(error, RendezvousError) or distributed.peer_left(error)))
 
 

@@ -112,6 +112,21 @@ def test_ctrl_c_while_training_is_a_checkpointed_stop_said_at_once_and_a_second_
     assert signal.getsignal(signal.SIGINT) == before
 
 
+def test_ctrl_c_in_the_first_step_stays_the_checkpointed_stop_where_a_preemption_signal_stops_at_once():
+    """The first step runs in `starting` too (trainer.until_first_step): a Ctrl-C there, or one before it, still asks
+    for the checkpoint at the step's end (exit 130), as it does in any step; StoppedAtOnce is preemption's (exit 75)."""
+    flag = PreemptionFlag(("SIGTERM",), interrupts=True, speaks=False)
+    try:
+        flag.checkpoint_on_interrupt = True
+        with flag.starting():
+            interrupt_self(flag)
+        assert (flag.received, flag.interrupted) == ("SIGINT", True)
+        with flag.starting():  # a Ctrl-C came before the step began
+            pass
+    finally:
+        flag.restore()
+
+
 def test_ctrl_c_named_in_the_preemption_signals_stays_one_and_a_test_flag_leaves_it_alone():
     before = signal.getsignal(signal.SIGINT)
     plain = PreemptionFlag(("SIGTERM",))  # interrupts=False

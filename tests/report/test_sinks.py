@@ -20,6 +20,7 @@ from imagenet_elastic.config import Config
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.sinks import TRACKERS, Sink, Sinks, steps_file, wandb_tracker
 from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD
+from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
 from imagenet_elastic.tools import plot
 
 
@@ -110,6 +111,23 @@ def test_a_sink_that_fails_is_left_out_with_one_warning_and_the_others_go_on(tmp
     assert_names(single_line(warned[0]), "full", "[Errno 28] No space left on device")
     assert [row["step"] for row in kept.rows] == [1, 2, 2] and full.rows == []
     assert full.closed == [False] and kept.closed == [True]
+
+
+@pytest.mark.filterwarnings("error::pytest.PytestUnhandledThreadExceptionWarning")  # pytest's threading.excepthook
+def test_tensorboard_writer_that_cannot_write_is_one_warning_without_its_threads_traceback(tmp_path):
+    """The writer opens its event file in a thread of its own at each write: a folder it cannot write to (here
+    replaced by a file, which stops root too) fails there, and only the sink's warning says so."""
+    warned: list[str] = []
+    sinks = Sinks([TensorBoard(str(tmp_path))], str(tmp_path), warned.append)
+    sinks.start(0, [], {}, continuing=False, started_from=None, name="run", settings={}, facts={})
+    sinks.step({"step": 1, "loss": 1.0})
+    folder = tmp_path / TENSORBOARD
+    os.rename(folder, tmp_path / "moved")
+    folder.write_text("")
+    sinks.step({"step": 2, "loss": 1.0})
+    sinks.close(finished=False)  # joins the writer's thread, then raises the error it kept
+    assert len(warned) == 1, warned
+    assert_names(single_line(warned[0]), str(folder))
 
 
 def test_each_tracker_brings_its_own_setting_flag_and_help():

@@ -7,14 +7,26 @@ from __future__ import annotations
 
 import re
 import signal
+import sys
 import time
 from pathlib import Path
 
+import fault_injection as fi
 import pytest
-from conftest import SMALL_RUN, python_cmd, run_and_kill, torchrun_cmd, torchrun_workers
+from conftest import (
+    SMALL_RUN,
+    assert_names,
+    child_env,
+    python_cmd,
+    run,
+    run_and_kill,
+    several_at_once,
+    torchrun_cmd,
+    torchrun_workers,
+)
 
 from imagenet_elastic.checkpoint.store import CheckpointLock
-from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 
 pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.usefixtures("warm_ranks")]
 
@@ -79,3 +91,43 @@ def test_sigusr1_to_a_spawned_job_during_start_up_exits_75_without_a_traceback(i
     assert code == PREEMPTED_EXIT, output
     assert "Traceback" not in output, output
     assert_stopped_at_once(output, tmp_path / "ckpt", "SIGUSR1")
+
+
+def test_sigterm_while_the_first_step_compiles_stops_at_once_without_a_checkpoint(image_folder, tmp_path):
+    """A compile (inductor, for real, on tests/compiled_small.py's model; minutes on a GPU) is the first step's: the
+    signal stops the run at once, rather than after the compile, the step and a save."""
+    folder = tmp_path / "ckpt"
+    cmd = [sys.executable, "tests/compiled_small.py", str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "1",
+           "--compile", "--checkpoints-path", str(folder)]
+    env = child_env(TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))  # empty: the compile takes its time
+    code, output = run_and_kill(cmd, when="checkpoint and exit 75", victim=after_a_while(lambda proc: proc.pid, 1.0),
+                                sig=signal.SIGTERM, timeout=120, env=env)  # the start-up table's last row
+    assert code == PREEMPTED_EXIT, output
+    assert_stopped_at_once(output, folder, "SIGTERM")  # no step trained, no checkpoint
+
+
+RANK_1_LACKS_DATA = '#!/bin/sh\n[ "$RANK" = 1 ] && DATA="$DATA.missing"\nexec "$PY" -m imagenet_elastic "$DATA" "$@"\n'
+
+
+@pytest.mark.mostly_waiting  # rank 1 waits for a launcher's stop before it says its error (REPORT_GRACE_S)
+def test_torchrun_stopping_rank_0_after_rank_1_failed_at_start_up_is_no_preemption(image_folder, tmp_path,
+                                                                                   warm_python):
+    """Rank 1 alone meets a bad input (its node lacks the data) and exits 2; torchrun then SIGTERMs rank 0, which
+    hosts the rendezvous store (TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, as in scripts/torchrun_elastic.sh) and waits
+    there for rank 1: it stops at once (not SIGKILLed 30 s later), and its line claims no preemption."""
+    several_at_once()
+    script = tmp_path / "rank.sh"
+    script.write_text(RANK_1_LACKS_DATA)
+    script.chmod(0o755)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "--max-restarts=0",
+           f"--rdzv-conf={fi.FAST_RDZV_CONF}", "--no-python", str(script), *SMALL_RUN, "--epochs", "1",
+           "--checkpoints-path", str(tmp_path / "ckpt")]
+    done = run(cmd, timeout=120, env=child_env(**{fi.SHARED_STORE_OFF: "1"}, PY=warm_python, DATA=str(image_folder)))
+    output = done.stdout + done.stderr
+    codes = dict(re.findall(r"rank\s*: (\d) \(local_rank.*\n\s*exitcode\s*: (-?\d+)", output))
+    assert codes == {"0": str(PREEMPTED_EXIT), "1": str(USER_ERROR_EXIT)}, output
+    errors = [line for line in output.splitlines() if line.startswith("imagenet-elastic: error:")]
+    assert len(errors) == 1 and f"{image_folder}.missing" in errors[0], output
+    said = [line for line in output.splitlines() if "before training began" in line]
+    assert len(said) == 1, output
+    assert_names(said[0], "SIGTERM", "launcher", PREEMPTED_EXIT)

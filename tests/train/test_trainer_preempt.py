@@ -12,6 +12,7 @@ import inprocess
 import pytest
 from conftest import SMALL_RUN, assert_names
 
+from imagenet_elastic.checkpoint import saving
 from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.launch import preemption
 from imagenet_elastic.train import trainer as trainer_module
@@ -61,6 +62,25 @@ def test_a_signal_during_start_up_stops_at_once_with_exit_75_one_line_and_usr1_r
     assert_nothing_written(tmp_path)
 
 
+def test_a_signal_in_the_first_step_stops_at_once_and_keeps_the_checkpoint_as_it_was(image_folder, tmp_path,
+                                                                                      monkeypatch, requeued):
+    """The first step of a process compiles (minutes on a GPU, beyond a scheduler's grace period) and trains nothing
+    a checkpoint lacks until it ends: a signal in it stops at once, as one during start-up does."""
+    assert inprocess.command(args(image_folder, tmp_path)).returncode == 0
+    saved = (tmp_path / "last.pt").read_bytes()
+
+    def signalled(*_args, **_kwargs):  # the scheduler's signal comes while the step compiles
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+        raise AssertionError("the signal did not stop the first step at once")
+    monkeypatch.setattr(trainer_module, "train_step", signalled)
+    done = inprocess.command(args(image_folder, tmp_path, "--epochs", "2", "--resume", "--requeue-on-preempt"))
+    assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert_names(stop_line(done.stdout), "SIGUSR1", "nothing trained", "no checkpoint", PREEMPTED_EXIT)
+    assert requeued == ["4242"]
+    assert (tmp_path / "last.pt").read_bytes() == saved
+
+
 def failing_start_up(received, message: str):
     """A build step that fails as a start-up collective does, on a rank whose flag holds `received`: the handler
     only recorded the signal, had it come while the rank already unwound (its C++ wait returned with the error)."""
@@ -77,6 +97,28 @@ def test_a_vanished_peer_in_start_up_on_a_signalled_rank_is_the_same_stop(image_
     assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
     assert_names(stop_line(done.stdout), "SIGUSR1")
     assert requeued == ["4242"]
+
+
+@pytest.mark.parametrize("step", [1, 2])
+def test_a_peer_gone_at_the_first_steps_end_on_a_signalled_rank_is_the_same_stop_and_later_a_crash(
+        image_folder, tmp_path, monkeypatch, step):
+    """The peer took the signal in its first step and stopped at once; this rank took it just after its own, which
+    only raised the flag, and meets the peer's absence in the step's agreement: the same stop. Past the first step's
+    agreement every rank's stop is the agreed one: a peer gone there crashed."""
+    def peer_gone(_checkpointer, at: int, _stop_requested: bool) -> tuple[bool, bool]:
+        if at < step:
+            return False, False
+        os.kill(os.getpid(), signal.SIGUSR1)
+        raise RuntimeError(PEER_GONE)
+    monkeypatch.setattr(saving.Checkpointer, "at_step_end", peer_gone)
+    if step > 1:
+        with pytest.raises(RuntimeError, match=re.escape(PEER_GONE)):
+            inprocess.command(args(image_folder, tmp_path))
+        return
+    done = inprocess.command(args(image_folder, tmp_path))
+    assert done.returncode == PREEMPTED_EXIT and "Traceback" not in done.stderr, done.stderr
+    assert_names(stop_line(done.stdout), "SIGUSR1")
+    assert_nothing_written(tmp_path)
 
 
 @pytest.mark.parametrize("received,message", [(None, PEER_GONE), ("SIGTERM", "an unrelated bug")])

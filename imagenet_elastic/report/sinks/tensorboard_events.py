@@ -5,12 +5,30 @@ the checkpoint's step, which the resumed run logs again."""
 from __future__ import annotations
 
 import os
+import threading
 from typing import Any
 
 from imagenet_elastic.report import metrics
 from imagenet_elastic.report.sinks.base import Beginning, Sink
 
 FOLDER = "tensorboard"
+WRITER_THREAD_MODULE = "tensorboard.summary.writer.event_file_writer"  # where the writer's thread class is defined
+
+
+def quiet_writer_threads() -> None:
+    """The writer's thread keeps the error it meets (a folder it may not write, a full disk), which the writer's next
+    add, flush or close raises in the training thread, for Sinks' one warning: the thread's own traceback (through
+    threading.excepthook) would say it again. Other threads' errors still reach the hook that was there."""
+    previous = threading.excepthook
+    if getattr(previous, "quiets_writer_threads", False):
+        return
+
+    def hook(args: Any) -> None:
+        if type(args.thread).__module__ != WRITER_THREAD_MODULE:
+            previous(args)
+
+    hook.quiets_writer_threads = True  # type: ignore[attr-defined]
+    threading.excepthook = hook
 
 
 class TensorBoard(Sink):
@@ -27,6 +45,7 @@ class TensorBoard(Sink):
         if self.writer is None:  # made at the first event: a run that fails before logging leaves no event file
             from torch.utils.tensorboard import SummaryWriter
 
+            quiet_writer_threads()
             self.writer = SummaryWriter(self.folder, purge_step=self.purge_step)
         for tag, value in metrics.scalars(kind, row).items():
             self.writer.add_scalar(tag, value, row["step"])
