@@ -312,7 +312,7 @@ class LaunchSettings:
     dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
                                      "tcp://HOST:PORT")
     dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
-                                 "SECONDS", type=options.positive_float)
+                                 "SECONDS", type=options.timeout_seconds)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
                                     shown_default="cores / processes per node", type=options.per_node_count)
 

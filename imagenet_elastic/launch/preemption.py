@@ -24,17 +24,26 @@ from typing import Optional
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
+# Signals that cannot mean "preempted": uncaught (KILL, STOP), sent by the system for other reasons (a child's end,
+# a terminal's resize or job control, a closed pipe, a profiler's timer) or for the process's own faults
+NOT_PREEMPTION = {getattr(signal, name) for name in (
+    "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCONT", "SIGWINCH", "SIGURG", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGPIPE",
+    "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS", "SIGPROF", "SIGVTALRM", "SIGIO")
+    if hasattr(signal, name)}
+
 
 def parse_signals(text: str) -> tuple[str, ...]:
-    """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names are a user error."""
+    """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names, and NOT_PREEMPTION's, are a user
+    error."""
     if text.strip().lower() == "none":
         return ()
     names = []
     for item in text.split(","):
         name = item.strip().upper()
         name = name if name.startswith("SIG") else f"SIG{name}"
-        if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
-            raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught")
+        if name not in signal.Signals.__members__ or signal.Signals[name] in NOT_PREEMPTION:
+            raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught and mean a "
+                            "preemption")
         names.append(name)
     return tuple(dict.fromkeys(names))
 

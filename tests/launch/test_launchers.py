@@ -624,3 +624,15 @@ def test_flags_the_method_reads_and_other_ranks_warn_of_nothing(capsys):
     resolve_launch("spawn", {}, nproc_per_node=2, master_port=29999)
     resolve_launch("env", {**WORKER_ENV}, nproc_per_node=2)  # rank 3: rank 0 said it
     assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("seconds", ["1e10", "1e15", "604801"])
+def test_a_dist_timeout_beyond_a_week_is_refused_naming_the_flag(capsys, seconds):
+    """1e15 ended in an OverflowError traceback; 1e10 made the store time out at once."""
+    from imagenet_elastic.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["/data", "--dist-timeout", seconds])
+    assert info.value.code == 2
+    assert_names(capsys.readouterr().err, "--dist-timeout", seconds)
+    assert build_parser().parse_args(["/data", "--dist-timeout", "604800"]).dist_timeout == 604800
