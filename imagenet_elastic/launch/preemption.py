@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Optional
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, first_line
 from imagenet_elastic.options import option
 
 # Signals that cannot mean "preempted": uncaught (KILL, STOP), sent by the system for other reasons (a child's end,
@@ -153,9 +153,11 @@ def slurm_job_to_requeue(environ: Mapping[str, str]) -> Optional[str]:
 
 
 def requeue_slurm_job(job: str) -> str:
-    """Ask Slurm to put the job back in the queue; returns what went wrong, or "" on success."""
+    """Ask Slurm to put the job back in the queue; returns what went wrong (scontrol's first line), or "" on
+    success."""
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
-        return str(error)
-    return "" if done.returncode == 0 else (done.stderr.strip() or f"scontrol exited with {done.returncode}")
+        return first_line(error)
+    said = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    return "" if done.returncode == 0 else (said or [f"scontrol exited with {done.returncode}"])[0]
