@@ -86,6 +86,8 @@ non_negative_int = bounded(int, 0)
 non_negative_float = bounded(float, 0.0)
 positive_float = bounded(float, 0.0, inclusive=False)
 port_number = bounded(int, 1, 65535)
+# seconds a rank waits for its peers: torch's timeouts overflow (or wrap to none at all) far above a week
+timeout_seconds = bounded(float, 0.0, 7 * 24 * 3600.0, inclusive=False)
 probability = bounded(float, 0.0, 1.0)
 # Bounds far beyond any real use: a larger value would end in an overflow or out-of-memory traceback, not one line
 seed_number = bounded(int, 0, 2**64 - 1)  # torch.manual_seed takes 64 bits

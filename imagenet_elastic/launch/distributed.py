@@ -82,6 +82,9 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
                               wait_for_workers=False)
         namespace = join_round(store, env.rank, env.world_size, timeout_s)
     except (RuntimeError, OSError, TimeoutError) as error:
+        if hosts and port_in_use(error):
+            raise RendezvousError(f"MASTER_PORT={env.master_port} is already in use on this host, where rank 0 hosts "
+                                  "the rendezvous store: choose another port") from None
         raise RendezvousError(f"gave up {'waiting for the other ranks' if hosts else 'connecting'} at MASTER_ADDR="
                               f"{env.master_addr} MASTER_PORT={env.master_port} after {timeout_s:g} s "
                               f"(--dist-timeout): {first_line(error)}") from None
@@ -90,6 +93,11 @@ def init_process_group(env: DistEnv, device: torch.device, timeout_s: float) -> 
                             timeout=timeout, **options)
     # control messages (stop? checkpoint now?) travel on CPU tensors: agreeing on them never waits for the GPU's queue
     _control = dist.new_group(backend="gloo") if options["backend"] != "gloo" else None
+
+
+def port_in_use(error: BaseException) -> bool:
+    """A store that could not listen on its port, taken by another run or program: it fails at once, unlike a wait."""
+    return "EADDRINUSE" in str(error)
 
 
 def group_options(device: torch.device) -> dict[str, Any]:

@@ -7,6 +7,7 @@ import dataclasses
 import re
 import shutil
 import subprocess
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, NamedTuple, Optional
@@ -20,8 +21,8 @@ from imagenet_elastic.options import option
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 TORCHRUN = "torchrun or torch.distributed.launch"
 RESTART_COUNTS = ("TORCHELASTIC_RESTART_COUNT", "SLURM_RESTART_COUNT")  # >0: a restart, which resumes last.pt
-# What the rendezvous store (TCPStore) takes: a port, and a world size that fits a C int
-PORTS, WORLD_SIZES = (1, 65535), (1, 2**31 - 1)
+# What the rendezvous store (TCPStore) takes: a port, and a world size that fits a C int; a rank is below it
+PORTS, WORLD_SIZES, RANKS = (1, 65535), (1, 2**31 - 1), (0, 2**31 - 2)
 
 
 @dataclass(frozen=True)
@@ -80,6 +81,12 @@ def _int_var(environ: Mapping[str, str], name: str, launcher: str, default: Opti
     return number
 
 
+def _in_world(rank_name: str, rank: int, size_name: str, size: int) -> None:
+    """A rank outside its world would wait --dist-timeout for a rendezvous that cannot complete."""
+    if not 0 <= rank < size:
+        raise UserError(f"{rank_name}={rank} is outside {size_name}={size}")
+
+
 def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
     """--master-port, else MASTER_PORT, else the launcher's default."""
     return explicit or _int_var(environ, "MASTER_PORT", "the cluster or the user", default, within=PORTS)
@@ -95,14 +102,15 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
     if missing:
         raise UserError(f"--dist-init-method env found {', '.join(present) or '--local-rank'} but not "
                         f"{', '.join(missing)}; these variables are set by {TORCHRUN}")
+    if not environ["MASTER_ADDR"]:
+        raise UserError(f"environment variable MASTER_ADDR is empty; {TORCHRUN} sets it to rank 0's host")
     rank = _int_var(environ, "RANK", TORCHRUN)
     world_size = _int_var(environ, "WORLD_SIZE", TORCHRUN, within=WORLD_SIZES)
     local_rank = (local_rank_arg if local_rank_arg is not None and "LOCAL_RANK" not in environ
-                  else _int_var(environ, "LOCAL_RANK", TORCHRUN))
-    local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN)
+                  else _int_var(environ, "LOCAL_RANK", TORCHRUN, within=RANKS))
+    local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN, within=WORLD_SIZES)
                         if "LOCAL_WORLD_SIZE" in environ else world_size)
-    if not (0 <= rank < world_size):
-        raise UserError(f"RANK={rank} is outside WORLD_SIZE={world_size}")
+    _in_world("RANK", rank, "WORLD_SIZE", world_size)
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN, within=PORTS),
@@ -154,7 +162,9 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
         raise UserError("--dist-init-method slurm looked for SLURM_STEP_NODELIST and SLURM_JOB_NODELIST but "
                         "neither is set; these are set by srun")
     rank, ntasks, local_rank, node_id, job_id = (
-        _int_var(environ, name, "srun", within=WORLD_SIZES if name == "SLURM_NTASKS" else None) for name in names)
+        _int_var(environ, name, "srun", within={"SLURM_NTASKS": WORLD_SIZES, "SLURM_JOB_ID": None}.get(name, RANKS))
+        for name in names)
+    _in_world("SLURM_PROCID", rank, "SLURM_NTASKS", ntasks)
     master_addr = environ.get("MASTER_ADDR")
     if not master_addr:
         try:
@@ -165,7 +175,7 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
     return DistEnv(rank=rank, world_size=ntasks, local_rank=local_rank,
                    local_world_size=tasks_on_node(spec, node_id) if spec else ntasks, master_addr=master_addr,
                    master_port=_master_port(environ, master_port, slurm_master_port(job_id)), launched=True,
-                   launcher="srun", restart_count=int(environ.get("SLURM_RESTART_COUNT") or 0))
+                   launcher="srun", restart_count=_int_var(environ, "SLURM_RESTART_COUNT", "srun", 0))
 
 
 def slurm_procs_per_task(environ: Mapping[str, str], nproc_per_node: Optional[int], visible_gpus: int,
@@ -194,22 +204,37 @@ def parse_dist_url(url: str) -> tuple[str, int]:
     return parsed.hostname, port
 
 
+def _all_set(environ: Mapping[str, str], names: list[str], launcher: str) -> None:
+    """A launcher found by some of its variables but not all: each missing one named."""
+    missing = [name for name in names if not environ.get(name)]
+    if missing:
+        raise UserError(f"--dist-init-method mpi found {', '.join(n for n in names if n not in missing)} but not "
+                        f"{', '.join(missing)}; these variables are set by {launcher}")
+
+
 def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
                  master_port: Optional[int] = None) -> DistEnv:
     """OpenMPI's OMPI_COMM_WORLD_* (or MPICH/Intel MPI's PMI_*). MPI only launches: the process group is still
     gloo or nccl, so MASTER_ADDR/PORT come from the environment or --dist-url."""
-    if environ.get("OMPI_COMM_WORLD_SIZE"):
+    ompi = [f"OMPI_COMM_WORLD_{name}" for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE")]
+    if any(environ.get(name) for name in ompi):
         launcher = "OpenMPI's mpirun"
-        rank, world, local_rank, local_world = (_int_var(environ, f"OMPI_COMM_WORLD_{name}", launcher,
-                                                         within=WORLD_SIZES if name == "SIZE" else None)
-                                                for name in ("RANK", "SIZE", "LOCAL_RANK", "LOCAL_SIZE"))
-    elif environ.get("PMI_SIZE"):
+        _all_set(environ, ompi, launcher)
+        rank, world, local_rank, local_world = (_int_var(environ, name, launcher,
+                                                         within=WORLD_SIZES if name.endswith("SIZE") else RANKS)
+                                                for name in ompi)
+        _in_world(ompi[0], rank, ompi[1], world)
+    elif environ.get("PMI_SIZE") or environ.get("PMI_RANK"):
         launcher = "MPICH/Intel MPI's mpiexec"
-        rank = _int_var(environ, "PMI_RANK", launcher)
+        _all_set(environ, ["PMI_RANK", "PMI_SIZE"], launcher)
+        rank = _int_var(environ, "PMI_RANK", launcher, within=RANKS)
         world = _int_var(environ, "PMI_SIZE", launcher, within=WORLD_SIZES)
-        local_rank = _int_var(environ, "MPI_LOCALRANKID", launcher, _int_var(environ, "PMI_LOCAL_RANK", launcher, 0))
+        _in_world("PMI_RANK", rank, "PMI_SIZE", world)
+        local_rank = _int_var(environ, "MPI_LOCALRANKID", launcher,
+                              _int_var(environ, "PMI_LOCAL_RANK", launcher, 0, within=RANKS), within=RANKS)
         local_world = _int_var(environ, "MPI_LOCALNRANKS", launcher,
-                               _int_var(environ, "PMI_LOCAL_SIZE", launcher, world))
+                               _int_var(environ, "PMI_LOCAL_SIZE", launcher, world, within=WORLD_SIZES),
+                               within=WORLD_SIZES)
     else:
         raise UserError("--dist-init-method mpi looked for OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI) and "
                         "PMI_RANK/PMI_SIZE (MPICH, Intel MPI) but none is set; these are set by mpirun/mpiexec")
@@ -287,14 +312,28 @@ class LaunchSettings:
     dist_url: Optional[str] = option(None, "rank 0's address for mpi across nodes", "distributed",
                                      "tcp://HOST:PORT")
     dist_timeout: float = option(300.0, "how long to wait for peers and the rendezvous store", "distributed",
-                                 "SECONDS", type=options.positive_float)
+                                 "SECONDS", type=options.timeout_seconds)
     threads: Optional[int] = option(None, "torch threads per rank, the same rule under every launcher", "run", "N",
                                     shown_default="cores / processes per node", type=options.per_node_count)
 
 
+# the methods that read each of these flags
+FLAG_METHODS = {"nproc_per_node": ("spawn", "slurm"), "master_port": ("slurm", "mpi", "spawn"), "dist_url": ("mpi",)}
+
+
+def ignored_flags(method: str, request: LaunchRequest) -> list[str]:
+    """Flags given that `method` does not read: a recipe may carry them, so they are said, not refused."""
+    return [f"--{name.replace('_', '-')} is for --dist-init-method {' or '.join(methods)}; ignored under {method}"
+            for name, methods in FLAG_METHODS.items() if getattr(request, name) is not None and method not in methods]
+
+
 def resolve_launch(method: str, environ: Mapping[str, str], **request: Any) -> LaunchPlan:
-    """`request`: LaunchRequest's fields."""
+    """`request`: LaunchRequest's fields. Rank 0 warns of the flags the method ignores."""
     if method not in METHODS:
         raise UserError(f"--dist-init-method {method!r} is not supported; choose {', '.join(METHODS)}")
-    return METHODS[method].plan(environ, LaunchRequest(**request))
+    asked = LaunchRequest(**request)
+    plan = METHODS[method].plan(environ, asked)
+    for line in ignored_flags(method, asked) if plan.env.is_main else ():
+        print(f"warning: {line}", file=sys.stderr, flush=True)
+    return plan
 

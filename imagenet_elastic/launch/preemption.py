@@ -21,20 +21,29 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import Optional
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import UserError, first_line
 from imagenet_elastic.options import option
+
+# Signals that cannot mean "preempted": uncaught (KILL, STOP), sent by the system for other reasons (a child's end,
+# a terminal's resize or job control, a closed pipe, a profiler's timer) or for the process's own faults
+NOT_PREEMPTION = {getattr(signal, name) for name in (
+    "SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCONT", "SIGWINCH", "SIGURG", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGPIPE",
+    "SIGSEGV", "SIGBUS", "SIGFPE", "SIGILL", "SIGABRT", "SIGTRAP", "SIGSYS", "SIGPROF", "SIGVTALRM", "SIGIO")
+    if hasattr(signal, name)}
 
 
 def parse_signals(text: str) -> tuple[str, ...]:
-    """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names are a user error."""
+    """`SIGTERM,USR1` -> ("SIGTERM", "SIGUSR1"); `none` -> (). Unknown names, and NOT_PREEMPTION's, are a user
+    error."""
     if text.strip().lower() == "none":
         return ()
     names = []
     for item in text.split(","):
         name = item.strip().upper()
         name = name if name.startswith("SIG") else f"SIG{name}"
-        if name not in signal.Signals.__members__ or name in ("SIGKILL", "SIGSTOP"):
-            raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught")
+        if name not in signal.Signals.__members__ or signal.Signals[name] in NOT_PREEMPTION:
+            raise UserError(f"--preempt-signals: {item.strip()!r} is not a signal that can be caught and mean a "
+                            "preemption")
         names.append(name)
     return tuple(dict.fromkeys(names))
 
@@ -144,9 +153,11 @@ def slurm_job_to_requeue(environ: Mapping[str, str]) -> Optional[str]:
 
 
 def requeue_slurm_job(job: str) -> str:
-    """Ask Slurm to put the job back in the queue; returns what went wrong, or "" on success."""
+    """Ask Slurm to put the job back in the queue; returns what went wrong (scontrol's first line), or "" on
+    success."""
     try:
         done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.TimeoutExpired) as error:
-        return str(error)
-    return "" if done.returncode == 0 else (done.stderr.strip() or f"scontrol exited with {done.returncode}")
+        return first_line(error)
+    said = [line.strip() for line in (done.stderr + done.stdout).splitlines() if line.strip()]
+    return "" if done.returncode == 0 else (said or [f"scontrol exited with {done.returncode}"])[0]

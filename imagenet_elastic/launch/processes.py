@@ -28,6 +28,7 @@ from imagenet_elastic.errors import (
     UserError,
     report,
 )
+from imagenet_elastic.launch.distributed import port_in_use
 from imagenet_elastic.launch.launchers import DistEnv
 from imagenet_elastic.launch.preemption import signal_numbers
 
@@ -86,8 +87,15 @@ def spawn_workers(entry: Entry, config: Any, task_env: DistEnv, procs: int) -> N
     if task_env.store_is_external:
         # single-node spawn: this parent hosts the store until its children end, on a free port it holds before they
         # start, so no port is guessed and none can be taken in between
-        store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
-                              timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
+        try:
+            store = dist.TCPStore(task_env.master_addr, task_env.master_port, is_master=True,
+                                  timeout=timedelta(seconds=config.dist_timeout), wait_for_workers=False)
+        except RuntimeError as error:
+            if not port_in_use(error):
+                raise
+            report(UserError(f"--master-port {task_env.master_port} is already in use on this host: pass another, "
+                             "or none for a free one"), 0)
+            sys.exit(USER_ERROR_EXIT)
         task_env = dataclasses.replace(task_env, master_port=store.port)
     logging.getLogger("torch.multiprocessing.spawn").addFilter(not_terminating)
     context = mp.start_processes(_child, args=(entry, config, task_env, procs), nprocs=procs, join=False,

@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import socket
+import time
+
 import pytest
 import torch
 from conftest import assert_names
 
-from imagenet_elastic.errors import UserError
+from imagenet_elastic.errors import RendezvousError, UserError
 from imagenet_elastic.launch import distributed
 from imagenet_elastic.launch.distributed import (
     DistEnv,
@@ -96,3 +99,18 @@ def test_more_local_processes_than_gpus_under_other_launchers_are_refused(monkey
 def test_a_cuda_rank_joins_with_nccl_bound_to_its_device_and_a_cpu_rank_with_gloo():
     assert group_options(torch.device("cuda", 3)) == {"backend": "nccl", "device_id": torch.device("cuda", 3)}
     assert group_options(torch.device("cpu")) == {"backend": "gloo"}
+
+
+def test_a_master_port_in_use_where_rank_0_hosts_the_store_is_said_at_once_naming_it():
+    """It said "gave up waiting for the other ranks ... after 10 s" though it had failed at once."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        env = DistEnv(master_port=port, launched=True, launcher="torchrun")
+        began = time.monotonic()
+        with pytest.raises(RendezvousError) as info:
+            distributed.init_process_group(env, torch.device("cpu"), 10.0)
+    assert time.monotonic() - began < 5
+    assert_names(str(info.value), f"MASTER_PORT={port}")
+    assert "gave up" not in str(info.value)

@@ -564,3 +564,75 @@ def test_a_world_size_variable_too_large_for_the_store_is_refused_naming_it(read
     with pytest.raises(UserError) as info:
         read(**{name: str(2**40)})
     assert_names(str(info.value), f"{name}={2**40}")
+
+
+@pytest.mark.parametrize(("launcher", "changes", "names"), [
+    ("slurm", {"SLURM_PROCID": "8"}, ["SLURM_PROCID=8", "SLURM_NTASKS=8"]),
+    ("mpi", {"OMPI_COMM_WORLD_RANK": "5"}, ["OMPI_COMM_WORLD_RANK=5", "OMPI_COMM_WORLD_SIZE=2"]),
+], ids=["slurm", "mpi"])
+def test_a_rank_outside_the_world_is_refused_naming_both_variables(launcher, changes, names):
+    """It would wait --dist-timeout for a rendezvous that cannot complete, then print C++ frames."""
+    with pytest.raises(UserError) as info:
+        READ_BY[launcher](**changes)
+    assert_names(str(info.value), *names)
+
+
+@pytest.mark.parametrize(("launcher", "name", "value"), [
+    ("torchrun", "LOCAL_RANK", "-1"), ("torchrun", "LOCAL_WORLD_SIZE", "0"), ("slurm", "SLURM_LOCALID", "-1"),
+    ("mpi", "OMPI_COMM_WORLD_LOCAL_SIZE", "0"), ("mpi", "OMPI_COMM_WORLD_LOCAL_RANK", "-2"),
+    ("slurm", "SLURM_RESTART_COUNT", "x"),
+])
+def test_a_local_rank_or_size_or_count_out_of_range_is_refused_naming_it(launcher, name, value):
+    with pytest.raises(UserError) as info:
+        READ_BY[launcher](**{name: value})
+    assert_names(str(info.value), f"{name}={value!r}" if value == "x" else f"{name}={value}")
+
+
+def test_an_empty_master_addr_under_torchrun_is_refused_naming_it():
+    """It was taken as a host name: the rendezvous retried '' until --dist-timeout."""
+    with pytest.raises(UserError) as info:
+        READ_BY["torchrun"](MASTER_ADDR="")
+    assert_names(str(info.value), "MASTER_ADDR")
+
+
+@pytest.mark.parametrize(("environ", "missing"), [
+    ({"OMPI_COMM_WORLD_RANK": "0"},
+     ["OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"]),
+    ({"PMI_RANK": "0"}, ["PMI_SIZE"]),
+], ids=["ompi", "pmi"])
+def test_mpi_with_some_of_its_variables_names_the_missing_ones(environ, missing):
+    with pytest.raises(UserError) as info:
+        env_from_mpi(environ)
+    assert_names(str(info.value), *missing)
+
+
+@pytest.mark.parametrize(("method", "flags", "named"), [
+    ("env", {"nproc_per_node": 2}, ["--nproc-per-node", "spawn", "env"]),
+    ("env", {"master_port": 29999}, ["--master-port", "env"]),
+    ("env", {"dist_url": "tcp://h:1"}, ["--dist-url", "mpi", "env"]),
+    ("spawn", {"dist_url": "tcp://h:1"}, ["--dist-url", "mpi", "spawn"]),
+])
+def test_a_flag_the_launch_method_does_not_read_is_warned_of_not_refused(capsys, method, flags, named):
+    """A recipe may carry it; ignored silently, `--nproc-per-node 2` under env ran one process unsaid."""
+    resolve_launch(method, {}, **flags)
+    warning = capsys.readouterr().err
+    assert warning.startswith("warning:") and len(warning.splitlines()) == 1
+    assert_names(warning, *named)
+
+
+def test_flags_the_method_reads_and_other_ranks_warn_of_nothing(capsys):
+    resolve_launch("spawn", {}, nproc_per_node=2, master_port=29999)
+    resolve_launch("env", {**WORKER_ENV}, nproc_per_node=2)  # rank 3: rank 0 said it
+    assert capsys.readouterr().err == ""
+
+
+@pytest.mark.parametrize("seconds", ["1e10", "1e15", "604801"])
+def test_a_dist_timeout_beyond_a_week_is_refused_naming_the_flag(capsys, seconds):
+    """1e15 ended in an OverflowError traceback; 1e10 made the store time out at once."""
+    from imagenet_elastic.cli import build_parser
+
+    with pytest.raises(SystemExit) as info:
+        build_parser().parse_args(["/data", "--dist-timeout", seconds])
+    assert info.value.code == 2
+    assert_names(capsys.readouterr().err, "--dist-timeout", seconds)
+    assert build_parser().parse_args(["/data", "--dist-timeout", "604800"]).dist_timeout == 604800

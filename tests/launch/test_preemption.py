@@ -7,6 +7,7 @@ import signal
 import time
 
 import pytest
+from conftest import assert_names
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.preemption import PreemptionFlag, StoppedAtOnce, parse_signals, slurm_job_to_requeue
@@ -27,6 +28,14 @@ def test_signal_names_are_normalised(text, expected):
 def test_signals_that_cannot_be_caught_are_refused(text):
     with pytest.raises(UserError, match="--preempt-signals"):
         parse_signals(text)
+
+
+@pytest.mark.parametrize("text", ["SIGCHLD", "CLD", "winch", "SIGPIPE", "SIGCONT", "SIGSEGV", "SIGTERM,SIGTSTP"])
+def test_signals_that_cannot_mean_a_preemption_are_refused_naming_the_flag(text):
+    """SIGCHLD was accepted, then the run stopped at start-up when a child process ended."""
+    with pytest.raises(UserError) as info:
+        parse_signals(text)
+    assert_names(str(info.value), "--preempt-signals", repr(text.split(",")[-1]))
 
 
 def test_flag_records_the_first_signal_and_the_previous_handler_comes_back():

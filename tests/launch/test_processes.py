@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import socket
 import time
+from types import SimpleNamespace
 
-from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT
-from imagenet_elastic.launch.processes import wait_for_ranks
+import pytest
+from conftest import assert_names
+
+from imagenet_elastic.errors import INTERRUPTED_EXIT, PREEMPTED_EXIT, USER_ERROR_EXIT
+from imagenet_elastic.launch.launchers import DistEnv
+from imagenet_elastic.launch.processes import spawn_workers, wait_for_ranks
 
 
 def _ends(after_s: float, code: int) -> None:
@@ -45,3 +51,23 @@ def test_a_rank_that_failed_ends_the_wait_at_once_and_one_that_outlives_the_grac
     for process in failed + slow:
         process.kill()
         process.join()
+
+
+def _never_started(_config: object, _env: DistEnv) -> None:
+    raise AssertionError("no rank may start: the store could not listen")
+
+
+def test_spawn_on_a_master_port_in_use_ends_in_one_line_naming_the_flag_and_port(capsys):
+    """It was a DistNetworkError (EADDRINUSE) traceback, exit 1."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = SimpleNamespace(dist_timeout=5.0, preempt_signals=())
+        env = DistEnv(master_port=port, launcher="spawn", store_is_external=True)
+        with pytest.raises(SystemExit) as info:
+            spawn_workers(_never_started, config, env, 2)
+    assert info.value.code == USER_ERROR_EXIT
+    err = capsys.readouterr().err
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert_names(err, "--master-port", port)

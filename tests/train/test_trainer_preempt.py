@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_RUN, assert_names
 
 from imagenet_elastic.checkpoint import saving
-from imagenet_elastic.errors import PREEMPTED_EXIT
+from imagenet_elastic.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
 from imagenet_elastic.launch import preemption
 from imagenet_elastic.train import trainer as trainer_module
 
@@ -127,3 +127,27 @@ def test_a_vanished_peer_without_a_signal_or_another_error_with_one_stays_a_cras
     monkeypatch.setattr(trainer_module, "fit_micro_batches", failing_start_up(received, message))
     with pytest.raises(RuntimeError, match=re.escape(message)):
         inprocess.command(args(image_folder, tmp_path))
+
+
+def test_a_failed_requeue_says_one_line_on_stderr_and_exits_2_not_75(image_folder, tmp_path, monkeypatch):
+    """It printed scontrol's lines to stdout and exited 75, as if the job would come back."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    scontrol = bin_dir / "scontrol"
+    scontrol.write_text("#!/bin/sh\nfor n in 1 2 3 4; do echo \"scontrol: error $n: Requeue disabled\" >&2; done\n"
+                        "exit 1\n")
+    scontrol.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bin_dir}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "4242")
+
+    def signalled(*_args, **_kwargs):
+        os.kill(os.getpid(), signal.SIGUSR1)
+        time.sleep(5)
+    monkeypatch.setattr(trainer_module, "fit_micro_batches", signalled)
+    done = inprocess.command(args(image_folder, tmp_path / "ck", "--requeue-on-preempt"))
+    assert done.returncode == USER_ERROR_EXIT, done.stderr
+    assert "scontrol: error" not in done.stdout
+    said = [line for line in done.stderr.splitlines() if "scontrol" in line]
+    assert len(said) == 1, done.stderr
+    assert_names(said[0], "scontrol requeue 4242", "error 1")
+    assert_names(stop_line(done.stdout), "SIGUSR1", USER_ERROR_EXIT)
