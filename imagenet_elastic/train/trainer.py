@@ -23,7 +23,6 @@ from imagenet_elastic.data.sources import Source
 from imagenet_elastic.errors import (
     INTERRUPTED_EXIT,
     PREEMPTED_EXIT,
-    USER_ERROR_EXIT,
     Preempted,
     RendezvousError,
     UserError,
@@ -262,11 +261,13 @@ class Trainer:
         stop exits 130 and requeues nothing: someone asked for it."""
         c, flag = self.config, self.preempt
         self.checkpointer.settle()
-        code = INTERRUPTED_EXIT if flag.interrupted else requeue_if_asked(c, self.env, self.console)
+        code = INTERRUPTED_EXIT if flag.interrupted else PREEMPTED_EXIT
         came = (f"{'Ctrl-C' if flag.interrupted else flag.received} came after step {flag.received_after}"
                 if flag.received else "a preemption signal came to another rank")
         self.console.info(f"{came}; stopped after step {self.state.step} with a checkpoint in "
                           f"{self.checkpointer.files.last_path}; exiting with code {code}")
+        if not flag.interrupted:
+            requeue_if_asked(c, self.env, self.console)
         raise Preempted(code)
 
     def say_what_an_interrupt_kept(self) -> None:
@@ -332,18 +333,17 @@ class Trainer:
         self.ctx = self.loaders = self.state = self.training = None  # type: ignore[assignment]
 
 
-def requeue_if_asked(config: Config, env: DistEnv, console: Console) -> int:
-    """After a preemption's stop, with --requeue-on-preempt: rank 0 puts the Slurm job back in the queue. The exit
-    code: 75, or 2 where the requeue failed (one warning line): the job will not come back by itself."""
+def requeue_if_asked(config: Config, env: DistEnv, console: Console) -> None:
+    """After a preemption's stop, with --requeue-on-preempt: rank 0 puts the Slurm job back in the queue. Where that
+    fails the exit code stays 75 (the checkpoint is written; the same command resumes), with one warning line."""
     if not (config.requeue_on_preempt and env.is_main):
-        return PREEMPTED_EXIT
+        return
     job = preemption.slurm_job_to_requeue(os.environ)  # None only before build's check of it
     problem = preemption.requeue_slurm_job(job) if job else "SLURM_JOB_ID is not set"
     if problem:
-        console.warn(f"not requeued: `scontrol requeue {job or ''}` failed: {problem}")
-        return USER_ERROR_EXIT
-    console.info(f"requeued Slurm job {job}")
-    return PREEMPTED_EXIT
+        console.warn(f"not requeued: `scontrol requeue {job or ''}` failed: {problem}; run the same command again")
+    else:
+        console.info(f"requeued Slurm job {job}")
 
 
 def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name: str) -> Preempted:
@@ -356,12 +356,13 @@ def stopped_at_once(config: Config, env: DistEnv, console: Console, signal_name:
     cause = signal_name
     if signal_name == "SIGTERM" and env.world_size > 1:
         cause = "SIGTERM (a preemption, or the launcher's stop after another rank failed)"
-    code = requeue_if_asked(config, env, console) if signal_name != "SIGTERM" else PREEMPTED_EXIT
     console.info(f"{cause}: stopped before training began: nothing trained, no checkpoint written; "
-                 f"exiting with code {code}")
-    if signal_name == "SIGTERM" and config.requeue_on_preempt and env.is_main:
+                 f"exiting with code {PREEMPTED_EXIT}")
+    if signal_name != "SIGTERM":
+        requeue_if_asked(config, env, console)
+    elif config.requeue_on_preempt and env.is_main:
         console.info("not requeued: at start-up a SIGTERM may be the launcher's, after another rank failed")
-    return Preempted(code)
+    return Preempted(PREEMPTED_EXIT)
 
 
 def peer_stopped_first(error: BaseException, preempt: preemption.PreemptionFlag) -> bool:

@@ -13,7 +13,7 @@ import pytest
 from conftest import SMALL_RUN, assert_names
 
 from imagenet_elastic.checkpoint import saving
-from imagenet_elastic.errors import PREEMPTED_EXIT, USER_ERROR_EXIT
+from imagenet_elastic.errors import PREEMPTED_EXIT
 from imagenet_elastic.launch import preemption
 from imagenet_elastic.train import trainer as trainer_module
 
@@ -129,8 +129,8 @@ def test_a_vanished_peer_without_a_signal_or_another_error_with_one_stays_a_cras
         inprocess.command(args(image_folder, tmp_path))
 
 
-def test_a_failed_requeue_says_one_line_on_stderr_and_exits_2_not_75(image_folder, tmp_path, monkeypatch):
-    """It printed scontrol's lines to stdout and exited 75, as if the job would come back."""
+def test_a_failed_requeue_says_one_line_on_stderr_and_still_exits_75(image_folder, tmp_path, monkeypatch):
+    """It printed scontrol's four lines to stdout; the checkpoint is written, so the exit stays 75."""
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     scontrol = bin_dir / "scontrol"
@@ -145,9 +145,9 @@ def test_a_failed_requeue_says_one_line_on_stderr_and_exits_2_not_75(image_folde
         time.sleep(5)
     monkeypatch.setattr(trainer_module, "fit_micro_batches", signalled)
     done = inprocess.command(args(image_folder, tmp_path / "ck", "--requeue-on-preempt"))
-    assert done.returncode == USER_ERROR_EXIT, done.stderr
+    assert done.returncode == PREEMPTED_EXIT, done.stderr
     assert "scontrol: error" not in done.stdout
     said = [line for line in done.stderr.splitlines() if "scontrol" in line]
     assert len(said) == 1, done.stderr
     assert_names(said[0], "scontrol requeue 4242", "error 1")
-    assert_names(stop_line(done.stdout), "SIGUSR1", USER_ERROR_EXIT)
+    assert_names(stop_line(done.stdout), "SIGUSR1", PREEMPTED_EXIT)
