@@ -262,6 +262,15 @@ def describe_published(published: Weights, classes: int) -> str:
            f"{classes} here)"
 
 
+def unread_file(path: str, error: Exception) -> str:
+    """Why a weights file could not be read, in our words where checkpoint/store.py's look at its zip directory tells
+    (torch says "101" or "pop from empty list"); a whole pickled model: torch's line naming the class it refused."""
+    refused = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line), None)
+    if refused is not None or path.endswith(".safetensors"):
+        return (refused or first_line(error))[:200]
+    return store.damage(path) or "its content cannot be read back"
+
+
 class InitialWeights(NamedTuple):
     """--initial-checkpoint's tensors by name: ours, a state dict as timm and torchvision save one, or a safetensors."""
 
@@ -299,9 +308,8 @@ class InitialWeights(NamedTuple):
         except OSError as error:
             raise UserError(f"--initial-checkpoint {path}: {error.strerror or error}") from None
         except Exception as error:  # a parser fed bytes that are not its format fails in any way it likes
-            why = next((line.strip() for line in str(error).splitlines() if "Unsupported global" in line),
-                       first_line(error))  # a whole pickled model: torch's first line is only advice
-            raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict ({why[:200]})") from None
+            raise UserError(f"--initial-checkpoint {path} is not a checkpoint or state dict: "
+                            f"{unread_file(path, error)}") from None
         ours = isinstance(loaded, dict) and "model_name" in loaded
         settings = loaded.get("config") if ours else None
         classes = tuple(loaded["classes"]) if ours and isinstance(loaded.get("classes"), (list, tuple)) else None

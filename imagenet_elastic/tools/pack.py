@@ -335,8 +335,12 @@ def _leave_interrupts_to_the_parent() -> None:
 
 
 def upload(staged: str, out: str) -> dict[str, int]:
-    """Every staged file to the store at `out`, indexes and pack.json last; objects there at their size are skipped."""
+    """Every staged file to the store at `out`: first a pack.json that calls the pack unfinished (a split read before
+    the upload ends is refused, as on disk), the indexes and the whole pack.json last; objects there at their size are
+    skipped."""
     timeout = object_store.settings().timeout
+    unfinished = {**(tar_shards.pack_record(staged) or {}), "complete": False}
+    object_store.write_bytes(json.dumps(unfinished, indent=1).encode(), object_store.join(out, PACK_FILE), timeout)
     last = (tar_shards.INDEX_NAME, PACK_FILE)
     files = sorted((os.path.relpath(os.path.join(root, name), staged) for root, _, names in os.walk(staged)
                     for name in names if not name.startswith(TEMP_PREFIX)),

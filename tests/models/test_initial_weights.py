@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import zipfile
 
 import pytest
 import timm
@@ -11,6 +12,7 @@ import torch
 from conftest import assert_names
 from safetensors.torch import save_file
 
+from imagenet_elastic.checkpoint import store
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.models.create import create_model
 from imagenet_elastic.models.weights import InitialWeights
@@ -117,6 +119,30 @@ def test_a_file_that_is_not_a_checkpoint_is_refused_naming_it(tmp_path, content,
         path.write_bytes(content)
     with pytest.raises(UserError, match=f"--initial-checkpoint {path} {message}"):
         InitialWeights.read(str(path))
+
+
+def foreign_zip(path) -> None:
+    with zipfile.ZipFile(path, "w") as archive:
+        archive.writestr("notes.txt", "no weights")
+
+
+@pytest.mark.parametrize("damage", [
+    lambda path: path.write_text("hello"),
+    lambda path: path.write_bytes(b""),
+    lambda path: path.write_bytes(b"these are not weights" * 20),  # torch: IndexError "pop from empty list"
+    lambda path: (torch.save(source_model(4).state_dict(), path), os.truncate(path, 3000)),
+    foreign_zip,
+], ids=["text", "empty", "words", "cut_short", "foreign_zip"])
+def test_a_damaged_file_is_said_in_the_words_a_damaged_checkpoint_is(tmp_path, damage):
+    """What checkpoint/store.py says of the file from its zip directory, not torch's "101", "pop from empty list"
+    or "(EOFError)"."""
+    path = tmp_path / "weights.pth"
+    damage(path)
+    with pytest.raises(UserError) as caught:
+        InitialWeights.read(str(path))
+    why = store.damage(str(path))
+    assert why is not None
+    assert_names(str(caught.value), f"--initial-checkpoint {path}", why)
 
 
 def test_a_missing_file_is_named(tmp_path):

@@ -132,7 +132,7 @@ def test_foreign_shards_in_s3_are_indexed_by_ranged_reads_once_and_train_as_on_d
     first = proxy.stats()["requests"]
     proxy.reset_stats()
     open_source(f"{url}/train/part-{{0000..0003}}.tar", "train", str(from_store))  # the kept index: no walk
-    assert proxy.stats()["requests"] <= 2 < first
+    assert proxy.stats()["requests"] <= 2 < first, [(r["method"], r["path"], r["status"]) for r in proxy.requests()]
 
 
 def test_a_pack_over_https_trains_bitwise_as_on_disk(shards, disk_run, range_http_server, store_env, tmp_path):
@@ -272,32 +272,40 @@ def test_a_changed_object_is_refused_in_a_pack_and_indexed_again_in_foreign_shar
         open_source(f"{url}/pack/train", "train", None)
 
 
-def test_pack_writes_to_a_store_the_bytes_of_a_local_pack_and_continues_an_interrupted_upload(
-        s3_server, image_folder, shards, store_env, monkeypatch, tmp_path):
+def test_pack_writes_to_a_store_the_bytes_of_a_local_pack_and_an_interrupted_upload_is_refused_until_continued(
+        s3_server, image_folder, shards, disk_run, store_env, monkeypatch, tmp_path):
     cache = store_env(s3_server)
     s3_server.create_bucket("packed")
     out = "s3://packed/imagenet-pack"
     real_write, calls, failed = object_store.write_file, [], []
 
-    def write_then_fail(local, url, timeout):  # the store goes away at the fourth upload of the first run
+    def write_then_fail(local, url, timeout):  # the store goes away at the eighth upload of the first run
         calls.append(url)
-        if len(calls) == 4 and not failed:
+        if len(calls) == 8 and not failed:
             failed.append(url)
             raise StoreUnavailable(f"the store did not answer for {url}")
         real_write(local, url, timeout)
 
     monkeypatch.setattr(object_store, "write_file", write_then_fail)
     first = command(["pack", str(image_folder), out, "--shard-size", "20"])
-    assert first.returncode == 69 and len(calls) == 4, first.stderr
+    assert first.returncode == 69 and len(calls) == 8, first.stderr
     client = s3_server.client()
     listed = {o["Key"] for o in client.list_objects_v2(Bucket="packed")["Contents"]}
-    assert "imagenet-pack/pack.json" not in listed and len(listed) == 3  # shards first: not yet a pack
+    assert len(listed) == 1 + 7 and max(listed) == "imagenet-pack/val/shard-000000.tar"  # and classes.txt, 5 train
+    record = json.loads(client.get_object(Bucket="packed", Key="imagenet-pack/pack.json")["Body"].read())
+    assert record["complete"] is False  # sent first: what was sent is not yet a pack
+    trained = command([out, *RUN, "--checkpoints-path", str(tmp_path / "ckpt")])
+    scored = command(["evaluate", str(disk_run / "last.pt"), out, "--workers", "0", "--amp", "none"])
+    for refused in (trained, scored):  # train's split, then evaluate's val split: neither has its index yet
+        assert refused.returncode == 2, refused.stderr
+        assert_names(single_line(refused.stderr), f"{out}/pack.json", f"imagenet-elastic pack {image_folder} {out}")
+    assert not (tmp_path / "ckpt").exists()
     calls.clear()
     again = command(["pack", str(image_folder), out, "--shard-size", "20"])
     assert again.returncode == 0, again.stderr
     local = shards / "pack"
     files = sorted(str(p.relative_to(local)) for p in local.rglob("*") if p.is_file())
-    assert len(calls) == len(files) - 3  # what the first run had sent is not sent again
+    assert len(calls) == len(files) - 7  # what the first run had sent is not sent again
     for name in files:
         body = client.get_object(Bucket="packed", Key=f"imagenet-pack/{name}")["Body"].read()
         if name.endswith(tar_shards.INDEX_NAME):  # its shards' local mtimes and folder are the staging folder's

@@ -250,6 +250,14 @@ def isdir(url: str, timeout: Optional[float] = None) -> bool:
     return scheme(url) not in ("http", "https") and _ask(url, timeout, lambda fs, path: fs.isdir(path.rstrip("/")))
 
 
+def listed(url: str, timeout: Optional[float] = None) -> Optional[Entry]:
+    """The object at `url` as its folder's listing shows it, or None: one request, where `find` of an absent object
+    takes two (s3fs then asks for a folder of its name); http(s), which cannot list, is asked for the object."""
+    if scheme(url) in ("http", "https"):
+        return find(url, timeout)
+    return next((e for e in listing(posixpath.dirname(url), timeout) if e.url == url), None)
+
+
 def listing(folder: str, timeout: Optional[float] = None) -> list[Entry]:
     """The objects right under `folder`, by name, with size and ETag: one LIST a thousand objects, no HEAD each."""
     if scheme(folder) in ("http", "https"):
@@ -279,6 +287,11 @@ def read_whole(url: str, timeout: Optional[float] = None) -> bytes:
 def write_file(local: str, url: str, timeout: Optional[float] = None) -> None:
     """A local file to the object at `url` (a multipart upload where the library makes one), retried as reads are."""
     _ask(url, timeout, lambda fs, path: fs.put_file(local, path))
+
+
+def write_bytes(data: bytes, url: str, timeout: Optional[float] = None) -> None:
+    """`data` as the object at `url`, retried as reads are."""
+    _ask(url, timeout, lambda fs, path: fs.pipe_file(path, data))
 
 
 class RangedFile:

@@ -354,7 +354,10 @@ def read_index(path: str, location: str, role: str, shards: list[str], packed: b
 
 
 def pack_record(folder: str) -> Optional[dict]:
-    """A folder's pack.json, or None where it has none readable."""
+    """A folder's pack.json (a store's too), or None where it has none readable."""
+    if object_store.is_url(folder):
+        found = object_store.listed(object_store.join(folder, PACK_FILE))
+        return as_pack_record(object_store.read_whole(found.url)) if found else None
     try:
         with open(os.path.join(folder, PACK_FILE), "rb") as f:
             return as_pack_record(f.read())
@@ -372,8 +375,8 @@ def as_pack_record(data: bytes) -> Optional[dict]:
 
 
 def check_pack_finished(location: str, role: str, root: str) -> None:
-    """Shards on disk of a pack `pack` has not finished (its pack.json, written first, says so) are refused: read as
-    shards from elsewhere, they would train on what it had written so far, silently."""
+    """Shards of a pack `pack` has not finished writing or uploading (its pack.json, written first, says so) are
+    refused: read as shards from elsewhere, they would train on what it had written so far, silently."""
     record = pack_record(root)
     if record is not None and record.get("complete") is False:
         raise UserError(f"{role} data {location} is part of a pack that `imagenet-elastic pack` did not finish "
@@ -642,8 +645,10 @@ def open_split(location: str, role: str, cache_dir: Optional[str], classes: Opti
     entries = store_shards(location, role) if object_store.is_url(location) else None
     shards = [e.url for e in entries] if entries else shard_paths(location, role)
     beside = os.path.join(os.path.dirname(shards[0]), INDEX_NAME)  # a URL's too (object_store.join)
-    if entries:  # a store holds a pack's pack.json only once the pack is whole (uploaded last): none to check
-        found = object_store.find(beside)
+    if entries:  # `pack` uploads a split's index after every shard: a split without one may be an upload cut short
+        found, root = object_store.find(beside), posixpath.dirname(posixpath.dirname(shards[0]))
+        if found is None and object_store.is_url(root):  # shards at a bucket's top have no folder above
+            check_pack_finished(location, role, root)
         packed = object_store.cache().local_copy(found) if found else None  # the local copy of a store's
     else:
         check_pack_finished(location, role, os.path.dirname(os.path.dirname(os.path.abspath(shards[0]))))
