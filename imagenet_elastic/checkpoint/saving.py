@@ -8,9 +8,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Callable, Optional
 
 import torch
@@ -62,6 +63,7 @@ class CheckpointWriter:
         self.background = background
         self.host = HostCopy(pin=device.type == "cuda") if background else None
         self.thread: Optional[threading.Thread] = None
+        self.written = threading.Event()  # set once the thread's write (and its `after`) ended
         self.error: Optional[Exception] = None
         self.stall_seconds = 0.0  # what the last save cost its caller
         self.write_seconds = 0.0  # how long the last save took to reach the disk
@@ -76,9 +78,12 @@ class CheckpointWriter:
         if self.host is None:
             self._write(state, epoch, is_best, after, start)
         else:
-            self.thread = threading.Thread(target=self._write, args=(self.host.copy(state), epoch, is_best, after,
-                                                                     start), name="checkpoint-writer", daemon=True)
-            self.thread.start()
+            thread = threading.Thread(target=self._write, args=(self.host.copy(state), epoch, is_best, after, start),
+                                      name="checkpoint-writer", daemon=True)
+            with ctrl_c_held():  # a Ctrl-C comes once the thread is started and known, or it could not be awaited
+                self.written.clear()
+                thread.start()
+                self.thread = thread
         self.stall_seconds = time.perf_counter() - start
 
     def _write(self, state: dict[str, Any], epoch: Optional[int], is_best: bool,
@@ -93,20 +98,34 @@ class CheckpointWriter:
                 after()
         except Exception as error:  # kept for the training thread: see `failed`
             self.error = error
-        self.write_seconds = time.perf_counter() - start
+        finally:
+            self.write_seconds = time.perf_counter() - start
+            self.written.set()
 
     @property
     def failed(self) -> bool:
         """Whether a save has failed; never waits (asked at every step)."""
         return self.error is not None
 
+    @property
+    def writing(self) -> bool:
+        """Whether a background write is in flight."""
+        return self.thread is not None and not self.written.is_set()
+
     def wait(self) -> Optional[Exception]:
-        """Until the save in flight is on disk (or has failed); returns the failure, if any."""
+        """Until the save in flight is on disk (or has failed); returns the failure, if any. A Ctrl-C here leaves the
+        write going and the wait repeatable: it waits on `written`, as a Thread.join that a Ctrl-C interrupted takes
+        the thread for ended while it still writes (CPython before 3.13, gh-90882)."""
         if self.thread is not None:
-            with contextlib.suppress(RuntimeError):  # never started: a second Ctrl-C came between its making and start
-                self.thread.join()
+            self.written.wait()
+            self.thread.join()  # ending: the write is done
             self.thread = None
         return self.error
+
+    def abandon(self) -> bool:
+        """Whether a write was in flight, which nothing waits for from now on: a Ctrl-C stopped the wait at once."""
+        writing, self.thread = self.writing, None
+        return writing
 
     def take_error(self) -> Exception:
         """The failure, handed over once to be raised."""
@@ -173,6 +192,16 @@ class Checkpointer:
             except OSError as error:
                 raise StorageError(f"cannot remove {path}, left by an interrupted write in the checkpoints folder: "
                                    f"{error.strerror or error}; remove it by hand") from None
+
+
+@contextlib.contextmanager
+def ctrl_c_held() -> Iterator[None]:
+    """A Ctrl-C (SIGINT) during the block comes at its end; threads started in it never take one."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def run_each(steps: list[Callable[[], None]]) -> None:

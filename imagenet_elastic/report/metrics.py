@@ -5,6 +5,7 @@ epoch's end (metrics.jsonl), and the scalars every sink (report/sinks) makes of 
 from __future__ import annotations
 
 import json
+import math
 import os
 from typing import Any, Protocol
 
@@ -69,10 +70,18 @@ def scalars(kind: str, row: dict[str, Any]) -> dict[str, float]:
     return {f"{kind}/{key}": float(value) for key, value in row.items() if key != "step" and is_number(value)}
 
 
+def json_line(row: dict[str, Any]) -> str:
+    """A row as a line of strict JSON: a number that is not finite (a diverged loss) is null, which every JSON
+    reader takes (json.dumps' bare NaN and Infinity are not JSON: jq, pandas and strict parsers refuse the file)."""
+    finite = {key: None if isinstance(value, float) and not math.isfinite(value) else value
+              for key, value in row.items()}
+    return json.dumps(finite, allow_nan=False) + "\n"
+
+
 def write(folder: str, history: list[dict[str, Any]]) -> None:
     """Rewrite metrics.jsonl from the checkpointed history (atomic; a few hundred bytes per epoch), so a run killed
     between the two writes, or resumed from an older checkpoint, never repeats or loses an epoch's row."""
-    store_bytes("".join(json.dumps(row) + "\n" for row in history).encode(), os.path.join(folder, FILENAME))
+    store_bytes("".join(map(json_line, history)).encode(), os.path.join(folder, FILENAME))
 
 
 def read(path: str) -> list[dict[str, Any]]:

@@ -271,23 +271,33 @@ class Trainer:
         raise Preempted(code)
 
     def say_what_an_interrupt_kept(self) -> None:
-        """After a Ctrl-C that stopped at once: the checkpoint on disk (the write in flight ends first, and counts)
-        and the steps trained since, which are lost."""
+        """After a Ctrl-C that stopped at once: the checkpoint on disk (the write in flight ends first, and counts;
+        another Ctrl-C abandons it) and the steps trained since, which are lost."""
+        writer = self.checkpointer.writer
         self.preempt.checkpoint_on_interrupt = False  # a Ctrl-C during the wait stops it at once
-        self.checkpointer.writer.wait()
-        path, saved = self.checkpointer.files.last_path, self.checkpointer.writer.on_disk
+        if writer.writing:
+            self.console.info("waiting for the checkpoint write in flight to end (Ctrl-C again abandons it)")
+        abandoned = ""
+        try:
+            writer.wait()
+        except KeyboardInterrupt:
+            if writer.abandon():
+                abandoned = "abandoning the checkpoint write in flight (its temp file is removed at the next start); "
+        path, saved = self.checkpointer.files.last_path, writer.on_disk
         if saved is None and self.started_from is not None:
             path, saved = self.started_from
         step = self.state.step
         if saved is None:
             self.console.info(f"Ctrl-C: stopped at once after step {step}, before the run's first checkpoint: "
+                              + abandoned
                               + (f"lost: {counted(step, 'step')} trained" if step else "nothing trained, none lost"))
             return
         at, epochs, samples = saved
         where = f"{samples} samples into epoch {epochs + 1}" if samples else f"{counted(epochs, 'epoch')} done"
         lost = f"lost: {counted(step - at, 'step')} trained since" if step > at else "nothing lost"
         again = "; --resume continues from it" if path == self.checkpointer.files.last_path else ""
-        self.console.info(f"Ctrl-C: stopped at once after step {step}; kept {path} (step {at}, {where}); {lost}{again}")
+        self.console.info(f"Ctrl-C: stopped at once after step {step}; {abandoned}kept {path} (step {at}, {where}); "
+                          f"{lost}{again}")
 
     def say_where_it_starts(self) -> None:
         """Where training continues from; rank 0 also tidies the folder it holds the lock of."""

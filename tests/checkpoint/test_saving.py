@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import errno
 import os
+import signal
 import threading
 
 import pytest
@@ -146,6 +147,26 @@ def test_a_ctrl_c_between_the_writers_making_and_its_start_leaves_close_nothing_
         writer.submit({"step": 2, "epoch": 0, "model": {"x": torch.zeros(2)}}, epoch=None, is_best=False)
     assert writer.close() is None
     assert load(str(tmp_path / "last.pt"))["step"] == 1
+
+
+def test_a_ctrl_c_during_a_wait_leaves_the_write_going_and_the_next_wait_waits_for_it(tmp_path, monkeypatch):
+    """A Thread.join that a signal interrupted takes the thread for ended (CPython gh-90882): a wait after it would
+    return before the file is on disk, and a process exiting then would lose the write."""
+    gate = GatedWrites(monkeypatch)
+    writer = CheckpointWriter(CheckpointFolder(str(tmp_path), keep=0), background=True, device=CPU)
+    writer.submit(live_state(1.0), epoch=None, is_best=False)
+    gate.wait_started()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        threading.Timer(0.2, signal.pthread_kill, (threading.main_thread().ident, signal.SIGINT)).start()
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert writer.writing and writer.on_disk is None
+    threading.Timer(0.3, gate.release.set).start()
+    assert writer.wait() is None and not writer.writing
+    assert writer.on_disk is not None and saved(tmp_path / "last.pt")["model"]["w"][0] == 1.0
 
 
 def test_a_synchronous_writer_has_the_file_on_disk_when_submit_returns(tmp_path):

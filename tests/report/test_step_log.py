@@ -8,8 +8,9 @@ from __future__ import annotations
 import importlib.util
 import json
 
+import inprocess
 import pytest
-from conftest import assert_names
+from conftest import SMALL_RUN, assert_names
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from imagenet_elastic import cli
@@ -19,6 +20,7 @@ from imagenet_elastic.report.sinks import Sinks, chosen, tensorboard_wanted
 from imagenet_elastic.report.sinks.steps_file import FILENAME, StepsFile, kept_rows, trim
 from imagenet_elastic.report.sinks.tensorboard_events import FOLDER as TENSORBOARD_DIR
 from imagenet_elastic.report.sinks.tensorboard_events import TensorBoard
+from imagenet_elastic.tools import plot
 from imagenet_elastic.train.trainer import best_epoch
 
 
@@ -143,3 +145,21 @@ def test_a_log_file_gets_plain_lines_whatever_force_color_and_tty_compatible_say
     out, err = capsys.readouterr()
     assert out.splitlines() == ["epoch 1/1 step 2/4 loss 2", "epoch 1/1 step 4/4 loss 4"]
     assert err == "warning: look here\n" and "\x1b[" not in out + err
+
+
+def strict_json_rows(path) -> list[dict]:
+    """The file's rows as a strict JSON parser (jq, pandas) reads them: a bare NaN or Infinity is refused."""
+    def refused(constant: str) -> None:
+        raise ValueError(f"{constant} is not JSON")
+    return [json.loads(line, parse_constant=refused) for line in path.read_text().splitlines()]
+
+
+def test_a_diverged_runs_losses_are_null_in_metrics_and_steps_jsonl_and_the_plot_reads_them(image_folder, tmp_path):
+    inprocess.train([str(image_folder), *SMALL_RUN, "--workers", "0", "--epochs", "2", "--max-steps-per-epoch", "2",
+                     "--lr", "1e30", "--checkpoints-path", str(tmp_path)])
+    epochs, steps = strict_json_rows(tmp_path / "metrics.jsonl"), strict_json_rows(tmp_path / "steps.jsonl")
+    assert [row["epoch"] for row in epochs] == [1, 2] and epochs[-1]["train_loss"] is None
+    assert epochs[-1]["val_loss"] is None and isinstance(epochs[-1]["val_top1"], float)
+    assert steps[-1]["loss"] is None and isinstance(steps[-1]["lr"], float)
+    assert plot.read_metrics(str(tmp_path)) == epochs
+    plot.figure(epochs, plot.read_steps(str(tmp_path)))  # the diverged curves as gaps

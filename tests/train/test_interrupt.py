@@ -10,11 +10,15 @@ import os
 import re
 import signal
 import subprocess
+import sys
+import threading
+import time
 
 import inprocess
 import pytest
 from conftest import REPO, SMALL_RUN, assert_names, child_env, load_checkpoint, python_cmd, run, run_and_kill
 
+from imagenet_elastic.checkpoint import store
 from imagenet_elastic.errors import INTERRUPTED_EXIT
 from imagenet_elastic.train import trainer as trainer_module
 from imagenet_elastic.train.trainer import Trainer
@@ -63,6 +67,45 @@ def test_a_second_ctrl_c_stops_at_once_naming_the_checkpoint_kept_and_the_steps_
     assert_names(ctrl_c_line(capsys.readouterr().out), "at once", "step 3", tmp_path / "last.pt", "step 2",
                  "16 samples", "epoch 1", "1 step", "--resume")
     assert load_checkpoint(tmp_path / "last.pt")["step"] == 2  # as it was: the step-2 checkpoint, whole
+
+
+def ctrl_c_during_the_write(monkeypatch, times: int) -> threading.Event:
+    """The first checkpoint write, held at its start, sends the training thread `times` Ctrl-Cs 0.3 s apart, then
+    writes once the Event returned is set (by the test, or 0.3 s on with a single Ctrl-C)."""
+    release, save_to = threading.Event(), store.save_to
+
+    def held(state, file) -> None:  # type: ignore[no-untyped-def]
+        for _ in range(times):
+            time.sleep(0.3)
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        release.wait(0.3 if times == 1 else 30)
+        save_to(state, file)
+
+    monkeypatch.setattr(store, "save_to", held)
+    return release
+
+
+def test_a_second_ctrl_c_during_the_stops_write_waits_for_it_and_names_it_kept(image_folder, tmp_path, capsys,
+                                                                                monkeypatch):
+    ctrl_c_during_the_write(monkeypatch, times=1)
+    with pytest.raises(KeyboardInterrupt):
+        inprocess.train(args(image_folder, tmp_path), before_fit=ctrl_c_at_step(3, times=1))
+    said = capsys.readouterr().out
+    assert "waiting for the checkpoint write" in said
+    assert_names(ctrl_c_line(said), "at once", "step 3", tmp_path / "last.pt", "step 3", "nothing lost", "--resume")
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == 3
+
+
+def test_a_third_ctrl_c_abandons_the_write_in_flight_and_says_so(image_folder, tmp_path, capsys, monkeypatch):
+    release = ctrl_c_during_the_write(monkeypatch, times=2)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            inprocess.train(args(image_folder, tmp_path), before_fit=ctrl_c_at_step(3, times=1))
+        assert_names(ctrl_c_line(capsys.readouterr().out), "at once", "step 3", "first checkpoint", "abandoning",
+                     "3 steps")
+        assert not (tmp_path / "last.pt").exists()
+    finally:
+        release.set()
 
 
 GLOO_PEER_GONE = "[gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:6872"
@@ -163,3 +206,20 @@ def test_two_ctrl_c_to_a_spawned_job_exit_130_without_a_traceback_and_a_checkpoi
     kept = re.search(r"stopped after step (\d+) with a checkpoint|kept \S+ \(step (\d+),", output)
     assert kept, output
     assert load_checkpoint(tmp_path / "last.pt")["step"] == int(kept.group(1) or kept.group(2))
+
+
+@pytest.mark.slow
+def test_a_second_ctrl_c_during_a_real_write_waits_for_it_and_the_checkpoint_is_kept(image_folder, tmp_path):
+    """As a terminal sends them, to a process whose write takes seconds (tests/save_held.py): the first Ctrl-C asks
+    for the stop's checkpoint, the second comes while it is written. Once said kept, it is on disk, whole."""
+    argv = [str(image_folder), *SMALL_RUN, "--epochs", "1", "--checkpoints-path", str(tmp_path)]
+    code, output = press_ctrl_c([sys.executable, str(REPO / "tests" / "save_held.py"), *argv],
+                                after=["epoch 1/1 step 2/", "test: checkpoint write held"], timeout=120)
+    assert code == INTERRUPTED_EXIT and "Traceback" not in output, output
+    said = re.search(r"Ctrl-C: stopped at once after step (\d+);.*", output)
+    assert said, output
+    step = int(said.group(1))
+    assert_names(said.group(0), tmp_path / "last.pt", f"step {step}", "nothing lost")
+    assert load_checkpoint(tmp_path / "last.pt")["step"] == step
+    assert not [name for name in os.listdir(tmp_path) if name.startswith(".tmp")]
+

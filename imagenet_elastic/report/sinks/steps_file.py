@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from typing import IO, Any, Callable, Optional
 
 from imagenet_elastic.atomic_files import storage_error, store_bytes
-from imagenet_elastic.report.metrics import is_number
+from imagenet_elastic.report.metrics import is_number, json_line
 from imagenet_elastic.report.sinks.base import Sink
 
 FILENAME = "steps.jsonl"
@@ -70,7 +70,7 @@ class StepsFile(Sink):
     def step(self, row: dict[str, Any]) -> None:
         if self.file is None:
             self.file = open(self.path, "a")  # noqa: SIM115 (open for the whole run; closed in close())
-        self.file.write(json.dumps(row) + "\n")
+        self.file.write(json_line(row))
         self.file.flush()
 
     def epoch(self, row: dict[str, Any]) -> None:
