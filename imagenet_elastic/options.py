@@ -128,19 +128,19 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     return steps, seconds
 
 
-def increasing_pair(text: str, most: int) -> tuple[int, int]:
-    """`160,192` -> (160, 192): two non-negative integers, the first below the second (and HIGH <= `most`)."""
+def increasing_pair(text: str, least: int, most: int) -> tuple[int, int]:
+    """`160,192` -> (160, 192): two integers, the first below the second, within `least`..`most`."""
     try:
         low, high = (int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
-    if not 0 <= low < high:
-        raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
+    if not least <= low < high:
+        raise argparse.ArgumentTypeError(f"must be increasing ({least} <= LOW < HIGH), got {text!r}")
     if high > most:
         raise argparse.ArgumentTypeError(f"HIGH must be <= {most}, got {text!r}")
     return low, high
 
 
-side_pair = functools.partial(increasing_pair, most=MAX_SIDE)
-epoch_pair = functools.partial(increasing_pair, most=MAX_EPOCHS)  # up to --epochs' bound
+side_pair = functools.partial(increasing_pair, least=1, most=MAX_SIDE)  # image_side's bounds
+epoch_pair = functools.partial(increasing_pair, least=0, most=MAX_EPOCHS)  # up to --epochs' bound
 
