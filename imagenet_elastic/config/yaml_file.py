@@ -58,8 +58,8 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
             nulls[f.name] = f.default
             continue
         named.append(f.name)
-        if f.metadata.get("positional"):
-            positional = ["--", str(value)]  # last: after `--` nothing is read as an option
+        if f.metadata.get("positional"):  # DATA: its value alone, last: after `--` nothing is read as an option
+            positional = ["--", *option_tokens(f, value, path)[1:]]
         else:
             tokens += option_tokens(f, value, path)
     parser.source = path
@@ -107,8 +107,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
     """One file entry as the command line would say it: `hflip: 0` -> ['--hflip', '0']; `resume: true` -> the
     bare flag, `resume: false` nothing (its default)."""
-    action = f.metadata["argparse"].get("action")
-    nargs = f.metadata["argparse"].get("nargs")
+    arguments = f.metadata.get("argparse", {})  # DATA, a positional, has none
+    action, nargs = arguments.get("action"), arguments.get("nargs")
     name = flag(f)
     key = f"config file {path}: {f.name.replace('_', '-')}"
     if action is argparse.BooleanOptionalAction or action == "store_true":
@@ -120,6 +120,8 @@ def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
             return [name] if value else []
         raise UserError(f"{key} takes a value, not {str(value).lower()} (YAML reads yes/no/on/off as true/false: "
                         f"quote a word)")
+    if isinstance(value, dict):  # `model: {name: resnet50}`: no setting is a mapping
+        raise UserError(f"{key} takes one value, not a mapping: got {value!r}")
     if isinstance(nargs, int):
         if not isinstance(value, list) or len(value) != nargs:
             raise UserError(f"{key} takes a list of {nargs} values, got {value!r}")
