@@ -151,11 +151,17 @@ def settings_yaml(config: Config, header: Optional[str] = None, leave_out: tuple
 def file_value(name: str, value: Any) -> Any:
     if name == "checkpoint_interval":  # (500, 600.0) -> "500,600s"
         steps, seconds = value
-        parts = ([str(steps)] if steps else []) + ([f"{seconds:g}s"] if seconds else [])
+        parts = ([str(steps)] if steps else []) + ([f"{exact(seconds)}s"] if seconds else [])
         return ",".join(parts) or None
     if name == "preempt_signals":
         return list(value) or "none"
     return list(value) if isinstance(value, tuple) else value
+
+
+def exact(number: float) -> str:
+    """A number's shortest text that reads back as the same float, as an integer where it is one: 600, 1234567, 0.1
+    (`:g` would write 1.23457e+06 and a run would save every 1234570 s)."""
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 PATH_SETTINGS = ("data", "val_path", "val_labels", "initial_checkpoint", "teacher")  # a timm name is no path here

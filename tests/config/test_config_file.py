@@ -33,6 +33,12 @@ def test_printed_settings_read_back_as_the_same_config(tmp_path):
     assert dataclasses.asdict(Config(data="/data")) != dataclasses.asdict(config)  # the round trip carried values
 
 
+@pytest.mark.parametrize("interval", ["1234567s", "500,1.2345678s", "0.1s"])
+def test_a_checkpoint_interval_reads_back_exactly(tmp_path, interval):
+    config, _ = cli.parse(["/data", "--checkpoint-interval", interval])
+    assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
+
+
 def test_defaults_read_back_as_the_defaults(tmp_path):
     config = Config(data="/d")
     assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
