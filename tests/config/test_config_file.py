@@ -134,6 +134,17 @@ def test_a_files_bad_setting_found_once_merged_names_the_file_and_the_key(tmp_pa
     assert len(str(raised.value).splitlines()) == 1
 
 
+@pytest.mark.parametrize(("text", "flag"), [
+    ("progressive-resize: [16, 32]\nprogressive-epochs: [0, 2]\n", "--progressive-resize"),
+    ("val-crop-size: 48\n", "--val-crop-size"), ("global-batch-size: 64\n", "--global-batch-size"),
+    ("checkpoint-interval: 500,10m\n", "--checkpoint-interval"),
+])
+def test_none_on_the_command_line_unsets_a_files_optional_setting(tmp_path, text, flag):
+    unset = ["--progressive-epochs", "none"] if flag == "--progressive-resize" else []
+    config, _ = cli.parse(["/data", "--config", write(tmp_path, text), flag, "None", *unset])
+    assert config == Config(data="/data")
+
+
 def test_a_bad_setting_given_on_the_command_line_beside_a_file_names_no_file(tmp_path):
     path = write(tmp_path, "epochs: 3\n")
     with pytest.raises(UserError) as raised:
