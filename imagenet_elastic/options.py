@@ -20,11 +20,19 @@ def option(default: Any, help: str, group: str, metavar: Any = None, shown_defau
            exact: bool = False, **argparse_options: Any) -> Any:
     """A setting's field: its default, argparse keywords, and the default as docs/OPTIONS.md shows it if need be.
     `exact`: a changed value between a checkpoint and its resumed run breaks exact continuation (a warning says so:
-    config.RESUME_SENSITIVE)."""
+    config.RESUME_SENSITIVE). A typed setting whose default is None also takes `none`, so that the command line can
+    unset a value a recipe or --config file gave."""
     assert group in GROUPS, group
+    if default is None and "type" in argparse_options:
+        argparse_options["type"] = or_none(argparse_options["type"])
     return field(default=default, metadata={"help": help, "group": group, "metavar": metavar,
                                             "shown_default": shown_default, "exact": exact,
                                             "argparse": argparse_options})
+
+
+def or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, but `none` is None (the unset default), as --preempt-signals none is no signal."""
+    return lambda text: None if text.strip().lower() == "none" else parse(text)
 
 
 class Parser(argparse.ArgumentParser):
@@ -108,9 +116,11 @@ _UNITS = {"s": 1, "m": 60, "h": 3600}
 
 def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     """`500` (steps), `10m` / `90s` / `2h` (time), or both: `500,10m` -> (500, 600.0); not two of a kind (`1m,2m`),
-    of which one would be dropped unsaid."""
+    of which one would be dropped unsaid; `none` -> (None, None), the default: no mid-epoch checkpoints."""
     steps: Optional[int] = None
     seconds: Optional[float] = None
+    if text.strip().lower() == "none":
+        return steps, seconds
     try:
         for item in (part.strip().lower() for part in text.split(",")):
             timed = bool(item) and item[-1] in _UNITS
@@ -130,19 +140,19 @@ def checkpoint_interval(text: str) -> tuple[Optional[int], Optional[float]]:
     return steps, seconds
 
 
-def increasing_pair(text: str, most: int) -> tuple[int, int]:
-    """`160,192` -> (160, 192): two non-negative integers, the first below the second (and HIGH <= `most`)."""
+def increasing_pair(text: str, least: int, most: int) -> tuple[int, int]:
+    """`160,192` -> (160, 192): two integers, the first below the second, within `least`..`most`."""
     try:
         low, high = (int(part) for part in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected two integers LOW,HIGH, got {text!r}") from None
-    if not 0 <= low < high:
-        raise argparse.ArgumentTypeError(f"must be increasing (0 <= LOW < HIGH), got {text!r}")
+    if not least <= low < high:
+        raise argparse.ArgumentTypeError(f"must be increasing ({least} <= LOW < HIGH), got {text!r}")
     if high > most:
         raise argparse.ArgumentTypeError(f"HIGH must be <= {most}, got {text!r}")
     return low, high
 
 
-side_pair = functools.partial(increasing_pair, most=MAX_SIDE)
-epoch_pair = functools.partial(increasing_pair, most=MAX_EPOCHS)  # up to --epochs' bound
+side_pair = functools.partial(increasing_pair, least=1, most=MAX_SIDE)  # image_side's bounds
+epoch_pair = functools.partial(increasing_pair, least=0, most=MAX_EPOCHS)  # up to --epochs' bound
 

@@ -201,6 +201,9 @@ class Config(ReportSettings, PreemptionSettings, LaunchSettings, DecodeSettings,
         for weight in ("task_loss_weight", "distill_loss_weight"):
             if getattr(self, weight) is not None and not self.teacher:
                 raise UserError(f"--{weight.replace('_', '-')} weighs a distillation loss: it needs --teacher")
+        if self.task_loss_weight == 0 and self.distill_loss_weight == 0:
+            raise UserError("--task-loss-weight 0 and --distill-loss-weight 0 make the loss 0, which trains nothing: "
+                            "give one of them a weight")
         if self.teacher and self.distill_loss_weight is None and (self.task_loss_weight or 0.0) > 1.0:
             raise UserError(f"--task-loss-weight {self.task_loss_weight:g} alone gives the distillation loss the "
                             f"weight 1 - {self.task_loss_weight:g} < 0: set --distill-loss-weight too")

@@ -58,8 +58,8 @@ def read_settings(path: str, parser: Parser) -> dict[str, Any]:
             nulls[f.name] = f.default
             continue
         named.append(f.name)
-        if f.metadata.get("positional"):
-            positional = ["--", str(value)]  # last: after `--` nothing is read as an option
+        if f.metadata.get("positional"):  # DATA: its value alone, last: after `--` nothing is read as an option
+            positional = ["--", *option_tokens(f, value, path)[1:]]
         else:
             tokens += option_tokens(f, value, path)
     parser.source = path
@@ -107,8 +107,8 @@ class UniqueKeyLoader(yaml.SafeLoader):
 def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
     """One file entry as the command line would say it: `hflip: 0` -> ['--hflip', '0']; `resume: true` -> the
     bare flag, `resume: false` nothing (its default)."""
-    action = f.metadata["argparse"].get("action")
-    nargs = f.metadata["argparse"].get("nargs")
+    arguments = f.metadata.get("argparse", {})  # DATA, a positional, has none
+    action, nargs = arguments.get("action"), arguments.get("nargs")
     name = flag(f)
     key = f"config file {path}: {f.name.replace('_', '-')}"
     if action is argparse.BooleanOptionalAction or action == "store_true":
@@ -120,6 +120,8 @@ def option_tokens(f: dataclasses.Field, value: Any, path: str) -> list[str]:
             return [name] if value else []
         raise UserError(f"{key} takes a value, not {str(value).lower()} (YAML reads yes/no/on/off as true/false: "
                         f"quote a word)")
+    if isinstance(value, dict):  # `model: {name: resnet50}`: no setting is a mapping
+        raise UserError(f"{key} takes one value, not a mapping: got {value!r}")
     if isinstance(nargs, int):
         if not isinstance(value, list) or len(value) != nargs:
             raise UserError(f"{key} takes a list of {nargs} values, got {value!r}")
@@ -149,11 +151,17 @@ def settings_yaml(config: Config, header: Optional[str] = None, leave_out: tuple
 def file_value(name: str, value: Any) -> Any:
     if name == "checkpoint_interval":  # (500, 600.0) -> "500,600s"
         steps, seconds = value
-        parts = ([str(steps)] if steps else []) + ([f"{seconds:g}s"] if seconds else [])
+        parts = ([str(steps)] if steps else []) + ([f"{exact(seconds)}s"] if seconds else [])
         return ",".join(parts) or None
     if name == "preempt_signals":
         return list(value) or "none"
     return list(value) if isinstance(value, tuple) else value
+
+
+def exact(number: float) -> str:
+    """A number's shortest text that reads back as the same float, as an integer where it is one: 600, 1234567, 0.1
+    (`:g` would write 1.23457e+06 and a run would save every 1234570 s)."""
+    return str(int(number)) if number.is_integer() else repr(number)
 
 
 PATH_SETTINGS = ("data", "val_path", "val_labels", "initial_checkpoint", "teacher")  # a timm name is no path here

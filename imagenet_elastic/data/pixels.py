@@ -25,7 +25,8 @@ ChooseCrop = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop b
 def random_resized_crop_box(width: int, height: int, rng: random.Random,
                             scale: tuple[float, float] = (0.08, 1.0),
                             ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
-    """Inception-style crop: a random area fraction and aspect ratio, 10 tries, then a centre crop."""
+    """Inception-style crop: a random area fraction and aspect ratio, 10 tries, then a centre crop (at least 1 px a
+    side: an extreme --ratio would round a side to 0)."""
     area = width * height
     log_ratio = (math.log(ratio[0]), math.log(ratio[1]))
     for _ in range(10):
@@ -36,6 +37,7 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random,
             return rng.randint(0, width - w), rng.randint(0, height - h), w, h
     aspect = min(max(width / height, ratio[0]), ratio[1])
     w, h = (width, round(width / aspect)) if width / height <= aspect else (round(height * aspect), height)
+    w, h = max(1, w), max(1, h)
     return (width - w) // 2, (height - h) // 2, w, h
 
 

@@ -147,6 +147,11 @@ def input_options(name: str, sizes: Sizes) -> dict[str, Any]:
         return {}  # a forward the meta device cannot run tells nothing: the model is built as timm builds it
     flag = dict(reversed(sizes))  # the first flag that asks for each size
     side = f"{native[0]}" if native[0] == native[1] else f"{native[0]}x{native[1]}"
+    refused = others[-1] if others else built
+    patch, taken = _patch_multiples(as_timm_builds, refused)
+    if taken:
+        raise UserError(f"--model {name} takes sizes that are multiples of its {patch} px patches: timm cannot build "
+                        f"it for {flag[refused]} {refused}; pass {flag[refused]} {' or '.join(map(str, taken))}")
     if others:
         raise UserError(f"--model {name} takes one image size (timm builds it for {side} px, or for another): it "
                         f"can be made for {flag[built]} {built} but then not for {flag[others[-1]]} {others[-1]}; "
@@ -167,6 +172,17 @@ def _pretrained_cfg(name: str) -> dict[str, Any]:
             pass
     with torch.device("meta"):
         return dict(getattr(timm.create_model(name, num_classes=1, pretrained=False), "pretrained_cfg", {}) or {})
+
+
+def _patch_multiples(model: nn.Module, size: int) -> tuple[int, list[int]]:
+    """A model's square patch side, and the multiples of it next to `size` that the model takes: none where `size` is
+    one or the model has no patches (its rule is then another)."""
+    patch = getattr(getattr(model, "patch_embed", None), "patch_size", None)  # timm's PatchEmbed: (height, width)
+    side = patch[0] if isinstance(patch, tuple) and patch[0] == patch[1] else 0
+    if not side or size % side == 0:
+        return side, []
+    below = size - size % side
+    return side, [near for near in (below, below + side) if near and _takes(model, (near, near))]
 
 
 def _takes(model: nn.Module, size: tuple[int, int]) -> bool:

@@ -7,6 +7,7 @@ import math
 from dataclasses import dataclass
 
 from imagenet_elastic import options
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.options import option
 
 REFERENCE_BATCH = 256
@@ -22,8 +23,8 @@ class ScheduleSettings:
     sched: str = option("cosine", "LR decay after the warmup: cosine or linear (FFCV's triangle) to --lr-min at the "
                         "last step, or step (x --decay-rate every --decay-epochs, counted from the first epoch)",
                         "model", choices=list(SCHEDULES), exact=True)
-    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay", "model", "X",
-                           type=options.non_negative_float, exact=True)
+    lr_min: float = option(0.0, "the LR cosine ends at; the floor of step decay; at most the peak LR (--lr x global "
+                           "batch / 256)", "model", "X", type=options.non_negative_float, exact=True)
     decay_epochs: float = option(30.0, "step decay: epochs between two decays", "model", "X",
                                  type=options.positive_float, exact=True)
     decay_rate: float = option(0.1, "step decay: the factor", "model", "X", type=options.positive_float, exact=True)
@@ -43,6 +44,13 @@ class LRSchedule:
     kind: str = "cosine"
     decay_every: int = 1  # step decay: optimizer steps between two decays
     decay_rate: float = 0.1
+
+    def __post_init__(self) -> None:
+        """--lr-min is absolute, --lr scaled with the global batch: a minimum above the peak makes every decay rise."""
+        if self.minimum > self.peak:
+            raise UserError(f"--lr-min {self.minimum:g} is above the peak LR {self.peak:g} that --lr gives at this "
+                            f"global batch (--lr x global batch / {REFERENCE_BATCH}): the LR would rise after the "
+                            "warmup; lower --lr-min or raise --lr")
 
     def at(self, step: int) -> float:
         """LR for optimizer step `step` (0-based): warmup from peak/warmup to peak, then the decay."""

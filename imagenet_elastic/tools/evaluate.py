@@ -23,7 +23,15 @@ from typing import TYPE_CHECKING, Any, Optional
 import numpy as np
 import torch
 
-from imagenet_elastic.config import LAST_FILE, VALIDATION_SENSITIVE, Config, add_setting, eval_sizes, saved_eval_sizes
+from imagenet_elastic.config import (
+    LAST_FILE,
+    VALIDATION_SENSITIVE,
+    Config,
+    add_setting,
+    eval_sizes,
+    saved_eval_sizes,
+    saved_setting,
+)
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.pixels import INTERPOLATIONS
 from imagenet_elastic.data.sources import fingerprints
@@ -283,6 +291,15 @@ def run(args: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def precision_difference(saved_amp: str, amp: str, device: torch.device) -> Optional[str]:
+    """--amp's change from the checkpoint's run, where the two give this device other precisions: `none` and `auto`
+    are both fp32 on a CPU without native bf16."""
+    from imagenet_elastic.models.device import resolve_precision
+
+    before, now = (resolve_precision(value, device).name for value in (saved_amp, amp))
+    return None if before == now else f"amp: checkpoint {saved_amp!r} ({before} here), now {amp!r} ({now})"
+
+
 def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Source] = None) -> dict[str, Any]:
     """The trainer's `DATA --evaluate --resume CHECKPOINT`, a rank's entry point (cli.py): the checkpoint's weights,
     and their average where it keeps one, on the run's validation split (`val`: a source the caller holds), as one
@@ -314,7 +331,9 @@ def evaluate_checkpoint(config: Config, env: DistEnv, val: Optional[sources.Sour
             modules["_ema"] = copy.deepcopy(modules[""])
             load_fitting(modules["_ema"], snapshot["model_ema"], f"checkpoint {path}: its 'model_ema' weights",
                          snapshot["model_name"])
-        changes = config.differences(snapshot.get("config", {}), VALIDATION_SENSITIVE)
+        saved = snapshot.get("config", {})
+        changes = config.differences(saved, tuple(name for name in VALIDATION_SENSITIVE if name != "amp"))
+        changes.append(precision_difference(saved_setting(saved, "amp"), config.amp, device))
         changes += [fingerprints.difference((snapshot.get("data") or {}).get("val"), val)] if env.is_main else []
         for change in filter(None, changes):
             console.warn(f"--evaluate differs from its checkpoint's run, results will not match exactly: {change}")

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import inprocess
 import pytest
 import torch
 from conftest import REPO, assert_names, child_env, single_line
@@ -166,6 +167,13 @@ def test_bad_numeric_flags_exit_2_naming_the_flag(capsys, flag, value):
     err = capsys.readouterr().err
     assert len(err.strip().splitlines()) == 1
     assert flag in err
+
+
+def test_two_loss_weights_of_0_exit_2_naming_both():
+    finished = inprocess.command(["/data", "--teacher", "t", "--task-loss-weight", "0", "--distill-loss-weight", "0"])
+    assert finished.returncode == 2 and len(finished.stderr.strip().splitlines()) == 1, finished.stderr
+    assert "--task-loss-weight 0" in finished.stderr and "--distill-loss-weight 0" in finished.stderr
+    assert Config(data="/data", teacher="t", task_loss_weight=0.0, distill_loss_weight=0.5).teacher == "t"
 
 
 def test_an_integer_flag_takes_an_integer_too_large_for_a_float():

@@ -33,6 +33,12 @@ def test_printed_settings_read_back_as_the_same_config(tmp_path):
     assert dataclasses.asdict(Config(data="/data")) != dataclasses.asdict(config)  # the round trip carried values
 
 
+@pytest.mark.parametrize("interval", ["1234567s", "500,1.2345678s", "0.1s"])
+def test_a_checkpoint_interval_reads_back_exactly(tmp_path, interval):
+    config, _ = cli.parse(["/data", "--checkpoint-interval", interval])
+    assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
+
+
 def test_defaults_read_back_as_the_defaults(tmp_path):
     config = Config(data="/d")
     assert cli.parse(["--config", write(tmp_path, settings_yaml(config))])[0] == config
@@ -68,6 +74,9 @@ def test_an_empty_file_changes_nothing(tmp_path):
     ("epochs: 2\nepochs: 3\n", "epochs is set twice (lines 1 and 2)"),
     ("batch-size: 8\nlr: 0.1\nbatch_size: 16\n", "batch-size is set twice (lines 1 and 3)"),
     ("val-labels: [a.csv]\n", "val-labels takes one value, not a list"),
+    ("data: [/a, /b]\n", "data takes one value, not a list"),
+    ("model: {name: resnet50}\n", "model takes one value, not a mapping"),
+    ("progressive-resize: {low: 16}\n", "progressive-resize takes one value, not a mapping"),
     ("model: yes\n", "model takes a value, not true"),
     ("ratio: [1, 0.5]\n", "--ratio: MIN must not exceed MAX"),
     ("scale: [0.5, 2]\n", "--scale: at most 1"),
@@ -123,6 +132,17 @@ def test_a_files_bad_setting_found_once_merged_names_the_file_and_the_key(tmp_pa
         cli.parse(["/data", "--config", path])
     assert_names(str(raised.value), path, key, message)
     assert len(str(raised.value).splitlines()) == 1
+
+
+@pytest.mark.parametrize(("text", "flag"), [
+    ("progressive-resize: [16, 32]\nprogressive-epochs: [0, 2]\n", "--progressive-resize"),
+    ("val-crop-size: 48\n", "--val-crop-size"), ("global-batch-size: 64\n", "--global-batch-size"),
+    ("checkpoint-interval: 500,10m\n", "--checkpoint-interval"),
+])
+def test_none_on_the_command_line_unsets_a_files_optional_setting(tmp_path, text, flag):
+    unset = ["--progressive-epochs", "none"] if flag == "--progressive-resize" else []
+    config, _ = cli.parse(["/data", "--config", write(tmp_path, text), flag, "None", *unset])
+    assert config == Config(data="/data")
 
 
 def test_a_bad_setting_given_on_the_command_line_beside_a_file_names_no_file(tmp_path):

@@ -44,6 +44,12 @@ def test_random_resized_crop_box_falls_back_to_a_centre_crop_inside_the_image():
         assert left == (width - w) // 2 and top == (height - h) // 2
 
 
+@pytest.mark.parametrize(("scale", "ratio"), [((0.08, 1.0), (100.0, 1000.0)), ((1e-9, 1e-9), (1e-9, 1e-9))])
+def test_random_resized_crop_box_of_an_extreme_ratio_keeps_a_pixel_a_side(scale, ratio):
+    for width, height in SIZES:
+        assert_box_inside(random_resized_crop_box(width, height, random.Random(0), scale, ratio), width, height)
+
+
 def test_random_resized_crop_box_with_the_same_seed_gives_the_same_box():
     for seed in range(20):
         first = random_resized_crop_box(640, 480, random.Random(seed))

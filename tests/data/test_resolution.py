@@ -57,6 +57,7 @@ def test_the_config_carries_the_ramp_to_the_loader():
 @pytest.mark.parametrize(("flags", "message"), [
     (["--progressive-resize", "192,160"], "argument --progressive-resize: must be increasing"),
     (["--progressive-epochs", "5,5"], "argument --progressive-epochs: must be increasing"),
+    (["--progressive-resize", "0,32"], "argument --progressive-resize: must be increasing (1 <= LOW"),
     (["--progressive-resize", "160"], "argument --progressive-resize: expected two integers"),
 ])
 def test_a_range_that_is_not_increasing_exits_2_naming_the_flag(capsys, flags, message):

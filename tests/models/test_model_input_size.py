@@ -52,6 +52,10 @@ def test_a_fixed_size_vit_trains_and_validates_at_the_runs_image_size(tmp_path, 
      "takes 224 px images only: timm cannot build it for --image-size 32"),
     ("mixer_s16_224", ["--image-size", "32", "--val-crop-size", "48"],
      "can be made for --val-crop-size 48 but then not for --image-size 32"),
+    ("test_vit", ["--image-size", "33"], "multiples of its 16 px patches: timm cannot build it for --image-size 33; "
+     "pass --image-size 32 or 48"),
+    ("test_vit", ["--image-size", "32", "--val-crop-size", "40"], "multiples of its 16 px patches: timm cannot "
+     "build it for --val-crop-size 40; pass --val-crop-size 32 or 48"),
 ])
 def test_a_model_timm_cannot_build_for_the_runs_sizes_is_one_line_before_the_data_is_read(tmp_path, model, extra,
                                                                                          named):

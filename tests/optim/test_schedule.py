@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+from inprocess import command
 
+from imagenet_elastic.errors import UserError
 from imagenet_elastic.optim.schedule import REFERENCE_BATCH, LRSchedule, scaled_lr
 
 PEAK = 0.4
@@ -98,3 +100,19 @@ def test_linear_decay_falls_in_a_straight_line_from_the_peak_to_the_minimum():
     steps = [schedule.at(step) for step in range(WARMUP, TOTAL + 1)]
     assert all(b - a == pytest.approx((0.01 - PEAK) / (TOTAL - WARMUP)) for a, b in zip(steps, steps[1:]))
     assert schedule.describe() == "warmup 10 steps, linear over 100, down to 0.01"
+
+
+def test_a_minimum_above_the_peak_is_refused_and_one_at_it_is_a_constant_lr():
+    with pytest.raises(UserError, match="--lr-min 0.5 is above the peak LR 0.4"):
+        LRSchedule(PEAK, WARMUP, TOTAL, minimum=0.5)
+    assert LRSchedule(PEAK, WARMUP, TOTAL, minimum=PEAK).at(TOTAL // 2) == pytest.approx(PEAK)
+
+
+def test_an_lr_min_above_the_scaled_lr_exits_2_naming_both(image_folder, tmp_path):
+    """--lr 0.1 at a global batch of 8 peaks at 0.003125: an --lr-min of 0.05, below --lr, is still above it."""
+    finished = command([str(image_folder), "--model", "test_resnet", "--batch-size", "8", "--workers", "0",
+                        "--epochs", "1", "--max-steps-per-epoch", "1", "--amp", "none", "--lr", "0.1",
+                        "--lr-min", "0.05", "--checkpoints-path", str(tmp_path / "run")])
+    assert finished.returncode == 2 and len(finished.stderr.strip().splitlines()) == 1, finished.stderr
+    assert "--lr-min 0.05" in finished.stderr and "--lr " in finished.stderr and "0.003125" in finished.stderr
+    assert not list((tmp_path / "run").glob("*.pt"))

@@ -48,6 +48,18 @@ def test_evaluate_scores_the_weights_and_their_average_as_the_run_validated_them
     assert scores["val_loss_ema"] != scores["val_loss"]  # two models were scored, not one twice
 
 
+@pytest.mark.parametrize("native_bf16", [False, True])
+def test_evaluate_warns_of_another_amp_only_where_it_resolves_to_another_precision(averaged, tmp_path, capsys,
+                                                                                    monkeypatch, native_bf16):
+    """The run trained with --amp none; auto is fp32 as well on a CPU without native bf16, bf16 on one with it."""
+    folder, splits = averaged
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: native_bf16)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: False)
+    evaluate([*args(tmp_path), "--amp", "auto", "--evaluate", "--resume", str(folder / "last.pt")], splits=splits)
+    warned = [line for line in capsys.readouterr().err.splitlines() if "amp:" in line]
+    assert len(warned) == native_bf16 and all("'none' (fp32" in line and "(bf16)" in line for line in warned), warned
+
+
 def test_ctrl_c_during_evaluate_says_nothing_was_written_and_exits_130(averaged, tmp_path, monkeypatch):
     folder, (_, val) = averaged
     for i, (image, label) in enumerate(zip(val.images, val.labels)):  # the val split in class folders

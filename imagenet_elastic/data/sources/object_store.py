@@ -385,7 +385,7 @@ class ShardCache:
             if cap is None:  # the reserved files are sparse: the room they will take is not yet gone from the disk
                 over = entry.size + fetching - _room(self.settings.cache)
             elif entry.size > cap:
-                raise UserError(f"store cache {self.settings.cache}: a shard of {entry.size / 2 ** 30:.1f} GiB exceeds "
+                raise UserError(f"store cache {self.settings.cache}: a shard of {entry.size / 2 ** 20:.6g} MiB exceeds "
                                 "IMAGENET_ELASTIC_STORE_CACHE_GB")
             else:
                 over = sum(size for _, size, _ in shards) + fetching + entry.size - cap
