@@ -192,6 +192,8 @@ class TarShards(Source):
             size = mapped.size()  # the file's now: a shard cut short while mapped would raise SIGBUS, not an error
         except OSError as error:
             raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
+        except ValueError:  # mmap refuses an empty file: the shard was emptied since it was indexed
+            mapped, size = None, 0
         if start + length > size:
             raise CorruptImageError(f"shard {path} is truncated: sample #{i} ends at byte {start + length}, the "
                                     f"file has {size} bytes")
@@ -232,7 +234,7 @@ class TarShards(Source):
         offset = int(self.offsets[i])
         try:
             mapped = self.mapped(int(self.shard[i]))
-        except (OSError, UserError):
+        except (OSError, ValueError, UserError):  # ValueError: an emptied shard (read)
             return f"sample #{i} at byte {offset}"
         header = mapped[offset - 512:offset]
         name = header[:100].split(b"\0", 1)[0]

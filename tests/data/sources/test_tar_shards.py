@@ -402,6 +402,19 @@ def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_cras
         shards.read(last)
 
 
+def test_a_shard_emptied_after_it_was_indexed_is_named_as_truncated_not_a_crash(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "s"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    shards = tar_shards.open_split(str(folder), "train", None)
+    tar_shards._MAPS.clear()
+    os.truncate(folder / "part-0000.tar", 0)
+    with pytest.raises(CorruptImageError) as caught:
+        shards.read(0)
+    assert_names(single_line(str(caught.value)), folder / "part-0000.tar", "truncated")
+    assert caught.value.exit_code == 2
+
+
 def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shard(written, tmp_path):
     paths, _ = written
     folder = tmp_path / "packed"
