@@ -466,6 +466,7 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                 found.labels.append(label)
                 if found.checksums is not None:
                     found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
+            check_end(tar)
     except tarfile.TarError as error:
         after = f" after sample {key}" if key else ""
         raise UserError(f"{role} shard {path} is truncated or not a tar file{after}: {error}") from None
@@ -474,6 +475,14 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     if not found.labels:
         raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
     return found
+
+
+def check_end(tar: tarfile.TarFile) -> None:
+    """A walked archive ends in its end-of-archive marker (two zero blocks, which every tar writer writes): tarfile
+    takes a shard cut at a member's end for a whole one. One read (for a store's shard at most one ranged read)."""
+    tar.fileobj.seek(tar.offset)  # where tarfile stopped: the marker's place
+    if tar.fileobj.read(2 * tarfile.BLOCKSIZE) != tarfile.NUL * (2 * tarfile.BLOCKSIZE):
+        raise tarfile.ReadError(f"no end-of-archive marker at byte {tar.offset}")
 
 
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:

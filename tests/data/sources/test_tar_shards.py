@@ -389,6 +389,17 @@ def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(writ
         tar_shards.open_split(str(garbage), "train", None)
 
 
+def test_a_shard_cut_at_a_members_end_is_refused_as_truncated_not_read_short(tmp_path):
+    shard = tmp_path / "s.tar"
+    write_tar(shard, [("a.jpg", JPEG), ("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")])
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[2].offset  # where b's first header begins: a whole sample a before it
+    os.truncate(shard, cut)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(shard), "train", None)
+    assert_names(single_line(str(caught.value)), shard, "truncated", "sample a", cut)
+
+
 def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
     paths, _ = written
     folder = tmp_path / "s"
