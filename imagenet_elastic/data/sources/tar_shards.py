@@ -111,7 +111,7 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
         return None
     names = sorted(n for n in names if n.endswith(".tar"))
     train = {n for n in names if "train" in n}
-    for word in ("validation", "val"):
+    for word in ("validation", "valid", "val"):
         val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
         if not (train and val):
             continue

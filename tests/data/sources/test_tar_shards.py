@@ -504,6 +504,14 @@ def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(sid
     assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
 
 
+def test_validation_shards_named_valid_are_told_apart_from_train_ones(side_by_side):
+    folder, _ = side_by_side
+    os.rename(folder / "imagenet1k-validation-0000.tar", folder / "imagenet1k-valid-0000.tar")
+    train, val = sources.open_splits(str(folder), None, None, None)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-valid-0000.tar"]
+    assert "imagenet1k-valid-0000.tar" not in [os.path.basename(p) for p in train.shards]
+
+
 @pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
 def test_a_damaged_index_cache_is_walked_again_with_a_note_and_a_damaged_pack_index_is_named(written, tmp_path,
                                                                                               how):
