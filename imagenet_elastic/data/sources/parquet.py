@@ -19,7 +19,7 @@ from typing import Any, Optional
 import numpy as np
 
 from imagenet_elastic.data.sources.base import FileList, Source, checked_classes, digest_of, shown
-from imagenet_elastic.data.sources.tar_shards import pattern_files
+from imagenet_elastic.data.sources.tar_shards import check_numbered, pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
@@ -80,6 +80,7 @@ def role_files(location: str, role: str) -> list[str]:
     if not named and any(split_of(p) for p in files):
         words = " or ".join(f"{w}-*{SUFFIX}" for w in SPLIT_WORDS[role])
         raise UserError(f"{location} holds no {role} parquet files (named {words})")
+    check_numbered(named or files, role)
     return named or files
 
 

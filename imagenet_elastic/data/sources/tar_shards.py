@@ -91,11 +91,32 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
 
 def shard_paths(location: str, role: str) -> list[str]:
     """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
-    paths = pattern_files(location, role, "shard") if is_pattern(location) else sorted(
-        os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
+    if is_pattern(location):
+        paths = pattern_files(location, role, "shard")
+    else:
+        paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
+        check_numbered(paths, role)
     if not paths:
         raise UserError(f"{role} data {location} holds no .tar shards")
     return paths
+
+
+NUMBERED = re.compile(r"(.*[-_])(\d+)-of-(\d+)(\.[^/]*)")  # Hugging Face's `train-00003-of-00294.parquet`
+
+
+def check_numbered(paths: list[str], role: str) -> None:
+    """A folder's files named `-NNNNN-of-MMMMM` say how many there are: one missing (a download cut short) is refused,
+    naming it, rather than trained without. A pattern's may be a chosen few."""
+    groups: dict[tuple[str, str, str, int], set[int]] = {}
+    for path in paths:
+        match = NUMBERED.fullmatch(path)
+        if match:
+            groups.setdefault((match[1], match[3], match[4], len(match[2])), set()).add(int(match[2]))
+    for (head, total, tail, width), numbers in groups.items():
+        missing = next((n for n in range(int(total)) if n not in numbers), None)
+        if missing is not None:
+            raise UserError(f"{role} file {head}{missing:0{width}d}-of-{total}{tail} is missing ({len(numbers)} of the "
+                            f"{int(total)} its siblings' names count are there): was a download cut short?")
 
 
 def split_folder(folder: str) -> Optional[tuple[str, str]]:

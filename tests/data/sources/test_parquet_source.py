@@ -118,6 +118,18 @@ def test_files_named_with_a_prefix_before_the_split_word_are_split_by_it(hub, tm
     assert len(train.files) == 2
 
 
+def test_a_partial_download_is_refused_naming_its_first_missing_file_and_a_chosen_pattern_is_not(hub, tmp_path):
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for name in ("train-00000-of-00002", "validation-00000-of-00001"):
+        os.link(hub / "data" / f"{name}.parquet", folder / f"{name}.parquet")
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(folder), None, None, None)
+    assert_names(single_line(str(caught.value)), "train", folder / "train-00001-of-00002.parquet", "missing")
+    train = sources.open_source(str(folder / "train-*.parquet"), "train", None)
+    assert len(train.files) == 1
+
+
 def test_a_training_split_holding_the_validation_files_is_refused_naming_one(hub, tmp_path):
     folder = tmp_path / "mixed"
     folder.mkdir()

@@ -389,6 +389,14 @@ def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(writ
         tar_shards.open_split(str(garbage), "train", None)
 
 
+def test_a_folder_of_shards_numbered_of_a_count_missing_one_is_refused_naming_it(tmp_path):
+    for k in (0, 2):
+        write_tar(tmp_path / f"s-{k:03d}-of-003.tar", [("a.jpg", JPEG), ("a.cls", b"0")])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), "train", tmp_path / "s-001-of-003.tar", "missing")
+
+
 def test_a_shard_cut_at_a_members_end_is_refused_as_truncated_not_read_short(tmp_path):
     shard = tmp_path / "s.tar"
     write_tar(shard, [("a.jpg", JPEG), ("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")])
