@@ -47,6 +47,8 @@ INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shard
 INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
 OPTIONAL_ARRAYS = ("checksums", "etags")  # added to version 1 later: its first files read without them
+GZIPPED = (".tar.gz", ".tgz")  # shards a folder may hold compressed: refused, named (gzip_line)
+GZIP_MAGIC = b"\x1f\x8b"
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 
 
@@ -54,14 +56,14 @@ PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source 
 
 def is_pattern(location: str) -> bool:
     """A brace or glob pattern of shards, or one shard, rather than a folder."""
-    return any(c in location for c in "{*?[") or location.endswith(".tar")
+    return any(c in location for c in "{*?[") or location.endswith((".tar", *GZIPPED))
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
     if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
     with contextlib.suppress(OSError, ValueError):  # not a folder, none to read, or a NUL in the name
-        return any(name.endswith(".tar") for name in os.listdir(location))
+        return any(name.endswith((".tar", *GZIPPED)) for name in os.listdir(location))  # .tar.gz: to be named
     return False
 
 
@@ -94,8 +96,12 @@ def shard_paths(location: str, role: str) -> list[str]:
     if is_pattern(location):
         paths = pattern_files(location, role, "shard")
     else:
-        paths = sorted(os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
+        names = sorted(os.listdir(location))
+        paths = [os.path.join(location, name) for name in names if name.endswith(".tar")]
         check_numbered(paths, role)
+        compressed = next((name for name in names if name.endswith(GZIPPED)), None)
+        if not paths and compressed:
+            raise UserError(gzip_line(os.path.join(location, compressed), role))
     if not paths:
         raise UserError(f"{role} data {location} holds no .tar shards")
     return paths
@@ -117,6 +123,20 @@ def check_numbered(paths: list[str], role: str) -> None:
         if missing is not None:
             raise UserError(f"{role} file {head}{missing:0{width}d}-of-{total}{tail} is missing ({len(numbers)} of the "
                             f"{int(total)} its siblings' names count are there): was a download cut short?")
+
+
+def gzip_line(path: str, role: str) -> str:
+    return f"{role} shard {path} is gzip-compressed: decompress it (gunzip)"
+
+
+def gzipped(path: str, entry: Optional[object_store.Entry] = None) -> bool:
+    """A shard that begins with gzip's magic bytes, which tarfile's plain reading takes for a bad header."""
+    with contextlib.suppress(OSError, UserError):
+        if entry:
+            return object_store.RangedFile(entry).read(2) == GZIP_MAGIC
+        with open(path, "rb") as f:
+            return f.read(2) == GZIP_MAGIC
+    return False
 
 
 def split_folder(folder: str) -> Optional[tuple[str, str]]:
@@ -489,6 +509,8 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                     found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
             check_end(tar)
     except tarfile.TarError as error:
+        if not key and gzipped(path, entry):
+            raise UserError(gzip_line(path, role)) from None
         after = f" after sample {key}" if key else ""
         raise UserError(f"{role} shard {path} is truncated or not a tar file{after}: {error}") from None
     except OSError as error:

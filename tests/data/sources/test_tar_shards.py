@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import gzip
 import io
 import json
 import os
@@ -395,6 +396,20 @@ def test_a_folder_of_shards_numbered_of_a_count_missing_one_is_refused_naming_it
     with pytest.raises(UserError) as caught:
         tar_shards.open_split(str(tmp_path), "train", None)
     assert_names(single_line(str(caught.value)), "train", tmp_path / "s-001-of-003.tar", "missing")
+
+
+@pytest.mark.parametrize("name", ["s.tar", "s.tar.gz"])
+def test_a_gzip_compressed_shard_is_named_as_such_as_a_pattern_or_in_a_folder(tmp_path, name):
+    plain = tmp_path / "plain.tar"
+    write_tar(plain, [("a.jpg", JPEG), ("a.cls", b"0")])
+    folder = tmp_path / "split"
+    folder.mkdir()
+    with gzip.open(folder / name, "wb") as f:
+        f.write(plain.read_bytes())
+    for location in (folder / name, folder):
+        with pytest.raises(UserError) as caught:
+            sources.open_source(str(location), "train", None)
+        assert_names(single_line(str(caught.value)), folder / name, "gzip-compressed", "gunzip")
 
 
 def test_a_shard_cut_at_a_members_end_is_refused_as_truncated_not_read_short(tmp_path):
