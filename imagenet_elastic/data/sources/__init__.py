@@ -180,7 +180,24 @@ def open_splits(data: str, val_path: Optional[str], val_labels: Optional[str],
     train = open_source(train_location, "train", cache_dir)
     val = open_source(val_location, "val", cache_dir, train.classes, val_labels)
     check_same_classes(train, val)
+    check_val_apart(train, val)
     return train, val
+
+
+def split_files(source: Source) -> set[str]:
+    """The parquet files or shards a split reads, by real path (a folder of images: none)."""
+    files = getattr(source, "files", None) or getattr(source, "shards", ())
+    return {f if object_store.is_url(f) else os.path.realpath(f) for f in files}
+
+
+def check_val_apart(train: Source, val: Source) -> None:
+    """A training split holding the validation split's files among others (a folder taken whole where its file names
+    did not say which is which) is refused: it would train on what it is scored on. The very same files are meant."""
+    train_files, val_files = split_files(train), split_files(val)
+    shared = sorted(train_files & val_files)
+    if shared and train_files != val_files:
+        raise UserError(f"the train split ({train.where()}) holds {shared[0]}, a file of the val split "
+                        f"({val.where()}): name the training files with a pattern")
 
 
 def check_apart(folder: str, what: str, splits: tuple[str, str], containing: bool = False) -> None:

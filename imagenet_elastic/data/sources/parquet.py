@@ -2,29 +2,30 @@
 rows of image{bytes,path} and label, ClassLabel names in the metadata), or any files with an `image` column (that
 struct, or bytes) and an integer `label`; without ClassLabel names, base.checked_classes names the classes.
 
-A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by name
-(`train-*`; `validation-*` or `val-*`; `test-*` is never read), else one split. A process keeps the one row group it
-read last: sequential reads read each group once, a shuffled epoch one per sample, why `pack` is the form to train
-from at scale (docs/BENCHMARKS.md).
+A split is a `.parquet` file, a glob or brace pattern, or a folder (or its `data/`) whose files are split by a part
+of their names (`train`; `validation`, `valid` or `val`; `test` is never read), else one split. A process keeps the one
+row group it read last: sequential reads read each group once, a shuffled epoch one per sample, why `pack` is the form
+to train from at scale (docs/BENCHMARKS.md).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass, replace
 from typing import Any, Optional
 
 import numpy as np
 
 from imagenet_elastic.data.sources.base import FileList, Source, checked_classes, digest_of, shown
-from imagenet_elastic.data.sources.tar_shards import pattern_files
+from imagenet_elastic.data.sources.tar_shards import check_numbered, pattern_files
 from imagenet_elastic.errors import CorruptImageError, UserError, counted
 
 PREFIX = "parquet"
 SUFFIX = ".parquet"
 SUBFOLDER = "data"  # the Hub's datasets keep their files in data/
-SPLIT_WORDS = {"train": ("train",), "val": ("validation", "val")}  # a file's name starts with one, then - or _
+SPLIT_WORDS = {"train": ("train",), "val": ("validation", "valid", "val")}  # a part of a file's name, between - _ .
 
 
 def pyarrow_parquet() -> Any:
@@ -53,12 +54,10 @@ def folder_files(folder: str) -> list[str]:
 
 
 def split_of(path: str) -> Optional[str]:
-    """"train", "val" or None, from a file's name (`train-00000-of-00294.parquet`, `validation-...`, `test-...`)."""
-    name = os.path.basename(path).lower()
-    for role, words in SPLIT_WORDS.items():
-        if any(name.startswith(word) and name[len(word):len(word) + 1] in ("-", "_", ".") for word in words):
-            return role
-    return None
+    """"train", "val" or None, from a part of a file's name (`train-00000-of-00294.parquet`, `validation-...`,
+    `imagenet-1k-validation-...`; `test-...`: None)."""
+    parts = re.split(r"[-_.]", os.path.basename(path).lower())
+    return next((role for role, words in SPLIT_WORDS.items() if any(word in parts for word in words)), None)
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
@@ -81,6 +80,7 @@ def role_files(location: str, role: str) -> list[str]:
     if not named and any(split_of(p) for p in files):
         words = " or ".join(f"{w}-*{SUFFIX}" for w in SPLIT_WORDS[role])
         raise UserError(f"{location} holds no {role} parquet files (named {words})")
+    check_numbered(named or files, role)
     return named or files
 
 

@@ -47,6 +47,8 @@ INDEX_NAME = "imagenet-elastic-index.npz"  # what `pack` writes beside its shard
 INDEX_VERSION = 1
 INDEX_ARRAYS = ("shards", "sizes", "mtimes", "classes", "labels", "shard", "offsets", "lengths")
 OPTIONAL_ARRAYS = ("checksums", "etags")  # added to version 1 later: its first files read without them
+GZIPPED = (".tar.gz", ".tgz")  # shards a folder may hold compressed: refused, named (gzip_line)
+GZIP_MAGIC = b"\x1f\x8b"
 PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source and options (pack_again)
 
 
@@ -54,14 +56,14 @@ PACK_FILE = "pack.json"  # what `pack` writes at the root of a pack: its source 
 
 def is_pattern(location: str) -> bool:
     """A brace or glob pattern of shards, or one shard, rather than a folder."""
-    return any(c in location for c in "{*?[") or location.endswith(".tar")
+    return any(c in location for c in "{*?[") or location.endswith((".tar", *GZIPPED))
 
 
 def claims(location: str, labels_file: Optional[str] = None) -> bool:
     if is_pattern(location) or object_store.is_url(location):  # the one kind a store holds
         return True
     with contextlib.suppress(OSError, ValueError):  # not a folder, none to read, or a NUL in the name
-        return any(name.endswith(".tar") for name in os.listdir(location))
+        return any(name.endswith((".tar", *GZIPPED)) for name in os.listdir(location))  # .tar.gz: to be named
     return False
 
 
@@ -91,11 +93,50 @@ def pattern_files(location: str, role: str, what: str) -> list[str]:
 
 def shard_paths(location: str, role: str) -> list[str]:
     """The shards of a split, in order: a folder's `*.tar` by name, or a pattern's expansion (each part globbed)."""
-    paths = pattern_files(location, role, "shard") if is_pattern(location) else sorted(
-        os.path.join(location, name) for name in os.listdir(location) if name.endswith(".tar"))
+    if is_pattern(location):
+        paths = pattern_files(location, role, "shard")
+    else:
+        names = sorted(os.listdir(location))
+        paths = [os.path.join(location, name) for name in names if name.endswith(".tar")]
+        check_numbered(paths, role)
+        compressed = next((name for name in names if name.endswith(GZIPPED)), None)
+        if not paths and compressed:
+            raise UserError(gzip_line(os.path.join(location, compressed), role))
     if not paths:
         raise UserError(f"{role} data {location} holds no .tar shards")
     return paths
+
+
+NUMBERED = re.compile(r"(.*[-_])(\d+)-of-(\d+)(\.[^/]*)")  # Hugging Face's `train-00003-of-00294.parquet`
+
+
+def check_numbered(paths: list[str], role: str) -> None:
+    """A folder's files named `-NNNNN-of-MMMMM` say how many there are: one missing (a download cut short) is refused,
+    naming it, rather than trained without. A pattern's may be a chosen few."""
+    groups: dict[tuple[str, str, str, int], set[int]] = {}
+    for path in paths:
+        match = NUMBERED.fullmatch(path)
+        if match:
+            groups.setdefault((match[1], match[3], match[4], len(match[2])), set()).add(int(match[2]))
+    for (head, total, tail, width), numbers in groups.items():
+        missing = next((n for n in range(int(total)) if n not in numbers), None)
+        if missing is not None:
+            raise UserError(f"{role} file {head}{missing:0{width}d}-of-{total}{tail} is missing ({len(numbers)} of the "
+                            f"{int(total)} its siblings' names count are there): was a download cut short?")
+
+
+def gzip_line(path: str, role: str) -> str:
+    return f"{role} shard {path} is gzip-compressed: decompress it (gunzip)"
+
+
+def gzipped(path: str, entry: Optional[object_store.Entry] = None) -> bool:
+    """A shard that begins with gzip's magic bytes, which tarfile's plain reading takes for a bad header."""
+    with contextlib.suppress(OSError, UserError):
+        if entry:
+            return object_store.RangedFile(entry).read(2) == GZIP_MAGIC
+        with open(path, "rb") as f:
+            return f.read(2) == GZIP_MAGIC
+    return False
 
 
 def split_folder(folder: str) -> Optional[tuple[str, str]]:
@@ -111,7 +152,7 @@ def split_folder(folder: str) -> Optional[tuple[str, str]]:
         return None
     names = sorted(n for n in names if n.endswith(".tar"))
     train = {n for n in names if "train" in n}
-    for word in ("validation", "val"):
+    for word in ("validation", "valid", "val"):
         val = {n for n in names if re.search(rf"(^|[-_.]){word}([-_.]|$)", n)}
         if not (train and val):
             continue
@@ -192,6 +233,8 @@ class TarShards(Source):
             size = mapped.size()  # the file's now: a shard cut short while mapped would raise SIGBUS, not an error
         except OSError as error:
             raise CorruptImageError(f"cannot read shard {path}: {error.strerror or error}") from None
+        except ValueError:  # mmap refuses an empty file: the shard was emptied since it was indexed
+            mapped, size = None, 0
         if start + length > size:
             raise CorruptImageError(f"shard {path} is truncated: sample #{i} ends at byte {start + length}, the "
                                     f"file has {size} bytes")
@@ -232,7 +275,7 @@ class TarShards(Source):
         offset = int(self.offsets[i])
         try:
             mapped = self.mapped(int(self.shard[i]))
-        except (OSError, UserError):
+        except (OSError, ValueError, UserError):  # ValueError: an emptied shard (read)
             return f"sample #{i} at byte {offset}"
         header = mapped[offset - 512:offset]
         name = header[:100].split(b"\0", 1)[0]
@@ -464,7 +507,10 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
                 found.labels.append(label)
                 if found.checksums is not None:
                     found.checksums.append(zlib.crc32(os.pread(tar.fileobj.fileno(), image.size, image.offset_data)))
+            check_end(tar)
     except tarfile.TarError as error:
+        if not key and gzipped(path, entry):
+            raise UserError(gzip_line(path, role)) from None
         after = f" after sample {key}" if key else ""
         raise UserError(f"{role} shard {path} is truncated or not a tar file{after}: {error}") from None
     except OSError as error:
@@ -472,6 +518,14 @@ def walk_shard(path: str, role: str, checksums: bool = False, entry: Optional[ob
     if not found.labels:
         raise UserError(f"{role} shard {path} holds no samples (KEY.jpg with KEY.cls)")
     return found
+
+
+def check_end(tar: tarfile.TarFile) -> None:
+    """A walked archive ends in its end-of-archive marker (two zero blocks, which every tar writer writes): tarfile
+    takes a shard cut at a member's end for a whole one. One read (for a store's shard at most one ranged read)."""
+    tar.fileobj.seek(tar.offset)  # where tarfile stopped: the marker's place
+    if tar.fileobj.read(2 * tarfile.BLOCKSIZE) != tarfile.NUL * (2 * tarfile.BLOCKSIZE):
+        raise tarfile.ReadError(f"no end-of-archive marker at byte {tar.offset}")
 
 
 def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:

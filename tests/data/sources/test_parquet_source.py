@@ -100,6 +100,49 @@ def test_a_folder_with_only_training_files_names_the_missing_validation_split(im
     assert_names(str(caught.value), tmp_path / "hf", "val", "validation-*.parquet", "val-*.parquet")
 
 
+@pytest.mark.parametrize(("name", "split"), [
+    ("train-00000-of-00002.parquet", "train"), ("imagenet-1k-train-00000.parquet", "train"),
+    ("imagenet-1k-validation-00000.parquet", "val"), ("x_valid_0.parquet", "val"), ("val.parquet", "val"),
+    ("imagenet-1k-test-00000.parquet", None), ("trainer-0.parquet", None), ("interval-0.parquet", None)])
+def test_a_files_split_is_a_dash_or_underscore_separated_part_of_its_name(name, split):
+    assert parquet.split_of(f"/d/{name}") == split
+
+
+def test_files_named_with_a_prefix_before_the_split_word_are_split_by_it(hub, tmp_path):
+    folder = tmp_path / "prefixed"
+    folder.mkdir()
+    for name in ("train-00000-of-00002", "train-00001-of-00002", "validation-00000-of-00001"):
+        os.link(hub / "data" / f"{name}.parquet", folder / f"imagenet-1k-{name}.parquet")
+    train, val = sources.open_splits(str(folder), None, None, None)
+    assert [os.path.basename(f) for f in val.files] == ["imagenet-1k-validation-00000-of-00001.parquet"]
+    assert len(train.files) == 2
+
+
+def test_a_partial_download_is_refused_naming_its_first_missing_file_and_a_chosen_pattern_is_not(hub, tmp_path):
+    folder = tmp_path / "partial"
+    folder.mkdir()
+    for name in ("train-00000-of-00002", "validation-00000-of-00001"):
+        os.link(hub / "data" / f"{name}.parquet", folder / f"{name}.parquet")
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(folder), None, None, None)
+    assert_names(single_line(str(caught.value)), "train", folder / "train-00001-of-00002.parquet", "missing")
+    train = sources.open_source(str(folder / "train-*.parquet"), "train", None)
+    assert len(train.files) == 1
+
+
+def test_a_training_split_holding_the_validation_files_is_refused_naming_one(hub, tmp_path):
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    for name, new in (("train-00000-of-00002", "a-0"), ("train-00001-of-00002", "a-1"),
+                      ("validation-00000-of-00001", "b-0")):
+        os.link(hub / "data" / f"{name}.parquet", folder / f"{new}.parquet")
+    with pytest.raises(UserError) as caught:
+        sources.open_splits(str(folder), str(folder / "b-*.parquet"), None, None)
+    assert_names(single_line(str(caught.value)), "train", folder / "b-0.parquet")
+    same = sources.open_splits(str(folder / "b-0.parquet"), str(folder / "b-*.parquet"), None, None)
+    assert len(same[0]) == len(same[1])  # the very same files, meant
+
+
 @pytest.mark.parametrize(("columns", "message"), [
     ({"label": [0]}, r"has no column 'image' \(imagenet-1k's rows are image\{bytes,path\} and label\)"),
     ({"image": [b"x"], "label": ["a"]}, r"column image is binary and label is string"),

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import glob
+import gzip
 import io
 import json
 import os
@@ -389,6 +390,39 @@ def test_a_truncated_or_corrupt_shard_is_named_with_the_sample_it_breaks_in(writ
         tar_shards.open_split(str(garbage), "train", None)
 
 
+def test_a_folder_of_shards_numbered_of_a_count_missing_one_is_refused_naming_it(tmp_path):
+    for k in (0, 2):
+        write_tar(tmp_path / f"s-{k:03d}-of-003.tar", [("a.jpg", JPEG), ("a.cls", b"0")])
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(tmp_path), "train", None)
+    assert_names(single_line(str(caught.value)), "train", tmp_path / "s-001-of-003.tar", "missing")
+
+
+@pytest.mark.parametrize("name", ["s.tar", "s.tar.gz"])
+def test_a_gzip_compressed_shard_is_named_as_such_as_a_pattern_or_in_a_folder(tmp_path, name):
+    plain = tmp_path / "plain.tar"
+    write_tar(plain, [("a.jpg", JPEG), ("a.cls", b"0")])
+    folder = tmp_path / "split"
+    folder.mkdir()
+    with gzip.open(folder / name, "wb") as f:
+        f.write(plain.read_bytes())
+    for location in (folder / name, folder):
+        with pytest.raises(UserError) as caught:
+            sources.open_source(str(location), "train", None)
+        assert_names(single_line(str(caught.value)), folder / name, "gzip-compressed", "gunzip")
+
+
+def test_a_shard_cut_at_a_members_end_is_refused_as_truncated_not_read_short(tmp_path):
+    shard = tmp_path / "s.tar"
+    write_tar(shard, [("a.jpg", JPEG), ("a.cls", b"1"), ("b.jpg", JPEG), ("b.cls", b"0")])
+    with tarfile.open(shard) as tar:
+        cut = tar.getmembers()[2].offset  # where b's first header begins: a whole sample a before it
+    os.truncate(shard, cut)
+    with pytest.raises(UserError) as caught:
+        tar_shards.open_split(str(shard), "train", None)
+    assert_names(single_line(str(caught.value)), shard, "truncated", "sample a", cut)
+
+
 def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
     paths, _ = written
     folder = tmp_path / "s"
@@ -400,6 +434,19 @@ def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_cras
         f.truncate(int(shards.offsets[last]) + 10)
     with pytest.raises(CorruptImageError, match=rf"shard {folder / 'part-0004.tar'} is truncated: sample #{last} "):
         shards.read(last)
+
+
+def test_a_shard_emptied_after_it_was_indexed_is_named_as_truncated_not_a_crash(written, tmp_path):
+    paths, _ = written
+    folder = tmp_path / "s"
+    shutil.copytree(os.path.dirname(paths[0]), folder)
+    shards = tar_shards.open_split(str(folder), "train", None)
+    tar_shards._MAPS.clear()
+    os.truncate(folder / "part-0000.tar", 0)
+    with pytest.raises(CorruptImageError) as caught:
+        shards.read(0)
+    assert_names(single_line(str(caught.value)), folder / "part-0000.tar", "truncated")
+    assert caught.value.exit_code == 2
 
 
 def test_a_pack_index_that_no_longer_matches_its_shards_is_refused_with_the_shard(written, tmp_path):
@@ -478,6 +525,14 @@ def test_a_folder_of_train_and_validation_shards_side_by_side_splits_by_name(sid
     assert val.where() == f"{folder / '*validation*.tar'} (1 shard)"
     evaluated = sources.open_source(str(folder), "val", None, classes)
     assert len(evaluated) == 35 and evaluated.fingerprint() == val.fingerprint()
+
+
+def test_validation_shards_named_valid_are_told_apart_from_train_ones(side_by_side):
+    folder, _ = side_by_side
+    os.rename(folder / "imagenet1k-validation-0000.tar", folder / "imagenet1k-valid-0000.tar")
+    train, val = sources.open_splits(str(folder), None, None, None)
+    assert [os.path.basename(p) for p in val.shards] == ["imagenet1k-valid-0000.tar"]
+    assert "imagenet1k-valid-0000.tar" not in [os.path.basename(p) for p in train.shards]
 
 
 @pytest.mark.parametrize("how", ["empty", "cut short", "not an npz", "an array missing"])
