@@ -186,7 +186,10 @@ def done_shards(folder: str, split: sources.Source, options: Options) -> dict[in
         if name.startswith(TEMP_PREFIX):
             os.unlink(path)
         elif name.startswith("shard-") and name.endswith(".tar"):
-            k = int(name[len("shard-"):-len(".tar")])
+            number = name[len("shard-"):-len(".tar")]
+            if not (number.isascii() and number.isdigit()) or shard_name(int(number)) != name:  # a copy, or not ours
+                raise UserError(f"pack: {path} is no shard this pack wrote: move it out of {folder} and rerun")
+            k = int(number)
             try:
                 found = tar_shards.walk_shard(path, split.role, checksums=True)
             except UserError:

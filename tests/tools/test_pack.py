@@ -203,6 +203,27 @@ def test_an_interrupted_pack_of_a_source_changed_since_is_refused_saying_what_ch
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listed
 
 
+def interrupted_copy(packed, tmp_path) -> pathlib.Path:
+    """A copy of a pack as one killed after its last shard leaves it: no indexes, pack.json unfinished."""
+    copy = tmp_path / "pack"
+    shutil.copytree(packed[0], copy)
+    for split in ("train", "val"):
+        (copy / split / tar_shards.INDEX_NAME).unlink()
+    record = json.loads((copy / pack.PACK_FILE).read_text())
+    (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    return copy
+
+
+@pytest.mark.parametrize("name", ["shard-000001 (copy).tar", "shard-1.tar"])
+def test_a_continued_pack_refuses_a_shard_it_did_not_name_naming_the_file(image_folder, packed, tmp_path, capsys,
+                                                                            name):
+    copy = interrupted_copy(packed, tmp_path)
+    shutil.copy(copy / "train" / pack.shard_name(1), copy / "train" / name)
+    said = refused(capsys, str(image_folder), str(copy), "--shard-size", "16")
+    assert_names(said, copy / "train" / name)
+    assert (copy / "train" / name).is_file()
+
+
 def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
     assert_names(said, "--quality", "1", "0")
@@ -301,13 +322,7 @@ def test_a_pack_index_from_before_checksums_reads_as_it_is_and_says_what_it_cann
 
 
 def test_an_interrupted_packs_rerun_keeps_the_checksums_of_the_shards_it_kept(image_folder, packed, tmp_path):
-    out, _ = packed
-    copy = tmp_path / "pack"
-    shutil.copytree(out, copy)
-    for split in ("train", "val"):
-        (copy / split / tar_shards.INDEX_NAME).unlink()  # as a pack killed after its last shard leaves it
-    record = json.loads((copy / pack.PACK_FILE).read_text())
-    (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    out, copy = packed[0], interrupted_copy(packed, tmp_path)
     assert run_pack(str(image_folder), str(copy), "--shard-size", "16")["images"] == 0  # every shard kept
     for split in ("train", "val"):
         assert (sources.open_source(str(copy / split), split, None).checksums.tolist()
