@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
+from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commit, nearest_existing, write_temp
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UNIDENTIFIED_IMAGE, UserError, report
@@ -151,10 +151,10 @@ def write_shard(folder: str, k: int, split: sources.Source, options: Options) ->
 def check_out(out: str, record: dict[str, Any]) -> bool:
     """Whether OUT may be written: new, empty, or an interrupted pack of the same source and options (True:
     continue it). A complete pack or anything else is refused."""
+    if not os.path.isdir(existing := nearest_existing(out)):  # OUT, or a folder it would be made in
+        raise UserError(f"pack: OUT {out}: {existing} is not a folder")
     if not os.path.exists(out):
         return False
-    if not os.path.isdir(out):
-        raise UserError(f"pack: OUT {out} exists and is not a folder")
     present = os.listdir(out)
     if not present:
         return False

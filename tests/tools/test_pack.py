@@ -203,6 +203,13 @@ def test_an_interrupted_pack_of_a_source_changed_since_is_refused_saying_what_ch
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listed
 
 
+@pytest.mark.parametrize("out", ["file", "file/sub"])
+def test_an_out_that_is_a_file_or_under_one_is_bad_input_naming_it_before_writing(image_folder, tmp_path, capsys, out):
+    (tmp_path / "file").write_text("mine")
+    assert_names(refused(capsys, str(image_folder), str(tmp_path / out)), tmp_path / out)
+    assert (tmp_path / "file").read_text() == "mine" and os.listdir(tmp_path) == ["file"]
+
+
 def interrupted_copy(packed, tmp_path) -> pathlib.Path:
     """A copy of a pack as one killed after its last shard leaves it: no indexes, pack.json unfinished."""
     copy = tmp_path / "pack"
