@@ -231,6 +231,25 @@ def test_a_continued_pack_refuses_a_shard_it_did_not_name_naming_the_file(image_
     assert (copy / "train" / name).is_file()
 
 
+@pytest.mark.parametrize("older", [False, True], ids=["real paths", "pack.json with relative paths"])
+def test_an_interrupted_pack_is_continued_from_another_directory_or_with_absolute_paths(tmp_path, monkeypatch, older):
+    make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run_pack("src", "out", "--shard-size", "2")
+    (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).unlink()  # interrupted before its indexes
+    record = json.loads((tmp_path / "out" / pack.PACK_FILE).read_text())
+    if older:  # as pack wrote it before it recorded real paths, run here as `pack src out`
+        record = {**record, "source": str(tmp_path / "src"),
+                  "splits": {role: {**split, "from": f"src/{role}"} for role, split in record["splits"].items()}}
+    (tmp_path / "out" / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    if not older:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    assert run_pack(str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "2")["images"] == 0
+    assert json.loads((tmp_path / "out" / pack.PACK_FILE).read_text())["splits"]["train"]["from"] == str(
+        tmp_path / "src" / "train")
+
+
 def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
     assert_names(said, "--quality", "1", "0")
