@@ -257,6 +257,7 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     for note in (*splits[0].notes, *splits[1].notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)
     record = {"version": PACK_VERSION, "source": real(src), "options": dataclasses.asdict(options),
+              "val_path": real(args.val_path), "val_labels": real(args.val_labels),
               "splits": {s.role: {"samples": len(s), "from": s.where()} for s in splits}, "complete": False}
     continuing = check_out(out, record, os.path.abspath(src))
     os.makedirs(out, exist_ok=True)

@@ -250,6 +250,23 @@ def test_an_interrupted_pack_is_continued_from_another_directory_or_with_absolut
         tmp_path / "src" / "train")
 
 
+def test_the_command_that_finishes_an_interrupted_pack_has_its_options_and_finishes_it(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    os.rename(src / "val", tmp_path / "val")
+    out = tmp_path / "out"
+    options = ("--val-path", str(tmp_path / "val"), "--shard-size", "2", "--quality", "50")
+    run_pack(str(src), str(out), *options)
+    (out / "train" / tar_shards.INDEX_NAME).unlink()  # interrupted before its indexes
+    record = json.loads((out / pack.PACK_FILE).read_text())
+    (out / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    with pytest.raises(UserError) as caught:
+        sources.open_source(str(out / "train"), "train", None)
+    command = re.search(r"`imagenet-elastic pack ([^`]*)`", str(caught.value)).group(1).split()
+    assert all(option in command for option in options), command
+    assert run_pack(*command)["images"] == 0
+    assert json.loads((out / pack.PACK_FILE).read_text())["complete"]
+
+
 def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
     assert_names(said, "--quality", "1", "0")
