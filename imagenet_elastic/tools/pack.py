@@ -22,6 +22,7 @@ import sys
 import tarfile
 import threading
 import time
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -250,10 +251,19 @@ def resolved(where: str) -> str:
     return f"{real(path)}{sep}{rest}"
 
 
+def check_class_names(classes: Sequence[str]) -> None:
+    """classes.txt holds a name a line: a name with a line break (or another control character) would shift every
+    name after it, and the trained model would give each image its neighbour's name."""
+    for name in classes:
+        if any(unicodedata.category(c) == "Cc" or c in "\u2028\u2029" for c in name):
+            raise UserError(f"pack: class {name!r} has a control character or line break: rename it")
+
+
 def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     options = Options(args.max_side, args.quality, args.shard_size)
     sources.check_apart(out, "pack: OUT", sources.split_locations(src, args.val_path), containing=True)
     splits = sources.open_splits(real(src), real(args.val_path), real(args.val_labels), cache_dir=None)
+    check_class_names(splits[0].classes)
     for note in (*splits[0].notes, *splits[1].notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)
     record = {"version": PACK_VERSION, "source": real(src), "options": dataclasses.asdict(options),

@@ -267,6 +267,27 @@ def test_the_command_that_finishes_an_interrupted_pack_has_its_options_and_finis
     assert json.loads((out / pack.PACK_FILE).read_text())["complete"]
 
 
+@pytest.mark.parametrize("name", ["two\nlines", "tab\there", "bell\x07"])
+def test_a_class_name_with_a_line_break_or_control_character_is_refused_naming_it_before_writing(tmp_path, capsys,
+                                                                                                  name):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        os.rename(src / split / "class_001", src / split / name)
+    said = refused(capsys, str(src), str(tmp_path / "out"))
+    assert_names(said, repr(name))
+    assert not (tmp_path / "out").exists()
+
+
+def test_class_names_with_leading_or_trailing_spaces_come_back_from_the_pack_as_they_were(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        os.rename(src / split / "class_000", src / split / " lead")
+        os.rename(src / split / "class_001", src / split / "trail ")
+    run_pack(str(src), str(tmp_path / "out"))
+    (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).unlink()  # classes from classes.txt, not the index
+    assert sources.open_source(str(tmp_path / "out" / "train"), "train", None).classes == (" lead", "trail ")
+
+
 def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
     assert_names(said, "--quality", "1", "0")

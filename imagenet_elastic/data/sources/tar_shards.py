@@ -487,7 +487,7 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     for where in (folder, os.path.dirname(folder)):
         candidate, info = os.path.join(where, CLASSES_FILE), os.path.join(where, INFO_FILE)
         if (text := _text(candidate)) is not None:
-            lines = [line.strip() for line in text.lstrip("\ufeff").strip().splitlines()]  # a BOM is no name
+            lines = text.lstrip("\ufeff").rstrip("\r\n").splitlines()  # a BOM is no name; spaces are part of one
             if not lines or "" in lines:  # a blank line inside would shift every name after it by one
                 raise UserError(f"classes file {candidate} is empty" if not lines else
                                 f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "
