@@ -79,7 +79,12 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
     if not os.path.isdir(root):
         raise UserError(f"{role} folder {root} does not exist")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not hidden(e.name))
+    entries = [e for e in os.scandir(root) if not hidden(e.name)]
+    dangling = next((e.path for e in entries if e.is_symlink() and not os.path.exists(e.path)), None)
+    if dangling is not None:  # a class folder on a path not mounted here: its images would be left out, unsaid
+        raise UserError(f"{role} folder {root}: {shown(dangling)} is a symbolic link to {os.readlink(dangling)}, "
+                        "which does not exist")
+    classes = sorted(e.name for e in entries if e.is_dir())
     if not classes:
         raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
     for name in classes:  # kept as text (checkpoints, exported models, classes.txt); image names are kept as bytes
