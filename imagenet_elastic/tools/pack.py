@@ -22,11 +22,12 @@ import sys
 import tarfile
 import threading
 import time
+import unicodedata
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commit, write_temp
+from imagenet_elastic.atomic_files import TEMP_PREFIX, atomic_write_bytes, commit, nearest_existing, write_temp
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources import object_store, tar_shards
 from imagenet_elastic.errors import PROG, UNIDENTIFIED_IMAGE, UserError, report
@@ -148,13 +149,14 @@ def write_shard(folder: str, k: int, split: sources.Source, options: Options) ->
     return split.role, k, tar_shards.walk_shard(path, split.role, checksums=True), resized
 
 
-def check_out(out: str, record: dict[str, Any]) -> bool:
+def check_out(out: str, record: dict[str, Any], source_then: str) -> bool:
     """Whether OUT may be written: new, empty, or an interrupted pack of the same source and options (True:
-    continue it). A complete pack or anything else is refused."""
+    continue it). A complete pack or anything else is refused. `source_then`: the source as an older pack.json
+    recorded it (not real)."""
+    if not os.path.isdir(existing := nearest_existing(out)):  # OUT, or a folder it would be made in
+        raise UserError(f"pack: OUT {out}: {existing} is not a folder")
     if not os.path.exists(out):
         return False
-    if not os.path.isdir(out):
-        raise UserError(f"pack: OUT {out} exists and is not a folder")
     present = os.listdir(out)
     if not present:
         return False
@@ -165,13 +167,13 @@ def check_out(out: str, record: dict[str, Any]) -> bool:
         raise UserError(f"pack: {marker} is damaged: remove {out} to pack again")
     if previous.get("complete"):
         raise UserError(f"pack: OUT {out} already holds a complete pack of {previous.get('source')}")
-    if previous.get("source") != record["source"] or previous.get("options") != record["options"]:
+    if previous.get("source") not in (record["source"], source_then) or previous.get("options") != record["options"]:
         raise UserError(f"pack: OUT {out} holds an interrupted pack of {previous.get('source')} with options "
                         f"{previous.get('options')}: remove it, or rerun that pack")
     splits = previous.get("splits") if isinstance(previous.get("splits"), dict) else {}
     for role, now in record["splits"].items():
-        if splits.get(role) != now:
-            then = splits.get(role) if isinstance(splits.get(role), dict) else {}
+        then = splits.get(role) if isinstance(splits.get(role), dict) else {}
+        if then.get("samples") != now["samples"] or resolved(str(then.get("from"))) != now["from"]:
             raise UserError(f"pack: OUT {out} holds an interrupted pack of {record['source']} whose {role} split has "
                             f"changed since: {then.get('samples')} samples in {then.get('from')} then, "
                             f"{now['samples']} in {now['from']} now: remove it to pack the source as it is now")
@@ -186,7 +188,10 @@ def done_shards(folder: str, split: sources.Source, options: Options) -> dict[in
         if name.startswith(TEMP_PREFIX):
             os.unlink(path)
         elif name.startswith("shard-") and name.endswith(".tar"):
-            k = int(name[len("shard-"):-len(".tar")])
+            number = name[len("shard-"):-len(".tar")]
+            if not (number.isascii() and number.isdigit()) or shard_name(int(number)) != name:  # a copy, or not ours
+                raise UserError(f"pack: {path} is no shard this pack wrote: move it out of {folder} and rerun")
+            k = int(number)
             try:
                 found = tar_shards.walk_shard(path, split.role, checksums=True)
             except UserError:
@@ -227,15 +232,44 @@ class Progress:
             self.bar.stop()
 
 
+def real(location: Optional[str]) -> Optional[str]:
+    """A location with its path made absolute and real, so that pack.json records the same input the same way from
+    any directory (a URL as it is)."""
+    if location is None:
+        return None
+    prefix, path = sources.kind_of(location)
+    return location if object_store.is_url(path) else sources.prefixed(prefix, os.path.realpath(path))
+
+
+def resolved(where: str) -> str:
+    """A split's place as an older pack.json recorded it (`data/train`, `val (labels from v.csv)`), its paths resolved
+    from here, to compare with where() of a split opened at real() locations."""
+    path, sep, rest = where.partition(" (")
+    labels = "labels from "
+    if rest.startswith(labels) and rest.endswith(")"):
+        rest = f"{labels}{real(rest[len(labels):-1])})"
+    return f"{real(path)}{sep}{rest}"
+
+
+def check_class_names(classes: Sequence[str]) -> None:
+    """classes.txt holds a name a line: a name with a line break (or another control character) would shift every
+    name after it, and the trained model would give each image its neighbour's name."""
+    for name in classes:
+        if any(unicodedata.category(c) == "Cc" or c in "\u2028\u2029" for c in name):
+            raise UserError(f"pack: class {name!r} has a control character or line break: rename it")
+
+
 def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     options = Options(args.max_side, args.quality, args.shard_size)
     sources.check_apart(out, "pack: OUT", sources.split_locations(src, args.val_path), containing=True)
-    splits = sources.open_splits(src, args.val_path, args.val_labels, cache_dir=None)
+    splits = sources.open_splits(real(src), real(args.val_path), real(args.val_labels), cache_dir=None)
+    check_class_names(splits[0].classes)
     for note in (*splits[0].notes, *splits[1].notes):
         print(f"warning: {note}", file=sys.stderr, flush=True)
-    record = {"version": PACK_VERSION, "source": os.path.abspath(src), "options": dataclasses.asdict(options),
+    record = {"version": PACK_VERSION, "source": real(src), "options": dataclasses.asdict(options),
+              "val_path": real(args.val_path), "val_labels": real(args.val_labels),
               "splits": {s.role: {"samples": len(s), "from": s.where()} for s in splits}, "complete": False}
-    continuing = check_out(out, record)
+    continuing = check_out(out, record, os.path.abspath(src))
     os.makedirs(out, exist_ok=True)
     atomic_write_bytes(json.dumps(record, indent=1).encode(), os.path.join(out, PACK_FILE))
     tasks, total = [], 0

@@ -203,6 +203,91 @@ def test_an_interrupted_pack_of_a_source_changed_since_is_refused_saying_what_ch
     assert {p: p.stat().st_mtime_ns for p in out.rglob("*")} == listed
 
 
+@pytest.mark.parametrize("out", ["file", "file/sub"])
+def test_an_out_that_is_a_file_or_under_one_is_bad_input_naming_it_before_writing(image_folder, tmp_path, capsys, out):
+    (tmp_path / "file").write_text("mine")
+    assert_names(refused(capsys, str(image_folder), str(tmp_path / out)), tmp_path / out)
+    assert (tmp_path / "file").read_text() == "mine" and os.listdir(tmp_path) == ["file"]
+
+
+def interrupted_copy(packed, tmp_path) -> pathlib.Path:
+    """A copy of a pack as one killed after its last shard leaves it: no indexes, pack.json unfinished."""
+    copy = tmp_path / "pack"
+    shutil.copytree(packed[0], copy)
+    for split in ("train", "val"):
+        (copy / split / tar_shards.INDEX_NAME).unlink()
+    record = json.loads((copy / pack.PACK_FILE).read_text())
+    (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    return copy
+
+
+@pytest.mark.parametrize("name", ["shard-000001 (copy).tar", "shard-1.tar"])
+def test_a_continued_pack_refuses_a_shard_it_did_not_name_naming_the_file(image_folder, packed, tmp_path, capsys,
+                                                                            name):
+    copy = interrupted_copy(packed, tmp_path)
+    shutil.copy(copy / "train" / pack.shard_name(1), copy / "train" / name)
+    said = refused(capsys, str(image_folder), str(copy), "--shard-size", "16")
+    assert_names(said, copy / "train" / name)
+    assert (copy / "train" / name).is_file()
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["real paths", "pack.json with relative paths"])
+def test_an_interrupted_pack_is_continued_from_another_directory_or_with_absolute_paths(tmp_path, monkeypatch, older):
+    make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path)
+    run_pack("src", "out", "--shard-size", "2")
+    (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).unlink()  # interrupted before its indexes
+    record = json.loads((tmp_path / "out" / pack.PACK_FILE).read_text())
+    if older:  # as pack wrote it before it recorded real paths, run here as `pack src out`
+        record = {**record, "source": str(tmp_path / "src"),
+                  "splits": {role: {**split, "from": f"src/{role}"} for role, split in record["splits"].items()}}
+    (tmp_path / "out" / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    if not older:
+        monkeypatch.chdir(tmp_path / "elsewhere")
+    assert run_pack(str(tmp_path / "src"), str(tmp_path / "out"), "--shard-size", "2")["images"] == 0
+    assert json.loads((tmp_path / "out" / pack.PACK_FILE).read_text())["splits"]["train"]["from"] == str(
+        tmp_path / "src" / "train")
+
+
+def test_the_command_that_finishes_an_interrupted_pack_has_its_options_and_finishes_it(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    os.rename(src / "val", tmp_path / "val")
+    out = tmp_path / "out"
+    options = ("--val-path", str(tmp_path / "val"), "--shard-size", "2", "--quality", "50")
+    run_pack(str(src), str(out), *options)
+    (out / "train" / tar_shards.INDEX_NAME).unlink()  # interrupted before its indexes
+    record = json.loads((out / pack.PACK_FILE).read_text())
+    (out / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    with pytest.raises(UserError) as caught:
+        sources.open_source(str(out / "train"), "train", None)
+    command = re.search(r"`imagenet-elastic pack ([^`]*)`", str(caught.value)).group(1).split()
+    assert all(option in command for option in options), command
+    assert run_pack(*command)["images"] == 0
+    assert json.loads((out / pack.PACK_FILE).read_text())["complete"]
+
+
+@pytest.mark.parametrize("name", ["two\nlines", "tab\there", "bell\x07"])
+def test_a_class_name_with_a_line_break_or_control_character_is_refused_naming_it_before_writing(tmp_path, capsys,
+                                                                                                  name):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        os.rename(src / split / "class_001", src / split / name)
+    said = refused(capsys, str(src), str(tmp_path / "out"))
+    assert_names(said, repr(name))
+    assert not (tmp_path / "out").exists()
+
+
+def test_class_names_with_leading_or_trailing_spaces_come_back_from_the_pack_as_they_were(tmp_path):
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
+    for split in ("train", "val"):
+        os.rename(src / split / "class_000", src / split / " lead")
+        os.rename(src / split / "class_001", src / split / "trail ")
+    run_pack(str(src), str(tmp_path / "out"))
+    (tmp_path / "out" / "train" / tar_shards.INDEX_NAME).unlink()  # classes from classes.txt, not the index
+    assert sources.open_source(str(tmp_path / "out" / "train"), "train", None).classes == (" lead", "trail ")
+
+
 def test_quality_out_of_range_is_refused_in_a_short_line(tmp_path, capsys):
     said = refused(capsys, str(tmp_path), str(tmp_path / "out"), "--quality", "0")
     assert_names(said, "--quality", "1", "0")
@@ -301,13 +386,7 @@ def test_a_pack_index_from_before_checksums_reads_as_it_is_and_says_what_it_cann
 
 
 def test_an_interrupted_packs_rerun_keeps_the_checksums_of_the_shards_it_kept(image_folder, packed, tmp_path):
-    out, _ = packed
-    copy = tmp_path / "pack"
-    shutil.copytree(out, copy)
-    for split in ("train", "val"):
-        (copy / split / tar_shards.INDEX_NAME).unlink()  # as a pack killed after its last shard leaves it
-    record = json.loads((copy / pack.PACK_FILE).read_text())
-    (copy / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
+    out, copy = packed[0], interrupted_copy(packed, tmp_path)
     assert run_pack(str(image_folder), str(copy), "--shard-size", "16")["images"] == 0  # every shard kept
     for split in ("train", "val"):
         assert (sources.open_source(str(copy / split), split, None).checksums.tolist()

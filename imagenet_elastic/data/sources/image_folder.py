@@ -6,9 +6,9 @@ checkpoints with every walked folder's mtime (an added, removed or renamed file 
 hold. Nodes may each read their own copy at the same path, whose mtimes `rsync -a` or `cp -a` keep even where a file
 is missing: the cache also holds the root's inode number, which a shared file system shows every node alike.
 
-A labels file is a CSV of `filename,class` (a header line allowed; the filename with or without extension), or Kaggle's
-LOC_val_solution.csv (`ImageId,PredictionString`, first word the class), naming every image of the folder by a class
-of the training split.
+A labels file is a CSV of `filename,class` (a header line allowed: a first line naming no file and no class; the
+filename with or without extension), or Kaggle's LOC_val_solution.csv (`ImageId,PredictionString`, first word the
+class), naming every image of the folder by a class of the training split.
 """
 
 from __future__ import annotations
@@ -79,7 +79,12 @@ def scan_image_folder(root: str, role: str) -> ImageFolder:
     """Index ROOT/CLASS/**/IMAGE; `role` ("train", "val") names the folder in errors."""
     if not os.path.isdir(root):
         raise UserError(f"{role} folder {root} does not exist")
-    classes = sorted(e.name for e in os.scandir(root) if e.is_dir() and not hidden(e.name))
+    entries = [e for e in os.scandir(root) if not hidden(e.name)]
+    dangling = next((e.path for e in entries if e.is_symlink() and not os.path.exists(e.path)), None)
+    if dangling is not None:  # a class folder on a path not mounted here: its images would be left out, unsaid
+        raise UserError(f"{role} folder {root}: {shown(dangling)} is a symbolic link to {os.readlink(dangling)}, "
+                        "which does not exist")
+    classes = sorted(e.name for e in entries if e.is_dir())
     if not classes:
         raise UserError(f"{role} folder {root} has no class folders (expected {root}/CLASS/IMAGE.jpg, or tar shards)")
     for name in classes:  # kept as text (checkpoints, exported models, classes.txt); image names are kept as bytes
@@ -204,10 +209,17 @@ def read_rows(labels_file: str) -> list[tuple[int, str, str]]:
             continue
         if len(cells) < 2 or not cells[0] or not cells[1]:
             raise UserError(f"--val-labels {labels_file} line {line}: expected `filename,class`, got {','.join(row)!r}")
-        found.append((line, cells[0], cells[1].split()[0]))  # LOC_val_solution: the class, then its boxes
+        found.append((line, cells[0], cells[1]))
     if not found:
         raise UserError(f"--val-labels {labels_file} lists no images")
     return found
+
+
+def class_in(cell: str, classes: dict[str, int]) -> str:
+    """The class a labels file's cell names: the whole cell ("golden retriever"), or its first word where only that
+    is a class (LOC_val_solution.csv: the class, then its boxes)."""
+    first = cell.split()[0]
+    return cell if cell in classes or first not in classes else first
 
 
 def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], labels_file: str) -> LabelledFolder:
@@ -219,8 +231,10 @@ def open_labelled(location: str, role: str, classes: Optional[tuple[str, ...]], 
     by_stem = {os.path.splitext(name)[0]: name for name in sorted(files, reverse=True)}  # the first by name wins
     number = {name: k for k, name in enumerate(classes)}
     chosen: dict[str, int] = {}
-    for line, name, label in read_rows(labels_file):
-        file = name if name in files else by_stem.get(name)
+    for line, name, cell in read_rows(labels_file):
+        file, label = name if name in files else by_stem.get(name), class_in(cell, number)
+        if line == 1 and file is None and label not in number:  # a header line of any words
+            continue
         if file is None:
             raise UserError(f"--val-labels {labels_file} line {line}: {name} is not in {location}")
         if label not in number:

@@ -423,19 +423,26 @@ def check_pack_finished(location: str, role: str, root: str) -> None:
     record = pack_record(root)
     if record is not None and record.get("complete") is False:
         raise UserError(f"{role} data {location} is part of a pack that `imagenet-elastic pack` did not finish "
-                        f"({os.path.join(root, PACK_FILE)}): run `imagenet-elastic pack {record.get('source', 'SRC')} "
-                        f"{root}` again to finish it")
+                        f"({os.path.join(root, PACK_FILE)}): run `{pack_command(record, root, continuing=True)}` "
+                        "again to finish it")
+
+
+def pack_command(record: Optional[dict], out: str, continuing: bool = False) -> str:
+    """The `imagenet-elastic pack` command that wrote pack.json's `record`, to OUT `out`: every option it recorded
+    (`--quality` only with `--max-side` for a new OUT, where it changes nothing, but pack continues an OUT only with
+    the same options)."""
+    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # none, or not what pack writes
+        options = {**(record.get("options") or {}), "val_path": record.get("val_path"),
+                   "val_labels": record.get("val_labels")}
+        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
+                        if v is not None and (continuing or k != "quality" or options.get("max_side") is not None))
+        return f"imagenet-elastic pack {record.get('source', 'SRC')} {out}{flags}"
+    return f"imagenet-elastic pack SRC {out}"
 
 
 def pack_again(index: str) -> str:
     """How to get a pack whose index holds: its command again (from pack.json, where it is), or a walk at start."""
-    command = "imagenet-elastic pack SRC NEW_OUT"
-    record = pack_record(os.path.dirname(os.path.dirname(os.path.abspath(index))))
-    with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # none, or not what pack writes
-        options = record["options"]
-        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
-                        if v is not None and (k != "quality" or options.get("max_side") is not None))
-        command = f"imagenet-elastic pack {record['source']} NEW_OUT{flags}"
+    command = pack_command(pack_record(os.path.dirname(os.path.dirname(os.path.abspath(index)))), "NEW_OUT")
     return f"pack again ({command}), or remove {index} to index the shards at start"
 
 
@@ -534,7 +541,7 @@ def class_names(location: str, shards: list[str]) -> Optional[tuple[str, ...]]:
     for where in (folder, os.path.dirname(folder)):
         candidate, info = os.path.join(where, CLASSES_FILE), os.path.join(where, INFO_FILE)
         if (text := _text(candidate)) is not None:
-            lines = [line.strip() for line in text.lstrip("\ufeff").strip().splitlines()]  # a BOM is no name
+            lines = text.lstrip("\ufeff").rstrip("\r\n").splitlines()  # a BOM is no name; spaces are part of one
             if not lines or "" in lines:  # a blank line inside would shift every name after it by one
                 raise UserError(f"classes file {candidate} is empty" if not lines else
                                 f"classes file {candidate}: line {lines.index('') + 1} is blank (a name a line, in "

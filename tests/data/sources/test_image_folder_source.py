@@ -97,6 +97,15 @@ def test_a_class_folder_whose_name_is_not_utf8_is_refused_naming_it(tmp_path):
     assert str(root / "b") + "\\xffe" in str(caught.value)
 
 
+def test_a_class_folder_that_is_a_link_to_nothing_is_refused_naming_it(tmp_path):
+    root = tmp_path / "train"
+    make_split(root, {"here": 1})
+    os.symlink(tmp_path / "unmounted" / "gone", root / "gone")
+    with pytest.raises(UserError) as caught:
+        scan_image_folder(str(root), "train")
+    assert_names(single_line(str(caught.value)), root / "gone", tmp_path / "unmounted" / "gone")
+
+
 def test_resolve_split_dirs_finds_train_and_val(tmp_path):
     (tmp_path / "train").mkdir()
     (tmp_path / "val").mkdir()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from conftest import assert_names, single_line
-from makers import flatten
+from makers import flatten, make_split
 
 from imagenet_elastic.data import sources
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
@@ -92,5 +92,32 @@ def test_a_hidden_file_in_the_flat_folder_needs_no_label(image_folder, flat, tmp
     (folder / f"._{rows[0][0]}").write_bytes(b"\x00\x05\x16\x07 AppleDouble, not a JPEG")  # macOS's, beside each image
     labels = tmp_path / "labels.csv"
     labels.write_text("".join(f"{name},{cls}\n" for name, cls in rows))
+    _, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
+    assert len(val) == len(rows) == 35
+
+
+def class_names_with_spaces(tmp_path):
+    """Class folders named with a space, and a flat val folder of one image of each."""
+    make_split(tmp_path / "train", {"golden retriever": 2, "tabby cat": 2})
+    (tmp_path / "flat").mkdir()
+    for name in ("golden retriever", "tabby cat"):
+        first = sorted((tmp_path / "train" / name).iterdir())[0]
+        (tmp_path / "flat" / f"{name.split()[0]}.jpg").write_bytes(first.read_bytes())
+    return tmp_path / "train", tmp_path / "flat"
+
+
+def test_a_quoted_class_name_with_a_space_is_the_whole_name_not_its_first_word(tmp_path):
+    train, folder = class_names_with_spaces(tmp_path)
+    labels = tmp_path / "labels.csv"
+    labels.write_text('filename,class\ngolden.jpg,"golden retriever"\ntabby.jpg,tabby cat\n')
+    _, val = sources.open_splits(str(train), str(folder), str(labels), None)
+    assert val.labels.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("header", ["file_name,label", "img,synset", "fname,category"])
+def test_a_header_line_of_any_words_that_name_no_file_and_no_class_is_skipped(image_folder, flat, tmp_path, header):
+    folder, rows = flat
+    labels = tmp_path / "labels.csv"
+    labels.write_text(f"{header}\n" + "".join(f"{name},{cls}\n" for name, cls in rows))
     _, val = sources.open_splits(str(image_folder), str(folder), str(labels), None)
     assert len(val) == len(rows) == 35
