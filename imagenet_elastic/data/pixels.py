@@ -42,7 +42,7 @@ def random_resized_crop_box(width: int, height: int, rng: random.Random,
 
 
 INTERPOLATIONS = ("bilinear", "bicubic")  # validation's resize, as timm's pretrained configs name them
-DECODED_BY_TORCHVISION = ("RGB", "L")  # JPEG modes whose libjpeg-turbo decode is Pillow's pixels (not CMYK/YCCK)
+DECODED_BY_TORCHVISION = ("RGB", "L")  # validation's JPEG modes for torchvision (CMYK, YCCK: the same pixels by Pillow)
 
 
 @dataclass(frozen=True)
