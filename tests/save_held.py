@@ -3,7 +3,9 @@
 `python tests/save_held.py ARGS` runs the program as `python -m imagenet_elastic ARGS` does. Each checkpoint write,
 its temporary file open, prints `test: checkpoint write held` and waits $SAVE_HOLD_S seconds (3 by default) before
 it writes: a save that surely takes a moment, whatever the model and the machine. Under `--dist-init-method spawn`
-the ranks, which import this file as `__mp_main__`, hold theirs too.
+the ranks, which import this file as `__mp_main__`, hold theirs too. With $SAVE_HELD_THEN_FOLDER, a folder is made at
+that path once a checkpoint is written: a file the save is followed by (metrics.jsonl) refused mid-run, after the
+start-up's check of the checkpoints folder.
 """
 
 from __future__ import annotations
@@ -28,6 +30,8 @@ def install() -> None:
         print(HELD, flush=True)
         time.sleep(wait)
         save_to(state, file)
+        if os.environ.get("SAVE_HELD_THEN_FOLDER"):
+            os.makedirs(os.environ["SAVE_HELD_THEN_FOLDER"], exist_ok=True)
 
     store.save_to = held
 

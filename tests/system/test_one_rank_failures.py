@@ -24,10 +24,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.mostly_wai
 PREFIX = "imagenet-elastic: error: "
 
 
-def two_ranks(python: str, *args: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
+def two_ranks(python: str, *args: str,
+              **extra_env: str) -> Callable[[], list[tuple[subprocess.CompletedProcess, float]]]:
     """Starts ranks 0 and 1 of a job, each with the variables a launcher sets, and returns the function that waits
     for them: (result, seconds each ran, timed by a thread of its own, so that jobs can run side by side). `python`:
-    the interpreter (the test run's warm one: a fork that has imported torch)."""
+    the interpreter (the test run's warm one: a fork that has imported torch); `extra_env`: variables for both."""
     several_at_once()
     port = str(fi.free_port())
     began = time.monotonic()
@@ -35,8 +36,9 @@ def two_ranks(python: str, *args: str) -> Callable[[], list[tuple[subprocess.Com
 
     def rank_runs(rank: int) -> None:
         env = child_env(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE="2",
-                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-        done = subprocess.run([python, *python_cmd(*args, "--threads", "1")[1:]], cwd=REPO, env=env,
+                        MASTER_ADDR="127.0.0.1", MASTER_PORT=port, **extra_env)
+        program = [str(REPO / "tests" / "save_held.py")] if extra_env else python_cmd()[1:]
+        done = subprocess.run([python, *program, *args, "--threads", "1"], cwd=REPO, env=env,
                               capture_output=True, text=True, timeout=120)
         results[rank] = (done, time.monotonic() - began)
 
@@ -80,13 +82,16 @@ def jobs(image_folder, one_epoch_run, warm_python, tmp_path_factory) -> dict[str
     for name in ("stale temp", "steps.jsonl"):
         shutil.copytree(one_epoch_run, folders[name])
     (folders["stale temp"] / ".tmp-last.pt-abcd").mkdir()  # unlink() refuses a directory
-    (folders["metrics.jsonl"] / "metrics.jsonl").mkdir(parents=True)  # a rename over it fails
+    folders["metrics.jsonl"].mkdir(parents=True)
     (folders["steps.jsonl"] / "steps.jsonl").unlink()
     (folders["steps.jsonl"] / "steps.jsonl").mkdir()
     before = {name: digest(folder / "last.pt") if (folder / "last.pt").exists() else ""
               for name, folder in folders.items()}
+    blocked = {"SAVE_HOLD_S": "0", "SAVE_HELD_THEN_FOLDER": str(folders["metrics.jsonl"] / "metrics.jsonl")}
     waits = {name: two_ranks(warm_python, *run, *([] if name == "metrics.jsonl" else ["--resume"]),
-                             "--checkpoints-path", str(folder)) for name, folder in folders.items()}
+                             "--checkpoints-path", str(folder), **(blocked if name == "metrics.jsonl" else {}))
+             for name, folder in folders.items()}  # metrics.jsonl: a folder made there once epoch 1's checkpoint is
+    # written (tests/save_held.py; one there at the start is refused then): a rename over it fails
     return {name: (folders[name], before[name], ended()) for name, ended in waits.items()}
 
 
