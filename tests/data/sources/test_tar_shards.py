@@ -423,12 +423,17 @@ def test_a_shard_cut_at_a_members_end_is_refused_as_truncated_not_read_short(tmp
     assert_names(single_line(str(caught.value)), shard, "truncated", "sample a", cut)
 
 
-def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
-    paths, _ = written
+def indexed_copy(written, tmp_path):
+    """A copy of the written shards, indexed, with no shard mapped yet: what is done to a file after it was indexed."""
     folder = tmp_path / "s"
-    shutil.copytree(os.path.dirname(paths[0]), folder)
+    shutil.copytree(os.path.dirname(written[0][0]), folder)
     shards = tar_shards.open_split(str(folder), "train", None)
     tar_shards._MAPS.clear()
+    return folder, shards
+
+
+def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_crash(written, tmp_path):
+    folder, shards = indexed_copy(written, tmp_path)
     last = len(shards) - 1
     with open(folder / "part-0004.tar", "r+b") as f:
         f.truncate(int(shards.offsets[last]) + 10)
@@ -437,11 +442,7 @@ def test_a_shard_cut_short_after_it_was_indexed_is_an_error_naming_it_not_a_cras
 
 
 def test_a_shard_emptied_after_it_was_indexed_is_named_as_truncated_not_a_crash(written, tmp_path):
-    paths, _ = written
-    folder = tmp_path / "s"
-    shutil.copytree(os.path.dirname(paths[0]), folder)
-    shards = tar_shards.open_split(str(folder), "train", None)
-    tar_shards._MAPS.clear()
+    folder, shards = indexed_copy(written, tmp_path)
     os.truncate(folder / "part-0000.tar", 0)
     with pytest.raises(CorruptImageError) as caught:
         shards.read(0)
