@@ -125,6 +125,36 @@ def share_cores(item: pytest.Item) -> None:
         torch.set_num_threads(1)
 
 
+PROCESS_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGHUP)
+
+
+@pytest.fixture(autouse=True)
+def signals_as_found():
+    """Each test leaves this process's signal handlers and mask as it found them: a test that ran the entry point in
+    this process left SIGINT ignored (trainer.run's last cleanup), and a later test that sends itself a Ctrl-C in
+    the same pytest-xdist worker saw nothing come. The handlers are put back, and the test that changed them fails."""
+    handlers = {signum: signal.getsignal(signum) for signum in PROCESS_SIGNALS}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    yield
+    changed = [signal.Signals(signum).name for signum, handler in handlers.items()
+               if signal.getsignal(signum) != handler]
+    for signum, handler in handlers.items():
+        signal.signal(signum, handler)
+    left_blocked = signal.pthread_sigmask(signal.SIG_SETMASK, mask) != mask
+    assert not changed and not left_blocked, f"the test left these signals' handlers changed: {changed}" \
+        if changed else "the test left the signal mask changed"
+
+
+@pytest.fixture
+def handlers_restored():
+    """For a test that runs what changes the process's signal handlers (the entry point ends ignoring the stop
+    signals): they are put back after it."""
+    saved = {signum: signal.getsignal(signum) for signum in PROCESS_SIGNALS}
+    yield
+    for signum, handler in saved.items():
+        signal.signal(signum, handler)
+
+
 def several_at_once() -> None:
     """What `torchrun_cmd` and `start` check: a test that starts several processes at once is marked
     `multiprocess`, or the other worker would run it beside one that already keeps both cores busy."""

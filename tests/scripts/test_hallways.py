@@ -9,7 +9,7 @@ import json
 from conftest import REPO
 
 
-def test_the_stacks_at_the_step_and_the_write_lead_from_the_command_line_to_them(capfd):
+def test_the_stacks_at_the_step_and_the_write_lead_from_the_command_line_to_them(capfd, handlers_restored):
     spec = importlib.util.spec_from_file_location("hallways", REPO / "scripts" / "hallways.py")
     hallways = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(hallways)

@@ -13,14 +13,6 @@ from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch import processes
 
 
-@pytest.fixture
-def handlers_restored():
-    saved = {signum: signal.getsignal(signum) for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
-    yield
-    for signum, handler in saved.items():
-        signal.signal(signum, handler)
-
-
 def test_a_rank_stopped_by_its_launcher_goes_quietly(capsys, monkeypatch, handlers_restored):
     """Rank 0 reported and exited, so the launcher stops the others: they say nothing more."""
     monkeypatch.setattr(processes, "REPORT_GRACE_S", 30.0)
