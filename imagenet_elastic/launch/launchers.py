@@ -81,10 +81,11 @@ def _int_var(environ: Mapping[str, str], name: str, launcher: str, default: Opti
     return number
 
 
-def _in_world(rank_name: str, rank: int, size_name: str, size: int) -> None:
-    """A rank outside its world would wait --dist-timeout for a rendezvous that cannot complete."""
+def _in_world(rank_name: str, rank: int, size_name: str, size: int, shown: object = None) -> None:
+    """A rank outside its world would wait --dist-timeout for a rendezvous that cannot complete; a local rank outside
+    its node's would pick a device that is not its own. `shown`: the size variable's value, where not `size`."""
     if not 0 <= rank < size:
-        raise UserError(f"{rank_name}={rank} is outside {size_name}={size}")
+        raise UserError(f"{rank_name}={rank} is outside {size_name}={size if shown is None else shown}")
 
 
 def _master_port(environ: Mapping[str, str], explicit: Optional[int], default: int) -> int:
@@ -111,6 +112,8 @@ def env_from_torchrun(environ: Mapping[str, str], local_rank_arg: Optional[int] 
     local_world_size = (_int_var(environ, "LOCAL_WORLD_SIZE", TORCHRUN, within=WORLD_SIZES)
                         if "LOCAL_WORLD_SIZE" in environ else world_size)
     _in_world("RANK", rank, "WORLD_SIZE", world_size)
+    _in_world("LOCAL_RANK" if "LOCAL_RANK" in environ else "--local-rank", local_rank,
+              "LOCAL_WORLD_SIZE" if "LOCAL_WORLD_SIZE" in environ else "WORLD_SIZE", local_world_size)
     return DistEnv(
         rank=rank, world_size=world_size, local_rank=local_rank, local_world_size=local_world_size,
         master_addr=environ["MASTER_ADDR"], master_port=_int_var(environ, "MASTER_PORT", TORCHRUN, within=PORTS),
@@ -171,9 +174,13 @@ def env_from_slurm(environ: Mapping[str, str], master_port: Optional[int] = None
             master_addr = first_host(nodelist)
         except UserError:  # `scontrol show hostnames` only where our own parser fails
             master_addr = fallback(nodelist)
-    spec = environ.get("SLURM_STEP_TASKS_PER_NODE") or environ.get("SLURM_TASKS_PER_NODE")
-    return DistEnv(rank=rank, world_size=ntasks, local_rank=local_rank,
-                   local_world_size=tasks_on_node(spec, node_id) if spec else ntasks, master_addr=master_addr,
+    spec_name = "SLURM_STEP_TASKS_PER_NODE" if environ.get("SLURM_STEP_TASKS_PER_NODE") else "SLURM_TASKS_PER_NODE"
+    spec = environ.get(spec_name)
+    local_world = tasks_on_node(spec, node_id) if spec else ntasks
+    _in_world("SLURM_LOCALID", local_rank, spec_name if spec else "SLURM_NTASKS", local_world,
+              f"{spec!r} ({local_world} on SLURM_NODEID={node_id})" if spec else None)
+    return DistEnv(rank=rank, world_size=ntasks, local_rank=local_rank, local_world_size=local_world,
+                   master_addr=master_addr,
                    master_port=_master_port(environ, master_port, slurm_master_port(job_id)), launched=True,
                    launcher="srun", restart_count=_int_var(environ, "SLURM_RESTART_COUNT", "srun", 0))
 
@@ -224,17 +231,18 @@ def env_from_mpi(environ: Mapping[str, str], dist_url: Optional[str] = None,
                                                          within=WORLD_SIZES if name.endswith("SIZE") else RANKS)
                                                 for name in ompi)
         _in_world(ompi[0], rank, ompi[1], world)
+        _in_world(ompi[2], local_rank, ompi[3], local_world)
     elif environ.get("PMI_SIZE") or environ.get("PMI_RANK"):
         launcher = "MPICH/Intel MPI's mpiexec"
         _all_set(environ, ["PMI_RANK", "PMI_SIZE"], launcher)
         rank = _int_var(environ, "PMI_RANK", launcher, within=RANKS)
         world = _int_var(environ, "PMI_SIZE", launcher, within=WORLD_SIZES)
         _in_world("PMI_RANK", rank, "PMI_SIZE", world)
-        local_rank = _int_var(environ, "MPI_LOCALRANKID", launcher,
-                              _int_var(environ, "PMI_LOCAL_RANK", launcher, 0, within=RANKS), within=RANKS)
-        local_world = _int_var(environ, "MPI_LOCALNRANKS", launcher,
-                               _int_var(environ, "PMI_LOCAL_SIZE", launcher, world, within=WORLD_SIZES),
-                               within=WORLD_SIZES)
+        rank_var = "MPI_LOCALRANKID" if environ.get("MPI_LOCALRANKID") else "PMI_LOCAL_RANK"  # Intel MPI's, MPICH's
+        size_var = next((name for name in ("MPI_LOCALNRANKS", "PMI_LOCAL_SIZE") if environ.get(name)), "PMI_SIZE")
+        local_rank = _int_var(environ, rank_var, launcher, 0, within=RANKS)
+        local_world = _int_var(environ, size_var, launcher, world, within=WORLD_SIZES)
+        _in_world(rank_var, local_rank, size_var, local_world)
     else:
         raise UserError("--dist-init-method mpi looked for OMPI_COMM_WORLD_RANK/SIZE/LOCAL_RANK (OpenMPI) and "
                         "PMI_RANK/PMI_SIZE (MPICH, Intel MPI) but none is set; these are set by mpirun/mpiexec")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_names
+from conftest import assert_names, single_line
 
 from imagenet_elastic.errors import UserError
 from imagenet_elastic.launch.launchers import (
@@ -57,8 +57,8 @@ def test_local_world_size_defaults_to_world_size():
 
 def test_legacy_local_rank_argument_is_used_when_local_rank_variable_is_absent():
     environ = {k: v for k, v in WORKER_ENV.items() if k != "LOCAL_RANK"}
-    env = env_from_torchrun(environ, local_rank_arg=5)
-    assert env.local_rank == 5
+    env = env_from_torchrun(environ, local_rank_arg=0)
+    assert env.local_rank == 0
     assert env.launched
 
 
@@ -106,6 +106,18 @@ def test_non_integer_master_port_names_master_port():
 def test_rank_outside_world_size_is_refused():
     with pytest.raises(UserError, match="RANK=8 is outside WORLD_SIZE=8"):
         env_from_torchrun({**WORKER_ENV, "RANK": "8"})
+
+
+@pytest.mark.parametrize(("changes", "local_rank_arg", "culprit"), [
+    ({"LOCAL_RANK": "2"}, None, ("LOCAL_RANK=2", "LOCAL_WORLD_SIZE=2")),
+    ({"LOCAL_RANK": "8", "LOCAL_WORLD_SIZE": None}, None, ("LOCAL_RANK=8", "WORLD_SIZE=8")),
+    ({"LOCAL_RANK": None}, 2, ("--local-rank=2", "LOCAL_WORLD_SIZE=2")),  # torch.distributed.launch's argument
+])
+def test_local_rank_outside_local_world_size_is_refused_naming_both(changes, local_rank_arg, culprit):
+    environ = {k: v for k, v in {**WORKER_ENV, **changes}.items() if v is not None}
+    with pytest.raises(UserError) as caught:
+        env_from_torchrun(environ, local_rank_arg)
+    assert_names(single_line(str(caught.value)), *culprit)
 
 
 def test_torchelastic_restart_count_is_parsed():
@@ -255,12 +267,26 @@ def test_env_from_slurm_non_integer_master_port_variable_is_a_user_error():
 @pytest.mark.parametrize(("changes", "expected"), [
     ({"SLURM_TASKS_PER_NODE": "2(x4)"}, 2),
     ({"SLURM_TASKS_PER_NODE": "4,4,3,1", "SLURM_NODEID": "2"}, 3),
-    ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_TASKS_PER_NODE": "4(x4)"}, 1),  # the step's own layout wins
+    # the step's own layout wins
+    ({"SLURM_STEP_TASKS_PER_NODE": "1(x4)", "SLURM_TASKS_PER_NODE": "4(x4)", "SLURM_LOCALID": "0"}, 1),
     ({"SLURM_STEP_TASKS_PER_NODE": "", "SLURM_TASKS_PER_NODE": "3(x4)"}, 3),
     ({"SLURM_TASKS_PER_NODE": None}, 8),  # no layout at all: every task is on one node
 ])
 def test_env_from_slurm_local_world_size_comes_from_tasks_per_node(changes, expected):
     assert env_from_slurm(slurm(**changes), fallback=never_called).local_world_size == expected
+
+
+@pytest.mark.parametrize(("changes", "culprit"), [
+    ({"SLURM_LOCALID": "3", "SLURM_TASKS_PER_NODE": "2(x4)"}, ("SLURM_LOCALID=3", "SLURM_TASKS_PER_NODE", "2(x4)",
+                                                              "2", "SLURM_NODEID=2")),
+    ({"SLURM_LOCALID": "2", "SLURM_STEP_TASKS_PER_NODE": "4,4,2,1"}, ("SLURM_LOCALID=2", "SLURM_STEP_TASKS_PER_NODE",
+                                                                      "4,4,2,1", "2", "SLURM_NODEID=2")),
+    ({"SLURM_LOCALID": "8", "SLURM_TASKS_PER_NODE": None}, ("SLURM_LOCALID=8", "SLURM_NTASKS=8")),
+])
+def test_env_from_slurm_local_id_outside_the_node_tasks_is_refused_naming_both(changes, culprit):
+    with pytest.raises(UserError) as caught:
+        env_from_slurm(slurm(**changes), fallback=never_called)
+    assert_names(single_line(str(caught.value)), *culprit)
 
 
 def test_env_from_slurm_restart_count_from_slurm_restart_count():
@@ -387,6 +413,19 @@ def test_env_from_mpi_pmi_local_rank_falls_back_to_pmi_local_variables():
 def test_env_from_mpi_single_node_pmi_without_local_variables_uses_world():
     env = env_from_mpi({"PMI_RANK": "1", "PMI_SIZE": "3"})
     assert (env.local_rank, env.local_world_size, env.master_addr) == (0, 3, "127.0.0.1")
+
+
+@pytest.mark.parametrize(("environ", "culprit"), [
+    ({**OMPI_ENV, "OMPI_COMM_WORLD_LOCAL_RANK": "2"}, ("OMPI_COMM_WORLD_LOCAL_RANK=2", "OMPI_COMM_WORLD_LOCAL_SIZE=2")),
+    ({**PMI_ENV, "MPI_LOCALRANKID": "2"}, ("MPI_LOCALRANKID=2", "MPI_LOCALNRANKS=2")),
+    ({"PMI_RANK": "1", "PMI_SIZE": "4", "PMI_LOCAL_RANK": "3", "PMI_LOCAL_SIZE": "3"}, ("PMI_LOCAL_RANK=3",
+                                                                                      "PMI_LOCAL_SIZE=3")),
+    ({"PMI_RANK": "1", "PMI_SIZE": "2", "PMI_LOCAL_RANK": "2"}, ("PMI_LOCAL_RANK=2", "PMI_SIZE=2")),
+])
+def test_env_from_mpi_local_rank_outside_local_size_is_refused_naming_both(environ, culprit):
+    with pytest.raises(UserError) as caught:
+        env_from_mpi(environ)
+    assert_names(single_line(str(caught.value)), *culprit)
 
 
 @pytest.mark.parametrize("name", ["MPI_LOCALRANKID", "PMI_LOCAL_RANK", "MPI_LOCALNRANKS", "PMI_LOCAL_SIZE"])
