@@ -270,6 +270,8 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     splits = sources.open_splits(real(src), real(args.val_path), real(args.val_labels), cache_dir=None)
     check_class_names(splits[0].classes)
     for note in (*splits[0].notes, *splits[1].notes):
+        if f"`{PROG} pack`" in note:  # advice for training from the source (parquet's): to pack it, as this does
+            continue
         print(f"warning: {note}", file=sys.stderr, flush=True)
     record = {"version": PACK_VERSION, "source": real(src), "options": dataclasses.asdict(options),
               "val_path": real(args.val_path), "val_labels": real(args.val_labels),
