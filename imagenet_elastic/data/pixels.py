@@ -8,6 +8,7 @@ import contextlib
 import io
 import math
 import random
+import re
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -16,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image
 
-from imagenet_elastic.errors import UNIDENTIFIED_IMAGE, CorruptImageError
+from imagenet_elastic.errors import UNIDENTIFIED_IMAGE, CorruptImageError, first_line
 
 Box = tuple[float, float, float, float]  # left, top, width, height in source pixels
 ChooseCrop = Callable[[int, int], tuple[Box, bool]]  # (width, height) -> crop box, and whether to flip it
@@ -108,7 +109,13 @@ def decoding(path: str) -> Iterator[None]:
     except Image.UnidentifiedImageError:
         raise CorruptImageError(f"cannot decode image file {path}: {UNIDENTIFIED_IMAGE}") from None
     except (OSError, ValueError, SyntaxError, RuntimeError, Image.DecompressionBombError) as error:
-        raise CorruptImageError(f"cannot decode image file {path}: {error}") from None
+        raise CorruptImageError(f"cannot decode image file {path}: {decoder_said(error)}") from None
+
+
+def decoder_said(error: BaseException) -> str:
+    """A decoder's message without the C++ source place torchvision's puts in it ("decode_jpeg, /__w/.../csrc/io/
+    image/cpu/decode_jpeg.cpp:167, Image is incomplete or truncated"), which tells the user nothing."""
+    return re.sub(r"(\w+, )?\S+\.(cpp|cc|cu|h|hpp):\d+(, |\s*)", "", first_line(error)).strip() or type(error).__name__
 
 
 def byte_tensor(raw: bytes) -> torch.Tensor:

@@ -85,12 +85,13 @@ def member_key(i: int, name: str) -> str:
     return f"{i:08d}_{readable}" if readable else f"{i:08d}"
 
 
-EXTENSIONS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp"}
+EXTENSIONS = {"JPEG": "jpg", "MPO": "jpg", "PNG": "png", "WEBP": "webp"}  # the formats a shard's reader takes
 
 
 def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, int]:
-    """(bytes, extension, 1 if re-encoded) of one image: kept once it decoded, or resized to --max-side and encoded.
-    A file that cannot be decoded is refused, so a pack holds no image that training would meet as corrupt."""
+    """(bytes, extension, 1 if resized) of one image: kept once it decoded, or resized to --max-side and encoded.
+    A file that cannot be decoded is refused, so a pack holds no image that training would meet as corrupt. A BMP,
+    TIFF, ... becomes a PNG of the pixels training sees: under `.jpg`, a reader would send it to a JPEG decoder."""
     from PIL import Image
 
     try:
@@ -103,7 +104,11 @@ def stored_image(raw: bytes, name: str, options: Options) -> tuple[bytes, str, i
                 if kind == "JPEG":
                     img.draft(img.mode, (max(1, width // 8), max(1, height // 8)))
                 img.load()
-                return raw, EXTENSIONS.get(kind or "", "jpg"), 0
+                if kind in EXTENSIONS:
+                    return raw, EXTENSIONS[kind], 0
+                out = io.BytesIO()
+                (img if img.mode in ("L", "RGB") else img.convert("RGB")).save(out, format="PNG")
+                return out.getvalue(), "png", 0
             scale = options.max_side / max(width, height)
             size = (max(1, round(width * scale)), max(1, round(height * scale)))
             resized = img.convert("RGB").resize(size, Image.Resampling.LANCZOS)
@@ -265,6 +270,8 @@ def pack(src: str, out: str, args: argparse.Namespace) -> dict[str, Any]:
     splits = sources.open_splits(real(src), real(args.val_path), real(args.val_labels), cache_dir=None)
     check_class_names(splits[0].classes)
     for note in (*splits[0].notes, *splits[1].notes):
+        if f"`{PROG} pack`" in note:  # advice for training from the source (parquet's): to pack it, as this does
+            continue
         print(f"warning: {note}", file=sys.stderr, flush=True)
     record = {"version": PACK_VERSION, "source": real(src), "options": dataclasses.asdict(options),
               "val_path": real(args.val_path), "val_labels": real(args.val_labels),

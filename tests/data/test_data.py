@@ -8,11 +8,12 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import assert_names
 from makers import make_split, write_jpeg
 from PIL import Image
 
 from imagenet_elastic.data.pipeline import EvalDataset, TrainDataset, sample_rng
-from imagenet_elastic.data.pixels import crop_resize, decode_bytes, random_resized_crop_box
+from imagenet_elastic.data.pixels import crop_resize, decode_bytes, decoder_said, random_resized_crop_box
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
 
@@ -197,7 +198,19 @@ def test_truncated_jpeg_raises_corrupt_image_error_naming_the_file(tmp_path):
     path.write_bytes(data[:len(data) // 2])
     with pytest.raises(CorruptImageError) as caught:
         EvalDataset(scan_image_folder(str(root), "train"), size=16, resize=18)[0]
-    assert str(path) in str(caught.value)
+    assert_names(str(caught.value), path, "truncated")
+    assert ".cpp" not in str(caught.value)  # torchvision's C++ source place is no use to the user
+
+
+@pytest.mark.parametrize("said, shown", [
+    ("decode_jpeg, /__w/vision/torchvision/csrc/io/image/cpu/decode_jpeg.cpp:167, Image is incomplete or truncated",
+     "Image is incomplete or truncated"),
+    ("Unsupported marker type 0x5d\nException raised from decode at /src/decode.cpp:12 (most recent call first):",
+     "Unsupported marker type 0x5d"),
+    ("image file is truncated (8 bytes not processed)", "image file is truncated (8 bytes not processed)"),
+])
+def test_a_decoders_message_loses_its_cpp_source_place(said, shown):
+    assert decoder_said(RuntimeError(said)) == shown
 
 
 def test_full_scale_jpeg_decode_gives_pillows_pixels_cropped_and_resized(tmp_path):

@@ -24,12 +24,14 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 import webdataset as wds
 from conftest import REPO, assert_names, child_env, make_image_folder, python_cmd, single_line
 from makers import flip_byte_in_place, hub_folder, middle_of_image, relabel_in_place, run_pack, write_jpeg
 from PIL import Image
 
 from imagenet_elastic.data import sources
+from imagenet_elastic.data.pixels import decode_bytes
 from imagenet_elastic.data.sources import tar_shards
 from imagenet_elastic.data.sources.image_folder import scan_image_folder
 from imagenet_elastic.errors import CorruptImageError, UserError
@@ -136,9 +138,34 @@ def test_an_image_whose_file_name_is_not_utf8_is_packed_under_a_key_that_shows_i
                         scan_image_folder(str(src / "train"), "train"))
 
 
-def test_hugging_face_parquet_files_are_packed_through_their_source_with_their_names(image_folder, tmp_path):
+def test_bmp_and_tiff_images_are_packed_as_png_of_the_pixels_training_decodes_from_the_folder(tmp_path):
+    """A member's extension picks its decoder (webdataset's, the GPU path's nvJPEG for .jpg): a BMP or TIFF kept
+    under .jpg would reach a JPEG decoder. Stored as PNG, lossless, of the RGB training makes of the file."""
+    src = make_image_folder(tmp_path / "src", classes=2, train_per_class=3, val_per_class=1)
+    jpegs = sorted((src / "train").rglob("*.jpg"))
+    for path, fmt, mode in zip(jpegs, ("BMP", "TIFF", "PNG", "TIFF", "BMP"), ("RGB", "RGBA", "RGB", "L", "P")):
+        with Image.open(path) as img:
+            img.convert(mode).save(path.with_suffix(f".{fmt.lower()}"), format=fmt)
+        path.unlink()
+    run_pack(str(src), str(tmp_path / "out"), "--workers", "1")
+    with tarfile.open(tmp_path / "out" / "train" / pack.shard_name(0)) as tar:
+        images = [name for name in tar.getnames() if not name.endswith(".cls")]
+    assert [name.rpartition(".")[2] for name in images] == ["png", "png", "png", "png", "png", "jpg"]
+    packed_train = sources.open_source(str(tmp_path / "out" / "train"), "train", None)
+    original = scan_image_folder(str(src / "train"), "train")
+    assert packed_train.labels.tolist() == original.labels.tolist()
+    whole = lambda w, h: ((0, 0, w, h), False)  # noqa: E731
+    for i in range(len(original)):
+        assert torch.equal(decode_bytes(packed_train.read(i), "packed", whole, 40),
+                           decode_bytes(original.read(i), original.path(i), whole, 40)), original.path(i)
+    assert packed_train.read(2) == original.read(2) and packed_train.read(5) == original.read(5)  # PNG, JPEG kept
+
+
+def test_hugging_face_parquet_files_are_packed_through_their_source_with_their_names(image_folder, tmp_path,
+                                                                                    capsys):
     hub = hub_folder(image_folder, tmp_path / "imagenet-1k", rows_per_group=7)
     run_pack(str(hub), str(tmp_path / "out"), "--shard-size", "20", "--workers", "2")
+    assert "warning" not in capsys.readouterr().err  # not training's, that parquet is slow to train from: pack it
     packed_train, packed_val = sources.open_splits(str(tmp_path / "out"), None, None, None)
     train, val = sources.open_splits(str(image_folder), None, None, None)
     assert_same_samples(packed_train, train)  # row groups of 7 across shards of 20 and two files
