@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import time
 from collections.abc import Iterator
@@ -190,7 +191,32 @@ class Trainer:
 
     def fold(self, pending: PendingSteps) -> None:
         """Pending steps into the epoch's tally (one all-reduce), and into what the next log line reports."""
-        self.since_log.add(pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size))
+        added = pending.fold_into(self.state.tally, self.plan.global_batch, self.env.world_size)
+        self.since_log.add(added)
+        if not math.isfinite(added.loss_sum):  # the same sum on every rank: every rank checks, and stops, alike
+            self.stop_if_diverged(added.loss_sum)
+
+    def stop_if_diverged(self, loss: float) -> None:
+        """Weights gone NaN or inf (too high an LR, no --clip-grad-norm) stay so: the run stops before a checkpoint
+        holds them, and last.pt stays the last good one. A non-finite loss alone is no divergence: under fp16 the
+        GradScaler skips that step."""
+        weights = [torch.linalg.vector_norm(p.detach(), float("inf")) for p in self.state.model.parameters()]
+        if bool(torch.stack(weights).isfinite().all()):
+            return
+        self.checkpointer.settle()  # a write in flight holds earlier, finite weights: it counts
+        path, saved = self.last_kept()
+        remedy = f"a lower --lr (now {self.config.lr:g}) or --clip-grad-norm"
+        kept = (f"{path} (step {saved[0]}) stays the last, and --resume continues from it with {remedy}"
+                if saved is not None else f"none was written before either: start again with {remedy}")
+        raise UserError(f"training diverged by step {self.state.step}: the loss is {loss} and the weights hold NaN or "
+                        f"inf, so no checkpoint is written from them; {kept}")
+
+    def last_kept(self) -> tuple[str, Optional[tuple[int, int, int]]]:
+        """The checkpoint on disk a --resume would continue from, and its (step, epochs, samples into the epoch)."""
+        path, saved = self.checkpointer.files.last_path, self.checkpointer.writer.on_disk
+        if saved is None and self.started_from is not None:
+            path, saved = self.started_from
+        return path, saved
 
     def log_step(self, progress: EpochProgress, epoch: int, at: tuple[int, int], lr: float) -> None:
         """The steps since the last log line: mean loss over all ranks, images/s, the share of time spent waiting
@@ -283,9 +309,7 @@ class Trainer:
         except KeyboardInterrupt:
             if writer.abandon():
                 abandoned = "abandoning the checkpoint write in flight (its temp file is removed at the next start); "
-        path, saved = self.checkpointer.files.last_path, writer.on_disk
-        if saved is None and self.started_from is not None:
-            path, saved = self.started_from
+        path, saved = self.last_kept()
         step = self.state.step
         if saved is None:
             self.console.info(f"Ctrl-C: stopped at once after step {step}, before the run's first checkpoint: "
