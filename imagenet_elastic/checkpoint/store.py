@@ -12,6 +12,7 @@ import glob
 import os
 import re
 import secrets
+import shlex
 import shutil
 import socket
 import tempfile
@@ -338,8 +339,8 @@ class CheckpointFolder:
             return True
         if here != run:
             raise UserError(f"--checkpoints-path {self.folder} holds another run's checkpoints than --resume {path}: "
-                            f"continuing there would overwrite them: --resume {self.folder} continues them, or "
-                            "choose another --checkpoints-path")
+                            f"continuing there would overwrite them: --resume {shlex.quote(self.folder)} continues "
+                            "them, or choose another --checkpoints-path")
         return True
 
     def resume_path(self, resume: Optional[str], restarted: bool) -> Optional[str]:
@@ -361,6 +362,6 @@ class CheckpointFolder:
         best = os.path.join(self.folder, BEST)
         newest = epochs[-1] if epochs else (best if os.path.isfile(best) else None)
         if newest is not None:  # last.pt removed (damaged?): starting over would overwrite them without a word
-            raise UserError(f"{self.folder} holds an earlier run's checkpoints but no {LAST_FILE}: --resume {newest} "
-                            "continues from the newest, or choose another --checkpoints-path")
+            raise UserError(f"{self.folder} holds an earlier run's checkpoints but no {LAST_FILE}: --resume "
+                            f"{shlex.quote(newest)} continues from the newest, or choose another --checkpoints-path")
         return None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import random
+import shlex
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -185,7 +186,7 @@ def run_settings(path: str, model_name: str) -> str:
     (the model and whatever else a command line left at its default), else its --model."""
     settings = os.path.join(os.path.dirname(path), yaml_file.FILE_NAME)
     if os.path.isfile(settings):
-        return f"--config {settings}, its run's settings (or --model {model_name})"
+        return f"--config {shlex.quote(settings)}, its run's settings (or --model {model_name})"
     return f"--model {model_name}"
 
 

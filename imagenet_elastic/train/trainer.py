@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import os
+import shlex
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
@@ -352,8 +353,8 @@ class Trainer:
             self.console.warn(f"{said}: no readable checkpoint holds it ({' and '.join(names)} in {files.folder} are "
                               "damaged or gone)")
             return
-        self.console.info(f"{said}: {best}; weights and preprocessing for timm: imagenet-elastic export {best} "
-                          f"OUT_DIR{' --ema' if ema else ''}")
+        self.console.info(f"{said}: {best}; weights and preprocessing for timm: imagenet-elastic export "
+                          f"{shlex.quote(best)} OUT_DIR{' --ema' if ema else ''}")
 
     def close(self) -> None:
         """The write in flight ends, then DDP, loaders and tensors go, before the process group does

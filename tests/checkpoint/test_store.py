@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -430,3 +431,14 @@ def test_a_folder_of_an_earlier_runs_checkpoints_without_last_is_refused_naming_
         manager.resume_path(resume, restarted=False)
     newest = "epoch_0002.pt" if len(left) > 1 else "best.pt"
     assert_names(str(caught.value), tmp_path, "last.pt", f"--resume {tmp_path / newest}")
+
+
+def test_the_resume_suggested_for_a_folder_without_last_pastes_back_as_its_path(tmp_path):
+    folder = tmp_path / "my run's $HOME"  # a space, a quote and a $: the shell would split or expand it bare
+    folder.mkdir()
+    manager = two_epochs_saved(folder)
+    os.remove(folder / "last.pt")
+    with pytest.raises(UserError) as caught:
+        manager.resume_path(None, restarted=False)
+    suggested = str(caught.value).split(": ", 1)[1].split(" continues from the newest")[0]
+    assert shlex.split(suggested) == ["--resume", str(folder / "epoch_0002.pt")], suggested

@@ -11,6 +11,7 @@ import json
 import os
 import pathlib
 import re
+import shlex
 import shutil
 import signal
 import subprocess
@@ -278,6 +279,7 @@ def test_an_interrupted_pack_is_continued_from_another_directory_or_with_absolut
 
 
 def test_the_command_that_finishes_an_interrupted_pack_has_its_options_and_finishes_it(tmp_path):
+    tmp_path = tmp_path / "my data's $HOME"  # pasted into a shell, the command reads back as the same words
     src = make_image_folder(tmp_path / "src", classes=2, train_per_class=2, val_per_class=1)
     os.rename(src / "val", tmp_path / "val")
     out = tmp_path / "out"
@@ -288,8 +290,8 @@ def test_the_command_that_finishes_an_interrupted_pack_has_its_options_and_finis
     (out / pack.PACK_FILE).write_text(json.dumps({**record, "complete": False}))
     with pytest.raises(UserError) as caught:
         sources.open_source(str(out / "train"), "train", None)
-    command = re.search(r"`imagenet-elastic pack ([^`]*)`", str(caught.value)).group(1).split()
-    assert all(option in command for option in options), command
+    command = shlex.split(re.search(r"`imagenet-elastic pack ([^`]*)`", str(caught.value)).group(1))
+    assert command[:2] == [str(src), str(out)] and all(option in command for option in options), command
     assert run_pack(*command)["images"] == 0
     assert json.loads((out / pack.PACK_FILE).read_text())["complete"]
 

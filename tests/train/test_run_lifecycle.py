@@ -6,7 +6,9 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import shutil
+from types import SimpleNamespace
 
 import inprocess
 import torch
@@ -14,6 +16,7 @@ from conftest import SMALL_RUN, TRAIN_IMAGES, VAL_IMAGES, assert_names, load_che
 
 from imagenet_elastic.models.device import native_low_precision
 from imagenet_elastic.report.metrics import read as read_metrics
+from imagenet_elastic.train.trainer import Trainer
 
 
 def test_resume_flag_starts_fresh_then_continues_without_duplicate_metrics(image_folder, tmp_path):
@@ -155,3 +158,14 @@ def test_a_best_no_readable_checkpoint_holds_is_never_recommended_for_export(ima
     ckpt, resumed = resume_under_a_damaged_best(image_folder, one_epoch_run, tmp_path, also_remove=["epoch_0001.pt"])
     assert "export" not in resumed.stdout
     assert_names(resumed.stderr.splitlines()[-1], "best.pt", "epoch_0001.pt", ckpt)
+
+
+def test_the_export_command_said_for_the_best_checkpoint_pastes_back_as_its_path(tmp_path):
+    best = str(tmp_path / "my run's $HOME" / "best.pt")  # a space, a quote and a $: the shell would split it bare
+    said = []
+    files = SimpleNamespace(readable=lambda names: best, folder=os.path.dirname(best))
+    fake = SimpleNamespace(state=SimpleNamespace(history=[{"epoch": 1, "val_top1": 50.0, "val_top1_ema": 60.0}]),
+                           env=SimpleNamespace(is_main=True), checkpointer=SimpleNamespace(files=files),
+                           console=SimpleNamespace(info=said.append, warn=said.append))
+    Trainer.say_where_the_best_is(fake)
+    assert shlex.split(said[0].split("for timm: ", 1)[1]) == ["imagenet-elastic", "export", best, "OUT_DIR", "--ema"]

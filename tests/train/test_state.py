@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import random
+import shlex
 
 import numpy as np
 import pytest
@@ -161,6 +162,16 @@ def test_another_model_is_refused_with_its_runs_settings_file_as_the_remedy(tmp_
     with pytest.raises(UserError) as caught:
         check_compatible(snapshot_of(), str(tmp_path / "last.pt"), "resnet50", CLASSES)
     assert_names(str(caught.value), "'resnet50'", f"--config {tmp_path / 'config.yaml'}", "--model test_resnet")
+
+
+def test_the_runs_settings_file_suggested_as_the_remedy_pastes_back_as_its_path(tmp_path):
+    folder = tmp_path / "my run's $HOME"  # a space, a quote and a $: the shell would split or expand it bare
+    folder.mkdir()
+    (folder / "config.yaml").write_text("model: test_resnet\n")
+    with pytest.raises(UserError) as caught:
+        check_compatible(snapshot_of(), str(folder / "last.pt"), "resnet50", CLASSES)
+    suggested = str(caught.value).split(" --config ", 1)[1].split(", its run's settings")[0]
+    assert shlex.split(suggested) == [str(folder / "config.yaml")], suggested
 
 
 def test_check_compatible_refuses_another_class_count():

@@ -23,6 +23,7 @@ import operator
 import os
 import posixpath
 import re
+import shlex
 import tarfile
 import time
 import zlib
@@ -428,16 +429,17 @@ def check_pack_finished(location: str, role: str, root: str) -> None:
 
 
 def pack_command(record: Optional[dict], out: str, continuing: bool = False) -> str:
-    """The `imagenet-elastic pack` command that wrote pack.json's `record`, to OUT `out`: every option it recorded
-    (`--quality` only with `--max-side` for a new OUT, where it changes nothing, but pack continues an OUT only with
-    the same options)."""
+    """The `imagenet-elastic pack` command that wrote pack.json's `record`, to OUT `out`, quoted for a shell: every
+    option it recorded (`--quality` only with `--max-side` for a new OUT, where it changes nothing, but pack continues
+    an OUT only with the same options)."""
     with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):  # none, or not what pack writes
         options = {**(record.get("options") or {}), "val_path": record.get("val_path"),
                    "val_labels": record.get("val_labels")}
-        flags = "".join(f" --{k.replace('_', '-')} {v}" for k, v in options.items()
-                        if v is not None and (continuing or k != "quality" or options.get("max_side") is not None))
-        return f"imagenet-elastic pack {record.get('source', 'SRC')} {out}{flags}"
-    return f"imagenet-elastic pack SRC {out}"
+        flags = [word for k, v in options.items()
+                 if v is not None and (continuing or k != "quality" or options.get("max_side") is not None)
+                 for word in (f"--{k.replace('_', '-')}", str(v))]
+        return shlex.join(["imagenet-elastic", "pack", str(record.get("source", "SRC")), out, *flags])
+    return shlex.join(["imagenet-elastic", "pack", "SRC", out])
 
 
 def pack_again(index: str) -> str:
