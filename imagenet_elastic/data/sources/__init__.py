@@ -124,6 +124,10 @@ def train_location(data: str) -> str:
         return data
     prefix, path = kind_of(data)
     if not _isdir(path):
+        if os.path.exists(path):
+            raise UserError(f"DATA {path} is a file: DATA is a folder (a root with train/ and val/, or the train "
+                            "split's class folders, tar shards or parquet files), a shard pattern "
+                            "(`shards-{0000..1023}.tar`), a glob, or one shard or parquet file")
         raise UserError(f"data folder {path} does not exist")
     train = os.path.join(path, "train")
     if _isdir(train):

@@ -339,3 +339,12 @@ def test_hidden_files_and_folders_in_a_class_folder_are_not_images(tmp_path):
     index = scan_image_folder(str(root), "train")
     assert len(index) == 3 and index.labels.tolist() == [0, 0, 1]
     assert not any(os.fsdecode(p).split(os.sep)[-1].startswith(".") or ".ipynb" in os.fsdecode(p) for p in index.paths)
+
+
+@pytest.mark.parametrize("prefix", ["", "folder:"])
+def test_data_that_is_a_file_is_one_line_naming_it_and_what_data_may_be(tmp_path, prefix):
+    write_jpeg(str(tmp_path / "one.jpg"), 8, 8, seed=0)
+    with pytest.raises(UserError) as caught:
+        resolve_split_dirs(f"{prefix}{tmp_path / 'one.jpg'}", str(tmp_path))
+    assert_names(single_line(str(caught.value)), tmp_path / "one.jpg", "a folder", "pattern")
+    assert "does not exist" not in str(caught.value)
