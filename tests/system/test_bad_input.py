@@ -28,6 +28,12 @@ def test_missing_data_folder_is_named(tmp_path, one_epoch_run):
                       f"data folder {tmp_path / 'nope'} does not exist", ckpt)
 
 
+def test_data_that_is_a_file_is_named_as_a_file(tmp_path):
+    (tmp_path / "notes.txt").write_text("x")
+    expect_user_error([str(tmp_path / "notes.txt"), "--checkpoints-path", str(tmp_path / "ck")],
+                      (tmp_path / "notes.txt", "is a file", "a folder"), tmp_path)
+
+
 def test_folder_without_class_folders_is_named(tmp_path):
     (tmp_path / "data" / "train").mkdir(parents=True)
     (tmp_path / "data" / "val").mkdir()

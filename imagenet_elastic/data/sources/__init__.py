@@ -124,12 +124,30 @@ def train_location(data: str) -> str:
         return data
     prefix, path = kind_of(data)
     if not _isdir(path):
+        if os.path.exists(path):
+            raise UserError(f"DATA {path} is a file: DATA is a folder (a root with train/ and val/, or the train "
+                            "split's class folders, tar shards or parquet files), a shard pattern "
+                            "(`shards-{0000..1023}.tar`), a glob, or one shard or parquet file")
         raise UserError(f"data folder {path} does not exist")
     train = os.path.join(path, "train")
     if _isdir(train):
+        check_train_folder(path, train)
         return prefixed(prefix, train)
     both = both_splits(data)
     return both[0] if both else data
+
+
+def check_train_folder(data: str, train: str) -> None:
+    """DATA/train of files alone beside other folders is a class named `train` among class folders, not the train
+    split of a root: refused, as a root would train on that one class."""
+    if object_store.is_url(data) or not flat_folder(train):
+        return
+    others = sorted(e.name for e in os.scandir(data) if e.is_dir() and e.name not in ("train", "val")
+                    and not image_folder.hidden(e.name))
+    if others:
+        raise UserError(f"DATA {data}: {train} holds files alone, no class folders, beside class folders "
+                        f"({', '.join(others[:3])}{', ...' if len(others) > 3 else ''}): a class named `train` makes "
+                        "DATA look like a root with a train split; rename that class folder")
 
 
 def split_locations(data: str, val_path: Optional[str]) -> tuple[str, str]:

@@ -339,3 +339,34 @@ def test_hidden_files_and_folders_in_a_class_folder_are_not_images(tmp_path):
     index = scan_image_folder(str(root), "train")
     assert len(index) == 3 and index.labels.tolist() == [0, 0, 1]
     assert not any(os.fsdecode(p).split(os.sep)[-1].startswith(".") or ".ipynb" in os.fsdecode(p) for p in index.paths)
+
+
+@pytest.mark.parametrize("inside", [(), ("val",)])
+def test_a_class_named_train_of_images_beside_class_folders_is_refused_naming_it_not_taken_as_the_train_split(
+        tmp_path, inside):
+    data = tmp_path / "data"
+    make_split(data, {"cat": 1, "dog": 1, "train": 2, **{name: 1 for name in inside}})
+    with pytest.raises(UserError) as caught:
+        resolve_split_dirs(str(data), str(tmp_path / "held_out"))
+    assert_names(single_line(str(caught.value)), data, data / "train", "cat, dog")
+
+
+def test_a_root_whose_train_split_is_class_folders_shards_or_a_flat_val_beside_other_folders_is_still_a_root(
+        tmp_path):
+    make_split(tmp_path / "root" / "train", {"a": 1})
+    make_split(tmp_path / "root" / "test", {"x": 1})
+    write_jpeg(str(tmp_path / "root" / "val" / "img0.jpg"), 8, 8, seed=0)  # flat, as distributed
+    assert resolve_split_dirs(str(tmp_path / "root"), None)[0] == str(tmp_path / "root" / "train")
+    (tmp_path / "packed" / "train").mkdir(parents=True)
+    (tmp_path / "packed" / "train" / "part-0000.tar").write_bytes(b"")
+    (tmp_path / "packed" / "other").mkdir()
+    assert resolve_split_dirs(str(tmp_path / "packed"), str(tmp_path))[0] == str(tmp_path / "packed" / "train")
+
+
+@pytest.mark.parametrize("prefix", ["", "folder:"])
+def test_data_that_is_a_file_is_one_line_naming_it_and_what_data_may_be(tmp_path, prefix):
+    write_jpeg(str(tmp_path / "one.jpg"), 8, 8, seed=0)
+    with pytest.raises(UserError) as caught:
+        resolve_split_dirs(f"{prefix}{tmp_path / 'one.jpg'}", str(tmp_path))
+    assert_names(single_line(str(caught.value)), tmp_path / "one.jpg", "a folder", "pattern")
+    assert "does not exist" not in str(caught.value)
